@@ -1,0 +1,41 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Nothing clever.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+PROTOS  := $(wildcard protos/sluice/v1/*.proto)
+STAMP   := $(VENV)/.installed
+
+.PHONY: setup protos test test-fast lint demo bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+# torch==2.13.0 resolves to the CPU wheel that lies on this kind of machine.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[worker,test,dev,plots]'
+	touch $(STAMP)
+
+sluice/v1/.stamp: $(PROTOS) scripts/gen_protos.py $(STAMP)
+	$(BIN)/python scripts/gen_protos.py
+	touch $@
+
+setup: $(STAMP) sluice/v1/.stamp
+
+protos: sluice/v1/.stamp
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy sluice scheduler_svc router_svc admission_svc worker_svc
+
+demo: setup
+	$(BIN)/python -m sluice.demo
+
+bench: setup
+	$(BIN)/python -m scheduler_svc.bench
+
+clean:
+	rm -rf $(VENV) sluice/v1 .pytest_cache

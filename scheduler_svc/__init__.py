@@ -1,0 +1,1 @@
+"""scheduler_svc: the per-replica scheduler (pure core + gRPC service)."""

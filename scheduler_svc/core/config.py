@@ -1,0 +1,61 @@
+"""Configuration of one replica's scheduler core (frozen; loaded once at start)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Policy(enum.Enum):
+    """Order of the waiting queue."""
+
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+    FAIR = "fair"
+    EDF = "edf"
+
+
+class PreemptionMode(enum.Enum):
+    RECOMPUTE = "recompute"
+    SWAP = "swap"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Budgets and policies of one replica's scheduler."""
+
+    num_blocks: int
+    """KV blocks on the device (from the worker's capacity)."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    max_num_batched_tokens: int = 2048
+    """Query tokens per round (prefill chunk tokens + one per decode)."""
+    max_num_seqs: int = 256
+    """Sequences per round."""
+    max_prefill_chunk: int = 512
+    """Most prefill tokens one request may take in one round (chunked prefill)."""
+    max_kv_read_tokens: int | None = None
+    """Optional cap on context tokens read by one round (bounds inter-token latency)."""
+    max_waiting: int = 4096
+    """Bounded waiting queue: a submission beyond it is rejected with QUEUE_FULL."""
+    policy: Policy = Policy.FCFS
+    """Order of the waiting queue."""
+    aging_rate: float = 1.0
+    """Priority points a waiting request gains per second (priority policy)."""
+    fair_input_weight: float = 1.0
+    """Weighted fair share: cost of one input (prefill) token."""
+    fair_output_weight: float = 2.0
+    """Weighted fair share: cost of one output token."""
+    tenant_weights: tuple[tuple[str, float], ...] = ()
+    """Share weight per tenant; unnamed tenants weigh 1."""
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
+    """What happens to a victim's KV when blocks run out."""
+    num_host_blocks: int = 0
+    """Host (CPU) blocks for swap mode; when full, swap falls back to recompute."""
+    enable_prefix_caching: bool = True
+    """Share full blocks by hash chain and keep freed ones in an LRU cache."""
+    model_id: str = "tiny"
+    """Salts the block hashes, with the adapter version."""
+    adapter_version: str = ""
+    max_model_len: int = 4096
+    """Prompt + max_tokens may not exceed this."""

@@ -1,0 +1,294 @@
+"""The scheduler core's contract: what goes in (requests, round results) and what comes out
+(round plans, events). Plain dataclasses; the wire forms are in protos/sluice/v1 and the
+conversion lives in each service's `convert` module.
+
+Everything here is shared by the scheduler service, the worker (torch and cost model) and the
+simulator, so changes are contract changes.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    """Lifecycle states of a request (DESIGN.md); the transition table is in `state.py`."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    CANCELLING = "cancelling"
+    FINISHED_STOP = "finished_stop"
+    FINISHED_LENGTH = "finished_length"
+    CANCELLED = "cancelled"
+    TIMED_OUT = "timed_out"
+    FAILED = "failed"
+    REJECTED = "rejected"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in TERMINAL_STATUSES
+
+
+TERMINAL_STATUSES = frozenset(
+    {
+        RequestStatus.FINISHED_STOP,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.CANCELLED,
+        RequestStatus.TIMED_OUT,
+        RequestStatus.FAILED,
+        RequestStatus.REJECTED,
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How the worker picks tokens and when a request stops."""
+
+    temperature: float = 0.0
+    """0 means greedy."""
+    top_k: int = 0
+    """0 means no top-k cut."""
+    top_p: float = 1.0
+    """1.0 means no nucleus cut."""
+    seed: int | None = None
+    """Per-request seed: the same seed gives the same tokens whatever else is in the batch."""
+    max_tokens: int = 16
+    """Number of output tokens after which the request finishes with FINISHED_LENGTH."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that finish the request (FINISHED_STOP); the stop token is part of the output."""
+    stop_strings: tuple[str, ...] = ()
+    """Strings that finish the request; the worker detects them and reports `stop_string_hit`."""
+    ignore_eos: bool = False
+    """Keep going past the model's end-of-sequence token."""
+
+
+@dataclass(slots=True)
+class NewRequest:
+    """A request as submitted to a replica's scheduler."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    tenant: str = "default"
+    priority: int = 0
+    """Larger runs first (with the priority policy); 0 is normal."""
+    arrival_time: float = 0.0
+    """Seconds on the caller's clock (the same clock as every `now`)."""
+    deadline: float | None = None
+    """Absolute time by which the request must finish, else TIMED_OUT."""
+    queue_deadline: float | None = None
+    """Absolute time by which the request must be first scheduled, else TIMED_OUT."""
+    eos_token_id: int | None = None
+    """The model's end-of-sequence token (finishes the request unless ignore_eos)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    """One sequence's work in a round.
+
+    Compute `token_ids` at positions `start_position ...`; their KV goes into the slots given by
+    `block_table` (block i holds positions [i*block_size, (i+1)*block_size)). When `sample` is
+    set, sample one token after the last of them, as output token number `output_index`.
+    """
+
+    request_id: str
+    epoch: int
+    token_ids: tuple[int, ...]
+    start_position: int
+    block_table: tuple[int, ...]
+    sampling: SamplingParams
+    sample: bool
+    output_index: int
+    recent_output_ids: tuple[int, ...] = ()
+    """Tail of the output so far, filled only when stop strings are set (the worker is stateless)."""
+
+    @property
+    def is_prefill(self) -> bool:
+        return len(self.token_ids) > 1 or not self.sample
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """Copy one KV block: device -> host for swap out, host -> device for swap in."""
+
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True, slots=True)
+class RoundBudget:
+    """What a round was allowed and what it used (reported in every plan)."""
+
+    max_query_tokens: int
+    used_query_tokens: int
+    max_seqs: int
+    used_seqs: int
+    max_kv_read_tokens: int | None
+    used_kv_read_tokens: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class RoundPlan:
+    """Everything a worker needs to execute one round. Swaps run before the forward."""
+
+    round_id: int
+    seqs: tuple[ScheduledSeq, ...]
+    swap_out: tuple[BlockCopy, ...] = ()
+    swap_in: tuple[BlockCopy, ...] = ()
+    budget: RoundBudget | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs and not self.swap_out and not self.swap_in
+
+
+@dataclass(frozen=True, slots=True)
+class SeqOutput:
+    """A worker's answer for one ScheduledSeq."""
+
+    request_id: str
+    epoch: int
+    token_ids: tuple[int, ...] = ()
+    """The sampled token (one) when the seq asked for sampling; empty otherwise."""
+    stop_string_hit: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RoundResult:
+    """A worker's answer for one RoundPlan."""
+
+    round_id: int
+    outputs: tuple[SeqOutput, ...]
+    elapsed_s: float = 0.0
+    error: str = ""
+
+
+class RejectReason(enum.Enum):
+    """Why the core refused a submission (the servicer maps each to a gRPC status)."""
+
+    NEVER_FITS = "never_fits"
+    """Prompt + max_tokens needs more KV blocks than the replica has (INVALID_ARGUMENT)."""
+    QUEUE_FULL = "queue_full"
+    """The bounded waiting queue is full (RESOURCE_EXHAUSTED)."""
+    DUPLICATE = "duplicate"
+    """A live request already has this id (ALREADY_EXISTS)."""
+    INVALID = "invalid"
+    """Empty prompt, max_tokens < 1 and the like (INVALID_ARGUMENT)."""
+
+
+class RequestRejected(Exception):
+    """Raised by `SchedulerCore.submit`; nothing about the core changed."""
+
+    def __init__(self, request_id: str, reason: RejectReason, detail: str) -> None:
+        super().__init__(f"request {request_id!r} rejected ({reason.value}): {detail}")
+        self.request_id = request_id
+        self.reason = reason
+        self.detail = detail
+
+
+class KvEventKind(enum.Enum):
+    STORED = "stored"
+    REMOVED = "removed"
+    ALL_CLEARED = "all_cleared"
+
+
+@dataclass(frozen=True, slots=True)
+class KvEvent:
+    """A change of the replica's prefix cache; event ids are monotonic per replica."""
+
+    event_id: int
+    kind: KvEventKind
+    block_hashes: tuple[int, ...] = ()
+    parent_hash: int = 0
+
+
+class Stage(enum.Enum):
+    """Lifecycle stages the core reports (each becomes a span event; DESIGN.md Observability)."""
+
+    ENQUEUED = "enqueued"
+    FIRST_SCHEDULED = "first_scheduled"
+    PREFILL_CHUNK = "prefill_chunk"
+    FIRST_TOKEN = "first_token"
+    PREEMPTED = "preempted"
+    RESUMED = "resumed"
+    CANCEL_REQUESTED = "cancel_requested"
+    FINISHED = "finished"
+    KV_RELEASED = "kv_released"
+
+
+@dataclass(frozen=True, slots=True)
+class LifecycleEvent:
+    request_id: str
+    stage: Stage
+    time: float
+    detail: tuple[tuple[str, int | str], ...] = ()
+    """Stage attributes, e.g. (("tokens", 512),) for a prefill chunk or (("mode", "swap"),)."""
+
+
+@dataclass(slots=True)
+class Usage:
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache when the request was first scheduled."""
+    recomputed_tokens: int = 0
+    """Tokens computed again because of preemption by recompute."""
+    preemptions: int = 0
+
+
+@dataclass(slots=True)
+class Finished:
+    """The terminal record of a request, emitted exactly once."""
+
+    request_id: str
+    tenant: str
+    status: RequestStatus
+    finish_reason: str
+    """"stop", "length", "cancelled", "timeout", "error"."""
+    usage: Usage
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finish_time: float
+    output_token_ids: tuple[int, ...] = ()
+    detail: str = ""
+
+
+@dataclass(slots=True)
+class CoreEvents:
+    """Everything the core has to say since the last `take_events()`; the driver publishes it."""
+
+    tokens: list[tuple[str, int, int]] = field(default_factory=list)
+    """(request_id, output index, token id) in order."""
+    finished: list[Finished] = field(default_factory=list)
+    lifecycle: list[LifecycleEvent] = field(default_factory=list)
+    kv_events: list[KvEvent] = field(default_factory=list)
+    dropped_results: int = 0
+    """Results dropped since the last take: late (request gone) or stale (old epoch)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CoreStats:
+    waiting: int
+    running: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_cached: int
+    host_blocks_total: int
+    host_blocks_used: int
+    preemptions: int
+    recomputed_tokens: int
+    dropped_results: int
+    rounds: int
+    queued_prefill_tokens: int
+    finished: int
+    cancelled: int
+    timed_out: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int

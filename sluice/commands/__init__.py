@@ -1,0 +1,1 @@
+"""Subcommands of `sluice` (see sluice/cli.py)."""

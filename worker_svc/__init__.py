@@ -1,0 +1,1 @@
+"""worker_svc: executes round plans (torch engine or GPU cost model)."""
