@@ -1,0 +1,218 @@
+"""Domain errors and their one mapping to gRPC statuses.
+
+A caller's mistake or an overload is raised as a `SluiceError` subclass anywhere below a
+servicer; `ErrorInterceptor` (one per service) turns it into a precise status with
+google.rpc details: `ErrorInfo` (reason + metadata), `BadRequest` (the offending field),
+`RetryInfo` (how long to wait). Clients read them back with `details_of()`.
+
+This module imports only grpcio, protobuf and googleapis-common-protos, so the client SDK can
+use it without the server dependencies.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from google.protobuf import duration_pb2
+from google.rpc import error_details_pb2, status_pb2
+
+DETAILS_KEY = "grpc-status-details-bin"
+ERROR_DOMAIN = "sluice"
+
+
+class SluiceError(Exception):
+    """An error with a gRPC status code; `reason` is a stable machine-readable word."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        reason: str = "",
+        field_name: str = "",
+        metadata: Mapping[str, str] | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.reason = reason or type(self).__name__.upper()
+        self.field_name = field_name
+        self.metadata = dict(metadata or {})
+        self.retry_after_s = retry_after_s
+
+    def to_status(self) -> status_pb2.Status:
+        """Return the google.rpc.Status carrying this error's details."""
+        status = status_pb2.Status(code=self.code.value[0], message=self.message)
+        info = error_details_pb2.ErrorInfo(reason=self.reason, domain=ERROR_DOMAIN, metadata=self.metadata)
+        status.details.add().Pack(info)
+        if self.field_name:
+            bad = error_details_pb2.BadRequest()
+            bad.field_violations.add(field=self.field_name, description=self.message)
+            status.details.add().Pack(bad)
+        if self.retry_after_s is not None:
+            delay = duration_pb2.Duration()
+            delay.FromNanoseconds(int(max(self.retry_after_s, 0.0) * 1e9))
+            status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+        return status
+
+
+class InvalidArgument(SluiceError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(SluiceError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(SluiceError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class Unauthenticated(SluiceError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(SluiceError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class ResourceExhausted(SluiceError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(SluiceError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(SluiceError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class FailedPrecondition(SluiceError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+# Errors of pure cores that must not import grpc are translated by a per-service function.
+Translator = Callable[[BaseException], SluiceError | None]
+
+
+async def abort(context: grpc.aio.ServicerContext, error: SluiceError) -> None:
+    """Abort the RPC with `error`'s code, message and details (raises, as context.abort does)."""
+    status = error.to_status()
+    await context.abort(
+        error.code, error.message, trailing_metadata=((DETAILS_KEY, status.SerializeToString()),)
+    )
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps SluiceError (and whatever `translate` recognises) to statuses for every RPC."""
+
+    def __init__(self, translate: Translator | None = None) -> None:
+        self._translate = translate
+
+    def _as_sluice_error(self, exc: BaseException) -> SluiceError | None:
+        if isinstance(exc, SluiceError):
+            return exc
+        return self._translate(exc) if self._translate is not None else None
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._wrap_unary(handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._wrap_stream(handler.unary_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                self._wrap_stream(handler.stream_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+    def _wrap_unary(self, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                return await behavior(request, context)
+            except Exception as exc:
+                error = self._as_sluice_error(exc)
+                if error is None:
+                    raise
+                await abort(context, error)
+
+        return wrapped
+
+    def _wrap_stream(self, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                result = behavior(request, context)
+                if inspect.isasyncgen(result):
+                    async for item in result:
+                        yield item
+                else:
+                    await result
+            except Exception as exc:
+                error = self._as_sluice_error(exc)
+                if error is None:
+                    raise
+                await abort(context, error)
+
+        return wrapped
+
+
+@dataclass
+class ErrorDetails:
+    """What a client learns from a failed call."""
+
+    code: grpc.StatusCode
+    message: str
+    reason: str = ""
+    metadata: dict[str, str] = field(default_factory=dict)
+    field_name: str = ""
+    retry_after_s: float | None = None
+
+
+def details_of(error: grpc.RpcError) -> ErrorDetails:
+    """Return the code, message and google.rpc details of a failed call (sync or aio)."""
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    message = error.details() if hasattr(error, "details") else str(error)
+    out = ErrorDetails(code=code, message=message or "")
+    trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    for key, value in trailing or ():
+        if key != DETAILS_KEY:
+            continue
+        status = status_pb2.Status.FromString(value)
+        for detail in status.details:
+            _read_detail(detail, out)
+    return out
+
+
+def _read_detail(detail: Any, out: ErrorDetails) -> None:
+    info = error_details_pb2.ErrorInfo()
+    retry = error_details_pb2.RetryInfo()
+    bad = error_details_pb2.BadRequest()
+    if detail.Unpack(info):
+        out.reason = info.reason
+        out.metadata = dict(info.metadata)
+    elif detail.Unpack(retry):
+        out.retry_after_s = retry.retry_delay.ToNanoseconds() / 1e9
+    elif detail.Unpack(bad) and bad.field_violations:
+        out.field_name = bad.field_violations[0].field
