@@ -1,0 +1,179 @@
+"""Service configuration: API keys -> tenants, per-tenant budgets, global budgets.
+
+Loaded once at start from a TOML or JSON file, then environment, then flags, into frozen
+dataclasses that are never mutated. The file format (docs/usage.md has the full example):
+
+```toml
+default_model = "tiny"
+
+[budgets]                      # whole admission process
+max_active_requests = 256
+max_pending_input_tokens = 262144
+max_reserved_output_tokens = 262144
+max_queue_length = 1024
+
+[tenants.acme]
+api_keys = ["sk-acme-1"]
+weight = 2.0
+max_active_requests = 32       # any budget field may be overridden per tenant
+
+[tenants.beta]
+api_keys = ["sk-beta-1"]
+```
+
+With no file, one tenant "default" with the key `DEFAULT_API_KEY` exists, so a fresh
+`sluice up` works out of the box. `SLUICE_API_KEYS="key1=tenantA,key2=tenantB"` adds keys.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+DEFAULT_API_KEY = "sk-sluice-local"
+DEFAULT_TENANT = "default"
+
+
+class ConfigError(ValueError):
+    """The configuration file or environment is malformed; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Admission limits; a request that would exceed one is RESOURCE_EXHAUSTED with RetryInfo."""
+
+    max_active_requests: int = 256
+    """Requests admitted and not yet terminal."""
+    max_pending_input_tokens: int = 1 << 18
+    """Prompt tokens of admitted requests that have not finished."""
+    max_reserved_output_tokens: int = 1 << 18
+    """Output tokens reserved (max_tokens) by admitted requests that have not finished."""
+    max_queue_length: int = 1024
+    """Admitted requests that have not produced their first token yet."""
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    """One tenant: its keys, its fair-share weight and its own caps."""
+
+    name: str
+    """Tenant name (appears in traces, metrics and completions)."""
+    api_keys: tuple[str, ...] = ()
+    """Keys that authenticate as this tenant (`authorization: Bearer <key>`)."""
+    weight: float = 1.0
+    """Fair-share weight (a tenant of weight 2 gets twice the service under contention)."""
+    budgets: Budgets = field(default_factory=Budgets)
+    """This tenant's caps (the process-wide caps apply as well)."""
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Everything the admission service reads at start; never mutated."""
+
+    tenants: tuple[TenantConfig, ...] = ()
+    """All tenants; every API key belongs to exactly one."""
+    budgets: Budgets = field(default_factory=Budgets)
+    """Process-wide caps."""
+    default_model: str = "tiny"
+    """Model used when a request leaves `model` empty."""
+
+    def tenant_of_key(self) -> dict[str, str]:
+        """Return the map API key -> tenant name."""
+        return {key: tenant.name for tenant in self.tenants for key in tenant.api_keys}
+
+    def tenant(self, name: str) -> TenantConfig | None:
+        """Return the tenant of that name, or None."""
+        return next((t for t in self.tenants if t.name == name), None)
+
+
+def _budgets(raw: Mapping[str, Any], base: Budgets, where: str) -> Budgets:
+    known = {f.name for f in fields(Budgets)}
+    values: dict[str, int] = {}
+    for key, value in raw.items():
+        if key not in known:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{where}.{key} must be a positive integer, got {value!r}")
+        values[key] = value
+    return replace(base, **values)
+
+
+def _tenant(name: str, raw: Mapping[str, Any], base: Budgets) -> TenantConfig:
+    keys = raw.get("api_keys", [])
+    if not isinstance(keys, list) or not all(isinstance(k, str) and k for k in keys):
+        raise ConfigError(f"tenants.{name}.api_keys must be a list of non-empty strings")
+    weight = raw.get("weight", 1.0)
+    if not isinstance(weight, int | float) or isinstance(weight, bool) or weight <= 0:
+        raise ConfigError(f"tenants.{name}.weight must be a positive number, got {weight!r}")
+    unknown = set(raw) - {"api_keys", "weight"} - {f.name for f in fields(Budgets)}
+    if unknown:
+        raise ConfigError(f"tenants.{name}: unknown fields {sorted(unknown)}")
+    return TenantConfig(name, tuple(keys), float(weight), _budgets(raw, base, f"tenants.{name}"))
+
+
+def parse_config(raw: Mapping[str, Any]) -> ServiceConfig:
+    """Return the ServiceConfig for a parsed file; raises ConfigError naming the bad field."""
+    unknown = set(raw) - {"budgets", "tenants", "default_model"}
+    if unknown:
+        raise ConfigError(f"unknown top-level fields {sorted(unknown)}")
+    budgets = _budgets(raw.get("budgets", {}), Budgets(), "budgets")
+    tenants_raw = raw.get("tenants", {})
+    if not isinstance(tenants_raw, Mapping):
+        raise ConfigError("tenants must be a table of tenant name -> settings")
+    tenants = tuple(_tenant(name, spec, budgets) for name, spec in tenants_raw.items())
+    default_model = raw.get("default_model", "tiny")
+    if not isinstance(default_model, str) or not default_model:
+        raise ConfigError("default_model must be a non-empty string")
+    config = ServiceConfig(tenants, budgets, default_model)
+    _check_unique_keys(config)
+    return config
+
+
+def _check_unique_keys(config: ServiceConfig) -> None:
+    seen: dict[str, str] = {}
+    for tenant in config.tenants:
+        for key in tenant.api_keys:
+            if key in seen and seen[key] != tenant.name:
+                raise ConfigError(f"API key given to both tenants {seen[key]!r} and {tenant.name!r}")
+            seen[key] = tenant.name
+
+
+def _with_env_keys(config: ServiceConfig, spec: str) -> ServiceConfig:
+    """Add `key=tenant` pairs (comma-separated) to the config, creating tenants as needed."""
+    tenants = {t.name: t for t in config.tenants}
+    for pair in filter(None, (p.strip() for p in spec.split(","))):
+        key, sep, name = pair.partition("=")
+        if not sep or not key or not name:
+            raise ConfigError(f"SLUICE_API_KEYS entry {pair!r} is not of the form key=tenant")
+        current = tenants.get(name, TenantConfig(name, budgets=config.budgets))
+        tenants[name] = replace(current, api_keys=(*current.api_keys, key))
+    result = replace(config, tenants=tuple(tenants.values()))
+    _check_unique_keys(result)
+    return result
+
+
+def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> ServiceConfig:
+    """Return the configuration from `path` (TOML or JSON; None = built-in default) and the environment.
+
+    Raises ConfigError for a malformed file, FileNotFoundError for a missing one.
+    """
+    env = os.environ if env is None else env
+    if path is None:
+        config = ServiceConfig(tenants=(TenantConfig(DEFAULT_TENANT, (DEFAULT_API_KEY,)),))
+    else:
+        text = Path(path).read_text()
+        try:
+            raw = json.loads(text) if str(path).endswith(".json") else tomllib.loads(text)
+        except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"{path}: {exc}") from exc
+        config = parse_config(raw)
+    if env.get("SLUICE_API_KEYS"):
+        config = _with_env_keys(config, env["SLUICE_API_KEYS"])
+    if not config.tenants:
+        raise ConfigError("no tenants configured: every request would be UNAUTHENTICATED")
+    return config

@@ -1,0 +1,44 @@
+"""The service configuration file: API keys -> tenants and budgets, loaded into frozen dataclasses."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from sluice.config import DEFAULT_API_KEY, ConfigError, load_config
+
+
+def test_toml_tenants_keys_and_budget_overrides(tmp_path: Path) -> None:
+    """Keys map to their tenant, per-tenant caps override the process caps, and the result is frozen."""
+    path = tmp_path / "sluice.toml"
+    path.write_text('[budgets]\nmax_active_requests = 8\n[tenants.acme]\napi_keys = ["k1", "k2"]\n'
+                    'weight = 2\nmax_queue_length = 3\n[tenants.beta]\napi_keys = ["k3"]\n')
+    config = load_config(path, env={})
+    assert config.tenant_of_key() == {"k1": "acme", "k2": "acme", "k3": "beta"}
+    acme = config.tenant("acme")
+    assert acme is not None and acme.weight == 2.0
+    assert (acme.budgets.max_queue_length, acme.budgets.max_active_requests) == (3, 8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.default_model = "x"  # type: ignore[misc]
+
+
+def test_default_config_and_env_keys() -> None:
+    """Without a file the default key works; SLUICE_API_KEYS adds key=tenant pairs."""
+    config = load_config(None, env={"SLUICE_API_KEYS": "sk-x=xco, sk-y=yco"})
+    assert config.tenant_of_key() == {DEFAULT_API_KEY: "default", "sk-x": "xco", "sk-y": "yco"}
+
+
+@pytest.mark.parametrize("text, field", [
+    ('[tenants.a]\napi_keys = ["k"]\nweight = -1\n', "tenants.a.weight"),
+    ('[budgets]\nmax_active_requests = 0\n', "budgets.max_active_requests"),
+    ('[tenants.a]\napi_keys = ["k"]\n[tenants.b]\napi_keys = ["k"]\n', "both tenants"),
+    ('colour = "red"\n', "colour"),
+])
+def test_malformed_config_names_the_field(tmp_path: Path, text: str, field: str) -> None:
+    """A malformed file raises ConfigError naming the offending field."""
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=field):
+        load_config(path, env={})
