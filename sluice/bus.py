@@ -1,0 +1,245 @@
+"""The Redis bus: KV events, completions and token deltas as protobuf bytes on Redis streams.
+
+Theory of operation
+- Keys are namespaced: `sluice:{namespace}:{parts...}`. Streams: `kv` (KV event batches of every replica),
+  `completions` (terminal records), `tokens:{owner}` (token deltas for one admission process).
+- Every entry has the protobuf bytes in field `p` and, when a span is active, the W3C trace context in
+  fields `traceparent`/`tracestate`.
+- Publishing trims each stream approximately (`XADD MAXLEN ~ maxlen`): cheap, and never below `maxlen`.
+- `consume` gives at-least-once delivery to a consumer group: XREADGROUP, the handler is awaited, XACK
+  after it returns. Entries a consumer read but never acknowledged (it died, or its handler raised) are
+  taken over with XAUTOCLAIM once idle for `claim_idle_ms`, by any consumer of the group. Handlers must
+  therefore be idempotent. An entry whose handler fails `max_attempts` times in one consumer, or that
+  has no payload, is moved to the stream `{stream}:dead` with the error and acknowledged, and logged:
+  it is parked where an operator can see it, never dropped silently.
+- `read_stream` is a plain XREAD for the one token-reader loop of each admission process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+from opentelemetry.context import Context
+from redis.exceptions import ResponseError
+
+from sluice.telemetry import TRACE_FIELDS, extract_fields, inject_fields
+from sluice.v1 import events_pb2
+
+__all__ = ["Bus", "Handler", "PAYLOAD_FIELD"]
+
+log = logging.getLogger(__name__)
+
+PAYLOAD_FIELD = "p"
+Handler = Callable[[str, bytes, Context], Awaitable[None]]
+
+
+def _str(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _trace_fields(fields: dict[Any, Any]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, value in fields.items():
+        k = _str(key)
+        if k in TRACE_FIELDS:
+            out[k] = _str(value)
+    return out
+
+
+class Bus:
+    """Publishes and consumes Sluice's Redis streams for one namespace.
+
+    The client must return bytes (the default `decode_responses=False`): payloads are protobuf bytes.
+    """
+
+    def __init__(self, client: aioredis.Redis, namespace: str = "default", maxlen: int = 100_000) -> None:
+        if not namespace or ":" in namespace:
+            raise ValueError(f"namespace must be non-empty and contain no ':', got {namespace!r}")
+        if maxlen <= 0:
+            raise ValueError(f"maxlen must be positive, got {maxlen}")
+        self.client = client
+        self.namespace = namespace
+        self.maxlen = maxlen
+
+    def key(self, *parts: str) -> str:
+        """Return the Redis key `sluice:{namespace}:{parts joined by ':'}`."""
+        return ":".join(("sluice", self.namespace, *parts))
+
+    @staticmethod
+    def tokens_stream(owner: str) -> str:
+        """Return the logical stream name of the token deltas for admission process `owner`."""
+        return f"tokens:{owner}"
+
+    def _entry(self, payload: bytes, context: Context | None) -> dict[str, bytes | str]:
+        fields: dict[str, bytes | str] = {PAYLOAD_FIELD: payload}
+        fields.update(inject_fields(context))
+        return fields
+
+    async def publish(self, stream: str, payload: bytes, *, context: Context | None = None) -> str:
+        """Append `payload` to logical stream `stream` (trimmed to about maxlen); return the entry id."""
+        entry_id = await self.client.xadd(self.key(stream), self._entry(payload, context),
+                                          maxlen=self.maxlen, approximate=True)
+        return _str(entry_id)
+
+    async def publish_kv(self, batch: events_pb2.KvEventBatch, *, context: Context | None = None) -> str:
+        """Publish one replica's batch of KV events on `kv`; return the entry id."""
+        return await self.publish("kv", batch.SerializeToString(), context=context)
+
+    async def publish_completion(self, completion: events_pb2.Completion, *,
+                                 context: Context | None = None) -> str:
+        """Publish a request's terminal record on `completions`; return the entry id."""
+        return await self.publish("completions", completion.SerializeToString(), context=context)
+
+    async def publish_tokens(self, owner: str, deltas: Sequence[events_pb2.TokenDelta], *,
+                             context: Context | None = None) -> None:
+        """Publish token deltas to `tokens:{owner}`, one entry each, in order, in one pipelined round trip."""
+        if not deltas:
+            return
+        key = self.key(self.tokens_stream(owner))
+        async with self.client.pipeline(transaction=False) as pipe:
+            for delta in deltas:
+                pipe.xadd(key, self._entry(delta.SerializeToString(), context),
+                          maxlen=self.maxlen, approximate=True)
+            await pipe.execute()
+
+    async def ensure_group(self, stream: str, group: str, start_id: str = "0") -> None:
+        """Create consumer group `group` on `stream` (and the stream) unless it exists.
+
+        `start_id` "0" delivers what the stream still holds; "$" only what arrives later.
+        """
+        try:
+            await self.client.xgroup_create(self.key(stream), group, id=start_id, mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def consume(self, stream: str, group: str, consumer: str, handler: Handler, *,
+                      stop: asyncio.Event, count: int = 128, block_ms: int = 200,
+                      claim_idle_ms: int = 10_000, start_id: str = "0", max_attempts: int = 5) -> None:
+        """Deliver entries of `stream` to `handler(entry_id, payload, context)` until `stop` is set.
+
+        At-least-once: an entry is acknowledged only after its handler returns. Returns when `stop` is set;
+        raises what Redis raises (e.g. ConnectionError) so that the caller can restart it.
+        """
+        await self.ensure_group(stream, group, start_id)
+        consumer_state = _ConsumerState(self, stream, group, consumer, handler, max_attempts)
+        # Our own pending entries first: a restart under the same consumer name resumes them.
+        await consumer_state.drain_own_pending(count)
+        loop = asyncio.get_running_loop()
+        next_claim = 0.0
+        claim_every_s = max(claim_idle_ms / 4000.0, block_ms / 1000.0)
+        while not stop.is_set():
+            if loop.time() >= next_claim:
+                await consumer_state.autoclaim(claim_idle_ms, count)
+                next_claim = loop.time() + claim_every_s
+            reply = await self.client.xreadgroup(group, consumer, {self.key(stream): ">"},
+                                                 count=count, block=block_ms)
+            for _key, entries in reply or []:
+                await consumer_state.handle_entries(entries)
+            await consumer_state.retry_failed()
+
+    async def read_stream(self, stream: str, last_id: str, *, count: int = 512,
+                          block_ms: int = 200) -> list[tuple[str, bytes, dict[str, str]]]:
+        """Return entries of `stream` after `last_id` as (entry id, payload, trace fields); [] after block_ms.
+
+        Entries without a payload are returned with b"" so that the caller sees and reports them.
+        """
+        reply = await self.client.xread({self.key(stream): last_id}, count=count, block=block_ms)
+        out: list[tuple[str, bytes, dict[str, str]]] = []
+        for _key, entries in reply or []:
+            for entry_id, fields in entries:
+                fields = fields or {}
+                payload = fields.get(PAYLOAD_FIELD.encode(), fields.get(PAYLOAD_FIELD, b""))
+                out.append((_str(entry_id), bytes(payload), _trace_fields(fields)))
+        return out
+
+
+class _ConsumerState:
+    """One `consume` loop's bookkeeping: handling, acknowledging, failures and dead-lettering."""
+
+    def __init__(self, bus: Bus, stream: str, group: str, consumer: str, handler: Handler,
+                 max_attempts: int) -> None:
+        self.bus = bus
+        self.stream = stream
+        self.key = bus.key(stream)
+        self.group = group
+        self.consumer = consumer
+        self.handler = handler
+        self.max_attempts = max_attempts
+        self.failures: dict[str, int] = {}
+        self.retry: list[tuple[Any, dict[Any, Any] | None]] = []
+
+    async def drain_own_pending(self, count: int) -> None:
+        """Handle entries delivered earlier to this consumer name but never acknowledged."""
+        last = "0"
+        while True:
+            reply = await self.bus.client.xreadgroup(self.group, self.consumer, {self.key: last}, count=count)
+            entries = reply[0][1] if reply else []
+            if not entries:
+                return
+            last = _str(entries[-1][0])
+            await self.handle_entries(entries)
+
+    async def autoclaim(self, min_idle_ms: int, count: int) -> None:
+        """Take over entries idle in other consumers' pending lists for longer than min_idle_ms and handle them."""
+        start = "0-0"
+        while True:
+            reply = await self.bus.client.xautoclaim(self.key, self.group, self.consumer, min_idle_ms,
+                                                     start_id=start, count=count)
+            start, entries = _str(reply[0]), reply[1]
+            if entries:
+                log.info("claimed %d idle entries of %s for %s", len(entries), self.key, self.consumer)
+                await self.handle_entries(entries)
+            if start == "0-0" or not entries:
+                return
+
+    async def handle_entries(self, entries: Sequence[tuple[Any, dict[Any, Any] | None]]) -> None:
+        """Run the handler on each entry in order; acknowledge each one whose handler returned."""
+        for entry_id, fields in entries:
+            await self._handle_one(entry_id, fields)
+
+    async def retry_failed(self) -> None:
+        """Retry, once per loop turn, entries whose handler raised (until max_attempts)."""
+        retry, self.retry = self.retry, []
+        for entry_id, fields in retry:
+            await self._handle_one(entry_id, fields)
+
+    async def _handle_one(self, raw_id: Any, fields: dict[Any, Any] | None) -> None:
+        entry_id = _str(raw_id) if raw_id is not None else ""
+        if raw_id is None or fields is None:
+            # Redis 6.2 XAUTOCLAIM reports an entry trimmed away while pending as (id, nil).
+            log.warning("pending entry of %s was trimmed before it was handled", self.key)
+            if raw_id is not None:
+                await self.bus.client.xack(self.key, self.group, raw_id)
+            return
+        payload = fields.get(PAYLOAD_FIELD.encode())
+        if payload is None:
+            await self._dead_letter(entry_id, fields, f"entry has no '{PAYLOAD_FIELD}' field")
+            return
+        try:
+            await self.handler(entry_id, bytes(payload), extract_fields(fields))
+        except Exception as exc:  # the handler's failure must not stop the loop; it is retried
+            attempts = self.failures.get(entry_id, 0) + 1
+            self.failures[entry_id] = attempts
+            log.exception("handler failed on %s %s (attempt %d of %d)", self.key, entry_id, attempts,
+                          self.max_attempts)
+            if attempts >= self.max_attempts:
+                await self._dead_letter(entry_id, fields, repr(exc))
+            else:
+                self.retry.append((raw_id, fields))
+            return
+        self.failures.pop(entry_id, None)
+        await self.bus.client.xack(self.key, self.group, entry_id)
+
+    async def _dead_letter(self, entry_id: str, fields: dict[Any, Any], error: str) -> None:
+        dead = dict(fields)
+        dead.update({b"source_id": entry_id, b"error": error, b"group": self.group})
+        await self.bus.client.xadd(self.bus.key(self.stream, "dead"), dead, maxlen=self.bus.maxlen,
+                                   approximate=True)
+        await self.bus.client.xack(self.key, self.group, entry_id)
+        self.failures.pop(entry_id, None)
+        log.error("moved %s %s to %s: %s", self.key, entry_id, self.bus.key(self.stream, "dead"), error)

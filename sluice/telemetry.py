@@ -1,0 +1,194 @@
+"""Tracing set-up and W3C trace-context propagation across gRPC metadata and Redis stream entries.
+
+One trace per request: admission starts the root span; every hop carries `traceparent`/`tracestate`
+(gRPC metadata on calls, entry fields on Redis streams) and the next service continues it.
+
+Exporters, chosen by environment:
+- `OTEL_EXPORTER_OTLP_ENDPOINT` set: OTLP over gRPC (needs `opentelemetry-exporter-otlp-proto-grpc`).
+- `SLUICE_TRACE_FILE` set: one JSON object per finished span, appended to that file. Tests that run
+  several processes point them all at one file and read the spans back with `read_span_file`.
+- Tests in one process add an `InMemorySpanExporter` to the provider `setup_tracing` returns.
+
+The OpenTelemetry global tracer provider can be set only once per process, so `setup_tracing` is
+idempotent: a second call (another service hosted in the same test process) returns the same provider.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    SimpleSpanProcessor,
+    SpanExporter,
+    SpanExportResult,
+)
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+__all__ = [
+    "GEN_AI_REQUEST_MODEL", "GEN_AI_RESPONSE_FINISH_REASONS", "GEN_AI_USAGE_INPUT_TOKENS",
+    "GEN_AI_USAGE_OUTPUT_TOKENS", "TRACE_FIELDS", "JsonLinesSpanExporter", "extract_fields",
+    "extract_metadata", "get_tracer", "inject_fields", "inject_metadata", "read_span_file", "setup_tracing",
+]
+
+# OpenTelemetry GenAI semantic conventions (attribute names only; values set by the services).
+GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
+GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
+
+# The W3C trace-context carrier keys, on gRPC metadata and on Redis entries alike.
+TRACE_FIELDS = ("traceparent", "tracestate")
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+_setup_lock = threading.Lock()
+_provider: TracerProvider | None = None
+
+
+class JsonLinesSpanExporter(SpanExporter):
+    """Appends each finished span as one JSON line to a file shared by several processes.
+
+    Each line is written with a single `write` on a file opened with O_APPEND, so lines of
+    different processes do not interleave.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self._path = Path(path)
+        self._lock = threading.Lock()
+        self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        """Write the spans; return SUCCESS, or FAILURE when the file cannot be written."""
+        lines = "".join(json.dumps(span_to_dict(s), separators=(",", ":")) + "\n" for s in spans)
+        try:
+            with self._lock:
+                for line in lines.splitlines(keepends=True):
+                    os.write(self._fd, line.encode())
+        except OSError:
+            return SpanExportResult.FAILURE
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        """Close the file."""
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+
+def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
+    """Return a JSON-ready dict of a finished span: ids in hex, times in Unix nanoseconds, events."""
+    ctx = span.get_span_context()
+    parent = span.parent
+    return {
+        "name": span.name,
+        "service": span.resource.attributes.get("service.name", ""),
+        "trace_id": format(ctx.trace_id, "032x") if ctx else "",
+        "span_id": format(ctx.span_id, "016x") if ctx else "",
+        "parent_span_id": format(parent.span_id, "016x") if parent else "",
+        "start_ns": span.start_time,
+        "end_ns": span.end_time,
+        "status": span.status.status_code.name,
+        "attributes": dict(span.attributes or {}),
+        "events": [{"name": e.name, "time_ns": e.timestamp, "attributes": dict(e.attributes or {})}
+                   for e in span.events],
+    }
+
+
+def read_span_file(path: str | Path) -> list[dict[str, Any]]:
+    """Return the spans written by JsonLinesSpanExporter to `path`, in file order ([] if the file is absent)."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def _otlp_processor(endpoint: str) -> BatchSpanProcessor:
+    try:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    except ImportError as exc:
+        raise RuntimeError(
+            f"OTEL_EXPORTER_OTLP_ENDPOINT={endpoint!r} is set but the package "
+            "opentelemetry-exporter-otlp-proto-grpc is not installed; install it or unset the variable"
+        ) from exc
+    return BatchSpanProcessor(OTLPSpanExporter())
+
+
+def setup_tracing(service_name: str) -> TracerProvider:
+    """Install (once per process) and return the SDK tracer provider with the exporters the environment asks for.
+
+    Raises RuntimeError when OTEL_EXPORTER_OTLP_ENDPOINT is set but the OTLP exporter is not installed.
+    """
+    global _provider
+    with _setup_lock:
+        if _provider is not None:
+            return _provider
+        provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+        endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+        if endpoint:
+            provider.add_span_processor(_otlp_processor(endpoint))
+        trace_file = os.environ.get("SLUICE_TRACE_FILE", "")
+        if trace_file:
+            # Simple (synchronous) so that spans are on disk even if the process is killed later.
+            provider.add_span_processor(SimpleSpanProcessor(JsonLinesSpanExporter(trace_file)))
+        trace.set_tracer_provider(provider)
+        _provider = provider
+        return provider
+
+
+def get_tracer(name: str) -> trace.Tracer:
+    """Return a tracer from the global provider (a no-op tracer until setup_tracing has run)."""
+    return trace.get_tracer(name)
+
+
+def inject_metadata(context: Context | None = None) -> list[tuple[str, str]]:
+    """Return gRPC metadata carrying the trace context of `context` (default: the current one); [] if none."""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=context)
+    return list(carrier.items())
+
+
+def extract_metadata(metadata: Iterable[Any] | None) -> Context:
+    """Return the Context carried by gRPC invocation metadata (tuples or grpc metadatum objects).
+
+    Without a valid `traceparent` the result is an empty Context (a new span then starts a new trace).
+    """
+    carrier: dict[str, str] = {}
+    for item in metadata or ():
+        key, value = item[0], item[1]
+        if isinstance(value, bytes):
+            continue  # binary metadata (-bin keys) never carries trace context
+        carrier[str(key).lower()] = value
+    return _PROPAGATOR.extract(carrier)
+
+
+def inject_fields(context: Context | None = None) -> dict[str, str]:
+    """Return Redis entry fields carrying the trace context of `context` (default: the current one); {} if none."""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=context)
+    return carrier
+
+
+def extract_fields(fields: Mapping[Any, Any]) -> Context:
+    """Return the Context carried by a Redis entry's fields (keys and values as bytes or str)."""
+    carrier: dict[str, str] = {}
+    for key, value in fields.items():
+        k = key.decode() if isinstance(key, bytes) else str(key)
+        if k in TRACE_FIELDS:
+            carrier[k] = value.decode() if isinstance(value, bytes) else str(value)
+    return _PROPAGATOR.extract(carrier)
+
+
+def current_context() -> Context:
+    """Return the active OpenTelemetry context (for handing to code that runs later)."""
+    return otel_context.get_current()

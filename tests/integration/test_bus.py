@@ -1,0 +1,189 @@
+"""The Redis bus against a real redis-server: at-least-once consumption, claiming, trimming, trace fields."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import redis.asyncio as aioredis
+from opentelemetry import trace
+
+from sluice.bus import Bus
+from sluice.telemetry import get_tracer
+from sluice.v1 import events_pb2
+
+pytestmark = pytest.mark.redis
+
+
+def _batch(replica: str, event_id: int) -> events_pb2.KvEventBatch:
+    batch = events_pb2.KvEventBatch(replica_id=replica)
+    batch.events.add(event_id=event_id).stored.block_hashes.append(event_id * 7)
+    return batch
+
+
+async def _consume_until(bus: Bus, stream: str, group: str, consumer: str, want: int,
+                         **kwargs: object) -> list[tuple[str, bytes]]:
+    """Run bus.consume until `want` entries were handled (or 10 s); return (entry id, payload) in order."""
+    seen: list[tuple[str, bytes]] = []
+    stop = asyncio.Event()
+
+    async def handler(entry_id: str, payload: bytes, _ctx: object) -> None:
+        seen.append((entry_id, payload))
+        if len(seen) >= want:
+            stop.set()
+
+    task = asyncio.create_task(bus.consume(stream, group, consumer, handler, stop=stop, block_ms=50,
+                                           **kwargs))  # type: ignore[arg-type]
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=10)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, timeout=5)
+    return seen
+
+
+def test_publish_and_consume_round_trip_with_trace_context(redis_url: str, namespace: str,
+                                                           span_exporter: object) -> None:
+    """A KV batch published inside a span arrives as the same protobuf with that span's trace id in its context."""
+    async def body() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        bus = Bus(client, namespace)
+        with get_tracer("test").start_as_current_span("publisher") as span:
+            trace_id = span.get_span_context().trace_id
+            await bus.publish_kv(_batch("r1", 1))
+        contexts = []
+        stop = asyncio.Event()
+
+        async def handler(entry_id: str, payload: bytes, ctx: object) -> None:
+            contexts.append((events_pb2.KvEventBatch.FromString(payload), ctx))
+            stop.set()
+
+        await asyncio.wait_for(bus.consume("kv", "routers", "c1", handler, stop=stop, block_ms=50), 10)
+        batch, ctx = contexts[0]
+        assert batch == _batch("r1", 1)
+        assert trace.get_current_span(ctx).get_span_context().trace_id == trace_id  # type: ignore[arg-type]
+        assert await client.xpending(bus.key("kv"), "routers") == {
+            "pending": 0, "min": None, "max": None, "consumers": []}
+        await client.aclose()
+    asyncio.run(body())
+
+
+_DYING_CONSUMER = textwrap.dedent("""
+    import asyncio, sys
+    import redis.asyncio as aioredis
+    from sluice.bus import Bus
+
+    async def main():
+        bus = Bus(aioredis.Redis.from_url(sys.argv[1]), sys.argv[2])
+        stop = asyncio.Event()
+        async def handler(entry_id, payload, ctx):
+            print("reading", entry_id, flush=True)
+            await asyncio.sleep(3600)  # never returns, so nothing is acknowledged
+        await bus.consume("completions", "admission", "doomed", handler, stop=stop, count=100)
+
+    asyncio.run(main())
+""")
+
+
+def test_entries_of_a_killed_consumer_are_claimed_and_handled_once(redis_url: str, namespace: str,
+                                                                     subprocess_env: dict[str, str]) -> None:
+    """Entries read but not acknowledged by a consumer process killed with SIGKILL are claimed by another
+    consumer via XAUTOCLAIM and each handled exactly once, leaving nothing pending."""
+    async def body() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        bus = Bus(client, namespace)
+        ids = [await bus.publish_completion(events_pb2.Completion(request_id=f"req-{i}")) for i in range(20)]
+        proc = subprocess.Popen([sys.executable, "-c", _DYING_CONSUMER, redis_url, namespace],
+                                stdout=subprocess.PIPE, env=subprocess_env, text=True)
+        try:
+            line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 20)  # type: ignore[union-attr]
+            assert line.startswith("reading")
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+        pending = await client.xpending(bus.key("completions"), "admission")
+        assert pending["pending"] == 20  # the dead consumer read all 20 and acknowledged none
+        seen = await _consume_until(bus, "completions", "admission", "survivor", 20, claim_idle_ms=100)
+        assert [entry_id for entry_id, _ in seen] == ids
+        assert [events_pb2.Completion.FromString(p).request_id for _, p in seen] == [
+            f"req-{i}" for i in range(20)]
+        assert (await client.xpending(bus.key("completions"), "admission"))["pending"] == 0
+        await client.aclose()
+    asyncio.run(body())
+
+
+def test_publishing_trims_the_stream_approximately(redis_url: str, namespace: str) -> None:
+    """Publishing far more than maxlen entries keeps the stream bounded, and never below maxlen."""
+    async def body() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        bus = Bus(client, namespace, maxlen=50)
+        for i in range(1000):
+            await bus.publish_completion(events_pb2.Completion(request_id=str(i)))
+        length = await client.xlen(bus.key("completions"))
+        assert 50 <= length < 1000
+        await client.aclose()
+    asyncio.run(body())
+
+
+def test_failing_handler_is_retried_then_dead_lettered(redis_url: str, namespace: str) -> None:
+    """An entry whose handler always raises is retried max_attempts times, then parked on `{stream}:dead`
+    with the error and acknowledged, while later entries are still handled."""
+    async def body() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        bus = Bus(client, namespace)
+        bad = await bus.publish_completion(events_pb2.Completion(request_id="poison"))
+        await bus.publish_completion(events_pb2.Completion(request_id="fine"))
+        attempts: list[str] = []
+        handled: list[str] = []
+        stop = asyncio.Event()
+
+        async def handler(entry_id: str, payload: bytes, _ctx: object) -> None:
+            request_id = events_pb2.Completion.FromString(payload).request_id
+            if request_id == "poison":
+                attempts.append(entry_id)
+                raise ValueError("cannot handle this one")
+            handled.append(request_id)
+
+        task = asyncio.create_task(bus.consume("completions", "g", "c", handler, stop=stop, block_ms=20,
+                                               max_attempts=3))
+        for _ in range(200):
+            if await client.xlen(bus.key("completions", "dead")):
+                break
+            await asyncio.sleep(0.02)
+        stop.set()
+        await asyncio.wait_for(task, 5)
+        assert attempts == [bad] * 3 and handled == ["fine"]
+        dead = await client.xrange(bus.key("completions", "dead"))
+        assert len(dead) == 1
+        assert dead[0][1][b"source_id"] == bad.encode() and b"cannot handle" in dead[0][1][b"error"]
+        assert (await client.xpending(bus.key("completions"), "g"))["pending"] == 0
+        await client.aclose()
+    asyncio.run(body())
+
+
+def test_token_deltas_read_in_order_with_trace_fields(redis_url: str, namespace: str,
+                                                      span_exporter: object) -> None:
+    """Token deltas published in one pipelined call are read back by XREAD in order, each with trace fields."""
+    async def body() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        bus = Bus(client, namespace)
+        deltas = [events_pb2.TokenDelta(request_id="r", index=i, token_ids=[100 + i]) for i in range(5)]
+        with get_tracer("test").start_as_current_span("decode"):
+            await bus.publish_tokens("adm-1", deltas)
+        entries = await bus.read_stream(bus.tokens_stream("adm-1"), "0", block_ms=50)
+        assert [events_pb2.TokenDelta.FromString(p) for _, p, _ in entries] == deltas
+        assert all("traceparent" in fields for _, _, fields in entries)
+        later = await bus.read_stream(bus.tokens_stream("adm-1"), entries[-1][0], block_ms=20)
+        assert later == []
+        await client.aclose()
+    asyncio.run(body())
+
+
+def test_bus_rejects_a_namespace_with_a_separator(redis_url: str) -> None:
+    """A namespace containing ':' would make keys ambiguous, so Bus refuses it with ValueError."""
+    with pytest.raises(ValueError, match="namespace"):
+        Bus(aioredis.Redis.from_url(redis_url), "a:b")
