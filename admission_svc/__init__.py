@@ -1,0 +1,1 @@
+"""admission_svc: the front door (identity, validation, budgets, backpressure, streaming)."""

@@ -1,0 +1,114 @@
+"""Admission's pure core: identity, validation, the four budgets, retry delays, idempotency."""
+
+from __future__ import annotations
+
+import pytest
+
+from admission_svc.core import (
+    AdmissionConfig,
+    AdmissionCore,
+    DuplicateRequest,
+    InvalidRequest,
+    OverBudget,
+    TenantConfig,
+    UnknownApiKey,
+)
+
+
+def make_admission(**overrides: object) -> AdmissionCore:
+    tenants = (TenantConfig("alice", api_keys=("k-alice",), max_active_requests=2), TenantConfig("bob", ("k-bob",)))
+    config = {"max_active_requests": 4, "max_queued_requests": 3, "max_pending_input_tokens": 1000,
+              "max_reserved_output_tokens": 1000, "max_model_len": 512, "tenants": tenants}
+    config.update(overrides)
+    return AdmissionCore(AdmissionConfig(**config))  # type: ignore[arg-type]
+
+
+def test_api_keys_map_to_tenants_and_bad_keys_are_refused() -> None:
+    """A known key names its tenant; missing or unknown keys raise UnknownApiKey unless anonymous is allowed."""
+    core = make_admission()
+    assert core.authenticate("k-bob") == "bob"
+    for key in (None, "", "nope"):
+        with pytest.raises(UnknownApiKey):
+            core.authenticate(key)
+    assert make_admission(allow_anonymous=True).authenticate(None) == "anonymous"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "numbers"),
+    [
+        ({"prompt_tokens": 0, "max_tokens": 4}, "prompt", ""),
+        ({"prompt_tokens": 4, "max_tokens": 0}, "sampling.max_tokens", "0"),
+        ({"prompt_tokens": 4, "max_tokens": 4, "temperature": -0.5}, "sampling.temperature", "-0.5"),
+        ({"prompt_tokens": 4, "max_tokens": 4, "top_p": 1.5}, "sampling.top_p", "1.5"),
+        ({"prompt_tokens": 4, "max_tokens": 4, "top_k": -1}, "sampling.top_k", "-1"),
+        ({"prompt_tokens": 500, "max_tokens": 100}, "sampling.max_tokens", "prompt (500 tokens) + max_tokens (100)"),
+    ],
+)
+def test_invalid_requests_name_the_field_and_the_numbers(kwargs: dict, field: str, numbers: str) -> None:
+    """Each bad value raises InvalidRequest for its field with the offending numbers in the detail."""
+    with pytest.raises(InvalidRequest) as info:
+        make_admission().validate(**kwargs)
+    assert info.value.field == field
+    assert numbers in info.value.detail
+    if field == "sampling.max_tokens" and "prompt" in numbers:
+        assert "512" in info.value.detail
+
+
+def test_budgets_refuse_without_side_effects_and_release_exactly_once() -> None:
+    """Over a budget raises OverBudget and changes no ledger; a second release returns None."""
+    core = make_admission()
+    core.admit("a1", "alice", 100, 10, now=0.0)
+    core.admit("a2", "alice", 100, 10, now=0.0)
+    before = core.stats(0.0)
+    with pytest.raises(OverBudget) as info:
+        core.admit("a3", "alice", 100, 10, now=0.0)
+    assert info.value.budget == "tenant.active"
+    assert core.stats(0.0).active == before.active and core.reservation("a3") is None
+    assert core.release("a1", now=1.0) is not None
+    assert core.release("a1", now=1.0) is None
+    core.admit("a3", "alice", 100, 10, now=1.0)
+    assert core.stats(1.0).active == 2
+
+
+def test_queue_and_token_budgets_are_global_and_started_requests_leave_the_queue() -> None:
+    """The queued bound counts requests without a first token; mark_started frees queue and input budget."""
+    core = make_admission()
+    for i in range(3):
+        core.admit(f"b{i}", "bob", 300, 10, now=0.0)
+    with pytest.raises(OverBudget) as info:
+        core.admit("b3", "bob", 10, 10, now=0.0)
+    assert info.value.budget == "queued"
+    assert core.mark_started("b0", now=0.1) and not core.mark_started("b0", now=0.1)
+    core.admit("b3", "bob", 10, 10, now=0.2)
+    stats = core.stats(0.2)
+    assert (stats.queued, stats.pending_input_tokens) == (3, 610)
+
+
+def test_a_request_that_could_never_fit_is_invalid_not_retryable() -> None:
+    """Input beyond the whole pending-token budget is InvalidRequest (retrying would never help)."""
+    with pytest.raises(InvalidRequest, match="could never be admitted"):
+        make_admission().admit("x", "bob", 5000, 1, now=0.0)
+
+
+def test_retry_delay_follows_the_observed_drain_rate() -> None:
+    """With 10 releases in the last 10 s (1/s), one excess request is told to wait about 1 s; faster drain, shorter wait."""
+    core = make_admission(max_active_requests=1, max_queued_requests=100)
+    for i in range(10):
+        core.admit(f"r{i}", "bob", 1, 1, now=float(i))
+        core.release(f"r{i}", now=float(i) + 0.5)
+    core.admit("busy", "bob", 1, 1, now=10.0)
+    with pytest.raises(OverBudget) as info:
+        core.admit("next", "bob", 1, 1, now=10.0)
+    assert info.value.retry_after_s == pytest.approx(1.0)
+
+
+def test_duplicate_ids_and_idempotency_keys() -> None:
+    """An active id cannot be admitted twice; an idempotency key maps to its request until the TTL."""
+    core = make_admission(idempotency_ttl_s=5.0)
+    core.admit("r", "bob", 1, 1, now=0.0)
+    with pytest.raises(DuplicateRequest):
+        core.admit("r", "bob", 1, 1, now=0.0)
+    core.remember_key("bob", "key-1", "r", now=0.0)
+    assert core.lookup_key("bob", "key-1", now=1.0) == "r"
+    assert core.lookup_key("alice", "key-1", now=1.0) is None
+    assert core.lookup_key("bob", "key-1", now=6.0) is None
