@@ -1,0 +1,266 @@
+"""The cost-model backend: the time a named GPU would take for a round, and deterministic tokens.
+
+Theory of operation. A round is one forward over a mixed batch of prefill chunks and decodes.
+Its time is a roofline (whichever of compute and memory traffic takes longer) plus a fixed
+per-round overhead (kernel launches, sampling, host work):
+
+    flops = 2 * layer_params * query_tokens                  (linear layers)
+          + 2 * lm_head_params * sampled_seqs                (output head, only where we sample)
+          + 4 * layers * heads * head_dim * attended_pairs    (QK^T and PV; pairs = sum over query
+                                                                tokens of the context each reads)
+    bytes = weight_bytes (read once per round)
+          + kv_bytes_per_token * (context tokens read + tokens written)
+    time  = max(flops / (peak_flops * compute_efficiency),
+                bytes / (bandwidth * memory_efficiency)) + overhead_s
+          + swap bytes / host link bandwidth
+
+Tensor parallelism (a replica of `tensor_parallel` GPUs) multiplies peak, bandwidth and memory
+and ignores the all-reduce cost. The three coefficients (1/(peak*eff_c), 1/(bw*eff_m), overhead)
+can be fitted by least squares from measured rounds with `fit`.
+
+What it does not model: the all-reduce, attention kernel inefficiency at small batches,
+CUDA-graph padding, speculative decoding, and stop strings (ignored: tokens are synthetic).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from scheduler_svc.core.types import RoundPlan, RoundResult, SeqOutput
+from worker_svc.backend import BackendInfo
+from worker_svc.gpu_profiles import GpuProfile, ModelShape, gpu_profile, model_shape
+
+
+@dataclass(frozen=True, slots=True)
+class RoundShape:
+    """The numbers of a round that set its cost (what `fit` samples are made of)."""
+
+    query_tokens: int
+    """Tokens computed this round (prefill chunk tokens + one per decode)."""
+    attended_pairs: int
+    """Sum over query tokens of the context each attends to (itself included)."""
+    kv_read_tokens: int
+    """Context tokens whose KV is read from memory."""
+    kv_write_tokens: int
+    """Tokens whose KV is written."""
+    sampled_seqs: int
+    """Sequences that sample a token (run the output head)."""
+    swapped_blocks: int = 0
+    """Blocks copied between host and device before the forward."""
+
+
+def shape_of(plan: RoundPlan) -> RoundShape:
+    """Return the cost-relevant shape of a round plan."""
+    query = pairs = read = sampled = 0
+    for seq in plan.seqs:
+        n = len(seq.token_ids)
+        start = seq.start_position
+        query += n
+        # causal: token i of the chunk attends to start + i + 1 positions
+        pairs += n * start + n * (n + 1) // 2
+        read += start + n
+        sampled += seq.sample
+    return RoundShape(query, pairs, read, query, sampled, len(plan.swap_out) + len(plan.swap_in))
+
+
+@dataclass(frozen=True)
+class CostCoefficients:
+    """The three fittable numbers of the roofline."""
+
+    compute_efficiency: float = 0.6
+    """Fraction of peak FLOP/s a round achieves."""
+    memory_efficiency: float = 0.85
+    """Fraction of peak bandwidth a round achieves."""
+    overhead_s: float = 0.0005
+    """Fixed time per round (launches, sampling, host work)."""
+
+
+class CostModel:
+    """A `Backend` that models a round's time on a named GPU and returns deterministic tokens."""
+
+    def __init__(
+        self,
+        model: str | ModelShape = "llama-3-8b",
+        gpu: str | GpuProfile = "h200",
+        *,
+        coefficients: CostCoefficients | None = None,
+        tensor_parallel: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        block_size: int = 16,
+        dtype_bytes: int = 2,
+        host_kv_bytes: float = 32e9,
+        max_model_len: int | None = None,
+        eos_after: int | None = None,
+    ) -> None:
+        """Build the model; raises ValueError when the weights do not fit or a name is unknown.
+
+        `tensor_parallel=None` picks the smallest of 1, 2, 4, 8 GPUs that leaves room for at
+        least 1024 KV blocks. `eos_after=N` makes output token N the EOS (else never EOS).
+        """
+        self.shape = model if isinstance(model, ModelShape) else model_shape(model)
+        self.gpu = gpu if isinstance(gpu, GpuProfile) else gpu_profile(gpu)
+        self.coefficients = coefficients or CostCoefficients()
+        self.block_size = block_size
+        self.dtype_bytes = dtype_bytes
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.eos_after = eos_after
+        self.weight_bytes = float(self.shape.total_params * dtype_bytes)
+        self.kv_bytes_per_token = self.shape.kv_bytes_per_token(dtype_bytes)
+        self.tensor_parallel = tensor_parallel or self._smallest_tp()
+        self.num_blocks = self._blocks_for(self.tensor_parallel)
+        if self.num_blocks < 1:
+            raise ValueError(
+                f"{self.shape.name} weights ({self.weight_bytes / 1e9:.1f} GB) leave no KV room on "
+                f"{self.tensor_parallel} x {self.gpu.name} at utilization {gpu_memory_utilization}"
+            )
+        self.num_host_blocks = int(host_kv_bytes // (block_size * self.kv_bytes_per_token))
+        self.max_model_len = max_model_len or self.shape.max_position
+        self._bases: dict[str, int] = {}
+        self._set_rates()
+
+    def _blocks_for(self, tp: int) -> int:
+        free = self.gpu.memory_bytes * tp * self.gpu_memory_utilization - self.weight_bytes
+        return int(free // (self.block_size * self.kv_bytes_per_token))
+
+    def _smallest_tp(self) -> int:
+        for tp in (1, 2, 4, 8):
+            if self._blocks_for(tp) >= 1024:
+                return tp
+        return 8
+
+    def _set_rates(self) -> None:
+        c, tp = self.coefficients, self.tensor_parallel
+        self._seconds_per_flop = 1.0 / (self.gpu.peak_flops * tp * c.compute_efficiency)
+        self._seconds_per_byte = 1.0 / (self.gpu.memory_bandwidth * tp * c.memory_efficiency)
+        s = self.shape
+        self._flops_per_query_token = 2.0 * s.num_layers * s.layer_params
+        self._flops_per_sample = 2.0 * s.lm_head_params
+        self._flops_per_pair = 4.0 * s.num_layers * s.num_heads * s.head_dim
+        self._swap_s_per_block = (
+            self.block_size * self.kv_bytes_per_token / (self.gpu.host_link_bandwidth * tp)
+        )
+
+    def info(self) -> BackendInfo:
+        """Return the modelled replica's model and KV capacity."""
+        return BackendInfo(
+            model_id=self.shape.name,
+            model_version="costmodel",
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            num_host_blocks=self.num_host_blocks,
+            dtype="bfloat16" if self.dtype_bytes == 2 else f"{self.dtype_bytes * 8}-bit",
+            device=f"{self.tensor_parallel}x{self.gpu.name}",
+            max_model_len=self.max_model_len,
+            vocab_size=self.shape.vocab_size,
+            eos_token_id=self.shape.eos_token_id,
+            backend="costmodel",
+        )
+
+    def flops_and_bytes(self, shape: RoundShape) -> tuple[float, float]:
+        """Return the (FLOPs, HBM bytes) of a round."""
+        flops = (
+            self._flops_per_query_token * shape.query_tokens
+            + self._flops_per_sample * shape.sampled_seqs
+            + self._flops_per_pair * shape.attended_pairs
+        )
+        kv_bytes = self.kv_bytes_per_token * (shape.kv_read_tokens + shape.kv_write_tokens)
+        return flops, self.weight_bytes + kv_bytes
+
+    def shape_time(self, shape: RoundShape) -> float:
+        """Return the modelled seconds of a round of this shape (0 for an empty round)."""
+        swap = shape.swapped_blocks * self._swap_s_per_block
+        if shape.query_tokens == 0:
+            return swap
+        flops, nbytes = self.flops_and_bytes(shape)
+        compute = flops * self._seconds_per_flop
+        memory = nbytes * self._seconds_per_byte
+        return (compute if compute > memory else memory) + self.coefficients.overhead_s + swap
+
+    def round_time(self, plan: RoundPlan) -> float:
+        """Return the modelled seconds the plan takes on this GPU."""
+        return self.shape_time(shape_of(plan))
+
+    def token_for(self, request_id: str, output_index: int) -> int:
+        """Return the deterministic token for a request's output index (EOS only at `eos_after`)."""
+        vocab, eos = self.shape.vocab_size, self.shape.eos_token_id
+        if self.eos_after is not None and output_index >= self.eos_after:
+            return eos
+        base = self._bases.get(request_id)
+        if base is None:
+            base = self._bases[request_id] = zlib.crc32(request_id.encode())
+            if len(self._bases) > 100_000:  # bounded: ids are cheap to recompute
+                self._bases.clear()
+        token = (base + output_index * 2654435761) % vocab
+        return token + 1 if token == eos else token
+
+    def execute(self, plan: RoundPlan) -> RoundResult:
+        """Return the round's tokens (one per sampling seq) with `elapsed_s` = modelled time."""
+        outputs = tuple(
+            SeqOutput(
+                s.request_id, s.epoch, (self.token_for(s.request_id, s.output_index),) if s.sample else ()
+            )
+            for s in plan.seqs
+        )
+        return RoundResult(plan.round_id, outputs, elapsed_s=self.round_time(plan))
+
+    def with_coefficients(self, coefficients: CostCoefficients) -> CostModel:
+        """Return a copy of this model with other coefficients."""
+        clone = object.__new__(CostModel)
+        clone.__dict__.update(self.__dict__)
+        clone.coefficients = coefficients
+        clone._bases = {}
+        clone._set_rates()
+        return clone
+
+    def fit(self, samples: Sequence[tuple[RoundShape, float]], max_iterations: int = 20) -> CostModel:
+        """Return a copy whose coefficients best fit measured `(shape, seconds)` samples.
+
+        Least squares on time = a*flops or b*bytes (whichever regime a sample is in) + overhead:
+        assign each sample to its current regime, solve the linear problem, repeat until the
+        assignment is stable. Raises ValueError with fewer than three samples or a degenerate fit.
+        """
+        if len(samples) < 3:
+            raise ValueError(f"fit needs at least 3 samples, got {len(samples)}")
+        fb = np.array([self.flops_and_bytes(shape) for shape, _ in samples], dtype=float)
+        times = np.array([seconds for _, seconds in samples], dtype=float)
+        a, b = self._seconds_per_flop, self._seconds_per_byte
+        overhead = self.coefficients.overhead_s
+        compute_bound = fb[:, 0] * a > fb[:, 1] * b
+        for _ in range(max_iterations):
+            design = np.zeros((len(samples), 3))
+            design[compute_bound, 0] = fb[compute_bound, 0]
+            design[~compute_bound, 1] = fb[~compute_bound, 1]
+            design[:, 2] = 1.0
+            # A regime with no samples keeps its current coefficient.
+            if not compute_bound.any():
+                design[:, 0] = 0.0
+            if compute_bound.all():
+                design[:, 1] = 0.0
+            # FLOPs (~1e13) and bytes (~1e10) dwarf the constant column: scale for conditioning.
+            scale = np.abs(design).max(axis=0)
+            scale[scale == 0] = 1.0
+            solution, *_ = np.linalg.lstsq(design / scale, times, rcond=None)
+            solution = solution / scale
+            a = solution[0] if compute_bound.any() else a
+            b = solution[1] if not compute_bound.all() else b
+            overhead = solution[2]
+            if a <= 0 or b <= 0:
+                raise ValueError(
+                    f"degenerate fit (seconds/flop={a}, seconds/byte={b}); give more varied rounds"
+                )
+            updated = fb[:, 0] * a > fb[:, 1] * b
+            if (updated == compute_bound).all():
+                break
+            compute_bound = updated
+        tp = self.tensor_parallel
+        fitted = replace(
+            self.coefficients,
+            compute_efficiency=1.0 / (a * self.gpu.peak_flops * tp),
+            memory_efficiency=1.0 / (b * self.gpu.memory_bandwidth * tp),
+            overhead_s=float(overhead),
+        )
+        return self.with_coefficients(fitted)
