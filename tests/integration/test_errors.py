@@ -1,0 +1,80 @@
+"""Domain errors reach clients as precise gRPC statuses with details, through a real server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from admission_svc.core import InvalidRequest, OverBudget
+from router_svc.core import NoReplicaAvailable
+from scheduler_svc.core.types import RejectReason, RequestRejected
+from sluice.core_errors import translate_core_error
+from sluice.errors import ErrorInterceptor, details_of
+from sluice.v1 import admission_pb2, admission_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+
+class Failing(scheduler_pb2_grpc.SchedulerServiceServicer, admission_pb2_grpc.AdmissionServiceServicer):
+    """Each RPC raises the core exception named by the request id."""
+
+    errors = {
+        "budget": OverBudget("tenant.active", 2.5, "tenant budget active is full"),
+        "invalid": InvalidRequest("sampling.max_tokens", "prompt (10 tokens) + max_tokens (9000) exceeds 4096"),
+        "replica": NoReplicaAvailable("no READY replica"),
+        "never": RequestRejected("never", RejectReason.NEVER_FITS, "needs 300 blocks, replica has 256"),
+        "bug": ZeroDivisionError("not a domain error"),
+    }
+
+    async def Cancel(self, request, context):  # noqa: N802 - gRPC method name
+        raise self.errors[request.request_id]
+
+    async def Generate(self, request, context):  # noqa: N802
+        yield admission_pb2.GenerateChunk(request_id="first")
+        raise self.errors[request.model]
+
+
+async def _call_all() -> dict[str, grpc.aio.AioRpcError]:
+    server = grpc.aio.server(interceptors=[ErrorInterceptor(translate_core_error)])
+    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(Failing(), server)
+    admission_pb2_grpc.add_AdmissionServiceServicer_to_server(Failing(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    out: dict[str, grpc.aio.AioRpcError] = {}
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+            for name in Failing.errors:
+                try:
+                    await stub.Cancel(scheduler_pb2.CancelRequest(request_id=name))
+                except grpc.aio.AioRpcError as exc:
+                    out[name] = exc
+            stream = admission_pb2_grpc.AdmissionServiceStub(channel).Generate(
+                admission_pb2.GenerateRequest(model="budget"))
+            try:
+                async for chunk in stream:
+                    assert chunk.request_id == "first"
+            except grpc.aio.AioRpcError as exc:
+                out["stream"] = exc
+    finally:
+        await server.stop(None)
+    return out
+
+
+def test_core_errors_become_statuses_with_details() -> None:
+    """OverBudget -> RESOURCE_EXHAUSTED + RetryInfo; InvalidRequest -> INVALID_ARGUMENT + field;
+    NoReplicaAvailable -> UNAVAILABLE; NEVER_FITS -> INVALID_ARGUMENT; other exceptions stay UNKNOWN."""
+    out = asyncio.run(_call_all())
+    budget = details_of(out["budget"])
+    assert budget.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert budget.retry_after_s == pytest.approx(2.5)
+    assert budget.metadata == {"budget": "tenant.active"}
+    invalid = details_of(out["invalid"])
+    assert (invalid.code, invalid.field_name) == (grpc.StatusCode.INVALID_ARGUMENT, "sampling.max_tokens")
+    assert "9000" in invalid.message
+    assert details_of(out["replica"]).code is grpc.StatusCode.UNAVAILABLE
+    never = details_of(out["never"])
+    assert (never.code, never.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "never_fits")
+    assert out["bug"].code() is grpc.StatusCode.UNKNOWN
+    stream = details_of(out["stream"])
+    assert stream.code is grpc.StatusCode.RESOURCE_EXHAUSTED and stream.retry_after_s == pytest.approx(2.5)
