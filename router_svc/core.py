@@ -359,10 +359,20 @@ class RouterCore:
         all) or NoReplicaAvailable (none READY)."""
         self._prune_predictions(now)
         ready = self._ready_replicas(query)
-        holders = self._index.get(query.block_hashes[0], ()) if query.block_hashes else ()
-        scored = [self._score(r, query, now, r.spec.replica_id in holders or bool(r.predicted)) for r in ready]
-        decision = self._choose(scored)
-        self._record(self._replicas[decision.replica_id], query, decision, now)
+        policy = self.config.policy
+        if policy is RoutingPolicy.SCORE:
+            chosen = self._best_score(ready, query, now)
+        elif policy is RoutingPolicy.ROUND_ROBIN:
+            self._rr_counter += 1
+            chosen = ready[(self._rr_counter - 1) % len(ready)]
+        elif policy is RoutingPolicy.RANDOM:
+            chosen = ready[self._rng.randrange(len(ready))]
+        elif policy is RoutingPolicy.LEAST_LOADED:
+            chosen = min(ready, key=self._load_key)
+        else:  # PREFIX_ONLY
+            chosen = min(ready, key=lambda r: (-self._cached(r, query, now), *self._load_key(r)))
+        decision = self._decision(chosen, query, now)
+        self._record(chosen, query, decision, now)
         return decision
 
     def _ready_replicas(self, query: RouteQuery) -> list[_Replica]:
@@ -379,36 +389,38 @@ class RouterCore:
         ready.sort(key=lambda r: r.spec.replica_id)
         return ready
 
-    def _score(self, replica: _Replica, query: RouteQuery, now: float, may_hold: bool) -> RouteDecision:
+    def _cached(self, replica: _Replica, query: RouteQuery, now: float) -> int:
+        if not query.block_hashes:
+            return 0
+        if replica.spec.replica_id not in self._index.get(query.block_hashes[0], ()) and not replica.predicted:
+            return 0
+        return self._prefix_len(replica, query.block_hashes, now)
+
+    def _ttft(self, replica: _Replica, query: RouteQuery, cached: int) -> tuple[float, float, float]:
+        """(predicted TTFT, queue wait, prefill time) of `query` on `replica`; the hot loop of SCORE."""
         spec = replica.spec
-        cached = self._prefix_len(replica, query.block_hashes, now) if may_hold else 0
         uncached_tokens = max(query.prompt_tokens - cached * spec.block_size, 1)
-        rate = max(spec.prefill_tokens_per_s, 1e-9)
+        rate = spec.prefill_tokens_per_s if spec.prefill_tokens_per_s > 0 else 1e-9
         queue_wait = (replica.load.queued_prefill_tokens + replica.unreported_tokens) / rate
         prefill = uncached_tokens / rate
-        chunks = math.ceil(uncached_tokens / max(spec.max_num_batched_tokens, 1))
-        interference = chunks * spec.decode_round_s if replica.load.running or replica.inflight else 0.0
-        return RouteDecision(spec.replica_id, spec.address, queue_wait + prefill + interference,
-                             queue_wait, prefill, cached)
+        interference = 0.0
+        if replica.load.running or replica.inflight:
+            interference = -(-uncached_tokens // max(spec.max_num_batched_tokens, 1)) * spec.decode_round_s
+        return queue_wait + prefill + interference, queue_wait, prefill
 
-    def _choose(self, scored: list[RouteDecision]) -> RouteDecision:
-        policy = self.config.policy
-        if policy is RoutingPolicy.ROUND_ROBIN:
-            self._rr_counter += 1
-            return scored[(self._rr_counter - 1) % len(scored)]
-        if policy is RoutingPolicy.RANDOM:
-            return scored[self._rng.randrange(len(scored))]
-        if policy is RoutingPolicy.LEAST_LOADED:
-            return min(scored, key=lambda d: (self._load_of(d.replica_id), d.replica_id))
-        if policy is RoutingPolicy.PREFIX_ONLY:
-            return min(scored, key=lambda d: (-d.cached_blocks, self._load_of(d.replica_id), d.replica_id))
-        best = min(d.predicted_ttft_s for d in scored)
-        ties = [d for d in scored if d.predicted_ttft_s <= best + self.config.tie_tolerance_s]
+    def _best_score(self, ready: list[_Replica], query: RouteQuery, now: float) -> _Replica:
+        scores = [self._ttft(r, query, self._cached(r, query, now))[0] for r in ready]
+        limit = min(scores) + self.config.tie_tolerance_s
+        ties = [r for r, score in zip(ready, scores, strict=True) if score <= limit]
         return ties[0] if len(ties) == 1 else ties[self._rng.randrange(len(ties))]
 
-    def _load_of(self, replica_id: str) -> int:
-        replica = self._replicas[replica_id]
-        return replica.load.waiting + replica.load.running + len(replica.inflight)
+    def _decision(self, replica: _Replica, query: RouteQuery, now: float) -> RouteDecision:
+        cached = self._cached(replica, query, now)
+        ttft, queue_wait, prefill = self._ttft(replica, query, cached)
+        return RouteDecision(replica.spec.replica_id, replica.spec.address, ttft, queue_wait, prefill, cached)
+
+    def _load_key(self, replica: _Replica) -> tuple[int, str]:
+        return (replica.load.waiting + replica.load.running + len(replica.inflight), replica.spec.replica_id)
 
     def _record(self, replica: _Replica, query: RouteQuery, decision: RouteDecision, now: float) -> None:
         uncached = max(query.prompt_tokens - decision.cached_blocks * replica.spec.block_size, 0)
