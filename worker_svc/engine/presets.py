@@ -1,0 +1,110 @@
+"""Built-in model presets: deterministic random-weight Llama models with a byte-level tokenizer.
+
+`write_preset(dir, "tiny")` writes config.json, model.safetensors and tokenizer.json that the
+loader reads like any Hugging Face Llama directory. Weights come from a fixed seed and are scaled
+so that activations keep unit size through the layers and the logits have a spread of a few
+units: outputs vary with the input instead of collapsing onto one token.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from worker_svc.engine.config import LlamaConfig
+from worker_svc.engine.model import LlamaForCausalLM
+from worker_svc.engine.tokenizer import build_byte_tokenizer
+
+BYTE_VOCAB = 258
+"""256 byte tokens, then <s> (256) and </s> (257)."""
+LOGIT_SCALE = 2.0
+"""Standard deviation the output logits aim at."""
+
+PRESETS: dict[str, LlamaConfig] = {
+    "tiny": LlamaConfig(
+        vocab_size=BYTE_VOCAB,
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=256,
+        eos_token_id=257,
+        torch_dtype="float32",
+    ),
+    # ~100M parameters; the vocabulary is padded to 32000, ids past the tokenizer are never sampled.
+    "small-100m": LlamaConfig(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=256,
+        eos_token_id=257,
+        torch_dtype="bfloat16",
+    ),
+}
+DEFAULT_SEED = 0
+
+
+def preset_config(name: str) -> LlamaConfig:
+    """Return the configuration of a preset; raises ValueError listing the presets for an unknown name."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; presets: {sorted(PRESETS)}")
+    return PRESETS[name]
+
+
+def random_weights(config: LlamaConfig, seed: int) -> dict[str, torch.Tensor]:
+    """Return deterministic random weights for config (HF names; tied lm_head omitted)."""
+    with torch.device("meta"):
+        shapes = {name: tuple(t.shape) for name, t in LlamaForCausalLM(config).state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight")
+    generator = torch.Generator().manual_seed(seed)
+    residual_scale = 1.0 / math.sqrt(2 * config.num_hidden_layers)
+    weights = {}
+    for name in sorted(shapes):
+        shape = shapes[name]
+        if name.endswith("norm.weight"):
+            # with tied embeddings the final norm sets the logit scale (the embedding has std 1)
+            tied_final = name == "model.norm.weight" and config.tie_word_embeddings
+            value = LOGIT_SCALE / math.sqrt(config.hidden_size) if tied_final else 1.0
+            weights[name] = torch.full(shape, value)
+            continue
+        std = 1.0 if name == "model.embed_tokens.weight" else 1.0 / math.sqrt(shape[1])
+        if name == "lm_head.weight":
+            std = LOGIT_SCALE / math.sqrt(shape[1])
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            std *= residual_scale
+        weights[name] = torch.randn(shape, generator=generator) * std
+    return weights
+
+
+def write_preset(target: str | Path, name: str, seed: int = DEFAULT_SEED) -> Path:
+    """Write preset `name` into directory target (created if needed) and return its path.
+
+    Raises ValueError for an unknown preset.
+    """
+    config = preset_config(name)
+    root = Path(target)
+    root.mkdir(parents=True, exist_ok=True)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.torch_dtype]
+    weights = {k: v.to(dtype).contiguous() for k, v in random_weights(config, seed).items()}
+    save_file(
+        weights, str(root / "model.safetensors"), metadata={"format": "pt", "preset": name, "seed": str(seed)}
+    )
+    hf = config.to_hf_dict() | {"sluice_preset": name, "sluice_seed": seed}
+    (root / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    build_byte_tokenizer().save(str(root / "tokenizer.json"))
+    return root

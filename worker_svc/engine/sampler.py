@@ -1,0 +1,83 @@
+"""Token choice for the sequences of a round, and stop-string detection.
+
+Sampling runs on the CPU in float32 on the logits of sampling positions only, so the same logits
+give the same token on every device. A seeded request draws from a generator seeded from
+(seed, output_index): the same seed gives the same tokens whatever else is in the batch, and
+after a preemption the re-run of output token k draws exactly what the first run drew.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+
+from scheduler_svc.core.types import SamplingParams, ScheduledSeq
+from worker_svc.engine.tokenizer import TextTokenizer, common_prefix_length
+
+
+def seed_for(seed: int, output_index: int) -> int:
+    """Return a 63-bit generator seed derived from a request seed and an output index."""
+    digest = hashlib.blake2b(f"{seed}:{output_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Return logits [V] divided by the temperature with top-k and top-p cuts set to -inf."""
+    scaled = logits / params.temperature
+    if 0 < params.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        scaled = scaled.masked_fill(
+            torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted), float("-inf")
+        )
+    return scaled
+
+
+def sample_tokens(
+    logits: torch.Tensor, seqs: Sequence[ScheduledSeq], worker_generator: torch.Generator
+) -> list[int]:
+    """Return one token per row of logits [S, V] (float32, CPU) for the matching seqs.
+
+    Temperature 0 is greedy (argmax). Otherwise the row is filtered (top-k, top-p) and sampled
+    from a per-request generator when the request has a seed, else from worker_generator.
+    """
+    greedy = logits.argmax(dim=-1).tolist()
+    tokens: list[int] = []
+    for row, seq in enumerate(seqs):
+        params = seq.sampling
+        if params.temperature <= 0.0:
+            tokens.append(int(greedy[row]))
+            continue
+        probs = torch.softmax(filter_logits(logits[row], params), dim=-1)
+        generator = worker_generator
+        if params.seed is not None:
+            generator = torch.Generator().manual_seed(seed_for(params.seed, seq.output_index))
+        tokens.append(int(torch.multinomial(probs, 1, generator=generator).item()))
+    return tokens
+
+
+def stop_string_hit(
+    tokenizer: TextTokenizer, recent_output_ids: Sequence[int], new_token: int, stop_strings: Sequence[str]
+) -> bool:
+    """Return True when a stop string appears in the text that new_token newly produces.
+
+    "Newly" means the match ends inside the text new_token adds after the recent output (a
+    match that ended earlier was reported when it appeared); the match may start in the
+    earlier text, so a stop string split across tokens is found. A trailing incomplete UTF-8
+    character is not text yet and is not searched until it completes.
+    """
+    if not stop_strings:
+        return False
+    before = tokenizer.stable_text(recent_output_ids)
+    after = tokenizer.stable_text([*recent_output_ids, new_token])
+    boundary = len(before) if after.startswith(before) else common_prefix_length(before, after)
+    if len(after) <= boundary:
+        return False
+    return any(stop and after.find(stop, max(0, boundary - len(stop) + 1)) != -1 for stop in stop_strings)

@@ -1,0 +1,97 @@
+"""Tokenizer: a thin wrapper around `tokenizers.Tokenizer`, an incremental detokenizer, and the
+byte-level tokenizer the presets write (256 byte tokens, then `<s>` and `</s>`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+BOS_TOKEN, EOS_TOKEN = "<s>", "</s>"
+REPLACEMENT_CHAR = "\ufffd"
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    # The byte-level convention (as in GPT-2): printable bytes map to themselves, the rest to
+    # code points from 256 up, so every byte is a visible, distinct character in the vocab.
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    mapping, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            mapping[byte] = chr(byte)
+        else:
+            mapping[byte] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def build_byte_tokenizer() -> Tokenizer:
+    """Return a byte-level tokenizer: ids 0-255 are the bytes, 256 is `<s>`, 257 is `</s>`."""
+    vocab = {char: byte for byte, char in _byte_to_unicode().items()}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(BOS_TOKEN, special=True), AddedToken(EOS_TOKEN, special=True)])
+    return tokenizer
+
+
+class TextTokenizer:
+    """Encode and decode text with a `tokenizer.json`, and detokenize incrementally."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> TextTokenizer:
+        """Return the tokenizer in a tokenizer.json file (errors from `tokenizers` propagate)."""
+        return cls(Tokenizer.from_file(str(path)))
+
+    @property
+    def vocab_size(self) -> int:
+        """Return the number of ids the tokenizer can produce, special tokens included."""
+        return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def token_id(self, token: str) -> int | None:
+        """Return the id of a token string (e.g. "</s>"), or None when it is not in the vocabulary."""
+        return self._tokenizer.token_to_id(token)
+
+    def encode(self, text: str) -> list[int]:
+        """Return the token ids of text (no special tokens added)."""
+        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Return the text of token_ids; an incomplete UTF-8 character becomes U+FFFD."""
+        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def new_text(self, previous_ids: Sequence[int], new_ids: Sequence[int]) -> str:
+        """Return the text that new_ids add after previous_ids.
+
+        Byte-level tokens can split one UTF-8 character; such a trailing partial character is
+        held back (not returned) until the ids that complete it arrive, so concatenating the
+        results of successive calls gives the text of all ids without replacement characters.
+        """
+        before = self.stable_text(previous_ids)
+        after = self.stable_text([*previous_ids, *new_ids])
+        return (
+            after[len(before) :] if after.startswith(before) else after[common_prefix_length(before, after) :]
+        )
+
+    def stable_text(self, token_ids: Sequence[int]) -> str:
+        """Return the text of token_ids without a trailing incomplete UTF-8 character."""
+        return self.decode(token_ids).rstrip(REPLACEMENT_CHAR)
+
+
+def common_prefix_length(a: str, b: str) -> int:
+    """Return the length of the longest common prefix of a and b."""
+    length = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        length += 1
+    return length
