@@ -1,0 +1,164 @@
+"""The worker gRPC service on loopback with the cost-model backend: Execute, ExecuteStream, Info, health."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from scheduler_svc.core.types import RoundPlan, RoundResult, SamplingParams, ScheduledSeq
+from sluice.errors import details_of
+from sluice.v1 import worker_pb2, worker_pb2_grpc
+from worker_svc import convert
+from worker_svc.costmodel import CostModel
+from worker_svc.server import SERVICE_NAME, RunningWorker, WorkerRuntime, start_worker_server
+
+
+def _plan(round_id: int, n_decodes: int = 3) -> RoundPlan:
+    seqs = tuple(ScheduledSeq(f"r{i}", 0, (10 + i,), 5, (i,), SamplingParams(max_tokens=8), True, 1)
+                 for i in range(n_decodes))
+    return RoundPlan(round_id, seqs)
+
+
+async def _health(channel: grpc.aio.Channel, service: str = SERVICE_NAME) -> int:
+    stub = health_pb2_grpc.HealthStub(channel)
+    reply = await stub.Check(health_pb2.HealthCheckRequest(service=service))
+    return int(reply.status)
+
+
+async def _started(runtime: WorkerRuntime) -> tuple[RunningWorker, grpc.aio.Channel]:
+    worker = await start_worker_server(runtime)
+    await asyncio.wait_for(worker.loading, 30)
+    return worker, grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}")
+
+
+def test_execute_and_stream_return_the_backends_tokens() -> None:
+    """Execute and ExecuteStream return, for each plan, exactly the tokens the cost model computes."""
+    async def body() -> None:
+        model = CostModel("llama-3-8b", "h200")
+        worker, channel = await _started(WorkerRuntime(lambda: model))
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        plan = _plan(7)
+        unary = convert.result_from_proto(await stub.Execute(convert.plan_to_proto(plan)))
+        assert unary.round_id == 7 and not unary.error
+        assert unary.outputs == model.execute(plan).outputs
+        call = stub.ExecuteStream()
+        streamed: list[RoundResult] = []
+        for round_id in range(1, 4):
+            await call.write(convert.plan_to_proto(_plan(round_id, round_id)))
+            streamed.append(convert.result_from_proto(await call.read()))
+        await call.done_writing()
+        assert [r.round_id for r in streamed] == [1, 2, 3]
+        assert [r.outputs for r in streamed] == [model.execute(_plan(i, i)).outputs for i in range(1, 4)]
+        await channel.close()
+        await worker.stop()
+    asyncio.run(body())
+
+
+def test_info_reports_capacity_with_num_blocks_override() -> None:
+    """Info returns the backend's model and block size, with num_blocks lowered to the operator's override."""
+    async def body() -> None:
+        worker, channel = await _started(WorkerRuntime(lambda: CostModel("llama-3-8b", "h200"), num_blocks=64))
+        info = await worker_pb2_grpc.WorkerServiceStub(channel).Info(worker_pb2.InfoRequest())
+        assert (info.model_id, info.num_blocks, info.block_size, info.backend) == (
+            "llama-3-8b", 64, 16, "costmodel")
+        await channel.close()
+        await worker.stop()
+    asyncio.run(body())
+
+
+def test_health_is_not_serving_until_loaded_and_warmed_up() -> None:
+    """Health is NOT_SERVING and Execute is UNAVAILABLE while the backend loads; SERVING once warm-up ran."""
+    gate = threading.Event()
+
+    def slow_load() -> CostModel:
+        gate.wait(10)
+        return CostModel("llama-3-8b", "h200")
+
+    async def body() -> None:
+        runtime = WorkerRuntime(slow_load)
+        worker = await start_worker_server(runtime)
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}")
+        assert await _health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert await _health(channel, "") == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await worker_pb2_grpc.WorkerServiceStub(channel).Execute(convert.plan_to_proto(_plan(1)))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert details_of(err.value).reason == "WORKER_LOADING"
+        gate.set()
+        await asyncio.wait_for(worker.loading, 10)
+        assert await _health(channel) == health_pb2.HealthCheckResponse.SERVING
+        await channel.close()
+        await worker.stop()
+    asyncio.run(body())
+
+
+class _FailingOn(CostModel):
+    """The cost model with an injected fault: a round containing request "boom" raises."""
+
+    def execute(self, plan: RoundPlan) -> RoundResult:
+        if any(s.request_id == "boom" for s in plan.seqs):
+            raise RuntimeError("device fault")
+        return super().execute(plan)
+
+
+def test_a_backend_exception_fails_the_round_not_the_service() -> None:
+    """A round whose backend call raises comes back with `error` set, and the next round succeeds."""
+    async def body() -> None:
+        worker, channel = await _started(WorkerRuntime(lambda: _FailingOn("llama-3-8b", "h200")))
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        bad = RoundPlan(3, (ScheduledSeq("boom", 0, (1,), 0, (0,), SamplingParams(), True, 0),))
+        failed = await stub.Execute(convert.plan_to_proto(bad))
+        assert failed.round_id == 3 and "device fault" in failed.error and not failed.outputs
+        ok = await stub.Execute(convert.plan_to_proto(_plan(4)))
+        assert not ok.error and len(ok.outputs) == 3
+        await channel.close()
+        await worker.stop()
+    asyncio.run(body())
+
+
+def test_emulate_time_makes_a_round_take_its_modelled_time() -> None:
+    """With emulate_time, a round takes at least the cost model's elapsed_s of wall time."""
+    async def body() -> None:
+        model = CostModel("llama-3-70b", "h100")
+        worker, channel = await _started(WorkerRuntime(lambda: model, emulate_time=True))
+        plan = _plan(1, 8)
+        start = time.perf_counter()
+        result = await worker_pb2_grpc.WorkerServiceStub(channel).Execute(convert.plan_to_proto(plan))
+        assert time.perf_counter() - start >= result.elapsed_s > 0
+        await channel.close()
+        await worker.stop()
+    asyncio.run(body())
+
+
+@pytest.mark.e2e
+def test_worker_process_turns_serving_and_exits_on_sigterm(free_port, subprocess_env) -> None:  # type: ignore[no-untyped-def]
+    """`python -m worker_svc --backend costmodel` reports SERVING over gRPC health and exits 0 on SIGTERM."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "worker_svc", "--backend", "costmodel", "--model",
+                             "llama-3-8b", "--port", str(port), "--num-blocks", "128"], env=subprocess_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            deadline, status = time.monotonic() + 30, None
+            while time.monotonic() < deadline and status != health_pb2.HealthCheckResponse.SERVING:
+                try:
+                    status = stub.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=1).status
+                except grpc.RpcError:
+                    time.sleep(0.1)
+            assert status == health_pb2.HealthCheckResponse.SERVING
+            info = worker_pb2_grpc.WorkerServiceStub(channel).Info(worker_pb2.InfoRequest(), timeout=5)
+            assert info.num_blocks == 128
+        proc.terminate()
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,198 @@
+"""The worker's gRPC service: Execute (unary), ExecuteStream (a stream of rounds), Info, and gRPC health.
+
+Theory of operation
+- `WorkerRuntime` owns the backend. Loading (weights) and every round run in one dedicated thread,
+  so the event loop stays free for RPCs and health checks, and rounds never overlap on the device.
+- Health is NOT_SERVING until the backend is loaded and one warm-up round has run, then SERVING;
+  Execute and Info answer UNAVAILABLE until then.
+- A backend exception fails the round as a whole: the result carries `error` (the scheduler fails the
+  round's requests); the service keeps serving.
+- `emulate_time`: a backend whose `elapsed_s` is modelled (the cost model) is made to take that long,
+  so that load tests on a CPU see GPU-like round times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from scheduler_svc.core.types import RoundPlan, RoundResult, SamplingParams, ScheduledSeq
+from sluice.errors import ErrorInterceptor, Unavailable
+from sluice.prom import WorkerMetrics
+from sluice.v1 import worker_pb2, worker_pb2_grpc
+from worker_svc import convert
+from worker_svc.backend import Backend, BackendInfo
+
+__all__ = ["SERVICE_NAME", "WorkerRuntime", "WorkerServicer", "start_worker_server"]
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "sluice.v1.WorkerService"
+
+
+class WorkerRuntime:
+    """Loads a backend off the event loop, warms it up, and runs its rounds one at a time in one thread."""
+
+    def __init__(self, load: Callable[[], Backend], *, num_blocks: int | None = None,
+                 emulate_time: bool = False, metrics: WorkerMetrics | None = None) -> None:
+        self._load = load
+        self._num_blocks = num_blocks
+        self._emulate_time = emulate_time
+        self.metrics = metrics or WorkerMetrics()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-backend")
+        self._backend: Backend | None = None
+        self._info: BackendInfo | None = None
+        self._lock = asyncio.Lock()
+        self.ready = asyncio.Event()
+
+    async def start(self) -> BackendInfo:
+        """Load the backend and run a warm-up round; return its info. Raises what loading or warm-up raises."""
+        loop = asyncio.get_running_loop()
+        backend = await loop.run_in_executor(self._executor, self._load)
+        info = backend.info()
+        if self._num_blocks is not None:
+            if self._num_blocks > info.num_blocks:
+                raise ValueError(f"--num-blocks {self._num_blocks} exceeds the backend's capacity of "
+                                 f"{info.num_blocks} blocks")
+            info = dataclasses.replace(info, num_blocks=self._num_blocks)
+        self._backend, self._info = backend, info
+        warm = await self._run(_warmup_plan(info))
+        if warm.error:
+            raise RuntimeError(f"warm-up round failed: {warm.error}")
+        self.metrics.serving.set(1)
+        self.ready.set()
+        log.info("worker ready: %s", info)
+        return info
+
+    def info(self) -> BackendInfo:
+        """Return the backend's info. Raises Unavailable until the backend is loaded."""
+        if self._info is None:
+            raise Unavailable("the worker is still loading its model", reason="WORKER_LOADING")
+        return self._info
+
+    async def execute(self, plan: RoundPlan, rpc: str = "Execute") -> RoundResult:
+        """Run one round and return its result (`error` set when the backend raised).
+
+        Raises Unavailable until the warm-up round has run.
+        """
+        if not self.ready.is_set():
+            raise Unavailable("the worker is not ready (loading or warming up)", reason="WORKER_LOADING")
+        self.metrics.rounds.labels(rpc).inc()
+        return await self._run(plan)
+
+    async def _run(self, plan: RoundPlan) -> RoundResult:
+        backend = self._backend
+        assert backend is not None
+        loop = asyncio.get_running_loop()
+        async with self._lock:  # one device: rounds run strictly one after another
+            start = time.perf_counter()
+            try:
+                result = await loop.run_in_executor(self._executor, backend.execute, plan)
+            except Exception as exc:
+                log.exception("round %d failed", plan.round_id)
+                self.metrics.round_errors.inc()
+                return RoundResult(plan.round_id, (), time.perf_counter() - start,
+                                   error=f"{type(exc).__name__}: {exc}")
+            if self._emulate_time:
+                remaining = result.elapsed_s - (time.perf_counter() - start)
+                if remaining > 0:
+                    await asyncio.sleep(remaining)
+        self.metrics.execute_duration.observe(result.elapsed_s)
+        self._count_tokens(plan)
+        return result
+
+    def _count_tokens(self, plan: RoundPlan) -> None:
+        prefill = sum(len(s.token_ids) for s in plan.seqs if s.is_prefill)
+        decode = sum(len(s.token_ids) for s in plan.seqs if not s.is_prefill)
+        self.metrics.tokens.labels("prefill").inc(prefill)
+        self.metrics.tokens.labels("decode").inc(decode)
+
+    def close(self) -> None:
+        """Stop the backend thread (after the round in flight)."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _warmup_plan(info: BackendInfo) -> RoundPlan:
+    """A one-sequence prefill of a few tokens in block 0 that samples one token (block 0 is rewritten later)."""
+    n = max(1, min(4, info.block_size, info.max_model_len - 1))
+    tokens = tuple(1 + (i % max(1, info.vocab_size - 1)) for i in range(n))
+    seq = ScheduledSeq(request_id="__warmup__", epoch=0, token_ids=tokens, start_position=0, block_table=(0,),
+                       sampling=SamplingParams(max_tokens=1), sample=True, output_index=0)
+    return RoundPlan(round_id=0, seqs=(seq,))
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
+    """Thin servicer: convert the plan, run it on the runtime, convert the result back."""
+
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        self.runtime = runtime
+
+    async def Execute(self, request: worker_pb2.RoundPlan,  # noqa: N802 (gRPC method name)
+                      context: grpc.aio.ServicerContext) -> worker_pb2.RoundResult:
+        result = await self.runtime.execute(convert.plan_from_proto(request), "Execute")
+        return convert.result_to_proto(result)
+
+    async def ExecuteStream(self, request_iterator: AsyncIterator[worker_pb2.RoundPlan],  # noqa: N802
+                            context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.RoundResult]:
+        async for plan in request_iterator:
+            result = await self.runtime.execute(convert.plan_from_proto(plan), "ExecuteStream")
+            yield convert.result_to_proto(result)
+
+    async def Info(self, request: worker_pb2.InfoRequest,  # noqa: N802
+                   context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
+        return convert.info_to_proto(self.runtime.info())
+
+
+@dataclasses.dataclass
+class RunningWorker:
+    """A started worker server: the gRPC server, its port, health servicer and the loading task."""
+
+    server: grpc.aio.Server
+    port: int
+    runtime: WorkerRuntime
+    health: health_aio.HealthServicer
+    loading: asyncio.Task[None]
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        """Report NOT_SERVING, stop the server (letting RPCs in flight finish within grace_s) and the backend."""
+        await self.health.enter_graceful_shutdown()
+        self.loading.cancel()
+        await self.server.stop(grace_s)
+        self.runtime.close()
+
+
+async def start_worker_server(runtime: WorkerRuntime, port: int = 0, host: str = "127.0.0.1") -> RunningWorker:
+    """Start the gRPC server at once (health NOT_SERVING) and load the backend in the background.
+
+    Returns the running worker; health turns SERVING when the warm-up round has run. Loading errors are
+    logged and leave the worker NOT_SERVING. Raises RuntimeError when the port cannot be bound.
+    """
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(runtime), server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    for name in ("", SERVICE_NAME):
+        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"cannot bind the worker to {host}:{port}")
+    await server.start()
+
+    async def load() -> None:
+        try:
+            await runtime.start()
+        except Exception:
+            log.exception("the worker failed to load; it stays NOT_SERVING")
+            return
+        for name in ("", SERVICE_NAME):
+            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    return RunningWorker(server, bound, runtime, health, asyncio.create_task(load()))
