@@ -195,7 +195,7 @@ class CostModel:
             if len(self._bases) > 100_000:  # bounded: ids are cheap to recompute
                 self._bases.clear()
         token = (base + output_index * 2654435761) % vocab
-        return token + 1 if token == eos else token
+        return (token + 1) % vocab if token == eos else token
 
     def execute(self, plan: RoundPlan) -> RoundResult:
         """Return the round's tokens (one per sampling seq) with `elapsed_s` = modelled time."""

@@ -14,6 +14,7 @@ the cost model and the torch engine agree on one definition; the fallbacks below
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -94,8 +95,8 @@ LLAMA_SHAPES: dict[str, ModelShape] = {
 
 # Used only when worker_svc.engine.presets is absent; keep in step with it.
 _FALLBACK_PRESETS: dict[str, ModelShape] = {
-    "tiny": ModelShape("tiny", 2, 64, 4, 2, 176, 260, 2048, 257, tie_embeddings=True),
-    "small-100m": ModelShape("small-100m", 12, 768, 12, 4, 2048, 32000, 4096, 2),
+    "tiny": ModelShape("tiny", 4, 128, 4, 2, 352, 258, 2048, 257),
+    "small-100m": ModelShape("small-100m", 12, 768, 12, 4, 2048, 32000, 2048, 257, tie_embeddings=True),
 }
 
 
@@ -139,8 +140,8 @@ def model_shape(name: str) -> ModelShape:
     preset = _engine_presets().get(name)
     if isinstance(preset, Mapping):
         return _shape_from_config(name, preset)
-    if preset is not None and hasattr(preset, "__dict__"):
-        return _shape_from_config(name, vars(preset))
+    if preset is not None and dataclasses.is_dataclass(preset) and not isinstance(preset, type):
+        return _shape_from_config(name, dataclasses.asdict(preset))
     if name in _FALLBACK_PRESETS:
         return _FALLBACK_PRESETS[name]
     known = sorted({*LLAMA_SHAPES, *_engine_presets(), *_FALLBACK_PRESETS})

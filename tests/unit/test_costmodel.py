@@ -141,3 +141,16 @@ def test_fit_needs_samples_and_unknown_names_are_listed() -> None:
         CostModel("llama-3-8b", "a100")
     with pytest.raises(ValueError, match="llama-3-8b"):
         CostModel("gpt-9")
+
+
+def test_presets_come_from_the_engine_definition() -> None:
+    """The cost model's `tiny` shape is the torch engine's preset (one definition, no drift)."""
+    presets = pytest.importorskip("worker_svc.engine.presets")
+    config = presets.PRESETS["tiny"]
+    shape = model_shape("tiny")
+    assert (shape.num_layers, shape.hidden_size, shape.vocab_size) == (
+        config.num_hidden_layers,
+        config.hidden_size,
+        config.vocab_size,
+    )
+    assert CostModel("tiny", "h100").info().eos_token_id == config.eos_token_id

@@ -1,0 +1,185 @@
+"""Reports of a run's summary (`sluice.metrics.summarize`): JSON, tables and PNG plots.
+
+- `write_json`: the whole summary, for machines.
+- `format_table`: the headline figures of one run, fixed width, for people.
+- `format_compare`: the same rows side by side, one column per configuration.
+- `write_plots`: latency CDFs (TTFT, TPOT, E2E; one line per configuration) and a timeline of
+  queue length, running requests, KV use and replica count (matplotlib, Agg backend).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from sluice.metrics import RequestRecord
+
+Summary = Mapping[str, object]
+
+
+def _get(summary: Summary, path: str) -> object:
+    value: object = summary
+    for key in path.split("."):
+        if not isinstance(value, Mapping) or key not in value:
+            return None
+        value = value[key]
+    return value
+
+
+def _number(scale: float, digits: int) -> Callable[[object], str]:
+    def render(value: object) -> str:
+        if value is None or not isinstance(value, int | float) or math.isnan(float(value)):
+            return "-"
+        return f"{float(value) * scale:,.{digits}f}"
+
+    return render
+
+
+# (label, path in the summary, renderer)
+ROWS: tuple[tuple[str, str, Callable[[object], str]], ...] = (
+    ("requests", "requests", _number(1, 0)),
+    ("ok", "counts.ok", _number(1, 0)),
+    ("rejected", "counts.rejected", _number(1, 0)),
+    ("timed out", "counts.timed_out", _number(1, 0)),
+    ("cancelled", "counts.cancelled", _number(1, 0)),
+    ("failed", "counts.failed", _number(1, 0)),
+    ("retried", "retried", _number(1, 0)),
+    ("goodput (req/s)", "goodput_rps", _number(1, 3)),
+    ("SLO attainment (%)", "slo_attainment", _number(100, 1)),
+    ("throughput (req/s)", "throughput_rps", _number(1, 3)),
+    ("output tokens/s", "output_tokens_per_s", _number(1, 0)),
+    ("TTFT p50 (ms)", "ttft_s.p50", _number(1000, 1)),
+    ("TTFT p90 (ms)", "ttft_s.p90", _number(1000, 1)),
+    ("TTFT p99 (ms)", "ttft_s.p99", _number(1000, 1)),
+    ("TPOT p50 (ms)", "tpot_s.p50", _number(1000, 2)),
+    ("TPOT p90 (ms)", "tpot_s.p90", _number(1000, 2)),
+    ("TPOT p99 (ms)", "tpot_s.p99", _number(1000, 2)),
+    ("ITL p50 (ms)", "itl_s.p50", _number(1000, 2)),
+    ("ITL p99 (ms)", "itl_s.p99", _number(1000, 2)),
+    ("E2E p50 (s)", "e2e_s.p50", _number(1, 2)),
+    ("E2E p99 (s)", "e2e_s.p99", _number(1, 2)),
+    ("max normal wait (s)", "max_normal_priority_wait_s", _number(1, 2)),
+    ("Jain's index", "fairness.jain_index", _number(1, 3)),
+    ("preemptions", "preemptions", _number(1, 0)),
+    ("recomputed tokens", "tokens.recomputed", _number(1, 0)),
+    ("prefix hit rate (%)", "replica_stats.prefix_hit_rate", _number(100, 1)),
+    ("KV use mean (%)", "series_summary.kv_used_frac.mean", _number(100, 1)),
+    ("KV use max (%)", "series_summary.kv_used_frac.max", _number(100, 1)),
+    ("queue max", "series_summary.waiting.max", _number(1, 0)),
+    ("dropped results", "replica_stats.dropped_results", _number(1, 0)),
+    ("simulated s", "sim.simulated_s", _number(1, 1)),
+    ("wall s", "sim.wall_s", _number(1, 2)),
+    ("sim s per wall s", "sim.sim_s_per_wall_s", _number(1, 1)),
+)
+
+
+def _rows_present(summaries: Sequence[Summary]) -> list[tuple[str, list[str]]]:
+    rows = []
+    for label, path, render in ROWS:
+        values = [_get(s, path) for s in summaries]
+        if all(v is None for v in values):
+            continue
+        rows.append((label, [render(v) for v in values]))
+    return rows
+
+
+def format_table(summary: Summary, title: str = "") -> str:
+    """Return the headline figures of one run as a fixed-width two-column table."""
+    return format_compare({title or "value": summary})
+
+
+def format_compare(summaries: Mapping[str, Summary]) -> str:
+    """Return a fixed-width table with one row per figure and one column per configuration."""
+    names = list(summaries)
+    rows = _rows_present([summaries[n] for n in names])
+    label_width = max([len("metric"), *(len(label) for label, _ in rows)])
+    widths = [max([len(n), *(len(values[i]) for _, values in rows)]) for i, n in enumerate(names)]
+    lines = [
+        "  ".join(["metric".ljust(label_width), *(n.rjust(w) for n, w in zip(names, widths, strict=True))])
+    ]
+    lines.append("  ".join(["-" * label_width, *("-" * w for w in widths)]))
+    for label, values in rows:
+        cells = (v.rjust(w) for v, w in zip(values, widths, strict=True))
+        lines.append("  ".join([label.ljust(label_width), *cells]))
+    return "\n".join(lines)
+
+
+def write_json(summary: object, path: str | Path) -> Path:
+    """Write the summary (or a mapping of summaries) as indented JSON; returns the path."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
+    return target
+
+
+def _cdf_plot(plt: object, runs: Mapping[str, Sequence[RequestRecord]], metric: str, target: Path) -> Path:
+    import numpy as np
+
+    figure, axis = plt.subplots(figsize=(7, 4.5))  # type: ignore[attr-defined]
+    for name, records in runs.items():
+        values = np.sort([v for r in records if r.status == "ok" and (v := getattr(r, metric)) is not None])
+        if values.size:
+            axis.plot(values * 1000.0, np.arange(1, values.size + 1) / values.size, label=name)
+    axis.set_xlabel(f"{metric.removesuffix('_s').upper()} (ms)")
+    axis.set_ylabel("fraction of requests")
+    axis.set_xscale("log")
+    axis.grid(True, which="both", alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(target, dpi=110)
+    plt.close(figure)  # type: ignore[attr-defined]
+    return target
+
+
+_TIMELINE = (
+    ("waiting", "queue length"),
+    ("running", "running requests"),
+    ("kv_used_frac", "KV use (fraction)"),
+    ("replicas_ready", "ready replicas"),
+)
+
+
+def _timeline_plot(
+    plt: object, series: Mapping[str, Sequence[Sequence[float]]], title: str, target: Path
+) -> Path:
+    figure, axes = plt.subplots(len(_TIMELINE), 1, figsize=(8, 8), sharex=True)  # type: ignore[attr-defined]
+    for axis, (key, label) in zip(axes, _TIMELINE, strict=True):
+        points = series.get(key, ())
+        axis.plot([p[0] for p in points], [p[1] for p in points], linewidth=0.8)
+        axis.set_ylabel(label, fontsize=8)
+        axis.grid(True, alpha=0.3)
+    axes[0].set_title(title)
+    axes[-1].set_xlabel("time (s)")
+    figure.tight_layout()
+    figure.savefig(target, dpi=110)
+    plt.close(figure)  # type: ignore[attr-defined]
+    return target
+
+
+def write_plots(
+    runs: Mapping[str, Sequence[RequestRecord]],
+    series: Mapping[str, Mapping[str, Sequence[Sequence[float]]]],
+    out_dir: str | Path,
+) -> list[Path]:
+    """Write latency CDFs over all runs and one timeline per run into `out_dir`; returns the files.
+
+    `runs` maps a configuration name to its records; `series` maps it to its time series
+    (keys "waiting", "running", "kv_used_frac", "replicas_ready" as (time, value) pairs).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    target = Path(out_dir)
+    target.mkdir(parents=True, exist_ok=True)
+    files = [
+        _cdf_plot(plt, runs, metric, target / f"cdf_{metric.removesuffix('_s')}.png")
+        for metric in ("ttft_s", "tpot_s", "e2e_s")
+    ]
+    for name, run_series in series.items():
+        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
+        files.append(_timeline_plot(plt, run_series, name, target / f"timeline_{safe}.png"))
+    return files

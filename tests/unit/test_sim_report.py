@@ -1,0 +1,52 @@
+"""Reports: tables, the side-by-side comparison, JSON and PNG plots from real summaries."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sluice.metrics import RequestRecord, summarize
+from sluice.report import format_compare, format_table, write_json, write_plots
+
+
+def make_records(scale: float) -> list[RequestRecord]:
+    """Return three ok requests whose latencies grow with `scale`, and one rejection."""
+    records = [
+        RequestRecord(
+            f"r{i}", arrival_s=i, first_token_s=i + 0.1 * scale, finish_s=i + 1.0 * scale, output_tokens=10
+        )
+        for i in range(3)
+    ]
+    return [*records, RequestRecord("x", arrival_s=0.5, finish_s=0.5, status="rejected")]
+
+
+def test_table_shows_headline_figures() -> None:
+    """The one-run table shows TTFT p99 in ms and the rejection count, and leaves out absent rows."""
+    table = format_table(summarize(make_records(1.0), 1.0, 0.05))
+    assert "TTFT p99 (ms)" in table and "100.0" in table
+    assert "rejected" in table
+    assert "sim s per wall s" not in table
+
+
+def test_compare_has_one_column_per_configuration() -> None:
+    """The comparison puts each configuration in its own column, aligned."""
+    table = format_compare(
+        {"fcfs+rr": summarize(make_records(1.0), 1, 1), "fcfs+score": summarize(make_records(2.0), 1, 1)}
+    )
+    header, rule, *rows = table.splitlines()
+    assert header.split()[-2:] == ["fcfs+rr", "fcfs+score"]
+    ttft = next(row for row in rows if row.startswith("TTFT p50"))
+    assert ttft.split()[-2:] == ["100.0", "200.0"]
+    assert len({len(line) for line in [header, rule, *rows]}) == 1
+
+
+def test_json_and_plots_are_written(tmp_path: Path) -> None:
+    """JSON round-trips and the CDF and timeline PNGs are written and non-empty."""
+    summary = summarize(make_records(1.0), 1, 1, series={"waiting": [(0.0, 1.0), (1.0, 0.0)]})
+    path = write_json(summary, tmp_path / "out.json")
+    assert json.loads(path.read_text())["counts"]["rejected"] == 1
+    files = write_plots(
+        {"a": make_records(1.0), "b": make_records(2.0)}, {"a": {"waiting": [(0, 1), (1, 2)]}}, tmp_path
+    )
+    assert {f.name for f in files} == {"cdf_ttft.png", "cdf_tpot.png", "cdf_e2e.png", "timeline_a.png"}
+    assert all(f.stat().st_size > 1000 for f in files)
