@@ -106,30 +106,48 @@ class TorchBackend:
 
     @torch.inference_mode()
     def _execute(self, plan: RoundPlan) -> tuple[SeqOutput, ...]:
+        inputs = self._prepare(plan)
+        if inputs is None:
+            return ()
+        logits = self._sampling_logits(inputs)
+        sampling = [plan.seqs[i] for i in inputs.sample_seq_indices]
+        tokens = dict(
+            zip(inputs.sample_seq_indices, sample_tokens(logits, sampling, self.generator), strict=True)
+        )
+        return tuple(self._output(seq, tokens.get(index)) for index, seq in enumerate(plan.seqs))
+
+    @torch.inference_mode()
+    def round_logits(self, plan: RoundPlan) -> dict[int, torch.Tensor]:
+        """Run plan like `execute` (swaps, KV writes) but return logits instead of tokens.
+
+        Returns float32 CPU logits [sampling vocab] keyed by the index in plan.seqs of each
+        sequence that samples. Raises PlanError for an invalid plan. For tests and benchmarks.
+        """
+        with self._lock:
+            inputs = self._prepare(plan)
+            if inputs is None:
+                return {}
+            logits = self._sampling_logits(inputs)
+            return {index: logits[row] for row, index in enumerate(inputs.sample_seq_indices)}
+
+    def _prepare(self, plan: RoundPlan) -> RoundInputs | None:
+        # validate everything before the first write, so a bad plan changes nothing
         swap_out = [(c.src, c.dst) for c in plan.swap_out]
         swap_in = [(c.src, c.dst) for c in plan.swap_in]
         self.cache.validate_swaps(swap_out, swap_in)
         inputs = build_round_inputs(plan.seqs, self.limits, self.device) if plan.seqs else None
         self.cache.swap_out(swap_out)
         self.cache.swap_in(swap_in)
-        if inputs is None:
-            return ()
-        tokens = self._forward_and_sample(plan.seqs, inputs)
-        return tuple(self._output(seq, tokens.get(index)) for index, seq in enumerate(plan.seqs))
+        return inputs
 
-    def _forward_and_sample(self, seqs: tuple[ScheduledSeq, ...], inputs: RoundInputs) -> dict[int, int]:
+    def _sampling_logits(self, inputs: RoundInputs) -> torch.Tensor:
         cache = self.cache
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return paged_attention(q, k, v, cache.flat_key(layer), cache.flat_value(layer), inputs)
 
         hidden = self.model.forward_hidden(inputs.token_ids, inputs.positions, attend)
-        if not inputs.sample_seq_indices:
-            return {}
-        logits = self.model.logits(hidden[inputs.sample_rows])[:, : self.sampling_vocab].cpu()
-        sampling = [seqs[i] for i in inputs.sample_seq_indices]
-        tokens = sample_tokens(logits, sampling, self.generator)
-        return dict(zip(inputs.sample_seq_indices, tokens, strict=True))
+        return self.model.logits(hidden[inputs.sample_rows])[:, : self.sampling_vocab].cpu()
 
     def _output(self, seq: ScheduledSeq, token: int | None) -> SeqOutput:
         if token is None:
