@@ -1,0 +1,229 @@
+"""The KV block pool of one replica: reference counts, a hash-indexed prefix cache, pins, events.
+
+Theory of operation
+-------------------
+Every block is in exactly one of three ledgers:
+  * free    -- refcount 0, no hash: handed out first (a stack, so recently freed blocks are reused);
+  * cached  -- refcount 0 with a registered hash: still findable by `lookup`, kept in an LRU and
+               evicted lazily (a REMOVED event) only when an allocation runs out of free blocks;
+  * used    -- refcount > 0 (owners plus pins).
+so `num_free + num_used + num_cached == num_blocks` always holds. A full block gets its hash with
+`register` once its KV is computed (a STORED event); equal prefixes then share that block through
+`lookup` + `acquire`. `pin` takes an extra reference for an explicit reader (a swap-out copy), so a
+pinned block is never handed out. Allocation that does not fit returns None and changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from scheduler_svc.core.types import KvEvent, KvEventKind
+
+
+class BlockPoolError(Exception):
+    """A caller broke the pool's bookkeeping (freeing a free block, unpinning an unpinned one)."""
+
+
+class BlockPool:
+    """Fixed pool of `num_blocks` KV blocks with reference counts and a prefix cache."""
+
+    __slots__ = (
+        "num_blocks",
+        "caching",
+        "_refcount",
+        "_pins",
+        "_hash_of",
+        "_block_of",
+        "_free",
+        "_cached",
+        "_events",
+        "last_event_id",
+    )
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.caching = enable_caching
+        self._refcount = [0] * num_blocks
+        self._pins = [0] * num_blocks
+        self._hash_of = [0] * num_blocks
+        self._block_of: dict[int, int] = {}
+        # Reversed so that block 0 is handed out first (plans are easier to read).
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._cached: OrderedDict[int, None] = OrderedDict()
+        self._events: list[KvEvent] = []
+        self.last_event_id = 0
+
+    # ---- ledgers ---------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Return the number of free blocks without a cached hash."""
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Return the number of unreferenced blocks that keep a hash (evictable)."""
+        return len(self._cached)
+
+    @property
+    def num_used(self) -> int:
+        """Return the number of blocks with a reference (owner or pin)."""
+        return self.num_blocks - len(self._free) - len(self._cached)
+
+    @property
+    def num_allocatable(self) -> int:
+        """Return how many blocks an allocation could get now (free + evictable cached)."""
+        return len(self._free) + len(self._cached)
+
+    def refcount(self, block_id: int) -> int:
+        """Return the reference count of one block."""
+        return self._refcount[block_id]
+
+    def pin_count(self, block_id: int) -> int:
+        """Return how many pins one block holds."""
+        return self._pins[block_id]
+
+    def free_block_ids(self) -> tuple[int, ...]:
+        """Return the ids of free (uncached) blocks; for invariant checks."""
+        return tuple(self._free)
+
+    def cached_block_ids(self) -> tuple[int, ...]:
+        """Return the ids of cached blocks, least recently used first; for invariant checks."""
+        return tuple(self._cached)
+
+    # ---- allocation ------------------------------------------------------------------------
+    def allocate(self, count: int) -> list[int] | None:
+        """Return `count` fresh blocks (refcount 1), or None, changing nothing, when they don't fit.
+
+        Uncached free blocks go first; then least recently used cached blocks are evicted.
+        """
+        free = self._free
+        if count > len(free) + len(self._cached):
+            return None
+        if count <= len(free):
+            taken = free[len(free) - count :]
+            del free[len(free) - count :]
+        else:
+            taken = free[:]
+            free.clear()
+            for _ in range(count - len(taken)):
+                taken.append(self._evict_oldest())
+        refcount = self._refcount
+        for block in taken:
+            refcount[block] = 1
+        return taken
+
+    def _evict_oldest(self) -> int:
+        block, _ = self._cached.popitem(last=False)
+        block_hash = self._hash_of[block]
+        self._hash_of[block] = 0
+        del self._block_of[block_hash]
+        self._emit(KvEventKind.REMOVED, (block_hash,))
+        return block
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference from each block; unreferenced blocks become free or cached.
+
+        Callers pass a sequence's blocks tail first, so its tail is evicted before its prefix.
+        Raises BlockPoolError for a block that has no reference.
+        """
+        refcount = self._refcount
+        hash_of = self._hash_of
+        for block in block_ids:
+            count = refcount[block]
+            if count <= 0:
+                raise BlockPoolError(f"block {block} freed with refcount {count}")
+            refcount[block] = count - 1
+            if count == 1:
+                if hash_of[block]:
+                    self._cached[block] = None
+                else:
+                    self._free.append(block)
+
+    # ---- prefix cache ----------------------------------------------------------------------
+    def lookup(self, block_hashes: Sequence[int]) -> list[int]:
+        """Return the blocks of the longest cached prefix of `block_hashes` (no references taken)."""
+        if not self.caching:
+            return []
+        found: list[int] = []
+        block_of = self._block_of
+        for block_hash in block_hashes:
+            block = block_of.get(block_hash)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def count_unreferenced(self, block_ids: Iterable[int]) -> int:
+        """Return how many of `block_ids` sit in the cached LRU (acquiring them uses up capacity)."""
+        refcount = self._refcount
+        return sum(1 for block in block_ids if refcount[block] == 0)
+
+    def acquire(self, block_ids: Iterable[int]) -> None:
+        """Take a reference on each (cached or used) block, e.g. a prefix-cache hit."""
+        refcount = self._refcount
+        for block in block_ids:
+            if refcount[block] == 0:
+                if block not in self._cached:
+                    raise BlockPoolError(f"block {block} is free, not cached: nothing to share")
+                del self._cached[block]
+            refcount[block] += 1
+
+    def register(self, block_id: int, block_hash: int, parent_hash: int) -> bool:
+        """Record the hash of a full, computed block; return True when it was newly stored.
+
+        A hash that another block already holds keeps the first one (the duplicate stays uncached).
+        """
+        if not self.caching or self._hash_of[block_id] or block_hash in self._block_of:
+            return False
+        if self._refcount[block_id] <= 0:
+            raise BlockPoolError(f"block {block_id} registered without a reference")
+        self._hash_of[block_id] = block_hash
+        self._block_of[block_hash] = block_id
+        self._emit(KvEventKind.STORED, (block_hash,), parent_hash)
+        return True
+
+    def reset_cache(self) -> None:
+        """Forget every hash (cached blocks become free) and emit ALL_CLEARED."""
+        for block in self._cached:
+            self._free.append(block)
+        self._cached.clear()
+        self._block_of.clear()
+        self._hash_of = [0] * self.num_blocks
+        self._emit(KvEventKind.ALL_CLEARED, ())
+
+    def cached_hashes(self) -> tuple[int, ...]:
+        """Return the hash of every block that holds one (used or cached)."""
+        return tuple(self._block_of)
+
+    # ---- readers ---------------------------------------------------------------------------
+    def pin(self, block_ids: Iterable[int]) -> None:
+        """Hold `block_ids` for an explicit reader: they are never handed out until unpinned."""
+        block_ids = list(block_ids)
+        self.acquire(block_ids)
+        pins = self._pins
+        for block in block_ids:
+            pins[block] += 1
+
+    def unpin(self, block_ids: Iterable[int]) -> None:
+        """Release pins taken with `pin`. Raises BlockPoolError for a block that is not pinned."""
+        block_ids = list(block_ids)
+        pins = self._pins
+        for block in block_ids:
+            if pins[block] <= 0:
+                raise BlockPoolError(f"block {block} unpinned without a pin")
+        for block in block_ids:
+            pins[block] -= 1
+        self.free(block_ids)
+
+    # ---- events ----------------------------------------------------------------------------
+    def _emit(self, kind: KvEventKind, hashes: tuple[int, ...], parent_hash: int = 0) -> None:
+        self.last_event_id += 1
+        self._events.append(KvEvent(self.last_event_id, kind, hashes, parent_hash))
+
+    def take_events(self) -> list[KvEvent]:
+        """Return and clear the KV events emitted since the last call."""
+        events, self._events = self._events, []
+        return events

@@ -1,0 +1,232 @@
+"""Orders of the waiting queue: small classes behind the `Policy` enum and `make_queue`.
+
+Every queue keys a request by data fixed at submission, so a preempted request pushed back gets
+its original place (FCFS: the front; priority: where its key puts it). Removal is lazy: an entry
+is live only while `request.queue_seq` equals the entry's sequence number, so `remove` is O(1)
+and dead entries are dropped when they reach the top of a heap.
+
+PRIORITY with aging: effective priority = priority + aging_rate * (now - arrival). For two waiting
+requests the difference of effective priorities does not depend on `now`, so the order is the
+static key priority - aging_rate * arrival. A request R that arrived at t is overtaken only by a
+request of priority p_R + delta arriving before t + delta / aging_rate: later arrivals rank below.
+
+FAIR: each tenant has a virtual token counter, charged (input tokens * fair_input_weight + output
+tokens * fair_output_weight) / tenant weight through `on_service`; the next request comes from the
+backlogged tenant with the smallest counter (FCFS within a tenant). A tenant that becomes
+backlogged has its counter lifted to the smallest counter of the other backlogged tenants (or, with
+none, to the counter of the last tenant served), so idleness never banks service.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from abc import ABC, abstractmethod
+
+from scheduler_svc.core.config import Policy, SchedulerConfig
+from scheduler_svc.core.request import Request
+
+
+class WaitingQueue(ABC):
+    """Interface of every waiting-queue policy."""
+
+    tracks_service = False
+    """True when the core must report served tokens through `on_service`."""
+
+    def __init__(self) -> None:
+        self._next_seq = 0
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _new_seq(self, request: Request) -> int:
+        self._next_seq += 1
+        request.queue_seq = self._next_seq
+        self._len += 1
+        return self._next_seq
+
+    @abstractmethod
+    def push(self, request: Request) -> None:
+        """Queue `request` at the place its static key gives it."""
+
+    @abstractmethod
+    def peek(self) -> Request | None:
+        """Return the request that would be popped next, or None when the queue is empty."""
+
+    def pop(self) -> Request:
+        """Remove and return the head. Raises IndexError on an empty queue."""
+        request = self.peek()
+        if request is None:
+            raise IndexError("pop from an empty waiting queue")
+        self.remove(request)
+        return request
+
+    def remove(self, request: Request) -> bool:
+        """Drop `request` (lazily); return False when it was not queued."""
+        if request.queue_seq < 0:
+            return False
+        request.queue_seq = -1
+        self._len -= 1
+        return True
+
+    def on_service(self, tenant: str, input_tokens: int, output_tokens: int) -> None:  # noqa: B027
+        """Account tokens served to `tenant` (only FAIR uses it)."""
+
+    @abstractmethod
+    def live(self) -> list[Request]:
+        """Return the queued requests (O(n); for checks and snapshots, not the hot path)."""
+
+
+class _HeapQueue(WaitingQueue):
+    """A heap of (key..., seq, request) entries with lazy deletion."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._heap: list[tuple] = []
+
+    def _key(self, request: Request) -> tuple:
+        raise NotImplementedError
+
+    def push(self, request: Request) -> None:
+        seq = self._new_seq(request)
+        heapq.heappush(self._heap, (*self._key(request), seq, request))
+
+    def peek(self) -> Request | None:
+        heap = self._heap
+        while heap:
+            entry = heap[0]
+            request = entry[-1]
+            if request.queue_seq == entry[-2]:
+                return request
+            heapq.heappop(heap)
+        return None
+
+    def live(self) -> list[Request]:
+        return [entry[-1] for entry in sorted(self._heap) if entry[-1].queue_seq == entry[-2]]
+
+
+class FcfsQueue(_HeapQueue):
+    """First come, first served (by arrival time, then submission order)."""
+
+    def _key(self, request: Request) -> tuple:
+        return (request.arrival_time, request.arrival_seq)
+
+
+class PriorityQueue(_HeapQueue):
+    """Larger priority first, with linear aging (static key, see the module docstring)."""
+
+    def __init__(self, aging_rate: float) -> None:
+        super().__init__()
+        if aging_rate < 0:
+            raise ValueError(f"aging_rate must be >= 0, got {aging_rate}")
+        self.aging_rate = aging_rate
+
+    def _key(self, request: Request) -> tuple:
+        return (self.aging_rate * request.arrival_time - request.priority, request.arrival_seq)
+
+
+class EdfQueue(_HeapQueue):
+    """Earliest deadline first; requests without a deadline last; ties by arrival."""
+
+    def _key(self, request: Request) -> tuple:
+        deadline = math.inf if request.deadline is None else request.deadline
+        return (deadline, request.arrival_time, request.arrival_seq)
+
+
+class FairQueue(WaitingQueue):
+    """Weighted fair share across tenants by virtual token counters (FCFS within a tenant)."""
+
+    tracks_service = True
+
+    def __init__(self, input_weight: float, output_weight: float, tenant_weights: dict[str, float]) -> None:
+        super().__init__()
+        for tenant, weight in tenant_weights.items():
+            if weight <= 0:
+                raise ValueError(f"tenant weight must be > 0, got {weight} for {tenant!r}")
+        self.input_weight = input_weight
+        self.output_weight = output_weight
+        self.tenant_weights = tenant_weights
+        self.counters: dict[str, float] = {}
+        self._heaps: dict[str, list[tuple]] = {}
+        self._tenant_len: dict[str, int] = {}
+        self._last_served = 0.0
+
+    def push(self, request: Request) -> None:
+        tenant = request.tenant
+        if not self._tenant_len.get(tenant):
+            self._lift(tenant)
+        seq = self._new_seq(request)
+        self._tenant_len[tenant] = self._tenant_len.get(tenant, 0) + 1
+        heapq.heappush(self._heaps.setdefault(tenant, []), (request.arrival_time, request.arrival_seq, seq, request))
+
+    def _lift(self, tenant: str) -> None:
+        # Why: a tenant that was idle must not claim the service it missed.
+        others = [self.counters[t] for t, n in self._tenant_len.items() if n and t != tenant]
+        floor = min(others) if others else self._last_served
+        self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
+
+    def _head(self, tenant: str) -> Request | None:
+        heap = self._heaps[tenant]
+        while heap:
+            entry = heap[0]
+            if entry[-1].queue_seq == entry[-2]:
+                return entry[-1]
+            heapq.heappop(heap)
+        return None
+
+    def peek(self) -> Request | None:
+        best: Request | None = None
+        best_key: tuple = ()
+        for tenant, count in self._tenant_len.items():
+            if not count:
+                continue
+            head = self._head(tenant)
+            key = (self.counters[tenant], head.arrival_time, head.arrival_seq) if head else ()
+            if head is not None and (best is None or key < best_key):
+                best, best_key = head, key
+        return best
+
+    def pop(self) -> Request:
+        request = super().pop()
+        self._last_served = self.counters[request.tenant]
+        return request
+
+    def remove(self, request: Request) -> bool:
+        if not super().remove(request):
+            return False
+        self._tenant_len[request.tenant] -= 1
+        return True
+
+    def on_service(self, tenant: str, input_tokens: int, output_tokens: int) -> None:
+        cost = input_tokens * self.input_weight + output_tokens * self.output_weight
+        weight = self.tenant_weights.get(tenant, 1.0)
+        self.counters[tenant] = self.counters.get(tenant, self._last_served) + cost / weight
+
+    def live(self) -> list[Request]:
+        return [e[-1] for heap in self._heaps.values() for e in sorted(heap) if e[-1].queue_seq == e[-2]]
+
+
+def make_queue(policy: Policy | str, config: SchedulerConfig) -> WaitingQueue:
+    """Return an empty waiting queue for `policy` (an enum member or its name/value).
+
+    Raises ValueError naming the known policies when `policy` is unknown.
+    """
+    known = ", ".join(p.value for p in Policy)
+    if isinstance(policy, str):
+        try:
+            policy = Policy(policy.lower())
+        except ValueError:
+            raise ValueError(f"unknown policy {policy!r}; known: {known}") from None
+    factories = {
+        Policy.FCFS: lambda: FcfsQueue(),
+        Policy.PRIORITY: lambda: PriorityQueue(config.aging_rate),
+        Policy.FAIR: lambda: FairQueue(
+            config.fair_input_weight, config.fair_output_weight, dict(config.tenant_weights)
+        ),
+        Policy.EDF: lambda: EdfQueue(),
+    }
+    factory = factories.get(policy)
+    if factory is None:
+        raise ValueError(f"unknown policy {policy!r}; known: {known}")
+    return factory()

@@ -1,0 +1,97 @@
+"""The core's mutable record of one live request (internal; the contract types are in types.py)."""
+
+from __future__ import annotations
+
+from scheduler_svc.core.types import NewRequest, RequestStatus, SamplingParams, Usage
+
+
+class Request:
+    """One request's progress: tokens, computed prefix, blocks, epoch and where it is."""
+
+    __slots__ = (
+        "request_id",
+        "tenant",
+        "priority",
+        "arrival_time",
+        "deadline",
+        "queue_deadline",
+        "eos_token_id",
+        "sampling",
+        "max_tokens",
+        "stop_token_ids",
+        "stop_tail",
+        "tokens",
+        "num_prompt",
+        "num_computed",
+        "block_ids",
+        "block_table",
+        "block_hashes",
+        "num_registered",
+        "status",
+        "epoch",
+        "in_flight_round",
+        "host_blocks",
+        "swap_pinned",
+        "recompute_debt",
+        "release_input",
+        "arrival_seq",
+        "queue_seq",
+        "first_scheduled_time",
+        "first_token_time",
+        "usage",
+    )
+
+    def __init__(self, new: NewRequest, arrival_seq: int) -> None:
+        sampling: SamplingParams = new.sampling
+        self.request_id = new.request_id
+        self.tenant = new.tenant
+        self.priority = new.priority
+        self.arrival_time = new.arrival_time
+        self.deadline = new.deadline
+        self.queue_deadline = new.queue_deadline
+        self.eos_token_id = None if sampling.ignore_eos else new.eos_token_id
+        self.sampling = sampling
+        self.max_tokens = sampling.max_tokens
+        self.stop_token_ids = frozenset(sampling.stop_token_ids)
+        # The worker is stateless: it needs enough output tail to match the longest stop string.
+        self.stop_tail = (
+            max(len(s.encode()) for s in sampling.stop_strings) + 1 if sampling.stop_strings else 0
+        )
+        self.tokens: list[int] = list(new.prompt_token_ids)
+        self.num_prompt = len(self.tokens)
+        self.num_computed = 0
+        self.block_ids: list[int] = []
+        self.block_table: tuple[int, ...] = ()
+        self.block_hashes: list[int] = []
+        self.num_registered = 0
+        self.status = RequestStatus.WAITING
+        self.epoch = 0
+        self.in_flight_round: int | None = None
+        self.host_blocks: list[int] = []
+        self.swap_pinned: list[int] = []
+        self.recompute_debt = 0
+        """Tokens computed before the last recompute preemption (not yet counted as recomputed)."""
+        self.release_input: object = None
+        """The state-machine input that ends a CANCELLING request once its round's result arrives."""
+        self.arrival_seq = arrival_seq
+        self.queue_seq = -1
+        """Sequence number of the live waiting-queue entry; -1 when not queued (lazy deletion)."""
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.usage = Usage(input_tokens=self.num_prompt)
+
+    @property
+    def num_outputs(self) -> int:
+        """Return the number of output tokens so far."""
+        return len(self.tokens) - self.num_prompt
+
+    @property
+    def output_ids(self) -> tuple[int, ...]:
+        """Return the output tokens so far."""
+        return tuple(self.tokens[self.num_prompt :])
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, computed={self.num_computed}/"
+            f"{len(self.tokens)}, blocks={len(self.block_ids)}, epoch={self.epoch})"
+        )

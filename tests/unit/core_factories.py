@@ -1,0 +1,134 @@
+"""Factories and helpers for the scheduler-core tests: a core, requests, a tiny fake executor.
+
+The fake executor plays the worker's part (it is not the component under test): it answers a
+plan with one deterministic token per sampled sequence.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field, replace
+
+from scheduler_svc.core import SchedulerCore
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.types import (
+    CoreEvents,
+    NewRequest,
+    RequestStatus,
+    RoundPlan,
+    RoundResult,
+    SamplingParams,
+    SeqOutput,
+)
+
+
+def make_core(**overrides: object) -> SchedulerCore:
+    """Return a core with a small default config (64 blocks of 16 tokens), fields overridable."""
+    fields: dict[str, object] = {"num_blocks": 64, "block_size": 16}
+    fields.update(overrides)
+    return SchedulerCore(SchedulerConfig(**fields))  # type: ignore[arg-type]
+
+
+def make_request(
+    request_id: str,
+    prompt_len: int = 8,
+    max_tokens: int = 4,
+    *,
+    prompt: tuple[int, ...] | None = None,
+    arrival: float = 0.0,
+    **fields: object,
+) -> NewRequest:
+    """Return a NewRequest with `prompt_len` distinct prompt tokens unless `prompt` is given."""
+    sampling_fields = {k: fields.pop(k) for k in list(fields) if k in SamplingParams.__dataclass_fields__}
+    sampling = SamplingParams(max_tokens=max_tokens, **sampling_fields)  # type: ignore[arg-type]
+    if prompt is None:
+        base = sum(map(ord, request_id)) * 1000
+        prompt = tuple(base + i for i in range(prompt_len))
+    return NewRequest(request_id, prompt, sampling, arrival_time=arrival, **fields)  # type: ignore[arg-type]
+
+
+def token_for(request_id: str, output_index: int) -> int:
+    """Return the fake executor's token: deterministic per (request, index), never a small id."""
+    return 10_000 + output_index
+
+
+@dataclass
+class FakeExecutor:
+    """Answers plans like a worker would, recording what it was asked to do."""
+
+    plans: list[RoundPlan] = field(default_factory=list)
+    token_fn: object = token_for
+
+    def run(self, plan: RoundPlan) -> RoundResult:
+        """Return the result of `plan`: one token per sampled sequence."""
+        self.plans.append(plan)
+        outputs = tuple(
+            SeqOutput(seq.request_id, seq.epoch, (self.token_fn(seq.request_id, seq.output_index),))  # type: ignore[operator]
+            if seq.sample
+            else SeqOutput(seq.request_id, seq.epoch)
+            for seq in plan.seqs
+        )
+        return RoundResult(plan.round_id, outputs)
+
+
+def step(core: SchedulerCore, now: float, executor: FakeExecutor | None = None) -> tuple[RoundPlan, CoreEvents]:
+    """Schedule one round at `now`, execute it and apply the result; return (plan, events)."""
+    plan = core.schedule(now)
+    if plan.is_empty:
+        return plan, core.take_events()
+    result = (executor or FakeExecutor()).run(plan)
+    return plan, core.on_round_result(result, now)
+
+
+def check_invariants(core: SchedulerCore) -> None:
+    """Assert the core's ledgers agree: blocks, references, pins, host blocks, request places."""
+    pool = core.pool
+    assert pool.num_free + pool.num_used + pool.num_cached == pool.num_blocks
+    free, cached = pool.free_block_ids(), pool.cached_block_ids()
+    assert len(set(free)) == len(free) and len(set(cached)) == len(cached)
+    assert not set(free) & set(cached)
+    expected = Counter[int]()
+    for request in core._live.values():
+        expected.update(request.block_ids)
+        expected.update(request.swap_pinned)
+    for block in range(pool.num_blocks):
+        assert pool.refcount(block) >= 0
+        assert pool.refcount(block) == expected[block], f"block {block}: refcount vs holders"
+        if block in free or block in cached:
+            assert pool.refcount(block) == 0
+    pinned = Counter[int]()
+    for request in core._live.values():
+        pinned.update(request.swap_pinned)
+    assert all(pool.pin_count(b) == pinned[b] for b in range(pool.num_blocks))
+    _check_places(core)
+    _check_host(core)
+
+
+def _check_places(core: SchedulerCore) -> None:
+    places = {
+        RequestStatus.WAITING: [r.request_id for r in core._queue.live()],
+        RequestStatus.RUNNING: list(core._running),
+        RequestStatus.PREEMPTED: list(core._swapping),
+        RequestStatus.CANCELLING: list(core._cancelling),
+    }
+    seen: list[str] = []
+    for status, ids in places.items():
+        for rid in ids:
+            assert core._live[rid].status is status, f"{rid} is {core._live[rid].status} in {status} place"
+        seen.extend(ids)
+    assert sorted(seen) == sorted(core._live), "every live request is in exactly one place"
+    assert len(core._queue) == len(places[RequestStatus.WAITING])
+
+
+def _check_host(core: SchedulerCore) -> None:
+    host = list(core._host_free)
+    for request in core._live.values():
+        host.extend(request.host_blocks)
+    for record in core._in_flight.values():
+        host.extend(record.host_release)
+    assert sorted(host) == list(range(core.config.num_host_blocks)), "host blocks leaked or doubled"
+
+
+def with_config(core: SchedulerCore, **overrides: object) -> SchedulerConfig:
+    """Return `core`'s config with fields replaced (for building a sibling core)."""
+    return replace(core.config, **overrides)  # type: ignore[arg-type]
