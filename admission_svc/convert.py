@@ -1,0 +1,168 @@
+"""Conversions of the admission service: wire messages <-> what the core and the streams use.
+
+Also the model admission serves (tokenizer, length, end-of-sequence token) and the incremental
+detokenizer, because both turn token ids into what the client sees.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from sluice import errors
+from sluice.v1 import admission_pb2, common_pb2, events_pb2, scheduler_pb2
+from worker_svc.engine.tokenizer import TextTokenizer
+
+# Terminal statuses that end a stream with a non-OK gRPC status (the client SDK raises them typed).
+FAILURE_STATUS: dict[int, tuple[grpc.StatusCode, type[errors.SluiceError] | None]] = {
+    common_pb2.CANCELLED: (grpc.StatusCode.CANCELLED, None),
+    common_pb2.TIMED_OUT: (grpc.StatusCode.DEADLINE_EXCEEDED, errors.DeadlineExceeded),
+    common_pb2.FAILED: (grpc.StatusCode.INTERNAL, None),
+    common_pb2.REJECTED: (grpc.StatusCode.RESOURCE_EXHAUSTED, errors.ResourceExhausted),
+}
+TERMINAL = frozenset({common_pb2.FINISHED_STOP, common_pb2.FINISHED_LENGTH, common_pb2.CANCELLED,
+                      common_pb2.TIMED_OUT, common_pb2.FAILED, common_pb2.REJECTED})
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model this admission process tokenizes for."""
+
+    model_id: str
+    """The id replicas register under (router matches on it)."""
+    aliases: frozenset[str]
+    """Other names a client may use ("" and the preset name, e.g. "tiny")."""
+    max_model_len: int
+    eos_token_id: int
+    vocab_size: int
+    tokenizer: TextTokenizer = field(repr=False)
+
+    def accepts(self, name: str) -> bool:
+        """Return True when a request naming `name` is for this model."""
+        return name == self.model_id or name in self.aliases
+
+
+def load_model_spec(model_dir: Path, model_id: str, aliases: Sequence[str] = ()) -> ModelSpec:
+    """Return the ModelSpec of a Hugging Face-style directory (config.json + tokenizer.json).
+
+    Raises FileNotFoundError or ValueError for a missing or malformed directory.
+    """
+    config = json.loads((model_dir / "config.json").read_text())
+    tokenizer = TextTokenizer.from_file(model_dir / "tokenizer.json")
+    eos = config.get("eos_token_id", tokenizer.token_id("</s>"))
+    if isinstance(eos, list):
+        eos = eos[0]
+    if eos is None:
+        raise ValueError(f"{model_dir}/config.json names no eos_token_id")
+    max_len = int(config.get("max_position_embeddings", config.get("max_model_len", 2048)))
+    return ModelSpec(model_id, frozenset({"", *aliases}), max_len, int(eos),
+                     int(config.get("vocab_size", tokenizer.vocab_size)), tokenizer)
+
+
+class Detokenizer:
+    """Turns a growing list of token ids into text increments, holding back split UTF-8 characters."""
+
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._emitted = ""
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Add tokens; return the text they complete (may be "" while a character is incomplete)."""
+        self._ids.extend(t for t in token_ids if t >= 0)
+        text = self._tokenizer.stable_text(self._ids)
+        if text.startswith(self._emitted):
+            new, self._emitted = text[len(self._emitted):], text
+            return new
+        # Decoding is not prefix-stable for some tokenizers: emit only the stable extension.
+        common = 0
+        for a, b in zip(self._emitted, text, strict=False):
+            if a != b:
+                break
+            common += 1
+        self._emitted = text
+        return text[common:]
+
+
+def sampling_values(sampling: common_pb2.SamplingParams) -> dict[str, Any]:
+    """Return the sampling fields AdmissionCore.validate checks (top_p 0 means unset, i.e. 1.0)."""
+    return {"temperature": sampling.temperature, "top_k": sampling.top_k,
+            "top_p": 1.0 if sampling.top_p == 0 else sampling.top_p}
+
+
+def submit_request(request_id: str, tenant: str, prompt_ids: Sequence[int], request: admission_pb2.GenerateRequest,
+                   owner: str, deadline_unix_s: float, eos_token_id: int,
+                   timestamps: common_pb2.LifecycleTimestamps) -> scheduler_pb2.SubmitRequest:
+    """Return the scheduler's SubmitRequest for an admitted request."""
+    sampling = common_pb2.SamplingParams()
+    sampling.CopyFrom(request.sampling)
+    if sampling.top_p == 0:
+        sampling.top_p = 1.0
+    return scheduler_pb2.SubmitRequest(
+        request_id=request_id, tenant=tenant, prompt_token_ids=list(prompt_ids), sampling=sampling,
+        priority=request.priority, deadline_unix_s=deadline_unix_s, owner=owner,
+        timestamps=timestamps, eos_token_id=eos_token_id)
+
+
+def chunk(request_id: str, index: int, token_ids: Sequence[int], text: str,
+          created_unix_s: float) -> admission_pb2.GenerateChunk:
+    """Return a GenerateChunk carrying new tokens."""
+    return admission_pb2.GenerateChunk(request_id=request_id, index=index, token_ids=list(token_ids), text=text,
+                                       status=common_pb2.RUNNING, created_unix_s=created_unix_s)
+
+
+def final_chunk(request_id: str, index: int, completion: events_pb2.Completion) -> admission_pb2.GenerateChunk:
+    """Return the last GenerateChunk of a successful request (finish reason, status, usage)."""
+    return admission_pb2.GenerateChunk(request_id=request_id, index=index, finished=True,
+                                       finish_reason=completion.finish_reason, status=completion.status,
+                                       usage=completion.usage)
+
+
+def failure_of(completion: events_pb2.Completion) -> tuple[grpc.StatusCode, str] | None:
+    """Return (gRPC code, message) when a completion ends the stream with an error, else None."""
+    if completion.status not in FAILURE_STATUS:
+        return None
+    code, _ = FAILURE_STATUS[completion.status]
+    status = common_pb2.RequestStatus.Name(completion.status)
+    detail = f": {completion.detail}" if completion.detail else ""
+    return code, (f"request {completion.request_id} {status} after {completion.usage.output_tokens} "
+                  f"output tokens{detail}")
+
+
+def error_from_downstream(exc: grpc.aio.AioRpcError, what: str) -> errors.SluiceError:
+    """Return a SluiceError that passes a router or scheduler failure on with its code and retry delay."""
+    got = errors.details_of(exc)
+    by_code: dict[grpc.StatusCode, type[errors.SluiceError]] = {
+        grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgument, grpc.StatusCode.NOT_FOUND: errors.NotFound,
+        grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhausted,
+        grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
+        grpc.StatusCode.ALREADY_EXISTS: errors.AlreadyExists,
+    }
+    kind = by_code.get(got.code, errors.Unavailable)
+    retry = got.retry_after_s
+    if kind is errors.Unavailable and retry is None:
+        retry = 1.0
+    return kind(f"{what}: {got.message or got.code.name}", reason=got.reason or "downstream_error",
+                field_name=got.field_name, metadata=got.metadata, retry_after_s=retry)
+
+
+def request_info(request_id: str, status: int, completion: events_pb2.Completion | None,
+                 replica_id: str, timestamps: common_pb2.LifecycleTimestamps) -> admission_pb2.RequestInfo:
+    """Return the RequestInfo of a request (the completion's view when it has one)."""
+    info = admission_pb2.RequestInfo(request_id=request_id, status=status, replica_id=replica_id)
+    info.timestamps.CopyFrom(timestamps)
+    if completion is not None:
+        info.status = completion.status
+        info.finish_reason = completion.finish_reason
+        info.usage.CopyFrom(completion.usage)
+        merged = info.timestamps
+        for name in ("first_scheduled", "first_token", "finished", "kv_released", "enqueued"):
+            value = getattr(completion.timestamps, name)
+            if value:
+                setattr(merged, name, value)
+    return info

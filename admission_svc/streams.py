@@ -1,0 +1,191 @@
+"""Token streams of one admission process: one reader loop, per-request queues, a resume window.
+
+Theory of operation. Schedulers publish TokenDelta entries on `tokens:{owner}` (one stream per
+admission process) and a Completion per request on `completions`. One reader loop per process
+reads the token stream and hands each delta to the request's `RequestStream`; a request's tokens
+come from one scheduler in order, but a retried publish may repeat them, so each stream keeps the
+next expected index and drops what it has already seen. The completion can overtake the last
+deltas (different streams), so a stream is finished only when it holds the completion *and*
+`usage.output_tokens` tokens (or after a grace period, counted as missing tokens, never silently).
+A finished stream stays for `resume_window_s` so an idempotent retry can replay it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sluice.v1 import events_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StreamItem:
+    """A batch of new tokens (`tokens`, starting at `index`) or the terminal record."""
+
+    index: int
+    tokens: tuple[int, ...] = ()
+    completion: events_pb2.Completion | None = None
+    emitted_unix_s: float = 0.0
+    """When the tokens were created (scheduler stamp, else their Redis entry time, ms); 0 = unknown."""
+
+
+@dataclass
+class RequestStream:
+    """Everything one request has produced so far, and the readers waiting for more."""
+
+    request_id: str
+    tokens: list[int] = field(default_factory=list)
+    token_emitted: list[float] = field(default_factory=list)
+    completion: events_pb2.Completion | None = None
+    done: bool = False
+    finished_at: float = 0.0
+    missing_tokens: int = 0
+    duplicates: int = 0
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def add_tokens(self, index: int, token_ids: list[int], emitted_unix_s: float) -> None:
+        """Append the part of a delta not seen yet; an out-of-order gap is counted and waited out."""
+        if self.done:
+            self.duplicates += len(token_ids)
+            return
+        have = len(self.tokens)
+        if index > have:
+            # A gap means a delta was lost between scheduler and Redis; keep order, count it.
+            log.warning("request %s: token gap %d..%d", self.request_id, have, index)
+            self.missing_tokens += index - have
+            self.tokens.extend([-1] * (index - have))
+            self.token_emitted.extend([0.0] * (index - have))
+            have = index
+        skip = have - index
+        self.duplicates += min(skip, len(token_ids))
+        fresh = token_ids[skip:]
+        if fresh:
+            self.tokens.extend(fresh)
+            self.token_emitted.extend([emitted_unix_s] * len(fresh))
+            self._wake()
+
+    def set_completion(self, completion: events_pb2.Completion) -> None:
+        """Record the terminal record (the first one wins; later copies are redeliveries)."""
+        if self.completion is None:
+            self.completion = completion
+            self._wake()
+
+    def complete_if_ready(self, force: bool = False) -> bool:
+        """Mark done when the completion and all its tokens are here (or `force`); returns done."""
+        if self.done or self.completion is None:
+            return self.done
+        expected = self.completion.usage.output_tokens
+        if len(self.tokens) >= expected or force:
+            self.missing_tokens += max(0, expected - len(self.tokens))
+            self.done = True
+            self.finished_at = time.monotonic()
+            self._wake()
+        return self.done
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def follow(self, start: int = 0, grace_s: float = 2.0) -> AsyncIterator[StreamItem]:
+        """Yield new tokens from `start` on, then the completion; replays for a late reader."""
+        position = start
+        while True:
+            changed = self._changed
+            if len(self.tokens) > position:
+                batch = tuple(self.tokens[position:])
+                yield StreamItem(position, batch, emitted_unix_s=self.token_emitted[position])
+                position += len(batch)
+                continue
+            if self.done:
+                yield StreamItem(position, completion=self.completion)
+                return
+            if self.completion is not None:
+                try:
+                    await asyncio.wait_for(changed.wait(), grace_s)
+                except TimeoutError:
+                    self.complete_if_ready(force=True)
+                continue
+            await changed.wait()
+
+
+def entry_time_s(entry_id: Any) -> float:
+    """Return the Unix time (s) Redis assigned to a stream entry id `<ms>-<seq>`."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+    return int(text.split("-", 1)[0]) / 1000.0
+
+
+class StreamRegistry:
+    """The per-request streams of one admission process, with the resume window."""
+
+    def __init__(self, resume_window_s: float = 60.0) -> None:
+        self._streams: dict[str, RequestStream] = {}
+        self.resume_window_s = resume_window_s
+        self.unknown_deltas = 0
+
+    def open(self, request_id: str) -> RequestStream:
+        """Return the stream of `request_id`, creating it (before Submit, so no token is missed)."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            stream = self._streams[request_id] = RequestStream(request_id)
+        return stream
+
+    def get(self, request_id: str) -> RequestStream | None:
+        """Return the stream of `request_id`, or None when unknown or expired."""
+        return self._streams.get(request_id)
+
+    def on_delta(self, delta: events_pb2.TokenDelta, emitted_unix_s: float) -> None:
+        """Dispatch one TokenDelta to its request (unknown requests are counted, not kept)."""
+        stream = self._streams.get(delta.request_id)
+        if stream is None:
+            self.unknown_deltas += 1
+            return
+        stream.add_tokens(delta.index, list(delta.token_ids), emitted_unix_s)
+        stream.complete_if_ready()
+
+    def on_completion(self, completion: events_pb2.Completion) -> None:
+        """Deliver the terminal record to its request's stream."""
+        stream = self._streams.get(completion.request_id)
+        if stream is not None:
+            stream.set_completion(completion)
+            stream.complete_if_ready()
+
+    def expire(self, now: float | None = None) -> int:
+        """Forget streams finished more than `resume_window_s` ago; returns how many."""
+        now = time.monotonic() if now is None else now
+        old = [rid for rid, s in self._streams.items() if s.done and now - s.finished_at > self.resume_window_s]
+        for request_id in old:
+            del self._streams[request_id]
+        return len(old)
+
+
+ReadStream = Callable[[str, str, int, int], Awaitable[list[tuple[Any, bytes, dict[Any, Any]]]]]
+
+
+async def token_reader_loop(read_stream: ReadStream, stream_name: str, registry: StreamRegistry,
+                            stop: asyncio.Event, block_ms: int = 200, count: int = 512) -> None:
+    """Read `stream_name` from now on and dispatch every TokenDelta until `stop` is set.
+
+    Reading starts at this process's start time (an explicit id, not "$", so nothing published
+    between two reads is missed): a process owns only requests it submitted after it started.
+    A transient Redis error is logged and retried after a short pause.
+    """
+    last_id = f"{int(time.time() * 1000)}-0"
+    while not stop.is_set():
+        try:
+            entries = await read_stream(stream_name, last_id, count, block_ms)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("reading %s failed; retrying", stream_name)
+            await asyncio.sleep(0.2)
+            continue
+        for entry_id, payload, _fields in entries:
+            last_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+            delta = events_pb2.TokenDelta.FromString(payload)
+            registry.on_delta(delta, delta.created_unix_s or entry_time_s(entry_id))
