@@ -1,0 +1,83 @@
+"""Waiting-queue policies: the factory, each order, lazy removal, aging and fair-share counters."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_svc.core.config import Policy, SchedulerConfig
+from scheduler_svc.core.policies import FairQueue, make_queue
+from scheduler_svc.core.request import Request
+from scheduler_svc.core.types import NewRequest
+
+_seq = iter(range(1, 1_000_000))
+
+
+def _req(rid: str, arrival: float = 0.0, **fields: object) -> Request:
+    return Request(NewRequest(rid, (1, 2, 3), arrival_time=arrival, **fields), next(_seq))  # type: ignore[arg-type]
+
+
+def _drain(queue) -> list[str]:  # type: ignore[no-untyped-def]
+    out = []
+    while len(queue):
+        out.append(queue.pop().request_id)
+    return out
+
+
+def test_unknown_policy_name_lists_the_known_ones() -> None:
+    """make_queue raises ValueError naming every known policy for an unknown name."""
+    with pytest.raises(ValueError, match="fcfs, priority, fair, edf"):
+        make_queue("lottery", SchedulerConfig(num_blocks=1))
+    assert type(make_queue("FAIR", SchedulerConfig(num_blocks=1))) is FairQueue
+
+
+def test_fcfs_orders_by_arrival_and_a_requeued_request_keeps_its_place() -> None:
+    """FCFS pops by arrival; a request pushed back (preempted) goes ahead of later arrivals."""
+    queue = make_queue(Policy.FCFS, SchedulerConfig(num_blocks=1))
+    a, b, c = _req("a", 1.0), _req("b", 2.0), _req("c", 3.0)
+    for r in (b, c, a):
+        queue.push(r)
+    assert queue.pop() is a
+    queue.push(a)
+    assert _drain(queue) == ["a", "b", "c"]
+
+
+def test_lazy_removal() -> None:
+    """A removed request is never returned, and len counts only live entries."""
+    queue = make_queue(Policy.FCFS, SchedulerConfig(num_blocks=1))
+    a, b = _req("a", 1.0), _req("b", 2.0)
+    queue.push(a)
+    queue.push(b)
+    assert queue.remove(a) and not queue.remove(a)
+    assert len(queue) == 1 and queue.peek() is b and queue.live() == [b]
+
+
+def test_priority_with_aging_static_key() -> None:
+    """Priority 5 arriving 10 s after priority 0 ranks behind it at aging 1/s, ahead of it at 0.1/s."""
+    for rate, order in ((1.0, ["old", "new"]), (0.1, ["new", "old"])):
+        queue = make_queue(Policy.PRIORITY, SchedulerConfig(num_blocks=1, aging_rate=rate))
+        queue.push(_req("old", 0.0, priority=0))
+        queue.push(_req("new", 10.0, priority=5))
+        assert _drain(queue) == order
+
+
+def test_edf_orders_by_deadline_none_last_ties_by_arrival() -> None:
+    """EDF pops the earliest deadline; requests without one come last, ties by arrival."""
+    queue = make_queue(Policy.EDF, SchedulerConfig(num_blocks=1))
+    for r in (_req("none", 0.0), _req("late", 1.0, deadline=9.0), _req("t2", 2.0, deadline=5.0), _req("t1", 1.5, deadline=5.0)):
+        queue.push(r)
+    assert _drain(queue) == ["t1", "t2", "late", "none"]
+
+
+def test_fair_serves_smallest_counter_and_lifts_a_waking_tenant() -> None:
+    """The tenant with the smallest virtual counter goes next; a tenant waking up starts at the active minimum."""
+    config = SchedulerConfig(num_blocks=1, policy=Policy.FAIR, tenant_weights=(("gold", 2.0),))
+    queue = make_queue(config.policy, config)
+    queue.push(_req("g1", 0.0, tenant="gold"))
+    queue.push(_req("s1", 0.0, tenant="silver"))
+    queue.on_service("gold", 100, 0)   # 100 / 2 = 50
+    queue.on_service("silver", 60, 0)  # 60 / 1 = 60
+    assert queue.peek().request_id == "g1"
+    queue.on_service("silver", 1000, 0)
+    queue.push(_req("i1", 0.0, tenant="idle"))
+    assert queue.counters["idle"] == pytest.approx(50.0), "lifted to the smallest active counter"
+    assert queue.pop().request_id == "g1"
