@@ -1,0 +1,396 @@
+"""The discrete-event simulator: the real admission, router and scheduler cores on a virtual clock.
+
+Theory of operation. The simulator adds exactly three things to the cores the services run:
+a clock, an event heap ordered by (time, seq) with a per-simulator counter (so equal times
+resolve in the order events were created, and a run is deterministic for a seed), and the GPU
+cost model. Everything that decides anything is the cores' code, unchanged:
+
+- arrival: `AdmissionCore.validate` + `admit` (bounded budgets, explicit rejections), then
+  `RouterCore.route`, then `SchedulerCore.submit` on the chosen replica;
+- a replica with no round in flight calls `schedule(now)`; a non-empty plan is executed by the
+  cost model, whose modelled time puts the round's result on the heap at now + t; the result goes
+  to `on_round_result` and the replica schedules again;
+- the core's events are delivered as a service would: tokens and terminal records to the request
+  records, `Finished` to `AdmissionCore.release` and `RouterCore.on_request_done`, KV events to
+  `RouterCore.apply_kv_events` (a gap asks for `kv_snapshot`);
+- every `heartbeat_interval_s` each replica's `stats()` refresh the router's load view;
+- cancellations (`cancel_after_s`) call `cancel`; deadlines are the core's, polled at
+  `next_deadline()` with `expire`; replicas start WARMING and `mark_ready` after `warmup_s`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from array import array
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from admission_svc.core import AdmissionCore, InvalidRequest, OverBudget
+from router_svc.core import (
+    NoReplicaAvailable,
+    ReplicaLoad,
+    ReplicaSpec,
+    RouteQuery,
+    RouterCore,
+    RoutingPolicy,
+)
+from scheduler_svc.core import SchedulerCore
+from scheduler_svc.core.types import (
+    CoreEvents,
+    NewRequest,
+    RequestRejected,
+    RequestStatus,
+    SamplingParams,
+    Stage,
+)
+from sluice.hashing import hash_chain, salt_of
+from sluice.metrics import RequestRecord
+from sluice.sim.config import DEFAULT_MAX_MODEL_LEN, SimConfig
+from sluice.workload import WorkloadRequest
+from worker_svc.costmodel import CostModel, RoundShape
+
+# Event kinds, in no particular order (the heap orders by time, then creation).
+_ARRIVAL, _ROUND_DONE, _CANCEL, _DEADLINE, _HEARTBEAT, _SAMPLE, _READY, _RETRY = range(8)
+
+_STATUS = {
+    RequestStatus.FINISHED_STOP: "ok",
+    RequestStatus.FINISHED_LENGTH: "ok",
+    RequestStatus.CANCELLED: "cancelled",
+    RequestStatus.TIMED_OUT: "timed_out",
+    RequestStatus.FAILED: "failed",
+    RequestStatus.REJECTED: "rejected",
+}
+
+
+class _Replica:
+    __slots__ = ("index", "replica_id", "core", "busy", "deadline_at")
+
+    def __init__(self, index: int, replica_id: str, core: SchedulerCore) -> None:
+        self.index = index
+        self.replica_id = replica_id
+        self.core = core
+        self.busy = False
+        self.deadline_at: float | None = None
+
+
+class Simulator:
+    """One simulated deployment; `run()` plays a workload through it and returns the records."""
+
+    def __init__(self, config: SimConfig, requests: Sequence[WorkloadRequest]) -> None:
+        """Build the cores and the cost model; raises ValueError for unknown names or a bad config."""
+        self.config = config
+        self.cost = CostModel(config.model, config.gpu, block_size=config.block_size)
+        info = self.cost.info()
+        self.vocab_size = info.vocab_size
+        self.num_blocks = config.num_blocks or info.num_blocks
+        self.max_model_len = config.max_model_len or DEFAULT_MAX_MODEL_LEN.get(
+            config.model, info.max_model_len
+        )
+        scheduler_config = config.scheduler_config(self.num_blocks, info.num_host_blocks, self.max_model_len)
+        self.admission = AdmissionCore(config.admission_config(self.max_model_len))
+        self.router = RouterCore(config.router_config())
+        self.replicas = [
+            _Replica(i, f"replica-{i}", SchedulerCore(scheduler_config, f"replica-{i}"))
+            for i in range(config.replicas)
+        ]
+        self.requests = sorted(requests, key=lambda r: r.arrival_s)
+        self.records: dict[str, RequestRecord] = {}
+        self.series: dict[str, list[tuple[float, float]]] = {
+            k: [] for k in ("waiting", "running", "kv_used_frac", "replicas_ready", "admission_active")
+        }
+        self.now = 0.0
+        self._heap: list[tuple[float, int, int, Any]] = []
+        self._seq = 0
+        self._next_arrival = 0
+        self._token_times: dict[str, array] = {}
+        self._placement: dict[str, _Replica] = {}
+        self._hash_prompts = config.router in (RoutingPolicy.SCORE, RoutingPolicy.PREFIX_ONLY)
+        self._salt = salt_of(config.model)
+        self.rounds = 0
+        self.dropped_results = 0
+        self.kv_snapshots = 0
+        self.wall_s = 0.0
+        self.hooks: list[Callable[[Simulator], None]] = []
+        """Called after every event (scenarios use them to observe; empty in normal runs)."""
+
+    # ---- the heap ---------------------------------------------------------------------------
+    def push(self, when: float, kind: int, payload: object = None) -> None:
+        """Schedule an event at `when` (never in the past)."""
+        self._seq += 1
+        heapq.heappush(self._heap, (max(when, self.now), self._seq, kind, payload))
+
+    def _replica_spec(self, replica: _Replica) -> ReplicaSpec:
+        cfg, cost = self.config, self.cost
+        chunk = min(cfg.max_num_batched_tokens, 2048)
+        prefill_s = cost.shape_time(RoundShape(chunk, chunk * (chunk + 1) // 2, chunk, chunk, 1))
+        decode_s = cost.shape_time(RoundShape(32, 32 * 1000, 32 * 1000, 32, 32))
+        return ReplicaSpec(
+            replica_id=replica.replica_id,
+            model=cfg.model,
+            block_size=cfg.block_size,
+            num_blocks=self.num_blocks,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            prefill_tokens_per_s=chunk / prefill_s,
+            decode_round_s=decode_s,
+        )
+
+    # ---- the run ----------------------------------------------------------------------------
+    def run(self, until: float | None = None) -> list[RequestRecord]:
+        """Play every request to a terminal state (or until `until`); return the records in arrival order."""
+        started = time.perf_counter()
+        for replica in self.replicas:
+            self.router.register(self._replica_spec(replica), 0.0)
+            self.push(self.config.warmup_s, _READY, replica)
+        self.push(0.0, _HEARTBEAT)
+        self.push(0.0, _SAMPLE)
+        self._push_next_arrival()
+        handlers = self._handlers()
+        heap = self._heap
+        while heap:
+            when, _, kind, payload = heap[0]
+            if until is not None and when > until:
+                break
+            heapq.heappop(heap)
+            self.now = when
+            handlers[kind](payload)
+            for hook in self.hooks:
+                hook(self)
+        self._finish_stragglers()
+        self.wall_s = time.perf_counter() - started
+        return list(self.records.values())
+
+    def _handlers(self) -> dict[int, Callable[[Any], None]]:
+        return {
+            _ARRIVAL: self._on_arrival,
+            _ROUND_DONE: self._on_round_done,
+            _CANCEL: self._on_cancel,
+            _DEADLINE: self._on_deadline,
+            _HEARTBEAT: self._on_heartbeat,
+            _SAMPLE: self._on_sample,
+            _READY: self._on_ready,
+            _RETRY: self._on_retry,
+        }
+
+    def _busy(self) -> bool:
+        """True while anything but the periodic events can still happen."""
+        if self._next_arrival < len(self.requests) or any(r.busy for r in self.replicas):
+            return True
+        return any(kind not in (_HEARTBEAT, _SAMPLE) for _, _, kind, _ in self._heap)
+
+    def _push_next_arrival(self) -> None:
+        if self._next_arrival < len(self.requests):
+            request = self.requests[self._next_arrival]
+            self._next_arrival += 1
+            self.push(request.arrival_s, _ARRIVAL, request)
+
+    # ---- arrivals ---------------------------------------------------------------------------
+    def _on_arrival(self, request: WorkloadRequest) -> None:
+        self._push_next_arrival()
+        record = RequestRecord(
+            request.request_id,
+            tenant=request.tenant,
+            priority=request.priority,
+            arrival_s=self.now,
+            input_tokens=request.input_length,
+        )
+        self.records[request.request_id] = record
+        self._admit(request, record)
+
+    def _on_retry(self, payload: tuple[WorkloadRequest, RequestRecord]) -> None:
+        request, record = payload
+        record.retries += 1
+        record.status = "ok"
+        self._admit(request, record)
+
+    def _reject(
+        self, request: WorkloadRequest, record: RequestRecord, detail: str, retry_after: float | None
+    ) -> None:
+        if retry_after is not None and record.retries < self.config.max_retries:
+            self.push(self.now + retry_after, _RETRY, (request, record))
+            return
+        record.status, record.finish_s, record.detail = "rejected", self.now, detail
+
+    def _admit(self, request: WorkloadRequest, record: RequestRecord) -> None:
+        rid, now = request.request_id, self.now
+        try:
+            self.admission.validate(request.input_length, request.output_length)
+            self.admission.admit(rid, request.tenant, request.input_length, request.output_length, now)
+        except InvalidRequest as error:
+            self._reject(request, record, f"invalid: {error.detail}", None)
+            return
+        except OverBudget as error:
+            self._reject(request, record, f"over budget {error.budget}", error.retry_after_s)
+            return
+        prompt = request.prompt_token_ids(self.vocab_size)
+        hashes = tuple(hash_chain(prompt, self.config.block_size, self._salt)) if self._hash_prompts else ()
+        query = RouteQuery(rid, self.config.model, "", hashes, request.input_length, request.output_length)
+        try:
+            decision = self.router.route(query, now)
+        except NoReplicaAvailable as error:
+            self.admission.release(rid, now)
+            self._reject(request, record, f"unavailable: {error}", max(self.config.warmup_s - now, 0.1))
+            return
+        replica = self.replicas[int(decision.replica_id.rsplit("-", 1)[1])]
+        self._submit(replica, request, record, prompt)
+
+    def _submit(
+        self, replica: _Replica, request: WorkloadRequest, record: RequestRecord, prompt: tuple[int, ...]
+    ) -> None:
+        rid, now = request.request_id, self.now
+        deadline = None if request.deadline_s is None else record.arrival_s + request.deadline_s
+        new = NewRequest(
+            rid,
+            prompt,
+            SamplingParams(max_tokens=request.output_length, ignore_eos=True),
+            tenant=request.tenant,
+            priority=request.priority,
+            arrival_time=now,
+            deadline=deadline,
+            eos_token_id=None,
+        )
+        try:
+            replica.core.submit(new, now)
+        except RequestRejected as error:
+            self.admission.release(rid, now)
+            self.router.on_request_done(replica.replica_id, rid, now)
+            self._reject(request, record, f"{error.reason.value}: {error.detail}", None)
+            return
+        record.replica = replica.replica_id
+        self._placement[rid] = replica
+        self._token_times[rid] = array("d")
+        if request.cancel_after_s is not None:
+            self.push(record.arrival_s + request.cancel_after_s, _CANCEL, rid)
+        self._absorb(replica, replica.core.take_events())
+        self._watch_deadline(replica)
+        self._kick(replica)
+
+    # ---- replicas ---------------------------------------------------------------------------
+    def _kick(self, replica: _Replica) -> None:
+        """Start a round on an idle replica if its scheduler has work for one."""
+        if replica.busy:
+            return
+        plan = replica.core.schedule(self.now)
+        if plan.is_empty:
+            return
+        result = self.cost.execute(plan)
+        replica.busy = True
+        self.rounds += 1
+        self.push(self.now + result.elapsed_s, _ROUND_DONE, (replica, result))
+
+    def _on_round_done(self, payload: tuple[_Replica, Any]) -> None:
+        replica, result = payload
+        replica.busy = False
+        self._absorb(replica, replica.core.on_round_result(result, self.now))
+        self._kick(replica)
+
+    def _on_cancel(self, request_id: str) -> None:
+        replica = self._placement.get(request_id)
+        if replica is None:
+            return
+        replica.core.cancel(request_id, self.now)
+        self._absorb(replica, replica.core.take_events())
+        self._kick(replica)
+
+    def _watch_deadline(self, replica: _Replica) -> None:
+        deadline = replica.core.next_deadline()
+        if deadline is not None and (replica.deadline_at is None or deadline < replica.deadline_at):
+            replica.deadline_at = deadline
+            self.push(deadline, _DEADLINE, replica)
+
+    def _on_deadline(self, replica: _Replica) -> None:
+        if replica.deadline_at is not None and replica.deadline_at > self.now:
+            return  # superseded by an earlier watch that already ran
+        replica.deadline_at = None
+        replica.core.expire(self.now)
+        self._absorb(replica, replica.core.take_events())
+        self._watch_deadline(replica)
+        self._kick(replica)
+
+    def _on_ready(self, replica: _Replica) -> None:
+        self.router.mark_ready(replica.replica_id, self.now)
+
+    def _on_heartbeat(self, _: object) -> None:
+        now = self.now
+        for replica in self.replicas:
+            stats = replica.core.stats()
+            load = ReplicaLoad(
+                stats.waiting, stats.running, stats.queued_prefill_tokens, stats.kv_blocks_free
+            )
+            self.router.heartbeat(replica.replica_id, load, now)
+        if self._busy():
+            self.push(now + self.config.heartbeat_interval_s, _HEARTBEAT)
+
+    def _on_sample(self, _: object) -> None:
+        now, series = self.now, self.series
+        stats = [r.core.stats() for r in self.replicas]
+        total = sum(s.kv_blocks_total for s in stats) or 1
+        series["waiting"].append((now, float(sum(s.waiting for s in stats))))
+        series["running"].append((now, float(sum(s.running for s in stats))))
+        series["kv_used_frac"].append((now, sum(s.kv_blocks_used for s in stats) / total))
+        ready = sum(1 for v in self.router.replicas() if v.state.value == "ready")
+        series["replicas_ready"].append((now, float(ready)))
+        series["admission_active"].append((now, float(self.admission.stats(now).active)))
+        if self._busy():
+            self.push(now + self.config.sample_interval_s, _SAMPLE)
+
+    # ---- what the cores said ----------------------------------------------------------------
+    def _absorb(self, replica: _Replica, events: CoreEvents) -> None:
+        now, records, times = self.now, self.records, self._token_times
+        for request_id, index, _token in events.tokens:
+            times[request_id].append(now)
+            if index == 0:
+                records[request_id].first_token_s = now
+                self.admission.mark_started(request_id, now)
+        for event in events.lifecycle:
+            if event.stage is Stage.FIRST_SCHEDULED:
+                records[event.request_id].first_scheduled_s = event.time
+        for finished in events.finished:
+            self._finish(replica, finished)
+        if events.kv_events and not self.router.apply_kv_events(replica.replica_id, events.kv_events, now):
+            last_event_id, hashes = replica.core.kv_snapshot()
+            self.router.apply_snapshot(replica.replica_id, last_event_id, hashes, now)
+            self.kv_snapshots += 1
+        self.dropped_results += events.dropped_results
+
+    def _finish(self, replica: _Replica, finished: Any) -> None:
+        rid, now = finished.request_id, self.now
+        record = self.records[rid]
+        usage = finished.usage
+        record.status = _STATUS[finished.status]
+        record.finish_s = finished.finish_time
+        record.output_tokens = usage.output_tokens
+        record.cached_tokens = usage.cached_tokens
+        record.preemptions = usage.preemptions
+        record.recomputed_tokens = usage.recomputed_tokens
+        record.detail = finished.detail
+        record.token_times = self._token_times.pop(rid, None)
+        self._placement.pop(rid, None)
+        self.admission.release(rid, now)
+        self.router.on_request_done(replica.replica_id, rid, now)
+
+    def _finish_stragglers(self) -> None:
+        """Requests still live when nothing can happen any more are failures, said so plainly."""
+        for rid, replica in list(self._placement.items()):
+            record = self.records[rid]
+            status = replica.core.request_status(rid)
+            record.status, record.finish_s = "failed", self.now
+            record.detail = f"simulation ended with the request {status.value if status else 'unknown'} on an idle replica"
+            record.token_times = self._token_times.pop(rid, None)
+            record.output_tokens = len(record.token_times or ())
+
+    # ---- results ----------------------------------------------------------------------------
+    def replica_stats(self) -> dict[str, float]:
+        """Return totals over replicas: preemptions, recomputed tokens, prefix hit rate, rounds."""
+        stats = [r.core.stats() for r in self.replicas]
+        hit, query = sum(s.prefix_hit_tokens for s in stats), sum(s.prefix_query_tokens for s in stats)
+        return {
+            "rounds": float(self.rounds),
+            "preemptions": float(sum(s.preemptions for s in stats)),
+            "recomputed_tokens": float(sum(s.recomputed_tokens for s in stats)),
+            "prefix_hit_rate": hit / query if query else 0.0,
+            "dropped_results": float(self.dropped_results),
+            "kv_snapshots": float(self.kv_snapshots),
+            "num_blocks_per_replica": float(self.num_blocks),
+            "max_model_len": float(self.max_model_len),
+        }
