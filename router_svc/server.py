@@ -1,0 +1,258 @@
+"""The router's gRPC service around `RouterCore`, and the loops that keep its prefix index current.
+
+Theory of operation
+- Route, RegisterReplica, Heartbeat, Drain, ListReplicas: convert, call the core with `time.time()`,
+  convert back. A "routed" span continues the caller's trace.
+- RegisterReplica (re)creates the replica in WARMING and fetches a KvSnapshot from its scheduler.
+  A Heartbeat with state READY moves a WARMING replica to READY; DRAINING drains it. A Heartbeat
+  from a replica the router does not know (a restarted router) is NOT_FOUND: the replica registers again.
+- The `kv` stream is read in this router's own consumer group (`router:{router_id}`: every router
+  needs every event). Events feed `apply_kv_events`; an event-id gap (False) triggers a snapshot
+  fetch. While a replica's snapshot is being fetched its events are buffered and replayed on top of
+  the snapshot (the core skips events at or below the snapshot's id), so nothing is lost in between.
+- The `completions` stream (same group name) tells the core which routed requests are done.
+- Every `expiry_interval_s`, replicas with stale heartbeats become GONE and are purged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+from opentelemetry import trace
+from opentelemetry.context import Context
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from router_svc import convert
+from router_svc.core import IllegalReplicaTransition, ReplicaState, RouterCore
+from scheduler_svc.core.types import KvEvent
+from sluice import errors
+from sluice.bus import Bus
+from sluice.core_errors import translate_core_error
+from sluice.prom import RouterMetrics
+from sluice.telemetry import extract_metadata, get_tracer
+from sluice.v1 import events_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+__all__ = ["RouterRuntime", "RouterServicer", "translate_router_error"]
+
+log = logging.getLogger(__name__)
+tracer = get_tracer("sluice.router")
+
+
+def translate_router_error(exc: BaseException) -> errors.SluiceError | None:
+    """Map core errors to statuses: the shared translation, plus illegal replica transitions."""
+    if isinstance(exc, IllegalReplicaTransition):
+        return errors.FailedPrecondition(str(exc), reason="illegal_replica_transition")
+    return translate_core_error(exc)
+
+
+class RouterRuntime:
+    """The core plus its I/O: snapshot fetching, the KV and completion consumers, expiry."""
+
+    def __init__(self, core: RouterCore, bus: Bus, router_id: str = "router", *,
+                 metrics: RouterMetrics | None = None, clock: Callable[[], float] = time.time,
+                 snapshot_timeout_s: float = 5.0) -> None:
+        self.core = core
+        self.bus = bus
+        self.router_id = router_id
+        self.metrics = metrics or RouterMetrics()
+        self.clock = clock
+        self.snapshot_timeout_s = snapshot_timeout_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._buffers: dict[str, list[KvEvent]] = {}  # replica id -> events held while its snapshot loads
+        self._fetches: set[asyncio.Task[None]] = set()
+
+    @property
+    def group(self) -> str:
+        """This router's consumer group on the `kv` and `completions` streams."""
+        return f"router:{self.router_id}"
+
+    # ---- snapshots ------------------------------------------------------------------------
+    def on_registered(self, replica_id: str) -> None:
+        """A replica (re)registered with an empty index: drop what was buffered for it and fetch a snapshot."""
+        self._buffers.pop(replica_id, None)
+        self.request_snapshot(replica_id)
+
+    def request_snapshot(self, replica_id: str) -> None:
+        """Start fetching a KV snapshot of the replica unless one is already on its way."""
+        if replica_id in self._buffers:
+            return
+        self._buffers[replica_id] = []
+        task = asyncio.create_task(self._fetch_snapshot(replica_id))
+        self._fetches.add(task)
+        task.add_done_callback(self._fetches.discard)
+
+    async def _fetch_snapshot(self, replica_id: str, attempts: int = 3) -> None:
+        address = next((v.spec.address for v in self.core.replicas() if v.spec.replica_id == replica_id), "")
+        reply = None
+        for attempt in range(attempts):
+            if not address:
+                break
+            try:
+                stub = scheduler_pb2_grpc.SchedulerServiceStub(self._channel(address))
+                reply = await stub.KvSnapshot(scheduler_pb2.KvSnapshotRequest(), timeout=self.snapshot_timeout_s)
+                break
+            except grpc.aio.AioRpcError as exc:
+                log.warning("KvSnapshot of %s at %s failed (attempt %d): %s", replica_id, address, attempt + 1,
+                            exc.details())
+                await asyncio.sleep(0.2 * (attempt + 1))
+        buffered = self._buffers.pop(replica_id, [])
+        now = self.clock()
+        if reply is None:
+            self.metrics.snapshots.labels("error").inc()
+            log.error("no KV snapshot of replica %s at %r: its index is rebuilt from the stream alone",
+                      replica_id, address)
+            # Without a snapshot the buffered events may still apply cleanly; a gap waits for the next entry.
+            self.core.apply_kv_events(replica_id, buffered, now)
+            return
+        self.core.apply_snapshot(replica_id, reply.last_event_id, reply.block_hashes, now)
+        self.metrics.snapshots.labels("ok").inc()
+        if buffered and not self.core.apply_kv_events(replica_id, buffered, now):
+            # Not re-requested here (a stale source would make that a busy loop): the next entry of
+            # this replica meets the same gap and asks for a fresh snapshot.
+            self.metrics.kv_gaps.inc()
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+        return channel
+
+    # ---- stream handlers ------------------------------------------------------------------
+    async def on_kv_entry(self, entry_id: str, payload: bytes, context: Context) -> None:
+        """Apply one `kv` entry to the prefix index (buffered while a snapshot loads; a gap asks for one)."""
+        batch = events_pb2.KvEventBatch.FromString(payload)
+        events = convert.kv_events_from_proto(batch)
+        buffer = self._buffers.get(batch.replica_id)
+        if buffer is not None:
+            buffer.extend(events)
+            return
+        self.metrics.kv_events.inc(len(events))
+        if not self.core.apply_kv_events(batch.replica_id, events, self.clock()):
+            self.metrics.kv_gaps.inc()
+            log.info("event-id gap for replica %s at entry %s: fetching a snapshot", batch.replica_id, entry_id)
+            self.request_snapshot(batch.replica_id)
+            self._buffers[batch.replica_id].extend(events)
+
+    async def on_completion(self, entry_id: str, payload: bytes, context: Context) -> None:
+        """Tell the core that a routed request reached its terminal state."""
+        completion = events_pb2.Completion.FromString(payload)
+        self.core.on_request_done(completion.replica_id, completion.request_id, self.clock())
+
+    # ---- loops ----------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event, *, expiry_interval_s: float = 1.0, block_ms: int = 100) -> None:
+        """Run the consumers and the expiry loop until `stop` is set; a consumer that fails is restarted."""
+        tasks = [
+            asyncio.create_task(self._supervise("kv", self.on_kv_entry, stop, block_ms)),
+            asyncio.create_task(self._supervise("completions", self.on_completion, stop, block_ms)),
+            asyncio.create_task(self._expire_loop(stop, expiry_interval_s)),
+        ]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in [*tasks, *self._fetches]:
+                task.cancel()
+            for channel in self._channels.values():
+                await channel.close()
+
+    async def _supervise(self, stream: str, handler: Callable[[str, bytes, Context], object],
+                         stop: asyncio.Event, block_ms: int) -> None:
+        while not stop.is_set():
+            try:
+                await self.bus.consume(stream, self.group, self.router_id, handler,  # type: ignore[arg-type]
+                                       stop=stop, block_ms=block_ms)
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                log.error("%s consumer lost Redis (%s); retrying in 1 s", stream, exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 1.0)
+
+    async def _expire_loop(self, stop: asyncio.Event, interval_s: float) -> None:
+        while not stop.is_set():
+            for replica_id in self.core.expire(self.clock()):
+                log.warning("replica %s missed its heartbeats: GONE, purged", replica_id)
+                self._buffers.pop(replica_id, None)
+            self._update_gauges()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s)
+
+    def _update_gauges(self) -> None:
+        counts = dict.fromkeys(ReplicaState, 0)
+        for view in self.core.replicas():
+            counts[view.state] += 1
+        for state, count in counts.items():
+            self.metrics.replicas.labels(state.value).set(count)
+
+
+class RouterServicer(router_pb2_grpc.RouterServiceServicer):
+    """Thin servicer over RouterRuntime."""
+
+    def __init__(self, runtime: RouterRuntime) -> None:
+        self.runtime = runtime
+        self.core = runtime.core
+
+    async def Route(self, request: router_pb2.RouteRequest,  # noqa: N802 (gRPC method name)
+                    context: grpc.aio.ServicerContext) -> router_pb2.RouteResponse:
+        query = convert.query_from_proto(request)
+        with tracer.start_as_current_span("routed", context=extract_metadata(context.invocation_metadata()),
+                                          kind=trace.SpanKind.SERVER) as span:
+            span.set_attribute("sluice.request_id", request.request_id)
+            span.set_attribute("gen_ai.request.model", request.model)
+            try:
+                decision = self.core.route(query, self.runtime.clock())
+            except Exception:
+                self.runtime.metrics.route_failures.inc()
+                raise
+            span.set_attribute("sluice.replica_id", decision.replica_id)
+            span.set_attribute("sluice.cached_blocks", decision.cached_blocks)
+            span.set_attribute("sluice.predicted_ttft_s", decision.predicted_ttft_s)
+        self.runtime.metrics.routes.labels(decision.replica_id).inc()
+        self.runtime.metrics.cached_blocks.observe(decision.cached_blocks)
+        return convert.decision_to_proto(decision)
+
+    async def RegisterReplica(self, request: router_pb2.RegisterReplicaRequest,  # noqa: N802
+                              context: grpc.aio.ServicerContext) -> router_pb2.RegisterReplicaResponse:
+        spec = convert.spec_from_proto(request.replica)
+        if not spec.replica_id or not spec.model:
+            raise errors.InvalidArgument("a replica needs replica_id and model", field_name="replica")
+        state = self.core.register(spec, self.runtime.clock())
+        log.info("replica %s registered (%s at %s)", spec.replica_id, spec.model, spec.address)
+        self.runtime.on_registered(spec.replica_id)
+        return router_pb2.RegisterReplicaResponse(state=convert.state_to_proto(state))
+
+    async def Heartbeat(self, request: router_pb2.HeartbeatRequest,  # noqa: N802
+                        context: grpc.aio.ServicerContext) -> router_pb2.HeartbeatResponse:
+        now = self.runtime.clock()
+        current = self.core.state_of(request.replica_id)
+        reported = convert.state_from_proto(request.state)
+        if current is ReplicaState.WARMING and reported is ReplicaState.READY:
+            self.core.mark_ready(request.replica_id, now)
+        elif reported is ReplicaState.DRAINING and current is not ReplicaState.DRAINING:
+            self.core.drain(request.replica_id, now)
+        state = self.core.heartbeat(request.replica_id, convert.load_from_proto(request.load), now)
+        return router_pb2.HeartbeatResponse(state=convert.state_to_proto(state))
+
+    async def Drain(self, request: router_pb2.DrainRequest,  # noqa: N802
+                    context: grpc.aio.ServicerContext) -> router_pb2.DrainResponse:
+        state = self.core.drain(request.replica_id, self.runtime.clock())
+        return router_pb2.DrainResponse(state=convert.state_to_proto(state))
+
+    async def ListReplicas(self, request: router_pb2.ListReplicasRequest,  # noqa: N802
+                           context: grpc.aio.ServicerContext) -> router_pb2.ListReplicasResponse:
+        return router_pb2.ListReplicasResponse(replicas=[convert.replica_to_proto(v) for v in self.core.replicas()])
+
+
+async def start_router_server(runtime: RouterRuntime, port: int = 0,
+                              host: str = "127.0.0.1") -> tuple[grpc.aio.Server, int]:
+    """Start the router's gRPC server; return it and its bound port. Raises RuntimeError if the port is taken."""
+    server = grpc.aio.server(interceptors=[errors.ErrorInterceptor(translate_router_error)])
+    router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(runtime), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"cannot bind the router to {host}:{port}")
+    await server.start()
+    return server, bound

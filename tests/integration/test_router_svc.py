@@ -1,0 +1,258 @@
+"""The router gRPC service on loopback with a real Redis: routing, replica states, the KV index, tracing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+import redis.asyncio as aioredis
+
+from router_svc.core import RouterConfig, RouterCore
+from router_svc.server import RouterRuntime, start_router_server
+from sluice.bus import Bus
+from sluice.errors import details_of
+from sluice.telemetry import get_tracer, inject_metadata
+from sluice.v1 import events_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+pytestmark = pytest.mark.redis
+
+PREFIX = [1000 + i for i in range(40)]  # the block-hash chain of a 640-token prompt
+
+
+@dataclass
+class SnapshotSource(scheduler_pb2_grpc.SchedulerServiceServicer):
+    """The KvSnapshot RPC of a replica's scheduler, answering from a cache state the test controls."""
+
+    replica_id: str
+    last_event_id: int = 0
+    hashes: list[int] = field(default_factory=list)
+    calls: int = 0
+
+    async def KvSnapshot(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
+        self.calls += 1
+        return scheduler_pb2.KvSnapshotResponse(replica_id=self.replica_id, last_event_id=self.last_event_id,
+                                                block_hashes=self.hashes)
+
+
+@dataclass
+class Harness:
+    runtime: RouterRuntime
+    stub: router_pb2_grpc.RouterServiceStub
+    bus: Bus
+    sources: dict[str, tuple[SnapshotSource, str]]
+
+
+@contextlib.asynccontextmanager
+async def _sources(replicas: tuple[str, ...]) -> AsyncIterator[dict[str, tuple[SnapshotSource, str]]]:
+    """A real gRPC server answering KvSnapshot for each replica id: replica id -> (source, address)."""
+    sources: dict[str, tuple[SnapshotSource, str]] = {}
+    servers = []
+    for replica_id in replicas:
+        source = SnapshotSource(replica_id)
+        server = grpc.aio.server()
+        scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(source, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        servers.append(server)
+        sources[replica_id] = (source, f"127.0.0.1:{port}")
+    try:
+        yield sources
+    finally:
+        for server in servers:
+            await server.stop(0)
+
+
+@contextlib.asynccontextmanager
+async def _router(redis_url: str, namespace: str, replicas: tuple[str, ...] = ("A", "B"),
+                  config: RouterConfig | None = None,
+                  sources: dict[str, tuple[SnapshotSource, str]] | None = None) -> AsyncIterator[Harness]:
+    """A router with real Redis and a KvSnapshot server per replica id (reused when `sources` is given)."""
+    async with contextlib.AsyncExitStack() as stack:
+        if sources is None:
+            sources = await stack.enter_async_context(_sources(replicas))
+        client = aioredis.Redis.from_url(redis_url)
+        stack.push_async_callback(client.aclose)
+        bus = Bus(client, namespace)
+        runtime = RouterRuntime(RouterCore(config or RouterConfig()), bus, "r1")
+        server, port = await start_router_server(runtime)
+        stack.push_async_callback(server.stop, 0)
+        stop = asyncio.Event()
+        loop_task = asyncio.create_task(runtime.run(stop, expiry_interval_s=0.1, block_ms=20))
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        stack.push_async_callback(channel.close)
+        try:
+            yield Harness(runtime, router_pb2_grpc.RouterServiceStub(channel), bus, sources)
+        finally:
+            stop.set()
+            await asyncio.wait_for(loop_task, 5)
+
+
+async def _register(h: Harness, replica_id: str, model: str = "m", ready: bool = True,
+                    queued_prefill_tokens: int = 0) -> None:
+    address = h.sources[replica_id][1] if replica_id in h.sources else ""
+    await h.stub.RegisterReplica(router_pb2.RegisterReplicaRequest(replica=router_pb2.Replica(
+        replica_id=replica_id, model=model, scheduler_address=address, block_size=16, num_blocks=1000,
+        prefill_tokens_per_s=16_000.0, decode_round_s=0.01)))
+    if ready:
+        await _heartbeat(h, replica_id, router_pb2.READY, queued_prefill_tokens)
+
+
+async def _heartbeat(h: Harness, replica_id: str, state: int, queued_prefill_tokens: int = 0) -> int:
+    reply = await h.stub.Heartbeat(router_pb2.HeartbeatRequest(
+        replica_id=replica_id, state=state,
+        load=router_pb2.ReplicaLoad(queued_prefill_tokens=queued_prefill_tokens, kv_blocks_free=500)))
+    return int(reply.state)
+
+
+async def _publish(bus: Bus, replica_id: str, first_id: int, hashes: list[int]) -> None:
+    batch = events_pb2.KvEventBatch(replica_id=replica_id)
+    for i, block_hash in enumerate(hashes):
+        batch.events.add(event_id=first_id + i).stored.block_hashes.append(block_hash)
+    await bus.publish_kv(batch)
+
+
+async def _until(predicate, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(int(timeout / 0.02)):
+        if predicate():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached in time")
+
+
+def _route(h: Harness, request_id: str, model: str = "m", hashes: list[int] = PREFIX):  # type: ignore[no-untyped-def]
+    return h.stub.Route(router_pb2.RouteRequest(request_id=request_id, model=model, block_hashes=hashes,
+                                                prompt_tokens=16 * len(hashes), max_tokens=16))
+
+
+def test_design_example_queue_outweighs_prefix_reuse(redis_url: str, namespace: str) -> None:
+    """DESIGN.md's example: A saves 20 ms of prefill by prefix reuse but has 50 ms of queue, B has no prefix
+    and 5 ms of queue, so B is chosen; with A's queue gone, the prefix wins and A is chosen."""
+    async def body() -> None:
+        async with _router(redis_url, namespace, config=RouterConfig(prediction_ttl_s=0)) as h:
+            await _register(h, "A", queued_prefill_tokens=800)  # 800 tokens / 16k tok/s = 50 ms
+            await _register(h, "B", queued_prefill_tokens=80)   # 5 ms
+            await _publish(h.bus, "A", 1, PREFIX[:20])          # 20 blocks * 16 tokens = 320 tokens = 20 ms
+            await _until(lambda: h.runtime.core.cached_blocks("A", PREFIX, 0) == 20)
+            chosen = await _route(h, "req-1")
+            assert chosen.replica_id == "B" and chosen.cached_blocks == 0
+            assert chosen.predicted_ttft_s == pytest.approx(0.005 + 0.040)
+            await _heartbeat(h, "A", router_pb2.READY, queued_prefill_tokens=0)
+            await _heartbeat(h, "B", router_pb2.READY, queued_prefill_tokens=80)
+            chosen = await _route(h, "req-2")
+            assert chosen.replica_id == "A" and chosen.cached_blocks == 20
+    asyncio.run(body())
+
+
+def test_only_ready_compatible_replicas_get_traffic(redis_url: str, namespace: str) -> None:
+    """WARMING replicas and replicas of another model get no requests; with no READY replica Route is
+    UNAVAILABLE, and for a model nobody serves it is NOT_FOUND."""
+    async def body() -> None:
+        async with _router(redis_url, namespace, replicas=("warm", "ready", "other")) as h:
+            await _register(h, "warm", ready=False)
+            await _register(h, "ready")
+            await _register(h, "other", model="m2")
+            chosen = {(await _route(h, f"q{i}")).replica_id for i in range(10)}
+            assert chosen == {"ready"}
+            await h.stub.Drain(router_pb2.DrainRequest(replica_id="ready"))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _route(h, "q-none")
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert details_of(err.value).reason == "no_ready_replica"
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _route(h, "q-unknown", model="nobody-serves-this")
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    asyncio.run(body())
+
+
+def test_a_draining_replica_gets_no_new_requests(redis_url: str, namespace: str) -> None:
+    """After a replica heartbeats DRAINING, every request goes to the other READY replica, even one whose
+    prefix is cached only on the draining replica; ListReplicas shows it DRAINING."""
+    async def body() -> None:
+        async with _router(redis_url, namespace) as h:
+            await _register(h, "A")
+            await _register(h, "B")
+            await _publish(h.bus, "A", 1, PREFIX)
+            await _until(lambda: h.runtime.core.cached_blocks("A", PREFIX, 0) == 40)
+            assert await _heartbeat(h, "A", router_pb2.DRAINING) == router_pb2.DRAINING
+            assert {(await _route(h, f"q{i}")).replica_id for i in range(10)} == {"B"}
+            listed = await h.stub.ListReplicas(router_pb2.ListReplicasRequest())
+            assert {r.replica_id: r.state for r in listed.replicas} == {
+                "A": router_pb2.DRAINING, "B": router_pb2.READY}
+    asyncio.run(body())
+
+
+def test_restarted_router_rebuilds_its_index_from_snapshot_and_stream(redis_url: str, namespace: str) -> None:
+    """A router restarted mid-run learns the replica's cache from a KvSnapshot when the replica re-registers
+    (its heartbeat is NOT_FOUND first) and then from KV events published after the snapshot."""
+    async def body() -> None:
+        async with _sources(("A",)) as sources:
+            async with _router(redis_url, namespace, sources=sources) as first:
+                await _register(first, "A")
+                await _publish(first.bus, "A", 1, PREFIX[:10])
+                await _until(lambda: first.runtime.core.cached_blocks("A", PREFIX, 0) == 10)
+            source = sources["A"][0]
+            source.last_event_id, source.hashes = 25, PREFIX[:25]  # the replica's cache while no router ran
+            client = aioredis.Redis.from_url(redis_url)
+            await _publish(Bus(client, namespace), "A", 11, PREFIX[10:25])
+            await client.aclose()
+            async with _router(redis_url, namespace, sources=sources) as second:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await _heartbeat(second, "A", router_pb2.READY)
+                assert err.value.code() == grpc.StatusCode.NOT_FOUND
+                await _register(second, "A")
+                await _until(lambda: second.runtime.core.cached_blocks("A", PREFIX, 0) == 25)
+                await _publish(second.bus, "A", 26, PREFIX[25:])
+                await _until(lambda: second.runtime.core.cached_blocks("A", PREFIX, 0) == 40)
+                assert (await _route(second, "after-restart")).cached_blocks == 40
+    asyncio.run(body())
+
+
+def test_an_event_id_gap_triggers_a_snapshot(redis_url: str, namespace: str) -> None:
+    """KV events that skip event ids make the router fetch a KvSnapshot and adopt it, instead of
+    indexing a cache it has only partly seen."""
+    async def body() -> None:
+        async with _router(redis_url, namespace, replicas=("A",)) as h:
+            await _register(h, "A")
+            source = h.sources["A"][0]
+            await _until(lambda: source.calls == 1)  # the registration snapshot
+            await _publish(h.bus, "A", 1, PREFIX[:3])
+            await _until(lambda: h.runtime.core.cached_blocks("A", PREFIX, 0) == 3)
+            source.last_event_id, source.hashes = 30, PREFIX[:30]
+            await _publish(h.bus, "A", 30, [PREFIX[29]])  # ids 4..29 never arrive
+            await _until(lambda: h.runtime.core.cached_blocks("A", PREFIX, 0) == 30)
+            assert source.calls == 2
+    asyncio.run(body())
+
+
+def test_a_silent_replica_goes_and_is_purged(redis_url: str, namespace: str) -> None:
+    """A replica that stops heartbeating is GONE after the timeout: no longer listed, its prefixes unindexed."""
+    async def body() -> None:
+        async with _router(redis_url, namespace, config=RouterConfig(heartbeat_timeout_s=0.3)) as h:
+            await _register(h, "A")
+            await _publish(h.bus, "A", 1, PREFIX[:5])
+            await _until(lambda: h.runtime.core.indexed_blocks == 5)
+            await _until(lambda: not h.runtime.core.replicas(), timeout=3)
+            assert h.runtime.core.indexed_blocks == 0
+            assert not (await h.stub.ListReplicas(router_pb2.ListReplicasRequest())).replicas
+    asyncio.run(body())
+
+
+def test_route_records_a_routed_span_in_the_callers_trace(redis_url: str, namespace: str,
+                                                          span_exporter) -> None:  # type: ignore[no-untyped-def]
+    """Route continues the trace context sent in gRPC metadata with a "routed" span naming the replica."""
+    async def body() -> None:
+        async with _router(redis_url, namespace, replicas=("A",)) as h:
+            await _register(h, "A")
+            with get_tracer("test").start_as_current_span("admission") as parent:
+                await h.stub.Route(router_pb2.RouteRequest(request_id="t1", model="m", prompt_tokens=10),
+                                   metadata=inject_metadata())
+            routed = [s for s in span_exporter.get_finished_spans() if s.name == "routed"]
+            assert len(routed) == 1
+            assert routed[0].context.trace_id == parent.get_span_context().trace_id
+            assert routed[0].parent.span_id == parent.get_span_context().span_id
+            assert routed[0].attributes["sluice.replica_id"] == "A"
+    asyncio.run(body())
