@@ -2,8 +2,8 @@
 
 `write_preset(dir, "tiny")` writes config.json, model.safetensors and tokenizer.json that the
 loader reads like any Hugging Face Llama directory. Weights come from a fixed seed and are scaled
-so that activations keep unit size through the layers and the logits have a spread of a few
-units: outputs vary with the input instead of collapsing onto one token.
+so that every block's output has unit size, the embedding is small next to it (the prediction
+depends on the context, not only on the last token) and the logits spread over a few units.
 """
 
 from __future__ import annotations
@@ -23,6 +23,11 @@ BYTE_VOCAB = 258
 """256 byte tokens, then <s> (256) and </s> (257)."""
 LOGIT_SCALE = 2.0
 """Standard deviation the output logits aim at."""
+EMBED_STD = 0.1
+"""Small next to the unit-size outputs of the attention and MLP blocks, so the prediction depends
+on the context (with std 1 the residual stream is dominated by the current token's embedding and
+the model degenerates into a bigram table: 3 distinct greedy tokens over 64 random contexts for
+the tiny preset, against about 50 with 0.1)."""
 
 PRESETS: dict[str, LlamaConfig] = {
     "tiny": LlamaConfig(
@@ -72,21 +77,18 @@ def random_weights(config: LlamaConfig, seed: int) -> dict[str, torch.Tensor]:
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight")
     generator = torch.Generator().manual_seed(seed)
-    residual_scale = 1.0 / math.sqrt(2 * config.num_hidden_layers)
     weights = {}
     for name in sorted(shapes):
         shape = shapes[name]
         if name.endswith("norm.weight"):
             # with tied embeddings the final norm sets the logit scale (the embedding has std 1)
             tied_final = name == "model.norm.weight" and config.tie_word_embeddings
-            value = LOGIT_SCALE / math.sqrt(config.hidden_size) if tied_final else 1.0
+            value = LOGIT_SCALE / (EMBED_STD * math.sqrt(config.hidden_size)) if tied_final else 1.0
             weights[name] = torch.full(shape, value)
             continue
-        std = 1.0 if name == "model.embed_tokens.weight" else 1.0 / math.sqrt(shape[1])
+        std = EMBED_STD if name == "model.embed_tokens.weight" else 1.0 / math.sqrt(shape[1])
         if name == "lm_head.weight":
             std = LOGIT_SCALE / math.sqrt(shape[1])
-        elif name.endswith(("o_proj.weight", "down_proj.weight")):
-            std *= residual_scale
         weights[name] = torch.randn(shape, generator=generator) * std
     return weights
 
