@@ -72,6 +72,8 @@ class Chunk:
     status: str
     usage: Usage | None
     received_s: float
+    created_unix_s: float = 0.0
+    """When the server says token_ids[0] was created (time.time() clock); 0 = unknown."""
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,7 @@ def _chunk(message: admission_pb2.GenerateChunk) -> Chunk:
         if message.HasField("usage") else None
     return Chunk(message.request_id, message.index, tuple(message.token_ids), message.text,
                  message.finished, message.finish_reason, common_pb2.RequestStatus.Name(message.status),
-                 usage, time.time())
+                 usage, time.time(), message.created_unix_s)
 
 
 def _collect(chunks: Sequence[Chunk]) -> Generation:

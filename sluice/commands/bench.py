@@ -1,0 +1,248 @@
+"""`sluice bench`: replay a workload against a running stack (or one it spawns) and report.
+
+Open loop: each request starts at its arrival time whatever happened to the others (a
+`--max-concurrency` cap holds a request back when that many are in flight; its latency still
+counts from its arrival). Every request goes through the AsyncClient; per request we record
+arrival, first token, each token's arrival, finish and status, and summarise with the same code
+as `sluice sim` (sluice.metrics / sluice.report).
+
+Latency the path adds per token: every GenerateChunk carries `created_unix_s`, the time the
+scheduler stamped on the token (or, when it does not stamp, the time Redis appended its delta,
+millisecond resolution); the client's receive time minus that is the worker -> scheduler ->
+Redis -> admission -> client cost, reported as p50/p99 under `path_latency_per_token_s`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+DEFAULT_SLO_TTFT_S = 2.0
+DEFAULT_SLO_TPOT_S = 0.2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the flags of `sluice bench`."""
+    parser.add_argument("workload", help="azure-conv, azure-code, mooncake, a trace path or 'synthetic:...'")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--target", default=None, help="admission HOST:PORT of a running stack")
+    where.add_argument("--spawn", action="store_true", help="start a stack for the run (see --replicas ...)")
+    parser.add_argument("--replicas", type=int, default=1, help="with --spawn")
+    parser.add_argument("--backend", choices=("torch", "costmodel"), default="torch", help="with --spawn")
+    parser.add_argument("--model", default="tiny", help="with --spawn")
+    parser.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY", "sk-sluice-local"))
+    parser.add_argument("--max-concurrency", type=int, default=64)
+    parser.add_argument("--rate-scale", type=float, default=1.0, help="arrival rate multiplier")
+    parser.add_argument("--max-requests", type=int, default=None)
+    parser.add_argument("--duration", type=float, default=None, help="seconds of the (scaled) trace to replay")
+    parser.add_argument("--length-scale", type=float, default=1.0, help="multiply input and output lengths")
+    parser.add_argument("--max-input-tokens", type=int, default=None, help="cap prompt lengths (fit the model)")
+    parser.add_argument("--max-output-tokens", type=int, default=None, help="cap output lengths")
+    parser.add_argument("--vocab-size", type=int, default=256, help="prompt token ids are drawn below this")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=120.0, help="per-request deadline (s)")
+    parser.add_argument("--slo-ttft", type=float, default=DEFAULT_SLO_TTFT_S, help="TTFT target (s)")
+    parser.add_argument("--slo-tpot", type=float, default=DEFAULT_SLO_TPOT_S, help="TPOT target (s)")
+    parser.add_argument("--json", default=None, help="write the summary here")
+    parser.add_argument("--plots", default=None, help="write latency CDF plots into this directory")
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What the client saw of one request (before it becomes a RequestRecord)."""
+
+    arrival_s: float
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    token_times: list[float] = dataclasses.field(default_factory=list)
+    path_latencies: list[float] = dataclasses.field(default_factory=list)
+    status: str = "ok"
+    output_tokens: int = 0
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    preemptions: int = 0
+    recomputed_tokens: int = 0
+    request_id: str = ""
+    detail: str = ""
+
+
+def fit_lengths(requests: Sequence[Any], scale: float, max_input: int | None, max_output: int | None) -> list[Any]:
+    """Return the requests with lengths multiplied by `scale` and capped (at least one token each)."""
+    out = []
+    for r in requests:
+        length_in = max(1, round(r.input_length * scale))
+        length_out = max(1, round(r.output_length * scale))
+        out.append(dataclasses.replace(r, input_length=min(length_in, max_input or length_in),
+                                       output_length=min(length_out, max_output or length_out),
+                                       prefix_tokens=None if r.prefix_tokens is None
+                                       else min(r.prefix_tokens, max_input or r.prefix_tokens)))
+    return out
+
+
+def _status_of(exc: BaseException) -> str:
+    from sluice import client as sdk
+
+    if isinstance(exc, sdk.ResourceExhausted | sdk.Unavailable):
+        return "rejected"
+    if isinstance(exc, sdk.Cancelled):
+        return "cancelled"
+    if isinstance(exc, sdk.DeadlineExceeded):
+        return "timed_out"
+    return "failed"
+
+
+async def _one(client: Any, request: Any, t0: float, vocab_size: int, timeout: float, limit: asyncio.Semaphore,
+               outcome: Outcome) -> None:
+    """Run one request at its arrival time; fills `outcome` (never raises for a request's failure)."""
+    await asyncio.sleep(max(0.0, t0 + request.arrival_s - time.time()))
+    async with limit:
+        cancel_task = None
+        try:
+            stream = client.generate(list(request.prompt_token_ids(vocab_size)), max_tokens=request.output_length,
+                                     priority=request.priority, ignore_eos=True,
+                                     timeout=request.deadline_s or timeout)
+            async for chunk in stream:
+                outcome.request_id = chunk.request_id
+                if request.cancel_after_s is not None and cancel_task is None:
+                    delay = t0 + request.arrival_s + request.cancel_after_s - time.time()
+                    cancel_task = asyncio.create_task(_cancel_later(client, chunk.request_id, delay))
+                if chunk.token_ids:
+                    outcome.first_token_s = outcome.first_token_s or chunk.received_s
+                    outcome.token_times.extend([chunk.received_s] * len(chunk.token_ids))
+                    if chunk.created_unix_s > 0:
+                        outcome.path_latencies.append(chunk.received_s - chunk.created_unix_s)
+                if chunk.usage is not None:
+                    _take_usage(outcome, chunk.usage)
+        except Exception as exc:  # a failed request is a result of the benchmark, not a crash
+            outcome.status = _status_of(exc)
+            outcome.detail = str(exc)[:200]
+        finally:
+            outcome.finish_s = time.time()
+            outcome.output_tokens = max(outcome.output_tokens, len(outcome.token_times))
+            if cancel_task is not None:
+                cancel_task.cancel()
+
+
+async def _cancel_later(client: Any, request_id: str, delay_s: float) -> None:
+    await asyncio.sleep(max(0.0, delay_s))
+    try:
+        await client.cancel(request_id)
+    except Exception as exc:  # already finished: nothing to cancel
+        print(f"\ncancel of {request_id} failed: {exc}", file=sys.stderr)
+
+
+def _take_usage(outcome: Outcome, usage: Any) -> None:
+    outcome.output_tokens = usage.output_tokens
+    outcome.input_tokens = usage.input_tokens
+    outcome.cached_tokens = usage.cached_tokens
+    outcome.preemptions = usage.preemptions
+    outcome.recomputed_tokens = usage.recomputed_tokens
+
+
+async def _progress(outcomes: list[Outcome], total: int, done: asyncio.Event) -> None:
+    while not done.is_set():
+        finished = sum(1 for o in outcomes if o.finish_s is not None)
+        failed = sum(1 for o in outcomes if o.finish_s is not None and o.status != "ok")
+        print(f"\r[bench] {finished}/{total} done, {failed} not ok", end="", file=sys.stderr, flush=True)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(done.wait(), 0.5)
+    print(f"\r[bench] {total}/{total} done" + " " * 20, file=sys.stderr, flush=True)
+
+
+async def drive(target: str, api_key: str, requests: Sequence[Any], *, max_concurrency: int = 64,
+                vocab_size: int = 256, timeout: float = 120.0, progress: bool = True) -> list[Outcome]:
+    """Replay `requests` open-loop against `target`; returns one Outcome per request, in order."""
+    from sluice.client import AsyncClient, RetryPolicy
+
+    limit = asyncio.Semaphore(max_concurrency)
+    t0 = time.time() + 0.05
+    outcomes = [Outcome(arrival_s=t0 + r.arrival_s) for r in requests]
+    done = asyncio.Event()
+    # No retries: a rejection is part of what a benchmark measures.
+    async with AsyncClient(target, api_key=api_key, retry=RetryPolicy(max_attempts=1)) as client:
+        bar = asyncio.create_task(_progress(outcomes, len(requests), done)) if progress else None
+        await asyncio.gather(*(_one(client, r, t0, vocab_size, timeout, limit, o)
+                               for r, o in zip(requests, outcomes, strict=True)))
+        done.set()
+        if bar is not None:
+            await bar
+    return outcomes
+
+
+def records_of(requests: Sequence[Any], outcomes: Sequence[Outcome]) -> list[Any]:
+    """Return sluice.metrics.RequestRecord for each (request, outcome)."""
+    from sluice.metrics import RequestRecord
+
+    return [RequestRecord(request_id=o.request_id or r.request_id, tenant=r.tenant, priority=r.priority,
+                          arrival_s=o.arrival_s, first_token_s=o.first_token_s, finish_s=o.finish_s,
+                          token_times=o.token_times, status=o.status, input_tokens=o.input_tokens or r.input_length,
+                          output_tokens=o.output_tokens, cached_tokens=o.cached_tokens, preemptions=o.preemptions,
+                          recomputed_tokens=o.recomputed_tokens, detail=o.detail)
+            for r, o in zip(requests, outcomes, strict=True)]
+
+
+def path_latency(outcomes: Sequence[Outcome]) -> dict[str, Any]:
+    """Return p50/p99 (and count) of the per-token path latency seen by the client, in seconds."""
+    from sluice.metrics import percentiles
+
+    values = [v for o in outcomes for v in o.path_latencies]
+    return {key: value for key, value in percentiles(values, (50, 99)).items()}
+
+
+def summarize_run(requests: Sequence[Any], outcomes: Sequence[Outcome], args: argparse.Namespace,
+                  extra: dict[str, Any]) -> dict[str, Any]:
+    """Return the summary dict (sluice.metrics.summarize plus the path latency and run facts)."""
+    from sluice.metrics import summarize
+
+    summary = summarize(records_of(requests, outcomes), args.slo_ttft, args.slo_tpot)
+    summary["path_latency_per_token_s"] = path_latency(outcomes)
+    summary.update(extra)
+    return summary
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; returns 0, or 2 for a bad workload or flags."""
+    from sluice.report import format_table, write_json, write_plots
+    from sluice.workload import WorkloadError, load_workload
+
+    try:
+        workload = load_workload(args.workload, seed=args.seed, rate_scale=args.rate_scale,
+                                 duration_s=args.duration, max_requests=args.max_requests)
+    except WorkloadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    requests = fit_lengths(workload.requests, args.length_scale, args.max_input_tokens, args.max_output_tokens)
+    stack = None
+    if args.spawn:
+        from sluice.stack import Stack, StackConfig
+
+        stack = Stack(StackConfig(replicas=args.replicas, backend=args.backend, model=args.model)).start()
+        target, api_key = stack.endpoint, stack.api_key
+    else:
+        target, api_key = args.target or "localhost:50051", args.api_key
+    try:
+        outcomes = asyncio.run(drive(target, api_key, requests, max_concurrency=args.max_concurrency,
+                                     vocab_size=args.vocab_size, timeout=args.timeout))
+    finally:
+        if stack is not None:
+            stack.stop()
+    summary = summarize_run(requests, outcomes, args, {"workload": workload.describe(), "target": target})
+    print(format_table(summary, title=f"sluice bench {args.workload} ({len(requests)} requests)"))
+    lat = summary["path_latency_per_token_s"]
+    if lat.get("p50") is not None:
+        print(f"path latency per token (scheduler -> client): p50 {lat['p50'] * 1e3:.2f} ms, "
+              f"p99 {lat['p99'] * 1e3:.2f} ms over {int(lat['count'])} chunks")
+    if args.json:
+        print(f"JSON: {write_json(summary, args.json)}")
+    if args.plots:
+        files = write_plots({"bench": records_of(requests, outcomes)}, {}, Path(args.plots))
+        print(f"plots: {', '.join(str(f) for f in files)}")
+    return 0

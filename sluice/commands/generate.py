@@ -1,0 +1,50 @@
+"""`sluice generate PROMPT`: send one prompt through the client SDK and stream the answer to stdout."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the flags of `sluice generate`."""
+    parser.add_argument("prompt", help="the prompt text")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--priority", type=int, default=0, help="larger runs first")
+    parser.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY", "sk-sluice-local"))
+    parser.add_argument("--target", default=os.environ.get("SLUICE_TARGET", "localhost:50051"))
+    parser.add_argument("--model", default="", help="model name (default: the deployment's)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--timeout", type=float, default=60.0, help="deadline in seconds")
+    parser.add_argument("--ids", action="store_true", help="print token ids instead of text")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Stream one generation; returns 0, or 1 with the error's code and message on stderr."""
+    from sluice.client import Client, SluiceError
+
+    last = None
+    try:
+        with Client(args.target, api_key=args.api_key) as client:
+            for chunk in client.generate(args.prompt, max_tokens=args.max_tokens, priority=args.priority,
+                                         model=args.model, temperature=args.temperature, top_p=args.top_p,
+                                         top_k=args.top_k, seed=args.seed, stop=args.stop, timeout=args.timeout):
+                out = " ".join(map(str, chunk.token_ids)) + (" " if chunk.token_ids else "") if args.ids \
+                    else chunk.text
+                sys.stdout.write(out)
+                sys.stdout.flush()
+                last = chunk
+    except SluiceError as exc:
+        print(f"\nerror: {exc.code.name}: {exc.message}"
+              + (f" (retry after {exc.retry_delay_s:.2f}s)" if exc.retry_delay_s else ""), file=sys.stderr)
+        return 1
+    if last is not None and last.usage is not None:
+        u = last.usage
+        print(f"\n[{last.request_id}] {last.status.lower()} ({last.finish_reason}): {u.input_tokens} input, "
+              f"{u.output_tokens} output tokens", file=sys.stderr)
+    return 0

@@ -1,0 +1,284 @@
+"""A process supervisor for a whole Sluice deployment on one machine.
+
+Used by `sluice up`, `sluice bench --spawn`, `make demo` and the end-to-end tests. Start order:
+Redis (embedded unless a URL is given) -> router -> one worker per replica -> one scheduler per
+replica -> admission. Each service is its own process (`python -m <service>`), logging to
+`<run_dir>/<name>.log`. `start()` returns once every process reports SERVING on gRPC health and
+the router lists every replica READY; a process that dies during start-up fails it with the tail
+of its log.
+
+Shutdown is graceful: admission stops accepting (NOT_SERVING, then exits after its grace period),
+every replica is drained at the router (no new routes), schedulers get up to `drain_timeout_s` to
+finish what is in flight, then each process gets SIGTERM (SIGKILL after a timeout), Redis last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from sluice.config import DEFAULT_API_KEY
+from sluice.redis_server import EmbeddedRedis, free_port
+from sluice.v1 import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class StackError(RuntimeError):
+    """A process of the stack failed to start or to become ready; the message has its log tail."""
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """What to start."""
+
+    replicas: int = 1
+    """Worker + scheduler pairs."""
+    backend: str = "torch"
+    """Worker backend: "torch" or "costmodel"."""
+    model: str = "tiny"
+    """Preset name or model directory (torch); model shape (costmodel)."""
+    redis_url: str | None = None
+    """An existing Redis; None starts the embedded one."""
+    config_file: str | None = None
+    """Admission config (API keys, budgets); None = the default tenant and key."""
+    admission_port: int = 0
+    """Port of the public endpoint; 0 picks a free one."""
+    host: str = "127.0.0.1"
+    run_dir: Path | None = None
+    """Where logs go; None makes a fresh temporary directory."""
+    namespace: str = field(default_factory=lambda: "s" + uuid.uuid4().hex[:10])
+    """Bus namespace (unique per stack so stacks sharing one Redis never mix)."""
+    num_blocks: int | None = None
+    """KV blocks per worker (None: the backend's default)."""
+    scheduler_args: tuple[str, ...] = ()
+    """Extra flags for every scheduler (policy, budgets...)."""
+    emulate_time: bool = False
+    """Cost model: make rounds take their modelled time."""
+    env: tuple[tuple[str, str], ...] = ()
+    """Extra environment for every service (e.g. SLUICE_TRACE_FILE)."""
+    start_timeout_s: float = 120.0
+    drain_timeout_s: float = 10.0
+    log_level: str = "INFO"
+
+
+@dataclass
+class Proc:
+    """One service process."""
+
+    name: str
+    args: list[str]
+    log_path: Path
+    address: str = ""
+    popen: subprocess.Popen[bytes] | None = None
+
+    def log_tail(self, limit: int = 3000) -> str:
+        """Return the end of the process's log."""
+        with contextlib.suppress(OSError):
+            return self.log_path.read_text(errors="replace")[-limit:]
+        return "(no log)"
+
+    def alive(self) -> bool:
+        """True while the process runs."""
+        return self.popen is not None and self.popen.poll() is None
+
+
+class Stack:
+    """Starts, watches and stops the processes of one deployment. A context manager."""
+
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self.run_dir = Path(config.run_dir or tempfile.mkdtemp(prefix="sluice-run-"))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.redis: EmbeddedRedis | None = None
+        self.redis_url = config.redis_url or ""
+        self.procs: list[Proc] = []
+        self.router: Proc | None = None
+        self.workers: list[Proc] = []
+        self.schedulers: list[Proc] = []
+        self.admission: Proc | None = None
+
+    @property
+    def endpoint(self) -> str:
+        """The admission address clients connect to."""
+        return self.admission.address if self.admission else ""
+
+    @property
+    def api_key(self) -> str:
+        """A key that works with the default configuration."""
+        return DEFAULT_API_KEY
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    # ---- start ---------------------------------------------------------------------------------
+    def start(self) -> Stack:
+        """Start everything and wait until ready; raises StackError (after stopping what started)."""
+        try:
+            self._start_all()
+        except BaseException:
+            self.stop(graceful=False)
+            raise
+        return self
+
+    def _start_all(self) -> None:
+        c = self.config
+        deadline = time.monotonic() + c.start_timeout_s
+        if not self.redis_url:
+            self.redis = EmbeddedRedis(log_path=self.run_dir / "redis.log")
+            self.redis_url = self.redis.start()
+        common = ["--redis-url", self.redis_url, "--namespace", c.namespace, "--log-level", c.log_level]
+        self.router = self._spawn("router", "router_svc", [*common, "--router-id", f"router-{c.namespace}"])
+        for i in range(c.replicas):
+            worker_args = ["--backend", c.backend, "--model", c.model, "--log-level", c.log_level]
+            if c.num_blocks is not None:
+                worker_args += ["--num-blocks", str(c.num_blocks)]
+            if c.emulate_time:
+                worker_args.append("--emulate-time")
+            self.workers.append(self._spawn(f"worker-{i}", "worker_svc", worker_args))
+        self._wait_healthy([self.router, *self.workers], deadline)
+        for i, worker in enumerate(self.workers):
+            self.schedulers.append(self._spawn(f"scheduler-{i}", "scheduler_svc", [
+                *common, "--worker", worker.address, "--router", self.router.address,
+                "--replica-id", f"replica-{i}", *c.scheduler_args]))
+        self._wait_healthy(self.schedulers, deadline)
+        model_id = self._wait_replicas_ready(deadline)
+        admission_args = [*common, "--router", self.router.address, "--model",
+                          c.model if c.backend == "torch" else "tiny", "--model-id", model_id,
+                          "--owner", f"admission-{c.namespace}"]
+        if c.config_file:
+            admission_args += ["--config", c.config_file]
+        self.admission = self._spawn("admission", "admission_svc", admission_args, port=c.admission_port)
+        self._wait_healthy([self.admission], deadline)
+
+    def _spawn(self, name: str, module: str, args: list[str], port: int = 0) -> Proc:
+        port = port or free_port()
+        address = f"{self.config.host}:{port}"
+        proc = Proc(name, [sys.executable, "-m", module, "--host", self.config.host, "--port", str(port), *args],
+                    self.run_dir / f"{name}.log", address)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        env.update(dict(self.config.env))
+        with proc.log_path.open("ab") as log:
+            # A new session: a Ctrl-C in the terminal reaches only `sluice up`, which stops children in order.
+            proc.popen = subprocess.Popen(proc.args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                          env=env, cwd=str(REPO_ROOT), start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def _check_alive(self, procs: list[Proc]) -> None:
+        for proc in procs:
+            if not proc.alive():
+                code = proc.popen.returncode if proc.popen else None
+                raise StackError(f"{proc.name} exited with code {code} during start-up; log {proc.log_path}:\n"
+                                 f"{proc.log_tail()}")
+
+    def _wait_healthy(self, procs: list[Proc], deadline: float) -> None:
+        pending = list(procs)
+        while pending:
+            self._check_alive(pending)
+            pending = [p for p in pending if not health_serving(p.address)]
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(p.name for p in pending)
+                raise StackError(f"not SERVING within {self.config.start_timeout_s}s: {names}; last log:\n"
+                                 f"{pending[0].log_tail()}")
+            if pending:
+                time.sleep(0.1)
+
+    def _wait_replicas_ready(self, deadline: float) -> str:
+        """Wait until the router lists every replica READY; return their model id."""
+        assert self.router is not None
+        with grpc.insecure_channel(self.router.address) as channel:
+            stub = router_pb2_grpc.RouterServiceStub(channel)
+            while True:
+                self._check_alive(self.procs)
+                listed = stub.ListReplicas(router_pb2.ListReplicasRequest(), timeout=5).replicas
+                ready = [r for r in listed if r.state == router_pb2.READY]
+                if len(ready) >= self.config.replicas:
+                    return ready[0].model
+                if time.monotonic() > deadline:
+                    raise StackError(f"{len(ready)} of {self.config.replicas} replicas READY after "
+                                     f"{self.config.start_timeout_s}s")
+                time.sleep(0.1)
+
+    # ---- observe ---------------------------------------------------------------------------------
+    def scheduler_stats(self) -> list[scheduler_pb2.SchedulerStats]:
+        """Return every scheduler's Stats (KV blocks, queue, counters)."""
+        out = []
+        for proc in self.schedulers:
+            with grpc.insecure_channel(proc.address) as channel:
+                stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+                out.append(stub.Stats(scheduler_pb2.StatsRequest(), timeout=5))
+        return out
+
+    # ---- stop ------------------------------------------------------------------------------------
+    def stop(self, graceful: bool = True) -> None:
+        """Stop everything (see the module docstring); safe to call twice."""
+        if graceful:
+            with contextlib.suppress(Exception):
+                self._drain()
+        order = [*([self.admission] if self.admission else []), *self.schedulers, *self.workers,
+                 *([self.router] if self.router else [])]
+        for proc in order:
+            _terminate(proc, timeout_s=10.0 if graceful else 3.0)
+        self.procs = [p for p in self.procs if p.alive()]
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+    def _drain(self) -> None:
+        """Stop new work (admission first, then routes to each replica), then let in-flight work finish."""
+        if self.admission is not None:
+            _terminate(self.admission, timeout_s=10.0)
+        if self.router is None or not self.router.alive():
+            return
+        with grpc.insecure_channel(self.router.address) as channel:
+            stub = router_pb2_grpc.RouterServiceStub(channel)
+            for i in range(len(self.schedulers)):
+                with contextlib.suppress(grpc.RpcError):
+                    stub.Drain(router_pb2.DrainRequest(replica_id=f"replica-{i}"), timeout=5)
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while time.monotonic() < deadline:
+            busy = [s for s in self.scheduler_stats() if s.running or s.waiting]
+            if not busy:
+                return
+            time.sleep(0.1)
+
+
+def health_serving(address: str, service: str = "", timeout_s: float = 1.0) -> bool:
+    """Return True when the gRPC health service at `address` reports SERVING."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                              timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def _terminate(proc: Proc, timeout_s: float) -> None:
+    if not proc.alive() or proc.popen is None:
+        return
+    proc.popen.send_signal(signal.SIGTERM)
+    try:
+        proc.popen.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.popen.kill()
+        proc.popen.wait(timeout=5)
