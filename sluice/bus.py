@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -95,15 +95,25 @@ class Bus:
         return await self.publish("completions", completion.SerializeToString(), context=context)
 
     async def publish_tokens(self, owner: str, deltas: Sequence[events_pb2.TokenDelta], *,
-                             context: Context | None = None) -> None:
-        """Publish token deltas to `tokens:{owner}`, one entry each, in order, in one pipelined round trip."""
+                             context: Context | None = None,
+                             trace_fields: Sequence[Mapping[str, str]] | None = None) -> None:
+        """Publish token deltas to `tokens:{owner}`, one entry each, in order, in one pipelined round trip.
+
+        `trace_fields` (one mapping per delta, from `inject_fields`) gives each delta its own request's
+        trace context; otherwise every entry carries `context` (default: the current one).
+        Raises ValueError when `trace_fields` does not match `deltas` in length.
+        """
         if not deltas:
             return
+        if trace_fields is not None and len(trace_fields) != len(deltas):
+            raise ValueError(f"{len(trace_fields)} trace_fields for {len(deltas)} deltas")
         key = self.key(self.tokens_stream(owner))
+        shared = inject_fields(context) if trace_fields is None else None
         async with self.client.pipeline(transaction=False) as pipe:
-            for delta in deltas:
-                pipe.xadd(key, self._entry(delta.SerializeToString(), context),
-                          maxlen=self.maxlen, approximate=True)
+            for i, delta in enumerate(deltas):
+                fields: dict[str, bytes | str] = {PAYLOAD_FIELD: delta.SerializeToString()}
+                fields.update(shared if shared is not None else trace_fields[i])  # type: ignore[index]
+                pipe.xadd(key, fields, maxlen=self.maxlen, approximate=True)
             await pipe.execute()
 
     async def ensure_group(self, stream: str, group: str, start_id: str = "0") -> None:
