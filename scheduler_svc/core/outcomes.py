@@ -51,8 +51,8 @@ class InFlightRound:
 
     def __init__(self, round_id: int) -> None:
         self.round_id = round_id
-        self.entries: list[tuple[Request, int, bool]] = []
-        """(request, tokens computed, sample) per scheduled sequence."""
+        self.entries: list[tuple[Request, int, bool, bool]] = []
+        """(request, tokens computed, sample, is a decode) per scheduled sequence."""
         self.swapping: list[Request] = []
         """Swap-out victims whose device blocks are pinned until the copy is done."""
         self.host_release: list[int] = []
@@ -101,11 +101,12 @@ class _Outcomes:
 
     def _apply_outputs(self, record: InFlightRound, outputs: tuple[SeqOutput, ...], now: float) -> None:
         by_id = {out.request_id: out for out in outputs}
-        self._drop(len(outputs) - len(by_id))
+        if len(by_id) != len(outputs):
+            by_id = self._newest_outputs(outputs)
         block_size = self._block_size
         caching = self.pool.caching
         running = RequestStatus.RUNNING
-        for request, num_tokens, sample in record.entries:
+        for request, num_tokens, sample, _ in record.entries:
             request.in_flight_round = None
             out = by_id.pop(request.request_id, None)
             if request.status is not running:
@@ -128,6 +129,18 @@ class _Outcomes:
                 self._append_token(request, out, now)
         self._drop(len(by_id))
         self._host_free.extend(record.host_release)
+
+    def _newest_outputs(self, outputs: tuple[SeqOutput, ...]) -> dict[str, SeqOutput]:
+        """Keep one output per request (the newest epoch); count the others as dropped."""
+        by_id: dict[str, SeqOutput] = {}
+        for out in outputs:
+            kept = by_id.get(out.request_id)
+            if kept is not None:
+                self._drop(1)
+                if kept.epoch >= out.epoch:
+                    continue
+            by_id[out.request_id] = out
+        return by_id
 
     def _append_token(self, request: Request, out: SeqOutput, now: float) -> None:
         token = out.token_ids[0]
@@ -180,7 +193,7 @@ class _Outcomes:
 
     def _fail_round(self, record: InFlightRound, error: str, now: float) -> None:
         """A round that failed as a whole fails every request it carried (exactly once)."""
-        for request, _, _ in record.entries:
+        for request, _, _, _ in record.entries:
             request.in_flight_round = None
             if request.status is RequestStatus.RUNNING:
                 self._end_running(request, Input.FAIL, now, f"round {record.round_id} failed: {error}")

@@ -171,7 +171,7 @@ class SchedulerCore(_Outcomes):
         self._schedule_running(rnd, now)
         if not rnd.preempted:
             self._schedule_waiting(rnd, now)
-        return self._seal(rnd)
+        return self._seal(rnd, now)
 
     def _schedule_running(self, rnd: _Round, now: float) -> None:
         max_chunk = self.config.max_prefill_chunk
@@ -199,31 +199,33 @@ class SchedulerCore(_Outcomes):
                 request.block_ids.extend(blocks)
                 request.block_table = tuple(request.block_ids)
                 return True
-            victim = self._pick_victim(request)
-            self._preempt(victim or request, rnd, now)
-            if victim is None:
+            victim = self._pick_victim(request, rnd.record.round_id)
+            self._preempt(victim, rnd, now)
+            if victim is request:
                 return False
 
-    def _pick_victim(self, keep: Request) -> Request | None:
-        """Return the running request to preempt: lowest priority, then latest arrival.
+    def _pick_victim(self, needy: Request, round_id: int) -> Request:
+        """Return the request to preempt so that `needy` can grow: lowest priority, then latest arrival.
 
-        Requests in an in-flight round or already placed in this one are not candidates.
+        Candidates are the running requests not read by an in-flight round (ones placed in this
+        round are taken back out) plus `needy` itself, which is chosen only when it ranks lowest:
+        a request never preempts one that ranks above it.
         """
-        victim: Request | None = None
+        victim = needy
+        victim_rank = (needy.priority, -needy.arrival_time, -needy.arrival_seq)
         for request in self._running.values():
-            if request is keep or request.in_flight_round is not None:
+            if request.in_flight_round not in (None, round_id) or request is needy:
                 continue
-            if victim is None or (request.priority, -request.arrival_time, -request.arrival_seq) < (
-                victim.priority,
-                -victim.arrival_time,
-                -victim.arrival_seq,
-            ):
-                victim = request
+            rank = (request.priority, -request.arrival_time, -request.arrival_seq)
+            if rank < victim_rank:
+                victim, victim_rank = request, rank
         return victim
 
     def _preempt(self, victim: Request, rnd: _Round, now: float) -> None:
         """Take `victim` off the device: swap its blocks to host if there is room, else recompute."""
         rnd.preempted = True
+        if victim.in_flight_round == rnd.record.round_id:
+            self._unplace(victim, rnd)
         del self._running[victim.request_id]
         blocks = victim.block_ids
         swap = self._swap and len(self._host_free) >= len(blocks)
@@ -335,21 +337,36 @@ class SchedulerCore(_Outcomes):
                 recent,
             )
         )
-        rnd.record.entries.append((request, num, sample))
+        decode = num == 1 and sample and start >= request.num_prompt
+        rnd.record.entries.append((request, num, sample, decode))
         request.in_flight_round = rnd.record.round_id
         rnd.tokens_left -= num
         rnd.seqs_left -= 1
         rnd.kv_left -= end
-        if num == 1 and sample and num_outputs and start >= request.num_prompt:
+        if decode:
             rnd.decode_tokens += 1
-            return
-        rnd.prefill_tokens += num
-        self._event(request, Stage.PREFILL_CHUNK, now, (("tokens", num), ("start", start)))
-        if self._account is not None:
-            self._account(request.tenant, num, 0)
+        else:
+            rnd.prefill_tokens += num
 
-    def _seal(self, rnd: _Round) -> RoundPlan:
+    def _unplace(self, request: Request, rnd: _Round) -> None:
+        """Take a request placed earlier in this round back out (it is being preempted)."""
+        entries = rnd.record.entries
+        index = next(i for i in range(len(entries) - 1, -1, -1) if entries[i][0] is request)
+        _, num, _, decode = entries.pop(index)
+        seq = rnd.seqs.pop(index)
+        request.in_flight_round = None
+        rnd.tokens_left += num
+        rnd.seqs_left += 1
+        rnd.kv_left += seq.start_position + num
+        if decode:
+            rnd.decode_tokens -= 1
+        else:
+            rnd.prefill_tokens -= num
+
+    def _seal(self, rnd: _Round, now: float) -> RoundPlan:
         config = self.config
+        if rnd.prefill_tokens:
+            self._note_prefill_chunks(rnd, now)
         used_tokens = config.max_num_batched_tokens - rnd.tokens_left
         budget = RoundBudget(
             max_query_tokens=config.max_num_batched_tokens,
@@ -366,6 +383,15 @@ class SchedulerCore(_Outcomes):
             self._in_flight[rnd.record.round_id] = rnd.record
             self._rounds += 1
         return plan
+
+    def _note_prefill_chunks(self, rnd: _Round, now: float) -> None:
+        # Emitted when the round is sealed, so a chunk taken back by a preemption never shows up.
+        account = self._account
+        for seq, (request, num, _, decode) in zip(rnd.seqs, rnd.record.entries, strict=True):
+            if not decode:
+                self._event(request, Stage.PREFILL_CHUNK, now, (("tokens", num), ("start", seq.start_position)))
+                if account is not None:
+                    account(request.tenant, num, 0)
 
     # ---- views -----------------------------------------------------------------------------
     def take_events(self) -> CoreEvents:
