@@ -21,7 +21,7 @@ import dataclasses
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -157,23 +157,33 @@ async def _progress(outcomes: list[Outcome], total: int, done: asyncio.Event) ->
     print(f"\r[bench] {total}/{total} done" + " " * 20, file=sys.stderr, flush=True)
 
 
-async def drive(target: str, api_key: str, requests: Sequence[Any], *, max_concurrency: int = 64,
-                vocab_size: int = 256, timeout: float = 120.0, progress: bool = True) -> list[Outcome]:
-    """Replay `requests` open-loop against `target`; returns one Outcome per request, in order."""
+async def drive(target: str, api_key: str | Mapping[str, str], requests: Sequence[Any], *,
+                max_concurrency: int = 64, vocab_size: int = 256, timeout: float = 120.0,
+                progress: bool = True) -> list[Outcome]:
+    """Replay `requests` open-loop against `target`; returns one Outcome per request, in order.
+
+    `api_key` is one key for every request, or a map tenant -> key (each request uses its tenant's).
+    """
     from sluice.client import AsyncClient, RetryPolicy
 
+    keys = dict(api_key) if isinstance(api_key, Mapping) else {r.tenant: api_key for r in requests}
     limit = asyncio.Semaphore(max_concurrency)
     t0 = time.time() + 0.05
     outcomes = [Outcome(arrival_s=t0 + r.arrival_s) for r in requests]
     done = asyncio.Event()
     # No retries: a rejection is part of what a benchmark measures.
-    async with AsyncClient(target, api_key=api_key, retry=RetryPolicy(max_attempts=1)) as client:
+    clients = {tenant: AsyncClient(target, api_key=key, retry=RetryPolicy(max_attempts=1))
+               for tenant, key in keys.items()}
+    try:
         bar = asyncio.create_task(_progress(outcomes, len(requests), done)) if progress else None
-        await asyncio.gather(*(_one(client, r, t0, vocab_size, timeout, limit, o)
+        await asyncio.gather(*(_one(clients[r.tenant], r, t0, vocab_size, timeout, limit, o)
                                for r, o in zip(requests, outcomes, strict=True)))
         done.set()
         if bar is not None:
             await bar
+    finally:
+        for client in clients.values():
+            await client.close()
     return outcomes
 
 

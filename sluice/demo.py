@@ -1,0 +1,111 @@
+"""`make demo` (`python -m sluice.demo`): the whole stack on this machine, a short workload, a report.
+
+What it does, as a new user would: start embedded Redis, a router, two replicas (worker + scheduler)
+of the tiny torch model and admission, each its own process; replay the first 40 requests of the
+Azure conversation trace (lengths scaled to fit the tiny model, arrivals compressed to ~8 s) from
+three tenants with two priorities, cancel one request mid-stream; print the report and where the
+JSON and the logs are; shut everything down (drain, then stop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from sluice.commands.bench import drive, fit_lengths, summarize_run
+from sluice.report import format_table, write_json
+from sluice.stack import Stack, StackConfig
+from sluice.workload import load_workload
+
+TENANTS = {"alice": "sk-demo-alice", "bob": "sk-demo-bob", "carol": "sk-demo-carol"}
+CONFIG = "\n".join(f'[tenants.{name}]\napi_keys = ["{key}"]\nweight = {1.0 if name != "alice" else 2.0}\n'
+                   for name, key in TENANTS.items())
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Return the demo's options (all have working defaults)."""
+    p = argparse.ArgumentParser(prog="python -m sluice.demo", description=__doc__)
+    p.add_argument("--requests", type=int, default=40)
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--arrival-span", type=float, default=8.0, help="seconds over which requests arrive")
+    p.add_argument("--out", default=None, help="directory for the JSON report and logs (default: temp)")
+    return p.parse_args(argv)
+
+
+def demo_requests(count: int, span_s: float) -> list[object]:
+    """Return the demo workload: Azure conversation lengths scaled down, 3 tenants, 2 priorities, 1 cancel."""
+    workload = load_workload("azure-conv", max_requests=count)
+    natural = max(workload.duration_s, 1e-3)
+    requests = [dataclasses.replace(r, arrival_s=r.arrival_s * span_s / natural) for r in workload.requests]
+    requests = fit_lengths(requests, 0.25, 192, 24)
+    names = list(TENANTS)
+    out = []
+    for i, r in enumerate(requests):
+        out.append(dataclasses.replace(r, tenant=names[i % len(names)], priority=1 if i % 5 == 0 else 0,
+                                       output_length=max(r.output_length, 8)))
+    # One request is cancelled by its client shortly after it starts streaming.
+    middle = len(out) // 2
+    out[middle] = dataclasses.replace(out[middle], output_length=24, cancel_after_s=0.15)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo; returns 0 when every request ended as expected, 1 otherwise."""
+    args = parse_args(argv)
+    out_dir = Path(args.out or tempfile.mkdtemp(prefix="sluice-demo-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config_path = out_dir / "sluice.toml"
+    config_path.write_text(CONFIG)
+    started = time.monotonic()
+    print(f"starting the stack: embedded Redis, router, {args.replicas} x (worker + scheduler) of the tiny "
+          f"torch model, admission; logs in {out_dir / 'logs'}", flush=True)
+    stack = Stack(StackConfig(replicas=args.replicas, backend="torch", model="tiny", config_file=str(config_path),
+                              run_dir=out_dir / "logs"))
+    with stack:
+        print(f"ready in {time.monotonic() - started:.1f}s at {stack.endpoint}; sending {args.requests} requests "
+              f"from {len(TENANTS)} tenants over ~{args.arrival_span:.0f}s", flush=True)
+        requests = demo_requests(args.requests, args.arrival_span)
+        outcomes = asyncio.run(drive(stack.endpoint, TENANTS, requests, max_concurrency=32, timeout=90.0))
+        stats = stack.scheduler_stats()
+        print("stopping: draining replicas...", flush=True)
+    ns = argparse.Namespace(slo_ttft=2.0, slo_tpot=0.2)
+    summary = summarize_run(requests, outcomes, ns, {
+        "workload": "azure-conv (first requests, lengths x0.25 capped at 192 in / 24 out)",
+        "replica_stats": {s.replica_id: {"finished": s.finished, "cancelled": s.cancelled,
+                                         "kv_blocks_free": s.kv_blocks_free, "kv_blocks_total": s.kv_blocks_total,
+                                         "prefix_hit_rate": s.prefix_hit_rate, "preemptions": s.preemptions}
+                          for s in stats}})
+    print(format_table(summary, title=f"Sluice demo: {len(requests)} requests, {args.replicas} replicas"))
+    _print_extras(summary, outcomes, requests)
+    print(f"JSON report: {write_json(summary, out_dir / 'report.json')}")
+    print(f"total wall time {time.monotonic() - started:.1f}s; everything stopped.")
+    bad = [o for o, r in zip(outcomes, requests, strict=True)
+           if o.status != ("cancelled" if r.cancel_after_s is not None else "ok")]
+    return 1 if bad else 0
+
+
+def _print_extras(summary: dict[str, object], outcomes: list, requests: list) -> None:
+    lat = summary["path_latency_per_token_s"]
+    assert isinstance(lat, dict)
+    if lat.get("p50") is not None:
+        print(f"latency the path adds per token (scheduler -> client): p50 {lat['p50'] * 1e3:.2f} ms, "
+              f"p99 {lat['p99'] * 1e3:.2f} ms")
+    for outcome, request in zip(outcomes, requests, strict=True):
+        if request.cancel_after_s is not None:
+            print(f"cancelled request {outcome.request_id}: status {outcome.status} after "
+                  f"{len(outcome.token_times)} of {request.output_length} tokens")
+    by_tenant: dict[str, int] = {}
+    for outcome, request in zip(outcomes, requests, strict=True):
+        by_tenant[request.tenant] = by_tenant.get(request.tenant, 0) + len(outcome.token_times)
+    print("output tokens by tenant: " + ", ".join(f"{t} {n}" for t, n in sorted(by_tenant.items())))
+    for name, stats in summary.get("replica_stats", {}).items():  # type: ignore[union-attr]
+        print(f"  {name}: {stats}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
