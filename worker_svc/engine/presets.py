@@ -104,7 +104,7 @@ def write_preset(target: str | Path, name: str, seed: int = DEFAULT_SEED) -> Pat
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.torch_dtype]
     weights = {k: v.to(dtype).contiguous() for k, v in random_weights(config, seed).items()}
     save_file(
-        weights, str(root / "model.safetensors"), metadata={"format": "pt", "preset": name, "seed": str(seed)}
+        weights, str(root / "model.safetensors"), metadata={"format": "pt"}
     )
     hf = config.to_hf_dict() | {"sluice_preset": name, "sluice_seed": seed}
     (root / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,145 @@
+"""The loader reads Hugging Face-style Llama directories and names exactly what is wrong with a bad one."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from worker_svc.engine.errors import ModelLoadError
+from worker_svc.engine.loader import load_model
+from worker_svc.engine.model import reference_forward
+from worker_svc.engine.presets import PRESETS, random_weights, write_preset
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_preset(tmp_path_factory.mktemp("pristine"), "tiny")
+
+
+@pytest.fixture
+def model_dir(pristine: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(pristine, tmp_path / "model"))
+
+
+def edit_config(model_dir: Path, **changes: object) -> None:
+    path = model_dir / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | changes))
+
+
+def edit_weights(model_dir: Path, edit) -> None:  # type: ignore[no-untyped-def]
+    weights = load_file(str(model_dir / "model.safetensors"))
+    edit(weights)
+    save_file(weights, str(model_dir / "model.safetensors"))
+
+
+def expect_error(model_dir: Path, *fragments: str) -> None:
+    with pytest.raises(ModelLoadError) as info:
+        load_model(model_dir, device="cpu", dtype="float32")
+    for fragment in fragments:
+        assert fragment in str(info.value), str(info.value)
+
+
+def test_preset_directory_loads_and_runs(model_dir: Path) -> None:
+    """A written tiny preset loads on the CPU in float32 and produces finite logits of the vocabulary's width."""
+    loaded = load_model(model_dir, device="cpu", dtype="auto")
+    assert loaded.dtype == torch.float32 and loaded.config == PRESETS["tiny"]
+    logits = reference_forward(loaded.model, torch.tensor([1, 2, 3]))
+    assert logits.shape == (3, 258) and torch.isfinite(logits).all()
+
+
+def test_missing_directory(tmp_path: Path) -> None:
+    """A directory that does not exist is reported by path."""
+    expect_error(tmp_path / "nope", "does not exist")
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "model.safetensors"])
+def test_missing_file(model_dir: Path, name: str) -> None:
+    """Each required file, when missing, is named in the error."""
+    (model_dir / name).unlink()
+    expect_error(model_dir, "config.json not found" if name == "config.json" else name.split(".")[-1])
+
+
+def test_other_architecture_is_named(model_dir: Path) -> None:
+    """A config for another architecture is refused with the architecture and model type found."""
+    edit_config(model_dir, architectures=["MistralForCausalLM"], model_type="mistral")
+    expect_error(model_dir, "LlamaForCausalLM", "MistralForCausalLM", "'mistral'")
+
+
+def test_unsupported_feature_is_named(model_dir: Path) -> None:
+    """A config asking for rope scaling (not implemented) is refused rather than silently ignored."""
+    edit_config(model_dir, rope_scaling={"rope_type": "llama3", "factor": 8.0})
+    expect_error(model_dir, "rope_scaling")
+
+
+def test_missing_tensor_is_named(model_dir: Path) -> None:
+    """A checkpoint without one layer's weight names that tensor."""
+    edit_weights(model_dir, lambda w: w.pop("model.layers.1.mlp.up_proj.weight"))
+    expect_error(model_dir, "missing tensors", "model.layers.1.mlp.up_proj.weight")
+
+
+def test_unexpected_tensor_is_named(model_dir: Path) -> None:
+    """A checkpoint with an extra tensor names it instead of ignoring it."""
+    edit_weights(model_dir, lambda w: w.update({"model.layers.9.extra.weight": torch.zeros(2)}))
+    expect_error(model_dir, "unexpected tensors", "model.layers.9.extra.weight")
+
+
+def test_shape_mismatch_names_tensor_and_shapes(model_dir: Path) -> None:
+    """A tensor of the wrong shape is reported with its name, the shape found and the shape expected."""
+    edit_weights(model_dir, lambda w: w.update({"model.norm.weight": torch.ones(64)}))
+    expect_error(model_dir, "'model.norm.weight'", "[64]", "[128]")
+
+
+def test_unsupported_dtype_is_named(model_dir: Path) -> None:
+    """A tensor stored as int8 is refused with its name and dtype."""
+    edit_weights(model_dir, lambda w: w.update({"model.norm.weight": torch.ones(128, dtype=torch.int8)}))
+    expect_error(model_dir, "'model.norm.weight'", "I8")
+
+
+def test_unknown_dtype_and_device_options_are_refused(model_dir: Path) -> None:
+    """An unknown dtype or device name is refused with the accepted names."""
+    with pytest.raises(ModelLoadError, match="float32"):
+        load_model(model_dir, device="cpu", dtype="int4")
+    with pytest.raises(ModelLoadError, match="cpu, cuda"):
+        load_model(model_dir, device="tpu")
+
+
+def test_sharded_checkpoint_with_index_loads_the_same_model(model_dir: Path, pristine: Path) -> None:
+    """Weights split over two files with a model.safetensors.index.json load to the same logits; a missing shard is named."""
+    weights = load_file(str(model_dir / "model.safetensors"))
+    (model_dir / "model.safetensors").unlink()
+    names = sorted(weights)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for file, members in shards.items():
+        save_file({n: weights[n] for n in members}, str(model_dir / file))
+        weight_map.update({n: file for n in members})
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    ids = torch.tensor([5, 6, 7, 8])
+    sharded = reference_forward(load_model(model_dir, "cpu", "float32").model, ids)
+    single = reference_forward(load_model(pristine, "cpu", "float32").model, ids)
+    assert torch.equal(sharded, single)
+    (model_dir / "model-00002-of-00002.safetensors").unlink()
+    expect_error(model_dir, "missing", "model-00002-of-00002.safetensors")
+
+
+def test_tied_embeddings_share_one_matrix(tmp_path: Path) -> None:
+    """With tie_word_embeddings the checkpoint has no lm_head and the loaded output projection is the embedding."""
+    config = dataclasses.replace(PRESETS["tiny"], tie_word_embeddings=True)
+    write_preset(tmp_path, "tiny")
+    (tmp_path / "config.json").write_text(json.dumps(config.to_hf_dict()))
+    save_file(random_weights(config, 0), str(tmp_path / "model.safetensors"))
+    loaded = load_model(tmp_path, "cpu", "float32")
+    assert loaded.model.lm_head.weight is loaded.model.model.embed_tokens.weight
+
+
+def test_bfloat16_compute_dtype(model_dir: Path) -> None:
+    """dtype=bfloat16 loads every parameter as bfloat16 and still gives finite logits."""
+    loaded = load_model(model_dir, "cpu", "bfloat16")
+    assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
+    assert torch.isfinite(reference_forward(loaded.model, torch.tensor([1, 2]))).all()
