@@ -103,9 +103,8 @@ def write_preset(target: str | Path, name: str, seed: int = DEFAULT_SEED) -> Pat
     root.mkdir(parents=True, exist_ok=True)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.torch_dtype]
     weights = {k: v.to(dtype).contiguous() for k, v in random_weights(config, seed).items()}
-    save_file(
-        weights, str(root / "model.safetensors"), metadata={"format": "pt"}
-    )
+    # a single metadata key: safetensors writes its map in hash order, and the bytes should not vary
+    save_file(weights, str(root / "model.safetensors"), metadata={"format": "pt"})
     hf = config.to_hf_dict() | {"sluice_preset": name, "sluice_seed": seed}
     (root / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     build_byte_tokenizer().save(str(root / "tokenizer.json"))
