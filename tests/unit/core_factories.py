@@ -13,6 +13,7 @@ from scheduler_svc.core import SchedulerCore
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.types import (
     CoreEvents,
+    Finished,
     NewRequest,
     RequestStatus,
     RoundPlan,
@@ -132,3 +133,27 @@ def _check_host(core: SchedulerCore) -> None:
 def with_config(core: SchedulerCore, **overrides: object) -> SchedulerConfig:
     """Return `core`'s config with fields replaced (for building a sibling core)."""
     return replace(core.config, **overrides)  # type: ignore[arg-type]
+
+
+def drive(
+    core: SchedulerCore,
+    arrivals: list[tuple[float, NewRequest]],
+    round_time: float,
+    until: float = float("inf"),
+) -> tuple[list[RoundPlan], list[Finished]]:
+    """Run `core` against timed arrivals with a fixed time per round; return (plans, finished records)."""
+    executor, plans, finished, now = FakeExecutor(), [], [], 0.0
+    pending = sorted(arrivals, key=lambda a: a[0])
+    while (pending or core.has_unfinished()) and now < until:
+        while pending and pending[0][0] <= now:
+            core.submit(pending.pop(0)[1], now)
+        plan = core.schedule(now)
+        if plan.is_empty:
+            if not pending:
+                break
+            now = pending[0][0]
+            continue
+        now += round_time
+        plans.append(plan)
+        finished += core.on_round_result(executor.run(plan), now).finished
+    return plans, finished
