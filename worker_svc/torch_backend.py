@@ -66,6 +66,8 @@ class TorchBackend:
         )
         self.generator = torch.Generator().manual_seed(seed)
         self.model_version = model_fingerprint(self.model_dir)
+        self.batched_decode = True
+        """Decode attention as one padded batch (True) or one sequence at a time (for measuring)."""
         self._lock = threading.Lock()
 
     def _default_kv_bytes(self) -> int:
@@ -144,7 +146,9 @@ class TorchBackend:
         cache = self.cache
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return paged_attention(q, k, v, cache.flat_key(layer), cache.flat_value(layer), inputs)
+            return paged_attention(
+                q, k, v, cache.flat_key(layer), cache.flat_value(layer), inputs, self.batched_decode
+            )
 
         hidden = self.model.forward_hidden(inputs.token_ids, inputs.positions, attend)
         return self.model.logits(hidden[inputs.sample_rows])[:, : self.sampling_vocab].cpu()

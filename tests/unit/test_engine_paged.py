@@ -66,8 +66,10 @@ def greedy_outputs(
     return {s.request_id: s.output for s in seqs}
 
 
-def test_mixed_batch_greedy_tokens_equal_reference(backend: TorchBackend) -> None:
-    """Greedy tokens of a batch of mixed-length prompts, decoded together, equal the full-recompute reference's."""
+@pytest.mark.parametrize("batched_decode", [True, False])
+def test_mixed_batch_greedy_tokens_equal_reference(backend: TorchBackend, batched_decode: bool) -> None:
+    """Greedy tokens of a batch of mixed-length prompts, decoded together (padded or per-sequence decode attention), equal the full-recompute reference's."""
+    backend.batched_decode = batched_decode
     outputs = greedy_outputs(backend, list(PROMPTS), num_tokens=8)
     vocab = backend.sampling_vocab
     for name, prompt in PROMPTS.items():

@@ -2,7 +2,9 @@
 
 Decodes (one query each) run as one padded batch over their gathered contexts with a length
 mask; each prefill chunk attends over its own gathered context with a causal mask offset by its
-start position. Both use `scaled_dot_product_attention` with grouped-query attention.
+start position. Both use `scaled_dot_product_attention` with grouped-query attention. The
+per-sequence decode variant (`batched_decode=False`) exists to be measured against the padded
+one (worker_svc/bench.py); the padded batch wins on the CPU (docs/worker.md).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ def paged_attention(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     inputs: RoundInputs,
+    batched_decode: bool = True,
 ) -> torch.Tensor:
     """Return attention output [T, H, D] for the round's queries q [T, H, D].
 
@@ -30,7 +33,16 @@ def paged_attention(
     value_cache.index_copy_(0, inputs.slot_mapping, v)
     out = torch.empty_like(q)
     group = inputs.decode
-    if group is not None:
+    if group is not None and not batched_decode:
+        for row, length in enumerate(group.lengths):
+            slots = group.slots[row, :length]
+            keys = key_cache[slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
+            values = value_cache[slots].transpose(0, 1).unsqueeze(0)
+            result = F.scaled_dot_product_attention(
+                q[row, :, None, :].unsqueeze(0), keys, values, enable_gqa=True
+            )
+            out[row] = result[0, :, 0]
+    elif group is not None:
         count = group.num_tokens
         keys = key_cache[group.slots].transpose(1, 2)  # [B, KVH, Lmax, D]
         values = value_cache[group.slots].transpose(1, 2)

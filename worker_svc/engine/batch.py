@@ -29,6 +29,8 @@ class DecodeGroup:
     """[B, Lmax] cache slots of each sequence's context (padding points at slot 0)."""
     mask: torch.Tensor
     """[B, 1, 1, Lmax] True where the key is part of the context."""
+    lengths: tuple[int, ...]
+    """Context length of each sequence (for the unpadded per-sequence variant)."""
 
 
 @dataclass(frozen=True)
@@ -144,7 +146,9 @@ def _decode_group(seqs: list[ScheduledSeq], block_size: int, put: ToDevice) -> D
     for row, (seq, length) in enumerate(zip(seqs, lengths, strict=True)):
         slots[row, :length] = _slots(seq.block_table, block_size, 0, length)
         mask[row, :length] = True
-    return DecodeGroup(num_tokens=len(seqs), slots=put(slots), mask=put(mask)[:, None, None, :])
+    return DecodeGroup(
+        num_tokens=len(seqs), slots=put(slots), mask=put(mask)[:, None, None, :], lengths=tuple(lengths)
+    )
 
 
 def _prefill_spans(

@@ -178,16 +178,20 @@ def _causal_attend(layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.
 
 
 @torch.inference_mode()
-def reference_forward(model: LlamaForCausalLM, token_ids: torch.Tensor) -> torch.Tensor:
+def reference_forward(
+    model: LlamaForCausalLM, token_ids: torch.Tensor, last_only: bool = False
+) -> torch.Tensor:
     """Return float32 logits for every position of token_ids, recomputed from scratch without a cache.
 
     token_ids is [L] (returns [L, vocab]) or [B, L] of equal-length sequences (returns
-    [B, L, vocab]). This is the correctness reference for the paged engine and the baseline of
-    the benchmark.
+    [B, L, vocab]); with last_only, only the last position's logits ([vocab] or [B, vocab]),
+    which is what a full-recompute decoder needs per step. This is the correctness reference for
+    the paged engine and the baseline of the benchmark.
     """
     batched = token_ids.dim() == 2
     ids = token_ids if batched else token_ids.unsqueeze(0)
     ids = ids.to(model.model.embed_tokens.weight.device)
     positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-    logits = model.logits(model.forward_hidden(ids, positions, _causal_attend))
+    hidden = model.forward_hidden(ids, positions, _causal_attend)
+    logits = model.logits(hidden[:, -1] if last_only else hidden)
     return logits if batched else logits[0]
