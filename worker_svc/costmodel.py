@@ -172,13 +172,21 @@ class CostModel:
 
     def shape_time(self, shape: RoundShape) -> float:
         """Return the modelled seconds of a round of this shape (0 for an empty round)."""
-        swap = shape.swapped_blocks * self._swap_s_per_block
-        if shape.query_tokens == 0:
-            return swap
-        flops, nbytes = self.flops_and_bytes(shape)
-        compute = flops * self._seconds_per_flop
-        memory = nbytes * self._seconds_per_byte
-        return (compute if compute > memory else memory) + self.coefficients.overhead_s + swap
+        return self._time(
+            shape.query_tokens, shape.attended_pairs, shape.kv_read_tokens, shape.sampled_seqs
+        ) + (shape.swapped_blocks * self._swap_s_per_block)
+
+    def _time(self, query: int, pairs: int, read: int, sampled: int) -> float:
+        # The simulator's hot path: plain arithmetic, no objects (same formula as flops_and_bytes).
+        if query == 0:
+            return 0.0
+        compute = (
+            self._flops_per_query_token * query
+            + self._flops_per_sample * sampled
+            + self._flops_per_pair * pairs
+        ) * self._seconds_per_flop
+        memory = (self.weight_bytes + self.kv_bytes_per_token * (read + query)) * self._seconds_per_byte
+        return (compute if compute > memory else memory) + self.coefficients.overhead_s
 
     def round_time(self, plan: RoundPlan) -> float:
         """Return the modelled seconds the plan takes on this GPU."""
@@ -199,13 +207,27 @@ class CostModel:
 
     def execute(self, plan: RoundPlan) -> RoundResult:
         """Return the round's tokens (one per sampling seq) with `elapsed_s` = modelled time."""
-        outputs = tuple(
-            SeqOutput(
-                s.request_id, s.epoch, (self.token_for(s.request_id, s.output_index),) if s.sample else ()
-            )
-            for s in plan.seqs
-        )
-        return RoundResult(plan.round_id, outputs, elapsed_s=self.round_time(plan))
+        # One pass computes both the shape (as shape_of does) and the outputs: this runs once per
+        # simulated round, millions of times per trace.
+        outputs = []
+        query = pairs = read = sampled = 0
+        token_for = self.token_for
+        for seq in plan.seqs:
+            n = len(seq.token_ids)
+            start = seq.start_position
+            query += n
+            pairs += n * start + n * (n + 1) // 2
+            read += start + n
+            if seq.sample:
+                sampled += 1
+                outputs.append(
+                    SeqOutput(seq.request_id, seq.epoch, (token_for(seq.request_id, seq.output_index),))
+                )
+            else:
+                outputs.append(SeqOutput(seq.request_id, seq.epoch))
+        swapped = len(plan.swap_out) + len(plan.swap_in)
+        elapsed = self._time(query, pairs, read, sampled) + swapped * self._swap_s_per_block
+        return RoundResult(plan.round_id, tuple(outputs), elapsed_s=elapsed)
 
     def with_coefficients(self, coefficients: CostCoefficients) -> CostModel:
         """Return a copy of this model with other coefficients."""

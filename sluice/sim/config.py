@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from admission_svc.core import AdmissionConfig, TenantConfig
 from router_svc.core import RouterConfig, RoutingPolicy
@@ -14,6 +14,9 @@ from scheduler_svc.core.config import Policy, PreemptionMode, SchedulerConfig
 # EngineArgs.get_batch_defaults (vLLM 0.9+).
 VLLM_DEFAULT_BATCHED_TOKENS = 8192
 VLLM_DEFAULT_MAX_SEQS = 1024
+
+# Sluice's own round budgets are the scheduler's defaults (one definition).
+_SCHEDULER_DEFAULTS = SchedulerConfig(num_blocks=1)
 
 # Per-model context limits used by the simulator (Llama 3: max_position_embeddings 8192).
 DEFAULT_MAX_MODEL_LEN = {"llama-3-8b": 8192, "llama-3-70b": 8192}
@@ -33,10 +36,10 @@ class SimConfig:
     """Scheduler queue order."""
     preemption: PreemptionMode = PreemptionMode.RECOMPUTE
     router: RoutingPolicy = RoutingPolicy.SCORE
-    max_num_batched_tokens: int = VLLM_DEFAULT_BATCHED_TOKENS
+    max_num_batched_tokens: int = _SCHEDULER_DEFAULTS.max_num_batched_tokens
     """Query tokens per round."""
-    max_num_seqs: int = VLLM_DEFAULT_MAX_SEQS
-    max_prefill_chunk: int = VLLM_DEFAULT_BATCHED_TOKENS
+    max_num_seqs: int = _SCHEDULER_DEFAULTS.max_num_seqs
+    max_prefill_chunk: int = _SCHEDULER_DEFAULTS.max_prefill_chunk
     """Per-request prefill chunk cap (the vLLM default has none beyond the round budget)."""
     max_kv_read_tokens: int | None = None
     max_waiting: int = 4096
@@ -103,6 +106,17 @@ class SimConfig:
     def router_config(self) -> RouterConfig:
         """Return the router's configuration (seeded from the simulation seed)."""
         return RouterConfig(policy=self.router, seed=self.seed, prediction_ttl_s=self.prediction_ttl_s)
+
+
+def vllm_default(config: SimConfig) -> SimConfig:
+    """Return `config` with vLLM V1's default round budgets on H100/H200 (an honest baseline)."""
+    return replace(
+        config,
+        max_num_batched_tokens=VLLM_DEFAULT_BATCHED_TOKENS,
+        max_num_seqs=VLLM_DEFAULT_MAX_SEQS,
+        max_prefill_chunk=VLLM_DEFAULT_BATCHED_TOKENS,
+        max_kv_read_tokens=None,
+    )
 
 
 def parse_enum(kind: type, name: str) -> object:
