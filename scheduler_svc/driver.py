@@ -1,0 +1,330 @@
+"""The scheduler's I/O loop around the pure `SchedulerCore`.
+
+Theory of operation
+- The loop: wait for work -> `core.schedule(now)` -> the worker executes the plan (one long-lived
+  ExecuteStream) -> `core.on_round_result(result, now)` -> hand the events over -> repeat.
+  The clock is `time.time()`, read here only; the core gets it as `now`.
+- Events are handled in two halves. Bookkeeping (span events, metrics, lifecycle timestamps) runs at
+  once, in the loop. Publishing to Redis (token deltas per owner, completions, KV event batches) is
+  queued to one publisher task, so round N's events go out while round N+1 executes, in order.
+  A Redis failure is retried until it succeeds: events are delayed, never dropped.
+- Submit and Cancel (RPCs) call the core directly: the event loop is single-threaded, so they
+  interleave with the loop only at its awaits, which the core allows (a cancel while a round is in
+  flight leaves the request CANCELLING until the result arrives).
+- Deadlines: the loop sleeps at most until `core.next_deadline()` and calls `expire` then.
+- A worker stream that breaks fails the round in flight (its requests end FAILED, exactly once) and
+  is reopened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+from opentelemetry import trace
+from opentelemetry.context import Context
+
+from scheduler_svc import convert
+from scheduler_svc.core import SchedulerCore
+from scheduler_svc.core.types import (
+    CoreEvents,
+    Finished,
+    LifecycleEvent,
+    RequestRejected,
+    RequestStatus,
+    RoundPlan,
+    RoundResult,
+    Stage,
+)
+from sluice import telemetry
+from sluice.bus import Bus
+from sluice.prom import SchedulerMetrics
+from sluice.v1 import common_pb2, events_pb2, scheduler_pb2, worker_pb2_grpc
+from worker_svc import convert as worker_convert
+
+__all__ = ["Driver"]
+
+log = logging.getLogger(__name__)
+tracer = telemetry.get_tracer("sluice.scheduler")
+
+_TERMINAL_EVENT = {
+    RequestStatus.FINISHED_STOP: "finished", RequestStatus.FINISHED_LENGTH: "finished",
+    RequestStatus.CANCELLED: "cancelled", RequestStatus.TIMED_OUT: "timed_out", RequestStatus.FAILED: "failed",
+}
+
+
+@dataclass
+class _Tracked:
+    """What the driver keeps per live request: where its tokens go and its trace."""
+
+    owner: str
+    span: trace.Span
+    trace_fields: dict[str, str]
+    timestamps: common_pb2.LifecycleTimestamps
+    arrival: float
+    last_token_time: float | None = None
+
+
+@dataclass
+class _Outgoing:
+    """One batch of Redis publications, in the order they must go out."""
+
+    tokens: dict[str, tuple[list[events_pb2.TokenDelta], list[dict[str, str]]]] = field(default_factory=dict)
+    completions: list[tuple[events_pb2.Completion, Context]] = field(default_factory=list)
+    kv: events_pb2.KvEventBatch | None = None
+
+
+class Driver:
+    """Runs one replica's rounds and publishes what the core reports. See the module docstring."""
+
+    def __init__(self, core: SchedulerCore, worker: worker_pb2_grpc.WorkerServiceStub, bus: Bus, *,
+                 replica_id: str, model_id: str, eos_token_id: int, metrics: SchedulerMetrics | None = None,
+                 clock: Callable[[], float] = time.time, use_stream: bool = True) -> None:
+        self.core = core
+        self.worker = worker
+        self.bus = bus
+        self.replica_id = replica_id
+        self.model_id = model_id
+        self.eos_token_id = eos_token_id
+        self.metrics = metrics or SchedulerMetrics()
+        self.clock = clock
+        self.use_stream = use_stream
+        self.accepting = True
+        self._tracked: dict[str, _Tracked] = {}
+        self._wake = asyncio.Event()
+        self._outbox: asyncio.Queue[_Outgoing | None] = asyncio.Queue()
+        self._last_stats = core.stats()
+
+    # ---- requests -------------------------------------------------------------------------
+    def submit(self, msg: scheduler_pb2.SubmitRequest, parent: Context | None) -> int:
+        """Queue a request; return its queue position. Raises RequestRejected (counted by reason)."""
+        now = self.clock()
+        request = convert.new_request_from_proto(msg, now, self.eos_token_id)
+        try:
+            self.core.submit(request, now)
+        except RequestRejected as exc:
+            self.metrics.rejections.labels(exc.reason.value).inc()
+            raise
+        span = tracer.start_span("replica.request", context=parent, start_time=int(now * 1e9), attributes={
+            "sluice.request_id": msg.request_id, "sluice.replica_id": self.replica_id,
+            "sluice.tenant": request.tenant, telemetry.GEN_AI_REQUEST_MODEL: self.model_id,
+            telemetry.GEN_AI_USAGE_INPUT_TOKENS: len(request.prompt_token_ids)})
+        fields = telemetry.inject_fields(trace.set_span_in_context(span))
+        timestamps = common_pb2.LifecycleTimestamps()
+        timestamps.CopyFrom(msg.timestamps)
+        self._tracked[msg.request_id] = _Tracked(msg.owner, span, fields, timestamps, now)
+        self._handle(self.core.take_events(), now)
+        self._wake.set()
+        return self.core.num_waiting
+
+    def cancel(self, request_id: str) -> RequestStatus | None:
+        """Cancel a request; return its status afterwards (None for an id the core does not know)."""
+        now = self.clock()
+        status = self.core.cancel(request_id, now)
+        self._handle(self.core.take_events(), now)
+        self._wake.set()
+        return status
+
+    def live_request_ids(self) -> list[str]:
+        """Return the ids of requests not yet terminal."""
+        return list(self._tracked)
+
+    # ---- the loop -------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event) -> None:
+        """Schedule rounds until `stop` is set; then flush every queued publication and return."""
+        publisher = asyncio.create_task(self._publish_loop())
+        stream: grpc.aio.StreamStreamCall | None = None
+        try:
+            while not stop.is_set():
+                now = self.clock()
+                deadline = self.core.next_deadline()
+                if deadline is not None and deadline <= now:
+                    self.core.expire(now)
+                plan = self.core.schedule(now)
+                self._handle(self.core.take_events(), now)
+                if plan.is_empty:
+                    await self._wait_for_work(stop)
+                    continue
+                if self.use_stream and stream is None:
+                    stream = self.worker.ExecuteStream()
+                result, stream = await self._execute(plan, stream)
+                done = self.clock()
+                self.metrics.round_duration.observe(done - now)
+                self._handle(self.core.on_round_result(result, done), done)
+        finally:
+            if stream is not None:
+                stream.cancel()
+            await self._outbox.put(None)
+            await publisher
+
+    async def _execute(self, plan: RoundPlan, stream: grpc.aio.StreamStreamCall | None
+                       ) -> tuple[RoundResult, grpc.aio.StreamStreamCall | None]:
+        """Run one round on the worker; a broken call becomes a failed round (and the stream is dropped)."""
+        wire = worker_convert.plan_to_proto(plan)
+        try:
+            if stream is None:
+                reply = await self.worker.Execute(wire)
+            else:
+                await stream.write(wire)
+                reply = await stream.read()
+                if reply is grpc.aio.EOF:
+                    raise ConnectionError("the worker closed the round stream")
+            result = worker_convert.result_from_proto(reply)
+        except (grpc.aio.AioRpcError, ConnectionError) as exc:
+            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            log.error("round %d: worker call failed: %s", plan.round_id, detail)
+            if stream is not None:
+                stream.cancel()
+            return RoundResult(plan.round_id, (), error=f"worker unavailable: {detail}"), None
+        if result.error:
+            self.metrics.round_errors.inc()
+        return result, stream
+
+    async def _wait_for_work(self, stop: asyncio.Event) -> None:
+        """Sleep until a submit/cancel, `stop`, or the next deadline."""
+        self._wake.clear()
+        deadline = self.core.next_deadline()
+        timeout = None if deadline is None else max(0.0, deadline - self.clock())
+        waiters = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(stop.wait())]
+        try:
+            await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+
+    # ---- events: bookkeeping now, publishing queued ---------------------------------------
+    def _handle(self, events: CoreEvents, now: float) -> None:
+        for event in events.lifecycle:
+            self._on_lifecycle(event)
+        out = _Outgoing()
+        if events.tokens:
+            self._on_tokens(events, now, out)
+        for finished in events.finished:
+            self._on_finished(finished, out)
+        if events.kv_events:
+            out.kv = convert.kv_batch_to_proto(self.replica_id, events.kv_events)
+        if events.dropped_results:
+            self.metrics.dropped_results.inc(events.dropped_results)
+        self._update_gauges()
+        if out.tokens or out.completions or out.kv is not None:
+            self._outbox.put_nowait(out)
+
+    def _on_lifecycle(self, event: LifecycleEvent) -> None:
+        tracked = self._tracked.get(event.request_id)
+        if tracked is None:
+            return
+        stage = event.stage
+        name = stage.value
+        if stage is Stage.FINISHED:
+            status = dict(event.detail).get("status", "")
+            name = _TERMINAL_EVENT.get(RequestStatus(status), "finished") if status else name
+        elif stage is Stage.CANCEL_REQUESTED:
+            tracked.timestamps.cancel_requested = event.time
+        elif stage is Stage.KV_RELEASED:
+            tracked.timestamps.kv_released = event.time
+        elif stage is Stage.FIRST_TOKEN:
+            self.metrics.ttft.observe(event.time - tracked.arrival)
+        elif stage is Stage.PREEMPTED:
+            self.metrics.preemptions.inc()
+        tracked.span.add_event(name, attributes=dict(event.detail), timestamp=int(event.time * 1e9))
+
+    def _on_tokens(self, events: CoreEvents, now: float, out: _Outgoing) -> None:
+        for delta in convert.token_deltas(events.tokens, now):
+            tracked = self._tracked.get(delta.request_id)
+            if tracked is None:  # the core never reports tokens of a request it did not get from us
+                log.error("tokens for untracked request %s", delta.request_id)
+                continue
+            if tracked.last_token_time is not None:
+                self.metrics.itl.observe(now - tracked.last_token_time)
+            tracked.last_token_time = now
+            deltas, fields = out.tokens.setdefault(tracked.owner, ([], []))
+            deltas.append(delta)
+            fields.append(tracked.trace_fields)
+
+    def _on_finished(self, finished: Finished, out: _Outgoing) -> None:
+        tracked = self._tracked.pop(finished.request_id, None)
+        if tracked is None:
+            log.error("finished record for untracked request %s", finished.request_id)
+            return
+        completion = convert.completion_to_proto(finished, replica_id=self.replica_id, owner=tracked.owner,
+                                                 timestamps=tracked.timestamps)
+        self._observe_finished(finished)
+        span = tracked.span
+        span.set_attribute(telemetry.GEN_AI_USAGE_OUTPUT_TOKENS, finished.usage.output_tokens)
+        span.set_attribute(telemetry.GEN_AI_RESPONSE_FINISH_REASONS, [finished.finish_reason])
+        span.set_attribute("sluice.status", finished.status.value)
+        span.set_attribute("sluice.preemptions", finished.usage.preemptions)
+        if finished.status is RequestStatus.FAILED:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, finished.detail))
+        end = max(finished.finish_time, tracked.timestamps.kv_released)
+        span.end(end_time=int(end * 1e9))
+        out.completions.append((completion, trace.set_span_in_context(span)))
+
+    def _observe_finished(self, finished: Finished) -> None:
+        m = self.metrics
+        m.finished.labels(finished.finish_reason).inc()
+        m.request_duration.observe(finished.finish_time - finished.arrival_time)
+        if finished.status is RequestStatus.CANCELLED:
+            m.cancellations.inc()
+        elif finished.status is RequestStatus.TIMED_OUT:
+            m.timeouts.inc()
+        outputs = finished.usage.output_tokens
+        if finished.first_token_time is not None and outputs > 1:
+            m.tpot.observe((finished.finish_time - finished.first_token_time) / (outputs - 1))
+
+    def _update_gauges(self) -> None:
+        stats, last, m = self.core.stats(), self._last_stats, self.metrics
+        m.queue_length.set(stats.waiting)
+        m.running.set(stats.running)
+        m.kv_blocks_used.set(stats.kv_blocks_used)
+        m.kv_blocks_free.set(stats.kv_blocks_free)
+        m.kv_blocks_cached.set(stats.kv_blocks_cached)
+        m.rounds.inc(stats.rounds - last.rounds)
+        m.recomputed_tokens.inc(stats.recomputed_tokens - last.recomputed_tokens)
+        m.prefix_hit_tokens.inc(stats.prefix_hit_tokens - last.prefix_hit_tokens)
+        m.prefix_query_tokens.inc(stats.prefix_query_tokens - last.prefix_query_tokens)
+        self._last_stats = stats
+
+    # ---- publishing -----------------------------------------------------------------------
+    async def _publish_loop(self) -> None:
+        """Publish queued batches in order until the None sentinel; retry Redis failures forever."""
+        while True:
+            out = await self._outbox.get()
+            try:
+                if out is None:
+                    return
+                delay = 0.05
+                while True:
+                    try:
+                        await self._publish(out)
+                        break
+                    except Exception as exc:  # Redis down: keep what is left of the batch, in order
+                        log.error("publishing to Redis failed (%s); retrying in %.2f s", exc, delay)
+                        await asyncio.sleep(delay)
+                        delay = min(delay * 2, 2.0)
+            finally:
+                self._outbox.task_done()
+
+    async def _publish(self, out: _Outgoing) -> None:
+        """Publish a batch; what went out is removed from it, so a retry resumes where it failed."""
+        while out.tokens:
+            owner, (deltas, fields) = next(iter(out.tokens.items()))
+            if owner:
+                await self.bus.publish_tokens(owner, deltas, trace_fields=fields)
+            del out.tokens[owner]
+        # Tokens before completions: an owner never sees a request end before its last tokens.
+        while out.completions:
+            completion, context = out.completions[0]
+            await self.bus.publish_completion(completion, context=context)
+            out.completions.pop(0)
+        if out.kv is not None:
+            await self.bus.publish_kv(out.kv)
+            out.kv = None
+
+    async def flush(self) -> None:
+        """Wait until every publication queued so far has been handed to Redis."""
+        await self._outbox.join()

@@ -1,0 +1,209 @@
+"""The scheduler service on loopback: a real worker (cost model), real Redis, a real router where needed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import pytest
+import redis.asyncio as aioredis
+
+from router_svc.core import RouterCore
+from router_svc.server import RouterRuntime, start_router_server
+from scheduler_svc.server import RunningReplica, start_replica
+from sluice.bus import Bus
+from sluice.telemetry import get_tracer, inject_metadata
+from sluice.v1 import common_pb2, events_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from worker_svc.costmodel import CostModel
+from worker_svc.server import WorkerRuntime, start_worker_server
+
+pytestmark = pytest.mark.redis
+
+
+@dataclass
+class Replica:
+    replica: RunningReplica
+    stub: scheduler_pb2_grpc.SchedulerServiceStub
+    bus: Bus
+
+
+@contextlib.asynccontextmanager
+async def _replica(redis_url: str, namespace: str, *, num_blocks: int = 64, emulate_time: bool = False,
+                   router_address: str = "") -> AsyncIterator[Replica]:
+    """A cost-model worker and a scheduler replica "r1" in front of it, publishing on a real Redis."""
+    worker = await start_worker_server(WorkerRuntime(lambda: CostModel("llama-3-8b", "h200"),
+                                                     num_blocks=num_blocks, emulate_time=emulate_time))
+    client = aioredis.Redis.from_url(redis_url)
+    bus = Bus(client, namespace)
+    replica = await start_replica(replica_id="r1", worker_address=f"127.0.0.1:{worker.port}", bus=bus,
+                                  router_address=router_address, heartbeat_interval_s=0.1,
+                                  core_overrides={"max_model_len": 4096})
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{replica.port}")
+    try:
+        yield Replica(replica, scheduler_pb2_grpc.SchedulerServiceStub(channel), bus)
+    finally:
+        await replica.stop(drain_timeout_s=2)
+        await channel.close()
+        await worker.stop()
+        await client.aclose()
+
+
+def _submit(request_id: str, prompt_len: int = 40, max_tokens: int = 8) -> scheduler_pb2.SubmitRequest:
+    return scheduler_pb2.SubmitRequest(
+        request_id=request_id, tenant="t", owner="adm-1", prompt_token_ids=list(range(1, prompt_len + 1)),
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        timestamps=common_pb2.LifecycleTimestamps(received=1.0, admitted=2.0, routed=3.0))
+
+
+async def _completions(bus: Bus, want: int, timeout: float = 10.0) -> list[events_pb2.Completion]:
+    got: list[events_pb2.Completion] = []
+    last = "0"
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while len(got) < want and loop.time() < deadline:
+        for entry_id, payload, _ in await bus.read_stream("completions", last, block_ms=50):
+            last = entry_id
+            got.append(events_pb2.Completion.FromString(payload))
+    return got
+
+
+async def _tokens(bus: Bus, owner: str = "adm-1") -> list[events_pb2.TokenDelta]:
+    return [events_pb2.TokenDelta.FromString(p)
+            for _, p, _ in await bus.read_stream(bus.tokens_stream(owner), "0", count=10_000, block_ms=10)]
+
+
+def test_submit_streams_tokens_and_a_complete_completion(redis_url: str, namespace: str) -> None:
+    """A submitted request's tokens arrive in order on tokens:{owner}, followed by a FINISHED_LENGTH completion
+    with usage and every lifecycle timestamp (the caller's and the replica's, in order)."""
+    async def body() -> None:
+        async with _replica(redis_url, namespace) as r:
+            await r.stub.Submit(_submit("a", max_tokens=8))
+            [done] = await _completions(r.bus, 1)
+            deltas = await _tokens(r.bus)
+            indices = [d.index + i for d in deltas for i in range(len(d.token_ids))]
+            assert indices == list(range(8)) and all(d.request_id == "a" for d in deltas)
+            assert all(d.created_unix_s > 0 for d in deltas)
+            assert (done.request_id, done.status, done.finish_reason, done.owner, done.replica_id) == (
+                "a", common_pb2.FINISHED_LENGTH, "length", "adm-1", "r1")
+            assert (done.usage.input_tokens, done.usage.output_tokens) == (40, 8)
+            ts = done.timestamps
+            assert (ts.received, ts.admitted, ts.routed) == (1.0, 2.0, 3.0)
+            assert 0 < ts.enqueued <= ts.first_scheduled <= ts.first_token <= ts.finished <= ts.kv_released
+    asyncio.run(body())
+
+
+def test_cancel_mid_run_frees_every_kv_block(redis_url: str, namespace: str) -> None:
+    """Cancelling a request while it decodes ends it CANCELLED with fewer tokens than asked, and Stats then
+    shows no KV block in use."""
+    async def body() -> None:
+        async with _replica(redis_url, namespace, num_blocks=256, emulate_time=True) as r:
+            await r.stub.Submit(_submit("long", prompt_len=100, max_tokens=2000))
+            for _ in range(500):
+                if await _tokens(r.bus):
+                    break
+                await asyncio.sleep(0.01)
+            busy = await r.stub.Stats(scheduler_pb2.StatsRequest())
+            assert busy.running == 1 and busy.kv_blocks_used > 0
+            reply = await r.stub.Cancel(scheduler_pb2.CancelRequest(request_id="long"))
+            assert reply.status in (common_pb2.CANCELLING, common_pb2.CANCELLED)
+            [done] = await _completions(r.bus, 1)
+            assert done.status == common_pb2.CANCELLED and 0 < done.usage.output_tokens < 2000
+            assert done.timestamps.cancel_requested > 0 and done.timestamps.kv_released > 0
+            stats = await r.stub.Stats(scheduler_pb2.StatsRequest())
+            assert (stats.kv_blocks_used, stats.running, stats.waiting, stats.cancelled) == (0, 0, 0, 1)
+            assert stats.kv_blocks_free + stats.kv_blocks_cached == stats.kv_blocks_total  # cached = reusable
+    asyncio.run(body())
+
+
+def test_kv_events_are_published_with_monotonic_ids(redis_url: str, namespace: str) -> None:
+    """KV event batches on the `kv` stream carry ids 1, 2, 3... with no gap or repeat, and KvSnapshot reports
+    the last of them with the cached hashes the STORED events announced."""
+    async def body() -> None:
+        async with _replica(redis_url, namespace) as r:
+            for i in range(4):
+                await r.stub.Submit(_submit(f"k{i}", prompt_len=50 + 16 * i, max_tokens=4))
+            await _completions(r.bus, 4)
+            await r.replica.driver.flush()
+            ids, stored = [], set()
+            for _, payload, _ in await r.bus.read_stream("kv", "0", count=10_000, block_ms=10):
+                batch = events_pb2.KvEventBatch.FromString(payload)
+                assert batch.replica_id == "r1"
+                for event in batch.events:
+                    ids.append(event.event_id)
+                    stored.update(event.stored.block_hashes)
+            assert ids == list(range(1, len(ids) + 1)) and ids
+            snap = await r.stub.KvSnapshot(scheduler_pb2.KvSnapshotRequest())
+            assert snap.last_event_id == ids[-1]
+            assert set(snap.block_hashes) <= stored and snap.block_hashes
+    asyncio.run(body())
+
+
+def test_rejections_map_to_precise_statuses(redis_url: str, namespace: str) -> None:
+    """A prompt that can never fit the replica's KV is INVALID_ARGUMENT and a duplicate id ALREADY_EXISTS."""
+    async def body() -> None:
+        async with _replica(redis_url, namespace, num_blocks=8, emulate_time=True) as r:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await r.stub.Submit(_submit("huge", prompt_len=200, max_tokens=8))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "blocks" in err.value.details()
+            await r.stub.Submit(_submit("dup", max_tokens=80))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await r.stub.Submit(_submit("dup"))
+            assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+            await r.stub.Cancel(scheduler_pb2.CancelRequest(request_id="dup"))
+    asyncio.run(body())
+
+
+def test_replica_span_continues_the_submit_trace(redis_url: str, namespace: str,
+                                                  span_exporter) -> None:  # type: ignore[no-untyped-def]
+    """The replica's span for a request is a child of the trace sent in Submit metadata and records its
+    stages as events, with GenAI usage attributes."""
+    async def body() -> None:
+        async with _replica(redis_url, namespace) as r:
+            with get_tracer("test").start_as_current_span("admission") as parent:
+                await r.stub.Submit(_submit("traced", max_tokens=3), metadata=inject_metadata())
+            await _completions(r.bus, 1)
+        [span] = [s for s in span_exporter.get_finished_spans() if s.name == "replica.request"]
+        assert span.context.trace_id == parent.get_span_context().trace_id
+        names = [e.name for e in span.events]
+        assert names[:3] == ["enqueued", "first_scheduled", "prefill_chunk"]
+        assert {"first_token", "finished", "kv_released"} <= set(names)
+        assert span.attributes["gen_ai.usage.output_tokens"] == 3
+        assert span.attributes["gen_ai.response.finish_reasons"] == ("length",)
+    asyncio.run(body())
+
+
+def test_replica_registers_turns_ready_and_drains_at_the_router(redis_url: str, namespace: str) -> None:
+    """A replica registers with the worker's capacity, becomes READY, and on stop is DRAINING at the router."""
+    async def body() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        runtime = RouterRuntime(RouterCore(), Bus(client, namespace), "router-t")
+        router, port = await start_router_server(runtime)
+        stop = asyncio.Event()
+        loop_task = asyncio.create_task(runtime.run(stop, block_ms=20))
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        router_stub = router_pb2_grpc.RouterServiceStub(channel)
+
+        async def states() -> dict[str, tuple[int, int]]:
+            listed = await router_stub.ListReplicas(router_pb2.ListReplicasRequest())
+            return {x.replica_id: (x.state, x.num_blocks) for x in listed.replicas}
+
+        async with _replica(redis_url, namespace, num_blocks=48, router_address=f"127.0.0.1:{port}") as r:
+            for _ in range(100):
+                if (await states()).get("r1") == (router_pb2.READY, 48):
+                    break
+                await asyncio.sleep(0.05)
+            assert await states() == {"r1": (router_pb2.READY, 48)}
+            routed = await router_stub.Route(router_pb2.RouteRequest(request_id="x", model="llama-3-8b",
+                                                                     prompt_tokens=10))
+            assert routed.scheduler_address == f"127.0.0.1:{r.replica.port}"
+            await r.replica.agent.drain(1.0)  # type: ignore[union-attr]
+            assert await states() == {"r1": (router_pb2.DRAINING, 48)}
+        stop.set()
+        await loop_task
+        await channel.close()
+        await router.stop(0)
+        await client.aclose()
+    asyncio.run(body())
