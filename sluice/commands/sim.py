@@ -1,0 +1,162 @@
+"""`sluice sim WORKLOAD ...`: simulate a workload on N replicas with the real cores and a GPU cost model.
+
+`--compare "fcfs+round_robin,fcfs+score,priority+score"` runs one simulation per item and prints
+them side by side. An item is `+`-joined words: a queue policy (fcfs, priority, fair, edf), a
+router (score, round_robin, random, least_loaded, prefix_only), a preemption mode (recompute,
+swap), or `vllm-default` (vLLM V1's round budgets: 8192 tokens, 1024 seqs, no per-request chunk
+cap). Words not given come from the other flags. `--scenario NAME|all` runs the self-checking
+scenarios instead and exits 0 only if every check holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+
+from router_svc.core import RoutingPolicy
+from scheduler_svc.core.config import Policy, PreemptionMode
+from sluice.sim.config import SimConfig, parse_enum, vllm_default
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the `sluice sim` flags."""
+    parser.add_argument(
+        "workload", nargs="?", help="azure-conv | azure-code | mooncake | PATH | synthetic:KIND?k=v&..."
+    )
+    parser.add_argument(
+        "--scenario", help="run a named self-checking scenario (or 'all') instead of a workload"
+    )
+    parser.add_argument("--replicas", type=int, default=8)
+    parser.add_argument("--gpu", default="h200", help="h100 | h200")
+    parser.add_argument("--model", default="llama-3-8b", help="llama-3-8b | llama-3-70b | tiny | small-100m")
+    parser.add_argument("--policy", default="fcfs", help="fcfs | priority | fair | edf")
+    parser.add_argument(
+        "--router", default="score", help="score | round_robin | random | least_loaded | prefix_only"
+    )
+    parser.add_argument("--preemption", default="recompute", help="recompute | swap")
+    parser.add_argument(
+        "--budgets", default="sluice", choices=("sluice", "vllm-default"), help="round budgets"
+    )
+    parser.add_argument("--max-batched-tokens", type=int, help="query tokens per round")
+    parser.add_argument("--max-num-seqs", type=int)
+    parser.add_argument("--max-prefill-chunk", type=int)
+    parser.add_argument("--max-model-len", type=int, help="default: 8192 for Llama 3")
+    parser.add_argument("--max-active", type=int, help="admission: max active requests")
+    parser.add_argument("--max-queued", type=int, help="admission: max requests without a first token")
+    parser.add_argument("--retries", type=int, default=0, help="client retries after a refusal")
+    parser.add_argument("--heartbeat-ms", type=float, default=50.0, help="router load-view refresh period")
+    parser.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    parser.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    parser.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate")
+    parser.add_argument("--start-s", type=float, default=0.0)
+    parser.add_argument("--duration-s", type=float)
+    parser.add_argument("--max-requests", type=int)
+    parser.add_argument("--warmup-s", type=float, default=0.0, help="replica warm-up (WARMING -> READY)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write the summary (or all summaries) as JSON here")
+    parser.add_argument("--plots", help="write PNG plots into this directory")
+    parser.add_argument(
+        "--compare", help="comma-separated configurations, e.g. fcfs+round_robin,priority+score"
+    )
+
+
+def base_config(args: argparse.Namespace, tenant_weights: dict[str, float]) -> SimConfig:
+    """Return the SimConfig the flags describe; raises ValueError for unknown names."""
+    config = SimConfig(
+        replicas=args.replicas,
+        gpu=args.gpu,
+        model=args.model,
+        policy=parse_enum(Policy, args.policy),  # type: ignore[arg-type]
+        router=parse_enum(RoutingPolicy, args.router),  # type: ignore[arg-type]
+        preemption=parse_enum(PreemptionMode, args.preemption),  # type: ignore[arg-type]
+        max_model_len=args.max_model_len,
+        max_retries=args.retries,
+        heartbeat_interval_s=args.heartbeat_ms / 1000.0,
+        warmup_s=args.warmup_s,
+        slo_ttft_s=args.slo_ttft_ms / 1000.0,
+        slo_tpot_s=args.slo_tpot_ms / 1000.0,
+        seed=args.seed,
+        tenant_weights=tuple(sorted(tenant_weights.items())),
+    )
+    if args.budgets == "vllm-default":
+        config = vllm_default(config)
+    overrides = {
+        "max_num_batched_tokens": args.max_batched_tokens,
+        "max_num_seqs": args.max_num_seqs,
+        "max_prefill_chunk": args.max_prefill_chunk,
+        "max_active_requests": args.max_active,
+        "max_queued_requests": args.max_queued,
+    }
+    return replace(config, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def parse_compare_item(item: str, base: SimConfig) -> SimConfig:
+    """Return `base` changed by one `--compare` item; raises ValueError naming an unknown word."""
+    config = base
+    for word in filter(None, item.strip().split("+")):
+        if word == "vllm-default":
+            config = vllm_default(config)
+        elif word in {p.value for p in Policy}:
+            config = replace(config, policy=Policy(word))
+        elif word in {p.value for p in RoutingPolicy}:
+            config = replace(config, router=RoutingPolicy(word))
+        elif word in {p.value for p in PreemptionMode}:
+            config = replace(config, preemption=PreemptionMode(word))
+        else:
+            known = [p.value for e in (Policy, RoutingPolicy, PreemptionMode) for p in e]  # type: ignore[attr-defined]
+            raise ValueError(
+                f"--compare item {item!r}: unknown word {word!r}; known: vllm-default, {', '.join(known)}"
+            )
+    return config
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the simulation(s) or scenarios; return the exit status (2 for a usage error)."""
+    from sluice.report import format_compare, format_table, write_json, write_plots
+    from sluice.sim.run import simulate
+    from sluice.sim.scenarios import run_scenarios
+    from sluice.workload import WorkloadError, load_workload
+
+    try:
+        if args.scenario:
+            return 0 if run_scenarios(args.scenario) else 1
+        if not args.workload:
+            raise ValueError("give a WORKLOAD or --scenario NAME")
+        workload = load_workload(
+            args.workload,
+            seed=args.seed,
+            rate_scale=args.rate_scale,
+            start_s=args.start_s,
+            duration_s=args.duration_s,
+            max_requests=args.max_requests,
+        )
+        base = base_config(args, workload.tenant_weights)
+        items = [i.strip() for i in args.compare.split(",") if i.strip()] if args.compare else []
+        configs = {item: parse_compare_item(item, base) for item in items} or {_label(base): base}
+    except (ValueError, WorkloadError) as error:
+        print(f"sluice sim: {error}", file=sys.stderr)
+        return 2
+    print(f"workload {workload.name}: {workload.describe()}", file=sys.stderr)
+    results = {}
+    for name, config in configs.items():
+        print(f"simulating {name} ...", file=sys.stderr)
+        results[name] = simulate(config, workload.requests, include_series=bool(args.json or args.plots))
+    summaries = {name: result.summary for name, result in results.items()}
+    if len(results) == 1:
+        print(format_table(next(iter(summaries.values())), title=next(iter(summaries))))
+    else:
+        print(format_compare(summaries))
+    if args.json:
+        payload = {"workload": workload.describe(), "runs": summaries}
+        print(f"wrote {write_json(payload, args.json)}", file=sys.stderr)
+    if args.plots:
+        files = write_plots(
+            {n: r.records for n, r in results.items()}, {n: r.series for n, r in results.items()}, args.plots
+        )
+        print(f"wrote {len(files)} plots into {args.plots}", file=sys.stderr)
+    return 0
+
+
+def _label(config: SimConfig) -> str:
+    return f"{config.policy.value}+{config.router.value}"
