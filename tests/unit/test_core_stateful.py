@@ -1,0 +1,221 @@
+"""Hypothesis state machine over the core under KV pressure: random submits, rounds, results, cancels, time.
+
+After every step: no block leaked or freed twice, refcounts and pins agree with their holders,
+free + used + cached == total, each live request is in exactly one place, terminal records are
+emitted exactly once, tokens go out in order and once, and round budgets are never exceeded. At
+quiescence every block is back (used == 0). The fake executor plays the worker's part.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from core_factories import check_invariants, token_for
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from scheduler_svc.core import SchedulerCore
+from scheduler_svc.core.config import Policy, PreemptionMode, SchedulerConfig
+from scheduler_svc.core.types import (
+    CoreEvents,
+    NewRequest,
+    RequestRejected,
+    RoundPlan,
+    RoundResult,
+    SamplingParams,
+    SeqOutput,
+)
+
+EOS = token_for("", 5)
+SHARED_PREFIX = tuple(range(500, 508))
+
+
+class CoreMachine(RuleBasedStateMachine):
+    """Drives one SchedulerCore with a small, pressured KV pool."""
+
+    @initialize(
+        policy=st.sampled_from(list(Policy)),
+        mode=st.sampled_from(list(PreemptionMode)),
+        host_blocks=st.integers(0, 8),
+        kv_cap=st.sampled_from([None, 40]),
+        caching=st.booleans(),
+    )
+    def setup(self, policy: Policy, mode: PreemptionMode, host_blocks: int, kv_cap: int | None, caching: bool) -> None:
+        self.config = SchedulerConfig(
+            num_blocks=10,
+            block_size=4,
+            max_num_batched_tokens=16,
+            max_num_seqs=4,
+            max_prefill_chunk=6,
+            max_kv_read_tokens=kv_cap,
+            max_waiting=8,
+            policy=policy,
+            preemption_mode=mode,
+            num_host_blocks=host_blocks,
+            enable_prefix_caching=caching,
+            tenant_weights=(("b", 2.0),),
+            max_model_len=40,
+        )
+        self.core = SchedulerCore(self.config)
+        self.now = 0.0
+        self.next_id = 0
+        self.accepted: set[str] = set()
+        self.pending: list[RoundPlan] = []
+        self.answered: list[RoundPlan] = []
+        self.finished: Counter[str] = Counter()
+        self.next_index: Counter[str] = Counter()
+        self.reading: set[str] = set()
+
+    # ---- inputs ----------------------------------------------------------------------------
+    @rule(
+        prompt_len=st.integers(1, 24),
+        max_tokens=st.integers(1, 12),
+        priority=st.integers(0, 2),
+        tenant=st.sampled_from(["a", "b"]),
+        shared=st.booleans(),
+        eos=st.booleans(),
+        deadline=st.sampled_from([None, 2.0, 6.0]),
+        queue_deadline=st.sampled_from([None, 1.0]),
+    )
+    def submit(self, prompt_len, max_tokens, priority, tenant, shared, eos, deadline, queue_deadline) -> None:  # type: ignore[no-untyped-def]
+        self.next_id += 1
+        rid = f"r{self.next_id}"
+        own = tuple(range(self.next_id * 100, self.next_id * 100 + prompt_len))
+        prompt = (SHARED_PREFIX + own)[:prompt_len] if shared else own
+        request = NewRequest(
+            rid,
+            prompt,
+            SamplingParams(max_tokens=max_tokens),
+            tenant=tenant,
+            priority=priority,
+            arrival_time=self.now,
+            deadline=None if deadline is None else self.now + deadline,
+            queue_deadline=None if queue_deadline is None else self.now + queue_deadline,
+            eos_token_id=EOS if eos else None,
+        )
+        before = (self.core.stats(), self.core.num_waiting)
+        try:
+            self.core.submit(request, self.now)
+        except RequestRejected:
+            assert (self.core.stats(), self.core.num_waiting) == before, "a rejection changes nothing"
+            return
+        self.accepted.add(rid)
+
+    @rule()
+    def schedule(self) -> None:
+        plan = self.core.schedule(self.now)
+        self._check_plan(plan)
+        if not plan.is_empty:
+            self.pending.append(plan)
+
+    @precondition(lambda self: self.pending)
+    @rule(index=st.integers(0, 3), fault=st.sampled_from(["none", "none", "none", "error", "stale", "missing"]))
+    def answer(self, index: int, fault: str) -> None:
+        plan = self.pending.pop(index % len(self.pending))
+        outputs = [
+            SeqOutput(s.request_id, s.epoch, (token_for(s.request_id, s.output_index),) if s.sample else ())
+            for s in plan.seqs
+        ]
+        if fault == "stale" and outputs:
+            outputs.append(SeqOutput(outputs[0].request_id, outputs[0].epoch - 1, (1,)))
+        if fault == "missing" and outputs:
+            outputs.pop()
+        result = RoundResult(plan.round_id, tuple(outputs), error="worker fault" if fault == "error" else "")
+        self._absorb(self.core.on_round_result(result, self.now))
+        self.answered.append(plan)
+
+    @rule(rounds=st.integers(1, 6))
+    def run_rounds(self, rounds: int) -> None:
+        """Plan and answer several rounds back to back (the common case, so KV pressure builds up)."""
+        for _ in range(rounds):
+            self.schedule()
+            while self.pending:
+                self.answer(0, "none")
+            self.now += 0.1
+
+    @precondition(lambda self: self.answered)
+    @rule(index=st.integers(0, 50))
+    def answer_again(self, index: int) -> None:
+        plan = self.answered[index % len(self.answered)]
+        outputs = tuple(SeqOutput(s.request_id, s.epoch, (7,)) for s in plan.seqs)
+        events = self.core.on_round_result(RoundResult(plan.round_id, outputs), self.now)
+        assert events.dropped_results == len(outputs) and not events.tokens and not events.finished
+
+    @precondition(lambda self: self.accepted)
+    @rule(index=st.integers(0, 1000))
+    def cancel(self, index: int) -> None:
+        ids = sorted(self.accepted)
+        self.core.cancel(ids[index % len(ids)], self.now)
+
+    @rule(dt=st.sampled_from([0.25, 1.0, 3.0]))
+    def advance_and_expire(self, dt: float) -> None:
+        self.now += dt
+        self.core.expire(self.now)
+
+    # ---- checks ----------------------------------------------------------------------------
+    def _check_plan(self, plan: RoundPlan) -> None:
+        budget, config, size = plan.budget, self.config, self.config.block_size
+        assert budget is not None
+        assert budget.used_query_tokens == sum(len(s.token_ids) for s in plan.seqs) <= config.max_num_batched_tokens
+        assert budget.used_seqs == len(plan.seqs) <= config.max_num_seqs
+        assert budget.num_prefill_tokens + budget.num_decode_tokens == budget.used_query_tokens
+        reads = sum(s.start_position + len(s.token_ids) for s in plan.seqs)
+        assert budget.used_kv_read_tokens == reads
+        if config.max_kv_read_tokens is not None:
+            assert reads <= config.max_kv_read_tokens
+        in_flight = {s.request_id for p in self.pending for s in p.seqs}
+        for seq in plan.seqs:
+            assert seq.request_id not in in_flight, "a request is in at most one in-flight round"
+            assert 1 <= len(seq.token_ids) <= config.max_prefill_chunk
+            assert len(seq.block_table) == -(-(seq.start_position + len(seq.token_ids)) // size)
+            assert len(set(seq.block_table)) == len(seq.block_table)
+        tables = [b for s in plan.seqs for b in s.block_table[s.start_position // size :]]
+        assert len(tables) == len(set(tables)), "blocks written this round are not shared"
+
+    def _absorb(self, events: CoreEvents) -> None:
+        for rid, index, _ in events.tokens:
+            assert index == self.next_index[rid], "tokens of a request go out once and in order"
+            self.next_index[rid] += 1
+        for record in events.finished:
+            self.finished[record.request_id] += 1
+            assert self.finished[record.request_id] == 1, "terminal exactly once"
+            assert len(record.output_token_ids) == self.next_index[record.request_id]
+
+    @invariant()
+    def ledgers_agree(self) -> None:
+        if not hasattr(self, "core"):
+            return
+        self._absorb(self.core.take_events())
+        check_invariants(self.core)
+        for rid in self.accepted:
+            assert (self.core.request_status(rid) is not None and self.core.request_status(rid).is_terminal) == (
+                self.finished[rid] == 1
+            )
+
+    def teardown(self) -> None:
+        if not hasattr(self, "core"):
+            return
+        for _ in range(200):
+            if not self.pending and not self.core.has_unfinished():
+                break
+            if self.pending:
+                self.answer(0, "none")
+            else:
+                self.schedule()
+            self.now += 0.25
+        self._absorb(self.core.take_events())
+        check_invariants(self.core)
+        assert not self.core.has_unfinished(), "the core drains at quiescence"
+        assert self.core.stats().kv_blocks_used == 0, "every block is back"
+        assert all(self.finished[rid] == 1 for rid in self.accepted)
+
+
+CoreMachine.TestCase.settings = settings(
+    max_examples=100,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestCoreStateMachine = CoreMachine.TestCase
+TestCoreStateMachine.__doc__ = "Random operation sequences keep every ledger consistent and drain to zero blocks."
