@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import logging
 import signal
 import sys
@@ -46,12 +45,9 @@ def backend_loader(args: argparse.Namespace) -> Callable[[], Backend]:
         return load_costmodel
 
     def load_torch() -> Backend:
-        from worker_svc.models import resolve_model  # type: ignore[import-not-found]
-        from worker_svc.torch_backend import TorchBackend  # type: ignore[import-not-found]
-        options: dict[str, object] = {"device": args.device}
-        if args.num_blocks is not None and "num_blocks" in inspect.signature(TorchBackend).parameters:
-            options["num_blocks"] = args.num_blocks
-        backend: Backend = TorchBackend(resolve_model(args.model), **options)
+        from worker_svc.models import resolve_model
+        from worker_svc.torch_backend import TorchBackend
+        backend: Backend = TorchBackend(resolve_model(args.model), device=args.device, num_blocks=args.num_blocks)
         return backend
     return load_torch
 

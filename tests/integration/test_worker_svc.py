@@ -162,3 +162,31 @@ def test_worker_process_turns_serving_and_exits_on_sigterm(free_port, subprocess
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_torch_tiny_engine_serves_rounds_over_both_rpcs(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The torch engine with the tiny preset answers a greedy prefill round with one in-vocabulary token, and
+    Execute and ExecuteStream give the same token for the same round."""
+    torch_backend = pytest.importorskip("worker_svc.torch_backend")
+    from worker_svc.models import resolve_model
+
+    def load():  # type: ignore[no-untyped-def]
+        return torch_backend.TorchBackend(resolve_model("tiny", home=tmp_path), device="cpu", num_blocks=32)
+
+    async def body() -> None:
+        worker, channel = await _started(WorkerRuntime(load))
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        info = await stub.Info(worker_pb2.InfoRequest())
+        assert (info.backend, info.num_blocks) == ("torch", 32)
+        plan = RoundPlan(1, (ScheduledSeq("p", 0, tuple(range(3, 23)), 0, (0, 1), SamplingParams(), True, 0),))
+        unary = await stub.Execute(convert.plan_to_proto(plan))
+        call = stub.ExecuteStream()
+        await call.write(convert.plan_to_proto(plan))
+        streamed = await call.read()
+        await call.done_writing()
+        assert not unary.error and len(unary.outputs) == 1 and len(unary.outputs[0].token_ids) == 1
+        assert 0 <= unary.outputs[0].token_ids[0] < info.vocab_size
+        assert streamed.outputs[0].token_ids == unary.outputs[0].token_ids
+        await channel.close()
+        await worker.stop()
+    asyncio.run(body())
