@@ -1,0 +1,117 @@
+"""The simulator: real cores (the very classes the services import), determinism, and request outcomes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import astuple
+from pathlib import Path
+
+import admission_svc.core
+import router_svc.core
+import scheduler_svc.core
+from router_svc.core import RoutingPolicy
+from sluice.cli import main
+from sluice.metrics import RequestRecord
+from sluice.sim import SimConfig, Simulator, simulate
+from sluice.sim import cluster as sim_cluster
+from sluice.workload import WorkloadRequest, load_workload
+
+SMALL = "synthetic:poisson?rate=40&n=120&input=lognormal:600:0.6:3000&output=lognormal:60:0.6:300"
+
+
+def outcome(records: list[RequestRecord]) -> list[tuple]:
+    """Return everything observable about the records, token times included."""
+    return [
+        (*astuple(r)[:5], r.finish_s, r.status, r.output_tokens, tuple(r.token_times or ())) for r in records
+    ]
+
+
+def test_simulator_uses_the_service_cores_unchanged() -> None:
+    """The simulator's scheduler, router and admission are the classes the services import, not copies."""
+    assert sim_cluster.SchedulerCore is scheduler_svc.core.SchedulerCore
+    assert sim_cluster.RouterCore is router_svc.core.RouterCore
+    assert sim_cluster.AdmissionCore is admission_svc.core.AdmissionCore
+    simulator = Simulator(SimConfig(replicas=2), [])
+    assert all(type(r.core) is scheduler_svc.core.SchedulerCore for r in simulator.replicas)
+    assert type(simulator.router) is router_svc.core.RouterCore
+
+
+def test_tiny_run_through_the_real_cores() -> None:
+    """Every request of a small Poisson workload finishes ok with exactly its output length."""
+    requests = load_workload(SMALL, seed=1).requests
+    result = simulate(SimConfig(replicas=2), requests)
+    assert result.summary["counts"]["ok"] == len(requests)  # type: ignore[index]
+    by_id = {r.request_id: r for r in result.records}
+    for request in requests:
+        record = by_id[request.request_id]
+        assert record.output_tokens == request.output_length
+        assert record.ttft_s is not None and record.ttft_s > 0
+        assert len(record.token_times or ()) == request.output_length
+
+
+def test_same_seed_same_run_and_other_seed_differs() -> None:
+    """Two runs with one seed are identical to the token time; the random router with another seed is not."""
+    requests = load_workload(SMALL, seed=2).requests
+    for router in (RoutingPolicy.SCORE, RoutingPolicy.RANDOM):
+        first = simulate(SimConfig(replicas=3, router=router, seed=5), requests).records
+        second = simulate(SimConfig(replicas=3, router=router, seed=5), requests).records
+        assert outcome(first) == outcome(second)
+    other = simulate(SimConfig(replicas=3, router=RoutingPolicy.RANDOM, seed=6), requests).records
+    assert [r.replica for r in other] != [r.replica for r in first]
+
+
+def test_over_long_request_is_rejected_explicitly_not_truncated() -> None:
+    """A prompt over max_model_len (8192 for llama-3-8b) is a counted rejection with the numbers."""
+    requests = [WorkloadRequest("long", 0.0, 9000, 10), WorkloadRequest("fine", 0.0, 100, 10)]
+    records = {r.request_id: r for r in simulate(SimConfig(replicas=1), requests).records}
+    assert records["long"].status == "rejected"
+    assert "9000" in records["long"].detail and "8192" in records["long"].detail
+    assert records["fine"].status == "ok"
+
+
+def test_cancel_and_deadline_end_requests_early() -> None:
+    """cancel_after_s cancels mid-stream and deadline_s times out; both stop short of their output length."""
+    requests = [
+        WorkloadRequest("c", 0.0, 200, 5000, cancel_after_s=0.5),
+        WorkloadRequest("d", 0.0, 200, 5000, deadline_s=0.4),
+    ]
+    records = {r.request_id: r for r in simulate(SimConfig(replicas=1), requests).records}
+    assert records["c"].status == "cancelled" and 0 < records["c"].output_tokens < 5000
+    assert records["c"].finish_s is not None and records["c"].finish_s >= 0.5
+    assert records["d"].status == "timed_out" and records["d"].output_tokens < 5000
+
+
+def test_warmup_refuses_until_ready_and_retries_get_through() -> None:
+    """Before warm-up ends no replica is READY: a refusal, or with retries, service after warm-up."""
+    requests = [WorkloadRequest("early", 0.0, 100, 5)]
+    refused = simulate(SimConfig(replicas=1, warmup_s=2.0), requests).records[0]
+    assert refused.status == "rejected" and "unavailable" in refused.detail
+    retried = simulate(SimConfig(replicas=1, warmup_s=2.0, max_retries=3), requests).records[0]
+    assert retried.status == "ok" and retried.retries >= 1
+    assert retried.first_token_s is not None and retried.first_token_s >= 2.0
+
+
+def test_kv_events_reach_the_router_and_prefixes_are_reused() -> None:
+    """With shared-prefix groups, the score router sends siblings to the replica holding the prefix."""
+    spec = "synthetic:poisson?rate=20&n=80&prefix_groups=2&prefix_len=2048&input=fixed:2300&output=fixed:20"
+    requests = load_workload(spec, seed=3).requests
+    result = simulate(SimConfig(replicas=4), requests)
+    stats = result.summary["replica_stats"]
+    assert stats["prefix_hit_rate"] > 0.5  # type: ignore[index]
+    assert stats["kv_snapshots"] == 0  # type: ignore[index]
+    rr = simulate(SimConfig(replicas=4, router=RoutingPolicy.ROUND_ROBIN), requests).summary["replica_stats"]
+    assert stats["prefix_hit_rate"] > rr["prefix_hit_rate"]  # type: ignore[index]
+
+
+def test_cli_sim_writes_json_and_scenario_exit_status(tmp_path: Path, capsys: object) -> None:
+    """`sluice sim` prints a comparison, writes JSON per configuration, and a scenario run exits 0."""
+    out = tmp_path / "sim.json"
+    code = main(
+        ["sim", SMALL, "--replicas", "2", "--compare", "fcfs+round_robin,priority+score", "--json", str(out)]
+    )
+    assert code == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert set(runs) == {"fcfs+round_robin", "priority+score"}
+    assert runs["priority+score"]["sim"]["policy"] == "priority"
+    assert main(["sim", "--scenario", "seed-round-budget"]) == 0
+    assert main(["sim", SMALL, "--compare", "fcfs+warp"]) == 2
