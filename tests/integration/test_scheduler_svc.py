@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import pytest
@@ -15,7 +19,7 @@ from router_svc.core import RouterCore
 from router_svc.server import RouterRuntime, start_router_server
 from scheduler_svc.server import RunningReplica, start_replica
 from sluice.bus import Bus
-from sluice.telemetry import get_tracer, inject_metadata
+from sluice.telemetry import get_tracer, inject_metadata, read_span_file
 from sluice.v1 import common_pb2, events_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from worker_svc.costmodel import CostModel
 from worker_svc.server import WorkerRuntime, start_worker_server
@@ -207,3 +211,78 @@ def test_replica_registers_turns_ready_and_drains_at_the_router(redis_url: str, 
         await router.stop(0)
         await client.aclose()
     asyncio.run(body())
+
+
+def _spawn(module: str, *args: str, env: dict[str, str], logs: Path) -> subprocess.Popen[str]:
+    """Start `python -m module` with its output in logs/module.log (a pipe could fill up and block it)."""
+    with open(logs / f"{module}.log", "w") as log_file:
+        return subprocess.Popen([sys.executable, "-m", module, *args], env=env, stdout=log_file,
+                                stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.e2e
+def test_sigterm_drains_the_replica_process(redis_url: str, namespace: str, free_port, subprocess_env,
+                                            trace_file) -> None:  # type: ignore[no-untyped-def]
+    """A scheduler process given SIGTERM turns DRAINING at the router, still finishes the request it was
+    running (all its tokens, FINISHED_LENGTH), writes its span to the trace file, and exits 0."""
+    router_port, worker_port, scheduler_port = free_port(), free_port(), free_port()
+    env = dict(subprocess_env, SLUICE_TRACE_FILE=str(trace_file))
+    logs = trace_file.parent
+    common = ["--redis-url", redis_url, "--namespace", namespace]
+    procs = [
+        _spawn("router_svc", "--port", str(router_port), *common, env=env, logs=logs),
+        _spawn("worker_svc", "--port", str(worker_port), "--backend", "costmodel", "--model", "llama-3-8b",
+               "--num-blocks", "256", "--emulate-time", env=env, logs=logs),
+    ]
+    scheduler = _spawn("scheduler_svc", "--port", str(scheduler_port), "--replica-id", "r1", "--worker",
+                       f"127.0.0.1:{worker_port}", "--router", f"127.0.0.1:{router_port}", *common,
+                       "--heartbeat-interval", "0.2", env=env, logs=logs)
+    procs.append(scheduler)
+
+    async def body() -> None:
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{router_port}")
+        router = router_pb2_grpc.RouterServiceStub(channel)
+
+        async def state() -> int | None:
+            try:
+                listed = await router.ListReplicas(router_pb2.ListReplicasRequest(), timeout=1)
+            except grpc.aio.AioRpcError:
+                return None
+            return next((r.state for r in listed.replicas if r.replica_id == "r1"), None)
+
+        for _ in range(300):
+            if await state() == router_pb2.READY:
+                break
+            await asyncio.sleep(0.1)
+        assert await state() == router_pb2.READY
+        sched_channel = grpc.aio.insecure_channel(f"127.0.0.1:{scheduler_port}")
+        await scheduler_pb2_grpc.SchedulerServiceStub(sched_channel).Submit(_submit("in-flight", max_tokens=150))
+        scheduler.send_signal(signal.SIGTERM)
+        for _ in range(100):
+            if await state() == router_pb2.DRAINING:
+                break
+            await asyncio.sleep(0.05)
+        assert await state() == router_pb2.DRAINING
+        client = aioredis.Redis.from_url(redis_url)
+        [done] = await _completions(Bus(client, namespace), 1, timeout=30)
+        assert (done.request_id, done.status, done.usage.output_tokens) == ("in-flight", common_pb2.FINISHED_LENGTH,
+                                                                            150)
+        await client.aclose()
+        await channel.close()
+        await sched_channel.close()
+
+    try:
+        asyncio.run(body())
+        assert scheduler.wait(30) == 0, (logs / "scheduler_svc.log").read_text()
+        spans = [s for s in read_span_file(trace_file) if s["name"] == "replica.request"]
+        assert [s["service"] for s in spans] == ["sluice-scheduler"]
+        assert spans[0]["attributes"]["sluice.request_id"] == "in-flight"
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
