@@ -190,3 +190,26 @@ def test_torch_tiny_engine_serves_rounds_over_both_rpcs(tmp_path) -> None:  # ty
         await channel.close()
         await worker.stop()
     asyncio.run(body())
+
+
+@pytest.mark.gpu
+def test_torch_tiny_engine_serves_on_cuda(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """On a CUDA device the worker service loads the tiny preset there, turns SERVING and answers a round."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from worker_svc.models import resolve_model
+    from worker_svc.torch_backend import TorchBackend
+
+    async def body() -> None:
+        worker, channel = await _started(WorkerRuntime(
+            lambda: TorchBackend(resolve_model("tiny", home=tmp_path), device="cuda", num_blocks=64)))
+        assert await _health(channel) == health_pb2.HealthCheckResponse.SERVING
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        assert (await stub.Info(worker_pb2.InfoRequest())).device.startswith("cuda")
+        plan = RoundPlan(1, (ScheduledSeq("g", 0, tuple(range(3, 23)), 0, (0, 1), SamplingParams(), True, 0),))
+        result = await stub.Execute(convert.plan_to_proto(plan))
+        assert not result.error and len(result.outputs[0].token_ids) == 1
+        await channel.close()
+        await worker.stop()
+    asyncio.run(body())
