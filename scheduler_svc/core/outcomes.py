@@ -103,19 +103,22 @@ class _Outcomes:
         by_id = {out.request_id: out for out in outputs}
         if len(by_id) != len(outputs):
             by_id = self._newest_outputs(outputs)
+        pop = by_id.pop
+        emit = self._outbox.tokens.append
         block_size = self._block_size
         caching = self.pool.caching
+        account = self._account  # type: ignore[attr-defined]
         running = RequestStatus.RUNNING
         for request, num_tokens, sample, _ in record.entries:
             request.in_flight_round = None
-            out = by_id.pop(request.request_id, None)
+            out = pop(request.request_id, None)
             if request.status is not running:
                 if out is not None and out.token_ids:
                     self._drop(1)
                 self._release_deferred(request, now)
                 continue
-            request.num_computed += num_tokens
-            if caching and request.num_computed // block_size > request.num_registered:
+            computed = request.num_computed = request.num_computed + num_tokens
+            if caching and computed // block_size > request.num_registered:
                 self._register_full_blocks(request)
             if not sample:
                 if out is not None and out.token_ids:
@@ -126,7 +129,24 @@ class _Outcomes:
                 detail = f"round {record.round_id} returned no token for epoch {request.epoch}"
                 self._end_running(request, Input.FAIL, now, detail)
             else:
-                self._append_token(request, out, now)
+                token_ids = out.token_ids
+                token = token_ids[0]
+                tokens = request.tokens
+                index = len(tokens) - request.num_prompt
+                tokens.append(token)
+                emit((request.request_id, index, token))
+                # One test for the common case; the rare ones (first token, finish, fair-share
+                # accounting, extra tokens) are sorted out in _after_token.
+                if (
+                    index == 0
+                    or index + 1 >= request.max_tokens
+                    or token == request.eos_token_id
+                    or out.stop_string_hit
+                    or len(token_ids) != 1
+                    or account is not None
+                    or (request.stop_token_ids and token in request.stop_token_ids)
+                ):
+                    self._after_token(request, out, index, token, now)
         self._drop(len(by_id))
         self._host_free.extend(record.host_release)
 
@@ -142,11 +162,8 @@ class _Outcomes:
             by_id[out.request_id] = out
         return by_id
 
-    def _append_token(self, request: Request, out: SeqOutput, now: float) -> None:
-        token = out.token_ids[0]
-        index = len(request.tokens) - request.num_prompt
-        request.tokens.append(token)
-        self._outbox.tokens.append((request.request_id, index, token))
+    def _after_token(self, request: Request, out: SeqOutput, index: int, token: int, now: float) -> None:
+        """Everything but the append for output token `index`: first token, accounting, finishing."""
         if len(out.token_ids) > 1:
             self._drop(len(out.token_ids) - 1)
         if index == 0:

@@ -1,0 +1,202 @@
+"""Benchmark of the scheduler core's per-round cost: `python -m scheduler_svc.bench [--quick] [--profile]`.
+
+Measures the CPU time (time.process_time_ns) of `schedule()` + `on_round_result()` per round in
+decode-only rounds at (running, waiting) = (64, 256), (256, 1024), (1024, 4096): block size 16,
+prefix caching on, max_num_seqs = running so the waiting requests stay waiting, enough blocks.
+Prompt and output lengths come from the Azure LLM 2023 conversation trace in ../shared (clipped
+to max_model_len). A pure-Python reference loop timed in the same process lets figures from noisy
+runs be normalised. A (64, 4096) case shows that the waiting queue's size does not change the cost.
+Prints JSON to stdout; `--profile` adds the top cProfile entries of one case to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import csv
+import gc
+import json
+import pstats
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from scheduler_svc.core import SchedulerCore
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.types import NewRequest, RoundPlan, RoundResult, SamplingParams, SeqOutput
+
+TRACE = Path(__file__).resolve().parents[1].parent / "shared/data/traces/azure_llm_2023_conv.csv"
+CASES = ((64, 256), (256, 1024), (1024, 4096))
+TARGETS_US = {64: 250.0, 256: 1000.0, 1024: 4500.0}
+"""DESIGN.md: a tenth of vLLM's median round cost at the same sizes."""
+BLOCK_SIZE = 16
+MAX_MODEL_LEN = 8192
+
+
+def load_lengths(seed: int = 0) -> tuple[list[tuple[int, int]], str]:
+    """Return (prompt, output) length pairs and where they came from.
+
+    Falls back to a fixed seeded lognormal mix only when the trace file is absent.
+    """
+    if TRACE.exists():
+        with TRACE.open(newline="") as handle:
+            pairs = [(int(row["ContextTokens"]), int(row["GeneratedTokens"])) for row in csv.DictReader(handle)]
+        return pairs, str(TRACE)
+    rng = random.Random(seed)
+    pairs = [(int(rng.lognormvariate(6.5, 1.0)) + 1, int(rng.lognormvariate(5.0, 1.0)) + 1) for _ in range(20000)]
+    return pairs, "synthetic lognormal(6.5, 1.0) prompts / lognormal(5.0, 1.0) outputs, seed 0 (trace file absent)"
+
+
+def _requests(pairs: list[tuple[int, int]], count: int, rng: random.Random, prefix: str, min_out: int) -> list[NewRequest]:
+    """Draw `count` requests whose prompt + max_tokens fit max_model_len and that outlive `min_out` rounds."""
+    requests = []
+    for i in range(count):
+        prompt_len, output_len = rng.choice(pairs)
+        max_tokens = min(max(output_len, min_out), MAX_MODEL_LEN // 2)
+        prompt_len = max(1, min(prompt_len, MAX_MODEL_LEN - max_tokens))
+        # Distinct tokens per request: no accidental prefix sharing inflates the cache.
+        base = (i + 1) * 100_003 + len(prefix)
+        prompt = tuple(range(base, base + prompt_len))
+        requests.append(NewRequest(f"{prefix}{i}", prompt, SamplingParams(max_tokens=max_tokens)))
+    return requests
+
+
+def _answer(plan: RoundPlan) -> RoundResult:
+    """The fake executor (not timed): one token per sampled sequence."""
+    return RoundResult(
+        plan.round_id,
+        tuple(SeqOutput(s.request_id, s.epoch, (7 + s.output_index % 1000,) if s.sample else ()) for s in plan.seqs),
+    )
+
+
+def build_core(running: int, waiting: int, rounds: int, pairs: list[tuple[int, int]], seed: int) -> SchedulerCore:
+    """Return a core with `running` requests past prefill and decoding and `waiting` queued ones."""
+    rng = random.Random(seed)
+    active = _requests(pairs, running, rng, "run", rounds + 2)
+    blocks = sum(-(-(len(r.prompt_token_ids) + rounds + 2) // BLOCK_SIZE) for r in active) + 64
+    config = SchedulerConfig(
+        num_blocks=blocks,
+        block_size=BLOCK_SIZE,
+        # Room for every prompt in one round, so setup is one prefill round and then decodes only.
+        max_num_batched_tokens=max(16384, sum(len(r.prompt_token_ids) for r in active)),
+        max_num_seqs=running,
+        max_prefill_chunk=MAX_MODEL_LEN,
+        max_waiting=waiting + 1,
+        max_model_len=MAX_MODEL_LEN,
+        enable_prefix_caching=True,
+    )
+    core = SchedulerCore(config)
+    for request in active:
+        core.submit(request, 0.0)
+    while any(r.num_computed < len(r.tokens) - 1 for r in core._live.values()) or core.num_waiting:
+        plan = core.schedule(0.0)
+        core.on_round_result(_answer(plan), 0.0)
+    for request in _requests(pairs, waiting, rng, "wait", 1):
+        core.submit(request, 0.0)
+    core.take_events()
+    return core
+
+
+def measure(core: SchedulerCore, rounds: int) -> dict[str, float]:
+    """Time `rounds` decode-only rounds; return median/p99 of schedule, result and both (µs)."""
+    sched_ns, result_ns, total_ns = [], [], []
+    clock = time.process_time_ns
+    gc.collect()
+    for i in range(rounds):
+        now = 1.0 + i * 0.01
+        t0 = clock()
+        plan = core.schedule(now)
+        t1 = clock()
+        result = _answer(plan)
+        t2 = clock()
+        core.on_round_result(result, now)
+        t3 = clock()
+        assert plan.budget is not None and plan.budget.num_prefill_tokens == 0, "decode-only rounds"
+        sched_ns.append(t1 - t0)
+        result_ns.append(t3 - t2)
+        total_ns.append(t1 - t0 + t3 - t2)
+    return {
+        "median_us": statistics.median(total_ns) / 1000,
+        "p99_us": _p99(total_ns) / 1000,
+        "schedule_median_us": statistics.median(sched_ns) / 1000,
+        "result_median_us": statistics.median(result_ns) / 1000,
+    }
+
+
+def _p99(values: list[int]) -> float:
+    ordered = sorted(values)
+    return float(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))])
+
+
+def reference_loop_us(repeats: int = 7) -> float:
+    """Return the median µs of a fixed pure-Python loop (dict, list and attribute work), for normalising."""
+    samples = []
+    for _ in range(repeats):
+        start = time.process_time_ns()
+        table: dict[int, int] = {}
+        items: list[int] = []
+        for i in range(100_000):
+            table[i & 1023] = i
+            items.append(table[i & 511] + i)
+        samples.append(time.process_time_ns() - start)
+    return statistics.median(samples) / 1000
+
+
+def run(quick: bool, profile: bool) -> dict[str, object]:
+    """Run every case and return the report."""
+    rounds = 40 if quick else 200
+    pairs, source = load_lengths()
+    reference = reference_loop_us()
+    cases = []
+    for running, waiting in CASES:
+        core = build_core(running, waiting, rounds, pairs, seed=running)
+        figures = measure(core, rounds)
+        cases.append(
+            {
+                "running": running,
+                "waiting": waiting,
+                "rounds": rounds,
+                **{k: round(v, 1) for k, v in figures.items()},
+                "target_median_us": TARGETS_US[running],
+                "median_per_reference_loop": round(figures["median_us"] / reference, 4),
+            }
+        )
+    independence = {}
+    for waiting in (256, 4096):
+        core = build_core(64, waiting, rounds, pairs, seed=64)
+        independence[f"waiting_{waiting}_median_us"] = round(measure(core, rounds)["median_us"], 1)
+    if profile:
+        _profile(pairs, rounds)
+    return {
+        "benchmark": "scheduler core: schedule() + on_round_result() CPU time per decode-only round",
+        "lengths_from": source,
+        "python": sys.version.split()[0],
+        "reference_loop_us": round(reference, 1),
+        "cases": cases,
+        "queue_independence_64_running": independence,
+    }
+
+
+def _profile(pairs: list[tuple[int, int]], rounds: int) -> None:
+    core = build_core(1024, 4096, rounds, pairs, seed=1024)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    measure(core, rounds)
+    profiler.disable()
+    pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(15)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse flags, run the benchmark and print its JSON report; return the exit status."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="40 rounds per case instead of 200")
+    parser.add_argument("--profile", action="store_true", help="print a cProfile of the largest case to stderr")
+    args = parser.parse_args(argv)
+    print(json.dumps(run(args.quick, args.profile), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
