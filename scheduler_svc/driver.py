@@ -19,6 +19,7 @@ Theory of operation
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -50,6 +51,8 @@ __all__ = ["Driver"]
 
 log = logging.getLogger(__name__)
 tracer = telemetry.get_tracer("sluice.scheduler")
+
+WORKER_UNAVAILABLE = "worker unavailable"
 
 _TERMINAL_EVENT = {
     RequestStatus.FINISHED_STOP: "finished", RequestStatus.FINISHED_LENGTH: "finished",
@@ -83,7 +86,8 @@ class Driver:
 
     def __init__(self, core: SchedulerCore, worker: worker_pb2_grpc.WorkerServiceStub, bus: Bus, *,
                  replica_id: str, model_id: str, eos_token_id: int, metrics: SchedulerMetrics | None = None,
-                 clock: Callable[[], float] = time.time, use_stream: bool = True) -> None:
+                 clock: Callable[[], float] = time.time, use_stream: bool = True,
+                 worker_retry_s: float = 0.5) -> None:
         self.core = core
         self.worker = worker
         self.bus = bus
@@ -93,6 +97,7 @@ class Driver:
         self.metrics = metrics or SchedulerMetrics()
         self.clock = clock
         self.use_stream = use_stream
+        self.worker_retry_s = worker_retry_s
         self.accepting = True
         self._tracked: dict[str, _Tracked] = {}
         self._wake = asyncio.Event()
@@ -151,10 +156,15 @@ class Driver:
                     continue
                 if self.use_stream and stream is None:
                     stream = self.worker.ExecuteStream()
+                had_stream = stream is not None
                 result, stream = await self._execute(plan, stream)
                 done = self.clock()
                 self.metrics.round_duration.observe(done - now)
                 self._handle(self.core.on_round_result(result, done), done)
+                if result.error.startswith(WORKER_UNAVAILABLE) or (had_stream and stream is None):
+                    # The worker is down or restarting: do not burn every queued request on it at once.
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), self.worker_retry_s)
         finally:
             if stream is not None:
                 stream.cancel()
@@ -179,7 +189,7 @@ class Driver:
             log.error("round %d: worker call failed: %s", plan.round_id, detail)
             if stream is not None:
                 stream.cancel()
-            return RoundResult(plan.round_id, (), error=f"worker unavailable: {detail}"), None
+            return RoundResult(plan.round_id, (), error=f"{WORKER_UNAVAILABLE}: {detail}"), None
         if result.error:
             self.metrics.round_errors.inc()
         return result, stream

@@ -22,7 +22,7 @@ from sluice.bus import Bus
 from sluice.telemetry import get_tracer, inject_metadata, read_span_file
 from sluice.v1 import common_pb2, events_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from worker_svc.costmodel import CostModel
-from worker_svc.server import WorkerRuntime, start_worker_server
+from worker_svc.server import RunningWorker, WorkerRuntime, start_worker_server
 
 pytestmark = pytest.mark.redis
 
@@ -32,6 +32,7 @@ class Replica:
     replica: RunningReplica
     stub: scheduler_pb2_grpc.SchedulerServiceStub
     bus: Bus
+    worker: RunningWorker
 
 
 @contextlib.asynccontextmanager
@@ -47,11 +48,12 @@ async def _replica(redis_url: str, namespace: str, *, num_blocks: int = 64, emul
                                   core_overrides={"max_model_len": 4096})
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{replica.port}")
     try:
-        yield Replica(replica, scheduler_pb2_grpc.SchedulerServiceStub(channel), bus)
+        handle = Replica(replica, scheduler_pb2_grpc.SchedulerServiceStub(channel), bus, worker)
+        yield handle
     finally:
         await replica.stop(drain_timeout_s=2)
         await channel.close()
-        await worker.stop()
+        await handle.worker.stop()
         await client.aclose()
 
 
@@ -210,6 +212,29 @@ def test_replica_registers_turns_ready_and_drains_at_the_router(redis_url: str, 
         await channel.close()
         await router.stop(0)
         await client.aclose()
+    asyncio.run(body())
+
+
+def test_a_lost_worker_fails_the_round_and_the_replica_recovers(redis_url: str, namespace: str) -> None:
+    """When the worker goes away mid-request, that request ends FAILED with the reason in its completion,
+    and once a worker is back on the same address new requests finish normally."""
+    async def body() -> None:
+        async with _replica(redis_url, namespace, num_blocks=256, emulate_time=True) as r:
+            await r.stub.Submit(_submit("doomed", max_tokens=2000))
+            for _ in range(500):
+                if await _tokens(r.bus):
+                    break
+                await asyncio.sleep(0.01)
+            port = r.worker.port
+            await r.worker.stop(grace_s=0)
+            [failed] = await _completions(r.bus, 1)
+            assert failed.status == common_pb2.FAILED and "worker unavailable" in failed.detail
+            r.worker = await start_worker_server(
+                WorkerRuntime(lambda: CostModel("llama-3-8b", "h200"), num_blocks=256), port=port)
+            await asyncio.wait_for(r.worker.loading, 10)
+            await r.stub.Submit(_submit("after", max_tokens=4))
+            done = await _completions(r.bus, 2)
+            assert done[1].request_id == "after" and done[1].status == common_pb2.FINISHED_LENGTH
     asyncio.run(body())
 
 
