@@ -153,7 +153,10 @@ class Stack:
                 worker_args += ["--num-blocks", str(c.num_blocks)]
             if c.emulate_time:
                 worker_args.append("--emulate-time")
-            self.workers.append(self._spawn(f"worker-{i}", "worker_svc", worker_args))
+            # Replicas share the cores: one torch thread pool each of the whole machine oversubscribes it.
+            threads = str(max(1, (os.cpu_count() or 1) // c.replicas))
+            self.workers.append(self._spawn(f"worker-{i}", "worker_svc", worker_args,
+                                            env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)}))
         self._wait_healthy([self.router, *self.workers], deadline)
         for i, worker in enumerate(self.workers):
             self.schedulers.append(self._spawn(f"scheduler-{i}", "scheduler_svc", [
@@ -169,12 +172,13 @@ class Stack:
         self.admission = self._spawn("admission", "admission_svc", admission_args, port=c.admission_port)
         self._wait_healthy([self.admission], deadline)
 
-    def _spawn(self, name: str, module: str, args: list[str], port: int = 0) -> Proc:
+    def _spawn(self, name: str, module: str, args: list[str], port: int = 0,
+               env: dict[str, str] | None = None) -> Proc:
         port = port or free_port()
         address = f"{self.config.host}:{port}"
         proc = Proc(name, [sys.executable, "-m", module, "--host", self.config.host, "--port", str(port), *args],
                     self.run_dir / f"{name}.log", address)
-        env = dict(os.environ)
+        env = {**os.environ, **(env or {})}
         env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.update(dict(self.config.env))

@@ -148,13 +148,20 @@ def _take_usage(outcome: Outcome, usage: Any) -> None:
 
 
 async def _progress(outcomes: list[Outcome], total: int, done: asyncio.Event) -> None:
+    """Keep one status line on stderr (rewritten in place on a terminal, a line per 10% otherwise)."""
+    tty = sys.stderr.isatty()
+    start, end = ("\r", "") if tty else ("", "\n")
+    shown = -1
     while not done.is_set():
         finished = sum(1 for o in outcomes if o.finish_s is not None)
         failed = sum(1 for o in outcomes if o.finish_s is not None and o.status != "ok")
-        print(f"\r[bench] {finished}/{total} done, {failed} not ok", end="", file=sys.stderr, flush=True)
+        step = finished if tty else finished * 10 // max(total, 1)
+        if step != shown:
+            shown = step
+            print(f"{start}[bench] {finished}/{total} done, {failed} not ok", end=end, file=sys.stderr, flush=True)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(done.wait(), 0.5)
-    print(f"\r[bench] {total}/{total} done" + " " * 20, file=sys.stderr, flush=True)
+    print(f"{start}[bench] {total}/{total} done" + " " * 20, file=sys.stderr, flush=True)
 
 
 async def drive(target: str, api_key: str | Mapping[str, str], requests: Sequence[Any], *,
