@@ -196,17 +196,27 @@ class _Outcomes:
             hashes.append(block_hash(hashes[-1] if hashes else 0, salt, tokens[start : start + size]))
         return hashes
 
-    def _finish_swaps(self, record: InFlightRound, now: float) -> None:
+    def _finish_swaps(self, record: InFlightRound, now: float, copied: bool = True) -> None:
+        """Unpin swap-out victims' device blocks and re-queue them (or release cancelled ones).
+
+        When the round failed, the host copies cannot be trusted: the victim drops them and
+        resumes by recompute instead.
+        """
         for victim in record.swapping:
             self.pool.unpin(reversed(victim.swap_pinned))
             victim.swap_pinned = []
             victim.in_flight_round = None
             if victim.status is RequestStatus.CANCELLING:
                 self._release_deferred(victim, now)
-            else:
-                del self._swapping[victim.request_id]
-                apply(victim, Input.REQUEUE)
-                self._enqueue(victim)
+                continue
+            if not copied:
+                self._host_free.extend(victim.host_blocks)
+                victim.host_blocks = []
+                victim.recompute_debt = max(victim.recompute_debt, victim.num_computed)
+                victim.num_computed = 0
+            del self._swapping[victim.request_id]
+            apply(victim, Input.REQUEUE)
+            self._enqueue(victim)
 
     def _fail_round(self, record: InFlightRound, error: str, now: float) -> None:
         """A round that failed as a whole fails every request it carried (exactly once)."""
@@ -216,7 +226,7 @@ class _Outcomes:
                 self._end_running(request, Input.FAIL, now, f"round {record.round_id} failed: {error}")
             else:
                 self._release_deferred(request, now)
-        self._finish_swaps(record, now)
+        self._finish_swaps(record, now, copied=False)
         self._host_free.extend(record.host_release)
 
     # ---- terminations ----------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 from core_factories import FakeExecutor, check_invariants, make_core, make_request, step, token_for
 
 from scheduler_svc.core.config import PreemptionMode
-from scheduler_svc.core.types import BlockCopy, CoreEvents, RoundPlan, Stage
+from scheduler_svc.core.types import BlockCopy, CoreEvents, RequestStatus, RoundPlan, RoundResult, Stage
 
 
 def _run(mode: PreemptionMode, host_blocks: int = 0) -> tuple[list[tuple[RoundPlan, CoreEvents]], object]:
@@ -112,3 +112,22 @@ def test_block_copy_type_is_what_plans_carry() -> None:
     """Swap copies are BlockCopy(src, dst) records."""
     rounds, _ = _run(PreemptionMode.SWAP, host_blocks=3)
     assert all(isinstance(c, BlockCopy) for plan, _ in rounds for c in (*plan.swap_out, *plan.swap_in))
+
+
+def test_failed_swap_out_round_falls_back_to_recompute() -> None:
+    """If the round carrying a swap-out fails, the victim drops its host copies and later re-prefills."""
+    core = make_core(num_blocks=7, block_size=4, preemption_mode=PreemptionMode.SWAP, num_host_blocks=3)
+    core.submit(make_request("A", 8, max_tokens=10), 0.0)
+    core.submit(make_request("B", 8, max_tokens=10, arrival=0.5), 0.0)
+    executor = FakeExecutor()
+    for now in range(5):
+        step(core, float(now), executor)
+    plan = core.schedule(5.0)
+    assert plan.swap_out and core.stats().host_blocks_used == 3
+    events = core.on_round_result(RoundResult(plan.round_id, (), error="copy failed"), 6.0)
+    assert [f.request_id for f in events.finished] == ["A"], "A was in the failed round; B was only copied"
+    assert core.stats().host_blocks_used == 0 and core.request_status("B") is RequestStatus.WAITING
+    resumed = core.schedule(7.0)
+    (event,) = [e for e in core.take_events().lifecycle if e.stage is Stage.RESUMED]
+    assert not resumed.swap_in and dict(event.detail)["mode"] == "recompute", "no swap-in of untrusted copies"
+    check_invariants(core)
