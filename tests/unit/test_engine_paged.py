@@ -7,6 +7,7 @@ CPU, tiny preset, float32. Logit tolerance: atol 1e-4 (float32 sums in a differe
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,15 @@ PROMPTS = {
     "long": list(b"Sluice schedules rounds of prefill chunks and decodes together."),
     "one": [65],
 }
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    # tiny tensors gain nothing from threads, and OpenMP threads on a shared CPU slow down ~4x
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,11 @@ request must still produce exactly the tokens of the full-recompute reference.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from scheduler_svc.core import SchedulerCore
 from scheduler_svc.core.config import PreemptionMode, SchedulerConfig
@@ -28,6 +30,15 @@ PROMPTS = [
     list(b"short"),
     [*SHARED, *b"charlie"],
 ]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    # tiny tensors gain nothing from threads, and OpenMP threads on a shared CPU slow down ~4x
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

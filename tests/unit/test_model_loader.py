@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,15 @@ from worker_svc.engine.errors import ModelLoadError
 from worker_svc.engine.loader import load_model
 from worker_svc.engine.model import reference_forward
 from worker_svc.engine.presets import PRESETS, random_weights, write_preset
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    # tiny tensors gain nothing from threads, and OpenMP threads on a shared CPU slow down ~4x
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")
