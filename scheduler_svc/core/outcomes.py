@@ -19,6 +19,7 @@ from scheduler_svc.core.block_pool import BlockPool
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.policies import WaitingQueue
 from scheduler_svc.core.request import Request
+from scheduler_svc.core.round import InFlightRound
 from scheduler_svc.core.state import Input, apply
 from scheduler_svc.core.types import (
     CoreEvents,
@@ -42,21 +43,6 @@ _QUEUE_DEADLINE = 0
 _TOTAL_DEADLINE = 1
 TERMINAL_MEMORY = 65536
 """How many finished request ids `cancel` and `request_status` still recognise."""
-
-
-class InFlightRound:
-    """The bookkeeping of one planned round until its result arrives."""
-
-    __slots__ = ("round_id", "entries", "swapping", "host_release")
-
-    def __init__(self, round_id: int) -> None:
-        self.round_id = round_id
-        self.entries: list[tuple[Request, int, bool, bool]] = []
-        """(request, tokens computed, sample, is a decode) per scheduled sequence."""
-        self.swapping: list[Request] = []
-        """Swap-out victims whose device blocks are pinned until the copy is done."""
-        self.host_release: list[int] = []
-        """Host blocks read by this round's swap-ins, free once it is done."""
 
 
 class _Outcomes:

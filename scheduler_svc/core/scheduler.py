@@ -14,16 +14,15 @@ table only when it crosses a block boundary.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable
 
 from scheduler_svc.core.block_pool import BlockPool
 from scheduler_svc.core.config import PreemptionMode, SchedulerConfig
-from scheduler_svc.core.outcomes import _QUEUE_DEADLINE, _TOTAL_DEADLINE, InFlightRound, _Outcomes
+from scheduler_svc.core.outcomes import _QUEUE_DEADLINE, _TOTAL_DEADLINE, _Outcomes
 from scheduler_svc.core.policies import make_queue
 from scheduler_svc.core.request import Request
+from scheduler_svc.core.round import RoundBuilder, new_scheduled_seq
 from scheduler_svc.core.state import Input, apply
 from scheduler_svc.core.types import (
     BlockCopy,
@@ -35,84 +34,9 @@ from scheduler_svc.core.types import (
     RequestStatus,
     RoundBudget,
     RoundPlan,
-    ScheduledSeq,
     Stage,
 )
 from sluice.hashing import salt_of
-
-_SEQ_FIELDS = (
-    "request_id",
-    "epoch",
-    "token_ids",
-    "start_position",
-    "block_table",
-    "sampling",
-    "sample",
-    "output_index",
-    "recent_output_ids",
-)
-
-
-def _make_seq_builder() -> Callable[..., ScheduledSeq]:
-    """Return a positional ScheduledSeq constructor that writes the slots directly.
-
-    Why: a frozen dataclass's __init__ goes through object.__setattr__ per field; writing the
-    slots through their descriptors builds an identical object in about half the time, and this
-    runs once per sequence per round. Falls back to the class itself if the contract's fields change.
-    """
-    if tuple(f.name for f in dataclasses.fields(ScheduledSeq)) != _SEQ_FIELDS:
-        return ScheduledSeq
-    setters = [getattr(ScheduledSeq, name).__set__ for name in _SEQ_FIELDS]
-    s0, s1, s2, s3, s4, s5, s6, s7, s8 = setters
-    new = object.__new__
-
-    def build(rid, epoch, token_ids, start, table, sampling, sample, index, recent):  # type: ignore[no-untyped-def]
-        seq = new(ScheduledSeq)
-        s0(seq, rid)
-        s1(seq, epoch)
-        s2(seq, token_ids)
-        s3(seq, start)
-        s4(seq, table)
-        s5(seq, sampling)
-        s6(seq, sample)
-        s7(seq, index)
-        s8(seq, recent)
-        return seq
-
-    return build
-
-
-new_scheduled_seq = _make_seq_builder()
-
-
-class _Round:
-    """Budgets and products of the round being built."""
-
-    __slots__ = (
-        "record",
-        "seqs",
-        "swap_out",
-        "swap_in",
-        "tokens_left",
-        "seqs_left",
-        "kv_left",
-        "prefill_tokens",
-        "decode_tokens",
-        "preempted",
-    )
-
-    def __init__(self, round_id: int, config: SchedulerConfig) -> None:
-        self.record = InFlightRound(round_id)
-        self.seqs: list[ScheduledSeq] = []
-        self.swap_out: list[BlockCopy] = []
-        self.swap_in: list[BlockCopy] = []
-        self.tokens_left = config.max_num_batched_tokens
-        self.seqs_left = config.max_num_seqs
-        # Without a cap, a bound no round can reach keeps the arithmetic branch-free.
-        self.kv_left = config.max_kv_read_tokens if config.max_kv_read_tokens is not None else 1 << 62
-        self.prefill_tokens = 0
-        self.decode_tokens = 0
-        self.preempted = False
 
 
 class SchedulerCore(_Outcomes):
@@ -213,13 +137,13 @@ class SchedulerCore(_Outcomes):
         """
         round_id = self._next_round_id
         self._next_round_id += 1
-        rnd = _Round(round_id, self.config)
+        rnd = RoundBuilder(round_id, self.config)
         self._schedule_running(rnd, now)
         if not rnd.preempted:
             self._schedule_waiting(rnd, now)
         return self._seal(rnd, now)
 
-    def _schedule_running(self, rnd: _Round, now: float) -> None:
+    def _schedule_running(self, rnd: RoundBuilder, now: float) -> None:
         """Place running requests in start order; plain decodes take an inlined fast path.
 
         A plain decode (one known token beyond the computed prefix, no block boundary, no stop
@@ -273,7 +197,7 @@ class SchedulerCore(_Outcomes):
         rnd.tokens_left, rnd.seqs_left, rnd.kv_left = tokens_left, seqs_left, kv_left
         rnd.decode_tokens += decodes
 
-    def _grow(self, request: Request, end: int, rnd: _Round, now: float) -> bool:
+    def _grow(self, request: Request, end: int, rnd: RoundBuilder, now: float) -> bool:
         """Give `request` blocks up to position `end`, preempting others; False if it was preempted."""
         need = -(-end // self._block_size) - len(request.block_ids)
         while True:
@@ -304,7 +228,7 @@ class SchedulerCore(_Outcomes):
                 victim, victim_rank = request, rank
         return victim
 
-    def _preempt(self, victim: Request, rnd: _Round, now: float) -> None:
+    def _preempt(self, victim: Request, rnd: RoundBuilder, now: float) -> None:
         """Take `victim` off the device: swap its blocks to host if there is room, else recompute."""
         rnd.preempted = True
         if victim.in_flight_round == rnd.record.round_id:
@@ -334,7 +258,7 @@ class SchedulerCore(_Outcomes):
             self._enqueue(victim)
         self._event(victim, Stage.PREEMPTED, now, (("mode", "swap" if swap else "recompute"),))
 
-    def _schedule_waiting(self, rnd: _Round, now: float) -> None:
+    def _schedule_waiting(self, rnd: RoundBuilder, now: float) -> None:
         queue = self._queue
         while rnd.seqs_left and rnd.tokens_left:
             request = queue.peek()
@@ -344,7 +268,7 @@ class SchedulerCore(_Outcomes):
             if not admitted:
                 return
 
-    def _admit(self, request: Request, rnd: _Round, now: float) -> bool:
+    def _admit(self, request: Request, rnd: RoundBuilder, now: float) -> bool:
         """Place the head of the queue (first schedule or recompute resume) if it fits."""
         size, pool = self._block_size, self.pool
         hits: list[int] = []
@@ -377,7 +301,7 @@ class SchedulerCore(_Outcomes):
         self._place(request, start, num, rnd, now)
         return True
 
-    def _resume_swapped(self, request: Request, rnd: _Round, now: float) -> bool:
+    def _resume_swapped(self, request: Request, rnd: RoundBuilder, now: float) -> bool:
         """Bring a swapped-out request back: device blocks, swap-in copies, then its next chunk."""
         start = request.num_computed
         num = min(len(request.tokens) - start, self.config.max_prefill_chunk, rnd.tokens_left, rnd.kv_left - start)
@@ -400,7 +324,7 @@ class SchedulerCore(_Outcomes):
         apply(request, Input.SCHEDULE)
         self._running[request.request_id] = request
 
-    def _place(self, request: Request, start: int, num: int, rnd: _Round, now: float) -> None:
+    def _place(self, request: Request, start: int, num: int, rnd: RoundBuilder, now: float) -> None:
         """Add `num` tokens of `request` from position `start` to the round."""
         tokens = request.tokens
         end = start + num
@@ -431,7 +355,7 @@ class SchedulerCore(_Outcomes):
         else:
             rnd.prefill_tokens += num
 
-    def _unplace(self, request: Request, rnd: _Round) -> None:
+    def _unplace(self, request: Request, rnd: RoundBuilder) -> None:
         """Take a request placed earlier in this round back out (it is being preempted)."""
         entries = rnd.record.entries
         index = next(i for i in range(len(entries) - 1, -1, -1) if entries[i][0] is request)
@@ -446,7 +370,7 @@ class SchedulerCore(_Outcomes):
         else:
             rnd.prefill_tokens -= num
 
-    def _seal(self, rnd: _Round, now: float) -> RoundPlan:
+    def _seal(self, rnd: RoundBuilder, now: float) -> RoundPlan:
         config = self.config
         if rnd.prefill_tokens:
             self._note_prefill_chunks(rnd, now)
@@ -467,7 +391,7 @@ class SchedulerCore(_Outcomes):
             self._rounds += 1
         return plan
 
-    def _note_prefill_chunks(self, rnd: _Round, now: float) -> None:
+    def _note_prefill_chunks(self, rnd: RoundBuilder, now: float) -> None:
         # Emitted when the round is sealed, so a chunk taken back by a preemption never shows up.
         account = self._account
         for seq, (request, num, _, decode) in zip(rnd.seqs, rnd.record.entries, strict=True):

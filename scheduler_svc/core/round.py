@@ -1,0 +1,100 @@
+"""Records of a round: the one being built (`RoundBuilder`) and one in flight (`InFlightRound`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.request import Request
+from scheduler_svc.core.types import BlockCopy, ScheduledSeq
+
+
+class InFlightRound:
+    """The bookkeeping of one planned round until its result arrives."""
+
+    __slots__ = ("round_id", "entries", "swapping", "host_release")
+
+    def __init__(self, round_id: int) -> None:
+        self.round_id = round_id
+        self.entries: list[tuple[Request, int, bool, bool]] = []
+        """(request, tokens computed, sample, is a decode) per scheduled sequence."""
+        self.swapping: list[Request] = []
+        """Swap-out victims whose device blocks are pinned until the copy is done."""
+        self.host_release: list[int] = []
+        """Host blocks read by this round's swap-ins, free once it is done."""
+
+
+_SEQ_FIELDS = (
+    "request_id",
+    "epoch",
+    "token_ids",
+    "start_position",
+    "block_table",
+    "sampling",
+    "sample",
+    "output_index",
+    "recent_output_ids",
+)
+
+
+def _make_seq_builder() -> Callable[..., ScheduledSeq]:
+    """Return a positional ScheduledSeq constructor that writes the slots directly.
+
+    Why: a frozen dataclass's __init__ goes through object.__setattr__ per field; writing the
+    slots through their descriptors builds an identical object in about half the time, and this
+    runs once per sequence per round. Falls back to the class itself if the contract's fields change.
+    """
+    if tuple(f.name for f in dataclasses.fields(ScheduledSeq)) != _SEQ_FIELDS:
+        return ScheduledSeq
+    setters = [getattr(ScheduledSeq, name).__set__ for name in _SEQ_FIELDS]
+    s0, s1, s2, s3, s4, s5, s6, s7, s8 = setters
+    new = object.__new__
+
+    def build(rid, epoch, token_ids, start, table, sampling, sample, index, recent):  # type: ignore[no-untyped-def]
+        seq = new(ScheduledSeq)
+        s0(seq, rid)
+        s1(seq, epoch)
+        s2(seq, token_ids)
+        s3(seq, start)
+        s4(seq, table)
+        s5(seq, sampling)
+        s6(seq, sample)
+        s7(seq, index)
+        s8(seq, recent)
+        return seq
+
+    return build
+
+
+new_scheduled_seq = _make_seq_builder()
+
+
+class RoundBuilder:
+    """Budgets and products of the round being built."""
+
+    __slots__ = (
+        "record",
+        "seqs",
+        "swap_out",
+        "swap_in",
+        "tokens_left",
+        "seqs_left",
+        "kv_left",
+        "prefill_tokens",
+        "decode_tokens",
+        "preempted",
+    )
+
+    def __init__(self, round_id: int, config: SchedulerConfig) -> None:
+        self.record = InFlightRound(round_id)
+        self.seqs: list[ScheduledSeq] = []
+        self.swap_out: list[BlockCopy] = []
+        self.swap_in: list[BlockCopy] = []
+        self.tokens_left = config.max_num_batched_tokens
+        self.seqs_left = config.max_num_seqs
+        # Without a cap, a bound no round can reach keeps the arithmetic branch-free.
+        self.kv_left = config.max_kv_read_tokens if config.max_kv_read_tokens is not None else 1 << 62
+        self.prefill_tokens = 0
+        self.decode_tokens = 0
+        self.preempted = False
