@@ -6,17 +6,21 @@ CPU, tiny preset, float32. Logit tolerance: atol 1e-4 (float32 sums in a differe
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from scheduler_svc.core.types import RoundPlan, SamplingParams, ScheduledSeq
+from worker_svc.engine.kv_cache import bytes_per_block
 from worker_svc.engine.manual import ManualPlanner, ManualSeq, reference_greedy
 from worker_svc.engine.model import reference_forward
-from worker_svc.engine.presets import write_preset
+from worker_svc.engine.presets import PRESETS, random_weights, write_preset
 from worker_svc.torch_backend import TorchBackend
 
 BLOCK_SIZE = 4
@@ -274,3 +278,35 @@ def test_warm_up_leaves_the_cache_clear_and_info_describes_the_worker(backend: T
         32,
     )
     assert (info.vocab_size, info.eos_token_id, info.device, info.dtype) == (258, 257, "cpu", "float32")
+
+
+def test_padded_vocabulary_ids_are_never_sampled(tmp_path: Path) -> None:
+    """Ids past the tokenizer's vocabulary (a padded embedding) are not sampled even when their logits are the largest."""
+    config = dataclasses.replace(PRESETS["tiny"], vocab_size=300)
+    write_preset(tmp_path, "tiny")
+    (tmp_path / "config.json").write_text(json.dumps(config.to_hf_dict()))
+    weights = random_weights(config, 0)
+    weights["lm_head.weight"][258:] = 10.0 * weights["lm_head.weight"][:42]  # padding rows dominate
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    backend = TorchBackend(tmp_path, device="cpu", dtype="float32", block_size=BLOCK_SIZE, num_blocks=32)
+    assert reference_forward(backend.model, torch.tensor(PROMPTS["mid"]))[-1].argmax() >= 258
+    planner = ManualPlanner(backend, BLOCK_SIZE, 32)
+    seqs = [
+        planner.add("g", PROMPTS["mid"]),
+        planner.add("t", PROMPTS["long"], SamplingParams(temperature=2.0)),
+    ]
+    planner.generate(seqs, 6)
+    assert all(token < 258 for seq in seqs for token in seq.output)
+
+
+def test_kv_budget_in_bytes_sets_the_block_count(model_dir: Path) -> None:
+    """kv_memory_bytes is turned into as many blocks as fit; a budget smaller than one block is refused."""
+    per_block = bytes_per_block(PRESETS["tiny"], BLOCK_SIZE, torch.float32)
+    backend = TorchBackend(
+        model_dir, device="cpu", dtype="float32", block_size=BLOCK_SIZE, kv_memory_bytes=10 * per_block + 1
+    )
+    assert backend.info().num_blocks == 10 and backend.cache.key[0].shape == (10, BLOCK_SIZE, 2, 32)
+    with pytest.raises(ValueError, match="holds no block"):
+        TorchBackend(
+            model_dir, device="cpu", dtype="float32", block_size=BLOCK_SIZE, kv_memory_bytes=per_block - 1
+        )
