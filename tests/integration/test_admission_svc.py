@@ -20,7 +20,7 @@ from admission_svc.__main__ import admission_config
 from admission_svc.convert import load_model_spec
 from admission_svc.core import AdmissionCore
 from admission_svc.server import AdmissionServicer
-from admission_svc.streams import token_reader_loop
+from admission_svc.streams import RequestStream, token_reader_loop
 from sluice import client as sdk
 from sluice.bus import Bus
 from sluice.config import Budgets, ServiceConfig, TenantConfig
@@ -280,3 +280,32 @@ def test_restarted_consumer_claims_pending_completion(tmp_path: Path, redis_url:
         assert released
 
     run(tmp_path, redis_url, namespace, body, consume=False)
+
+
+def test_request_stream_drops_duplicates_and_waits_for_overtaken_tokens() -> None:
+    """Repeated deltas are dropped by index, and a completion that overtakes its last tokens waits for them."""
+    async def body() -> tuple[list[int], int, bool]:
+        stream = RequestStream("r")
+        stream.add_tokens(0, [1, 2], 0.0)
+        stream.add_tokens(0, [1, 2, 3], 0.0)  # a redelivery that also carries one new token
+        stream.set_completion(events_pb2.Completion(request_id="r", usage=common_pb2.Usage(output_tokens=4)))
+        early = stream.complete_if_ready()
+        stream.add_tokens(3, [4], 0.0)
+        stream.complete_if_ready()
+        items = [item async for item in stream.follow()]
+        return [t for item in items for t in item.tokens], stream.duplicates, early
+
+    tokens, duplicates, early = asyncio.run(body())
+    assert tokens == [1, 2, 3, 4] and duplicates == 2 and early is False
+
+
+def test_detokenizer_holds_back_split_utf8() -> None:
+    """Incremental text never shows half a UTF-8 character and concatenates to the full text."""
+    from admission_svc.convert import Detokenizer
+    from worker_svc.engine.tokenizer import TextTokenizer
+
+    tokenizer = TextTokenizer(build_byte_tokenizer())
+    ids = tokenizer.encode("héllo €!")
+    detokenizer = Detokenizer(tokenizer)
+    pieces = [detokenizer.push([token]) for token in ids]
+    assert "".join(pieces) == "héllo €!" and all("\ufffd" not in p for p in pieces)
