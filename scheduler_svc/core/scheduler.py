@@ -60,6 +60,7 @@ class SchedulerCore(_Outcomes):
         self._in_flight = {}
         self._host_free = list(range(config.num_host_blocks - 1, -1, -1))
         self._deadlines = []
+        self._deadlines_compact_at = 1024
         self._terminal = OrderedDict()
         self._outbox = CoreEvents()
         self._counts = {}
@@ -126,7 +127,14 @@ class SchedulerCore(_Outcomes):
             raise reject(RejectReason.QUEUE_FULL, f"{len(self._queue)} waiting, max_waiting {config.max_waiting}")
 
     def _push_deadline(self, when: float, kind: int, request: Request) -> None:
-        heapq.heappush(self._deadlines, (when, request.arrival_seq * 2 + kind, kind, request))
+        heap = self._deadlines
+        if len(heap) >= self._deadlines_compact_at:
+            # Lazy deletion leaves entries of ended requests behind; drop them in O(n) once the
+            # heap has doubled, so the amortised cost per submission stays O(log n).
+            heap[:] = [entry for entry in heap if self._deadline_live(entry[2], entry[3])]
+            heapq.heapify(heap)
+            self._deadlines_compact_at = max(1024, 2 * len(heap))
+        heapq.heappush(heap, (when, request.arrival_seq * 2 + kind, kind, request))
 
     # ---- rounds ----------------------------------------------------------------------------
     def schedule(self, now: float) -> RoundPlan:

@@ -262,3 +262,12 @@ def test_prefix_cache_hit_skips_whole_cached_blocks_but_computes_the_last_token(
     (seq,) = plan.seqs
     assert (seq.start_position, len(seq.token_ids)) == (16, 16)
     assert core.stats().prefix_hit_tokens == 16 and core.stats().prefix_query_tokens == 64
+
+
+def test_deadline_heap_drops_entries_of_ended_requests() -> None:
+    """Deadlines of requests that already ended are compacted away instead of piling up."""
+    core = make_core()
+    for i in range(3000):
+        core.submit(make_request(f"r{i}", deadline=1e9, queue_deadline=1e9), 0.0)
+        core.cancel(f"r{i}", 0.0)
+    assert len(core._deadlines) < 1100 and core.next_deadline() is None
