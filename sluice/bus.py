@@ -150,7 +150,9 @@ class Bus:
                                                  count=count, block=block_ms)
             for _key, entries in reply or []:
                 await consumer_state.handle_entries(entries)
-            await consumer_state.retry_failed()
+            if consumer_state.failures:
+                # Failed entries stay in our pending list: hand them to the handler again.
+                await consumer_state.drain_own_pending(count)
 
     async def read_stream(self, stream: str, last_id: str, *, count: int = 512,
                           block_ms: int = 200) -> list[tuple[str, bytes, dict[str, str]]]:
@@ -169,7 +171,11 @@ class Bus:
 
 
 class _ConsumerState:
-    """One `consume` loop's bookkeeping: handling, acknowledging, failures and dead-lettering."""
+    """One `consume` loop's bookkeeping: handling, acknowledging, failures and dead-lettering.
+
+    The consumer's own pending list in Redis is the one record of unfinished work: failed entries stay
+    there and are re-read from it, and entries claimed from dead consumers are moved there first.
+    """
 
     def __init__(self, bus: Bus, stream: str, group: str, consumer: str, handler: Handler,
                  max_attempts: int) -> None:
@@ -181,10 +187,9 @@ class _ConsumerState:
         self.handler = handler
         self.max_attempts = max_attempts
         self.failures: dict[str, int] = {}
-        self.retry: list[tuple[Any, dict[Any, Any] | None]] = []
 
     async def drain_own_pending(self, count: int) -> None:
-        """Handle entries delivered earlier to this consumer name but never acknowledged."""
+        """Handle every entry delivered to this consumer name but not yet acknowledged, once each."""
         last = "0"
         while True:
             reply = await self.bus.client.xreadgroup(self.group, self.consumer, {self.key: last}, count=count)
@@ -195,36 +200,34 @@ class _ConsumerState:
             await self.handle_entries(entries)
 
     async def autoclaim(self, min_idle_ms: int, count: int) -> None:
-        """Take over entries idle in other consumers' pending lists for longer than min_idle_ms and handle them."""
-        start = "0-0"
-        while True:
-            reply = await self.bus.client.xautoclaim(self.key, self.group, self.consumer, min_idle_ms,
-                                                     start_id=start, count=count)
-            start, entries = _str(reply[0]), reply[1]
-            if entries:
-                log.info("claimed %d idle entries of %s for %s", len(entries), self.key, self.consumer)
-                await self.handle_entries(entries)
-            if start == "0-0" or not entries:
-                return
+        """Move entries idle in other consumers' pending lists for over min_idle_ms to ours, then handle them.
+
+        JUSTID, then a read of our own pending list: Redis 6.2 reports a claimed entry that was trimmed
+        meanwhile without its id, while our pending list still names it (and it can be acknowledged).
+        """
+        claimed = 0
+        for _ in range(64):  # bounded: min_idle_ms 0 would let us claim our own fresh claims forever
+            # redis-py returns only the ids under JUSTID (no cursor), so each pass scans from the start;
+            # what we claimed is now ours and not idle, so the next pass moves on to the rest.
+            ids = await self.bus.client.xautoclaim(self.key, self.group, self.consumer, min_idle_ms,
+                                                   start_id="0-0", count=count, justid=True)
+            claimed += len(ids)
+            if len(ids) < count:
+                break
+        if claimed:
+            log.info("claimed %d idle entries of %s for %s", claimed, self.key, self.consumer)
+            await self.drain_own_pending(count)
 
     async def handle_entries(self, entries: Sequence[tuple[Any, dict[Any, Any] | None]]) -> None:
         """Run the handler on each entry in order; acknowledge each one whose handler returned."""
         for entry_id, fields in entries:
-            await self._handle_one(entry_id, fields)
+            await self._handle_one(_str(entry_id), fields)
 
-    async def retry_failed(self) -> None:
-        """Retry, once per loop turn, entries whose handler raised (until max_attempts)."""
-        retry, self.retry = self.retry, []
-        for entry_id, fields in retry:
-            await self._handle_one(entry_id, fields)
-
-    async def _handle_one(self, raw_id: Any, fields: dict[Any, Any] | None) -> None:
-        entry_id = _str(raw_id) if raw_id is not None else ""
-        if raw_id is None or fields is None:
-            # Redis 6.2 XAUTOCLAIM reports an entry trimmed away while pending as (id, nil).
-            log.warning("pending entry of %s was trimmed before it was handled", self.key)
-            if raw_id is not None:
-                await self.bus.client.xack(self.key, self.group, raw_id)
+    async def _handle_one(self, entry_id: str, fields: dict[Any, Any] | None) -> None:
+        if not fields:
+            # A pending entry trimmed away (MAXLEN) before anyone handled it: nothing left to handle.
+            log.warning("pending entry %s of %s was trimmed before it was handled", entry_id, self.key)
+            await self.bus.client.xack(self.key, self.group, entry_id)
             return
         payload = fields.get(PAYLOAD_FIELD.encode())
         if payload is None:
@@ -239,8 +242,6 @@ class _ConsumerState:
                           self.max_attempts)
             if attempts >= self.max_attempts:
                 await self._dead_letter(entry_id, fields, repr(exc))
-            else:
-                self.retry.append((raw_id, fields))
             return
         self.failures.pop(entry_id, None)
         await self.bus.client.xack(self.key, self.group, entry_id)

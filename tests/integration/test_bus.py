@@ -116,6 +116,26 @@ def test_entries_of_a_killed_consumer_are_claimed_and_handled_once(redis_url: st
     asyncio.run(body())
 
 
+def test_claimed_entries_trimmed_away_are_acknowledged_not_handled(redis_url: str, namespace: str) -> None:
+    """Entries a dead consumer read and that trimming removed before anyone handled them are claimed,
+    acknowledged (the pending list empties) and not passed to the handler; later entries still are."""
+    async def body() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        bus = Bus(client, namespace)
+        await bus.ensure_group("completions", "g")
+        for i in range(5):
+            await bus.publish_completion(events_pb2.Completion(request_id=f"old-{i}"))
+        await client.xreadgroup("g", "dead", {bus.key("completions"): ">"}, count=5)  # read, never acked
+        await client.xtrim(bus.key("completions"), maxlen=0, approximate=False)
+        await bus.publish_completion(events_pb2.Completion(request_id="new"))
+        await asyncio.sleep(0.06)
+        seen = await _consume_until(bus, "completions", "g", "survivor", 1, claim_idle_ms=50)
+        assert [events_pb2.Completion.FromString(p).request_id for _, p in seen] == ["new"]
+        assert (await client.xpending(bus.key("completions"), "g"))["pending"] == 0
+        await client.aclose()
+    asyncio.run(body())
+
+
 def test_publishing_trims_the_stream_approximately(redis_url: str, namespace: str) -> None:
     """Publishing far more than maxlen entries keeps the stream bounded, and never below maxlen."""
     async def body() -> None:
