@@ -100,28 +100,48 @@ def build_core(running: int, waiting: int, rounds: int, pairs: list[tuple[int, i
 
 
 def measure(core: SchedulerCore, rounds: int) -> dict[str, float]:
-    """Time `rounds` decode-only rounds; return median/p99 of schedule, result and both (µs)."""
+    """Time `rounds` decode-only rounds; return median/p99 of schedule, result and both (µs).
+
+    Also counts the garbage collector's full (generation 2) collections during the rounds and the
+    longest one: they walk every object of the process and are what the p99 mostly is.
+    """
     sched_ns, result_ns, total_ns = [], [], []
     clock = time.process_time_ns
+    full_ms: list[float] = []
+    started = [0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if info["generation"] == 2:
+            if phase == "start":
+                started[0] = time.perf_counter_ns()
+            else:
+                full_ms.append((time.perf_counter_ns() - started[0]) / 1e6)
+
     gc.collect()
-    for i in range(rounds):
-        now = 1.0 + i * 0.01
-        t0 = clock()
-        plan = core.schedule(now)
-        t1 = clock()
-        result = _answer(plan)
-        t2 = clock()
-        core.on_round_result(result, now)
-        t3 = clock()
-        assert plan.budget is not None and plan.budget.num_prefill_tokens == 0, "decode-only rounds"
-        sched_ns.append(t1 - t0)
-        result_ns.append(t3 - t2)
-        total_ns.append(t1 - t0 + t3 - t2)
+    gc.callbacks.append(on_gc)
+    try:
+        for i in range(rounds):
+            now = 1.0 + i * 0.01
+            t0 = clock()
+            plan = core.schedule(now)
+            t1 = clock()
+            result = _answer(plan)
+            t2 = clock()
+            core.on_round_result(result, now)
+            t3 = clock()
+            assert plan.budget is not None and plan.budget.num_prefill_tokens == 0, "decode-only rounds"
+            sched_ns.append(t1 - t0)
+            result_ns.append(t3 - t2)
+            total_ns.append(t1 - t0 + t3 - t2)
+    finally:
+        gc.callbacks.remove(on_gc)
     return {
         "median_us": statistics.median(total_ns) / 1000,
         "p99_us": _p99(total_ns) / 1000,
         "schedule_median_us": statistics.median(sched_ns) / 1000,
         "result_median_us": statistics.median(result_ns) / 1000,
+        "gc_full_collections": len(full_ms),
+        "gc_full_max_ms": max(full_ms, default=0.0),
     }
 
 

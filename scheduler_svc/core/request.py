@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from array import array
+
 from scheduler_svc.core.types import NewRequest, RequestStatus, SamplingParams, Usage
 
 
@@ -57,7 +59,9 @@ class Request:
         self.stop_tail = (
             max(len(s.encode()) for s in sampling.stop_strings) + 1 if sampling.stop_strings else 0
         )
-        self.tokens: list[int] = list(new.prompt_token_ids)
+        # An array, not a list: the garbage collector does not walk it (see block_pool.py).
+        # Raises OverflowError/TypeError for ids that are not 64-bit integers.
+        self.tokens = array("q", new.prompt_token_ids)
         self.num_prompt = len(self.tokens)
         self.num_computed = 0
         self.block_ids: list[int] = []

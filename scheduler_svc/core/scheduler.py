@@ -80,8 +80,13 @@ class SchedulerCore(_Outcomes):
     def submit(self, request: NewRequest, now: float) -> None:
         """Queue a new request. Raises RequestRejected (and changes nothing) when it is refused."""
         self._check_admissible(request)
+        try:
+            live = Request(request, self._next_arrival_seq + 1)
+        except (OverflowError, TypeError) as error:
+            raise RequestRejected(
+                request.request_id, RejectReason.INVALID, f"token ids must be 64-bit integers: {error}"
+            ) from None
         self._next_arrival_seq += 1
-        live = Request(request, self._next_arrival_seq)
         self._live[live.request_id] = live
         self._enqueue(live)
         if request.queue_deadline is not None:
