@@ -36,6 +36,16 @@ def test_rejected_submission_changes_nothing(request_kwargs: dict, reason: Rejec
     assert core.take_events().lifecycle == [] and core.request_status("x") is None
 
 
+def test_token_ids_outside_64_bits_are_invalid() -> None:
+    """A prompt with a token id that is not a 64-bit integer is refused as INVALID and changes nothing."""
+    core = make_core()
+    with pytest.raises(RequestRejected) as info:
+        core.submit(make_request("x", prompt=(1, 2**70)), 0.0)
+    assert info.value.reason is RejectReason.INVALID and "64-bit" in info.value.detail
+    assert not core.has_unfinished() and core.take_events().lifecycle == []
+    core.submit(make_request("x"), 0.0)
+
+
 def test_queue_full_and_duplicate_are_rejected() -> None:
     """A full waiting queue gives QUEUE_FULL and a live id gives DUPLICATE; the queue is unchanged."""
     core = make_core(max_waiting=2)
