@@ -11,16 +11,16 @@ __all__ = [
     "spec_from_proto", "state_from_proto", "state_to_proto",
 ]
 
-_STATE_TO_PROTO = {
+_STATE_TO_PROTO: dict[ReplicaState, router_pb2.ReplicaState] = {
     ReplicaState.WARMING: router_pb2.WARMING,
     ReplicaState.READY: router_pb2.READY,
     ReplicaState.DRAINING: router_pb2.DRAINING,
     ReplicaState.GONE: router_pb2.GONE,
 }
-_STATE_FROM_PROTO = {v: k for k, v in _STATE_TO_PROTO.items()}
+_STATE_FROM_PROTO: dict[int, ReplicaState] = {int(v): k for k, v in _STATE_TO_PROTO.items()}
 
 
-def state_to_proto(state: ReplicaState | None) -> int:
+def state_to_proto(state: ReplicaState | None) -> router_pb2.ReplicaState:
     """Return the wire ReplicaState (None, an unknown replica, is GONE)."""
     return _STATE_TO_PROTO[state] if state is not None else router_pb2.GONE
 

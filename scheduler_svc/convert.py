@@ -17,10 +17,12 @@ __all__ = [
     "token_deltas",
 ]
 
-_STATUS = {status: common_pb2.RequestStatus.Value(status.name) for status in RequestStatus}
+_STATUS: dict[RequestStatus, common_pb2.RequestStatus] = {
+    status: common_pb2.RequestStatus.Value(status.name) for status in RequestStatus
+}
 
 
-def status_to_proto(status: RequestStatus | None) -> int:
+def status_to_proto(status: RequestStatus | None) -> common_pb2.RequestStatus:
     """Return the wire RequestStatus (UNSPECIFIED for None, an unknown request)."""
     return _STATUS[status] if status is not None else common_pb2.REQUEST_STATUS_UNSPECIFIED
 

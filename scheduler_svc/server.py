@@ -92,7 +92,7 @@ class ReplicaAgent:
     router: router_pb2_grpc.RouterServiceStub
     replica: router_pb2.Replica
     heartbeat_interval_s: float = 1.0
-    state: int = router_pb2.WARMING
+    state: router_pb2.ReplicaState = router_pb2.WARMING
 
     def load(self) -> router_pb2.ReplicaLoad:
         """Return the replica's current load for a heartbeat."""

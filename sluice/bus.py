@@ -41,6 +41,15 @@ def _str(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def _entries_of(reply: Any) -> list[tuple[Any, Any]]:
+    """Return the (id, fields) entries of an XREAD/XREADGROUP reply, in order, whichever protocol shaped it
+    (RESP2: [[stream, entries], ...]; RESP3: {stream: entries})."""
+    if not reply:
+        return []
+    groups = reply.values() if isinstance(reply, dict) else (item[1] for item in reply)
+    return [entry for entries in groups for entry in entries or ()]
+
+
 def _trace_fields(fields: dict[Any, Any]) -> dict[str, str]:
     out: dict[str, str] = {}
     for key, value in fields.items():
@@ -74,8 +83,8 @@ class Bus:
         """Return the logical stream name of the token deltas for admission process `owner`."""
         return f"tokens:{owner}"
 
-    def _entry(self, payload: bytes, context: Context | None) -> dict[str, bytes | str]:
-        fields: dict[str, bytes | str] = {PAYLOAD_FIELD: payload}
+    def _entry(self, payload: bytes, context: Context | None) -> dict[Any, Any]:
+        fields: dict[Any, Any] = {PAYLOAD_FIELD: payload}
         fields.update(inject_fields(context))
         return fields
 
@@ -111,7 +120,7 @@ class Bus:
         shared = inject_fields(context) if trace_fields is None else None
         async with self.client.pipeline(transaction=False) as pipe:
             for i, delta in enumerate(deltas):
-                fields: dict[str, bytes | str] = {PAYLOAD_FIELD: delta.SerializeToString()}
+                fields: dict[Any, Any] = {PAYLOAD_FIELD: delta.SerializeToString()}
                 fields.update(shared if shared is not None else trace_fields[i])  # type: ignore[index]
                 pipe.xadd(key, fields, maxlen=self.maxlen, approximate=True)
             await pipe.execute()
@@ -148,8 +157,7 @@ class Bus:
                 next_claim = loop.time() + claim_every_s
             reply = await self.client.xreadgroup(group, consumer, {self.key(stream): ">"},
                                                  count=count, block=block_ms)
-            for _key, entries in reply or []:
-                await consumer_state.handle_entries(entries)
+            await consumer_state.handle_entries(_entries_of(reply))
             if consumer_state.failures:
                 # Failed entries stay in our pending list: hand them to the handler again.
                 await consumer_state.drain_own_pending(count)
@@ -160,13 +168,12 @@ class Bus:
 
         Entries without a payload are returned with b"" so that the caller sees and reports them.
         """
-        reply = await self.client.xread({self.key(stream): last_id}, count=count, block=block_ms)
+        reply: Any = await self.client.xread({self.key(stream): last_id}, count=count, block=block_ms)
         out: list[tuple[str, bytes, dict[str, str]]] = []
-        for _key, entries in reply or []:
-            for entry_id, fields in entries:
-                fields = fields or {}
-                payload = fields.get(PAYLOAD_FIELD.encode(), fields.get(PAYLOAD_FIELD, b""))
-                out.append((_str(entry_id), bytes(payload), _trace_fields(fields)))
+        for entry_id, raw_fields in _entries_of(reply):
+            fields: dict[Any, Any] = raw_fields or {}
+            payload = fields.get(PAYLOAD_FIELD.encode(), fields.get(PAYLOAD_FIELD, b""))
+            out.append((_str(entry_id), bytes(payload), _trace_fields(fields)))
         return out
 
 
@@ -193,7 +200,7 @@ class _ConsumerState:
         last = "0"
         while True:
             reply = await self.bus.client.xreadgroup(self.group, self.consumer, {self.key: last}, count=count)
-            entries = reply[0][1] if reply else []
+            entries = _entries_of(reply)
             if not entries:
                 return
             last = _str(entries[-1][0])
@@ -209,7 +216,7 @@ class _ConsumerState:
         for _ in range(64):  # bounded: min_idle_ms 0 would let us claim our own fresh claims forever
             # redis-py returns only the ids under JUSTID (no cursor), so each pass scans from the start;
             # what we claimed is now ours and not idle, so the next pass moves on to the rest.
-            ids = await self.bus.client.xautoclaim(self.key, self.group, self.consumer, min_idle_ms,
+            ids: Any = await self.bus.client.xautoclaim(self.key, self.group, self.consumer, min_idle_ms,
                                                    start_id="0-0", count=count, justid=True)
             claimed += len(ids)
             if len(ids) < count:
@@ -218,7 +225,7 @@ class _ConsumerState:
             log.info("claimed %d idle entries of %s for %s", claimed, self.key, self.consumer)
             await self.drain_own_pending(count)
 
-    async def handle_entries(self, entries: Sequence[tuple[Any, dict[Any, Any] | None]]) -> None:
+    async def handle_entries(self, entries: Sequence[tuple[Any, Any]]) -> None:
         """Run the handler on each entry in order; acknowledge each one whose handler returned."""
         for entry_id, fields in entries:
             await self._handle_one(_str(entry_id), fields)
@@ -247,7 +254,7 @@ class _ConsumerState:
         await self.bus.client.xack(self.key, self.group, entry_id)
 
     async def _dead_letter(self, entry_id: str, fields: dict[Any, Any], error: str) -> None:
-        dead = dict(fields)
+        dead: dict[Any, Any] = dict(fields)
         dead.update({b"source_id": entry_id, b"error": error, b"group": self.group})
         await self.bus.client.xadd(self.bus.key(self.stream, "dead"), dead, maxlen=self.bus.maxlen,
                                    approximate=True)
