@@ -248,7 +248,12 @@ class SchedulerCore(_Outcomes):
             self._unplace(victim, rnd)
         del self._running[victim.request_id]
         blocks = victim.block_ids
-        swap = self._swap and len(self._host_free) >= len(blocks)
+        # Only blocks with computed KV are worth copying (one grown earlier in this round is not).
+        computed = -(-victim.num_computed // self._block_size)
+        swap = self._swap and len(self._host_free) >= computed
+        if swap and computed < len(blocks):
+            self.pool.free(reversed(blocks[computed:]))
+            blocks = blocks[:computed]
         victim.block_ids, victim.block_table, victim.num_registered = [], (), 0
         apply(victim, Input.PREEMPT)
         victim.usage.preemptions += 1
