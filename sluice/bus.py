@@ -34,6 +34,22 @@ __all__ = ["Bus", "Handler", "PAYLOAD_FIELD"]
 log = logging.getLogger(__name__)
 
 PAYLOAD_FIELD = "p"
+
+# Appends many entries to one stream in one call. Measured against a pipeline of XADDs for 256 token
+# deltas: about 1.8 ms instead of 8-13 ms, nearly all of the difference being redis-py's per-command
+# packing and reply parsing. ARGV: maxlen, then per entry the number of field pairs and the pairs.
+_XADD_MANY = """
+local i, n = 2, 0
+while i <= #ARGV do
+  local k = tonumber(ARGV[i])
+  local fields = {}
+  for j = 1, 2 * k do fields[j] = ARGV[i + j] end
+  redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', unpack(fields))
+  i = i + 1 + 2 * k
+  n = n + 1
+end
+return n
+"""
 Handler = Callable[[str, bytes, Context], Awaitable[None]]
 
 
@@ -73,6 +89,7 @@ class Bus:
         self.client = client
         self.namespace = namespace
         self.maxlen = maxlen
+        self._xadd_many = client.register_script(_XADD_MANY)
 
     def key(self, *parts: str) -> str:
         """Return the Redis key `sluice:{namespace}:{parts joined by ':'}`."""
@@ -106,7 +123,7 @@ class Bus:
     async def publish_tokens(self, owner: str, deltas: Sequence[events_pb2.TokenDelta], *,
                              context: Context | None = None,
                              trace_fields: Sequence[Mapping[str, str]] | None = None) -> None:
-        """Publish token deltas to `tokens:{owner}`, one entry each, in order, in one pipelined round trip.
+        """Publish token deltas to `tokens:{owner}`, one entry each, in order, in one round trip (a script).
 
         `trace_fields` (one mapping per delta, from `inject_fields`) gives each delta its own request's
         trace context; otherwise every entry carries `context` (default: the current one).
@@ -116,14 +133,15 @@ class Bus:
             return
         if trace_fields is not None and len(trace_fields) != len(deltas):
             raise ValueError(f"{len(trace_fields)} trace_fields for {len(deltas)} deltas")
-        key = self.key(self.tokens_stream(owner))
         shared = inject_fields(context) if trace_fields is None else None
-        async with self.client.pipeline(transaction=False) as pipe:
-            for i, delta in enumerate(deltas):
-                fields: dict[Any, Any] = {PAYLOAD_FIELD: delta.SerializeToString()}
-                fields.update(shared if shared is not None else trace_fields[i])  # type: ignore[index]
-                pipe.xadd(key, fields, maxlen=self.maxlen, approximate=True)
-            await pipe.execute()
+        args: list[Any] = [self.maxlen]
+        for i, delta in enumerate(deltas):
+            extra = shared if shared is not None else trace_fields[i]  # type: ignore[index]
+            args.append(1 + len(extra))
+            args += (PAYLOAD_FIELD, delta.SerializeToString())
+            for name, value in extra.items():
+                args += (name, value)
+        await self._xadd_many(keys=[self.key(self.tokens_stream(owner))], args=args)
 
     async def ensure_group(self, stream: str, group: str, start_id: str = "0") -> None:
         """Create consumer group `group` on `stream` (and the stream) unless it exists.
