@@ -13,6 +13,7 @@ from scheduler_svc.core.types import (
     SeqOutput,
     Stage,
 )
+from sluice.hashing import hash_chain, salt_of
 
 # ---- rejections --------------------------------------------------------------------------
 
@@ -267,6 +268,7 @@ def test_prefix_cache_hit_skips_whole_cached_blocks_but_computes_the_last_token(
     _, events = step(core, 0.0)
     stored = [e.block_hashes[0] for e in events.kv_events]
     assert len(stored) == 2 and core.kv_snapshot() == (2, tuple(stored))
+    assert stored == hash_chain(prompt, 16, salt_of("tiny")), "the router's hash chain names the same blocks"
     core.submit(make_request("b", prompt=prompt, max_tokens=1), 1.0)
     plan = core.schedule(1.0)
     (seq,) = plan.seqs
