@@ -101,6 +101,17 @@ def test_cancel_mid_stream_returns_every_kv_block(stack: Stack) -> None:
                              for s in stack.scheduler_stats()))
 
 
+def test_deadline_cancels_the_work_at_the_scheduler(stack: Stack) -> None:
+    """A call whose deadline passes mid-stream raises DeadlineExceeded and the replica stops the request and frees its blocks."""
+    before = stack.scheduler_stats()[0]
+    with _client(stack) as client, pytest.raises(sdk.DeadlineExceeded):
+        for _ in client.generate(PROMPT * 4, max_tokens=1500, ignore_eos=True, timeout=1.0):
+            pass
+    assert _wait(lambda: (s := stack.scheduler_stats()[0]).cancelled + s.timed_out
+                 > before.cancelled + before.timed_out)
+    assert _wait(lambda: all(s.kv_blocks_used == 0 and s.running == 0 for s in stack.scheduler_stats()))
+
+
 def test_over_budget_is_resource_exhausted_with_retry_delay_and_no_side_effect(stack: Stack) -> None:
     """A tenant at its active-request cap gets RESOURCE_EXHAUSTED with a retry delay, and the refused request never reaches a scheduler."""
     no_retry = sdk.RetryPolicy(max_attempts=1)
