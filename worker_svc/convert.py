@@ -73,12 +73,13 @@ def plan_from_proto(msg: worker_pb2.RoundPlan) -> RoundPlan:
 
 def plan_to_proto(plan: RoundPlan) -> worker_pb2.RoundPlan:
     """Return the wire form of a core RoundPlan (its budget is local to the scheduler and not sent)."""
-    cache: dict[int, common_pb2.SamplingParams] = {}
+    # Requests of a batch mostly share equal (frozen, hashable) sampling settings: convert each once.
+    cache: dict[SamplingParams, common_pb2.SamplingParams] = {}
     seqs = []
     for s in plan.seqs:
-        sampling = cache.get(id(s.sampling))
+        sampling = cache.get(s.sampling)
         if sampling is None:
-            sampling = cache[id(s.sampling)] = sampling_to_proto(s.sampling)
+            sampling = cache[s.sampling] = sampling_to_proto(s.sampling)
         seqs.append(worker_pb2.ScheduledSeq(
             request_id=s.request_id, epoch=s.epoch, token_ids=s.token_ids, start_position=s.start_position,
             block_table=s.block_table, sampling=sampling, sample=s.sample, output_index=s.output_index,
