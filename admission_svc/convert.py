@@ -151,7 +151,7 @@ def error_from_downstream(exc: grpc.aio.AioRpcError, what: str) -> errors.Sluice
                 field_name=got.field_name, metadata=got.metadata, retry_after_s=retry)
 
 
-def request_info(request_id: str, status: int, completion: events_pb2.Completion | None,
+def request_info(request_id: str, status: common_pb2.RequestStatus, completion: events_pb2.Completion | None,
                  replica_id: str, timestamps: common_pb2.LifecycleTimestamps) -> admission_pb2.RequestInfo:
     """Return the RequestInfo of a request (the completion's view when it has one)."""
     info = admission_pb2.RequestInfo(request_id=request_id, status=status, replica_id=replica_id)

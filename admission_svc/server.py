@@ -83,7 +83,7 @@ class Tracked:
     span: trace.Span
     received_s: float
     timestamps: common_pb2.LifecycleTimestamps = field(default_factory=common_pb2.LifecycleTimestamps)
-    status: int = common_pb2.WAITING
+    status: common_pb2.RequestStatus = common_pb2.WAITING
     replica_id: str = ""
     scheduler_address: str = ""
     completion: events_pb2.Completion | None = None
@@ -315,7 +315,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
         record.span.add_event("first_token", timestamp=_ns(record.timestamps.first_token))
         self.metrics.ttft.observe(record.timestamps.first_token - record.received_s)
 
-    async def _cancel_downstream(self, record: Tracked, cause: str) -> int:
+    async def _cancel_downstream(self, record: Tracked, cause: str) -> common_pb2.RequestStatus:
         """Ask the request's scheduler to cancel it; returns the status it reports."""
         if not record.timestamps.cancel_requested:
             record.timestamps.cancel_requested = time.time()
@@ -332,7 +332,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 return record.completion.status if record.completion else record.status
             raise convert.error_from_downstream(exc, "cancel failed at the scheduler") from None
-        return int(response.status)
+        return response.status
 
     def _spawn(self, coroutine: Any) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)

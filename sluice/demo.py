@@ -16,11 +16,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-from sluice.commands.bench import drive, fit_lengths, summarize_run
+from sluice.commands.bench import Outcome, drive, fit_lengths, summarize_run
 from sluice.report import format_table, write_json
 from sluice.stack import Stack, StackConfig
-from sluice.workload import load_workload
+from sluice.workload import WorkloadRequest, load_workload
 
 TENANTS = {"alice": "sk-demo-alice", "bob": "sk-demo-bob", "carol": "sk-demo-carol"}
 CONFIG = "\n".join(f'[tenants.{name}]\napi_keys = ["{key}"]\nweight = {1.0 if name != "alice" else 2.0}\n'
@@ -37,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def demo_requests(count: int, span_s: float) -> list[object]:
+def demo_requests(count: int, span_s: float) -> list[WorkloadRequest]:
     """Return the demo workload: Azure conversation lengths scaled down, 3 tenants, 2 priorities, 1 cancel."""
     workload = load_workload("azure-conv", max_requests=count)
     natural = max(workload.duration_s, 1e-3)
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if bad else 0
 
 
-def _print_extras(summary: dict[str, object], outcomes: list, requests: list) -> None:
+def _print_extras(summary: dict[str, Any], outcomes: list[Outcome], requests: list[WorkloadRequest]) -> None:
     lat = summary["path_latency_per_token_s"]
     assert isinstance(lat, dict)
     if lat.get("p50") is not None:
@@ -103,7 +104,7 @@ def _print_extras(summary: dict[str, object], outcomes: list, requests: list) ->
     for outcome, request in zip(outcomes, requests, strict=True):
         by_tenant[request.tenant] = by_tenant.get(request.tenant, 0) + len(outcome.token_times)
     print("output tokens by tenant: " + ", ".join(f"{t} {n}" for t, n in sorted(by_tenant.items())))
-    for name, stats in summary.get("replica_stats", {}).items():  # type: ignore[union-attr]
+    for name, stats in summary.get("replica_stats", {}).items():
         print(f"  {name}: {stats}")
 
 
