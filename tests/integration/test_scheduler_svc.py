@@ -7,6 +7,7 @@ import contextlib
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,8 @@ class Replica:
 
 @contextlib.asynccontextmanager
 async def _replica(redis_url: str, namespace: str, *, num_blocks: int = 64, emulate_time: bool = False,
-                   router_address: str = "") -> AsyncIterator[Replica]:
+                   router_address: str = "", core_overrides: dict[str, object] | None = None
+                   ) -> AsyncIterator[Replica]:
     """A cost-model worker and a scheduler replica "r1" in front of it, publishing on a real Redis."""
     worker = await start_worker_server(WorkerRuntime(lambda: CostModel("llama-3-8b", "h200"),
                                                      num_blocks=num_blocks, emulate_time=emulate_time))
@@ -45,7 +47,7 @@ async def _replica(redis_url: str, namespace: str, *, num_blocks: int = 64, emul
     bus = Bus(client, namespace)
     replica = await start_replica(replica_id="r1", worker_address=f"127.0.0.1:{worker.port}", bus=bus,
                                   router_address=router_address, heartbeat_interval_s=0.1,
-                                  core_overrides={"max_model_len": 4096})
+                                  core_overrides={"max_model_len": 4096, **(core_overrides or {})})
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{replica.port}")
     try:
         handle = Replica(replica, scheduler_pb2_grpc.SchedulerServiceStub(channel), bus, worker)
@@ -212,6 +214,28 @@ def test_replica_registers_turns_ready_and_drains_at_the_router(redis_url: str, 
         await channel.close()
         await router.stop(0)
         await client.aclose()
+    asyncio.run(body())
+
+
+def test_deadlines_time_requests_out_while_the_replica_is_busy(redis_url: str, namespace: str) -> None:
+    """A running request past its total deadline and a waiting one past its queue deadline both end
+    TIMED_OUT with finish reason "timeout", and their KV blocks are returned."""
+    async def body() -> None:
+        async with _replica(redis_url, namespace, num_blocks=256, emulate_time=True,
+                            core_overrides={"max_num_seqs": 1}) as r:
+            now = time.time()
+            running = _submit("total", max_tokens=2000)
+            running.deadline_unix_s = now + 0.3
+            queued = _submit("queued", max_tokens=4)
+            queued.queue_deadline_unix_s = now + 0.15
+            await r.stub.Submit(running)
+            await r.stub.Submit(queued)
+            done = {c.request_id: c for c in await _completions(r.bus, 2)}
+            assert {k: (c.status, c.finish_reason) for k, c in done.items()} == {
+                "total": (common_pb2.TIMED_OUT, "timeout"), "queued": (common_pb2.TIMED_OUT, "timeout")}
+            assert 0 < done["total"].usage.output_tokens < 2000 and done["queued"].usage.output_tokens == 0
+            stats = await r.stub.Stats(scheduler_pb2.StatsRequest())
+            assert (stats.timed_out, stats.kv_blocks_used) == (2, 0)
     asyncio.run(body())
 
 
