@@ -88,6 +88,8 @@ class Tracked:
     scheduler_address: str = ""
     completion: events_pb2.Completion | None = None
     ended: bool = False
+    followers: int = 0
+    """Generate calls streaming this request now (an idempotent retry is a second follower)."""
 
 
 def _api_key(metadata: Any) -> str | None:
@@ -288,6 +290,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
                       context: grpc.aio.ServicerContext) -> AsyncIterator[admission_pb2.GenerateChunk]:
         detokenizer = convert.Detokenizer(self.model.tokenizer)
         finished = False
+        record.followers += 1
         try:
             async for item in record.stream.follow():
                 if item.completion is None:
@@ -302,8 +305,9 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
                 yield convert.final_chunk(record.request_id, item.index, item.completion)
                 return
         finally:
-            if not finished and record.completion is None:
-                # The client went away or its deadline passed: stop the work it no longer waits for.
+            record.followers -= 1
+            if not finished and record.completion is None and record.followers == 0:
+                # The last client went away or its deadline passed: stop the work nobody waits for.
                 self._spawn(self._cancel_downstream(record, "disconnect"))
 
     def _on_first_token(self, record: Tracked) -> None:

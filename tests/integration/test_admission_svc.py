@@ -309,3 +309,18 @@ def test_detokenizer_holds_back_split_utf8() -> None:
     detokenizer = Detokenizer(tokenizer)
     pieces = [detokenizer.push([token]) for token in ids]
     assert "".join(pieces) == "héllo €!" and all("\ufffd" not in p for p in pieces)
+
+
+def test_retry_that_goes_away_does_not_cancel_the_original(tmp_path: Path, redis_url: str, namespace: str) -> None:
+    """When an attached retry disconnects while the first call still streams, the request is not cancelled."""
+    async def body(target: str, servicer: AdmissionServicer, replica: StandInReplica, bus: Bus) -> None:
+        async with sdk.AsyncClient(target, api_key="k-acme") as client:
+            original = client.generate("hi", max_tokens=11, idempotency_key="k1")
+            await anext(original)
+            retry = client.generate("hi", max_tokens=11, idempotency_key="k1")
+            await anext(retry)
+            await retry.aclose()
+            rest = [chunk async for chunk in original]
+        assert rest[-1].status == "FINISHED_LENGTH" and replica.cancelled == []
+
+    run(tmp_path, redis_url, namespace, body)
