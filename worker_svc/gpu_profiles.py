@@ -88,9 +88,12 @@ class ModelShape:
 
 # Meta Llama 3 config.json: hidden 4096/8192, layers 32/80, heads 32/64, kv heads 8, intermediate
 # 14336/28672, vocab 128256, max_position_embeddings 8192, eos <|end_of_text|> = 128001.
+# Llama 3.1 has the same shapes with a 131072-token context (max_position_embeddings).
 LLAMA_SHAPES: dict[str, ModelShape] = {
     "llama-3-8b": ModelShape("llama-3-8b", 32, 4096, 32, 8, 14336, 128256, 8192, 128001),
     "llama-3-70b": ModelShape("llama-3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, 128001),
+    "llama-3.1-8b": ModelShape("llama-3.1-8b", 32, 4096, 32, 8, 14336, 128256, 131072, 128001),
+    "llama-3.1-70b": ModelShape("llama-3.1-70b", 80, 8192, 64, 8, 28672, 128256, 131072, 128001),
 }
 
 # Used only when worker_svc.engine.presets is absent; keep in step with it.

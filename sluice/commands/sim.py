@@ -29,7 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument("--gpu", default="h200", help="h100 | h200")
-    parser.add_argument("--model", default="llama-3-8b", help="llama-3-8b | llama-3-70b | tiny | small-100m")
+    parser.add_argument(
+        "--model",
+        default="llama-3-8b",
+        help="llama-3-8b | llama-3-70b | llama-3.1-8b | llama-3.1-70b | tiny | small-100m",
+    )
     parser.add_argument("--policy", default="fcfs", help="fcfs | priority | fair | edf")
     parser.add_argument(
         "--router", default="score", help="score | round_robin | random | least_loaded | prefix_only"
