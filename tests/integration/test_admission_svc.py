@@ -22,6 +22,7 @@ from admission_svc.core import AdmissionCore
 from admission_svc.server import AdmissionServicer
 from admission_svc.streams import RequestStream, token_reader_loop
 from sluice import client as sdk
+from sluice import errors
 from sluice.bus import Bus
 from sluice.config import Budgets, ServiceConfig, TenantConfig
 from sluice.core_errors import translate_core_error
@@ -51,8 +52,11 @@ class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.S
         self.submitted: list[scheduler_pb2.SubmitRequest] = []
         self.cancelled: list[str] = []
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.ready = True
 
     async def Route(self, request: Any, context: Any) -> router_pb2.RouteResponse:
+        if not self.ready:
+            await errors.abort(context, errors.Unavailable("no READY replica of model 'tiny'", retry_after_s=0.5))
         return router_pb2.RouteResponse(replica_id="r0", scheduler_address=self.address)
 
     async def ListReplicas(self, request: Any, context: Any) -> router_pb2.ListReplicasResponse:
@@ -322,5 +326,18 @@ def test_retry_that_goes_away_does_not_cancel_the_original(tmp_path: Path, redis
             await retry.aclose()
             rest = [chunk async for chunk in original]
         assert rest[-1].status == "FINISHED_LENGTH" and replica.cancelled == []
+
+    run(tmp_path, redis_url, namespace, body)
+
+
+def test_no_ready_replica_is_unavailable_and_releases(tmp_path: Path, redis_url: str, namespace: str) -> None:
+    """With no READY replica the call gets UNAVAILABLE with the router's retry delay, and its reservation is released."""
+    async def body(target: str, servicer: AdmissionServicer, replica: StandInReplica, bus: Bus) -> None:
+        replica.ready = False
+        async with sdk.AsyncClient(target, api_key="k-acme", retry=sdk.RetryPolicy(max_attempts=1)) as client:
+            with pytest.raises(sdk.Unavailable) as info:
+                await client.generate_text("hi", max_tokens=4)
+        assert info.value.retry_delay_s == pytest.approx(0.5)
+        assert servicer.core.stats(0).active == 0 and replica.submitted == []
 
     run(tmp_path, redis_url, namespace, body)
