@@ -24,7 +24,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Return the parsed command line (argparse exits with a usage message on bad flags)."""
     p = argparse.ArgumentParser(prog="python -m router_svc", description=__doc__)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
+    p.add_argument("--port", type=int, default=50052, help="gRPC port (0 picks a free one)")
     p.add_argument("--redis-url", default=os.environ.get("SLUICE_REDIS_URL", ""),
                    help="Redis URL (default: $SLUICE_REDIS_URL)")
     p.add_argument("--namespace", default="default", help="bus namespace (keys sluice:{namespace}:...)")
@@ -63,6 +63,7 @@ async def amain(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await runtime.run(stop)
+    await runtime.health.enter_graceful_shutdown()
     await server.stop(1.0)
     await client.aclose()
     return 0

@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
 from opentelemetry import trace
 from opentelemetry.context import Context
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -42,6 +44,8 @@ __all__ = ["RouterRuntime", "RouterServicer", "translate_router_error"]
 
 log = logging.getLogger(__name__)
 tracer = get_tracer("sluice.router")
+
+SERVICE_NAME = "sluice.v1.RouterService"
 
 
 def translate_router_error(exc: BaseException) -> errors.SluiceError | None:
@@ -66,6 +70,7 @@ class RouterRuntime:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._buffers: dict[str, list[KvEvent]] = {}  # replica id -> events held while its snapshot loads
         self._fetches: set[asyncio.Task[None]] = set()
+        self.health = health_aio.HealthServicer()
 
     @property
     def group(self) -> str:
@@ -248,11 +253,17 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
 async def start_router_server(runtime: RouterRuntime, port: int = 0,
                               host: str = "127.0.0.1") -> tuple[grpc.aio.Server, int]:
-    """Start the router's gRPC server; return it and its bound port. Raises RuntimeError if the port is taken."""
+    """Start the router's gRPC server (with gRPC health SERVING); return it and its bound port.
+
+    `runtime.health` turns NOT_SERVING with `enter_graceful_shutdown()`. Raises RuntimeError if the port is taken.
+    """
     server = grpc.aio.server(interceptors=[errors.ErrorInterceptor(translate_router_error)])
     router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(runtime), server)
+    health_pb2_grpc.add_HealthServicer_to_server(runtime.health, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise RuntimeError(f"cannot bind the router to {host}:{port}")
     await server.start()
+    for name in ("", SERVICE_NAME):
+        await runtime.health.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, bound

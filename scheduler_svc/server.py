@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
 
 from scheduler_svc import convert
 from scheduler_svc.core import SchedulerCore
@@ -46,6 +47,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+SERVICE_NAME = "sluice.v1.SchedulerService"
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
@@ -159,15 +162,21 @@ class ReplicaAgent:
         await self.driver.flush()
 
 
-async def start_scheduler_server(driver: Driver, port: int = 0,
+async def start_scheduler_server(driver: Driver, health: health_aio.HealthServicer, port: int = 0,
                                  host: str = "127.0.0.1") -> tuple[grpc.aio.Server, int]:
-    """Start the scheduler's gRPC server; return it and its bound port. Raises RuntimeError if the port is taken."""
+    """Start the scheduler's gRPC server with gRPC health SERVING (its worker is SERVING by then).
+
+    Returns the server and its bound port. Raises RuntimeError if the port is taken.
+    """
     server = grpc.aio.server(interceptors=[errors.ErrorInterceptor(translate_core_error)])
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(SchedulerServicer(driver), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise RuntimeError(f"cannot bind the scheduler to {host}:{port}")
     await server.start()
+    for name in ("", SERVICE_NAME):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, bound
 
 
@@ -215,9 +224,11 @@ class RunningReplica:
     stop_event: asyncio.Event
     tasks: list[asyncio.Task[None]]
     channels: list[grpc.aio.Channel]
+    health: health_aio.HealthServicer
 
     async def stop(self, drain_timeout_s: float = 10.0) -> None:
-        """Drain (router told DRAINING, live requests finished or cancelled), then stop everything."""
+        """Drain (health NOT_SERVING, router told DRAINING, live requests finished or cancelled), then stop."""
+        await self.health.enter_graceful_shutdown()
         if self.agent is not None:
             await self.agent.drain(drain_timeout_s)
         else:
@@ -244,7 +255,8 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
     core = make_core(info, replica_id, **(core_overrides or {}))
     driver = Driver(core, worker_pb2_grpc.WorkerServiceStub(worker_channel), bus, replica_id=replica_id,
                     model_id=info.model_id, eos_token_id=info.eos_token_id, metrics=metrics, use_stream=use_stream)
-    server, bound = await start_scheduler_server(driver, port, host)
+    health = health_aio.HealthServicer()
+    server, bound = await start_scheduler_server(driver, health, port, host)
     stop = asyncio.Event()
     tasks = [asyncio.create_task(driver.run(stop))]
     channels = [worker_channel]
@@ -262,4 +274,4 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
         ready = asyncio.Event()
         ready.set()  # the worker is SERVING: wait_for_worker returned
         tasks.append(asyncio.create_task(agent.run(ready, stop)))
-    return RunningReplica(server, bound, driver, agent, stop, tasks, channels)
+    return RunningReplica(server, bound, driver, agent, stop, tasks, channels, health)

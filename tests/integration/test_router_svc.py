@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 import redis.asyncio as aioredis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router_svc.core import RouterConfig, RouterCore
 from router_svc.server import RouterRuntime, start_router_server
@@ -44,6 +45,7 @@ class Harness:
     stub: router_pb2_grpc.RouterServiceStub
     bus: Bus
     sources: dict[str, tuple[SnapshotSource, str]]
+    stub_channel: grpc.aio.Channel
 
 
 @contextlib.asynccontextmanager
@@ -85,7 +87,7 @@ async def _router(redis_url: str, namespace: str, replicas: tuple[str, ...] = ("
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         stack.push_async_callback(channel.close)
         try:
-            yield Harness(runtime, router_pb2_grpc.RouterServiceStub(channel), bus, sources)
+            yield Harness(runtime, router_pb2_grpc.RouterServiceStub(channel), bus, sources, channel)
         finally:
             stop.set()
             await asyncio.wait_for(loop_task, 5)
@@ -148,10 +150,13 @@ def test_design_example_queue_outweighs_prefix_reuse(redis_url: str, namespace: 
 
 
 def test_only_ready_compatible_replicas_get_traffic(redis_url: str, namespace: str) -> None:
-    """WARMING replicas and replicas of another model get no requests; with no READY replica Route is
-    UNAVAILABLE, and for a model nobody serves it is NOT_FOUND."""
+    """The router reports SERVING over gRPC health; WARMING replicas and replicas of another model get no
+    requests; with no READY replica Route is UNAVAILABLE, and for a model nobody serves it is NOT_FOUND."""
     async def body() -> None:
         async with _router(redis_url, namespace, replicas=("warm", "ready", "other")) as h:
+            health = await health_pb2_grpc.HealthStub(h.stub_channel).Check(
+                health_pb2.HealthCheckRequest(service="sluice.v1.RouterService"))
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
             await _register(h, "warm", ready=False)
             await _register(h, "ready")
             await _register(h, "other", model="m2")

@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 import redis.asyncio as aioredis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router_svc.core import RouterCore
 from router_svc.server import RouterRuntime, start_router_server
@@ -34,6 +35,7 @@ class Replica:
     stub: scheduler_pb2_grpc.SchedulerServiceStub
     bus: Bus
     worker: RunningWorker
+    channel: grpc.aio.Channel
 
 
 @contextlib.asynccontextmanager
@@ -50,7 +52,7 @@ async def _replica(redis_url: str, namespace: str, *, num_blocks: int = 64, emul
                                   core_overrides={"max_model_len": 4096, **(core_overrides or {})})
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{replica.port}")
     try:
-        handle = Replica(replica, scheduler_pb2_grpc.SchedulerServiceStub(channel), bus, worker)
+        handle = Replica(replica, scheduler_pb2_grpc.SchedulerServiceStub(channel), bus, worker, channel)
         yield handle
     finally:
         await replica.stop(drain_timeout_s=2)
@@ -184,7 +186,8 @@ def test_replica_span_continues_the_submit_trace(redis_url: str, namespace: str,
 
 
 def test_replica_registers_turns_ready_and_drains_at_the_router(redis_url: str, namespace: str) -> None:
-    """A replica registers with the worker's capacity, becomes READY, and on stop is DRAINING at the router."""
+    """A replica registers with the worker's capacity and becomes READY; on drain its gRPC health turns from
+    SERVING to NOT_SERVING and it is DRAINING at the router."""
     async def body() -> None:
         client = aioredis.Redis.from_url(redis_url)
         runtime = RouterRuntime(RouterCore(), Bus(client, namespace), "router-t")
@@ -207,8 +210,13 @@ def test_replica_registers_turns_ready_and_drains_at_the_router(redis_url: str, 
             routed = await router_stub.Route(router_pb2.RouteRequest(request_id="x", model="llama-3-8b",
                                                                      prompt_tokens=10))
             assert routed.scheduler_address == f"127.0.0.1:{r.replica.port}"
+            health = health_pb2_grpc.HealthStub(r.channel)
+            check = health_pb2.HealthCheckRequest(service="sluice.v1.SchedulerService")
+            assert (await health.Check(check)).status == health_pb2.HealthCheckResponse.SERVING
+            await r.replica.health.enter_graceful_shutdown()
             await r.replica.agent.drain(1.0)  # type: ignore[union-attr]
             assert await states() == {"r1": (router_pb2.DRAINING, 48)}
+            assert (await health.Check(check)).status == health_pb2.HealthCheckResponse.NOT_SERVING
         stop.set()
         await loop_task
         await channel.close()
