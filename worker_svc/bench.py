@@ -6,7 +6,8 @@ For each preset and batch size (1, 8, 32) it prefills B equal-length random prom
 round and decodes N tokens each (one round per token), then does the same with the reference
 (`reference_forward` on the whole [B, L] batch, re-run from scratch for every decode step, logits
 of the last position only). Prefill tokens/s come from the prefill's time, decode tokens/s from
-the median decode step (B tokens per step); each is the best of REPEATS runs. One JSON document
+the median decode step (B tokens per step; the reference times 3 steps); each is the best of
+REPEATS runs. One JSON document
 goes to stdout with tokens/s of both and the speedup. DESIGN.md target: decode at batch 32 >= 5x the reference.
 """
 
@@ -32,8 +33,10 @@ from worker_svc.torch_backend import TorchBackend
 
 BATCHES = (1, 8, 32)
 BLOCK_SIZE = 16
-REPEATS = 2
+REPEATS = {"tiny": 5, "small-100m": 2}
 """Each measurement runs this many times; the fastest counts (the CPU is shared)."""
+REFERENCE_DECODE_STEPS = 3
+"""Full-recompute decode steps timed (each re-runs the whole batch; the median of 3 is stable)."""
 
 
 @dataclass(frozen=True)
@@ -104,12 +107,12 @@ def bench_preset(preset: str, shape: Shape, decode_attention_variants: bool) -> 
     rows = []
     for batch in BATCHES:
         prompts = torch.randint(0, 256, (batch, shape.prompt_len), generator=generator)
+        repeats = REPEATS.get(preset, 2)
         paged_prefill, paged_decode = best_of(
-            REPEATS, partial(paged_run, backend, prompts, shape.decode_steps)
+            repeats, partial(paged_run, backend, prompts, shape.decode_steps)
         )
-        ref_prefill, ref_decode = best_of(
-            REPEATS, partial(reference_run, backend, prompts, shape.decode_steps)
-        )
+        ref_steps = min(shape.decode_steps, REFERENCE_DECODE_STEPS)
+        ref_prefill, ref_decode = best_of(repeats, partial(reference_run, backend, prompts, ref_steps))
         row = {
             "batch": batch,
             "prefill_tokens": batch * shape.prompt_len,
