@@ -111,6 +111,8 @@ class Simulator:
         self.dropped_results = 0
         self.kv_snapshots = 0
         self.wall_s = 0.0
+        self.end_s = 0.0
+        """Simulated time of the last terminal state."""
         self.hooks: list[Callable[[Simulator], None]] = []
         """Called after every event (scenarios use them to observe; empty in normal runs)."""
 
@@ -157,6 +159,7 @@ class Simulator:
             for hook in self.hooks:
                 hook(self)
         self._finish_stragglers()
+        self.end_s = max((r.finish_s or 0.0 for r in self.records.values()), default=0.0)
         self.wall_s = time.perf_counter() - started
         return list(self.records.values())
 
@@ -173,10 +176,13 @@ class Simulator:
         }
 
     def _busy(self) -> bool:
-        """True while anything but the periodic events can still happen."""
-        if self._next_arrival < len(self.requests) or any(r.busy for r in self.replicas):
+        """True while anything but the periodic events can still change a request."""
+        if self._next_arrival < len(self.requests):
             return True
-        return any(kind not in (_HEARTBEAT, _SAMPLE) for _, _, kind, _ in self._heap)
+        if any(r.busy or r.core.has_unfinished() for r in self.replicas):
+            return True
+        # Cancel and deadline events of requests already gone are no-ops; retries are not.
+        return any(kind == _RETRY for _, _, kind, _ in self._heap)
 
     def _push_next_arrival(self) -> None:
         if self._next_arrival < len(self.requests):

@@ -31,7 +31,7 @@ def simulate(
     """
     simulator = Simulator(config, requests)
     records = simulator.run()
-    simulated_s = simulator.now
+    simulated_s = simulator.end_s
     fairness = FairnessWeights(tenant_weights=dict(config.tenant_weights))
     summary = summarize(
         records,

@@ -115,3 +115,12 @@ def test_cli_sim_writes_json_and_scenario_exit_status(tmp_path: Path, capsys: ob
     assert runs["priority+score"]["sim"]["policy"] == "priority"
     assert main(["sim", "--scenario", "seed-round-budget"]) == 0
     assert main(["sim", SMALL, "--compare", "fcfs+warp"]) == 2
+
+
+def test_far_deadlines_do_not_stretch_the_simulated_time() -> None:
+    """A long deadline on a request that finishes early does not keep the clock running to it."""
+    requests = [WorkloadRequest("a", 0.0, 100, 5, deadline_s=10_000.0)]
+    result = simulate(SimConfig(replicas=1), requests)
+    assert result.records[0].status == "ok"
+    assert result.summary["sim"]["simulated_s"] < 1.0  # type: ignore[index]
+    assert max(t for t, _ in result.series["waiting"]) < 2.0
