@@ -7,8 +7,9 @@ round and decodes N tokens each (one round per token), then does the same with t
 (`reference_forward` on the whole [B, L] batch, re-run from scratch for every decode step, logits
 of the last position only). Prefill tokens/s come from the prefill's time, decode tokens/s from
 the median decode step (B tokens per step; the reference times 3 steps); each is the best of
-REPEATS runs. One JSON document
-goes to stdout with tokens/s of both and the speedup. DESIGN.md target: decode at batch 32 >= 5x the reference.
+REPEATS runs. One JSON document goes to stdout with tokens/s of both and the speedup. DESIGN.md
+target: decode at batch 32 >= 5x the reference. On a CPU shared with other processes, `--threads 1`
+gives steadier figures (two OpenMP threads wait on each other whenever one is descheduled).
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def bench_preset(preset: str, shape: Shape, decode_attention_variants: bool) -> 
         }
         if decode_attention_variants and batch == max(BATCHES):
             backend.batched_decode = False
-            _, per_seq_decode = best_of(REPEATS, partial(paged_run, backend, prompts, shape.decode_steps))
+            _, per_seq_decode = best_of(repeats, partial(paged_run, backend, prompts, shape.decode_steps))
             backend.batched_decode = True
             row["paged_decode_tok_s_per_seq_attention"] = round(batch / per_seq_decode, 1)
         rows.append(row)
