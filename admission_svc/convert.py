@@ -16,7 +16,7 @@ import grpc
 
 from sluice import errors
 from sluice.v1 import admission_pb2, common_pb2, events_pb2, scheduler_pb2
-from worker_svc.engine.tokenizer import TextTokenizer
+from worker_svc.engine.tokenizer import REPLACEMENT_CHAR, TextTokenizer
 
 # Terminal statuses that end a stream with a non-OK gRPC status (the client SDK raises them typed).
 FAILURE_STATUS: dict[int, tuple[grpc.StatusCode, type[errors.SluiceError] | None]] = {
@@ -65,28 +65,37 @@ def load_model_spec(model_dir: Path, model_id: str, aliases: Sequence[str] = ())
 
 
 class Detokenizer:
-    """Turns a growing list of token ids into text increments, holding back split UTF-8 characters."""
+    """Turns a growing list of token ids into text increments, holding back split UTF-8 characters.
+
+    Decodes only a short window (from the last emitted boundary), not the whole output each time,
+    so a long answer costs linear, not quadratic, decoding work.
+    """
 
     def __init__(self, tokenizer: TextTokenizer) -> None:
         self._tokenizer = tokenizer
         self._ids: list[int] = []
-        self._emitted = ""
+        self._prefix_offset = 0
+        """Start of the window: tokens before it are emitted and never decoded again."""
+        self._read_offset = 0
+        """Tokens before this are emitted; [prefix_offset, read_offset) gives decoding context."""
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Add tokens; return the text they complete (may be "" while a character is incomplete)."""
         self._ids.extend(t for t in token_ids if t >= 0)
-        text = self._tokenizer.stable_text(self._ids)
-        if text.startswith(self._emitted):
-            new, self._emitted = text[len(self._emitted):], text
-            return new
-        # Decoding is not prefix-stable for some tokenizers: emit only the stable extension.
-        common = 0
-        for a, b in zip(self._emitted, text, strict=False):
-            if a != b:
-                break
-            common += 1
-        self._emitted = text
-        return text[common:]
+        window = self._ids[self._prefix_offset:]
+        seen = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
+        text = self._tokenizer.decode(window)
+        if len(text) <= len(seen) or text.endswith(REPLACEMENT_CHAR):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return text[len(seen):]
+
+    def flush(self) -> str:
+        """Return the text still held back at the end (an incomplete character shows as U+FFFD)."""
+        seen = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
+        text = self._tokenizer.decode(self._ids[self._prefix_offset:])
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return text[len(seen):] if text.startswith(seen) else text
 
 
 def sampling_values(sampling: common_pb2.SamplingParams) -> dict[str, Any]:
@@ -116,9 +125,10 @@ def chunk(request_id: str, index: int, token_ids: Sequence[int], text: str,
                                        status=common_pb2.RUNNING, created_unix_s=created_unix_s)
 
 
-def final_chunk(request_id: str, index: int, completion: events_pb2.Completion) -> admission_pb2.GenerateChunk:
-    """Return the last GenerateChunk of a successful request (finish reason, status, usage)."""
-    return admission_pb2.GenerateChunk(request_id=request_id, index=index, finished=True,
+def final_chunk(request_id: str, index: int, completion: events_pb2.Completion,
+                text: str = "") -> admission_pb2.GenerateChunk:
+    """Return the last GenerateChunk of a successful request (held-back text, finish reason, status, usage)."""
+    return admission_pb2.GenerateChunk(request_id=request_id, index=index, finished=True, text=text,
                                        finish_reason=completion.finish_reason, status=completion.status,
                                        usage=completion.usage)
 

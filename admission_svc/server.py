@@ -302,7 +302,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
                 failure = convert.failure_of(item.completion)
                 if failure is not None:
                     await context.abort(*failure)
-                yield convert.final_chunk(record.request_id, item.index, item.completion)
+                yield convert.final_chunk(record.request_id, item.index, item.completion, detokenizer.flush())
                 return
         finally:
             record.followers -= 1

@@ -313,6 +313,9 @@ def test_detokenizer_holds_back_split_utf8() -> None:
     detokenizer = Detokenizer(tokenizer)
     pieces = [detokenizer.push([token]) for token in ids]
     assert "".join(pieces) == "héllo €!" and all("\ufffd" not in p for p in pieces)
+    cut = Detokenizer(tokenizer)
+    held = cut.push(tokenizer.encode("ok €")[:-1])  # the euro sign's last byte never comes
+    assert "\ufffd" not in held and held + cut.flush() == "ok \ufffd"
 
 
 def test_retry_that_goes_away_does_not_cancel_the_original(tmp_path: Path, redis_url: str, namespace: str) -> None:
