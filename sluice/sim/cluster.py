@@ -97,7 +97,17 @@ class Simulator:
         self.requests = sorted(requests, key=lambda r: r.arrival_s)
         self.records: dict[str, RequestRecord] = {}
         self.series: dict[str, list[tuple[float, float]]] = {
-            k: [] for k in ("waiting", "running", "kv_used_frac", "replicas_ready", "admission_active")
+            k: []
+            for k in (
+                "waiting",
+                "running",
+                "kv_used_frac",
+                "replicas_ready",
+                "admission_active",
+                "prefix_hit_rate",
+                "preemptions",
+                "recomputed_tokens",
+            )
         }
         self.now = 0.0
         self._heap: list[tuple[float, int, int, Any]] = []
@@ -337,6 +347,10 @@ class Simulator:
         ready = sum(1 for v in self.router.replicas() if v.state.value == "ready")
         series["replicas_ready"].append((now, float(ready)))
         series["admission_active"].append((now, float(self.admission.stats(now).active)))
+        hit, query = sum(s.prefix_hit_tokens for s in stats), sum(s.prefix_query_tokens for s in stats)
+        series["prefix_hit_rate"].append((now, hit / query if query else 0.0))  # cumulative
+        series["preemptions"].append((now, float(sum(s.preemptions for s in stats))))
+        series["recomputed_tokens"].append((now, float(sum(s.recomputed_tokens for s in stats))))
         if self._busy():
             self.push(now + self.config.sample_interval_s, _SAMPLE)
 
