@@ -87,9 +87,17 @@ async def amain(args: argparse.Namespace) -> int:
         await client.aclose()
         return 2
     print(f"scheduler {args.replica_id} listening on {args.host}:{replica.port}", flush=True)
-    await stop.wait()
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait([stopping, *replica.tasks], return_when=asyncio.FIRST_COMPLETED)
+    crashed = [t for t in replica.tasks if t.done() and t.exception() is not None]
+    if crashed:
+        # The loop or the agent died of a bug: serving Submits that never run would hide it.
+        log.error("scheduler task failed; exiting", exc_info=crashed[0].exception())
+        await client.aclose()
+        return 1
     log.info("draining")
     await replica.stop(args.drain_timeout)
+    stopping.cancel()
     await client.aclose()
     return 0
 
