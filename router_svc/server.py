@@ -93,6 +93,7 @@ class RouterRuntime:
         task.add_done_callback(self._fetches.discard)
 
     async def _fetch_snapshot(self, replica_id: str, attempts: int = 3) -> None:
+        buffer = self._buffers[replica_id]
         address = next((v.spec.address for v in self.core.replicas() if v.spec.replica_id == replica_id), "")
         reply = None
         for attempt in range(attempts):
@@ -106,7 +107,9 @@ class RouterRuntime:
                 log.warning("KvSnapshot of %s at %s failed (attempt %d): %s", replica_id, address, attempt + 1,
                             exc.details())
                 await asyncio.sleep(0.2 * (attempt + 1))
-        buffered = self._buffers.pop(replica_id, [])
+        if self._buffers.get(replica_id) is not buffer:
+            return  # superseded: the replica re-registered or went away while we were fetching
+        buffered = self._buffers.pop(replica_id)
         now = self.clock()
         if reply is None:
             self.metrics.snapshots.labels("error").inc()
