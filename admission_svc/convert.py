@@ -19,11 +19,11 @@ from sluice.v1 import admission_pb2, common_pb2, events_pb2, scheduler_pb2
 from worker_svc.engine.tokenizer import REPLACEMENT_CHAR, TextTokenizer
 
 # Terminal statuses that end a stream with a non-OK gRPC status (the client SDK raises them typed).
-FAILURE_STATUS: dict[int, tuple[grpc.StatusCode, type[errors.SluiceError] | None]] = {
-    common_pb2.CANCELLED: (grpc.StatusCode.CANCELLED, None),
-    common_pb2.TIMED_OUT: (grpc.StatusCode.DEADLINE_EXCEEDED, errors.DeadlineExceeded),
-    common_pb2.FAILED: (grpc.StatusCode.INTERNAL, None),
-    common_pb2.REJECTED: (grpc.StatusCode.RESOURCE_EXHAUSTED, errors.ResourceExhausted),
+FAILURE_STATUS: dict[int, grpc.StatusCode] = {
+    common_pb2.CANCELLED: grpc.StatusCode.CANCELLED,
+    common_pb2.TIMED_OUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+    common_pb2.FAILED: grpc.StatusCode.INTERNAL,
+    common_pb2.REJECTED: grpc.StatusCode.UNAVAILABLE,  # could not be placed: a later retry may be
 }
 TERMINAL = frozenset({common_pb2.FINISHED_STOP, common_pb2.FINISHED_LENGTH, common_pb2.CANCELLED,
                       common_pb2.TIMED_OUT, common_pb2.FAILED, common_pb2.REJECTED})
@@ -137,7 +137,7 @@ def failure_of(completion: events_pb2.Completion) -> tuple[grpc.StatusCode, str]
     """Return (gRPC code, message) when a completion ends the stream with an error, else None."""
     if completion.status not in FAILURE_STATUS:
         return None
-    code, _ = FAILURE_STATUS[completion.status]
+    code = FAILURE_STATUS[completion.status]
     status = common_pb2.RequestStatus.Name(completion.status)
     detail = f": {completion.detail}" if completion.detail else ""
     return code, (f"request {completion.request_id} {status} after {completion.usage.output_tokens} "

@@ -274,6 +274,11 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
         self.metrics.active.dec()
         self.records.pop(record.request_id, None)
         record.status = common_pb2.REJECTED
+        # An idempotent retry may already follow this request: end its stream too.
+        record.stream.set_completion(events_pb2.Completion(
+            request_id=record.request_id, tenant=record.tenant, status=common_pb2.REJECTED,
+            finish_reason="rejected", detail=f"could not place the request: {str(exc)[:200]}"))
+        record.stream.complete_if_ready()
         record.span.add_event("rejected", attributes={"reason": type(exc).__name__})
         record.span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)[:200]))
         record.span.end()

@@ -56,6 +56,7 @@ class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.S
 
     async def Route(self, request: Any, context: Any) -> router_pb2.RouteResponse:
         if not self.ready:
+            await asyncio.sleep(0.2)  # long enough for an idempotent retry to attach meanwhile
             await errors.abort(context, errors.Unavailable("no READY replica of model 'tiny'", retry_after_s=0.5))
         return router_pb2.RouteResponse(replica_id="r0", scheduler_address=self.address)
 
@@ -334,12 +335,16 @@ def test_retry_that_goes_away_does_not_cancel_the_original(tmp_path: Path, redis
 
 
 def test_no_ready_replica_is_unavailable_and_releases(tmp_path: Path, redis_url: str, namespace: str) -> None:
-    """With no READY replica the call gets UNAVAILABLE with the router's retry delay, and its reservation is released."""
+    """With no READY replica the call (and a retry attached to it) gets UNAVAILABLE with the router's retry delay, and the reservation is released."""
     async def body(target: str, servicer: AdmissionServicer, replica: StandInReplica, bus: Bus) -> None:
         replica.ready = False
         async with sdk.AsyncClient(target, api_key="k-acme", retry=sdk.RetryPolicy(max_attempts=1)) as client:
+            first = asyncio.create_task(client.generate_text("hi", max_tokens=4, idempotency_key="k"))
+            await asyncio.sleep(0.05)
+            with pytest.raises(sdk.Unavailable):  # the retry attached to the request that could not be placed
+                await client.generate_text("hi", max_tokens=4, idempotency_key="k")
             with pytest.raises(sdk.Unavailable) as info:
-                await client.generate_text("hi", max_tokens=4)
+                await first
         assert info.value.retry_delay_s == pytest.approx(0.5)
         assert servicer.core.stats(0).active == 0 and replica.submitted == []
 
