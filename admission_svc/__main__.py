@@ -21,7 +21,7 @@ from admission_svc.core import AdmissionConfig, AdmissionCore, TenantConfig
 from admission_svc.server import AdmissionMetrics, AdmissionServicer
 from admission_svc.streams import token_reader_loop
 from sluice.bus import Bus
-from sluice.config import ServiceConfig, load_config
+from sluice.config import ConfigError, ServiceConfig, load_config
 from sluice.core_errors import translate_core_error
 from sluice.errors import ErrorInterceptor
 from sluice.prom import serve_metrics
@@ -94,9 +94,8 @@ async def _consume_completions(bus: Bus, servicer: AdmissionServicer, stop: asyn
             await asyncio.sleep(0.5)
 
 
-async def amain(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM/SIGINT; return the exit code."""
-    setup_tracing("sluice-admission")
+def build_servicer(args: argparse.Namespace) -> AdmissionServicer:
+    """Return the servicer for the flags; raises ConfigError, ValueError or OSError for bad settings."""
     model_dir = resolve_model_dir(args.model)
     model = convert.load_model_spec(model_dir, args.model_id or model_dir.name, aliases=(args.model,))
     core = AdmissionCore(admission_config(load_config(args.config), model.max_model_len))
@@ -104,7 +103,18 @@ async def amain(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:
         serve_metrics(metrics.registry, args.metrics_port)
     owner = args.owner or f"admission-{socket.gethostname()}-{args.port}"
-    servicer = AdmissionServicer(core, model, args.router, owner, metrics, args.resume_window_s)
+    return AdmissionServicer(core, model, args.router, owner, metrics, args.resume_window_s)
+
+
+async def amain(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT; return the exit code (2 on a configuration error)."""
+    setup_tracing("sluice-admission")
+    try:
+        servicer = build_servicer(args)
+    except (ConfigError, ValueError, OSError) as exc:
+        log.error("cannot start: %s", exc)
+        return 2
+    owner, model = servicer.owner, servicer.model
     redis = aioredis.from_url(args.redis_url)
     bus = Bus(redis, args.namespace)
     await redis.ping()
