@@ -89,6 +89,7 @@ class Tracked:
     completion: events_pb2.Completion | None = None
     ended: bool = False
     followers: int = 0
+    missing_counted: bool = False
     """Generate calls streaming this request now (an idempotent retry is a second follower)."""
 
 
@@ -304,6 +305,9 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
                     yield convert.chunk(record.request_id, item.index, item.tokens, text, item.emitted_unix_s)
                     continue
                 finished = True
+                if not record.missing_counted:
+                    record.missing_counted = True
+                    self.metrics.missing_tokens.inc(record.stream.missing_tokens)
                 failure = convert.failure_of(item.completion)
                 if failure is not None:
                     await context.abort(*failure)
