@@ -64,7 +64,7 @@ _STATUS = {
 
 
 class _Replica:
-    __slots__ = ("index", "replica_id", "core", "busy", "deadline_at")
+    __slots__ = ("index", "replica_id", "core", "busy", "deadline_at", "reported_idle")
 
     def __init__(self, index: int, replica_id: str, core: SchedulerCore) -> None:
         self.index = index
@@ -72,6 +72,8 @@ class _Replica:
         self.core = core
         self.busy = False
         self.deadline_at: float | None = None
+        self.reported_idle = False
+        """The router's view of this replica is already 'empty' (last heartbeat had no work)."""
 
 
 class Simulator:
@@ -254,6 +256,7 @@ class Simulator:
         self, replica: _Replica, request: WorkloadRequest, record: RequestRecord, prompt: tuple[int, ...]
     ) -> None:
         rid, now = request.request_id, self.now
+        replica.reported_idle = False  # the router counted this request as unreported work
         deadline = None if request.deadline_s is None else record.arrival_s + request.deadline_s
         new = NewRequest(
             rid,
@@ -329,11 +332,18 @@ class Simulator:
     def _on_heartbeat(self, _: object) -> None:
         now = self.now
         for replica in self.replicas:
-            stats = replica.core.stats()
+            core = replica.core
+            idle = not replica.busy and not core.has_unfinished()
+            if idle and replica.reported_idle:
+                # Same (empty) load as the last heartbeat told the router: skipping it changes no
+                # routing decision and saves most of the heartbeat cost on a lightly loaded fleet.
+                continue
+            stats = core.stats()
             load = ReplicaLoad(
                 stats.waiting, stats.running, stats.queued_prefill_tokens, stats.kv_blocks_free
             )
             self.router.heartbeat(replica.replica_id, load, now)
+            replica.reported_idle = idle
         if self._busy():
             self.push(now + self.config.heartbeat_interval_s, _HEARTBEAT)
 
