@@ -125,8 +125,6 @@ class Simulator:
         self.wall_s = 0.0
         self.end_s = 0.0
         """Simulated time of the last terminal state."""
-        self.hooks: list[Callable[[Simulator], None]] = []
-        """Called after every event (scenarios use them to observe; empty in normal runs)."""
 
     # ---- the heap ---------------------------------------------------------------------------
     def push(self, when: float, kind: int, payload: object = None) -> None:
@@ -168,8 +166,6 @@ class Simulator:
             heapq.heappop(heap)
             self.now = when
             handlers[kind](payload)
-            for hook in self.hooks:
-                hook(self)
         self._finish_stragglers()
         self.end_s = max((r.finish_s or 0.0 for r in self.records.values()), default=0.0)
         self.wall_s = time.perf_counter() - started
