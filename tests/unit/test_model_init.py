@@ -90,3 +90,20 @@ def test_concurrent_resolution_leaves_one_complete_model(tmp_path: Path) -> None
     assert {out.strip() for out, _ in outputs} == {str(tmp_path / "models" / "tiny")}
     assert [p.name for p in (tmp_path / "models").iterdir()] == ["tiny"]
     load_model(tmp_path / "models" / "tiny", "cpu", "float32")
+
+
+def test_sluice_cli_model_init_round_trips(tmp_path: Path) -> None:
+    """The `sluice model init` command, run as its own process, writes a directory the loader reads with the same weights as write_preset."""
+    target = tmp_path / "cli"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-m", "sluice.cli", "model", "init", str(target), "--preset", "tiny", "--seed", "5"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert run_init(str(tmp_path / "direct"), "--seed", "5") == 0
+    assert digest(target / "model.safetensors") == digest(tmp_path / "direct" / "model.safetensors")
+    assert load_model(target, "cpu", "float32").config.eos_token_id == 257
