@@ -185,7 +185,8 @@ class Stack:
         with proc.log_path.open("ab") as log:
             # A new session: a Ctrl-C in the terminal reaches only `sluice up`, which stops children in order.
             proc.popen = subprocess.Popen(proc.args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                          env=env, cwd=str(REPO_ROOT), start_new_session=True)
+                                          env=env, cwd=str(REPO_ROOT), start_new_session=True,
+                                          preexec_fn=_die_with_parent)
         self.procs.append(proc)
         return proc
 
@@ -277,6 +278,18 @@ def health_serving(address: str, service: str = "", timeout_s: float = 1.0) -> b
         except grpc.RpcError:
             return False
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux for SIGTERM when the supervisor dies (even by SIGKILL).
+
+    The children run in their own session (so a terminal's Ctrl-C reaches only the supervisor),
+    which also means nothing else would stop them if the supervisor were killed. No-op elsewhere.
+    """
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 def _ready(proc: Proc) -> bool:
