@@ -110,7 +110,7 @@ def write_json(summary: object, path: str | Path) -> Path:
     """Write the summary (or a mapping of summaries) as indented JSON; returns the path."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
+    target.write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return target
 
 
