@@ -37,6 +37,19 @@ from sluice.v1 import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
+# A trampoline each service starts through: ask Linux for SIGTERM when the supervisor dies (even by
+# SIGKILL; the flag survives exec), then exec the service. Needed because the services run in their
+# own session, so that a terminal's Ctrl-C reaches only the supervisor, which stops them in order.
+# (Not a preexec_fn: forking a threaded process and running Python before exec can deadlock.)
+_DIE_WITH_PARENT = """
+import contextlib, ctypes, os, signal, sys
+with contextlib.suppress(Exception):
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(1)  # the supervisor is already gone
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
 
 class StackError(RuntimeError):
     """A process of the stack failed to start or to become ready; the message has its log tail."""
@@ -176,7 +189,8 @@ class Stack:
                env: dict[str, str] | None = None) -> Proc:
         port = port or free_port()
         address = f"{self.config.host}:{port}"
-        proc = Proc(name, [sys.executable, "-m", module, "--host", self.config.host, "--port", str(port), *args],
+        command = [sys.executable, "-m", module, "--host", self.config.host, "--port", str(port), *args]
+        proc = Proc(name, [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *command],
                     self.run_dir / f"{name}.log", address)
         env = {**os.environ, **(env or {})}
         env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -185,8 +199,7 @@ class Stack:
         with proc.log_path.open("ab") as log:
             # A new session: a Ctrl-C in the terminal reaches only `sluice up`, which stops children in order.
             proc.popen = subprocess.Popen(proc.args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                          env=env, cwd=str(REPO_ROOT), start_new_session=True,
-                                          preexec_fn=_die_with_parent)
+                                          env=env, cwd=str(REPO_ROOT), start_new_session=True)
         self.procs.append(proc)
         return proc
 
@@ -278,18 +291,6 @@ def health_serving(address: str, service: str = "", timeout_s: float = 1.0) -> b
         except grpc.RpcError:
             return False
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: ask Linux for SIGTERM when the supervisor dies (even by SIGKILL).
-
-    The children run in their own session (so a terminal's Ctrl-C reaches only the supervisor),
-    which also means nothing else would stop them if the supervisor were killed. No-op elsewhere.
-    """
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 def _ready(proc: Proc) -> bool:
