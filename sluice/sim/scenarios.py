@@ -15,6 +15,7 @@ import enum
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from router_svc.core import ReplicaLoad, ReplicaSpec, RouteQuery, RouterConfig, RouterCore, RoutingPolicy
 from scheduler_svc.core import SchedulerCore
@@ -115,10 +116,10 @@ class _Stepper:
         return self.core.stats().kv_blocks_free
 
 
-def _pool_config(num_blocks: int, **kw: object) -> SchedulerConfig:
+def _pool_config(num_blocks: int, **kw: Any) -> SchedulerConfig:
     return SchedulerConfig(
         num_blocks=num_blocks, block_size=16, enable_prefix_caching=False, model_id="llama-3-8b", **kw
-    )  # type: ignore[arg-type]
+    )
 
 
 def seed_kv_pool() -> list[Check]:
@@ -308,25 +309,25 @@ def seed_overload() -> list[Check]:
     spec = "synthetic:poisson?rate=150&n=1500&input=fixed:1024&output=fixed:128"
     requests = load_workload(spec, seed=7).requests
     result = simulate(config, requests)
-    summary = result.summary
-    counts = summary["counts"]
+    summary: dict[str, Any] = result.summary
+    counts: dict[str, int] = summary["counts"]
     ok = [r for r in result.records if r.status == "ok"]
-    ttft = summarize(ok, 1.0, 0.05)["ttft_s"]
-    tpot = summarize(ok, 1.0, 0.05)["tpot_s"]
+    ok_summary: dict[str, Any] = summarize(ok, 1.0, 0.05)
+    ttft, tpot = ok_summary["ttft_s"], ok_summary["tpot_s"]
     max_waiting = max(v for _, v in result.series["admission_active"])
     max_queue = max(v for _, v in result.series["waiting"])
     return [
-        check_that("rejected explicitly", counts["rejected"], counts["rejected"] > 0, "> 0"),  # type: ignore[index]
-        check("every request has a terminal status", sum(counts.values()), len(requests)),  # type: ignore[union-attr]
+        check_that("rejected explicitly", counts["rejected"], counts["rejected"] > 0, "> 0"),
+        check("every request has a terminal status", sum(counts.values()), len(requests)),
         check_that("admitted (active) requests at most", max_waiting, max_waiting <= 96, "<= 96"),
         check_that("scheduler waiting queue at most", max_queue, max_queue <= 16, "<= 16 (queued budget)"),
-        check_that("p99 TTFT of admitted (s)", round(ttft["p99"], 4), ttft["p99"] <= 1.0, "<= 1.0"),  # type: ignore[index]
-        check_that("p99 TPOT of admitted (s)", round(tpot["p99"], 4), tpot["p99"] <= 0.05, "<= 0.05"),  # type: ignore[index]
-        check("admitted requests that finished ok", len(ok), len(requests) - counts["rejected"]),  # type: ignore[index]
+        check_that("p99 TTFT of admitted (s)", round(ttft["p99"], 4), ttft["p99"] <= 1.0, "<= 1.0"),
+        check_that("p99 TPOT of admitted (s)", round(tpot["p99"], 4), tpot["p99"] <= 0.05, "<= 0.05"),
+        check("admitted requests that finished ok", len(ok), len(requests) - counts["rejected"]),
         check_that(
             "served vs offered (req/s)",
-            (round(float(summary["throughput_rps"]), 1), 150),  # type: ignore[arg-type]
-            float(summary["throughput_rps"]) < 150 / 2,  # type: ignore[arg-type]
+            (round(float(summary["throughput_rps"]), 1), 150),
+            float(summary["throughput_rps"]) < 150 / 2,
             "served < half of offered: overload",
         ),
     ]
