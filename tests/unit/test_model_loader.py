@@ -153,3 +153,43 @@ def test_bfloat16_compute_dtype(model_dir: Path) -> None:
     loaded = load_model(model_dir, "cpu", "bfloat16")
     assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
     assert torch.isfinite(reference_forward(loaded.model, torch.tensor([1, 2]))).all()
+
+
+def test_transformers_5_rope_parameters_are_read(model_dir: Path) -> None:
+    """A config in the transformers 5 layout (rope base inside rope_parameters) loads with that base; a scaled rope type is refused."""
+    path = model_dir / "config.json"
+    raw = json.loads(path.read_text())
+    raw.pop("rope_theta")
+    raw.pop("rope_scaling")
+    path.write_text(json.dumps(raw | {"rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}}))
+    assert load_model(model_dir, "cpu", "float32").config.rope_theta == 500000.0
+    path.write_text(
+        json.dumps(raw | {"rope_parameters": {"rope_theta": 5e5, "rope_type": "yarn", "factor": 4.0}})
+    )
+    expect_error(model_dir, "rope_parameters", "yarn")
+
+
+def test_hugging_face_checkpoint_gives_hugging_face_logits(tmp_path: Path) -> None:
+    """A directory written by transformers' LlamaForCausalLM.save_pretrained (GQA, sharded, tied) loads and reproduces its logits within 1e-4."""
+    transformers = pytest.importorskip("transformers")
+    from worker_svc.engine.tokenizer import build_byte_tokenizer
+
+    for tied in (False, True):
+        config = transformers.LlamaConfig(
+            vocab_size=258, hidden_size=96, intermediate_size=200, num_hidden_layers=3, num_attention_heads=6,
+            num_key_value_heads=2, max_position_embeddings=512, rope_theta=500000.0, tie_word_embeddings=tied,
+            rms_norm_eps=1e-6,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        hf_model = transformers.LlamaForCausalLM(config).eval()
+        with torch.no_grad():
+            for parameter in hf_model.parameters():
+                parameter.normal_(0, 0.3)  # large weights, so any convention mismatch shows
+        target = tmp_path / f"hf-{tied}"
+        hf_model.save_pretrained(target, max_shard_size="200KB")
+        build_byte_tokenizer().save(str(target / "tokenizer.json"))
+        ids = torch.tensor(list(b"Hugging Face checkpoint parity"))
+        with torch.no_grad():
+            expected = hf_model(ids[None]).logits[0].float()
+        found = reference_forward(load_model(target, "cpu", "float32").model, ids)
+        torch.testing.assert_close(found, expected, atol=1e-4, rtol=0)

@@ -88,7 +88,7 @@ class LlamaConfig:
                 num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
                 head_dim=int(raw.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-                rope_theta=float(raw.get("rope_theta", 10000.0)),
+                rope_theta=_rope_theta(raw),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 bos_token_id=int(raw.get("bos_token_id") or 1),
@@ -120,8 +120,20 @@ def _check_unsupported(raw: dict[str, Any], source: str) -> None:
             raise ModelLoadError(f"{source}: {flag}=true is not supported")
     if raw.get("rope_scaling"):
         raise ModelLoadError(f"{source}: rope_scaling={raw['rope_scaling']!r} is not supported")
+    rope_parameters = raw.get("rope_parameters") or {}
+    if rope_parameters.get("rope_type", "default") != "default":
+        raise ModelLoadError(
+            f"{source}: rope_parameters={rope_parameters!r} is not supported (only rope_type 'default')"
+        )
     heads, kv_heads = raw.get("num_attention_heads"), raw.get("num_key_value_heads")
     if isinstance(heads, int) and isinstance(kv_heads, int) and (kv_heads < 1 or heads % kv_heads):
         raise ModelLoadError(
             f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
         )
+
+
+def _rope_theta(raw: dict[str, Any]) -> float:
+    # transformers 5 writes the base inside "rope_parameters"; older configs have "rope_theta"
+    if "rope_theta" in raw:
+        return float(raw["rope_theta"])
+    return float((raw.get("rope_parameters") or {}).get("rope_theta", 10000.0))
