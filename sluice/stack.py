@@ -8,9 +8,10 @@ worker and admission; ListReplicas / Stats for router and scheduler, which serve
 service) and the router lists every replica READY; a process that dies during start-up fails it with the tail
 of its log.
 
-Shutdown is graceful: admission stops accepting (NOT_SERVING, then exits after its grace period),
-every replica is drained at the router (no new routes), schedulers get up to `drain_timeout_s` to
-finish what is in flight, then each process gets SIGTERM (SIGKILL after a timeout), Redis last.
+Shutdown is graceful: every replica is drained at the router (no new routes; new requests get
+UNAVAILABLE), in-flight requests get up to `drain_timeout_s` to finish while their clients keep
+streaming, then admission stops, then schedulers (which cancel whatever is left), workers and the
+router get SIGTERM (SIGKILL after a timeout), Redis last.
 """
 
 from __future__ import annotations
@@ -264,22 +265,21 @@ class Stack:
             self.redis = None
 
     def _drain(self) -> None:
-        """Stop new work (admission first, then routes to each replica), then let in-flight work finish."""
+        """Stop routing to every replica, let in-flight requests finish (clients keep their streams), then
+        stop admission. New requests meanwhile get UNAVAILABLE (no READY replica) with a retry delay."""
+        if self.router is not None and self.router.alive():
+            with grpc.insecure_channel(self.router.address) as channel:
+                stub = router_pb2_grpc.RouterServiceStub(channel)
+                for i in range(len(self.schedulers)):
+                    with contextlib.suppress(grpc.RpcError):
+                        stub.Drain(router_pb2.DrainRequest(replica_id=f"replica-{i}"), timeout=5)
+            deadline = time.monotonic() + self.config.drain_timeout_s
+            while time.monotonic() < deadline:
+                if not [s for s in self.scheduler_stats() if s.running or s.waiting]:
+                    break
+                time.sleep(0.1)
         if self.admission is not None:
             _terminate(self.admission, timeout_s=10.0)
-        if self.router is None or not self.router.alive():
-            return
-        with grpc.insecure_channel(self.router.address) as channel:
-            stub = router_pb2_grpc.RouterServiceStub(channel)
-            for i in range(len(self.schedulers)):
-                with contextlib.suppress(grpc.RpcError):
-                    stub.Drain(router_pb2.DrainRequest(replica_id=f"replica-{i}"), timeout=5)
-        deadline = time.monotonic() + self.config.drain_timeout_s
-        while time.monotonic() < deadline:
-            busy = [s for s in self.scheduler_stats() if s.running or s.waiting]
-            if not busy:
-                return
-            time.sleep(0.1)
 
 
 def health_serving(address: str, service: str = "", timeout_s: float = 1.0) -> bool:
