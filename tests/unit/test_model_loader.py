@@ -82,9 +82,11 @@ def test_other_architecture_is_named(model_dir: Path) -> None:
 
 
 def test_unsupported_feature_is_named(model_dir: Path) -> None:
-    """A config asking for rope scaling (not implemented) is refused rather than silently ignored."""
+    """A config asking for a rope scaling the engine lacks (yarn), or an incomplete llama3 one, is refused rather than ignored."""
+    edit_config(model_dir, rope_scaling={"rope_type": "yarn", "factor": 8.0})
+    expect_error(model_dir, "rope scaling", "yarn")
     edit_config(model_dir, rope_scaling={"rope_type": "llama3", "factor": 8.0})
-    expect_error(model_dir, "rope_scaling")
+    expect_error(model_dir, "llama3 rope scaling lacks 'low_freq_factor'")
 
 
 def test_missing_tensor_is_named(model_dir: Path) -> None:
@@ -166,19 +168,21 @@ def test_transformers_5_rope_parameters_are_read(model_dir: Path) -> None:
     path.write_text(
         json.dumps(raw | {"rope_parameters": {"rope_theta": 5e5, "rope_type": "yarn", "factor": 4.0}})
     )
-    expect_error(model_dir, "rope_parameters", "yarn")
+    expect_error(model_dir, "rope scaling", "yarn")
 
 
 def test_hugging_face_checkpoint_gives_hugging_face_logits(tmp_path: Path) -> None:
-    """A directory written by transformers' LlamaForCausalLM.save_pretrained (GQA, sharded, tied) loads and reproduces its logits within 1e-4."""
+    """A directory written by transformers' LlamaForCausalLM.save_pretrained (GQA, sharded, tied, llama3 RoPE scaling) loads and reproduces its logits within 1e-4."""
     transformers = pytest.importorskip("transformers")
     from worker_svc.engine.tokenizer import build_byte_tokenizer
 
-    for tied in (False, True):
+    llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+    for tied, scaling in ((False, None), (True, llama3)):
         config = transformers.LlamaConfig(
             vocab_size=258, hidden_size=96, intermediate_size=200, num_hidden_layers=3, num_attention_heads=6,
             num_key_value_heads=2, max_position_embeddings=512, rope_theta=500000.0, tie_word_embeddings=tied,
-            rms_norm_eps=1e-6,
+            rms_norm_eps=1e-6, **({"rope_parameters": scaling} if scaling else {}),
         )  # fmt: skip
         torch.manual_seed(0)
         hf_model = transformers.LlamaForCausalLM(config).eval()
@@ -188,7 +192,9 @@ def test_hugging_face_checkpoint_gives_hugging_face_logits(tmp_path: Path) -> No
         target = tmp_path / f"hf-{tied}"
         hf_model.save_pretrained(target, max_shard_size="200KB")
         build_byte_tokenizer().save(str(target / "tokenizer.json"))
-        ids = torch.tensor(list(b"Hugging Face checkpoint parity"))
+        ids = torch.tensor(
+            list(b"Hugging Face checkpoint parity, long enough for low RoPE frequencies. " * 3)
+        )
         with torch.no_grad():
             expected = hf_model(ids[None]).logits[0].float()
         found = reference_forward(load_model(target, "cpu", "float32").model, ids)

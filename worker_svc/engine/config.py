@@ -33,6 +33,9 @@ class LlamaConfig:
     """Epsilon of every RMSNorm."""
     rope_theta: float = 10000.0
     """Base of the rotary position embedding frequencies."""
+    rope_llama3: tuple[float, float, float, int] | None = None
+    """Llama 3.1-style frequency scaling: (factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings); None for plain RoPE."""
     max_position_embeddings: int = 2048
     """Longest sequence (prompt + output) the model accepts."""
     tie_word_embeddings: bool = False
@@ -64,6 +67,16 @@ class LlamaConfig:
             mlp_bias=False,
             rope_scaling=None,
         )
+        out.pop("rope_llama3")
+        if self.rope_llama3 is not None:
+            factor, low, high, original = self.rope_llama3
+            out["rope_scaling"] = {
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low,
+                "high_freq_factor": high,
+                "original_max_position_embeddings": original,
+            }
         return out
 
     @classmethod
@@ -71,7 +84,8 @@ class LlamaConfig:
         """Return the configuration in a parsed config.json.
 
         Raises ModelLoadError when the architecture is not Llama, a required field is missing or
-        a feature this engine does not implement (biases, rope scaling, another activation) is on.
+        a feature this engine does not implement (biases, a rope scaling other than llama3, another
+        activation) is on.
         """
         _check_architecture(raw, source)
         _check_unsupported(raw, source)
@@ -87,8 +101,9 @@ class LlamaConfig:
                 num_attention_heads=heads,
                 num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
                 head_dim=int(raw.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=_rope_theta(raw),
+                rope_llama3=_rope_llama3(raw, source),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 bos_token_id=int(raw.get("bos_token_id") or 1),
@@ -118,13 +133,6 @@ def _check_unsupported(raw: dict[str, Any], source: str) -> None:
     for flag in ("attention_bias", "mlp_bias"):
         if raw.get(flag):
             raise ModelLoadError(f"{source}: {flag}=true is not supported")
-    if raw.get("rope_scaling"):
-        raise ModelLoadError(f"{source}: rope_scaling={raw['rope_scaling']!r} is not supported")
-    rope_parameters = raw.get("rope_parameters") or {}
-    if rope_parameters.get("rope_type", "default") != "default":
-        raise ModelLoadError(
-            f"{source}: rope_parameters={rope_parameters!r} is not supported (only rope_type 'default')"
-        )
     heads, kv_heads = raw.get("num_attention_heads"), raw.get("num_key_value_heads")
     if isinstance(heads, int) and isinstance(kv_heads, int) and (kv_heads < 1 or heads % kv_heads):
         raise ModelLoadError(
@@ -137,3 +145,24 @@ def _rope_theta(raw: dict[str, Any]) -> float:
     if "rope_theta" in raw:
         return float(raw["rope_theta"])
     return float((raw.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+
+
+def _rope_llama3(raw: dict[str, Any], source: str) -> tuple[float, float, float, int] | None:
+    # transformers 4 writes "rope_scaling" (None for plain RoPE), transformers 5 "rope_parameters"
+    scaling = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type != "llama3":
+        raise ModelLoadError(
+            f"{source}: rope scaling {scaling!r} is not supported (only 'default' and 'llama3')"
+        )
+    try:
+        return (
+            float(scaling["factor"]),
+            float(scaling["low_freq_factor"]),
+            float(scaling["high_freq_factor"]),
+            int(scaling["original_max_position_embeddings"]),
+        )
+    except KeyError as exc:
+        raise ModelLoadError(f"{source}: llama3 rope scaling lacks {exc.args[0]!r}") from None

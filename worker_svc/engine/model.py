@@ -9,6 +9,7 @@ weight and every operation except attention itself.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -39,13 +40,30 @@ class RMSNorm(nn.Module):
 def rope_tables(config: LlamaConfig, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (cos, sin), each [max_position_embeddings, head_dim] in float32."""
     dim = config.head_dim
-    inv_freq = 1.0 / (
-        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim)
-    )
+    exponents = torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    if config.rope_llama3 is not None:
+        inv_freq = llama3_scaled(inv_freq, *config.rope_llama3)
     positions = torch.arange(config.max_position_embeddings, dtype=torch.float64, device=device)
     freqs = torch.outer(positions, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().float(), emb.sin().float()
+
+
+def llama3_scaled(
+    inv_freq: torch.Tensor, factor: float, low: float, high: float, original: int
+) -> torch.Tensor:
+    """Return RoPE frequencies scaled the Llama 3.1 way.
+
+    Wavelengths shorter than original/high stay; longer than original/low are divided by factor;
+    in between, a smooth blend of the two.
+    """
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(medium, blended, scaled)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
