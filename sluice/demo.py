@@ -51,7 +51,7 @@ def demo_requests(count: int, span_s: float) -> list[WorkloadRequest]:
                                        output_length=max(r.output_length, 8)))
     # One request is cancelled by its client shortly after it starts streaming.
     middle = len(out) // 2
-    out[middle] = dataclasses.replace(out[middle], output_length=24, cancel_after_s=0.15)
+    out[middle] = dataclasses.replace(out[middle], output_length=1000, cancel_after_s=0.3)
     return out
 
 
@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize_run(requests, outcomes, ns, {
         "workload": "azure-conv (first requests, lengths x0.25 capped at 192 in / 24 out)",
         "replica_stats": {s.replica_id: {"finished": s.finished, "cancelled": s.cancelled,
-                                         "kv_blocks_free": s.kv_blocks_free, "kv_blocks_total": s.kv_blocks_total,
+                                         "kv_blocks_used": s.kv_blocks_used, "kv_blocks_cached": s.kv_blocks_cached,
+                                         "kv_blocks_total": s.kv_blocks_total,
                                          "prefix_hit_rate": s.prefix_hit_rate, "preemptions": s.preemptions}
                           for s in stats}})
     print(format_table(summary, title=f"Sluice demo: {len(requests)} requests, {args.replicas} replicas"))
