@@ -199,3 +199,23 @@ def test_hugging_face_checkpoint_gives_hugging_face_logits(tmp_path: Path) -> No
             expected = hf_model(ids[None]).logits[0].float()
         found = reference_forward(load_model(target, "cpu", "float32").model, ids)
         torch.testing.assert_close(found, expected, atol=1e-4, rtol=0)
+
+
+def test_config_defaults_and_token_id_lists() -> None:
+    """Config parsing keeps a BOS id of 0, takes the first of a Llama 3 EOS list and uses HF's defaults for absent fields."""
+    from worker_svc.engine.config import LlamaConfig
+
+    base = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 10, "hidden_size": 8,
+            "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2}  # fmt: skip
+    config = LlamaConfig.from_hf_dict(base | {"bos_token_id": 0, "eos_token_id": [5, 6]})
+    assert (config.bos_token_id, config.eos_token_id) == (0, 5)
+    config = LlamaConfig.from_hf_dict(base | {"bos_token_id": None})
+    assert (config.bos_token_id, config.eos_token_id, config.num_key_value_heads, config.head_dim) == (
+        1,
+        2,
+        2,
+        4,
+    )
+    assert (config.rms_norm_eps, config.rope_theta, config.rope_llama3) == (1e-6, 10000.0, None)
+    with pytest.raises(ModelLoadError, match="'num_hidden_layers' is missing"):
+        LlamaConfig.from_hf_dict({k: v for k, v in base.items() if k != "num_hidden_layers"})

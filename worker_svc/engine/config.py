@@ -92,7 +92,6 @@ class LlamaConfig:
         try:
             heads = int(raw["num_attention_heads"])
             hidden = int(raw["hidden_size"])
-            eos = raw.get("eos_token_id", 2)
             return cls(
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
@@ -106,8 +105,8 @@ class LlamaConfig:
                 rope_llama3=_rope_llama3(raw, source),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                bos_token_id=int(raw.get("bos_token_id") or 1),
-                eos_token_id=int(eos[0] if isinstance(eos, list) else eos),
+                bos_token_id=_token_id(raw.get("bos_token_id"), 1),
+                eos_token_id=_token_id(raw.get("eos_token_id"), 2),
                 torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             )
         except KeyError as exc:
@@ -166,3 +165,10 @@ def _rope_llama3(raw: dict[str, Any], source: str) -> tuple[float, float, float,
         )
     except KeyError as exc:
         raise ModelLoadError(f"{source}: llama3 rope scaling lacks {exc.args[0]!r}") from None
+
+
+def _token_id(value: Any, default: int) -> int:
+    # null means "use the Llama default"; a list (Llama 3) contributes its first id
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return default if value is None else int(value)
