@@ -31,7 +31,14 @@ DEFAULT_CUDA_KV_FRACTION = 0.8
 
 
 class TorchBackend:
-    """Executes RoundPlans on a Llama model with a paged KV cache (CPU or CUDA)."""
+    """Executes RoundPlans on a Llama model with a paged KV cache (CPU or CUDA).
+
+    The KV cache holds `num_blocks` blocks of `block_size` tokens, or as many as fit in
+    `kv_memory_bytes` (default: 256 MiB on the CPU, 80% of the free memory on CUDA), plus
+    `num_host_blocks` host blocks for swapping. `seed` seeds the generator of unseeded sampling.
+    Raises ModelLoadError for a bad model directory, device or dtype, and ValueError for a KV
+    budget that holds no block.
+    """
 
     def __init__(
         self,
