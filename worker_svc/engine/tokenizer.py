@@ -75,6 +75,8 @@ class TextTokenizer:
         Byte-level tokens can split one UTF-8 character; such a trailing partial character is
         held back (not returned) until the ids that complete it arrive, so concatenating the
         results of successive calls gives the text of all ids without replacement characters.
+        previous_ids may be only the last few ids of the output (enough to hold the longest
+        token sequence of one character), which keeps long outputs linear to detokenize.
         """
         before = self.stable_text(previous_ids)
         after = self.stable_text([*previous_ids, *new_ids])
