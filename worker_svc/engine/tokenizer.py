@@ -75,8 +75,9 @@ class TextTokenizer:
         Byte-level tokens can split one UTF-8 character; such a trailing partial character is
         held back (not returned) until the ids that complete it arrive, so concatenating the
         results of successive calls gives the text of all ids without replacement characters.
-        previous_ids may be only the last few ids of the output (enough to hold the longest
-        token sequence of one character), which keeps long outputs linear to detokenize.
+        previous_ids may be a tail of the output instead of all of it (linear, not quadratic,
+        work for a long output) if the tail starts where a character starts; a tail cut inside
+        a character decodes its first bytes as U+FFFD.
         """
         before = self.stable_text(previous_ids)
         after = self.stable_text([*previous_ids, *new_ids])
