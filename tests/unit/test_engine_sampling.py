@@ -99,3 +99,12 @@ def test_byte_tokenizer_round_trips_and_has_specials(tokenizer: TextTokenizer) -
     assert tokenizer.encode("A\n") == [65, 10]
     assert tokenizer.decode(tokenizer.encode("héllo\tworld")) == "héllo\tworld"
     assert tokenizer.decode([256, 72, 257]) == "H"
+
+
+def test_stop_string_with_a_tail_cut_inside_a_character(tokenizer: TextTokenizer) -> None:
+    """A recent-output tail that starts mid-character (as the scheduler may cut it) neither hides a new match nor repeats an old one."""
+    ids = tokenizer.encode("日ab")
+    tail = ids[1:4]  # the last two bytes of 日, then "a"
+    assert stop_string_hit(tokenizer, tail, ord("b"), ("ab",))
+    assert not stop_string_hit(tokenizer, tail, ord("b"), ("a",))
+    assert stop_string_hit(tokenizer, ids[1:3], ord("a"), ("a",))
