@@ -17,7 +17,7 @@ import torch
 
 from scheduler_svc.core.types import RoundPlan, RoundResult, SamplingParams, ScheduledSeq, SeqOutput
 from worker_svc.backend import BackendInfo
-from worker_svc.engine.attention import paged_attention
+from worker_svc.engine.attention import DEFAULT_MAX_GATHER_BYTES, paged_attention
 from worker_svc.engine.batch import EngineLimits, RoundInputs, build_round_inputs
 from worker_svc.engine.errors import PlanError
 from worker_svc.engine.kv_cache import PagedKVCache, blocks_for_budget
@@ -75,6 +75,8 @@ class TorchBackend:
         self.model_version = model_fingerprint(self.model_dir)
         self.batched_decode = True
         """Decode attention as one padded batch (True) or one sequence at a time (for measuring)."""
+        self.max_gather_bytes = DEFAULT_MAX_GATHER_BYTES
+        """Most K/V bytes one padded decode batch copies out of the cache at once (per layer)."""
         self._lock = threading.Lock()
 
     def _default_kv_bytes(self) -> int:
@@ -154,7 +156,14 @@ class TorchBackend:
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return paged_attention(
-                q, k, v, cache.flat_key(layer), cache.flat_value(layer), inputs, self.batched_decode
+                q,
+                k,
+                v,
+                cache.flat_key(layer),
+                cache.flat_value(layer),
+                inputs,
+                self.batched_decode,
+                self.max_gather_bytes,
             )
 
         hidden = self.model.forward_hidden(inputs.token_ids, inputs.positions, attend)

@@ -80,10 +80,12 @@ def greedy_outputs(
     return {s.request_id: s.output for s in seqs}
 
 
-@pytest.mark.parametrize("batched_decode", [True, False])
-def test_mixed_batch_greedy_tokens_equal_reference(backend: TorchBackend, batched_decode: bool) -> None:
-    """Greedy tokens of a batch of mixed-length prompts, decoded together (padded or per-sequence decode attention), equal the full-recompute reference's."""
-    backend.batched_decode = batched_decode
+@pytest.mark.parametrize(("batched_decode", "max_gather_bytes"), [(True, 2**28), (True, 1), (False, 2**28)])
+def test_mixed_batch_greedy_tokens_equal_reference(
+    backend: TorchBackend, batched_decode: bool, max_gather_bytes: int
+) -> None:
+    """Greedy tokens of a batch of mixed-length prompts, decoded together (padded, padded one row per gather, or per-sequence decode attention), equal the full-recompute reference's."""
+    backend.batched_decode, backend.max_gather_bytes = batched_decode, max_gather_bytes
     outputs = greedy_outputs(backend, list(PROMPTS), num_tokens=8)
     vocab = backend.sampling_vocab
     for name, prompt in PROMPTS.items():
