@@ -89,7 +89,6 @@ class Tracked:
     completion: events_pb2.Completion | None = None
     ended: bool = False
     followers: int = 0
-    missing_counted: bool = False
     """Generate calls streaming this request now (an idempotent retry is a second follower)."""
 
 
@@ -114,7 +113,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
         self.model = model
         self.owner = owner
         self.metrics = metrics or AdmissionMetrics()
-        self.registry = StreamRegistry(resume_window_s)
+        self.registry = StreamRegistry(resume_window_s, listener=self)
         self.records: dict[str, Tracked] = {}
         self._router_channel = grpc.aio.insecure_channel(router_address)
         self.router = router_pb2_grpc.RouterServiceStub(self._router_channel)
@@ -300,14 +299,10 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
         try:
             async for item in record.stream.follow():
                 if item.completion is None:
-                    self._on_first_token(record)
                     text = detokenizer.push(item.tokens)
                     yield convert.chunk(record.request_id, item.index, item.tokens, text, item.emitted_unix_s)
                     continue
                 finished = True
-                if not record.missing_counted:
-                    record.missing_counted = True
-                    self.metrics.missing_tokens.inc(record.stream.missing_tokens)
                 failure = convert.failure_of(item.completion)
                 if failure is not None:
                     await context.abort(*failure)
@@ -319,14 +314,24 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
                 # The last client went away or its deadline passed: stop the work nobody waits for.
                 self._spawn(self._cancel_downstream(record, "disconnect"))
 
-    def _on_first_token(self, record: Tracked) -> None:
-        if record.timestamps.first_token:
+    # ---- stream stages (StreamListener): they happen whether or not a client follows ------------
+    def first_token(self, stream: RequestStream) -> None:
+        """The first token arrived: the request leaves the admission queue; record the stage."""
+        record = self.records.get(stream.request_id)
+        if record is None or record.timestamps.first_token:
             return
         record.timestamps.first_token = time.time()
         record.status = common_pb2.RUNNING
         self.core.mark_started(record.request_id, time.monotonic())
         record.span.add_event("first_token", timestamp=_ns(record.timestamps.first_token))
         self.metrics.ttft.observe(record.timestamps.first_token - record.received_s)
+
+    def done(self, stream: RequestStream) -> None:
+        """Completion and tokens are all here: end the request's span (exactly once)."""
+        record = self.records.get(stream.request_id)
+        if record is not None and record.completion is not None and not record.ended:
+            self.metrics.missing_tokens.inc(stream.missing_tokens)
+            self._end_span(record, record.completion)
 
     async def _cancel_downstream(self, record: Tracked, cause: str) -> common_pb2.RequestStatus:
         """Ask the request's scheduler to cancel it; returns the status it reports."""
@@ -367,14 +372,13 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
         if completion.owner and completion.owner != self.owner:
             return
         released = self.core.release(completion.request_id, time.monotonic())
-        self.registry.on_completion(completion)
         record = self.records.get(completion.request_id)
-        if record is None or record.completion is not None:
-            return
-        if released is not None:
-            self.metrics.active.dec()
-        record.completion, record.status = completion, completion.status
-        self._end_span(record, completion)
+        if record is not None and record.completion is None:
+            if released is not None:
+                self.metrics.active.dec()
+            record.completion, record.status = completion, completion.status
+        # Last: the stream may be complete now, which ends the span (it reads record.completion).
+        self.registry.on_completion(completion)
 
     def _end_span(self, record: Tracked, completion: events_pb2.Completion) -> None:
         now = time.time()

@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from sluice.v1 import events_pb2
 
@@ -35,11 +35,22 @@ class StreamItem:
     """When the tokens were created (scheduler stamp, else their Redis entry time, ms); 0 = unknown."""
 
 
+class StreamListener(Protocol):
+    """Told about a request's stages as tokens arrive, whether or not a client is following."""
+
+    def first_token(self, stream: RequestStream) -> None:
+        """The request's first output token has arrived."""
+
+    def done(self, stream: RequestStream) -> None:
+        """The completion and every token it counts are here (or the wait for them gave up)."""
+
+
 @dataclass
 class RequestStream:
     """Everything one request has produced so far, and the readers waiting for more."""
 
     request_id: str
+    listener: StreamListener | None = None
     tokens: list[int] = field(default_factory=list)
     token_emitted: list[float] = field(default_factory=list)
     completion: events_pb2.Completion | None = None
@@ -47,6 +58,8 @@ class RequestStream:
     finished_at: float = 0.0
     missing_tokens: int = 0
     duplicates: int = 0
+    completion_at: float = 0.0
+    """time.monotonic() when the completion arrived."""
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def add_tokens(self, index: int, token_ids: list[int], emitted_unix_s: float) -> None:
@@ -66,14 +79,18 @@ class RequestStream:
         self.duplicates += min(skip, len(token_ids))
         fresh = token_ids[skip:]
         if fresh:
+            first = not self.tokens
             self.tokens.extend(fresh)
             self.token_emitted.extend([emitted_unix_s] * len(fresh))
             self._wake()
+            if first and self.listener is not None:
+                self.listener.first_token(self)
 
     def set_completion(self, completion: events_pb2.Completion) -> None:
         """Record the terminal record (the first one wins; later copies are redeliveries)."""
         if self.completion is None:
             self.completion = completion
+            self.completion_at = time.monotonic()
             self._wake()
 
     def complete_if_ready(self, force: bool = False) -> bool:
@@ -86,6 +103,8 @@ class RequestStream:
             self.done = True
             self.finished_at = time.monotonic()
             self._wake()
+            if self.listener is not None:
+                self.listener.done(self)
         return self.done
 
     def _wake(self) -> None:
@@ -123,16 +142,20 @@ def entry_time_s(entry_id: Any) -> float:
 class StreamRegistry:
     """The per-request streams of one admission process, with the resume window."""
 
-    def __init__(self, resume_window_s: float = 60.0) -> None:
+    def __init__(self, resume_window_s: float = 60.0, listener: StreamListener | None = None,
+                 grace_s: float = 2.0) -> None:
         self._streams: dict[str, RequestStream] = {}
         self.resume_window_s = resume_window_s
+        self.listener = listener
+        self.grace_s = grace_s
+        """How long a completion waits for tokens it counts that have not arrived."""
         self.unknown_deltas = 0
 
     def open(self, request_id: str) -> RequestStream:
         """Return the stream of `request_id`, creating it (before Submit, so no token is missed)."""
         stream = self._streams.get(request_id)
         if stream is None:
-            stream = self._streams[request_id] = RequestStream(request_id)
+            stream = self._streams[request_id] = RequestStream(request_id, self.listener)
         return stream
 
     def get(self, request_id: str) -> RequestStream | None:
@@ -156,8 +179,12 @@ class StreamRegistry:
             stream.complete_if_ready()
 
     def expire(self, now: float | None = None) -> int:
-        """Forget streams finished more than `resume_window_s` ago; returns how many."""
+        """Give up waiting for overdue tokens (nobody following) and forget streams finished more than
+        `resume_window_s` ago; returns how many were forgotten."""
         now = time.monotonic() if now is None else now
+        for stream in self._streams.values():
+            if not stream.done and stream.completion is not None and now - stream.completion_at > self.grace_s:
+                stream.complete_if_ready(force=True)
         old = [rid for rid, s in self._streams.items() if s.done and now - s.finished_at > self.resume_window_s]
         for request_id in old:
             del self._streams[request_id]
