@@ -129,6 +129,8 @@ class FairnessWeights:
     """Cost of one output token."""
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     """Share weight per tenant; unnamed tenants weigh 1."""
+    window_s: float = 10.0
+    """Window of the windowed Jain's index."""
 
 
 def tenant_shares(records: Sequence[RequestRecord], weights: FairnessWeights) -> dict[str, object]:
@@ -160,7 +162,58 @@ def tenant_shares(records: Sequence[RequestRecord], weights: FairnessWeights) ->
         for tenant, value in sorted(service.items())
     }
     normalised = [v / weights.tenant_weights.get(t, 1.0) for t, v in service.items()]
-    return {"tenants": per_tenant, "jain_index": jain_index(normalised)}
+    return {
+        "tenants": per_tenant,
+        "jain_index": jain_index(normalised),
+        "windowed_jain_index": windowed_jain_index(records, weights),
+        "window_s": weights.window_s,
+    }
+
+
+def windowed_jain_index(records: Sequence[RequestRecord], weights: FairnessWeights) -> float | None:
+    """Return the mean over time windows of Jain's index of weighted service among active tenants.
+
+    Over a whole run where everything completes, each tenant's service equals its demand whatever
+    the policy; fairness shows while tenants compete. So time is cut into `window_s` windows; a
+    tenant is backlogged in a window when one of its requests waits in it (arrived, not yet
+    scheduled: what a fair queue arbitrates); its service there is (prompt tokens at the first token + output tokens at their times) / weight.
+    Windows with fewer than two backlogged tenants are skipped; None when none remain. Output tokens
+    need `token_times`; without them a request's output counts at its finish.
+    """
+    window = weights.window_s
+    service: dict[tuple[int, str], float] = {}
+    active: dict[int, set[str]] = {}
+    for r in records:
+        if r.status == "rejected":
+            continue
+        scale = 1.0 / weights.tenant_weights.get(r.tenant, 1.0)
+        if r.first_token_s is not None:
+            key = (int(r.first_token_s // window), r.tenant)
+            service[key] = service.get(key, 0.0) + r.input_tokens * weights.input_weight * scale
+        times = (
+            r.token_times
+            if r.token_times is not None
+            else [r.finish_s] * r.output_tokens
+            if r.finish_s
+            else []
+        )
+        if len(times):
+            buckets, counts = np.unique(
+                (np.asarray(times, dtype=float) // window).astype(np.int64), return_counts=True
+            )
+            for bucket, count in zip(buckets.tolist(), counts.tolist(), strict=True):
+                key = (bucket, r.tenant)
+                service[key] = service.get(key, 0.0) + count * weights.output_weight * scale
+        waited_until = r.arrival_s + (r.wait_s or 0.0)
+        for bucket in range(int(r.arrival_s // window), int(waited_until // window) + 1):
+            active.setdefault(bucket, set()).add(r.tenant)
+    values = [
+        index
+        for bucket, tenants in active.items()
+        if len(tenants) > 1
+        and (index := jain_index([service.get((bucket, t), 0.0) for t in tenants])) is not None
+    ]
+    return float(np.mean(values)) if values else None
 
 
 def _series_summary(

@@ -62,6 +62,7 @@ ROWS: tuple[tuple[str, str, Callable[[object], str]], ...] = (
     ("E2E p99 (s)", "e2e_s.p99", _number(1, 2)),
     ("max normal wait (s)", "max_normal_priority_wait_s", _number(1, 2)),
     ("Jain's index", "fairness.jain_index", _number(1, 3)),
+    ("Jain's index, windowed", "fairness.windowed_jain_index", _number(1, 3)),
     ("preemptions", "preemptions", _number(1, 0)),
     ("recomputed tokens", "tokens.recomputed", _number(1, 0)),
     ("prefix hit rate (%)", "replica_stats.prefix_hit_rate", _number(100, 1)),

@@ -266,6 +266,7 @@ SYNTHETIC_KEYS = {
     "input": "prompt lengths: fixed:N | uniform:LO:HI | lognormal:MEDIAN:SIGMA[:MAX]",
     "output": "output lengths, same forms as input",
     "tenants": "name:weight,name:weight (picked in proportion to weight; weights also feed fair share)",
+    "tenant_weights": "name:weight,... share weights for fair share, if they differ from the arrival mix",
     "prefix_groups": "number of shared-prefix groups (0 = none)",
     "prefix_len": "tokens of the shared prefix of each group",
     "priority_frac": "fraction of requests with priority `high_priority`",
@@ -407,4 +408,6 @@ def generate_synthetic(
                 seed=seed,
             )
         )
+    if "tenant_weights" in settings:
+        weights = _tenants(str(settings["tenant_weights"]))
     return requests, weights

@@ -122,3 +122,17 @@ def test_series_are_summarised_and_passed_through() -> None:
 def test_meets_slo_single_token() -> None:
     """A single-token answer has no TPOT and meets the SLO on TTFT alone."""
     assert meets_slo(make_record("a", 0, 0.5, 0.5, out=1), 1.0, 0.01)
+
+
+def test_windowed_jain_counts_only_windows_where_tenants_compete() -> None:
+    """Windowed Jain's index uses weighted service inside windows with two or more live tenants."""
+    records = [
+        make_record("a1", 0.0, 1.0, 15.0, out=3, tenant="a", input_tokens=10, token_times=[1.0, 5.0, 12.0]),
+        make_record("b1", 0.0, 2.0, 8.0, out=2, tenant="b", input_tokens=20, token_times=[2.0, 3.0]),
+    ]
+    weights = FairnessWeights(tenant_weights={"a": 2.0}, window_s=10.0)
+    fairness = summarize(records, 1, 1, fairness=weights)["fairness"]
+    assert isinstance(fairness, dict)
+    # window 0 only: a = (10 + 2*2) / 2 = 7, b = 20 + 2*2 = 24 -> 31^2 / (2 * (49 + 576))
+    assert fairness["windowed_jain_index"] == pytest.approx(961 / 1250)
+    assert summarize(records[:1], 1, 1)["fairness"]["windowed_jain_index"] is None  # type: ignore[index]
