@@ -51,11 +51,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def resolve_model_dir(spec: str) -> Path:
-    """Return the model directory of a preset name or path (presets are generated on first use)."""
+    """Return the model directory of a preset name or path (presets are generated on first use).
+
+    A preset that a worker has already generated is found without importing worker_svc.models,
+    which imports torch (seconds and hundreds of MB that admission, a tokenizer user, does not need).
+    """
     candidate = Path(spec).expanduser()
     if candidate.is_dir():
         return candidate
-    from worker_svc.models import resolve_model  # imports torch only when a preset must be resolved
+    home = os.environ.get("SLUICE_HOME")
+    roots = [Path(home)] if home else [d / ".sluice" for d in (Path.cwd(), *Path.cwd().parents)
+                                       if (d / ".git").exists() or (d / "pyproject.toml").is_file()][:1]
+    for root in roots:
+        generated = root / "models" / spec
+        if (generated / "config.json").is_file() and (generated / "tokenizer.json").is_file():
+            return generated
+    from worker_svc.models import resolve_model
 
     return resolve_model(spec)
 
