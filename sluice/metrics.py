@@ -13,7 +13,9 @@ Conventions (so numbers from the simulator and from a real run mean the same thi
 - latency figures cover requests with status "ok" only; the other statuses are counted;
 - a request "meets the SLO" when it is ok, TTFT <= slo_ttft_s and (TPOT <= slo_tpot_s or it has a
   single output token); goodput = such requests per second of the run; SLO attainment = their
-  fraction of ALL records (a rejection is a miss, not a request that vanished).
+  fraction of ALL records (a rejection is a miss, not a request that vanished);
+- fairness: per-tenant weighted service and Jain's index over the whole run, plus a windowed
+  Jain's index among tenants that have requests waiting (see `windowed_jain_index`).
 """
 
 from __future__ import annotations
