@@ -285,13 +285,16 @@ class Simulator:
         """Start a round on an idle replica if its scheduler has work for one."""
         if replica.busy:
             return
-        plan = replica.core.schedule(self.now)
+        now = self.now
+        plan = replica.core.schedule(now)
         if plan.is_empty:
             return
         result = self.cost.execute(plan)
         replica.busy = True
         self.rounds += 1
-        self.push(self.now + result.elapsed_s, _ROUND_DONE, (replica, result))
+        # push() inlined: this runs once per simulated round
+        self._seq += 1
+        heapq.heappush(self._heap, (now + result.elapsed_s, self._seq, _ROUND_DONE, (replica, result)))
 
     def _on_round_done(self, payload: tuple[_Replica, Any]) -> None:
         replica, result = payload
