@@ -109,6 +109,7 @@ class Workload:
 
     @property
     def duration_s(self) -> float:
+        """Return the arrival time of the last request."""
         return self.requests[-1].arrival_s if self.requests else 0.0
 
     def describe(self) -> dict[str, object]:

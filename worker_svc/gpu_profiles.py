@@ -62,6 +62,7 @@ class ModelShape:
 
     @property
     def head_dim(self) -> int:
+        """Return the width of one attention head."""
         return self.hidden_size // self.num_heads
 
     @property
@@ -72,6 +73,7 @@ class ModelShape:
 
     @property
     def lm_head_params(self) -> int:
+        """Return the weights of the output head (vocab x hidden)."""
         return self.vocab_size * self.hidden_size
 
     @property

@@ -74,6 +74,7 @@ class _Stepper:
         self.events = CoreEvents()
 
     def submit(self, request_id: str, prompt_len: int, max_tokens: int, priority: int = 0) -> None:
+        """Submit a request with a deterministic prompt at the current time."""
         offset = zlib.crc32(request_id.encode())
         prompt = tuple((offset + i) % 1000 for i in range(prompt_len))
         sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -83,24 +84,29 @@ class _Stepper:
         self._collect(self.core.take_events())
 
     def plan(self) -> RoundPlan:
+        """Return the core's next round plan (nothing is executed)."""
         return self.core.schedule(self.now)
 
     def execute(self, plan: RoundPlan, elapsed_s: float | None = None) -> RoundResult:
+        """Run the plan on the cost model and advance the clock (by `elapsed_s` if given)."""
         result = self.cost.execute(plan)
         self.now += result.elapsed_s if elapsed_s is None else elapsed_s
         return result
 
     def deliver(self, result: RoundResult) -> CoreEvents:
+        """Hand a round result to the core at the current time; return its events."""
         events = self.core.on_round_result(result, self.now)
         self._collect(events)
         return events
 
     def step(self, elapsed_s: float | None = None) -> RoundPlan:
+        """Plan, execute and deliver one round; return its plan."""
         plan = self.plan()
         self.deliver(self.execute(plan, elapsed_s))
         return plan
 
     def cancel(self, request_id: str) -> RequestStatus | None:
+        """Cancel a request now; return its status afterwards."""
         status = self.core.cancel(request_id, self.now)
         self._collect(self.core.take_events())
         return status
@@ -113,6 +119,7 @@ class _Stepper:
 
     @property
     def free(self) -> int:
+        """Return the free KV blocks."""
         return self.core.stats().kv_blocks_free
 
 
