@@ -1,0 +1,54 @@
+"""End to end through the command line: `sluice up`, `sluice generate`, then Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sluice.redis_server import free_port
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _sluice(*args: str) -> list[str]:
+    return [sys.executable, "-m", "sluice.cli", *args]
+
+
+def test_up_generate_and_ctrl_c(tmp_path: Path) -> None:
+    """`sluice up` prints its endpoint and key, `sluice generate` streams through it, and SIGINT stops every process."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    up = subprocess.Popen(_sluice("up", "--backend", "costmodel", "--model", "llama-3-8b", "--port", str(port),
+                                  "--run-dir", str(tmp_path)),
+                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and up.stdout is not None:
+            line = up.stdout.readline()
+            lines.append(line)
+            if "Ctrl-C to stop" in line or not line:
+                break
+        banner = "".join(lines)
+        assert f"endpoint: 127.0.0.1:{port}" in banner and "sk-sluice-local" in banner, banner
+        done = subprocess.run(_sluice("generate", "hello", "--max-tokens", "5", "--target", f"127.0.0.1:{port}",
+                                      "--ids"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert len(done.stdout.split()) == 5 and "5 output tokens" in done.stderr
+        bad = subprocess.run(_sluice("generate", "hello", "--max-tokens", "0", "--target", f"127.0.0.1:{port}"),
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
+    finally:
+        up.send_signal(signal.SIGINT)
+        output, _ = up.communicate(timeout=60)
+    assert up.returncode == 0, output
+    assert "stopped." in output
+    leftover = subprocess.run(["pgrep", "-f", f"--port {port}"], capture_output=True, text=True)
+    assert leftover.stdout.strip() == ""
