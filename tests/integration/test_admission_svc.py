@@ -349,3 +349,25 @@ def test_no_ready_replica_is_unavailable_and_releases(tmp_path: Path, redis_url:
         assert servicer.core.stats(0).active == 0 and replica.submitted == []
 
     run(tmp_path, redis_url, namespace, body)
+
+
+def test_bench_drive_records_every_outcome(tmp_path: Path, redis_url: str, namespace: str) -> None:
+    """The load generator replays a workload open-loop and records each request: tokens, a cancel, a rejection."""
+    from sluice.commands.bench import drive, path_latency, records_of
+    from sluice.workload import WorkloadRequest
+
+    requests = [WorkloadRequest(f"w{i}", arrival_s=0.01 * i, input_length=4, output_length=5, tenant="acme")
+                for i in range(3)]
+    requests.append(WorkloadRequest("cancelled", arrival_s=0.05, input_length=4, output_length=11, tenant="acme",
+                                    cancel_after_s=0.05))
+    requests.append(WorkloadRequest("bad", arrival_s=0.06, input_length=4, output_length=100, tenant="acme"))
+
+    async def body(target: str, servicer: AdmissionServicer, replica: StandInReplica, bus: Bus) -> None:
+        outcomes = await drive(target, {"acme": "k-acme"}, requests, max_concurrency=2, progress=False)
+        records = records_of(requests, outcomes)
+        assert [r.status for r in records] == ["ok", "ok", "ok", "cancelled", "failed"]
+        assert all(r.output_tokens == 5 and len(r.token_times or ()) == 5 for r in records[:3])
+        assert "64" in records[4].detail  # prompt + max_tokens over the model length, with the numbers
+        assert path_latency(outcomes)["count"] == 15 + len(outcomes[3].path_latencies)
+
+    run(tmp_path, redis_url, namespace, body)
