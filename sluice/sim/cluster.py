@@ -148,8 +148,8 @@ class Simulator:
         )
 
     # ---- the run ----------------------------------------------------------------------------
-    def run(self, until: float | None = None) -> list[RequestRecord]:
-        """Play every request to a terminal state (or until `until`); return the records in arrival order."""
+    def run(self) -> list[RequestRecord]:
+        """Play every request to a terminal state; return the records in arrival order."""
         started = time.perf_counter()
         for replica in self.replicas:
             self.router.register(self._replica_spec(replica), 0.0)
@@ -160,10 +160,7 @@ class Simulator:
         handlers = self._handlers()
         heap = self._heap
         while heap:
-            when, _, kind, payload = heap[0]
-            if until is not None and when > until:
-                break
-            heapq.heappop(heap)
+            when, _, kind, payload = heapq.heappop(heap)
             self.now = when
             handlers[kind](payload)
         self._finish_stragglers()
