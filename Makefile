@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 PROTOS  := $(wildcard protos/sluice/v1/*.proto)
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup protos test test-fast lint demo bench clean
+.PHONY: setup protos test lint demo bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,8 +34,11 @@ lint: setup
 demo: setup
 	$(BIN)/python -m sluice.demo
 
+# Benchmarks print JSON; they are never part of `make test`. BENCH_FLAGS=--quick for a short run.
 bench: setup
-	$(BIN)/python -m scheduler_svc.bench
+	$(BIN)/python -m scheduler_svc.bench $(BENCH_FLAGS)
+	$(BIN)/python -m router_svc.bench $(BENCH_FLAGS)
+	$(BIN)/python -m worker_svc.bench $(BENCH_FLAGS)
 
 clean:
 	rm -rf $(VENV) sluice/v1 .pytest_cache
