@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,24 +33,13 @@ PROMPTS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    # tiny tensors gain nothing from threads, and OpenMP threads on a shared CPU slow down ~4x
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_preset(tmp_path_factory.mktemp("tiny"), "tiny")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture
-def backend(model_dir: Path) -> TorchBackend:
+def backend(tiny_preset: Path) -> TorchBackend:
     return TorchBackend(
-        model_dir,
+        tiny_preset,
         device="cpu",
         dtype="float32",
         block_size=BLOCK_SIZE,
@@ -301,14 +289,14 @@ def test_padded_vocabulary_ids_are_never_sampled(tmp_path: Path) -> None:
     assert all(token < 258 for seq in seqs for token in seq.output)
 
 
-def test_kv_budget_in_bytes_sets_the_block_count(model_dir: Path) -> None:
+def test_kv_budget_in_bytes_sets_the_block_count(tiny_preset: Path) -> None:
     """kv_memory_bytes is turned into as many blocks as fit; a budget smaller than one block is refused."""
     per_block = bytes_per_block(PRESETS["tiny"], BLOCK_SIZE, torch.float32)
     backend = TorchBackend(
-        model_dir, device="cpu", dtype="float32", block_size=BLOCK_SIZE, kv_memory_bytes=10 * per_block + 1
+        tiny_preset, device="cpu", dtype="float32", block_size=BLOCK_SIZE, kv_memory_bytes=10 * per_block + 1
     )
     assert backend.info().num_blocks == 10 and backend.cache.key[0].shape == (10, BLOCK_SIZE, 2, 32)
     with pytest.raises(ValueError, match="holds no block"):
         TorchBackend(
-            model_dir, device="cpu", dtype="float32", block_size=BLOCK_SIZE, kv_memory_bytes=per_block - 1
+            tiny_preset, device="cpu", dtype="float32", block_size=BLOCK_SIZE, kv_memory_bytes=per_block - 1
         )

@@ -6,17 +6,14 @@ request must still produce exactly the tokens of the full-recompute reference.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from scheduler_svc.core import SchedulerCore
 from scheduler_svc.core.config import PreemptionMode, SchedulerConfig
 from scheduler_svc.core.types import Finished, NewRequest, RequestStatus, SamplingParams
 from worker_svc.engine.manual import reference_greedy
-from worker_svc.engine.presets import write_preset
 from worker_svc.torch_backend import TorchBackend
 
 BLOCK_SIZE = 4
@@ -32,18 +29,7 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    # tiny tensors gain nothing from threads, and OpenMP threads on a shared CPU slow down ~4x
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_preset(tmp_path_factory.mktemp("tiny"), "tiny")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def serve(
@@ -82,14 +68,14 @@ def serve(
 
 
 @pytest.mark.parametrize("mode", [PreemptionMode.RECOMPUTE, PreemptionMode.SWAP])
-def test_scheduled_requests_match_reference_under_kv_pressure(model_dir: Path, mode: PreemptionMode) -> None:
+def test_scheduled_requests_match_reference_under_kv_pressure(tiny_preset: Path, mode: PreemptionMode) -> None:
     """With too few KV blocks for all requests, preemption and prefix sharing still give every request the reference's greedy tokens."""
     requests = [
         NewRequest(f"r{i}", tuple(p), SamplingParams(max_tokens=MAX_TOKENS), eos_token_id=None)
         for i, p in enumerate(PROMPTS)
     ]
-    finished, stats = serve(model_dir, mode, requests, NUM_BLOCKS)
-    backend = TorchBackend(model_dir, device="cpu", dtype="float32", num_blocks=8)
+    finished, stats = serve(tiny_preset, mode, requests, NUM_BLOCKS)
+    backend = TorchBackend(tiny_preset, device="cpu", dtype="float32", num_blocks=8)
     assert stats.preemptions > 0 and stats.prefix_hit_tokens > 0  # the scenario exercised both paths
     for i, prompt in enumerate(PROMPTS):
         record = finished[f"r{i}"]
@@ -98,31 +84,31 @@ def test_scheduled_requests_match_reference_under_kv_pressure(model_dir: Path, m
         assert list(record.output_token_ids) == expected, f"r{i}"
 
 
-def test_seeded_request_is_unaffected_by_pressure_and_companions(model_dir: Path) -> None:
+def test_seeded_request_is_unaffected_by_pressure_and_companions(tiny_preset: Path) -> None:
     """A seeded sampling request gets the same tokens alone with ample KV as in a crowded, preempting replica."""
     seeded = SamplingParams(temperature=1.0, top_k=40, seed=77, max_tokens=MAX_TOKENS)
     target = NewRequest("target", tuple(PROMPTS[0]), seeded, eos_token_id=None)
-    alone, _ = serve(model_dir, PreemptionMode.RECOMPUTE, [target], 256)
+    alone, _ = serve(tiny_preset, PreemptionMode.RECOMPUTE, [target], 256)
     others = [
         NewRequest(
             f"o{i}", tuple(p), SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS), eos_token_id=None
         )
         for i, p in enumerate(PROMPTS[1:])
     ]
-    crowded, stats = serve(model_dir, PreemptionMode.RECOMPUTE, [*others, target], NUM_BLOCKS)
+    crowded, stats = serve(tiny_preset, PreemptionMode.RECOMPUTE, [*others, target], NUM_BLOCKS)
     assert stats.preemptions > 0
     assert crowded["target"].output_token_ids == alone["target"].output_token_ids
 
 
-def test_stop_string_finishes_the_request(model_dir: Path) -> None:
+def test_stop_string_finishes_the_request(tiny_preset: Path) -> None:
     """A stop string equal to the first printable character the model generates finishes the request at that token."""
-    backend = TorchBackend(model_dir, device="cpu", dtype="float32", num_blocks=8)
+    backend = TorchBackend(tiny_preset, device="cpu", dtype="float32", num_blocks=8)
     greedy = reference_greedy(backend.model, PROMPTS[3], 16, backend.sampling_vocab)
     first_printable = next(k for k, token in enumerate(greedy) if 32 < token < 127)
     stop = chr(greedy[first_printable])
     request = NewRequest(
         "s", tuple(PROMPTS[3]), SamplingParams(max_tokens=16, stop_strings=(stop,)), eos_token_id=None
     )
-    finished, _ = serve(model_dir, PreemptionMode.RECOMPUTE, [request], 64)
+    finished, _ = serve(tiny_preset, PreemptionMode.RECOMPUTE, [request], 64)
     assert finished["s"].status is RequestStatus.FINISHED_STOP
     assert list(finished["s"].output_token_ids) == greedy[: first_printable + 1]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,24 +16,13 @@ from worker_svc.engine.loader import load_model
 from worker_svc.engine.model import reference_forward
 from worker_svc.engine.presets import PRESETS, random_weights, write_preset
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread() -> Iterator[None]:
-    # tiny tensors gain nothing from threads, and OpenMP threads on a shared CPU slow down ~4x
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_preset(tmp_path_factory.mktemp("pristine"), "tiny")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture
-def model_dir(pristine: Path, tmp_path: Path) -> Path:
-    return Path(shutil.copytree(pristine, tmp_path / "model"))
+def model_dir(tiny_preset: Path, tmp_path: Path) -> Path:
+    """A writable copy of the tiny preset, for tests that break it."""
+    return Path(shutil.copytree(tiny_preset, tmp_path / "model"))
 
 
 def edit_config(model_dir: Path, **changes: object) -> None:
@@ -121,7 +109,7 @@ def test_unknown_dtype_and_device_options_are_refused(model_dir: Path) -> None:
         load_model(model_dir, device="tpu")
 
 
-def test_sharded_checkpoint_with_index_loads_the_same_model(model_dir: Path, pristine: Path) -> None:
+def test_sharded_checkpoint_with_index_loads_the_same_model(model_dir: Path, tiny_preset: Path) -> None:
     """Weights split over two files with a model.safetensors.index.json load to the same logits; a missing shard is named."""
     weights = load_file(str(model_dir / "model.safetensors"))
     (model_dir / "model.safetensors").unlink()
@@ -134,7 +122,7 @@ def test_sharded_checkpoint_with_index_loads_the_same_model(model_dir: Path, pri
     (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     ids = torch.tensor([5, 6, 7, 8])
     sharded = reference_forward(load_model(model_dir, "cpu", "float32").model, ids)
-    single = reference_forward(load_model(pristine, "cpu", "float32").model, ids)
+    single = reference_forward(load_model(tiny_preset, "cpu", "float32").model, ids)
     assert torch.equal(sharded, single)
     (model_dir / "model-00002-of-00002.safetensors").unlink()
     expect_error(model_dir, "missing", "model-00002-of-00002.safetensors")
