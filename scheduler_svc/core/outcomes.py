@@ -261,6 +261,7 @@ class _Outcomes:
             self._running.pop(request.request_id, None)
             self._swapping.pop(request.request_id, None)
             apply(request, deferred)
+            self._set_pending(request, 0)
             is_cancel = deferred is Input.CANCEL_DEFERRED
             request.release_input = Input.RELEASE_CANCELLED if is_cancel else Input.RELEASE_TIMED_OUT
             self._cancelling[request.request_id] = request
@@ -283,6 +284,8 @@ class _Outcomes:
     def _end(self, request: Request, event: Input, now: float, detail: str = "") -> None:
         """Enter a terminal status, release blocks and emit the Finished record (exactly once)."""
         status = apply(request, event)
+        if request.pending_prefill:
+            self._set_pending(request, 0)
         released = self._release_blocks(request)
         del self._live[request.request_id]
         self._remember(request.request_id, status)
@@ -328,16 +331,25 @@ class _Outcomes:
     # ---- queue and outbox ------------------------------------------------------------------
     def _enqueue(self, request: Request) -> None:
         self._queue.push(request)
-        self._queued_prefill_tokens += len(request.tokens) - request.num_computed
+        self._set_pending(request, len(request.tokens) - request.num_computed)
 
     def _dequeue(self, request: Request, served: bool = False) -> None:
-        """Take `request` out of the queue; `served` when it is the head being scheduled."""
+        """Take `request` out of the queue; `served` when it is the head being scheduled.
+
+        A served request keeps its pending prefill: it is work this replica still has to do,
+        and `_place` takes it off chunk by chunk.
+        """
         if served:
             head = self._queue.pop()
             assert head is request, "only the head of the queue is scheduled"
         else:
             self._queue.remove(request)
-        self._queued_prefill_tokens -= len(request.tokens) - request.num_computed
+            self._set_pending(request, 0)
+
+    def _set_pending(self, request: Request, tokens: int) -> None:
+        # One counter for the whole replica, moved by each request's delta: stats() stays O(1).
+        self._queued_prefill_tokens += tokens - request.pending_prefill
+        request.pending_prefill = tokens
 
     def _event(
         self, request: Request, stage: Stage, now: float, detail: tuple[tuple[str, int | str], ...] = ()

@@ -25,6 +25,7 @@ class Request:
         "tokens",
         "num_prompt",
         "num_computed",
+        "pending_prefill",
         "block_ids",
         "block_table",
         "block_hashes",
@@ -64,6 +65,8 @@ class Request:
         self.tokens = array("q", new.prompt_token_ids)
         self.num_prompt = len(self.tokens)
         self.num_computed = 0
+        self.pending_prefill = 0
+        """Prefill tokens not yet scheduled that this request adds to the core's pending-prefill count."""
         self.block_ids: list[int] = []
         self.block_table: tuple[int, ...] = ()
         self.block_hashes: list[int] = []

@@ -303,6 +303,7 @@ class SchedulerCore(_Outcomes):
         request.block_table = tuple(request.block_ids)
         request.num_registered = len(hits)
         request.num_computed = start
+        self._set_pending(request, len(request.tokens) - start)  # cached blocks are no work
         if request.first_scheduled_time is None:
             request.first_scheduled_time = now
             request.usage.cached_tokens = start
@@ -363,6 +364,9 @@ class SchedulerCore(_Outcomes):
             )
         )
         decode = num == 1 and sample and start >= request.num_prompt
+        if request.pending_prefill:
+            # A chunk that reaches the last known token ends the prefill (what follows is decode).
+            self._set_pending(request, 0 if sample else len(tokens) - end)
         rnd.record.entries.append((request, num, sample, decode))
         request.in_flight_round = rnd.record.round_id
         rnd.tokens_left -= num
@@ -387,6 +391,7 @@ class SchedulerCore(_Outcomes):
             rnd.decode_tokens -= 1
         else:
             rnd.prefill_tokens -= num
+            self._set_pending(request, len(request.tokens) - seq.start_position)
 
     def _seal(self, rnd: RoundBuilder, now: float) -> RoundPlan:
         config = self.config

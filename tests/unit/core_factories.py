@@ -103,6 +103,21 @@ def check_invariants(core: SchedulerCore) -> None:
     assert all(pool.pin_count(b) == pinned[b] for b in range(pool.num_blocks))
     _check_places(core)
     _check_host(core)
+    _check_pending_prefill(core)
+
+
+def _check_pending_prefill(core: SchedulerCore) -> None:
+    """The reported pending prefill is the sum of each live request's unscheduled prefill."""
+    in_flight = {id(request): num for record in core._in_flight.values() for request, num, _, _ in record.entries}
+    for request in core._live.values():
+        unscheduled = len(request.tokens) - request.num_computed - in_flight.get(id(request), 0)
+        if request.status is RequestStatus.WAITING:
+            assert request.pending_prefill == len(request.tokens) - request.num_computed
+        elif request.status is RequestStatus.CANCELLING:
+            assert request.pending_prefill == 0
+        elif request.status is RequestStatus.RUNNING:
+            assert 0 <= request.pending_prefill <= max(unscheduled, 0), f"{request}: {request.pending_prefill}"
+    assert core.stats().queued_prefill_tokens == sum(r.pending_prefill for r in core._live.values())
 
 
 def _check_places(core: SchedulerCore) -> None:

@@ -283,3 +283,35 @@ def test_deadline_heap_drops_entries_of_ended_requests() -> None:
         core.submit(make_request(f"r{i}", deadline=1e9, queue_deadline=1e9), 0.0)
         core.cancel(f"r{i}", 0.0)
     assert len(core._deadlines) < 1100 and core.next_deadline() is None
+
+
+# ---- reported load -------------------------------------------------------------------------
+
+
+def test_pending_prefill_counts_the_unscheduled_rest_of_a_running_prompt() -> None:
+    """A request halfway through a chunked prefill still reports its unscheduled prompt tokens, down to 0 at decode."""
+    core = make_core(num_blocks=64, max_prefill_chunk=32, max_num_batched_tokens=32)
+    core.submit(make_request("long", 100, max_tokens=3), 0.0)
+    assert core.stats().queued_prefill_tokens == 100
+    seen = []
+    for now in range(6):
+        step(core, float(now))
+        seen.append(core.stats().queued_prefill_tokens)
+        check_invariants(core)
+    assert core.num_waiting == 0 and seen == [68, 36, 4, 0, 0, 0]
+
+
+def test_pending_prefill_excludes_cached_blocks_and_returns_on_cancel() -> None:
+    """Tokens served from the prefix cache are no pending work; a cancelled running request leaves none behind."""
+    core = make_core(max_prefill_chunk=16, max_num_batched_tokens=16)
+    shared = tuple(range(1000, 1064))
+    core.submit(make_request("first", prompt=shared, max_tokens=2), 0.0)
+    for now in range(6):
+        step(core, float(now))
+    core.submit(make_request("second", prompt=shared[:48] + tuple(range(5000, 5032)), max_tokens=2), 10.0)
+    plan = core.schedule(10.0)
+    assert plan.seqs[0].start_position == 48
+    assert core.stats().queued_prefill_tokens == 80 - 48 - 16
+    core.cancel("second", 10.5)
+    assert core.stats().queued_prefill_tokens == 0
+    check_invariants(core)
