@@ -288,6 +288,8 @@ class _Outcomes:
             self._set_pending(request, 0)
         released = self._release_blocks(request)
         del self._live[request.request_id]
+        if self._account is not None:  # type: ignore[attr-defined]
+            self._queue.on_live(request.tenant, -1)
         self._remember(request.request_id, status)
         self._counts[status] = self._counts.get(status, 0) + 1
         usage = request.usage

@@ -13,8 +13,9 @@ request of priority p_R + delta arriving before t + delta / aging_rate: later ar
 FAIR: each tenant has a virtual token counter, charged (input tokens * fair_input_weight + output
 tokens * fair_output_weight) / tenant weight through `on_service`; the next request comes from the
 backlogged tenant with the smallest counter (FCFS within a tenant). A tenant that becomes
-backlogged has its counter lifted to the smallest counter of the other backlogged tenants (or, with
-none, to the counter of the last tenant served), so idleness never banks service.
+backlogged has its counter lifted to the smallest counter of the other active tenants (those with
+any live request, queued or running; with none, to the counter of the last tenant that went
+inactive), so idleness never banks service.
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ class WaitingQueue(ABC):
 
     def on_service(self, tenant: str, input_tokens: int, output_tokens: int) -> None:  # noqa: B027
         """Account tokens served to `tenant` (only FAIR uses it)."""
+
+    def on_live(self, tenant: str, delta: int) -> None:  # noqa: B027
+        """Note that `tenant` has `delta` more live requests in the core (only FAIR uses it)."""
 
     @abstractmethod
     def live(self) -> list[Request]:
@@ -150,7 +154,10 @@ class FairQueue(WaitingQueue):
         self.counters: dict[str, float] = {}
         self._heaps: dict[str, list[tuple]] = {}
         self._tenant_len: dict[str, int] = {}
-        self._last_served = 0.0
+        self._tenant_live: dict[str, int] = {}
+        """Requests per tenant anywhere in the core (queued, running, swapping): who is active."""
+        self._idle_floor = 0.0
+        """Counter of the last tenant to become inactive: the floor when no other tenant is active."""
 
     def push(self, request: Request) -> None:
         tenant = request.tenant
@@ -161,10 +168,22 @@ class FairQueue(WaitingQueue):
         heapq.heappush(self._heaps.setdefault(tenant, []), (request.arrival_time, request.arrival_seq, seq, request))
 
     def _lift(self, tenant: str) -> None:
-        # Why: a tenant that was idle must not claim the service it missed.
-        others = [self.counters[t] for t, n in self._tenant_len.items() if n and t != tenant]
-        floor = min(others) if others else self._last_served
-        self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
+        # Why: a tenant that was idle must not claim the service it missed. The reference is every
+        # other active tenant, running ones included: their counters keep growing while they
+        # decode, so a tenant that was only queued-empty for a while is not behind them.
+        counters = self.counters
+        others = [counters.get(t, 0.0) for t, n in self._tenant_live.items() if n and t != tenant]
+        floor = min(others) if others else self._idle_floor
+        counters[tenant] = max(counters.get(tenant, 0.0), floor)
+
+    def on_live(self, tenant: str, delta: int) -> None:
+        live = self._tenant_live.get(tenant, 0) + delta
+        if live > 0:
+            self._tenant_live[tenant] = live
+            return
+        # Forgetting idle tenants keeps `_lift` proportional to the active ones, not to history.
+        self._tenant_live.pop(tenant, None)
+        self._idle_floor = self.counters.get(tenant, self._idle_floor)
 
     def _head(self, tenant: str) -> Request | None:
         heap = self._heaps[tenant]
@@ -187,11 +206,6 @@ class FairQueue(WaitingQueue):
                 best, best_key = head, key
         return best
 
-    def pop(self) -> Request:
-        request = super().pop()
-        self._last_served = self.counters[request.tenant]
-        return request
-
     def remove(self, request: Request) -> bool:
         if not super().remove(request):
             return False
@@ -201,7 +215,7 @@ class FairQueue(WaitingQueue):
     def on_service(self, tenant: str, input_tokens: int, output_tokens: int) -> None:
         cost = input_tokens * self.input_weight + output_tokens * self.output_weight
         weight = self.tenant_weights.get(tenant, 1.0)
-        self.counters[tenant] = self.counters.get(tenant, self._last_served) + cost / weight
+        self.counters[tenant] = self.counters.get(tenant, self._idle_floor) + cost / weight
 
     def live(self) -> list[Request]:
         return [e[-1] for heap in self._heaps.values() for e in sorted(heap) if e[-1].queue_seq == e[-2]]

@@ -88,6 +88,8 @@ class SchedulerCore(_Outcomes):
             ) from None
         self._next_arrival_seq += 1
         self._live[live.request_id] = live
+        if self._account is not None:
+            self._queue.on_live(live.tenant, 1)
         self._enqueue(live)
         if request.queue_deadline is not None:
             self._push_deadline(request.queue_deadline, _QUEUE_DEADLINE, live)

@@ -82,3 +82,18 @@ def test_idle_tenant_cannot_claim_missed_service() -> None:
     admitted_after = sorted((i, rid.rstrip("0123456789")) for rid, i in first_seen.items() if i >= woke)[:60]
     share = Counter(tenant for _, tenant in admitted_after)
     assert 15 <= share["late"] <= 25, f"late tenant got {share['late']} of 60 admissions: {share}"
+
+
+def test_waking_tenant_is_lifted_to_the_running_tenants_counter() -> None:
+    """A tenant that wakes while the only other tenant is running (none queued) starts at that tenant's counter, not below it."""
+    core = make_core(policy=Policy.FAIR, max_num_seqs=2)
+    long_decode = make_request("a_long", 32, max_tokens=150, arrival=0.0, tenant="a")
+    later = [(100.0, make_request(f"c{i}", 32, max_tokens=8, arrival=100.0, tenant="c")) for i in range(6)]
+    later += [(100.0, make_request(f"a{i}", 32, max_tokens=8, arrival=100.0, tenant="a")) for i in range(6)]
+    plans, _ = drive(core, [(0.0, long_decode), *later], round_time=1.0)
+    admitted: list[str] = []
+    for plan in plans:
+        admitted += [seq.request_id for seq in plan.seqs if seq.start_position == 0 and seq.request_id not in admitted]
+    order = [rid.rstrip("0123456789") for rid in admitted if rid != "a_long"]
+    # Tenant a's long request earned ~300 units while c was absent; c must not spend them first.
+    assert order[:4].count("a") >= 1 and order[:6].count("c") <= 4, order  # before the fix: c x6, then a x6
