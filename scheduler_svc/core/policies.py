@@ -172,7 +172,10 @@ class FairQueue(WaitingQueue):
         # other active tenant, running ones included: their counters keep growing while they
         # decode, so a tenant that was only queued-empty for a while is not behind them.
         counters = self.counters
-        others = [counters.get(t, 0.0) for t, n in self._tenant_live.items() if n and t != tenant]
+        active = {t for t, n in self._tenant_len.items() if n}
+        active.update(self._tenant_live)
+        active.discard(tenant)
+        others = [counters.get(t, 0.0) for t in active]
         floor = min(others) if others else self._idle_floor
         counters[tenant] = max(counters.get(tenant, 0.0), floor)
 
