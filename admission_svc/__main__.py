@@ -7,13 +7,13 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import socket
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-import redis.asyncio as aioredis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from admission_svc import convert
@@ -24,30 +24,63 @@ from sluice.bus import Bus
 from sluice.config import ConfigError, ServiceConfig, load_config
 from sluice.core_errors import translate_core_error
 from sluice.errors import ErrorInterceptor
-from sluice.prom import serve_metrics
-from sluice.telemetry import setup_tracing
+from sluice.serve import (
+    ServiceContext,
+    ServiceOptions,
+    Started,
+    StartupError,
+    add_common_flags,
+    add_redis_flags,
+    load_options,
+    open_bus,
+    run_service,
+)
 from sluice.v1 import admission_pb2, admission_pb2_grpc
 
 log = logging.getLogger("admission_svc")
 SERVICE_NAME = admission_pb2.DESCRIPTOR.services_by_name["AdmissionService"].full_name
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Return the parsed command line (argparse exits with a usage message on bad flags)."""
+@dataclass(frozen=True, kw_only=True)
+class AdmissionOptions(ServiceOptions):
+    """The admission service's flags."""
+
+    router: str = "127.0.0.1:50052"
+    """Router HOST:PORT."""
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Redis URL."""
+    namespace: str = "default"
+    """Bus namespace."""
+    config: str | None = None
+    """TOML/JSON config file (API keys, tenants, budgets); None: the default tenant and key."""
+    model: str = "tiny"
+    """Preset name or model directory (for the tokenizer)."""
+    model_id: str | None = None
+    """Id the replicas register under; None: the model directory's name."""
+    owner: str | None = None
+    """Token-stream owner id; None: admission-<hostname>-<port>."""
+    resume_window_s: float = 60.0
+    """Seconds finished streams are kept for a client to resume."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the command-line parser of the admission service."""
     p = argparse.ArgumentParser(prog="python -m admission_svc", description=__doc__)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
+    add_common_flags(p, default_port=50051)
+    add_redis_flags(p, default_url="redis://127.0.0.1:6379/0", namespace_env="SLUICE_NAMESPACE")
     p.add_argument("--router", default="127.0.0.1:50052", help="router HOST:PORT")
-    p.add_argument("--redis-url", default=os.environ.get("SLUICE_REDIS_URL", "redis://127.0.0.1:6379/0"))
-    p.add_argument("--namespace", default=os.environ.get("SLUICE_NAMESPACE", "default"), help="bus namespace")
-    p.add_argument("--config", default=os.environ.get("SLUICE_CONFIG"), help="TOML/JSON config (keys, budgets)")
+    p.add_argument("--config", default=os.environ.get("SLUICE_CONFIG"),
+                   help="TOML/JSON config: API keys, tenants, budgets (default: $SLUICE_CONFIG)")
     p.add_argument("--model", default="tiny", help="preset name or model directory (for the tokenizer)")
     p.add_argument("--model-id", default=None, help="id replicas register under (default: the directory name)")
     p.add_argument("--owner", default=None, help="token-stream owner id (default: admission-<host>-<port>)")
     p.add_argument("--resume-window-s", type=float, default=60.0, help="keep finished streams this long")
-    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (default: none)")
-    p.add_argument("--log-level", default="INFO")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> AdmissionOptions:
+    """Return the admission service's options (argparse exits with a usage message on bad flags)."""
+    return load_options(AdmissionOptions, build_parser(), argv)
 
 
 def resolve_model_dir(spec: str) -> Path:
@@ -105,67 +138,55 @@ async def _consume_completions(bus: Bus, servicer: AdmissionServicer, stop: asyn
             await asyncio.sleep(0.5)
 
 
-def build_servicer(args: argparse.Namespace) -> AdmissionServicer:
-    """Return the servicer for the flags; raises ConfigError, ValueError or OSError for bad settings."""
-    model_dir = resolve_model_dir(args.model)
-    model = convert.load_model_spec(model_dir, args.model_id or model_dir.name, aliases=(args.model,))
-    core = AdmissionCore(admission_config(load_config(args.config), model.max_model_len))
-    metrics = AdmissionMetrics()
-    if args.metrics_port is not None:
-        serve_metrics(metrics.registry, args.metrics_port)
-    owner = args.owner or f"admission-{socket.gethostname()}-{args.port}"
-    return AdmissionServicer(core, model, args.router, owner, metrics, args.resume_window_s)
-
-
-async def amain(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM/SIGINT; return the exit code (2 on a configuration error)."""
-    setup_tracing("sluice-admission")
+def build_servicer(ctx: ServiceContext, options: AdmissionOptions) -> AdmissionServicer:
+    """Return the servicer for the options; raises StartupError for a bad config, model or metrics port."""
     try:
-        servicer = build_servicer(args)
+        model_dir = resolve_model_dir(options.model)
+        model = convert.load_model_spec(model_dir, options.model_id or model_dir.name, aliases=(options.model,))
+        core = AdmissionCore(admission_config(load_config(options.config), model.max_model_len))
     except (ConfigError, ValueError, OSError) as exc:
-        log.error("cannot start: %s", exc)
-        return 2
-    owner, model = servicer.owner, servicer.model
-    redis = aioredis.from_url(args.redis_url)
-    bus = Bus(redis, args.namespace)
-    await redis.ping()
+        raise StartupError(str(exc)) from exc
+    metrics = AdmissionMetrics()
+    ctx.expose_metrics(metrics.registry)
+    owner = options.owner or f"admission-{socket.gethostname()}-{options.port}"
+    return AdmissionServicer(core, model, options.router, owner, metrics, options.resume_window_s)
 
+
+async def start(ctx: ServiceContext, options: AdmissionOptions) -> Started:
+    """Serve the front door with its stream reader, completion consumer and housekeeping; returns how to drain."""
+    servicer = build_servicer(ctx, options)
+    bus = await open_bus(ctx, options.redis_url, options.namespace, ping=True)
+    ctx.cleanup.push_async_callback(servicer.close)  # before the Redis client closes (the stack is LIFO)
     server = grpc.aio.server(interceptors=[ErrorInterceptor(translate_core_error)])
     admission_pb2_grpc.add_AdmissionServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    port = server.add_insecure_port(f"{options.host}:{options.port}")
     await server.start()
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = ctx.stop
     tasks = [
         asyncio.create_task(token_reader_loop(
             lambda s, last, count, block: bus.read_stream(s, last, count=count, block_ms=block),
-            bus.tokens_stream(owner), servicer.registry, stop)),
+            bus.tokens_stream(servicer.owner), servicer.registry, stop)),
         asyncio.create_task(_consume_completions(bus, servicer, stop)),
         asyncio.create_task(_housekeeping(servicer, stop)),
     ]
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    print(f"admission listening on {args.host}:{port} (owner {owner}, model {model.model_id})", flush=True)
-    await stop.wait()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.stop(grace=5.0)
-    await asyncio.gather(*tasks, return_exceptions=True)
-    await servicer.close()
-    await redis.aclose()
-    return 0
+
+    async def drain() -> None:
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.stop(grace=5.0)
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    return Started(port, drain=drain, detail=f" (owner {servicer.owner}, model {servicer.model.model_id})")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the process exit code."""
-    args = parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return asyncio.run(amain(args))
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the process exit code (2 on a configuration error)."""
+    options = parse_args(argv)
+    return run_service("admission", options, lambda ctx: start(ctx, options))
 
 
 if __name__ == "__main__":

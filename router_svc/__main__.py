@@ -4,76 +4,96 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
-import os
-import signal
 import sys
-
-import redis.asyncio as aioredis
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from router_svc.core import RouterConfig, RouterCore, RoutingPolicy
 from router_svc.server import RouterRuntime, start_router_server
-from sluice.bus import Bus
-from sluice.prom import RouterMetrics, serve_metrics
-from sluice.telemetry import setup_tracing
+from sluice.prom import RouterMetrics
+from sluice.serve import (
+    ServiceContext,
+    ServiceOptions,
+    Started,
+    StartupError,
+    add_common_flags,
+    add_redis_flags,
+    load_options,
+    open_bus,
+    run_service,
+)
 
-log = logging.getLogger("router_svc")
+
+@dataclass(frozen=True, kw_only=True)
+class RouterOptions(ServiceOptions):
+    """The router's flags."""
+
+    redis_url: str = ""
+    """Redis URL (required)."""
+    namespace: str = "default"
+    """Bus namespace (keys sluice:{namespace}:...)."""
+    router_id: str = "router"
+    """Stable id naming this router's consumer groups, so that a restart resumes them."""
+    policy: str = "score"
+    """Routing policy name (RoutingPolicy)."""
+    heartbeat_timeout: float = 10.0
+    """Seconds of replica silence before it is GONE."""
+    prediction_ttl: float = 2.0
+    """Seconds a routing decision counts as cached."""
+    seed: int = 0
+    """Tie-break seed."""
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Return the parsed command line (argparse exits with a usage message on bad flags)."""
+def build_parser() -> argparse.ArgumentParser:
+    """Return the command-line parser of the router."""
     p = argparse.ArgumentParser(prog="python -m router_svc", description=__doc__)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=50052, help="gRPC port (0 picks a free one)")
-    p.add_argument("--redis-url", default=os.environ.get("SLUICE_REDIS_URL", ""),
-                   help="Redis URL (default: $SLUICE_REDIS_URL)")
-    p.add_argument("--namespace", default="default", help="bus namespace (keys sluice:{namespace}:...)")
+    add_common_flags(p, default_port=50052)
+    add_redis_flags(p)
     p.add_argument("--router-id", default="router",
                    help="stable id: names this router's consumer groups, so a restart resumes them")
     p.add_argument("--policy", default="score", help=f"one of: {', '.join(x.value for x in RoutingPolicy)}")
     p.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds of silence before GONE")
     p.add_argument("--prediction-ttl", type=float, default=2.0, help="seconds a routing decision counts as cached")
     p.add_argument("--seed", type=int, default=0, help="tie-break seed")
-    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (default: none)")
-    p.add_argument("--log-level", default="INFO")
-    return p.parse_args(argv)
+    return p
 
 
-async def amain(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM/SIGINT; return the exit code (2 on a configuration error)."""
-    if not args.redis_url:
-        log.error("no Redis: pass --redis-url or set SLUICE_REDIS_URL")
-        return 2
+def parse_args(argv: Sequence[str] | None = None) -> RouterOptions:
+    """Return the router's options (argparse exits with a usage message on bad flags)."""
+    return load_options(RouterOptions, build_parser(), argv)
+
+
+def router_config(options: RouterOptions) -> RouterConfig:
+    """Return the core's configuration; raises StartupError for an unknown policy or a bad value."""
     try:
-        config = RouterConfig(policy=RoutingPolicy.parse(args.policy), prediction_ttl_s=args.prediction_ttl,
-                              heartbeat_timeout_s=args.heartbeat_timeout, seed=args.seed)
+        return RouterConfig(policy=RoutingPolicy.parse(options.policy), prediction_ttl_s=options.prediction_ttl,
+                            heartbeat_timeout_s=options.heartbeat_timeout, seed=options.seed)
     except ValueError as exc:
-        log.error("%s", exc)
-        return 2
-    setup_tracing("sluice-router")
+        raise StartupError(str(exc)) from exc
+
+
+async def start(ctx: ServiceContext, options: RouterOptions) -> Started:
+    """Start the router's server and its bus loop; returns how to drain it."""
+    config = router_config(options)
     metrics = RouterMetrics()
-    if args.metrics_port is not None:
-        serve_metrics(metrics.registry, args.metrics_port)
-    client = aioredis.Redis.from_url(args.redis_url)
-    runtime = RouterRuntime(RouterCore(config), Bus(client, args.namespace), args.router_id, metrics=metrics)
-    server, port = await start_router_server(runtime, args.port, args.host)
-    print(f"router listening on {args.host}:{port}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await runtime.run(stop)
-    await runtime.health.enter_graceful_shutdown()
-    await server.stop(1.0)
-    await client.aclose()
-    return 0
+    ctx.expose_metrics(metrics.registry)
+    bus = await open_bus(ctx, options.redis_url, options.namespace)
+    runtime = RouterRuntime(RouterCore(config), bus, options.router_id, metrics=metrics)
+    server, port = await start_router_server(runtime, options.port, options.host)
+    loop = asyncio.create_task(runtime.run(ctx.stop))
+
+    async def drain() -> None:
+        await loop
+        await runtime.health.enter_graceful_shutdown()
+        await server.stop(1.0)
+
+    return Started(port, drain=drain, watched=[loop])
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the process exit code."""
-    args = parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return asyncio.run(amain(args))
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the process exit code (2 on a configuration error)."""
+    options = parse_args(argv)
+    return run_service("router", options, lambda ctx: start(ctx, options))
 
 
 if __name__ == "__main__":

@@ -3,42 +3,86 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
-import os
-import signal
 import sys
-
-import redis.asyncio as aioredis
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from scheduler_svc.core.config import Policy, PreemptionMode
 from scheduler_svc.server import start_replica
-from sluice.bus import Bus
-from sluice.prom import SchedulerMetrics, serve_metrics
-from sluice.telemetry import setup_tracing
+from sluice.prom import SchedulerMetrics
+from sluice.serve import (
+    ServiceContext,
+    ServiceOptions,
+    Started,
+    StartupError,
+    add_common_flags,
+    add_redis_flags,
+    load_options,
+    open_bus,
+    run_service,
+)
 
-log = logging.getLogger("scheduler_svc")
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerOptions(ServiceOptions):
+    """The scheduler's flags."""
+
+    replica_id: str
+    """The replica's id at the router."""
+    worker: str
+    """Worker HOST:PORT."""
+    advertise_host: str = "127.0.0.1"
+    """Host the router gives to admission for this scheduler."""
+    router: str = ""
+    """Router HOST:PORT; empty: do not register."""
+    redis_url: str = ""
+    """Redis URL (required)."""
+    namespace: str = "default"
+    """Bus namespace (keys sluice:{namespace}:...)."""
+    policy: str = "fcfs"
+    """Queue policy (Policy value)."""
+    preemption: str = "recompute"
+    """Preemption mode (PreemptionMode value)."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one round."""
+    max_num_seqs: int = 256
+    """Sequences in one round at most."""
+    max_prefill_chunk: int = 512
+    """Prompt tokens of one sequence in one round at most."""
+    max_kv_read_tokens: int | None = None
+    """KV tokens one round may read at most; None: no limit."""
+    max_waiting: int = 4096
+    """Waiting requests at most; more are refused."""
+    no_prefix_caching: bool = False
+    """Turn prefix caching off."""
+    prefill_tokens_per_s: float = 10_000.0
+    """Told to the router for its TTFT prediction."""
+    decode_round_s: float = 0.01
+    """Told to the router for its TTFT prediction."""
+    heartbeat_interval: float = 1.0
+    """Seconds between heartbeats to the router."""
+    drain_timeout: float = 30.0
+    """Seconds to finish work on SIGTERM."""
+    unary: bool = False
+    """One Execute call per round instead of ExecuteStream."""
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Return the parsed command line (argparse exits with a usage message on bad flags)."""
+def build_parser() -> argparse.ArgumentParser:
+    """Return the command-line parser of the scheduler."""
     p = argparse.ArgumentParser(prog="python -m scheduler_svc", description=__doc__)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    add_common_flags(p, default_port=50071)
+    add_redis_flags(p)
     p.add_argument("--advertise-host", default="127.0.0.1", help="host the router gives to admission")
-    p.add_argument("--port", type=int, default=50071, help="gRPC port (0 picks a free one)")
-    p.add_argument("--replica-id", required=True)
+    p.add_argument("--replica-id", required=True, help="this replica's id at the router")
     p.add_argument("--worker", required=True, help="worker HOST:PORT")
     p.add_argument("--router", default="", help="router HOST:PORT (default: do not register)")
-    p.add_argument("--redis-url", default=os.environ.get("SLUICE_REDIS_URL", ""),
-                   help="Redis URL (default: $SLUICE_REDIS_URL)")
-    p.add_argument("--namespace", default="default", help="bus namespace (keys sluice:{namespace}:...)")
     p.add_argument("--policy", default="fcfs", choices=[x.value for x in Policy])
     p.add_argument("--preemption", default="recompute", choices=[x.value for x in PreemptionMode])
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-prefill-chunk", type=int, default=512)
-    p.add_argument("--max-kv-read-tokens", type=int, default=None)
-    p.add_argument("--max-waiting", type=int, default=4096)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one round")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one round at most")
+    p.add_argument("--max-prefill-chunk", type=int, default=512, help="prompt tokens of one sequence per round")
+    p.add_argument("--max-kv-read-tokens", type=int, default=None, help="KV tokens one round may read")
+    p.add_argument("--max-waiting", type=int, default=4096, help="waiting requests at most")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--prefill-tokens-per-s", type=float, default=10_000.0,
                    help="told to the router for its TTFT prediction")
@@ -46,67 +90,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish work on SIGTERM")
     p.add_argument("--unary", action="store_true", help="one Execute call per round instead of ExecuteStream")
-    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (default: none)")
-    p.add_argument("--log-level", default="INFO")
-    return p.parse_args(argv)
+    return p
 
 
-def core_overrides(args: argparse.Namespace) -> dict[str, object]:
+def parse_args(argv: Sequence[str] | None = None) -> SchedulerOptions:
+    """Return the scheduler's options (argparse exits with a usage message on bad flags)."""
+    return load_options(SchedulerOptions, build_parser(), argv)
+
+
+def core_overrides(options: SchedulerOptions) -> dict[str, object]:
     """Return the SchedulerConfig fields the flags set (the rest come from the worker's Info)."""
     return {
-        "policy": Policy(args.policy), "preemption_mode": PreemptionMode(args.preemption),
-        "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
-        "max_prefill_chunk": args.max_prefill_chunk, "max_kv_read_tokens": args.max_kv_read_tokens,
-        "max_waiting": args.max_waiting, "enable_prefix_caching": not args.no_prefix_caching,
+        "policy": Policy(options.policy), "preemption_mode": PreemptionMode(options.preemption),
+        "max_num_batched_tokens": options.max_num_batched_tokens, "max_num_seqs": options.max_num_seqs,
+        "max_prefill_chunk": options.max_prefill_chunk, "max_kv_read_tokens": options.max_kv_read_tokens,
+        "max_waiting": options.max_waiting, "enable_prefix_caching": not options.no_prefix_caching,
     }
 
 
-async def amain(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM/SIGINT, then drain; return the exit code (2 on a configuration error)."""
-    if not args.redis_url:
-        log.error("no Redis: pass --redis-url or set SLUICE_REDIS_URL")
-        return 2
-    setup_tracing("sluice-scheduler")
+async def start(ctx: ServiceContext, options: SchedulerOptions) -> Started:
+    """Wait for the worker, then serve and register; returns how to drain (finish work, then cancel the rest)."""
     metrics = SchedulerMetrics()
-    if args.metrics_port is not None:
-        serve_metrics(metrics.registry, args.metrics_port)
-    client = aioredis.Redis.from_url(args.redis_url)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    ctx.expose_metrics(metrics.registry)
+    bus = await open_bus(ctx, options.redis_url, options.namespace)
     try:
         replica = await start_replica(
-            replica_id=args.replica_id, worker_address=args.worker, bus=Bus(client, args.namespace),
-            router_address=args.router, port=args.port, host=args.host, advertise_host=args.advertise_host,
-            core_overrides=core_overrides(args), metrics=metrics, heartbeat_interval_s=args.heartbeat_interval,
-            prefill_tokens_per_s=args.prefill_tokens_per_s, decode_round_s=args.decode_round_s,
-            use_stream=not args.unary)
+            replica_id=options.replica_id, worker_address=options.worker, bus=bus, router_address=options.router,
+            port=options.port, host=options.host, advertise_host=options.advertise_host,
+            core_overrides=core_overrides(options), metrics=metrics, heartbeat_interval_s=options.heartbeat_interval,
+            prefill_tokens_per_s=options.prefill_tokens_per_s, decode_round_s=options.decode_round_s,
+            use_stream=not options.unary)
     except (TimeoutError, ValueError) as exc:
-        log.error("cannot start: %s", exc)
-        await client.aclose()
-        return 2
-    print(f"scheduler {args.replica_id} listening on {args.host}:{replica.port}", flush=True)
-    stopping = asyncio.create_task(stop.wait())
-    await asyncio.wait([stopping, *replica.tasks], return_when=asyncio.FIRST_COMPLETED)
-    crashed = [t for t in replica.tasks if t.done() and t.exception() is not None]
-    if crashed:
-        # The loop or the agent died of a bug: serving Submits that never run would hide it.
-        log.error("scheduler task failed; exiting", exc_info=crashed[0].exception())
-        await client.aclose()
-        return 1
-    log.info("draining")
-    await replica.stop(args.drain_timeout)
-    stopping.cancel()
-    await client.aclose()
-    return 0
+        raise StartupError(str(exc)) from exc
+
+    async def drain() -> None:
+        await replica.stop(options.drain_timeout)
+
+    return Started(replica.port, drain=drain, watched=replica.tasks, label=f"scheduler {options.replica_id}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the process exit code."""
-    args = parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return asyncio.run(amain(args))
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the process exit code (2 on a configuration error, 1 when a task fails)."""
+    options = parse_args(argv)
+    return run_service("scheduler", options, lambda ctx: start(ctx, options))
 
 
 if __name__ == "__main__":
