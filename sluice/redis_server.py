@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from sluice.lifeline import lifeline_command
+
 __all__ = ["EmbeddedRedis", "EmbeddedRedisError", "free_port", "redis_server_binary"]
 
 
@@ -91,7 +93,8 @@ class EmbeddedRedis:
             "--save", "", "--appendonly", "no", "--dir", str(self._workdir),
             "--logfile", str(self.log_path), "--daemonize", "no", "--protected-mode", "no",
         ]
-        self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        # lifeline: the server dies with its parent, even a SIGKILLed one (no orphan keeping the port).
+        self._proc = subprocess.Popen(lifeline_command(args), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + self._start_timeout_s
         while time.monotonic() < deadline:

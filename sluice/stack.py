@@ -33,24 +33,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sluice.config import DEFAULT_API_KEY
+from sluice.lifeline import lifeline_command
 from sluice.redis_server import EmbeddedRedis, free_port
 from sluice.v1 import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-# A trampoline each service starts through: ask Linux for SIGTERM when the supervisor dies (even by
-# SIGKILL; the flag survives exec), then exec the service. Needed because the services run in their
-# own session, so that a terminal's Ctrl-C reaches only the supervisor, which stops them in order.
-# (Not a preexec_fn: forking a threaded process and running Python before exec can deadlock.)
-_DIE_WITH_PARENT = """
-import contextlib, ctypes, os, signal, sys
-with contextlib.suppress(Exception):
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-if os.getppid() != int(sys.argv[1]):
-    sys.exit(1)  # the supervisor is already gone
-os.execv(sys.argv[2], sys.argv[2:])
-"""
-
 
 class StackError(RuntimeError):
     """A process of the stack failed to start or to become ready; the message has its log tail."""
@@ -191,8 +178,8 @@ class Stack:
         port = port or free_port()
         address = f"{self.config.host}:{port}"
         command = [sys.executable, "-m", module, "--host", self.config.host, "--port", str(port), *args]
-        proc = Proc(name, [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *command],
-                    self.run_dir / f"{name}.log", address)
+        # Every child dies with the supervisor, even a SIGKILLed one (sluice.lifeline).
+        proc = Proc(name, lifeline_command(command), self.run_dir / f"{name}.log", address)
         env = {**os.environ, **(env or {})}
         env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env.setdefault("PYTHONUNBUFFERED", "1")

@@ -1,0 +1,70 @@
+"""No orphans: when a supervisor is SIGKILLed, every process it started (Redis, the services) exits too."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from sluice.redis_server import free_port
+from tests.processes import children, command_line, wait_gone
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180),
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")]
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def _kill_leftovers(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_embedded_redis_dies_with_a_sigkilled_parent() -> None:
+    """The redis-server an EmbeddedRedis starts exits when the process that started it is SIGKILLed."""
+    script = textwrap.dedent("""
+        import time
+        from sluice.redis_server import EmbeddedRedis
+        server = EmbeddedRedis()
+        print(server.start(), flush=True)
+        time.sleep(120)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    assert parent.stdout.readline().startswith("redis://")
+    redis = [pid for pid in children(parent.pid) if "redis-server" in command_line(pid)]
+    assert len(redis) == 1
+    parent.kill()
+    parent.wait(10)
+    left = wait_gone(redis, 10.0)
+    _kill_leftovers(left)
+    assert left == [], f"redis-server outlived its parent: {[command_line(p) for p in left]}"
+
+
+def test_every_child_of_a_sigkilled_sluice_up_exits(tmp_path: Path) -> None:
+    """After `sluice up` is SIGKILLed, its Redis, router, worker, scheduler and admission processes all exit."""
+    up = subprocess.Popen([sys.executable, "-m", "sluice.cli", "up", "--backend", "costmodel", "--model", "llama-3-8b",
+                           "--port", str(free_port()), "--run-dir", str(tmp_path)],
+                          cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert up.stdout is not None
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and "Ctrl-C to stop" not in (line := up.stdout.readline()) and line:
+        pass
+    started = children(up.pid)
+    names = " ".join(command_line(pid) for pid in started)
+    assert len(started) == 5, names  # redis, router, worker, scheduler, admission
+    assert all(part in names for part in ("redis-server", "router_svc", "worker_svc", "scheduler_svc",
+                                          "admission_svc")), names
+    up.kill()
+    up.wait(10)
+    left = wait_gone(started, 30.0)
+    _kill_leftovers(left)
+    assert left == [], f"outlived `sluice up`: {[command_line(p) for p in left]}"

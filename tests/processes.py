@@ -1,0 +1,50 @@
+"""Helpers for tests that look at real processes through /proc (Linux)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """Return the fields of /proc/<pid>/stat after the command name, or None when the process is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2:].split()  # the name may contain spaces and parentheses
+
+
+def children(pid: int) -> list[int]:
+    """Return the pids whose parent is `pid`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            fields = _stat_fields(int(entry.name))
+            if fields is not None and int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def running(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie (an exited child its new parent has not reaped yet)."""
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """Wait until none of `pids` runs; return those still running after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    left = [p for p in pids if running(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = [p for p in left if running(p)]
+    return left
+
+
+def command_line(pid: int) -> str:
+    """Return the command line of `pid` with spaces between arguments ("" when it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
