@@ -6,7 +6,9 @@ prefix caching on, max_num_seqs = running so the waiting requests stay waiting, 
 Prompt and output lengths come from the Azure LLM 2023 conversation trace in ../shared (clipped
 to max_model_len). A pure-Python reference loop timed in the same process lets figures from noisy
 runs be normalised. A (64, 4096) case shows that the waiting queue's size does not change the cost.
-Prints JSON to stdout; `--profile` adds the top cProfile entries of one case to stderr.
+Small cases (1, 2 and 4 running) measure the fixed cost of a round, which dominates a lightly
+loaded replica and the simulator. Prints JSON to stdout; `--profile` adds the top cProfile entries
+of the largest case and of the 2-running case to stderr.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from scheduler_svc.core.types import NewRequest, RoundPlan, RoundResult, Samplin
 
 TRACE = Path(__file__).resolve().parents[1].parent / "shared/data/traces/azure_llm_2023_conv.csv"
 CASES = ((64, 256), (256, 1024), (1024, 4096))
+SMALL_CASES = ((1, 0), (2, 4), (4, 16))
+"""Rounds of a few sequences: what a lightly loaded replica (and the simulator) mostly runs."""
+SMALL_ROUNDS = 4000
 TARGETS_US = {64: 250.0, 256: 1000.0, 1024: 4500.0}
 """DESIGN.md: a tenth of vLLM's median round cost at the same sizes."""
 BLOCK_SIZE = 16
@@ -183,6 +188,19 @@ def run(quick: bool, profile: bool) -> dict[str, object]:
                 "median_per_reference_loop": round(figures["median_us"] / reference, 4),
             }
         )
+    small = []
+    for running, waiting in SMALL_CASES:
+        small_rounds = SMALL_ROUNDS // 10 if quick else SMALL_ROUNDS
+        core = build_core(running, waiting, small_rounds, pairs, seed=running)
+        figures = measure(core, small_rounds)
+        small.append(
+            {
+                "running": running,
+                "waiting": waiting,
+                "rounds": small_rounds,
+                **{k: round(v, 2) for k, v in figures.items() if not k.startswith("gc_")},
+            }
+        )
     independence = {}
     for waiting in (256, 4096):
         core = build_core(64, waiting, rounds, pairs, seed=64)
@@ -195,17 +213,20 @@ def run(quick: bool, profile: bool) -> dict[str, object]:
         "python": sys.version.split()[0],
         "reference_loop_us": round(reference, 1),
         "cases": cases,
+        "small_rounds": small,
         "queue_independence_64_running": independence,
     }
 
 
 def _profile(pairs: list[tuple[int, int]], rounds: int) -> None:
-    core = build_core(1024, 4096, rounds, pairs, seed=1024)
-    profiler = cProfile.Profile()
-    profiler.enable()
-    measure(core, rounds)
-    profiler.disable()
-    pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(15)
+    for running, waiting, case_rounds in ((1024, 4096, rounds), (2, 4, SMALL_ROUNDS)):
+        core = build_core(running, waiting, case_rounds, pairs, seed=running)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        measure(core, case_rounds)
+        profiler.disable()
+        print(f"--- profile: {running} running, {waiting} waiting, {case_rounds} rounds", file=sys.stderr)
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(15)
 
 
 def main(argv: list[str] | None = None) -> int:

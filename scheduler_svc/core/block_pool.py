@@ -226,6 +226,11 @@ class BlockPool:
         self.last_event_id += 1
         self._events.append(KvEvent(self.last_event_id, kind, hashes, parent_hash))
 
+    @property
+    def has_events(self) -> bool:
+        """Return True when KV events are waiting for `take_events`."""
+        return bool(self._events)
+
     def take_events(self) -> list[KvEvent]:
         """Return and clear the KV events emitted since the last call."""
         events, self._events = self._events, []

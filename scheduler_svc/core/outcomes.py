@@ -82,7 +82,8 @@ class _Outcomes:
             self._fail_round(record, result.error, now)
         else:
             self._apply_outputs(record, result.outputs, now)
-            self._finish_swaps(record, now)
+            if record.swapping:
+                self._finish_swaps(record, now)
         return self.take_events()  # type: ignore[attr-defined, no-any-return]
 
     def _apply_outputs(self, record: InFlightRound, outputs: tuple[SeqOutput, ...], now: float) -> None:
@@ -133,8 +134,10 @@ class _Outcomes:
                     or (request.stop_token_ids and token in request.stop_token_ids)
                 ):
                     self._after_token(request, out, index, token, now)
-        self._drop(len(by_id))
-        self._host_free.extend(record.host_release)
+        if by_id:
+            self._drop(len(by_id))
+        if record.host_release:
+            self._host_free.extend(record.host_release)
 
     def _newest_outputs(self, outputs: tuple[SeqOutput, ...]) -> dict[str, SeqOutput]:
         """Keep one output per request (the newest epoch); count the others as dropped."""

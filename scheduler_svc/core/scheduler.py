@@ -22,7 +22,7 @@ from scheduler_svc.core.config import PreemptionMode, SchedulerConfig
 from scheduler_svc.core.outcomes import _QUEUE_DEADLINE, _TOTAL_DEADLINE, _Outcomes
 from scheduler_svc.core.policies import make_queue
 from scheduler_svc.core.request import Request
-from scheduler_svc.core.round import RoundBuilder, new_scheduled_seq
+from scheduler_svc.core.round import RoundBuilder, new_round_budget, new_round_plan, new_scheduled_seq
 from scheduler_svc.core.state import Input, apply
 from scheduler_svc.core.types import (
     BlockCopy,
@@ -32,7 +32,6 @@ from scheduler_svc.core.types import (
     RejectReason,
     RequestRejected,
     RequestStatus,
-    RoundBudget,
     RoundPlan,
     Stage,
 )
@@ -399,19 +398,21 @@ class SchedulerCore(_Outcomes):
         config = self.config
         if rnd.prefill_tokens:
             self._note_prefill_chunks(rnd, now)
-        used_tokens = config.max_num_batched_tokens - rnd.tokens_left
-        budget = RoundBudget(
-            max_query_tokens=config.max_num_batched_tokens,
-            used_query_tokens=used_tokens,
-            max_seqs=config.max_num_seqs,
-            used_seqs=config.max_num_seqs - rnd.seqs_left,
-            max_kv_read_tokens=config.max_kv_read_tokens,
-            used_kv_read_tokens=(config.max_kv_read_tokens or 1 << 62) - rnd.kv_left,
-            num_prefill_tokens=rnd.prefill_tokens,
-            num_decode_tokens=rnd.decode_tokens,
+        # Positional, in RoundBudget's field order (new_round_budget writes the slots directly).
+        budget = new_round_budget(
+            config.max_num_batched_tokens,
+            config.max_num_batched_tokens - rnd.tokens_left,
+            config.max_num_seqs,
+            config.max_num_seqs - rnd.seqs_left,
+            config.max_kv_read_tokens,
+            (config.max_kv_read_tokens or 1 << 62) - rnd.kv_left,
+            rnd.prefill_tokens,
+            rnd.decode_tokens,
         )
-        plan = RoundPlan(rnd.record.round_id, tuple(rnd.seqs), tuple(rnd.swap_out), tuple(rnd.swap_in), budget)
-        if not plan.is_empty:
+        swap_out = tuple(rnd.swap_out) if rnd.swap_out else ()
+        swap_in = tuple(rnd.swap_in) if rnd.swap_in else ()
+        plan = new_round_plan(rnd.record.round_id, tuple(rnd.seqs), swap_out, swap_in, budget)
+        if rnd.seqs or swap_out or swap_in:
             self._in_flight[rnd.record.round_id] = rnd.record
             self._rounds += 1
         return plan
@@ -429,7 +430,8 @@ class SchedulerCore(_Outcomes):
     def take_events(self) -> CoreEvents:
         """Return everything that happened since the last call and start a new outbox."""
         events, self._outbox = self._outbox, CoreEvents()
-        events.kv_events.extend(self.pool.take_events())
+        if self.pool.has_events:
+            events.kv_events.extend(self.pool.take_events())
         return events
 
     def stats(self) -> CoreStats:
