@@ -3,10 +3,9 @@
 Used by `sluice up`, `sluice bench --spawn`, `make demo` and the end-to-end tests. Start order:
 Redis (embedded unless a URL is given) -> router -> one worker per replica -> one scheduler per
 replica -> admission. Each service is its own process (`python -m <service>`), logging to
-`<run_dir>/<name>.log`. `start()` returns once every process answers (gRPC health SERVING for
-worker and admission; ListReplicas / Stats for router and scheduler, which serve no health
-service) and the router lists every replica READY; a process that dies during start-up fails it with the tail
-of its log.
+`<run_dir>/<name>.log`. `start()` returns once every process reports gRPC health SERVING and the
+router lists every replica READY; a process that dies during start-up fails it with the tail of its log.
+Every child dies with the supervisor, even a SIGKILLed one (`sluice.lifeline`).
 
 Shutdown is graceful: every replica is drained at the router (no new routes; new requests get
 UNAVAILABLE), in-flight requests get up to `drain_timeout_s` to finish while their clients keep
@@ -24,7 +23,6 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -202,7 +200,7 @@ class Stack:
         pending = list(procs)
         while pending:
             self._check_alive(pending)
-            pending = [p for p in pending if not _ready(p)]
+            pending = [p for p in pending if not health_serving(p.address)]
             if pending and time.monotonic() > deadline:
                 names = ", ".join(p.name for p in pending)
                 raise StackError(f"not SERVING within {self.config.start_timeout_s}s: {names}; last log:\n"
@@ -278,26 +276,6 @@ def health_serving(address: str, service: str = "", timeout_s: float = 1.0) -> b
         except grpc.RpcError:
             return False
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
-
-
-def _ready(proc: Proc) -> bool:
-    """Return True when the process answers: gRPC health SERVING, or its own RPC where it has no health service."""
-    if proc.name == "router":
-        return _answers(proc.address, lambda ch: router_pb2_grpc.RouterServiceStub(ch).ListReplicas(
-            router_pb2.ListReplicasRequest(), timeout=1.0))
-    if proc.name.startswith("scheduler"):
-        return _answers(proc.address, lambda ch: scheduler_pb2_grpc.SchedulerServiceStub(ch).Stats(
-            scheduler_pb2.StatsRequest(), timeout=1.0))
-    return health_serving(proc.address)
-
-
-def _answers(address: str, call: Callable[[grpc.Channel], object]) -> bool:
-    with grpc.insecure_channel(address) as channel:
-        try:
-            call(channel)
-        except grpc.RpcError:
-            return False
-    return True
 
 
 def _terminate(proc: Proc, timeout_s: float) -> None:
