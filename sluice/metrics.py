@@ -294,9 +294,34 @@ def summarize(
         "replica_stats": dict(replica_stats or {}),
         "series_summary": _series_summary(series or {}),
     }
+    summary.update(_class_summaries(records, slo_ttft_s, slo_tpot_s))
     if include_series and series:
         summary["series"] = {name: [list(p) for p in points] for name, points in series.items()}
     return summary
+
+
+def _class_summaries(records: Sequence[RequestRecord], slo_ttft_s: float, slo_tpot_s: float) -> dict[str, object]:
+    """Return `by_priority` / `by_tenant` (requests, SLO attainment, TTFT percentiles of ok ones).
+
+    Each appears only when the run has more than one priority / tenant: a single class would
+    repeat the headline figures.
+    """
+    out: dict[str, object] = {}
+    for key, attribute in (("by_priority", "priority"), ("by_tenant", "tenant")):
+        groups: dict[str, list[RequestRecord]] = {}
+        for record in records:
+            groups.setdefault(str(getattr(record, attribute)), []).append(record)
+        if len(groups) < 2:
+            continue
+        out[key] = {
+            name: {
+                "requests": len(group),
+                "slo_attainment": sum(1 for r in group if meets_slo(r, slo_ttft_s, slo_tpot_s)) / len(group),
+                "ttft_s": percentiles(r.ttft_s for r in group if r.status == "ok" and r.ttft_s is not None),
+            }
+            for name, group in sorted(groups.items())
+        }
+    return out
 
 
 def _run_duration(records: Sequence[RequestRecord]) -> float:

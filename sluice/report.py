@@ -76,9 +76,22 @@ ROWS: tuple[tuple[str, str, Callable[[object], str]], ...] = (
 )
 
 
+def _class_rows(summaries: Sequence[Summary]) -> list[tuple[str, str, Callable[[object], str]]]:
+    """Rows per priority and per tenant, for the classes any of the summaries has."""
+    rows: list[tuple[str, str, Callable[[object], str]]] = []
+    for key, noun in (("by_priority", "priority"), ("by_tenant", "tenant")):
+        names = sorted({name for s in summaries for name in (_get(s, key) or {})})  # type: ignore[union-attr]
+        for name in names:
+            rows.append((f"SLO attainment, {noun} {name} (%)", f"{key}.{name}.slo_attainment", _number(100, 1)))
+            rows.append((f"TTFT p99, {noun} {name} (ms)", f"{key}.{name}.ttft_s.p99", _number(1000, 1)))
+        if key == "by_tenant":
+            rows += [(f"service share, tenant {n} (%)", f"fairness.tenants.{n}.share", _number(100, 1)) for n in names]
+    return rows
+
+
 def _rows_present(summaries: Sequence[Summary]) -> list[tuple[str, list[str]]]:
     rows = []
-    for label, path, render in ROWS:
+    for label, path, render in [*ROWS, *_class_rows(summaries)]:
         values = [_get(s, path) for s in summaries]
         if all(v is None for v in values):
             continue

@@ -3,8 +3,9 @@
 `--compare "fcfs+round_robin,fcfs+score,priority+score"` runs one simulation per item and prints
 them side by side. An item is `+`-joined words: a queue policy (fcfs, priority, fair, edf), a
 router (score, round_robin, random, least_loaded, prefix_only), a preemption mode (recompute,
-swap), or `vllm-default` (vLLM V1's round budgets: 8192 tokens, 1024 seqs, no per-request chunk
-cap). Words not given come from the other flags. `--scenario NAME|all` runs the self-checking
+swap), `vllm-default` (vLLM V1's round budgets: 8192 tokens, 1024 seqs, no per-request chunk
+cap), or an admission budget `max-queued=N` / `max-active=N` (the same as `--max-queued` /
+`--max-active`, for that item only). Words not given come from the other flags. `--scenario NAME|all` runs the self-checking
 scenarios instead and exits 0 only if every check holds.
 """
 
@@ -99,7 +100,9 @@ def parse_compare_item(item: str, base: SimConfig) -> SimConfig:
     """Return `base` changed by one `--compare` item; raises ValueError naming an unknown word."""
     config = base
     for word in filter(None, item.strip().split("+")):
-        if word == "vllm-default":
+        if "=" in word:
+            config = _admission_word(item, word, config)
+        elif word == "vllm-default":
             config = vllm_default(config)
         elif word in {p.value for p in Policy}:
             config = replace(config, policy=Policy(word))
@@ -110,9 +113,24 @@ def parse_compare_item(item: str, base: SimConfig) -> SimConfig:
         else:
             known = [p.value for e in (Policy, RoutingPolicy, PreemptionMode) for p in e]  # type: ignore[attr-defined]
             raise ValueError(
-                f"--compare item {item!r}: unknown word {word!r}; known: vllm-default, {', '.join(known)}"
+                f"--compare item {item!r}: unknown word {word!r}; known: vllm-default, "
+                f"{', '.join(known)}, {'=N, '.join(_ADMISSION_WORDS)}=N"
             )
     return config
+
+
+_ADMISSION_WORDS = {"max-queued": "max_queued_requests", "max-active": "max_active_requests"}
+
+
+def _admission_word(item: str, word: str, config: SimConfig) -> SimConfig:
+    """Return `config` with the admission budget `word` (`max-queued=N`) applied; raises ValueError."""
+    key, _, value = word.partition("=")
+    field = _ADMISSION_WORDS.get(key)
+    if field is None:
+        raise ValueError(f"--compare item {item!r}: unknown budget {key!r}; known: {', '.join(_ADMISSION_WORDS)}")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"--compare item {item!r}: {key} needs a positive integer, got {value!r}")
+    return replace(config, **{field: int(value)})
 
 
 def run(args: argparse.Namespace) -> int:

@@ -136,3 +136,18 @@ def test_windowed_jain_counts_only_windows_where_tenants_compete() -> None:
     # window 0 only: a = (10 + 2*2) / 2 = 7, b = 20 + 2*2 = 24 -> 31^2 / (2 * (49 + 576))
     assert fairness["windowed_jain_index"] == pytest.approx(961 / 1250)
     assert summarize(records[:1], 1, 1)["fairness"]["windowed_jain_index"] is None  # type: ignore[index]
+
+
+def test_per_priority_and_per_tenant_classes() -> None:
+    """With two priorities and two tenants the summary splits attainment and TTFT by class; one class adds nothing."""
+    records = [
+        make_record("hi", 0.0, 0.1, 1.0, out=10, priority=1, tenant="a"),
+        make_record("lo", 0.0, 2.0, 3.0, out=10, tenant="b"),
+        make_record("lo2", 0.0, 0.5, 1.4, out=10, tenant="b"),
+    ]
+    summary = summarize(records, slo_ttft_s=1.0, slo_tpot_s=0.2)
+    by_priority, by_tenant = summary["by_priority"], summary["by_tenant"]
+    assert by_priority["1"]["slo_attainment"] == 1.0 and by_priority["0"]["slo_attainment"] == 0.5  # type: ignore[index]
+    assert by_tenant["b"]["requests"] == 2 and by_tenant["b"]["ttft_s"]["p50"] == pytest.approx(1.25)  # type: ignore[index]
+    single = summarize(records[1:2], slo_ttft_s=1.0, slo_tpot_s=0.2)
+    assert "by_priority" not in single and "by_tenant" not in single

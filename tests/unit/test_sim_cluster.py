@@ -6,12 +6,15 @@ import json
 from dataclasses import astuple
 from pathlib import Path
 
+import pytest
+
 import admission_svc.core
 import router_svc.core
 import scheduler_svc.core
 from router_svc.core import RoutingPolicy
 from scheduler_svc.core.config import Policy
 from sluice.cli import main
+from sluice.commands.sim import parse_compare_item
 from sluice.metrics import RequestRecord
 from sluice.sim import SimConfig, Simulator, simulate
 from sluice.sim import cluster as sim_cluster
@@ -139,3 +142,15 @@ def test_fair_policy_follows_tenant_weights_under_backlog() -> None:
         ).summary
         jain[policy] = summary["fairness"]["windowed_jain_index"]  # type: ignore[index]
     assert jain[Policy.FAIR] > jain[Policy.FCFS] + 0.02
+
+
+def test_compare_admission_words_set_that_items_budget_only() -> None:
+    """`max-queued=N` in a --compare item bounds that item's admission queue; a bad value is a clear error."""
+    base = SimConfig()
+    shed = parse_compare_item("fcfs+score+max-queued=32", base)
+    assert shed.max_queued_requests == 32 and base.max_queued_requests == 100_000
+    assert parse_compare_item("max-active=7", base).max_active_requests == 7
+    with pytest.raises(ValueError, match="positive integer"):
+        parse_compare_item("max-queued=zero", base)
+    with pytest.raises(ValueError, match="unknown budget"):
+        parse_compare_item("max-tokens=3", base)

@@ -50,3 +50,14 @@ def test_json_and_plots_are_written(tmp_path: Path) -> None:
     )
     assert {f.name for f in files} == {"cdf_ttft.png", "cdf_tpot.png", "cdf_e2e.png", "timeline_a.png"}
     assert all(f.stat().st_size > 1000 for f in files)
+
+
+def test_compare_adds_rows_per_priority_and_tenant() -> None:
+    """A run with two priorities gets attainment and TTFT p99 rows per priority, '-' where a column lacks the class."""
+    mixed = [
+        RequestRecord("h", arrival_s=0, first_token_s=0.1, finish_s=1.0, output_tokens=10, priority=2),
+        RequestRecord("n", arrival_s=0, first_token_s=0.3, finish_s=1.0, output_tokens=10),
+    ]
+    table = format_compare({"mixed": summarize(mixed, 1, 1), "plain": summarize(make_records(1.0), 1, 1)})
+    row = next(line for line in table.splitlines() if line.startswith("TTFT p99, priority 2 (ms)"))
+    assert row.split()[-2:] == ["100.0", "-"]
