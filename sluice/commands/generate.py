@@ -6,21 +6,39 @@ import argparse
 import os
 import sys
 
+from sluice.config import DEFAULT_API_KEY
+
+EXAMPLES = """\
+examples:
+  sluice generate "Once upon a time" --target 127.0.0.1:50051
+  sluice generate "Hello" --max-tokens 64 --temperature 0.8 --seed 7 --api-key sk-acme-1
+  SLUICE_TARGET=127.0.0.1:50051 sluice generate "Hello" --ids
+
+The answer streams to stdout; the request id, status and token counts go to stderr. Exit status 1
+with the gRPC code and message (e.g. RESOURCE_EXHAUSTED, UNAVAILABLE) when the server refuses.
+"""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the flags of `sluice generate`."""
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EXAMPLES
     parser.add_argument("prompt", help="the prompt text")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--priority", type=int, default=0, help="larger runs first")
-    parser.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY", "sk-sluice-local"))
-    parser.add_argument("--target", default=os.environ.get("SLUICE_TARGET", "localhost:50051"))
+    parser.add_argument("--target", default=os.environ.get("SLUICE_TARGET", "localhost:50051"),
+                        help="admission HOST:PORT, as `sluice up` prints it (default: $SLUICE_TARGET, "
+                             "else localhost:50051)")
+    parser.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY", DEFAULT_API_KEY),
+                        help=f"API key (default: $SLUICE_API_KEY, else {DEFAULT_API_KEY}, the key of a "
+                             "deployment without a config file)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most (default: 32)")
+    parser.add_argument("--priority", type=int, default=0, help="larger runs first (default: 0)")
     parser.add_argument("--model", default="", help="model name (default: the deployment's)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest; 0 = all (default)")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed, for repeatable output")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--timeout", type=float, default=60.0, help="deadline in seconds")
+    parser.add_argument("--timeout", type=float, default=60.0, help="deadline in seconds (default: 60)")
     parser.add_argument("--ids", action="store_true", help="print token ids instead of text")
 
 

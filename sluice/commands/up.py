@@ -4,34 +4,60 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
+import shutil
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sluice.stack import Stack
+
+EXAMPLES = """\
+examples:
+  sluice up                                   # 1 replica of the tiny torch model on 127.0.0.1:50051
+  sluice up --replicas 2 --port 0             # 2 replicas, admission on a free port
+  sluice up --backend costmodel --model llama-3-8b --emulate-time   # GPU-like timing, no torch
+
+It prints the endpoint, an API key and a `sluice generate` command to try, then runs until Ctrl-C.
+"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the flags of `sluice up`."""
-    parser.add_argument("--replicas", type=int, default=1, help="worker + scheduler pairs (default 1)")
-    parser.add_argument("--backend", choices=("torch", "costmodel"), default="torch")
-    parser.add_argument("--model", default="tiny", help="preset name or model directory (costmodel: a shape)")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EXAMPLES
+    parser.add_argument("--replicas", type=int, default=1, help="worker + scheduler pairs (default: 1)")
+    parser.add_argument("--backend", choices=("torch", "costmodel"), default="torch",
+                        help="torch: the real engine on CPU/GPU; costmodel: modelled GPU time (default: torch)")
+    parser.add_argument("--model", default="tiny",
+                        help="torch: a preset (tiny, generated on first use) or a Llama model directory; "
+                             "costmodel: a shape such as llama-3-8b (default: tiny)")
     parser.add_argument("--redis-url", default=os.environ.get("SLUICE_REDIS_URL"),
-                        help="use this Redis instead of starting the embedded one ($SLUICE_REDIS_URL)")
-    parser.add_argument("--config", default=os.environ.get("SLUICE_CONFIG"), help="admission config (TOML/JSON)")
-    parser.add_argument("--port", type=int, default=50051, help="admission port, the public endpoint")
-    parser.add_argument("--host", default="127.0.0.1", help="address every service listens on")
-    parser.add_argument("--run-dir", default=None, help="where each process logs (default: a temp dir)")
-    parser.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
+                        help="use this Redis instead of starting the embedded one (default: $SLUICE_REDIS_URL, "
+                             "else embedded)")
+    parser.add_argument("--config", default=os.environ.get("SLUICE_CONFIG"),
+                        help="admission config: API keys, tenants, budgets; see docs/usage.md "
+                             "(default: $SLUICE_CONFIG, else one tenant with key sk-sluice-local)")
+    parser.add_argument("--port", type=int, default=50051,
+                        help="admission port, the public endpoint; 0 picks a free one (default: 50051)")
+    parser.add_argument("--host", default="127.0.0.1", help="address every service listens on (default: 127.0.0.1)")
+    parser.add_argument("--run-dir", default=None, help="where each process logs (default: a new temp dir)")
+    parser.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker (default: all that fit)")
     parser.add_argument("--emulate-time", action="store_true", help="costmodel: rounds take their modelled time")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", help="services' log level (default: INFO)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Start the stack, print the endpoint, wait for Ctrl-C/SIGTERM, stop gracefully; returns the exit code."""
     from sluice.stack import Stack, StackConfig, StackError
 
-    if args.replicas < 1:
-        print("--replicas must be >= 1", file=sys.stderr)
+    problem = _check_args(args)
+    if problem:
+        print(f"sluice up: {problem}", file=sys.stderr)
         return 2
     config = StackConfig(replicas=args.replicas, backend=args.backend, model=args.model, redis_url=args.redis_url,
                          config_file=args.config, admission_port=args.port, host=args.host,
@@ -41,17 +67,14 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stack = Stack(config)
-    print(f"starting {args.replicas} replica(s) ({args.backend}, {args.model}); logs in {stack.run_dir}",
-          file=sys.stderr, flush=True)
+    print(f"starting Redis, router, {args.replicas} x (worker + scheduler) ({args.backend}, {args.model}) and "
+          f"admission; logs in {stack.run_dir}", file=sys.stderr, flush=True)
     try:
         stack.start()
     except StackError as exc:
         print(f"sluice up failed: {exc}", file=sys.stderr)
         return 1
-    key = "from your config file" if args.config else stack.api_key
-    print(f"Sluice is up.\n  endpoint: {stack.endpoint}\n  API key:  {key}\n  Redis:    {stack.redis_url}\n"
-          f"  logs:     {stack.run_dir}\n"
-          f"Try: sluice generate 'Hello' --target {stack.endpoint}\nCtrl-C to stop.", flush=True)
+    print(_banner(stack, args.config), flush=True)
     while not stop.wait(1.0):
         dead = [p.name for p in stack.procs if not p.alive()]
         if dead:
@@ -62,3 +85,53 @@ def run(args: argparse.Namespace) -> int:
     stack.stop()
     print("stopped.", file=sys.stderr)
     return 0
+
+
+def _check_args(args: argparse.Namespace) -> str:
+    """Return what is wrong with the flags ("" when nothing): caught here, before any process starts."""
+    if args.replicas < 1:
+        return f"--replicas must be at least 1, got {args.replicas}"
+    if args.config and not Path(args.config).is_file():
+        return f"--config {args.config}: no such file"
+    if args.port:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            # As gRPC does: a port whose last connections linger in TIME_WAIT is still free to listen on.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((args.host, args.port))
+            except OSError as exc:
+                return (f"cannot listen on {args.host}:{args.port} ({exc.strerror}); is another `sluice up` "
+                        f"running? Pass --port 0 for a free port")
+    return ""
+
+
+def _banner(stack: Stack, config_file: str | None) -> str:
+    """Return what `sluice up` prints once ready: endpoint, key, Redis, logs and a generate command that works."""
+    key = _first_api_key(config_file) or stack.api_key
+    command = [*_sluice_command(), "generate", "Hello", "--target", stack.endpoint, "--api-key", key]
+    source = f" (from {config_file})" if config_file else ""
+    return (f"Sluice is up.\n  endpoint: {stack.endpoint}\n  API key:  {key}{source}\n  Redis:    {stack.redis_url}\n"
+            f"  logs:     {stack.run_dir}\n"
+            f"Try: {shlex.join(command)}\nCtrl-C to stop.")
+
+
+def _first_api_key(config_file: str | None) -> str:
+    """Return the first API key of the config file ("" without a file or keys)."""
+    if not config_file:
+        return ""
+    from sluice.config import load_config
+
+    keys = [key for tenant in load_config(config_file).tenants for key in tenant.api_keys]
+    return keys[0] if keys else ""
+
+
+def _sluice_command() -> list[str]:
+    """Return how to run `sluice` from a shell: `sluice` when on PATH, else this environment's script or module."""
+    script = Path(sys.executable).with_name("sluice")
+    on_path = shutil.which("sluice")
+    if on_path and Path(on_path).resolve() == script.resolve():
+        return ["sluice"]
+    if script.is_file():
+        relative = os.path.relpath(script)
+        return [relative if not relative.startswith("..") else str(script)]
+    return [sys.executable, "-m", "sluice.cli"]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -38,6 +40,10 @@ def test_up_generate_and_ctrl_c(tmp_path: Path) -> None:
                 break
         banner = "".join(lines)
         assert f"endpoint: 127.0.0.1:{port}" in banner and "sk-sluice-local" in banner, banner
+        suggested = next(line for line in lines if line.startswith("Try: "))
+        tried = subprocess.run(shlex.split(suggested.removeprefix("Try: ")), cwd=ROOT, env=env, capture_output=True,
+                               text=True, timeout=60)
+        assert tried.returncode == 0 and "finished" in tried.stderr, (suggested, tried.stderr)
         done = subprocess.run(_sluice("generate", "hello", "--max-tokens", "5", "--target", f"127.0.0.1:{port}",
                                       "--ids"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
@@ -52,3 +58,14 @@ def test_up_generate_and_ctrl_c(tmp_path: Path) -> None:
     assert "stopped." in output
     leftover = subprocess.run(["pgrep", "-f", f"--port {port}"], capture_output=True, text=True)
     assert leftover.stdout.strip() == ""
+
+
+def test_up_refuses_a_taken_port_before_starting_anything() -> None:
+    """`sluice up --port P` with P already listening exits 2 at once, naming the port and suggesting --port 0."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(_sluice("up", "--port", str(port)), cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and f"127.0.0.1:{port}" in done.stderr and "--port 0" in done.stderr, done.stderr
