@@ -24,6 +24,8 @@ from sluice.stack import Stack, StackConfig
 from sluice.workload import WorkloadRequest, load_workload
 
 TENANTS = {"alice": "sk-demo-alice", "bob": "sk-demo-bob", "carol": "sk-demo-carol"}
+SLO_TTFT_S = 2.0
+SLO_TPOT_S = 0.2
 CONFIG = "\n".join(f'[tenants.{name}]\napi_keys = ["{key}"]\nweight = {1.0 if name != "alice" else 2.0}\n'
                    for name, key in TENANTS.items())
 
@@ -63,18 +65,23 @@ def main(argv: list[str] | None = None) -> int:
     config_path = out_dir / "sluice.toml"
     config_path.write_text(CONFIG)
     started = time.monotonic()
-    print(f"starting the stack: embedded Redis, router, {args.replicas} x (worker + scheduler) of the tiny "
-          f"torch model, admission; logs in {out_dir / 'logs'}", flush=True)
+    print(f"Starting the stack: embedded Redis, router, {args.replicas} x (worker + scheduler) of the tiny torch "
+          f"model (random weights: its text is gibberish), admission...", flush=True)
     stack = Stack(StackConfig(replicas=args.replicas, backend="torch", model="tiny", config_file=str(config_path),
                               run_dir=out_dir / "logs"))
+    requests = demo_requests(args.requests, args.arrival_span)
     with stack:
-        print(f"ready in {time.monotonic() - started:.1f}s at {stack.endpoint}; sending {args.requests} requests "
-              f"from {len(TENANTS)} tenants over ~{args.arrival_span:.0f}s", flush=True)
-        requests = demo_requests(args.requests, args.arrival_span)
+        print(f"ready in {time.monotonic() - started:.1f}s; each service is its own process:", flush=True)
+        _print_processes(stack)
+        _print_workload(requests, args.arrival_span)
         outcomes = asyncio.run(drive(stack.endpoint, TENANTS, requests, max_concurrency=32, timeout=90.0))
         stats = stack.scheduler_stats()
-        print("stopping: draining replicas...", flush=True)
-    ns = argparse.Namespace(slo_ttft=2.0, slo_tpot=0.2)
+        print("stopping: draining the replicas, then stopping every process...", flush=True)
+        stopping = time.monotonic()
+    left = [proc.name for proc in stack.procs if proc.alive()]
+    print(f"stopped in {time.monotonic() - stopping:.1f}s; "
+          + (f"still running: {', '.join(left)}" if left else "no process left") + ".\n", flush=True)
+    ns = argparse.Namespace(slo_ttft=SLO_TTFT_S, slo_tpot=SLO_TPOT_S)
     summary = summarize_run(requests, outcomes, ns, {
         "workload": "azure-conv (first requests, lengths x0.25 capped at 192 in / 24 out)",
         "replica_stats": {s.replica_id: {"finished": s.finished, "cancelled": s.cancelled,
@@ -84,11 +91,28 @@ def main(argv: list[str] | None = None) -> int:
                           for s in stats}})
     print(format_table(summary, title=f"Sluice demo: {len(requests)} requests, {args.replicas} replicas"))
     _print_extras(summary, outcomes, requests)
-    print(f"JSON report: {write_json(summary, out_dir / 'report.json')}")
-    print(f"total wall time {time.monotonic() - started:.1f}s; everything stopped.")
+    print(f"\nJSON report: {write_json(summary, out_dir / 'report.json')}\nlogs: {out_dir / 'logs'}")
     bad = [o for o, r in zip(outcomes, requests, strict=True)
            if o.status != ("cancelled" if r.cancel_after_s is not None else "ok")]
+    verdict = "every request ended as expected" if not bad else f"{len(bad)} request(s) did not end as expected"
+    print(f"total wall time {time.monotonic() - started:.1f}s; {verdict}.")
     return 1 if bad else 0
+
+
+def _print_processes(stack: Stack) -> None:
+    print(f"  {'redis':<12} {stack.redis_url}")
+    for proc in stack.procs:
+        role = "  <- the endpoint clients call" if proc is stack.admission else ""
+        pid = proc.popen.pid if proc.popen else "?"
+        print(f"  {proc.name:<12} {proc.address:<21} pid {pid}{role}")
+
+
+def _print_workload(requests: list[WorkloadRequest], span_s: float) -> None:
+    weights = {name: 2.0 if name == "alice" else 1.0 for name in TENANTS}
+    print(f"Workload: the first {len(requests)} requests of the Azure LLM conversation trace, arrivals compressed "
+          f"to ~{span_s:.0f}s, lengths scaled to the tiny model;\n"
+          f"  tenants {', '.join(f'{t} (weight {w:g})' for t, w in weights.items())}, taking turns; "
+          f"every 5th request has priority 1; one client cancels its request 0.3s into the stream.", flush=True)
 
 
 def _print_extras(summary: dict[str, Any], outcomes: list[Outcome], requests: list[WorkloadRequest]) -> None:
@@ -105,8 +129,12 @@ def _print_extras(summary: dict[str, Any], outcomes: list[Outcome], requests: li
     for outcome, request in zip(outcomes, requests, strict=True):
         by_tenant[request.tenant] = by_tenant.get(request.tenant, 0) + len(outcome.token_times)
     print("output tokens by tenant: " + ", ".join(f"{t} {n}" for t, n in sorted(by_tenant.items())))
+    print(f"SLO: first token within {SLO_TTFT_S:g}s and {SLO_TPOT_S * 1e3:g} ms per output token "
+          "(the cancelled request counts as missed)")
     for name, stats in summary.get("replica_stats", {}).items():
-        print(f"  {name}: {stats}")
+        print(f"{name}: {stats['finished']} finished, {stats['cancelled']} cancelled, {stats['preemptions']} "
+              f"preemptions; KV blocks {stats['kv_blocks_used']} in use, {stats['kv_blocks_cached']} cached for "
+              f"prefix reuse, of {stats['kv_blocks_total']}; prefix hit rate {stats['prefix_hit_rate']:.0%}")
 
 
 if __name__ == "__main__":
