@@ -81,6 +81,25 @@ class _Outgoing:
     kv: events_pb2.KvEventBatch | None = None
 
 
+def _merge(batches: list[_Outgoing]) -> _Outgoing:
+    """Return one batch with everything of `batches`, in order (per owner for tokens; KV events concatenated)."""
+    if len(batches) == 1:
+        return batches[0]
+    merged = _Outgoing()
+    for batch in batches:
+        for owner, (deltas, fields) in batch.tokens.items():
+            have_deltas, have_fields = merged.tokens.setdefault(owner, ([], []))
+            have_deltas += deltas
+            have_fields += fields
+        merged.completions += batch.completions
+        if batch.kv is not None:
+            if merged.kv is None:
+                merged.kv = batch.kv
+            else:
+                merged.kv.events.extend(batch.kv.events)
+    return merged
+
+
 class Driver:
     """Runs one replica's rounds and publishes what the core reports. See the module docstring."""
 
@@ -159,8 +178,12 @@ class Driver:
                 had_stream = stream is not None
                 result, stream = await self._execute(plan, stream)
                 done = self.clock()
+                events = self.core.on_round_result(result, done)
+                if self._queue_tokens(events, done):
+                    # Let the publisher put this round's tokens on the wire before any other work.
+                    await asyncio.sleep(0)
                 self.metrics.round_duration.observe(done - now)
-                self._handle(self.core.on_round_result(result, done), done)
+                self._handle(events, done)
                 if result.error.startswith(WORKER_UNAVAILABLE) or (had_stream and stream is None):
                     # The worker is down or restarting: do not burn every queued request on it at once.
                     with contextlib.suppress(TimeoutError):
@@ -207,12 +230,24 @@ class Driver:
                 waiter.cancel()
 
     # ---- events: bookkeeping now, publishing queued ---------------------------------------
+    def _queue_tokens(self, events: CoreEvents, now: float) -> bool:
+        """Queue the events' token deltas for publishing (and take them out of `events`); True if any."""
+        if not events.tokens:
+            return False
+        out = _Outgoing()
+        self._on_tokens(events, now, out)
+        events.tokens = []
+        if not out.tokens:
+            return False
+        self._outbox.put_nowait(out)
+        return True
+
     def _handle(self, events: CoreEvents, now: float) -> None:
+        # Tokens first: a request's completion must never be queued ahead of its last tokens.
+        self._queue_tokens(events, now)
         for event in events.lifecycle:
             self._on_lifecycle(event)
         out = _Outgoing()
-        if events.tokens:
-            self._on_tokens(events, now, out)
         for finished in events.finished:
             self._on_finished(finished, out)
         if events.kv_events:
@@ -220,7 +255,7 @@ class Driver:
         if events.dropped_results:
             self.metrics.dropped_results.inc(events.dropped_results)
         self._update_gauges()
-        if out.tokens or out.completions or out.kv is not None:
+        if out.completions or out.kv is not None:
             self._outbox.put_nowait(out)
 
     def _on_lifecycle(self, event: LifecycleEvent) -> None:
@@ -301,12 +336,18 @@ class Driver:
 
     # ---- publishing -----------------------------------------------------------------------
     async def _publish_loop(self) -> None:
-        """Publish queued batches in order until the None sentinel; retry Redis failures forever."""
+        """Publish queued batches in order until the None sentinel; retry Redis failures forever.
+
+        Whatever queued up while the previous publication was in flight goes out merged, in one
+        call per owner: under load the queue drains in a few round trips instead of growing.
+        """
         while True:
-            out = await self._outbox.get()
+            batches = [await self._outbox.get()]
+            while not self._outbox.empty():
+                batches.append(self._outbox.get_nowait())
+            last = batches[-1] is None
+            out = _merge([b for b in batches if b is not None])
             try:
-                if out is None:
-                    return
                 delay = 0.05
                 while True:
                     try:
@@ -317,7 +358,10 @@ class Driver:
                         await asyncio.sleep(delay)
                         delay = min(delay * 2, 2.0)
             finally:
-                self._outbox.task_done()
+                for _ in batches:
+                    self._outbox.task_done()
+            if last:
+                return
 
     async def _publish(self, out: _Outgoing) -> None:
         """Publish a batch; what went out is removed from it, so a retry resumes where it failed."""
