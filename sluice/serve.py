@@ -186,7 +186,7 @@ async def _serve(name: str, options: ServiceOptions, start: Start) -> int:
             if finished and not ready:
                 log.error("%s cannot serve; exiting", name)
                 return 1
-        _freeze_startup_heap()
+        log.info("%s serving; %d start-up objects frozen out of the garbage collector", name, _freeze_startup_heap())
         failed = await _wait_for_stop(ctx.stop, started.watched)
         if failed is not None:
             # The service's own loop died of a bug: answering calls that never get served would hide it.
@@ -231,7 +231,9 @@ async def _wait_for_stop(stop: asyncio.Event, watched: Sequence[asyncio.Task[Any
     return None
 
 
-def _freeze_startup_heap() -> None:
+def _freeze_startup_heap() -> int:
+    """Move every object alive now to the collector's permanent generation; return how many it holds."""
     # Collect first so that start-up garbage is freed rather than kept forever in the permanent generation.
     gc.collect()
     gc.freeze()
+    return gc.get_freeze_count()
