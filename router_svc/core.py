@@ -4,7 +4,8 @@ Theory of operation
 -------------------
 * Replicas move through WARMING -> READY -> DRAINING -> GONE by a transition table
   (`REPLICA_TRANSITIONS`); only READY replicas of the requested model and adapter version are
-  candidates. A replica whose heartbeat is older than `heartbeat_timeout_s` is GONE at the next
+  candidates. A replica whose worker is down reports it (FAULT) and is UNHEALTHY, with no traffic,
+  until it reports READY again. A replica whose heartbeat is older than `heartbeat_timeout_s` is GONE at the next
   `expire(now)`, and everything known about it is purged.
 * The prefix index maps block hashes (sluice.hashing chains) to the replicas that hold them. It is
   fed by each replica's KV events, in event-id order: an event id that skips ahead is a gap, so
@@ -41,6 +42,8 @@ class ReplicaState(enum.Enum):
     READY = "ready"
     DRAINING = "draining"
     GONE = "gone"
+    UNHEALTHY = "unhealthy"
+    """Registered, but its worker is down: no traffic until it reports READY again."""
 
 
 class ReplicaInput(enum.Enum):
@@ -50,6 +53,8 @@ class ReplicaInput(enum.Enum):
     """Stop sending it traffic; in-flight work finishes."""
     REMOVE = "remove"
     """It left, or its heartbeat was lost."""
+    FAULT = "fault"
+    """It reports its worker down (it cannot run rounds until the worker is back)."""
 
 
 REPLICA_TRANSITIONS: dict[tuple[ReplicaState, ReplicaInput], ReplicaState] = {
@@ -61,6 +66,13 @@ REPLICA_TRANSITIONS: dict[tuple[ReplicaState, ReplicaInput], ReplicaState] = {
     (ReplicaState.READY, ReplicaInput.REMOVE): ReplicaState.GONE,
     (ReplicaState.DRAINING, ReplicaInput.DRAIN): ReplicaState.DRAINING,
     (ReplicaState.DRAINING, ReplicaInput.REMOVE): ReplicaState.GONE,
+    (ReplicaState.DRAINING, ReplicaInput.FAULT): ReplicaState.DRAINING,
+    (ReplicaState.WARMING, ReplicaInput.FAULT): ReplicaState.UNHEALTHY,
+    (ReplicaState.READY, ReplicaInput.FAULT): ReplicaState.UNHEALTHY,
+    (ReplicaState.UNHEALTHY, ReplicaInput.FAULT): ReplicaState.UNHEALTHY,
+    (ReplicaState.UNHEALTHY, ReplicaInput.WARMED): ReplicaState.READY,
+    (ReplicaState.UNHEALTHY, ReplicaInput.DRAIN): ReplicaState.DRAINING,
+    (ReplicaState.UNHEALTHY, ReplicaInput.REMOVE): ReplicaState.GONE,
 }
 
 
@@ -152,6 +164,10 @@ class ReplicaLoad:
     running: int = 0
     queued_prefill_tokens: int = 0
     kv_blocks_free: int = 0
+    prefill_tokens_per_s: float = 0.0
+    """Measured by the replica from its rounds; 0 = not yet (the spec's registered rate is used)."""
+    decode_round_s: float = 0.0
+    """Measured by the replica from its rounds; 0 = not yet (the spec's registered value is used)."""
 
 
 @dataclass(frozen=True)
@@ -243,6 +259,13 @@ class RouterCore:
         replica = self._get(replica_id)
         replica.last_heartbeat = now
         return self._apply(replica, ReplicaInput.WARMED)
+
+    def mark_unhealthy(self, replica_id: str, now: float) -> ReplicaState:
+        """The replica's worker is down: no traffic until `mark_ready`. Raises UnknownReplica /
+        IllegalReplicaTransition."""
+        replica = self._get(replica_id)
+        replica.last_heartbeat = now
+        return self._apply(replica, ReplicaInput.FAULT)
 
     def drain(self, replica_id: str, now: float) -> ReplicaState:
         """Stop routing to the replica; what it already has finishes there."""
@@ -398,14 +421,17 @@ class RouterCore:
 
     def _ttft(self, replica: _Replica, query: RouteQuery, cached: int) -> tuple[float, float, float]:
         """(predicted TTFT, queue wait, prefill time) of `query` on `replica`; the hot loop of SCORE."""
-        spec = replica.spec
+        spec, load = replica.spec, replica.load
         uncached_tokens = max(query.prompt_tokens - cached * spec.block_size, 1)
-        rate = spec.prefill_tokens_per_s if spec.prefill_tokens_per_s > 0 else 1e-9
+        # Measured rates (heartbeats) win over the ones the replica registered with.
+        rate = load.prefill_tokens_per_s or spec.prefill_tokens_per_s
+        rate = rate if rate > 0 else 1e-9
+        decode_round_s = load.decode_round_s or spec.decode_round_s
         queue_wait = (replica.load.queued_prefill_tokens + replica.unreported_tokens) / rate
         prefill = uncached_tokens / rate
         interference = 0.0
         if replica.load.running or replica.inflight:
-            interference = -(-uncached_tokens // max(spec.max_num_batched_tokens, 1)) * spec.decode_round_s
+            interference = -(-uncached_tokens // max(spec.max_num_batched_tokens, 1)) * decode_round_s
         return queue_wait + prefill + interference, queue_wait, prefill
 
     def _best_score(self, ready: list[_Replica], query: RouteQuery, now: float) -> _Replica:
