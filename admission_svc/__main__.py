@@ -20,21 +20,11 @@ from admission_svc import convert
 from admission_svc.core import AdmissionConfig, AdmissionCore, TenantConfig
 from admission_svc.server import AdmissionMetrics, AdmissionServicer
 from admission_svc.streams import token_reader_loop
+from sluice import serve
 from sluice.bus import Bus
 from sluice.config import ConfigError, ServiceConfig, load_config
 from sluice.core_errors import translate_core_error
 from sluice.errors import ErrorInterceptor
-from sluice.serve import (
-    ServiceContext,
-    ServiceOptions,
-    Started,
-    StartupError,
-    add_common_flags,
-    add_redis_flags,
-    load_options,
-    open_bus,
-    run_service,
-)
 from sluice.v1 import admission_pb2, admission_pb2_grpc
 
 log = logging.getLogger("admission_svc")
@@ -42,15 +32,11 @@ SERVICE_NAME = admission_pb2.DESCRIPTOR.services_by_name["AdmissionService"].ful
 
 
 @dataclass(frozen=True, kw_only=True)
-class AdmissionOptions(ServiceOptions):
+class AdmissionOptions(serve.BusOptions):
     """The admission service's flags."""
 
     router: str = "127.0.0.1:50052"
     """Router HOST:PORT."""
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    """Redis URL."""
-    namespace: str = "default"
-    """Bus namespace."""
     config: str | None = None
     """TOML/JSON config file (API keys, tenants, budgets); None: the default tenant and key."""
     model: str = "tiny"
@@ -66,8 +52,8 @@ class AdmissionOptions(ServiceOptions):
 def build_parser() -> argparse.ArgumentParser:
     """Return the command-line parser of the admission service."""
     p = argparse.ArgumentParser(prog="python -m admission_svc", description=__doc__)
-    add_common_flags(p, default_port=50051)
-    add_redis_flags(p, default_url="redis://127.0.0.1:6379/0", namespace_env="SLUICE_NAMESPACE")
+    serve.add_common_flags(p, default_port=50051)
+    serve.add_redis_flags(p, default_url="redis://127.0.0.1:6379/0", namespace_env="SLUICE_NAMESPACE")
     p.add_argument("--router", default="127.0.0.1:50052", help="router HOST:PORT")
     p.add_argument("--config", default=os.environ.get("SLUICE_CONFIG"),
                    help="TOML/JSON config: API keys, tenants, budgets (default: $SLUICE_CONFIG)")
@@ -80,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Sequence[str] | None = None) -> AdmissionOptions:
     """Return the admission service's options (argparse exits with a usage message on bad flags)."""
-    return load_options(AdmissionOptions, build_parser(), argv)
+    return serve.load_options(AdmissionOptions, build_parser(), argv)
 
 
 def resolve_model_dir(spec: str) -> Path:
@@ -138,24 +124,24 @@ async def _consume_completions(bus: Bus, servicer: AdmissionServicer, stop: asyn
             await asyncio.sleep(0.5)
 
 
-def build_servicer(ctx: ServiceContext, options: AdmissionOptions) -> AdmissionServicer:
-    """Return the servicer for the options; raises StartupError for a bad config, model or metrics port."""
+def build_servicer(ctx: serve.ServiceContext, options: AdmissionOptions) -> AdmissionServicer:
+    """Return the servicer for the options; raises serve.StartupError for a bad config, model or metrics port."""
     try:
         model_dir = resolve_model_dir(options.model)
         model = convert.load_model_spec(model_dir, options.model_id or model_dir.name, aliases=(options.model,))
         core = AdmissionCore(admission_config(load_config(options.config), model.max_model_len))
     except (ConfigError, ValueError, OSError) as exc:
-        raise StartupError(str(exc)) from exc
+        raise serve.StartupError(str(exc)) from exc
     metrics = AdmissionMetrics()
     ctx.expose_metrics(metrics.registry)
     owner = options.owner or f"admission-{socket.gethostname()}-{options.port}"
     return AdmissionServicer(core, model, options.router, owner, metrics, options.resume_window_s)
 
 
-async def start(ctx: ServiceContext, options: AdmissionOptions) -> Started:
+async def start(ctx: serve.ServiceContext, options: AdmissionOptions) -> serve.Started:
     """Serve the front door with its stream reader, completion consumer and housekeeping; returns how to drain."""
     servicer = build_servicer(ctx, options)
-    bus = await open_bus(ctx, options.redis_url, options.namespace, ping=True)
+    bus = await serve.open_bus(ctx, options, ping=True)
     ctx.cleanup.push_async_callback(servicer.close)  # before the Redis client closes (the stack is LIFO)
     server = grpc.aio.server(interceptors=[ErrorInterceptor(translate_core_error)])
     admission_pb2_grpc.add_AdmissionServiceServicer_to_server(servicer, server)
@@ -180,13 +166,13 @@ async def start(ctx: ServiceContext, options: AdmissionOptions) -> Started:
         await server.stop(grace=5.0)
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    return Started(port, drain=drain, detail=f" (owner {servicer.owner}, model {servicer.model.model_id})")
+    return serve.Started(port, drain=drain, detail=f" (owner {servicer.owner}, model {servicer.model.model_id})")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code (2 on a configuration error)."""
     options = parse_args(argv)
-    return run_service("admission", options, lambda ctx: start(ctx, options))
+    return serve.run_service("admission", options, lambda ctx: start(ctx, options))
 
 
 if __name__ == "__main__":

@@ -10,28 +10,14 @@ from dataclasses import dataclass
 
 from router_svc.core import RouterConfig, RouterCore, RoutingPolicy
 from router_svc.server import RouterRuntime, start_router_server
+from sluice import serve
 from sluice.prom import RouterMetrics
-from sluice.serve import (
-    ServiceContext,
-    ServiceOptions,
-    Started,
-    StartupError,
-    add_common_flags,
-    add_redis_flags,
-    load_options,
-    open_bus,
-    run_service,
-)
 
 
 @dataclass(frozen=True, kw_only=True)
-class RouterOptions(ServiceOptions):
+class RouterOptions(serve.BusOptions):
     """The router's flags."""
 
-    redis_url: str = ""
-    """Redis URL (required)."""
-    namespace: str = "default"
-    """Bus namespace (keys sluice:{namespace}:...)."""
     router_id: str = "router"
     """Stable id naming this router's consumer groups, so that a restart resumes them."""
     policy: str = "score"
@@ -47,8 +33,8 @@ class RouterOptions(ServiceOptions):
 def build_parser() -> argparse.ArgumentParser:
     """Return the command-line parser of the router."""
     p = argparse.ArgumentParser(prog="python -m router_svc", description=__doc__)
-    add_common_flags(p, default_port=50052)
-    add_redis_flags(p)
+    serve.add_common_flags(p, default_port=50052)
+    serve.add_redis_flags(p)
     p.add_argument("--router-id", default="router",
                    help="stable id: names this router's consumer groups, so a restart resumes them")
     p.add_argument("--policy", default="score", help=f"one of: {', '.join(x.value for x in RoutingPolicy)}")
@@ -60,24 +46,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Sequence[str] | None = None) -> RouterOptions:
     """Return the router's options (argparse exits with a usage message on bad flags)."""
-    return load_options(RouterOptions, build_parser(), argv)
+    return serve.load_options(RouterOptions, build_parser(), argv)
 
 
 def router_config(options: RouterOptions) -> RouterConfig:
-    """Return the core's configuration; raises StartupError for an unknown policy or a bad value."""
+    """Return the core's configuration; raises serve.StartupError for an unknown policy or a bad value."""
     try:
         return RouterConfig(policy=RoutingPolicy.parse(options.policy), prediction_ttl_s=options.prediction_ttl,
                             heartbeat_timeout_s=options.heartbeat_timeout, seed=options.seed)
     except ValueError as exc:
-        raise StartupError(str(exc)) from exc
+        raise serve.StartupError(str(exc)) from exc
 
 
-async def start(ctx: ServiceContext, options: RouterOptions) -> Started:
+async def start(ctx: serve.ServiceContext, options: RouterOptions) -> serve.Started:
     """Start the router's server and its bus loop; returns how to drain it."""
     config = router_config(options)
     metrics = RouterMetrics()
     ctx.expose_metrics(metrics.registry)
-    bus = await open_bus(ctx, options.redis_url, options.namespace)
+    bus = await serve.open_bus(ctx, options)
     runtime = RouterRuntime(RouterCore(config), bus, options.router_id, metrics=metrics)
     server, port = await start_router_server(runtime, options.port, options.host)
     loop = asyncio.create_task(runtime.run(ctx.stop))
@@ -87,13 +73,13 @@ async def start(ctx: ServiceContext, options: RouterOptions) -> Started:
         await runtime.health.enter_graceful_shutdown()
         await server.stop(1.0)
 
-    return Started(port, drain=drain, watched=[loop])
+    return serve.Started(port, drain=drain, watched=[loop])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code (2 on a configuration error)."""
     options = parse_args(argv)
-    return run_service("router", options, lambda ctx: start(ctx, options))
+    return serve.run_service("router", options, lambda ctx: start(ctx, options))
 
 
 if __name__ == "__main__":

@@ -9,22 +9,12 @@ from dataclasses import dataclass
 
 from scheduler_svc.core.config import Policy, PreemptionMode
 from scheduler_svc.server import start_replica
+from sluice import serve
 from sluice.prom import SchedulerMetrics
-from sluice.serve import (
-    ServiceContext,
-    ServiceOptions,
-    Started,
-    StartupError,
-    add_common_flags,
-    add_redis_flags,
-    load_options,
-    open_bus,
-    run_service,
-)
 
 
 @dataclass(frozen=True, kw_only=True)
-class SchedulerOptions(ServiceOptions):
+class SchedulerOptions(serve.BusOptions):
     """The scheduler's flags."""
 
     replica_id: str
@@ -35,10 +25,6 @@ class SchedulerOptions(ServiceOptions):
     """Host the router gives to admission for this scheduler."""
     router: str = ""
     """Router HOST:PORT; empty: do not register."""
-    redis_url: str = ""
-    """Redis URL (required)."""
-    namespace: str = "default"
-    """Bus namespace (keys sluice:{namespace}:...)."""
     policy: str = "fcfs"
     """Queue policy (Policy value)."""
     preemption: str = "recompute"
@@ -70,8 +56,8 @@ class SchedulerOptions(ServiceOptions):
 def build_parser() -> argparse.ArgumentParser:
     """Return the command-line parser of the scheduler."""
     p = argparse.ArgumentParser(prog="python -m scheduler_svc", description=__doc__)
-    add_common_flags(p, default_port=50071)
-    add_redis_flags(p)
+    serve.add_common_flags(p, default_port=50071)
+    serve.add_redis_flags(p)
     p.add_argument("--advertise-host", default="127.0.0.1", help="host the router gives to admission")
     p.add_argument("--replica-id", required=True, help="this replica's id at the router")
     p.add_argument("--worker", required=True, help="worker HOST:PORT")
@@ -95,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Sequence[str] | None = None) -> SchedulerOptions:
     """Return the scheduler's options (argparse exits with a usage message on bad flags)."""
-    return load_options(SchedulerOptions, build_parser(), argv)
+    return serve.load_options(SchedulerOptions, build_parser(), argv)
 
 
 def core_overrides(options: SchedulerOptions) -> dict[str, object]:
@@ -108,11 +94,11 @@ def core_overrides(options: SchedulerOptions) -> dict[str, object]:
     }
 
 
-async def start(ctx: ServiceContext, options: SchedulerOptions) -> Started:
+async def start(ctx: serve.ServiceContext, options: SchedulerOptions) -> serve.Started:
     """Wait for the worker, then serve and register; returns how to drain (finish work, then cancel the rest)."""
     metrics = SchedulerMetrics()
     ctx.expose_metrics(metrics.registry)
-    bus = await open_bus(ctx, options.redis_url, options.namespace)
+    bus = await serve.open_bus(ctx, options)
     try:
         replica = await start_replica(
             replica_id=options.replica_id, worker_address=options.worker, bus=bus, router_address=options.router,
@@ -121,18 +107,18 @@ async def start(ctx: ServiceContext, options: SchedulerOptions) -> Started:
             prefill_tokens_per_s=options.prefill_tokens_per_s, decode_round_s=options.decode_round_s,
             use_stream=not options.unary)
     except (TimeoutError, ValueError) as exc:
-        raise StartupError(str(exc)) from exc
+        raise serve.StartupError(str(exc)) from exc
 
     async def drain() -> None:
         await replica.stop(options.drain_timeout)
 
-    return Started(replica.port, drain=drain, watched=replica.tasks, label=f"scheduler {options.replica_id}")
+    return serve.Started(replica.port, drain=drain, watched=replica.tasks, label=f"scheduler {options.replica_id}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code (2 on a configuration error, 1 when a task fails)."""
     options = parse_args(argv)
-    return run_service("scheduler", options, lambda ctx: start(ctx, options))
+    return serve.run_service("scheduler", options, lambda ctx: start(ctx, options))
 
 
 if __name__ == "__main__":

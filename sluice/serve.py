@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
     from sluice.bus import Bus
 
-__all__ = ["ServiceContext", "ServiceOptions", "Started", "StartupError", "add_common_flags", "add_redis_flags",
+__all__ = ["BusOptions", "ServiceContext", "ServiceOptions", "Started", "StartupError", "add_common_flags", "add_redis_flags",
            "load_options", "open_bus", "run_service"]
 
 log = logging.getLogger("sluice.serve")
@@ -60,6 +60,16 @@ class ServiceOptions:
     """Prometheus port; None serves no metrics."""
     log_level: str = "INFO"
     """Logging level name for the root logger."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BusOptions(ServiceOptions):
+    """Flags of a service on the Redis bus (the flags of `add_redis_flags`)."""
+
+    redis_url: str = ""
+    """Redis URL; empty: none given (open_bus refuses it)."""
+    namespace: str = "default"
+    """Bus namespace (keys sluice:{namespace}:...)."""
 
 
 def add_common_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
@@ -135,21 +145,21 @@ class Started:
 Start = Callable[[ServiceContext], Awaitable[Started]]
 
 
-async def open_bus(ctx: ServiceContext, redis_url: str, namespace: str, *, ping: bool = False) -> Bus:
-    """Return a Bus on a new Redis client that `ctx.cleanup` closes; with `ping`, check Redis answers first.
+async def open_bus(ctx: ServiceContext, options: BusOptions, *, ping: bool = False) -> Bus:
+    """Return a Bus on a new Redis client (from `options`) that `ctx.cleanup` closes; with `ping`, check Redis answers.
 
-    Raises StartupError when no URL is given or (with `ping`) Redis cannot be reached.
+    Raises StartupError when no URL is given, the namespace is malformed or (with `ping`) Redis cannot be reached.
     """
     import redis.asyncio as aioredis
     from redis.exceptions import RedisError
 
     from sluice.bus import Bus
 
-    if not redis_url:
+    if not options.redis_url:
         raise StartupError("no Redis: pass --redis-url or set SLUICE_REDIS_URL")
     try:
-        client = aioredis.Redis.from_url(redis_url)
-        bus = Bus(client, namespace)
+        client = aioredis.Redis.from_url(options.redis_url)
+        bus = Bus(client, options.namespace)
     except ValueError as exc:
         raise StartupError(str(exc)) from exc
     ctx.cleanup.push_async_callback(client.aclose)
@@ -157,7 +167,7 @@ async def open_bus(ctx: ServiceContext, redis_url: str, namespace: str, *, ping:
         try:
             await client.ping()
         except (RedisError, OSError) as exc:
-            raise StartupError(f"cannot reach Redis at {redis_url}: {exc}") from exc
+            raise StartupError(f"cannot reach Redis at {options.redis_url}: {exc}") from exc
     return bus
 
 

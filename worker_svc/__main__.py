@@ -7,14 +7,14 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from sluice import serve
 from sluice.prom import WorkerMetrics
-from sluice.serve import ServiceContext, ServiceOptions, Started, add_common_flags, load_options, run_service
 from worker_svc.backend import Backend
 from worker_svc.server import WorkerRuntime, start_worker_server
 
 
 @dataclass(frozen=True, kw_only=True)
-class WorkerOptions(ServiceOptions):
+class WorkerOptions(serve.ServiceOptions):
     """The worker's flags."""
 
     backend: str = "torch"
@@ -36,7 +36,7 @@ class WorkerOptions(ServiceOptions):
 def build_parser() -> argparse.ArgumentParser:
     """Return the command-line parser of the worker."""
     p = argparse.ArgumentParser(prog="python -m worker_svc", description=__doc__)
-    add_common_flags(p, default_port=50061)
+    serve.add_common_flags(p, default_port=50061)
     p.add_argument("--backend", choices=("torch", "costmodel"), default="torch")
     p.add_argument("--model", default="tiny",
                    help="torch: a preset name or a model directory; costmodel: a model shape (llama-3-8b, tiny...)")
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Sequence[str] | None = None) -> WorkerOptions:
     """Return the worker's options (argparse exits with a usage message on bad flags)."""
-    return load_options(WorkerOptions, build_parser(), argv)
+    return serve.load_options(WorkerOptions, build_parser(), argv)
 
 
 def backend_loader(options: WorkerOptions) -> Callable[[], Backend]:
@@ -71,7 +71,7 @@ def backend_loader(options: WorkerOptions) -> Callable[[], Backend]:
     return load_torch
 
 
-async def start(ctx: ServiceContext, options: WorkerOptions) -> Started:
+async def start(ctx: serve.ServiceContext, options: WorkerOptions) -> serve.Started:
     """Bind the server at once and load the backend in the background; ready once loaded and warmed up."""
     metrics = WorkerMetrics()
     ctx.expose_metrics(metrics.registry)
@@ -84,13 +84,13 @@ async def start(ctx: ServiceContext, options: WorkerOptions) -> Started:
         await worker.loading  # logs its own failure
         return runtime.ready.is_set()
 
-    return Started(worker.port, ready=loaded)
+    return serve.Started(worker.port, ready=loaded)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code (1 when the backend fails to load)."""
     options = parse_args(argv)
-    return run_service("worker", options, lambda ctx: start(ctx, options))
+    return serve.run_service("worker", options, lambda ctx: start(ctx, options))
 
 
 if __name__ == "__main__":
