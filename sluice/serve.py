@@ -36,8 +36,8 @@ if TYPE_CHECKING:
 
     from sluice.bus import Bus
 
-__all__ = ["BusOptions", "ServiceContext", "ServiceOptions", "Started", "StartupError", "add_common_flags", "add_redis_flags",
-           "load_options", "open_bus", "run_service"]
+__all__ = ["BusOptions", "ServiceContext", "ServiceOptions", "Started", "StartupError", "add_common_flags",
+           "add_redis_flags", "load_options", "open_bus", "run_service"]
 
 log = logging.getLogger("sluice.serve")
 OptionsT = TypeVar("OptionsT", bound="ServiceOptions")
@@ -196,7 +196,9 @@ async def _serve(name: str, options: ServiceOptions, start: Start) -> int:
             if finished and not ready:
                 log.error("%s cannot serve; exiting", name)
                 return 1
-        log.info("%s serving; %d start-up objects frozen out of the garbage collector", name, _freeze_startup_heap())
+        if not ctx.stop.is_set():
+            log.info("%s serving; %d start-up objects frozen out of the garbage collector", name,
+                     _freeze_startup_heap())
         failed = await _wait_for_stop(ctx.stop, started.watched)
         if failed is not None:
             # The service's own loop died of a bug: answering calls that never get served would hide it.
