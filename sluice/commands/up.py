@@ -63,17 +63,23 @@ def run(args: argparse.Namespace) -> int:
                          config_file=args.config, admission_port=args.port, host=args.host,
                          run_dir=Path(args.run_dir) if args.run_dir else None, num_blocks=args.num_blocks,
                          emulate_time=args.emulate_time, log_level=args.log_level)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     stack = Stack(config)
     print(f"starting Redis, router, {args.replicas} x (worker + scheduler) ({args.backend}, {args.model}) and "
           f"admission; logs in {stack.run_dir}", file=sys.stderr, flush=True)
+    # While starting, Ctrl-C or SIGTERM interrupts the start (Stack.start stops what it started).
+    for sig in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a shell's background job starts with it ignored
+        signal.signal(sig, signal.default_int_handler)
     try:
         stack.start()
     except StackError as exc:
         print(f"sluice up failed: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("interrupted while starting; everything started is stopped.", file=sys.stderr)
+        return 130
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     print(_banner(stack, args.config), flush=True)
     while not stop.wait(1.0):
         dead = [p.name for p in stack.procs if not p.alive()]

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from sluice.redis_server import free_port
+from tests.processes import children, wait_gone
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,3 +70,19 @@ def test_up_refuses_a_taken_port_before_starting_anything() -> None:
         done = subprocess.run(_sluice("up", "--port", str(port)), cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                               capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and f"127.0.0.1:{port}" in done.stderr and "--port 0" in done.stderr, done.stderr
+
+
+def test_ctrl_c_while_starting_stops_what_started(tmp_path: Path) -> None:
+    """SIGINT during `sluice up`'s start exits 130 at once, and every process started so far is gone."""
+    up = subprocess.Popen(_sluice("up", "--port", "0", "--run-dir", str(tmp_path)), cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not children(up.pid):
+        time.sleep(0.05)
+    started = children(up.pid)
+    assert started, "sluice up started no process"
+    up.send_signal(signal.SIGINT)
+    output, _ = up.communicate(timeout=60)
+    assert up.returncode == 130 and "interrupted while starting" in output, output
+    assert wait_gone(started, 10.0) == []
