@@ -180,10 +180,13 @@ def run_service(name: str, options: ServiceOptions, start: Start) -> int:
 async def _serve(name: str, options: ServiceOptions, start: Start) -> int:
     from sluice.telemetry import setup_tracing
 
-    setup_tracing(f"sluice-{name}")
     ctx = ServiceContext(options, _stop_on_signals())
     async with ctx.cleanup:
         try:
+            try:
+                setup_tracing(f"sluice-{name}")
+            except RuntimeError as exc:  # an OTLP endpoint is set but its exporter is missing
+                raise StartupError(str(exc)) from exc
             finished, started = await _unless_stopped(start(ctx), ctx.stop)
         except StartupError as exc:
             log.error("%s cannot start: %s", name, exc)
