@@ -16,6 +16,7 @@ _STATE_TO_PROTO: dict[ReplicaState, router_pb2.ReplicaState] = {
     ReplicaState.READY: router_pb2.READY,
     ReplicaState.DRAINING: router_pb2.DRAINING,
     ReplicaState.GONE: router_pb2.GONE,
+    ReplicaState.UNHEALTHY: router_pb2.UNHEALTHY,
 }
 _STATE_FROM_PROTO: dict[int, ReplicaState] = {int(v): k for k, v in _STATE_TO_PROTO.items()}
 
@@ -55,9 +56,10 @@ def replica_to_proto(view: ReplicaView) -> router_pb2.Replica:
 
 
 def load_from_proto(msg: router_pb2.ReplicaLoad) -> ReplicaLoad:
-    """Return the core ReplicaLoad of a heartbeat's load."""
+    """Return the core ReplicaLoad of a heartbeat's load (measured rates 0 when the replica has none yet)."""
     return ReplicaLoad(waiting=msg.waiting, running=msg.running, queued_prefill_tokens=msg.queued_prefill_tokens,
-                       kv_blocks_free=msg.kv_blocks_free)
+                       kv_blocks_free=msg.kv_blocks_free, prefill_tokens_per_s=max(msg.prefill_tokens_per_s, 0.0),
+                       decode_round_s=max(msg.decode_round_s, 0.0))
 
 
 def query_from_proto(msg: router_pb2.RouteRequest) -> RouteQuery:

@@ -4,7 +4,8 @@ Theory of operation
 - Route, RegisterReplica, Heartbeat, Drain, ListReplicas: convert, call the core with `time.time()`,
   convert back. A "routed" span continues the caller's trace.
 - RegisterReplica (re)creates the replica in WARMING and fetches a KvSnapshot from its scheduler.
-  A Heartbeat with state READY moves a WARMING replica to READY; DRAINING drains it. A Heartbeat
+  A Heartbeat with state READY moves a WARMING (or UNHEALTHY) replica to READY; UNHEALTHY (its worker
+  is down) takes it out of routing until it reports READY again; DRAINING drains it. A Heartbeat
   from a replica the router does not know (a restarted router) is NOT_FOUND: the replica registers again.
 - The `kv` stream is read in this router's own consumer group (`router:{router_id}`: every router
   needs every event). Events feed `apply_kv_events`; an event-id gap (False) triggers a snapshot
@@ -237,8 +238,13 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         now = self.runtime.clock()
         current = self.core.state_of(request.replica_id)
         reported = convert.state_from_proto(request.state)
-        if current is ReplicaState.WARMING and reported is ReplicaState.READY:
+        if reported is ReplicaState.READY and current in (ReplicaState.WARMING, ReplicaState.UNHEALTHY):
             self.core.mark_ready(request.replica_id, now)
+            if current is ReplicaState.UNHEALTHY:
+                log.info("replica %s reports its worker back: READY", request.replica_id)
+        elif reported is ReplicaState.UNHEALTHY and current in (ReplicaState.WARMING, ReplicaState.READY):
+            self.core.mark_unhealthy(request.replica_id, now)
+            log.warning("replica %s reports its worker down: UNHEALTHY, no traffic", request.replica_id)
         elif reported is ReplicaState.DRAINING and current is not ReplicaState.DRAINING:
             self.core.drain(request.replica_id, now)
         state = self.core.heartbeat(request.replica_id, convert.load_from_proto(request.load), now)

@@ -12,8 +12,15 @@ Theory of operation
   interleave with the loop only at its awaits, which the core allows (a cancel while a round is in
   flight leaves the request CANCELLING until the result arrives).
 - Deadlines: the loop sleeps at most until `core.next_deadline()` and calls `expire` then.
-- A worker stream that breaks fails the round in flight (its requests end FAILED, exactly once) and
-  is reopened.
+- The worker: a call that breaks fails the round in flight (its requests end FAILED, exactly once,
+  with the reason). The driver then runs no rounds until the worker answers again: queued requests
+  wait (their deadlines still apply), `worker_serving` is False (Submit refuses new work and the
+  router is told UNHEALTHY through `worker_changed`), and the worker's health is probed every
+  `worker_retry_s`. The agent also probes it before each heartbeat, so an idle replica notices a
+  dead worker too. On recovery a replica with nothing running clears its prefix cache: a restarted
+  worker holds no KV, and the router is told so (ALL_CLEARED).
+- `rates` measures what rounds take (EWMA of decode round seconds and prefill tokens/s, from each
+  successful round's wall time); heartbeats carry them to the router's TTFT prediction.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import trace
 from opentelemetry.context import Context
 
@@ -44,10 +52,11 @@ from scheduler_svc.core.types import (
 from sluice import telemetry
 from sluice.bus import Bus
 from sluice.prom import SchedulerMetrics
-from sluice.v1 import common_pb2, events_pb2, scheduler_pb2, worker_pb2_grpc
+from sluice.v1 import common_pb2, events_pb2, scheduler_pb2, worker_pb2, worker_pb2_grpc
 from worker_svc import convert as worker_convert
+from worker_svc.server import SERVICE_NAME as WORKER_SERVICE
 
-__all__ = ["Driver"]
+__all__ = ["Driver", "RoundRates"]
 
 log = logging.getLogger(__name__)
 tracer = telemetry.get_tracer("sluice.scheduler")
@@ -100,13 +109,58 @@ def _merge(batches: list[_Outgoing]) -> _Outgoing:
     return merged
 
 
+@dataclass
+class RoundRates:
+    """What this replica's rounds take, as exponentially weighted averages, for the router's TTFT.
+
+    A round's wall time is modelled as one decode round (when it has decodes) plus its prefill tokens
+    at the prefill rate. Decode-only rounds update `decode_round_s`; a round with prefill tokens
+    counts its time less one decode round (at least a tenth of the round, so that a noisy decode
+    average cannot make the rate absurd). The rate is averaged tokens over averaged seconds, so that
+    small chunks do not dominate it.
+    """
+
+    alpha: float = 0.2
+    """Weight of the newest round."""
+    decode_round_s: float = 0.0
+    """Average decode-only round, seconds; 0 until one was seen."""
+    prefill_tokens: float = 0.0
+    """Average prefill tokens of rounds that had some."""
+    prefill_s: float = 0.0
+    """Average seconds those rounds spent on prefill."""
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """Return the measured prefill rate in tokens/s; 0 until a round with prefill was seen."""
+        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    def observe(self, plan: RoundPlan, wall_s: float) -> None:
+        """Fold one successful round (its plan and its wall seconds) into the averages."""
+        prefill_tokens = decodes = 0
+        for seq in plan.seqs:
+            if seq.sample and seq.output_index > 0 and len(seq.token_ids) == 1:
+                decodes += 1
+            else:
+                prefill_tokens += len(seq.token_ids)
+        if prefill_tokens == 0:
+            if decodes:
+                self.decode_round_s = self._average(self.decode_round_s, wall_s)
+            return
+        spent = max(wall_s - (self.decode_round_s if decodes else 0.0), wall_s / 10)
+        self.prefill_tokens = self._average(self.prefill_tokens, prefill_tokens)
+        self.prefill_s = self._average(self.prefill_s, spent)
+
+    def _average(self, old: float, sample: float) -> float:
+        return sample if old == 0.0 else old + self.alpha * (sample - old)
+
+
 class Driver:
     """Runs one replica's rounds and publishes what the core reports. See the module docstring."""
 
     def __init__(self, core: SchedulerCore, worker: worker_pb2_grpc.WorkerServiceStub, bus: Bus, *,
                  replica_id: str, model_id: str, eos_token_id: int, metrics: SchedulerMetrics | None = None,
                  clock: Callable[[], float] = time.time, use_stream: bool = True,
-                 worker_retry_s: float = 0.5) -> None:
+                 worker_retry_s: float = 0.5, worker_health: health_pb2_grpc.HealthStub | None = None) -> None:
         self.core = core
         self.worker = worker
         self.bus = bus
@@ -117,7 +171,13 @@ class Driver:
         self.clock = clock
         self.use_stream = use_stream
         self.worker_retry_s = worker_retry_s
+        self.worker_health = worker_health
         self.accepting = True
+        self.worker_serving = True
+        """False while the worker is unreachable (no rounds run; Submit refuses; the router is told)."""
+        self.worker_changed = asyncio.Event()
+        """Set whenever `worker_serving` changes (the agent heartbeats at once)."""
+        self.rates = RoundRates()
         self._tracked: dict[str, _Tracked] = {}
         self._wake = asyncio.Event()
         self._outbox: asyncio.Queue[_Outgoing | None] = asyncio.Queue()
@@ -164,6 +224,12 @@ class Driver:
         stream: grpc.aio.StreamStreamCall | None = None
         try:
             while not stop.is_set():
+                if not self.worker_serving:
+                    if stream is not None:
+                        stream.cancel()
+                        stream = None
+                    await self._await_worker(stop)
+                    continue
                 now = self.clock()
                 deadline = self.core.next_deadline()
                 if deadline is not None and deadline <= now:
@@ -179,20 +245,73 @@ class Driver:
                 result, stream = await self._execute(plan, stream)
                 done = self.clock()
                 events = self.core.on_round_result(result, done)
+                if not result.error:
+                    self.rates.observe(plan, done - now)
                 if self._queue_tokens(events, done):
                     # Let the publisher put this round's tokens on the wire before any other work.
                     await asyncio.sleep(0)
                 self.metrics.round_duration.observe(done - now)
                 self._handle(events, done)
                 if result.error.startswith(WORKER_UNAVAILABLE) or (had_stream and stream is None):
-                    # The worker is down or restarting: do not burn every queued request on it at once.
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stop.wait(), self.worker_retry_s)
+                    self._set_worker_serving(False)
         finally:
             if stream is not None:
                 stream.cancel()
             await self._outbox.put(None)
             await publisher
+
+    # ---- the worker's health --------------------------------------------------------------
+    def _set_worker_serving(self, serving: bool) -> None:
+        if serving != self.worker_serving:
+            self.worker_serving = serving
+            self.worker_changed.set()
+            self._wake.set()
+            if serving:
+                log.info("the worker answers again: running rounds")
+            else:
+                log.error("the worker is unavailable: no rounds until it answers; %d requests wait",
+                          self.core.num_waiting)
+
+    async def probe_worker(self) -> bool:
+        """Ask the worker whether it serves (gRPC health, else Info); update `worker_serving` when it went
+        away; return the answer. A worker coming back is taken up by the loop, which resets the cache."""
+        try:
+            if self.worker_health is not None:
+                reply = await self.worker_health.Check(health_pb2.HealthCheckRequest(service=WORKER_SERVICE),
+                                                       timeout=2.0)
+                serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+            else:
+                await self.worker.Info(worker_pb2.InfoRequest(), timeout=2.0)
+                serving = True
+        except grpc.aio.AioRpcError:
+            serving = False
+        if not serving:
+            self._set_worker_serving(False)
+        return serving
+
+    async def _await_worker(self, stop: asyncio.Event) -> None:
+        """Run no rounds until the worker serves again (or `stop`); queued requests still time out."""
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.worker_retry_s)
+            now = self.clock()
+            deadline = self.core.next_deadline()
+            if deadline is not None and deadline <= now:
+                self.core.expire(now)
+                self._handle(self.core.take_events(), now)
+            if not stop.is_set() and await self.probe_worker():
+                self._on_worker_back()
+                return
+
+    def _on_worker_back(self) -> None:
+        if self.core.num_running == 0:
+            # A restarted worker holds no KV: forget the cached prefixes (the router gets ALL_CLEARED).
+            self.core.pool.reset_cache()
+            self._handle(self.core.take_events(), self.clock())
+        else:
+            log.warning("the worker is back while %d requests still run: their KV may be gone",
+                        self.core.num_running)
+        self._set_worker_serving(True)
 
     async def _execute(self, plan: RoundPlan, stream: grpc.aio.StreamStreamCall | None
                        ) -> tuple[RoundResult, grpc.aio.StreamStreamCall | None]:

@@ -6,6 +6,10 @@ Theory of operation
 - `ReplicaAgent` makes the replica known: RegisterReplica (WARMING, with the worker's block size and
   capacity), a Heartbeat with READY and the load once the worker's health is SERVING, then a heartbeat
   every `heartbeat_interval_s`. A heartbeat answered NOT_FOUND (a restarted router) registers again.
+  The load carries the rates the driver measured (decode round, prefill tokens/s) once it has them.
+  Before each heartbeat the agent probes the worker; while it is down the heartbeat says UNHEALTHY
+  (the router routes nothing here) and Submit answers UNAVAILABLE reason `worker_unavailable`; the
+  driver's `worker_changed` makes the agent heartbeat at once on either change.
   The router being down delays nothing here: the agent keeps retrying.
 - Drain (SIGTERM): stop accepting Submits (UNAVAILABLE), heartbeat DRAINING, let live requests finish
   for up to `drain_timeout_s`, cancel what is left, wait for their results, stop.
@@ -63,6 +67,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         if not self.driver.accepting:
             raise errors.Unavailable(f"replica {self.driver.replica_id} is draining", reason="draining",
                                      retry_after_s=0.1)
+        if not self.driver.worker_serving:
+            raise errors.Unavailable(f"replica {self.driver.replica_id}: its worker is unavailable",
+                                     reason="worker_unavailable", retry_after_s=self.driver.worker_retry_s)
         if not request.request_id:
             raise errors.InvalidArgument("request_id is required", field_name="request_id")
         position = self.driver.submit(request, extract_metadata(context.invocation_metadata()))
@@ -100,10 +107,18 @@ class ReplicaAgent:
 
     def load(self) -> router_pb2.ReplicaLoad:
         """Return the replica's current load for a heartbeat."""
-        stats = self.driver.core.stats()
+        stats, rates = self.driver.core.stats(), self.driver.rates
         return router_pb2.ReplicaLoad(waiting=stats.waiting, running=stats.running,
                                       queued_prefill_tokens=stats.queued_prefill_tokens,
-                                      kv_blocks_free=stats.kv_blocks_free)
+                                      kv_blocks_free=stats.kv_blocks_free,
+                                      prefill_tokens_per_s=rates.prefill_tokens_per_s,
+                                      decode_round_s=rates.decode_round_s)
+
+    def reported_state(self) -> router_pb2.ReplicaState:
+        """Return the state to heartbeat: UNHEALTHY instead of WARMING/READY while the worker is down."""
+        if not self.driver.worker_serving and self.state in (router_pb2.WARMING, router_pb2.READY):
+            return router_pb2.UNHEALTHY
+        return self.state
 
     async def register(self) -> None:
         """Register (WARMING). Raises grpc.aio.AioRpcError when the router cannot be reached."""
@@ -112,7 +127,7 @@ class ReplicaAgent:
 
     async def heartbeat(self) -> int:
         """Send one heartbeat (re-registering if the router forgot us); return the router's state for us."""
-        request = router_pb2.HeartbeatRequest(replica_id=self.replica.replica_id, state=self.state,
+        request = router_pb2.HeartbeatRequest(replica_id=self.replica.replica_id, state=self.reported_state(),
                                               load=self.load())
         try:
             reply = await self.router.Heartbeat(request, timeout=5)
@@ -127,16 +142,20 @@ class ReplicaAgent:
         """Register, then heartbeat (READY once `ready` is set) until `stop`; router errors are retried."""
         registered = False
         while not stop.is_set():
+            changed = self.driver.worker_changed
+            changed.clear()
             try:
                 if not registered:
                     await self.register()
                     registered = True
                 if ready.is_set() and self.state == router_pb2.WARMING:
                     self.state = router_pb2.READY
+                if self.driver.worker_serving:
+                    await self.driver.probe_worker()  # an idle replica notices a dead worker too
                 await self.heartbeat()
             except grpc.aio.AioRpcError as exc:
                 log.warning("router unreachable (%s): retrying", exc.details())
-            waiters = [asyncio.ensure_future(stop.wait())]
+            waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(changed.wait())]
             if not ready.is_set():
                 waiters.append(asyncio.ensure_future(ready.wait()))
             await asyncio.wait(waiters, timeout=self.heartbeat_interval_s, return_when=asyncio.FIRST_COMPLETED)
@@ -255,7 +274,8 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
     info = await wait_for_worker(worker_channel, worker_timeout_s)
     core = make_core(info, replica_id, **(core_overrides or {}))
     driver = Driver(core, worker_pb2_grpc.WorkerServiceStub(worker_channel), bus, replica_id=replica_id,
-                    model_id=info.model_id, eos_token_id=info.eos_token_id, metrics=metrics, use_stream=use_stream)
+                    model_id=info.model_id, eos_token_id=info.eos_token_id, metrics=metrics, use_stream=use_stream,
+                    worker_health=health_pb2_grpc.HealthStub(worker_channel))
     # Start-up objects (modules, protobuf descriptors, the core's pool) live for good: take them out of
     # the collector's view. A full collection of them took ~20 ms here, the p99 of the token path.
     gc.freeze()

@@ -190,6 +190,90 @@ def test_a_draining_replica_gets_no_new_requests(redis_url: str, namespace: str)
     asyncio.run(body())
 
 
+def test_an_unhealthy_replica_gets_no_traffic_until_it_reports_ready_again(redis_url: str, namespace: str) -> None:
+    """A READY replica that heartbeats UNHEALTHY (its worker is down) is listed UNHEALTHY and gets no requests,
+    even for a prefix only it holds; with no other replica Route is UNAVAILABLE; READY again restores it."""
+    async def body() -> None:
+        async with _router(redis_url, namespace) as h:
+            await _register(h, "A")
+            await _register(h, "B")
+            await _publish(h.bus, "A", 1, PREFIX)
+            await _until(lambda: h.runtime.core.cached_blocks("A", PREFIX, 0) == 40)
+            assert (await _route(h, "q-before")).replica_id == "A"
+            assert await _heartbeat(h, "A", router_pb2.UNHEALTHY) == router_pb2.UNHEALTHY
+            assert {(await _route(h, f"q{i}")).replica_id for i in range(10)} == {"B"}
+            listed = await h.stub.ListReplicas(router_pb2.ListReplicasRequest())
+            assert {r.replica_id: r.state for r in listed.replicas} == {
+                "A": router_pb2.UNHEALTHY, "B": router_pb2.READY}
+            assert await _heartbeat(h, "B", router_pb2.UNHEALTHY) == router_pb2.UNHEALTHY
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _route(h, "q-none")
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "unhealthy" in (err.value.details() or "")
+            assert await _heartbeat(h, "A", router_pb2.READY) == router_pb2.READY
+            assert (await _route(h, "q-after")).replica_id == "A"
+            # A draining replica whose worker then fails stays DRAINING (it is leaving anyway).
+            assert await _heartbeat(h, "A", router_pb2.DRAINING) == router_pb2.DRAINING
+            assert await _heartbeat(h, "A", router_pb2.UNHEALTHY) == router_pb2.DRAINING
+    asyncio.run(body())
+
+
+def test_every_replica_state_and_input_pair_including_unhealthy() -> None:
+    """Walk every (state, input) of the replica table: the UNHEALTHY rows are the ones the worker-down
+    protocol needs (FAULT takes WARMING/READY there, WARMED brings it back to READY), the rest as before."""
+    import itertools
+
+    from router_svc.core import (
+        REPLICA_TRANSITIONS,
+        IllegalReplicaTransition,
+        ReplicaInput,
+        ReplicaState,
+        next_replica_state,
+    )
+
+    expected = {
+        (ReplicaState.WARMING, ReplicaInput.WARMED): ReplicaState.READY,
+        (ReplicaState.WARMING, ReplicaInput.DRAIN): ReplicaState.DRAINING,
+        (ReplicaState.WARMING, ReplicaInput.REMOVE): ReplicaState.GONE,
+        (ReplicaState.WARMING, ReplicaInput.FAULT): ReplicaState.UNHEALTHY,
+        (ReplicaState.READY, ReplicaInput.WARMED): ReplicaState.READY,
+        (ReplicaState.READY, ReplicaInput.DRAIN): ReplicaState.DRAINING,
+        (ReplicaState.READY, ReplicaInput.REMOVE): ReplicaState.GONE,
+        (ReplicaState.READY, ReplicaInput.FAULT): ReplicaState.UNHEALTHY,
+        (ReplicaState.DRAINING, ReplicaInput.DRAIN): ReplicaState.DRAINING,
+        (ReplicaState.DRAINING, ReplicaInput.REMOVE): ReplicaState.GONE,
+        (ReplicaState.DRAINING, ReplicaInput.FAULT): ReplicaState.DRAINING,
+        (ReplicaState.UNHEALTHY, ReplicaInput.WARMED): ReplicaState.READY,
+        (ReplicaState.UNHEALTHY, ReplicaInput.DRAIN): ReplicaState.DRAINING,
+        (ReplicaState.UNHEALTHY, ReplicaInput.REMOVE): ReplicaState.GONE,
+        (ReplicaState.UNHEALTHY, ReplicaInput.FAULT): ReplicaState.UNHEALTHY,
+    }
+    assert expected == REPLICA_TRANSITIONS
+    for state, event in itertools.product(ReplicaState, ReplicaInput):
+        if (state, event) in expected:
+            assert next_replica_state("r", state, event) is expected[(state, event)]
+        else:
+            with pytest.raises(IllegalReplicaTransition):
+                next_replica_state("r", state, event)
+
+
+def test_measured_rates_in_heartbeats_replace_the_registered_ones(redis_url: str, namespace: str) -> None:
+    """The TTFT prediction uses the prefill rate and decode round a heartbeat measured, and falls back to
+    the registered ones when a heartbeat carries none (0)."""
+    async def body() -> None:
+        async with _router(redis_url, namespace, replicas=("A",), config=RouterConfig(prediction_ttl_s=0)) as h:
+            await _register(h, "A")  # registered: 16k tokens/s
+            assert (await _route(h, "q1")).predicted_ttft_s == pytest.approx(640 / 16_000)
+            await h.stub.Heartbeat(router_pb2.HeartbeatRequest(
+                replica_id="A", state=router_pb2.READY,
+                load=router_pb2.ReplicaLoad(running=1, prefill_tokens_per_s=3_200.0, decode_round_s=0.05)))
+            # 640 uncached tokens at 3200 tok/s, plus one measured decode round of interference (one chunk).
+            assert (await _route(h, "q2")).predicted_ttft_s == pytest.approx(640 / 3_200 + 0.05)
+            await _heartbeat(h, "A", router_pb2.READY)
+            assert (await _route(h, "q3")).predicted_ttft_s == pytest.approx(640 / 16_000 + 0.01)
+    asyncio.run(body())
+
+
 def test_restarted_router_rebuilds_its_index_from_snapshot_and_stream(redis_url: str, namespace: str) -> None:
     """A router restarted mid-run learns the replica's cache from a KvSnapshot when the replica re-registers
     (its heartbeat is NOT_FOUND first) and then from KV events published after the snapshot."""

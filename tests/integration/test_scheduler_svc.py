@@ -247,27 +247,107 @@ def test_deadlines_time_requests_out_while_the_replica_is_busy(redis_url: str, n
     asyncio.run(body())
 
 
-def test_a_lost_worker_fails_the_round_and_the_replica_recovers(redis_url: str, namespace: str) -> None:
-    """When the worker goes away mid-request, that request ends FAILED with the reason in its completion,
-    and once a worker is back on the same address new requests finish normally."""
+@contextlib.asynccontextmanager
+async def _router_at(redis_url: str, namespace: str
+                     ) -> AsyncIterator[tuple[RouterRuntime, router_pb2_grpc.RouterServiceStub, str]]:
+    """A real router (gRPC server + its KV/completion consumers) on loopback."""
+    client = aioredis.Redis.from_url(redis_url)
+    runtime = RouterRuntime(RouterCore(), Bus(client, namespace), "router-t")
+    router, port = await start_router_server(runtime)
+    stop = asyncio.Event()
+    loop_task = asyncio.create_task(runtime.run(stop, block_ms=20))
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield runtime, router_pb2_grpc.RouterServiceStub(channel), f"127.0.0.1:{port}"
+    finally:
+        stop.set()
+        await loop_task
+        await channel.close()
+        await router.stop(0)
+        await client.aclose()
+
+
+async def _wait_for(predicate, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not await predicate():
+        assert loop.time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+def test_a_lost_worker_fails_its_round_makes_the_replica_unhealthy_and_the_queue_waits(
+        redis_url: str, namespace: str) -> None:
+    """When the worker goes away mid-request, the request in the round ends FAILED with the reason; the replica
+    turns UNHEALTHY at the router (Route finds no READY replica) and refuses Submit as UNAVAILABLE, while the
+    request queued behind waits; once a worker is back on the same address the replica is READY again and the
+    queued request finishes normally."""
     async def body() -> None:
-        async with _replica(redis_url, namespace, num_blocks=256, emulate_time=True) as r:
+        async with _router_at(redis_url, namespace) as (runtime, router, address), \
+                _replica(redis_url, namespace, num_blocks=256, emulate_time=True, router_address=address,
+                         core_overrides={"max_num_seqs": 1}) as r:
+            async def state(wanted: int) -> bool:
+                listed = await router.ListReplicas(router_pb2.ListReplicasRequest())
+                return [x.state for x in listed.replicas] == [wanted]
+
+            route = router_pb2.RouteRequest(request_id="x", model="llama-3-8b", prompt_tokens=10)
+            await _wait_for(lambda: state(router_pb2.READY))
             await r.stub.Submit(_submit("doomed", max_tokens=2000))
-            for _ in range(500):
-                if await _tokens(r.bus):
-                    break
-                await asyncio.sleep(0.01)
+            await r.stub.Submit(_submit("queued", max_tokens=4))
+            await _wait_for(lambda: _tokens(r.bus))
             port = r.worker.port
             await r.worker.stop(grace_s=0)
             [failed] = await _completions(r.bus, 1)
-            assert failed.status == common_pb2.FAILED and "worker unavailable" in failed.detail
+            assert failed.request_id == "doomed" and failed.status == common_pb2.FAILED
+            assert "worker unavailable" in failed.detail
+            await _wait_for(lambda: state(router_pb2.UNHEALTHY))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await router.Route(route)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await r.stub.Submit(_submit("refused"))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "worker" in (err.value.details() or "")
+            stats = await r.stub.Stats(scheduler_pb2.StatsRequest())
+            assert (stats.waiting, stats.running) == (1, 0)
             r.worker = await start_worker_server(
                 WorkerRuntime(lambda: CostModel("llama-3-8b", "h200"), num_blocks=256), port=port)
             await asyncio.wait_for(r.worker.loading, 10)
-            await r.stub.Submit(_submit("after", max_tokens=4))
             done = await _completions(r.bus, 2)
-            assert done[1].request_id == "after" and done[1].status == common_pb2.FINISHED_LENGTH
+            assert [(c.request_id, c.status) for c in done] == [
+                ("doomed", common_pb2.FAILED), ("queued", common_pb2.FINISHED_LENGTH)]
+            await _wait_for(lambda: state(router_pb2.READY))
+            assert (await router.Route(route)).replica_id == "r1"
     asyncio.run(body())
+
+
+def test_heartbeats_carry_measured_round_rates_that_the_router_scores_with(redis_url: str, namespace: str) -> None:
+    """After a few rounds the replica's heartbeats carry a measured decode round time and prefill rate, and
+    the router's predicted TTFT for an idle replica is the prompt at the measured rate (not the registered)."""
+    async def body() -> None:
+        async with _router_at(redis_url, namespace) as (runtime, router, address), \
+                _replica(redis_url, namespace, num_blocks=256, emulate_time=True, router_address=address) as r:
+            async def measured() -> bool:
+                views = runtime.core.replicas()
+                return bool(views) and views[0].load.decode_round_s > 0 and views[0].load.prefill_tokens_per_s > 0
+
+            for i in range(3):
+                await r.stub.Submit(_submit(f"m{i}", prompt_len=300, max_tokens=16))
+            assert len(await _completions(r.bus, 3)) == 3
+            await _wait_for(measured)
+            await _wait_for(lambda: _idle(runtime))
+            load = runtime.core.replicas()[0].load
+            rates = r.replica.driver.rates
+            assert load.decode_round_s == pytest.approx(rates.decode_round_s)
+            assert load.prefill_tokens_per_s == pytest.approx(rates.prefill_tokens_per_s)
+            assert load.prefill_tokens_per_s != 10_000.0  # not the registered default
+            routed = await router.Route(router_pb2.RouteRequest(request_id="p", model="llama-3-8b",
+                                                                prompt_tokens=1000))
+            assert routed.predicted_ttft_s == pytest.approx(1000 / load.prefill_tokens_per_s)
+    asyncio.run(body())
+
+
+async def _idle(runtime: RouterRuntime) -> bool:
+    view = runtime.core.replicas()[0]
+    return view.load.running == 0 and view.load.waiting == 0 and view.inflight == 0
 
 
 def _spawn(module: str, *args: str, env: dict[str, str], logs: Path) -> subprocess.Popen[str]:
