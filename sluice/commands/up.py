@@ -118,7 +118,16 @@ def _banner(stack: Stack, config_file: str | None) -> str:
     source = f" (from {config_file})" if config_file else ""
     return (f"Sluice is up.\n  endpoint: {stack.endpoint}\n  API key:  {key}{source}\n  Redis:    {stack.redis_url}\n"
             f"  logs:     {stack.run_dir}\n"
-            f"Try: {shlex.join(command)}\nCtrl-C to stop.")
+            f"Try: {shlex.join(command)}{_gibberish_note(stack)}\nCtrl-C to stop.")
+
+
+def _gibberish_note(stack: Stack) -> str:
+    """Return a warning for models whose text is noise by design ("" for the others)."""
+    if stack.config.backend == "costmodel":
+        return "\n     (the cost model returns made-up tokens; use --ids to see them)"
+    if stack.config.model == "tiny":
+        return "\n     (the tiny preset has random weights: its text is gibberish by design)"
+    return ""
 
 
 def _first_api_key(config_file: str | None) -> str:
