@@ -137,6 +137,10 @@ class RouterConfig:
     """A replica silent for longer is GONE."""
     seed: int = 0
     """Seed of the tie-break and RANDOM policy generator."""
+    prefill_weight: float = 1.0
+    """SCORE only: weight of the request's own uncached prefill when replicas are compared (the
+    reported prediction is unweighted). Above 1 it charges a request for the work it adds to the
+    replica, which every request routed there after it waits for: cache hits count for more."""
 
 
 @dataclass(frozen=True)
@@ -435,7 +439,12 @@ class RouterCore:
         return queue_wait + prefill + interference, queue_wait, prefill
 
     def _best_score(self, ready: list[_Replica], query: RouteQuery, now: float) -> _Replica:
-        scores = [self._ttft(r, query, self._cached(r, query, now))[0] for r in ready]
+        extra = self.config.prefill_weight - 1.0
+        if extra:
+            scores = [ttft + extra * prefill for ttft, _, prefill in
+                      (self._ttft(r, query, self._cached(r, query, now)) for r in ready)]
+        else:
+            scores = [self._ttft(r, query, self._cached(r, query, now))[0] for r in ready]
         limit = min(scores) + self.config.tie_tolerance_s
         ties = [r for r, score in zip(ready, scores, strict=True) if score <= limit]
         return ties[0] if len(ties) == 1 else ties[self._rng.randrange(len(ties))]

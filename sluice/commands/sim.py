@@ -4,9 +4,10 @@
 them side by side. An item is `+`-joined words: a queue policy (fcfs, priority, fair, edf), a
 router (score, round_robin, random, least_loaded, prefix_only), a preemption mode (recompute,
 swap), `vllm-default` (vLLM V1's round budgets: 8192 tokens, 1024 seqs, no per-request chunk
-cap), or an admission budget `max-queued=N` / `max-active=N` (the same as `--max-queued` /
-`--max-active`, for that item only). Words not given come from the other flags. `--scenario NAME|all` runs the self-checking
-scenarios instead and exits 0 only if every check holds.
+cap), or a setting for that item only: the admission budgets `max-queued=N` / `max-active=N`
+(as `--max-queued` / `--max-active`) or the score router's `prefill-weight=W`. Words not given
+come from the other flags. `--scenario NAME|all` runs the self-checking scenarios instead and
+exits 0 only if every check holds.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def parse_compare_item(item: str, base: SimConfig) -> SimConfig:
     config = base
     for word in filter(None, item.strip().split("+")):
         if "=" in word:
-            config = _admission_word(item, word, config)
+            config = _setting_word(item, word, config)
         elif word == "vllm-default":
             config = vllm_default(config)
         elif word in {p.value for p in Policy}:
@@ -114,23 +115,31 @@ def parse_compare_item(item: str, base: SimConfig) -> SimConfig:
             known = [p.value for e in (Policy, RoutingPolicy, PreemptionMode) for p in e]  # type: ignore[attr-defined]
             raise ValueError(
                 f"--compare item {item!r}: unknown word {word!r}; known: vllm-default, "
-                f"{', '.join(known)}, {'=N, '.join(_ADMISSION_WORDS)}=N"
+                f"{', '.join(known)}, {'=N, '.join(_SETTING_WORDS)}=N"
             )
     return config
 
 
-_ADMISSION_WORDS = {"max-queued": "max_queued_requests", "max-active": "max_active_requests"}
+_SETTING_WORDS: dict[str, tuple[str, type]] = {
+    "max-queued": ("max_queued_requests", int),
+    "max-active": ("max_active_requests", int),
+    "prefill-weight": ("route_prefill_weight", float),
+}
 
 
-def _admission_word(item: str, word: str, config: SimConfig) -> SimConfig:
-    """Return `config` with the admission budget `word` (`max-queued=N`) applied; raises ValueError."""
+def _setting_word(item: str, word: str, config: SimConfig) -> SimConfig:
+    """Return `config` with the setting `word` (`max-queued=32`) applied; raises ValueError."""
     key, _, value = word.partition("=")
-    field = _ADMISSION_WORDS.get(key)
-    if field is None:
-        raise ValueError(f"--compare item {item!r}: unknown budget {key!r}; known: {', '.join(_ADMISSION_WORDS)}")
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"--compare item {item!r}: {key} needs a positive integer, got {value!r}")
-    return replace(config, **{field: int(value)})
+    if key not in _SETTING_WORDS:
+        raise ValueError(f"--compare item {item!r}: unknown setting {key!r}; known: {', '.join(_SETTING_WORDS)}")
+    field, kind = _SETTING_WORDS[key]
+    try:
+        number = kind(value)
+    except ValueError:
+        number = 0
+    if number <= 0:
+        raise ValueError(f"--compare item {item!r}: {key} needs a positive {kind.__name__}, got {value!r}")
+    return replace(config, **{field: number})
 
 
 def run(args: argparse.Namespace) -> int:

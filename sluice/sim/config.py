@@ -72,6 +72,8 @@ class SimConfig:
     seed: int = 0
     prediction_ttl_s: float = 2.0
     """How long the router trusts its own routing decisions as cached prefixes."""
+    route_prefill_weight: float = 1.0
+    """The score router's weight of a request's own uncached prefill (RouterConfig.prefill_weight)."""
 
     def scheduler_config(self, num_blocks: int, num_host_blocks: int, max_model_len: int) -> SchedulerConfig:
         """Return one replica's scheduler configuration for the given capacity."""
@@ -105,7 +107,12 @@ class SimConfig:
 
     def router_config(self) -> RouterConfig:
         """Return the router's configuration (seeded from the simulation seed)."""
-        return RouterConfig(policy=self.router, seed=self.seed, prediction_ttl_s=self.prediction_ttl_s)
+        return RouterConfig(
+            policy=self.router,
+            seed=self.seed,
+            prediction_ttl_s=self.prediction_ttl_s,
+            prefill_weight=self.route_prefill_weight,
+        )
 
 
 def vllm_default(config: SimConfig) -> SimConfig:

@@ -74,6 +74,19 @@ def test_design_routing_example_prefers_short_queue_over_prefix_reuse() -> None:
     assert router.cached_blocks("A", chain, now=0.0) == 20
 
 
+def test_prefill_weight_makes_the_same_cache_saving_outweigh_the_queue() -> None:
+    """With prefill_weight 4 the DESIGN.md example goes to A (80 ms of weighted saving > 45 ms of queue); the reported TTFT stays unweighted."""
+    tokens = list(range(512))
+    router = make_router("A", "B", prefill_weight=4.0)
+    chain = hash_chain(tokens, 16, SALT)
+    router.apply_kv_events("A", [stored(1, chain[:20])], now=0.0)
+    router.heartbeat("A", ReplicaLoad(queued_prefill_tokens=800), now=0.0)
+    router.heartbeat("B", ReplicaLoad(queued_prefill_tokens=80), now=0.0)
+    decision = router.route(query(tokens), now=0.0)
+    assert decision.replica_id == "A"
+    assert decision.predicted_ttft_s == pytest.approx(0.050 + 0.012)
+
+
 def test_prefix_wins_when_queues_are_equal() -> None:
     """With equal queues the replica holding the prefix has the lower predicted TTFT."""
     tokens = list(range(512))

@@ -145,12 +145,13 @@ def test_fair_policy_follows_tenant_weights_under_backlog() -> None:
 
 
 def test_compare_admission_words_set_that_items_budget_only() -> None:
-    """`max-queued=N` in a --compare item bounds that item's admission queue; a bad value is a clear error."""
+    """`max-queued=N` (or another setting word) in a --compare item changes that item only; a bad value is a clear error."""
     base = SimConfig()
     shed = parse_compare_item("fcfs+score+max-queued=32", base)
     assert shed.max_queued_requests == 32 and base.max_queued_requests == 100_000
     assert parse_compare_item("max-active=7", base).max_active_requests == 7
-    with pytest.raises(ValueError, match="positive integer"):
+    assert parse_compare_item("score+prefill-weight=2.5", base).route_prefill_weight == 2.5
+    with pytest.raises(ValueError, match="positive int"):
         parse_compare_item("max-queued=zero", base)
-    with pytest.raises(ValueError, match="unknown budget"):
+    with pytest.raises(ValueError, match="unknown setting"):
         parse_compare_item("max-tokens=3", base)
