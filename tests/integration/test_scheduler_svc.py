@@ -105,6 +105,31 @@ def test_submit_streams_tokens_and_a_complete_completion(redis_url: str, namespa
     asyncio.run(body())
 
 
+def test_big_rounds_publish_after_the_next_plan_in_order_and_complete(redis_url: str, namespace: str) -> None:
+    """With every round's publication deferred until the next plan is sent (the big-round path), each
+    request's tokens still arrive complete, in order, and no later than its completion."""
+    async def body() -> None:
+        async with _replica(redis_url, namespace, num_blocks=512) as r:
+            r.replica.driver.publish_first_max_tokens = 0
+            await asyncio.gather(*(r.stub.Submit(_submit(f"q{i}", prompt_len=20, max_tokens=12)) for i in range(40)))
+            done = await _completions(r.bus, 40)
+            assert sorted(c.request_id for c in done) == sorted(f"q{i}" for i in range(40))
+            assert all(c.status == common_pb2.FINISHED_LENGTH for c in done)
+            entries = await r.bus.read_stream(r.bus.tokens_stream("adm-1"), "0", count=100_000, block_ms=10)
+            seen: dict[str, list[int]] = {}
+            last_ms: dict[str, int] = {}
+            for entry_id, payload, _ in entries:
+                delta = events_pb2.TokenDelta.FromString(payload)
+                seen.setdefault(delta.request_id, []).extend(range(delta.index, delta.index + len(delta.token_ids)))
+                last_ms[delta.request_id] = int(entry_id.split("-")[0])
+            assert all(seen[c.request_id] == list(range(12)) for c in done)
+            completions = await r.bus.read_stream("completions", "0", count=1000, block_ms=10)
+            for entry_id, payload, _ in completions:
+                request_id = events_pb2.Completion.FromString(payload).request_id
+                assert last_ms[request_id] <= int(entry_id.split("-")[0])
+    asyncio.run(body())
+
+
 def test_cancel_mid_run_frees_every_kv_block(redis_url: str, namespace: str) -> None:
     """Cancelling a request while it decodes ends it CANCELLED with fewer tokens than asked, and Stats then
     shows no KV block in use."""
