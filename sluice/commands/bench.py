@@ -39,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=1, help="with --spawn")
     parser.add_argument("--backend", choices=("torch", "costmodel"), default="torch", help="with --spawn")
     parser.add_argument("--model", default="tiny", help="with --spawn")
+    parser.add_argument("--emulate-time", action="store_true",
+                        help="with --spawn --backend costmodel: each round takes its modelled GPU time")
     parser.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY", "sk-sluice-local"))
     parser.add_argument("--max-concurrency", type=int, default=64)
     parser.add_argument("--rate-scale", type=float, default=1.0, help="arrival rate multiplier")
@@ -252,7 +254,8 @@ def run(args: argparse.Namespace) -> int:
     if args.spawn:
         from sluice.stack import Stack, StackConfig
 
-        stack = Stack(StackConfig(replicas=args.replicas, backend=args.backend, model=args.model)).start()
+        stack = Stack(StackConfig(replicas=args.replicas, backend=args.backend, model=args.model,
+                                  emulate_time=args.emulate_time)).start()
         target, api_key = stack.endpoint, stack.api_key
     else:
         target, api_key = args.target or "localhost:50051", args.api_key
