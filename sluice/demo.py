@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     requests = demo_requests(args.requests, args.arrival_span)
     with stack:
         print(f"ready in {time.monotonic() - started:.1f}s; each service is its own process:", flush=True)
-        _print_processes(stack)
+        print(stack.describe(), flush=True)
         _print_workload(requests, args.arrival_span)
         outcomes = asyncio.run(drive(stack.endpoint, TENANTS, requests, max_concurrency=32, timeout=90.0))
         stats = stack.scheduler_stats()
@@ -97,14 +97,6 @@ def main(argv: list[str] | None = None) -> int:
     verdict = "every request ended as expected" if not bad else f"{len(bad)} request(s) did not end as expected"
     print(f"total wall time {time.monotonic() - started:.1f}s; {verdict}.")
     return 1 if bad else 0
-
-
-def _print_processes(stack: Stack) -> None:
-    print(f"  {'redis':<12} {stack.redis_url}")
-    for proc in stack.procs:
-        role = "  <- the endpoint clients call" if proc is stack.admission else ""
-        pid = proc.popen.pid if proc.popen else "?"
-        print(f"  {proc.name:<12} {proc.address:<21} pid {pid}{role}")
 
 
 def _print_workload(requests: list[WorkloadRequest], span_s: float) -> None:

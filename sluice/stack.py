@@ -225,6 +225,15 @@ class Stack:
                 time.sleep(0.1)
 
     # ---- observe ---------------------------------------------------------------------------------
+    def describe(self) -> str:
+        """Return one line per process: name, address and pid (Redis first; admission marked as the endpoint)."""
+        lines = [f"  {'redis':<12} {self.redis_url}" + (" (embedded)" if self.redis is not None else "")]
+        for proc in self.procs:
+            pid = proc.popen.pid if proc.popen is not None else "?"
+            role = "  <- the endpoint clients call" if proc is self.admission else ""
+            lines.append(f"  {proc.name:<12} {proc.address:<21} pid {pid}{role}")
+        return "\n".join(lines)
+
     def scheduler_stats(self) -> list[scheduler_pb2.SchedulerStats]:
         """Return every scheduler's Stats (KV blocks, queue, counters)."""
         out = []

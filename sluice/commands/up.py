@@ -116,8 +116,8 @@ def _banner(stack: Stack, config_file: str | None) -> str:
     key = _first_api_key(config_file) or stack.api_key
     command = [*_sluice_command(), "generate", "Hello", "--target", stack.endpoint, "--api-key", key]
     source = f" (from {config_file})" if config_file else ""
-    return (f"Sluice is up.\n  endpoint: {stack.endpoint}\n  API key:  {key}{source}\n  Redis:    {stack.redis_url}\n"
-            f"  logs:     {stack.run_dir}\n"
+    return (f"Sluice is up: each service is its own process\n{stack.describe()}\n"
+            f"  endpoint: {stack.endpoint}\n  API key:  {key}{source}\n  logs:     {stack.run_dir}\n"
             f"Try: {shlex.join(command)}{_gibberish_note(stack)}\nCtrl-C to stop.")
 
 
