@@ -24,9 +24,11 @@ CUDA-graph padding, speculative decoding, and stop strings (ignored: tokens are 
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -77,6 +79,33 @@ class CostCoefficients:
     """Fraction of peak bandwidth a round achieves."""
     overhead_s: float = 0.0005
     """Fixed time per round (launches, sampling, host work)."""
+
+
+def _four_slot_builder(cls: type, names: tuple[str, str, str, str]) -> Callable[..., Any]:
+    """Return a positional constructor of the frozen, slotted dataclass `cls` that writes its slots.
+
+    Why: `execute` builds one SeqOutput per sequence and one RoundResult per simulated round, and a
+    frozen dataclass's __init__ pays object.__setattr__ per field (about twice the cost). Falls
+    back to `cls` when its fields are not `names` (every field must be passed).
+    """
+    if tuple(f.name for f in dataclasses.fields(cls)) != names:
+        return cls
+    s0, s1, s2, s3 = (getattr(cls, name).__set__ for name in names)
+    new = object.__new__
+
+    def build(a: object, b: object, c: object, d: object) -> Any:
+        obj = new(cls)
+        s0(obj, a)
+        s1(obj, b)
+        s2(obj, c)
+        s3(obj, d)
+        return obj
+
+    return build
+
+
+_new_output = _four_slot_builder(SeqOutput, ("request_id", "epoch", "token_ids", "stop_string_hit"))
+_new_result = _four_slot_builder(RoundResult, ("round_id", "outputs", "elapsed_s", "error"))
 
 
 class CostModel:
@@ -221,13 +250,13 @@ class CostModel:
             if seq.sample:
                 sampled += 1
                 outputs.append(
-                    SeqOutput(seq.request_id, seq.epoch, (token_for(seq.request_id, seq.output_index),))
+                    _new_output(seq.request_id, seq.epoch, (token_for(seq.request_id, seq.output_index),), False)
                 )
             else:
-                outputs.append(SeqOutput(seq.request_id, seq.epoch))
+                outputs.append(_new_output(seq.request_id, seq.epoch, (), False))
         swapped = len(plan.swap_out) + len(plan.swap_in)
         elapsed = self._time(query, pairs, read, sampled) + swapped * self._swap_s_per_block
-        return RoundResult(plan.round_id, tuple(outputs), elapsed_s=elapsed)
+        return _new_result(plan.round_id, tuple(outputs), elapsed, "")
 
     def with_coefficients(self, coefficients: CostCoefficients) -> CostModel:
         """Return a copy of this model with other coefficients."""

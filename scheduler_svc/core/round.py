@@ -19,9 +19,11 @@ class InFlightRound:
         self.round_id = round_id
         self.entries: list[tuple[Request, int, bool, bool]] = []
         """(request, tokens computed, sample, is a decode) per scheduled sequence."""
-        self.swapping: list[Request] = []
+        # Tuples, grown by the rare swap paths: most rounds never touch them, and sharing the
+        # empty tuple saves two allocations per round.
+        self.swapping: tuple[Request, ...] = ()
         """Swap-out victims whose device blocks are pinned until the copy is done."""
-        self.host_release: list[int] = []
+        self.host_release: tuple[int, ...] = ()
         """Host blocks read by this round's swap-ins, free once it is done."""
 
 
@@ -153,12 +155,13 @@ class RoundBuilder:
     def __init__(self, round_id: int, config: SchedulerConfig) -> None:
         self.record = InFlightRound(round_id)
         self.seqs: list[ScheduledSeq] = []
-        self.swap_out: list[BlockCopy] = []
-        self.swap_in: list[BlockCopy] = []
+        self.swap_out: tuple[BlockCopy, ...] = ()
+        self.swap_in: tuple[BlockCopy, ...] = ()
         self.tokens_left = config.max_num_batched_tokens
         self.seqs_left = config.max_num_seqs
         # Without a cap, a bound no round can reach keeps the arithmetic branch-free.
-        self.kv_left = config.max_kv_read_tokens if config.max_kv_read_tokens is not None else 1 << 62
+        kv_cap = config.max_kv_read_tokens
+        self.kv_left = kv_cap if kv_cap is not None else 1 << 62
         self.prefill_tokens = 0
         self.decode_tokens = 0
         self.preempted = False

@@ -152,8 +152,11 @@ class SchedulerCore(_Outcomes):
         round_id = self._next_round_id
         self._next_round_id += 1
         rnd = RoundBuilder(round_id, self.config)
-        self._schedule_running(rnd, now)
-        if not rnd.preempted:
+        # The phase calls are skipped when they have nothing to look at: most rounds of a lightly
+        # loaded replica carry a few decodes and no queue, and the calls are most of their cost.
+        if self._running:
+            self._schedule_running(rnd, now)
+        if len(self._queue) and not rnd.preempted:
             self._schedule_waiting(rnd, now)
         return self._seal(rnd, now)
 
@@ -261,13 +264,13 @@ class SchedulerCore(_Outcomes):
         self._preemptions += 1
         if swap:
             host = [self._host_free.pop() for _ in blocks]
-            rnd.swap_out.extend(BlockCopy(d, h) for d, h in zip(blocks, host, strict=True))
+            rnd.swap_out += tuple(BlockCopy(d, h) for d, h in zip(blocks, host, strict=True))
             # Pinned until the copy is done: the worker reads them before this round's forward.
             self.pool.pin(blocks)
             self.pool.free(reversed(blocks))
             victim.swap_pinned, victim.host_blocks = blocks, host
             victim.in_flight_round = rnd.record.round_id
-            rnd.record.swapping.append(victim)
+            rnd.record.swapping += (victim,)
             self._swapping[victim.request_id] = victim
         else:
             self.pool.free(reversed(blocks))
@@ -330,9 +333,9 @@ class SchedulerCore(_Outcomes):
             return False
         self._dequeue(request, served=True)
         blocks = self.pool.allocate(need) or []
-        rnd.swap_in.extend(BlockCopy(h, d) for h, d in zip(request.host_blocks, blocks, strict=False))
+        rnd.swap_in += tuple(BlockCopy(h, d) for h, d in zip(request.host_blocks, blocks, strict=False))
         # The host copies are read by this round; they are free once its result arrives.
-        rnd.record.host_release.extend(request.host_blocks)
+        rnd.record.host_release += tuple(request.host_blocks)
         request.host_blocks = []
         request.block_ids, request.block_table, request.num_registered = blocks, tuple(blocks), 0
         self._event(request, Stage.RESUMED, now, (("mode", "swap"),))
@@ -409,8 +412,7 @@ class SchedulerCore(_Outcomes):
             rnd.prefill_tokens,
             rnd.decode_tokens,
         )
-        swap_out = tuple(rnd.swap_out) if rnd.swap_out else ()
-        swap_in = tuple(rnd.swap_in) if rnd.swap_in else ()
+        swap_out, swap_in = rnd.swap_out, rnd.swap_in
         plan = new_round_plan(rnd.record.round_id, tuple(rnd.seqs), swap_out, swap_in, budget)
         if rnd.seqs or swap_out or swap_in:
             self._in_flight[rnd.record.round_id] = rnd.record
