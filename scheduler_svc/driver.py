@@ -230,6 +230,7 @@ class Driver:
         try:
             while not stop.is_set():
                 if not self.worker_serving:
+                    self._flush_deferred()
                     if stream is not None:
                         stream.cancel()
                         stream = None
