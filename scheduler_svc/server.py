@@ -265,7 +265,7 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
                         core_overrides: dict[str, object] | None = None, metrics: SchedulerMetrics | None = None,
                         heartbeat_interval_s: float = 1.0, prefill_tokens_per_s: float = 10_000.0,
                         decode_round_s: float = 0.01, use_stream: bool = True,
-                        worker_timeout_s: float = 120.0) -> RunningReplica:
+                        worker_timeout_s: float = 120.0, publish_first_max_tokens: int = 64) -> RunningReplica:
     """Wait for the worker, build the core from its Info, serve, run the driver, register with the router.
 
     Raises TimeoutError (worker never SERVING), ValueError (bad core settings), RuntimeError (port taken).
@@ -275,7 +275,8 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
     core = make_core(info, replica_id, **(core_overrides or {}))
     driver = Driver(core, worker_pb2_grpc.WorkerServiceStub(worker_channel), bus, replica_id=replica_id,
                     model_id=info.model_id, eos_token_id=info.eos_token_id, metrics=metrics, use_stream=use_stream,
-                    worker_health=health_pb2_grpc.HealthStub(worker_channel))
+                    worker_health=health_pb2_grpc.HealthStub(worker_channel),
+                    publish_first_max_tokens=publish_first_max_tokens)
     # Start-up objects (modules, protobuf descriptors, the core's pool) live for good: take them out of
     # the collector's view. A full collection of them took ~20 ms here, the p99 of the token path.
     gc.freeze()
