@@ -1,4 +1,4 @@
-"""Records of a round: the one being built (`RoundBuilder`) and one in flight (`InFlightRound`)."""
+"""Records of a round: what an in-flight round needs (`InFlightRound`) and the builder that becomes it (`RoundBuilder`)."""
 
 from __future__ import annotations
 
@@ -136,11 +136,11 @@ new_round_budget = _make_budget_builder()
 new_round_plan = _make_plan_builder()
 
 
-class RoundBuilder:
-    """Budgets and products of the round being built."""
+class RoundBuilder(InFlightRound):
+    """Budgets and products of the round being built; once sealed, the same object is its in-flight
+    record (one object per round instead of two: small rounds are mostly fixed costs)."""
 
     __slots__ = (
-        "record",
         "seqs",
         "swap_out",
         "swap_in",
@@ -153,7 +153,12 @@ class RoundBuilder:
     )
 
     def __init__(self, round_id: int, config: SchedulerConfig) -> None:
-        self.record = InFlightRound(round_id)
+        # InFlightRound's fields, set here rather than through super().__init__ (one call less
+        # per round).
+        self.round_id = round_id
+        self.entries = []
+        self.swapping = ()
+        self.host_release = ()
         self.seqs: list[ScheduledSeq] = []
         self.swap_out: tuple[BlockCopy, ...] = ()
         self.swap_in: tuple[BlockCopy, ...] = ()

@@ -169,7 +169,7 @@ class SchedulerCore(_Outcomes):
         """
         max_chunk, block_size = self.config.max_prefill_chunk, self._block_size
         running_status = RequestStatus.RUNNING
-        seqs, entries, round_id = rnd.seqs, rnd.record.entries, rnd.record.round_id
+        seqs, entries, round_id = rnd.seqs, rnd.entries, rnd.round_id
         tokens_left, seqs_left, kv_left, decodes = rnd.tokens_left, rnd.seqs_left, rnd.kv_left, 0
         for request in list(self._running.values()):
             if request.in_flight_round is not None or request.status is not running_status:
@@ -223,7 +223,7 @@ class SchedulerCore(_Outcomes):
                 request.block_ids.extend(blocks)
                 request.block_table = tuple(request.block_ids)
                 return True
-            victim = self._pick_victim(request, rnd.record.round_id)
+            victim = self._pick_victim(request, rnd.round_id)
             self._preempt(victim, rnd, now)
             if victim is request:
                 return False
@@ -248,7 +248,7 @@ class SchedulerCore(_Outcomes):
     def _preempt(self, victim: Request, rnd: RoundBuilder, now: float) -> None:
         """Take `victim` off the device: swap its blocks to host if there is room, else recompute."""
         rnd.preempted = True
-        if victim.in_flight_round == rnd.record.round_id:
+        if victim.in_flight_round == rnd.round_id:
             self._unplace(victim, rnd)
         del self._running[victim.request_id]
         blocks = victim.block_ids
@@ -269,8 +269,8 @@ class SchedulerCore(_Outcomes):
             self.pool.pin(blocks)
             self.pool.free(reversed(blocks))
             victim.swap_pinned, victim.host_blocks = blocks, host
-            victim.in_flight_round = rnd.record.round_id
-            rnd.record.swapping += (victim,)
+            victim.in_flight_round = rnd.round_id
+            rnd.swapping += (victim,)
             self._swapping[victim.request_id] = victim
         else:
             self.pool.free(reversed(blocks))
@@ -335,7 +335,7 @@ class SchedulerCore(_Outcomes):
         blocks = self.pool.allocate(need) or []
         rnd.swap_in += tuple(BlockCopy(h, d) for h, d in zip(request.host_blocks, blocks, strict=False))
         # The host copies are read by this round; they are free once its result arrives.
-        rnd.record.host_release += tuple(request.host_blocks)
+        rnd.host_release += tuple(request.host_blocks)
         request.host_blocks = []
         request.block_ids, request.block_table, request.num_registered = blocks, tuple(blocks), 0
         self._event(request, Stage.RESUMED, now, (("mode", "swap"),))
@@ -371,8 +371,8 @@ class SchedulerCore(_Outcomes):
         if request.pending_prefill:
             # A chunk that reaches the last known token ends the prefill (what follows is decode).
             self._set_pending(request, 0 if sample else len(tokens) - end)
-        rnd.record.entries.append((request, num, sample, decode))
-        request.in_flight_round = rnd.record.round_id
+        rnd.entries.append((request, num, sample, decode))
+        request.in_flight_round = rnd.round_id
         rnd.tokens_left -= num
         rnd.seqs_left -= 1
         rnd.kv_left -= end
@@ -383,7 +383,7 @@ class SchedulerCore(_Outcomes):
 
     def _unplace(self, request: Request, rnd: RoundBuilder) -> None:
         """Take a request placed earlier in this round back out (it is being preempted)."""
-        entries = rnd.record.entries
+        entries = rnd.entries
         index = next(i for i in range(len(entries) - 1, -1, -1) if entries[i][0] is request)
         _, num, _, decode = entries.pop(index)
         seq = rnd.seqs.pop(index)
@@ -413,16 +413,16 @@ class SchedulerCore(_Outcomes):
             rnd.decode_tokens,
         )
         swap_out, swap_in = rnd.swap_out, rnd.swap_in
-        plan = new_round_plan(rnd.record.round_id, tuple(rnd.seqs), swap_out, swap_in, budget)
+        plan = new_round_plan(rnd.round_id, tuple(rnd.seqs), swap_out, swap_in, budget)
         if rnd.seqs or swap_out or swap_in:
-            self._in_flight[rnd.record.round_id] = rnd.record
+            self._in_flight[rnd.round_id] = rnd
             self._rounds += 1
         return plan
 
     def _note_prefill_chunks(self, rnd: RoundBuilder, now: float) -> None:
         # Emitted when the round is sealed, so a chunk taken back by a preemption never shows up.
         account = self._account
-        for seq, (request, num, _, decode) in zip(rnd.seqs, rnd.record.entries, strict=True):
+        for seq, (request, num, _, decode) in zip(rnd.seqs, rnd.entries, strict=True):
             if not decode:
                 self._event(request, Stage.PREFILL_CHUNK, now, (("tokens", num), ("start", seq.start_position)))
                 if account is not None:
