@@ -169,8 +169,9 @@ class FairQueue(WaitingQueue):
 
     def _lift(self, tenant: str) -> None:
         # Why: a tenant that was idle must not claim the service it missed. The reference is every
-        # other active tenant, running ones included: their counters keep growing while they
-        # decode, so a tenant that was only queued-empty for a while is not behind them.
+        # other active tenant, running ones included: a tenant with nothing queued but requests
+        # still decoding is being served right now (its counter grows with each token), so its
+        # counter is as current as a queued tenant's.
         counters = self.counters
         active = {t for t, n in self._tenant_len.items() if n}
         active.update(self._tenant_live)
