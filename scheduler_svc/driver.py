@@ -278,7 +278,10 @@ class Driver:
             self._deferred = (events, done)
             return stream
         if self._queue_tokens(events, done):
-            # Let the publisher put this round's tokens on the wire before any other work.
+            # Let the publisher put this round's tokens on the wire before any other work. Two turns of the
+            # loop: redis-py writes a command in a task of its own (asyncio.wait_for with socket_timeout),
+            # so the bytes leave at the publisher's second step, not its first.
+            await asyncio.sleep(0)
             await asyncio.sleep(0)
         self._handle(events, done)
         return stream
