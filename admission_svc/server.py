@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import time
 import uuid
@@ -122,9 +121,6 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
         self._block_size: tuple[float, int] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._tracer = telemetry.get_tracer("sluice.admission")
-        # What start-up built (modules, tokenizer, config) lives for good: a full collection walking it
-        # took ~20 ms on the shared VM, which showed up as the p99 of the token path.
-        gc.freeze()
 
     # ---- RPCs ---------------------------------------------------------------------------------
     async def Generate(self, request: admission_pb2.GenerateRequest,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 from dataclasses import dataclass
 
@@ -277,9 +276,6 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
                     model_id=info.model_id, eos_token_id=info.eos_token_id, metrics=metrics, use_stream=use_stream,
                     worker_health=health_pb2_grpc.HealthStub(worker_channel),
                     publish_first_max_tokens=publish_first_max_tokens)
-    # Start-up objects (modules, protobuf descriptors, the core's pool) live for good: take them out of
-    # the collector's view. A full collection of them took ~20 ms here, the p99 of the token path.
-    gc.freeze()
     health = health_aio.HealthServicer()
     server, bound = await start_scheduler_server(driver, health, port, host)
     stop = asyncio.Event()
