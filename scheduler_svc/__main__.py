@@ -51,6 +51,9 @@ class SchedulerOptions(serve.BusOptions):
     """Seconds to finish work on SIGTERM."""
     unary: bool = False
     """One Execute call per round instead of ExecuteStream."""
+    publish_first_max_tokens: int = 64
+    """Rounds with at most this many tokens publish before the next round starts; larger ones
+    publish while it runs (overlap pays once conversion costs more than the wait it adds)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-interval", type=float, default=1.0)
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish work on SIGTERM")
     p.add_argument("--unary", action="store_true", help="one Execute call per round instead of ExecuteStream")
+    p.add_argument("--publish-first-max-tokens", type=int, default=64,
+                   help="rounds with more tokens than this publish while the next round runs (default 64)")
     return p
 
 
@@ -105,7 +110,7 @@ async def start(ctx: serve.ServiceContext, options: SchedulerOptions) -> serve.S
             port=options.port, host=options.host, advertise_host=options.advertise_host,
             core_overrides=core_overrides(options), metrics=metrics, heartbeat_interval_s=options.heartbeat_interval,
             prefill_tokens_per_s=options.prefill_tokens_per_s, decode_round_s=options.decode_round_s,
-            use_stream=not options.unary)
+            use_stream=not options.unary, publish_first_max_tokens=options.publish_first_max_tokens)
     except (TimeoutError, ValueError) as exc:
         raise serve.StartupError(str(exc)) from exc
 
