@@ -334,9 +334,10 @@ class _Outcomes:
             terminal.popitem(last=False)
 
     # ---- queue and outbox ------------------------------------------------------------------
-    def _enqueue(self, request: Request) -> None:
+    def _enqueue(self, request: Request, cached_tokens: int = 0) -> None:
+        """Queue `request`; its pending prefill is what is not computed, less `cached_tokens`."""
         self._queue.push(request)
-        self._set_pending(request, len(request.tokens) - request.num_computed)
+        self._set_pending(request, len(request.tokens) - request.num_computed - cached_tokens)
 
     def _dequeue(self, request: Request, served: bool = False) -> None:
         """Take `request` out of the queue; `served` when it is the head being scheduled.

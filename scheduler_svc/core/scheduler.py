@@ -89,7 +89,7 @@ class SchedulerCore(_Outcomes):
         self._live[live.request_id] = live
         if self._account is not None:
             self._queue.on_live(live.tenant, 1)
-        self._enqueue(live)
+        self._enqueue(live, self._cached_prefix_tokens(live))
         if request.queue_deadline is not None:
             self._push_deadline(request.queue_deadline, _QUEUE_DEADLINE, live)
         if request.deadline is not None:
@@ -131,6 +131,17 @@ class SchedulerCore(_Outcomes):
             )
         if len(self._queue) >= config.max_waiting:
             raise reject(RejectReason.QUEUE_FULL, f"{len(self._queue)} waiting, max_waiting {config.max_waiting}")
+
+    def _cached_prefix_tokens(self, request: Request) -> int:
+        """Return the prompt tokens the prefix cache holds now (an estimate until it is admitted).
+
+        Why: the pending prefill a replica reports should not count work its cache already did;
+        the hashes are kept on the request, so admission does not compute them again.
+        """
+        if not self.pool.caching:
+            return 0
+        size = self._block_size
+        return len(self.pool.lookup(self._hashes_upto(request, (len(request.tokens) - 1) // size))) * size
 
     def _push_deadline(self, when: float, kind: int, request: Request) -> None:
         heap = self._deadlines

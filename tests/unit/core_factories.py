@@ -111,8 +111,8 @@ def _check_pending_prefill(core: SchedulerCore) -> None:
     in_flight = {id(request): num for record in core._in_flight.values() for request, num, _, _ in record.entries}
     for request in core._live.values():
         unscheduled = len(request.tokens) - request.num_computed - in_flight.get(id(request), 0)
-        if request.status is RequestStatus.WAITING:
-            assert request.pending_prefill == len(request.tokens) - request.num_computed
+        if request.status is RequestStatus.WAITING:  # less what the cache held at submission
+            assert 0 < request.pending_prefill <= len(request.tokens) - request.num_computed
         elif request.status is RequestStatus.CANCELLING:
             assert request.pending_prefill == 0
         elif request.status is RequestStatus.RUNNING:
