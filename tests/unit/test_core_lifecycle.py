@@ -302,13 +302,14 @@ def test_pending_prefill_counts_the_unscheduled_rest_of_a_running_prompt() -> No
 
 
 def test_pending_prefill_excludes_cached_blocks_and_returns_on_cancel() -> None:
-    """Tokens served from the prefix cache are no pending work; a cancelled running request leaves none behind."""
+    """Tokens the prefix cache holds are no pending work, waiting or running; a cancelled running request leaves none behind."""
     core = make_core(max_prefill_chunk=16, max_num_batched_tokens=16)
     shared = tuple(range(1000, 1064))
     core.submit(make_request("first", prompt=shared, max_tokens=2), 0.0)
     for now in range(6):
         step(core, float(now))
     core.submit(make_request("second", prompt=shared[:48] + tuple(range(5000, 5032)), max_tokens=2), 10.0)
+    assert core.stats().queued_prefill_tokens == 80 - 48, "already waiting, the cached blocks are no work"
     plan = core.schedule(10.0)
     assert plan.seqs[0].start_position == 48
     assert core.stats().queued_prefill_tokens == 80 - 48 - 16
