@@ -28,6 +28,8 @@ class RouterOptions(serve.BusOptions):
     """Seconds a routing decision counts as cached."""
     seed: int = 0
     """Tie-break seed."""
+    prefill_weight: float = 1.0
+    """SCORE: weight of a request's own uncached prefill when comparing replicas (>1 values cache hits more)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds of silence before GONE")
     p.add_argument("--prediction-ttl", type=float, default=2.0, help="seconds a routing decision counts as cached")
     p.add_argument("--seed", type=int, default=0, help="tie-break seed")
+    p.add_argument("--prefill-weight", type=float, default=1.0,
+                   help="score policy: weight of the request's own uncached prefill (default 1; the simulator's "
+                        "Mooncake comparison in docs/simulator.md found 4 better for long shared prompts)")
     return p
 
 
@@ -53,7 +58,8 @@ def router_config(options: RouterOptions) -> RouterConfig:
     """Return the core's configuration; raises serve.StartupError for an unknown policy or a bad value."""
     try:
         return RouterConfig(policy=RoutingPolicy.parse(options.policy), prediction_ttl_s=options.prediction_ttl,
-                            heartbeat_timeout_s=options.heartbeat_timeout, seed=options.seed)
+                            heartbeat_timeout_s=options.heartbeat_timeout, seed=options.seed,
+                            prefill_weight=options.prefill_weight)
     except ValueError as exc:
         raise serve.StartupError(str(exc)) from exc
 
