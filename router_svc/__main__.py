@@ -56,6 +56,8 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterOptions:
 
 def router_config(options: RouterOptions) -> RouterConfig:
     """Return the core's configuration; raises serve.StartupError for an unknown policy or a bad value."""
+    if options.prefill_weight <= 0:
+        raise serve.StartupError(f"--prefill-weight must be > 0, got {options.prefill_weight}")
     try:
         return RouterConfig(policy=RoutingPolicy.parse(options.policy), prediction_ttl_s=options.prediction_ttl,
                             heartbeat_timeout_s=options.heartbeat_timeout, seed=options.seed,
