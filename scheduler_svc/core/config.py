@@ -59,3 +59,5 @@ class SchedulerConfig:
     adapter_version: str = ""
     max_model_len: int = 4096
     """Prompt + max_tokens may not exceed this."""
+    max_lost_rounds: int = 3
+    """A request lost with the worker in more than this many consecutive rounds fails (bounded retry)."""
