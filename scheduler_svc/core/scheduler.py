@@ -175,7 +175,7 @@ class SchedulerCore(_Outcomes):
         """Place running requests in start order; plain decodes take an inlined fast path.
 
         A plain decode (one known token beyond the computed prefix, no block boundary, no stop
-        strings) only appends to the round, so it works on local copies of the budgets; anything
+        strings, no pending prefill left by a recompute resume) only appends to the round, so it works on local copies of the budgets; anything
         else syncs them back to `rnd` and goes through `_grow` / `_place`.
         """
         max_chunk, block_size = self.config.max_prefill_chunk, self._block_size
@@ -194,6 +194,7 @@ class SchedulerCore(_Outcomes):
                 and start >= request.num_prompt
                 and len(request.block_ids) * block_size > start
                 and not request.stop_tail
+                and not request.pending_prefill
             ):
                 if kv_left <= start:
                     break
