@@ -64,6 +64,7 @@ class _Outcomes:
     _dropped_total: int
     _counts: dict[RequestStatus, int]
     _queued_prefill_tokens: int
+    _preemptions: int
     _salt: int
     _block_size: int
 
@@ -98,6 +99,8 @@ class _Outcomes:
         running = RequestStatus.RUNNING
         for request, num_tokens, sample, _ in record.entries:
             request.in_flight_round = None
+            if request.lost_rounds:
+                request.lost_rounds = 0
             out = pop(request.request_id, None)
             if request.status is not running:
                 if out is not None and out.token_ids:
@@ -206,6 +209,56 @@ class _Outcomes:
             del self._swapping[victim.request_id]
             apply(victim, Input.REQUEUE)
             self._enqueue(victim)
+
+    def on_round_lost(self, round_id: int, now: float) -> CoreEvents:
+        """The worker went away with round `round_id` in flight; return the drained outbox.
+
+        Nothing of that round is known to have been computed and the worker's KV is gone, so each
+        running request of the round is preempted by recompute (PREEMPTED with mode "recompute" and
+        cause "worker_lost") and waits again in its place; cancelling ones are released; swap copies
+        of the round count as not done. A request lost in more than `max_lost_rounds` consecutive
+        rounds fails instead, so a plan that kills the worker cannot loop forever. A late result
+        for the round is dropped (unknown round, older epoch). An unknown round changes nothing.
+        """
+        record = self._in_flight.pop(round_id, None)
+        if record is not None:
+            limit = self.config.max_lost_rounds
+            for request, _, _, _ in record.entries:
+                request.in_flight_round = None
+                if request.status is not RequestStatus.RUNNING:
+                    self._release_deferred(request, now)
+                    continue
+                request.lost_rounds += 1
+                if request.lost_rounds > limit:
+                    detail = (f"round {round_id} lost with the worker; the request was lost in "
+                              f"{request.lost_rounds} consecutive rounds (max_lost_rounds {limit})")
+                    self._end_running(request, Input.FAIL, now, detail)
+                else:
+                    self._requeue_lost(request, now)
+            self._finish_swaps(record, now, copied=False)
+            self._host_free.extend(record.host_release)
+        return self.take_events()  # type: ignore[attr-defined, no-any-return]
+
+    def _requeue_lost(self, request: Request, now: float) -> None:
+        """Preempt a running request by recompute because its KV went with the worker."""
+        del self._running[request.request_id]
+        self.pool.free(reversed(request.block_ids))
+        request.block_ids, request.block_table, request.num_registered = [], (), 0
+        apply(request, Input.PREEMPT)
+        request.usage.preemptions += 1
+        self._preemptions += 1
+        request.recompute_debt = max(request.recompute_debt, request.num_computed)
+        request.num_computed = 0
+        apply(request, Input.REQUEUE)
+        self._enqueue(request)
+        self._event(request, Stage.PREEMPTED, now, (("mode", "recompute"), ("cause", "worker_lost")))
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (a restarted worker holds no KV); emits ALL_CLEARED.
+
+        Only free cached blocks are released; blocks that requests hold stay theirs.
+        """
+        self.pool.reset_cache()
 
     def _fail_round(self, record: InFlightRound, error: str, now: float) -> None:
         """A round that failed as a whole fails every request it carried (exactly once)."""

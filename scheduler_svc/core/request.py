@@ -36,6 +36,7 @@ class Request:
         "host_blocks",
         "swap_pinned",
         "recompute_debt",
+        "lost_rounds",
         "release_input",
         "arrival_seq",
         "queue_seq",
@@ -78,6 +79,8 @@ class Request:
         self.swap_pinned: list[int] = []
         self.recompute_debt = 0
         """Tokens computed before the last recompute preemption (not yet counted as recomputed)."""
+        self.lost_rounds = 0
+        """Consecutive rounds of this request lost with the worker (reset by a round that answers)."""
         self.release_input: object = None
         """The state-machine input that ends a CANCELLING request once its round's result arrives."""
         self.arrival_seq = arrival_seq

@@ -1,4 +1,5 @@
-"""Hypothesis state machine over the core under KV pressure: random submits, rounds, results, cancels, time.
+"""Hypothesis state machine over the core under KV pressure: random submits, rounds, results, lost rounds,
+cancels, time.
 
 After every step: no block leaked or freed twice, refcounts and pins agree with their holders,
 free + used + cached == total, each live request is in exactly one place, terminal records are
@@ -25,6 +26,7 @@ from scheduler_svc.core.types import (
     RoundResult,
     SamplingParams,
     SeqOutput,
+    Stage,
 )
 
 EOS = token_for("", 5)
@@ -40,8 +42,10 @@ class CoreMachine(RuleBasedStateMachine):
         host_blocks=st.integers(0, 8),
         kv_cap=st.sampled_from([None, 40]),
         caching=st.booleans(),
+        max_lost=st.sampled_from([1, 3]),
     )
-    def setup(self, policy: Policy, mode: PreemptionMode, host_blocks: int, kv_cap: int | None, caching: bool) -> None:
+    def setup(self, policy: Policy, mode: PreemptionMode, host_blocks: int, kv_cap: int | None, caching: bool,
+              max_lost: int) -> None:
         self.config = SchedulerConfig(
             num_blocks=10,
             block_size=4,
@@ -56,6 +60,7 @@ class CoreMachine(RuleBasedStateMachine):
             enable_prefix_caching=caching,
             tenant_weights=(("b", 2.0),),
             max_model_len=40,
+            max_lost_rounds=max_lost,
         )
         self.core = SchedulerCore(self.config)
         self.now = 0.0
@@ -124,6 +129,18 @@ class CoreMachine(RuleBasedStateMachine):
         result = RoundResult(plan.round_id, tuple(outputs), error="worker fault" if fault == "error" else "")
         self._absorb(self.core.on_round_result(result, self.now))
         self.answered.append(plan)
+
+    @precondition(lambda self: self.pending)
+    @rule(index=st.integers(0, 3))
+    def lose(self, index: int) -> None:
+        """The worker dies with a round in flight: its requests are re-run (or fail past the retry bound)."""
+        plan = self.pending.pop(index % len(self.pending))
+        events = self.core.on_round_lost(plan.round_id, self.now)
+        assert not events.tokens, "a lost round produces no tokens"
+        lost = [e for e in events.lifecycle if e.stage is Stage.PREEMPTED]
+        assert all(dict(e.detail) == {"mode": "recompute", "cause": "worker_lost"} for e in lost)
+        self._absorb(events)
+        self.answered.append(plan)  # a late answer for it must be dropped
 
     @rule(rounds=st.integers(1, 6))
     def run_rounds(self, rounds: int) -> None:
