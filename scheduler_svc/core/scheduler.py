@@ -175,8 +175,9 @@ class SchedulerCore(_Outcomes):
         """Place running requests in start order; plain decodes take an inlined fast path.
 
         A plain decode (one known token beyond the computed prefix, no block boundary, no stop
-        strings, no pending prefill left by a recompute resume) only appends to the round, so it works on local copies of the budgets; anything
-        else syncs them back to `rnd` and goes through `_grow` / `_place`.
+        strings, no pending prefill left by a recompute resume) only appends to the round, so it
+        works on local copies of the budgets; anything else syncs them back to `rnd` and goes
+        through `_grow` / `_place`.
         """
         max_chunk, block_size = self.config.max_prefill_chunk, self._block_size
         running_status = RequestStatus.RUNNING
