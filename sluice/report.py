@@ -80,7 +80,7 @@ def _class_rows(summaries: Sequence[Summary]) -> list[tuple[str, str, Callable[[
     """Rows per priority and per tenant, for the classes any of the summaries has."""
     rows: list[tuple[str, str, Callable[[object], str]]] = []
     for key, noun in (("by_priority", "priority"), ("by_tenant", "tenant")):
-        names = sorted({name for s in summaries for name in (_get(s, key) or {})})  # type: ignore[union-attr]
+        names = sorted({name for s in summaries for name in (_get(s, key) or {})})  # type: ignore[attr-defined]
         for name in names:
             rows.append((f"SLO attainment, {noun} {name} (%)", f"{key}.{name}.slo_attainment", _number(100, 1)))
             rows.append((f"TTFT p99, {noun} {name} (ms)", f"{key}.{name}.ttft_s.p99", _number(1000, 1)))

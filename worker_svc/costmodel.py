@@ -94,7 +94,7 @@ def _four_slot_builder(cls: type, names: tuple[str, str, str, str]) -> Callable[
     new = object.__new__
 
     def build(a: object, b: object, c: object, d: object) -> Any:
-        obj = new(cls)
+        obj: Any = new(cls)
         s0(obj, a)
         s1(obj, b)
         s2(obj, c)
