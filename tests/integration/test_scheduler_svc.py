@@ -87,6 +87,21 @@ async def _tokens(bus: Bus, owner: str = "adm-1") -> list[events_pb2.TokenDelta]
             for _, p, _ in await bus.read_stream(bus.tokens_stream(owner), "0", count=10_000, block_ms=10)]
 
 
+async def _output_tokens(bus: Bus, request_id: str) -> list[int]:
+    """Return a request's streamed output tokens, checking that each index was sent once and in order."""
+    tokens: list[int] = []
+    for delta in await _tokens(bus):
+        if delta.request_id == request_id:
+            assert delta.index == len(tokens), "each output token is streamed once, in order"
+            tokens += delta.token_ids
+    return tokens
+
+
+async def _kv_event_kinds(bus: Bus) -> list[str]:
+    return [str(event.WhichOneof("kind")) for _, payload, _ in await bus.read_stream("kv", "0", count=10_000, block_ms=10)
+            for event in events_pb2.KvEventBatch.FromString(payload).events]
+
+
 def test_submit_streams_tokens_and_a_complete_completion(redis_url: str, namespace: str) -> None:
     """A submitted request's tokens arrive in order on tokens:{owner}, followed by a FINISHED_LENGTH completion
     with usage and every lifecycle timestamp (the caller's and the replica's, in order)."""
@@ -320,12 +335,12 @@ async def _wait_for(predicate, timeout: float = 10.0) -> None:  # type: ignore[n
         await asyncio.sleep(0.02)
 
 
-def test_a_lost_worker_fails_its_round_makes_the_replica_unhealthy_and_the_queue_waits(
+def test_a_lost_worker_reruns_its_round_makes_the_replica_unhealthy_and_the_queue_waits(
         redis_url: str, namespace: str) -> None:
-    """When the worker goes away mid-request, the request in the round ends FAILED with the reason; the replica
-    turns UNHEALTHY at the router (Route finds no READY replica) and refuses Submit as UNAVAILABLE, while the
-    request queued behind waits; once a worker is back on the same address the replica is READY again and the
-    queued request finishes normally."""
+    """When the worker goes away mid-request, the request in the round is not failed but waits to be recomputed;
+    the replica turns UNHEALTHY at the router (Route finds no READY replica) and refuses Submit as UNAVAILABLE;
+    once a worker is back on the same address the replica is READY again, the prefix cache is cleared, and both
+    the interrupted request (with the tokens it would have had) and the one queued behind finish normally."""
     async def body() -> None:
         async with _router_at(redis_url, namespace) as (runtime, router, address), \
                 _replica(redis_url, namespace, num_blocks=256, emulate_time=True, router_address=address,
@@ -336,14 +351,11 @@ def test_a_lost_worker_fails_its_round_makes_the_replica_unhealthy_and_the_queue
 
             route = router_pb2.RouteRequest(request_id="x", model="llama-3-8b", prompt_tokens=10)
             await _wait_for(lambda: state(router_pb2.READY))
-            await r.stub.Submit(_submit("doomed", max_tokens=2000))
+            await r.stub.Submit(_submit("interrupted", max_tokens=200))
             await r.stub.Submit(_submit("queued", max_tokens=4))
             await _wait_for(lambda: _tokens(r.bus))
             port = r.worker.port
             await r.worker.stop(grace_s=0)
-            [failed] = await _completions(r.bus, 1)
-            assert failed.request_id == "doomed" and failed.status == common_pb2.FAILED
-            assert "worker unavailable" in failed.detail
             await _wait_for(lambda: state(router_pb2.UNHEALTHY))
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await router.Route(route)
@@ -352,13 +364,18 @@ def test_a_lost_worker_fails_its_round_makes_the_replica_unhealthy_and_the_queue
                 await r.stub.Submit(_submit("refused"))
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "worker" in (err.value.details() or "")
             stats = await r.stub.Stats(scheduler_pb2.StatsRequest())
-            assert (stats.waiting, stats.running) == (1, 0)
+            assert (stats.waiting, stats.running) == (2, 0)
+            assert not await _completions(r.bus, 1, timeout=0.2), "nothing ends while the worker is away"
             r.worker = await start_worker_server(
                 WorkerRuntime(lambda: CostModel("llama-3-8b", "h200"), num_blocks=256), port=port)
             await asyncio.wait_for(r.worker.loading, 10)
             done = await _completions(r.bus, 2)
             assert [(c.request_id, c.status) for c in done] == [
-                ("doomed", common_pb2.FAILED), ("queued", common_pb2.FINISHED_LENGTH)]
+                ("interrupted", common_pb2.FINISHED_LENGTH), ("queued", common_pb2.FINISHED_LENGTH)]
+            model = CostModel("llama-3-8b", "h200")
+            assert await _output_tokens(r.bus, "interrupted") == [model.token_for("interrupted", i) for i in range(200)]
+            assert done[0].usage.preemptions == 1
+            assert "all_cleared" in await _kv_event_kinds(r.bus)
             await _wait_for(lambda: state(router_pb2.READY))
             assert (await router.Route(route)).replica_id == "r1"
     asyncio.run(body())

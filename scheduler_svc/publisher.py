@@ -1,0 +1,111 @@
+"""The replica's one Redis publisher: token deltas per owner, completions and KV event batches, in order.
+
+Batches are queued by the loop (`put`) and go out from one task (`run`), so round N's events are
+published while round N+1 executes. Whatever queued up while a publication was in flight goes out
+merged, one call per owner: under load the queue drains in a few round trips instead of growing.
+A Redis failure is retried until it succeeds, resuming where it failed: events are delayed, never
+dropped, and never reordered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from opentelemetry.context import Context
+
+from sluice.bus import Bus
+from sluice.v1 import events_pb2
+
+__all__ = ["Outgoing", "Publisher", "merge"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Outgoing:
+    """One batch of Redis publications, in the order they must go out."""
+
+    tokens: dict[str, tuple[list[events_pb2.TokenDelta], list[dict[str, str]]]] = field(default_factory=dict)
+    completions: list[tuple[events_pb2.Completion, Context]] = field(default_factory=list)
+    kv: events_pb2.KvEventBatch | None = None
+
+
+def merge(batches: list[Outgoing]) -> Outgoing:
+    """Return one batch with everything of `batches`, in order (per owner for tokens; KV events concatenated)."""
+    if len(batches) == 1:
+        return batches[0]
+    merged = Outgoing()
+    for batch in batches:
+        for owner, (deltas, fields) in batch.tokens.items():
+            have_deltas, have_fields = merged.tokens.setdefault(owner, ([], []))
+            have_deltas += deltas
+            have_fields += fields
+        merged.completions += batch.completions
+        if batch.kv is not None:
+            if merged.kv is None:
+                merged.kv = batch.kv
+            else:
+                merged.kv.events.extend(batch.kv.events)
+    return merged
+
+
+class Publisher:
+    """Publishes queued batches in order from one task. See the module docstring."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self._outbox: asyncio.Queue[Outgoing | None] = asyncio.Queue()
+
+    def put(self, out: Outgoing) -> None:
+        """Queue a batch for publishing (after everything queued before it)."""
+        self._outbox.put_nowait(out)
+
+    async def close(self) -> None:
+        """Queue the end marker: `run` publishes what is queued before it and returns."""
+        await self._outbox.put(None)
+
+    async def flush(self) -> None:
+        """Wait until every batch queued so far has been handed to Redis."""
+        await self._outbox.join()
+
+    async def run(self) -> None:
+        """Publish queued batches in order until `close`; retry Redis failures forever."""
+        while True:
+            batches = [await self._outbox.get()]
+            while not self._outbox.empty():
+                batches.append(self._outbox.get_nowait())
+            last = batches[-1] is None
+            out = merge([b for b in batches if b is not None])
+            try:
+                delay = 0.05
+                while True:
+                    try:
+                        await self._publish(out)
+                        break
+                    except Exception as exc:  # Redis down: keep what is left of the batch, in order
+                        log.error("publishing to Redis failed (%s); retrying in %.2f s", exc, delay)
+                        await asyncio.sleep(delay)
+                        delay = min(delay * 2, 2.0)
+            finally:
+                for _ in batches:
+                    self._outbox.task_done()
+            if last:
+                return
+
+    async def _publish(self, out: Outgoing) -> None:
+        """Publish a batch; what went out is removed from it, so a retry resumes where it failed."""
+        while out.tokens:
+            owner, (deltas, fields) = next(iter(out.tokens.items()))
+            if owner:
+                await self.bus.publish_tokens(owner, deltas, trace_fields=fields)
+            del out.tokens[owner]
+        # Tokens before completions: an owner never sees a request end before its last tokens.
+        while out.completions:
+            completion, context = out.completions[0]
+            await self.bus.publish_completion(completion, context=context)
+            out.completions.pop(0)
+        if out.kv is not None:
+            await self.bus.publish_kv(out.kv)
+            out.kv = None

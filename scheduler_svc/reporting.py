@@ -1,0 +1,186 @@
+"""What the replica does with the core's events: bookkeeping at once, publications queued.
+
+Bookkeeping (span events, metrics, lifecycle timestamps, gauges) runs in the loop as the events are
+handed over; what goes to Redis is queued to the `Publisher`. Order is kept throughout: a request's
+tokens are queued before its completion, and the events of a deferred (big) round are handed over
+before any later event.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+
+from scheduler_svc import convert
+from scheduler_svc.core import SchedulerCore
+from scheduler_svc.core.types import CoreEvents, Finished, LifecycleEvent, RequestStatus, Stage
+from scheduler_svc.publisher import Outgoing, Publisher
+from sluice import telemetry
+from sluice.prom import SchedulerMetrics
+from sluice.v1 import common_pb2
+
+__all__ = ["Reporter"]
+
+log = logging.getLogger(__name__)
+
+_TERMINAL_EVENT = {
+    RequestStatus.FINISHED_STOP: "finished", RequestStatus.FINISHED_LENGTH: "finished",
+    RequestStatus.CANCELLED: "cancelled", RequestStatus.TIMED_OUT: "timed_out", RequestStatus.FAILED: "failed",
+}
+
+
+@dataclass
+class _Tracked:
+    """What the replica keeps per live request: where its tokens go and its trace."""
+
+    owner: str
+    span: trace.Span
+    trace_fields: dict[str, str]
+    timestamps: common_pb2.LifecycleTimestamps
+    arrival: float
+    last_token_time: float | None = None
+
+
+class Reporter:
+    """Turns core events into metrics, spans and queued publications, per tracked request."""
+
+    def __init__(self, core: SchedulerCore, publisher: Publisher, metrics: SchedulerMetrics, replica_id: str) -> None:
+        self.core = core
+        self.publisher = publisher
+        self.metrics = metrics
+        self.replica_id = replica_id
+        self._tracked: dict[str, _Tracked] = {}
+        self._deferred: tuple[CoreEvents, float] | None = None
+        self._last_stats = core.stats()
+
+    def track(self, request_id: str, owner: str, span: trace.Span, timestamps: common_pb2.LifecycleTimestamps,
+              arrival: float) -> None:
+        """Start tracking a submitted request (its tokens go to `owner`, its events to `span`)."""
+        fields = telemetry.inject_fields(trace.set_span_in_context(span))
+        self._tracked[request_id] = _Tracked(owner, span, fields, timestamps, arrival)
+
+    def live_request_ids(self) -> list[str]:
+        """Return the ids of tracked requests not yet terminal."""
+        return list(self._tracked)
+
+    def defer(self, events: CoreEvents, now: float) -> None:
+        """Keep a big round's events to hand over later (before any later event)."""
+        self.flush_deferred()
+        self._deferred = (events, now)
+
+    def flush_deferred(self) -> None:
+        """Hand over the deferred events, if any."""
+        if self._deferred is not None:
+            events, done = self._deferred
+            self._deferred = None
+            self.handle(events, done)
+
+    def queue_tokens(self, events: CoreEvents, now: float) -> bool:
+        """Queue the events' token deltas for publishing (and take them out of `events`); True if any."""
+        if not events.tokens:
+            return False
+        out = Outgoing()
+        self._on_tokens(events, now, out)
+        events.tokens = []
+        if not out.tokens:
+            return False
+        self.publisher.put(out)
+        return True
+
+    def handle(self, events: CoreEvents, now: float) -> None:
+        """Do the bookkeeping of `events` and queue their publications (after any deferred ones)."""
+        self.flush_deferred()
+        # Tokens first: a request's completion must never be queued ahead of its last tokens.
+        self.queue_tokens(events, now)
+        for event in events.lifecycle:
+            self._on_lifecycle(event)
+        out = Outgoing()
+        for finished in events.finished:
+            self._on_finished(finished, out)
+        if events.kv_events:
+            out.kv = convert.kv_batch_to_proto(self.replica_id, events.kv_events)
+        if events.dropped_results:
+            self.metrics.dropped_results.inc(events.dropped_results)
+        self._update_gauges()
+        if out.completions or out.kv is not None:
+            self.publisher.put(out)
+
+    def _on_lifecycle(self, event: LifecycleEvent) -> None:
+        tracked = self._tracked.get(event.request_id)
+        if tracked is None:
+            return
+        stage = event.stage
+        name = stage.value
+        if stage is Stage.FINISHED:
+            status = dict(event.detail).get("status", "")
+            name = _TERMINAL_EVENT.get(RequestStatus(status), "finished") if status else name
+        elif stage is Stage.CANCEL_REQUESTED:
+            tracked.timestamps.cancel_requested = event.time
+        elif stage is Stage.KV_RELEASED:
+            tracked.timestamps.kv_released = event.time
+        elif stage is Stage.FIRST_TOKEN:
+            self.metrics.ttft.observe(event.time - tracked.arrival)
+        elif stage is Stage.PREEMPTED:
+            self.metrics.preemptions.inc()
+        tracked.span.add_event(name, attributes=dict(event.detail), timestamp=int(event.time * 1e9))
+
+    def _on_tokens(self, events: CoreEvents, now: float, out: Outgoing) -> None:
+        for delta in convert.token_deltas(events.tokens, now):
+            tracked = self._tracked.get(delta.request_id)
+            if tracked is None:  # the core never reports tokens of a request it did not get from us
+                log.error("tokens for untracked request %s", delta.request_id)
+                continue
+            if tracked.last_token_time is not None:
+                self.metrics.itl.observe(now - tracked.last_token_time)
+            tracked.last_token_time = now
+            deltas, fields = out.tokens.setdefault(tracked.owner, ([], []))
+            deltas.append(delta)
+            fields.append(tracked.trace_fields)
+
+    def _on_finished(self, finished: Finished, out: Outgoing) -> None:
+        tracked = self._tracked.pop(finished.request_id, None)
+        if tracked is None:
+            log.error("finished record for untracked request %s", finished.request_id)
+            return
+        completion = convert.completion_to_proto(finished, replica_id=self.replica_id, owner=tracked.owner,
+                                                 timestamps=tracked.timestamps)
+        self._observe_finished(finished)
+        span = tracked.span
+        span.set_attribute(telemetry.GEN_AI_USAGE_OUTPUT_TOKENS, finished.usage.output_tokens)
+        span.set_attribute(telemetry.GEN_AI_RESPONSE_FINISH_REASONS, [finished.finish_reason])
+        span.set_attribute("sluice.status", finished.status.value)
+        span.set_attribute("sluice.preemptions", finished.usage.preemptions)
+        if finished.status is RequestStatus.FAILED:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, finished.detail))
+        end = max(finished.finish_time, tracked.timestamps.kv_released)
+        span.end(end_time=int(end * 1e9))
+        context: Context = trace.set_span_in_context(span)
+        out.completions.append((completion, context))
+
+    def _observe_finished(self, finished: Finished) -> None:
+        m = self.metrics
+        m.finished.labels(finished.finish_reason).inc()
+        m.request_duration.observe(finished.finish_time - finished.arrival_time)
+        if finished.status is RequestStatus.CANCELLED:
+            m.cancellations.inc()
+        elif finished.status is RequestStatus.TIMED_OUT:
+            m.timeouts.inc()
+        outputs = finished.usage.output_tokens
+        if finished.first_token_time is not None and outputs > 1:
+            m.tpot.observe((finished.finish_time - finished.first_token_time) / (outputs - 1))
+
+    def _update_gauges(self) -> None:
+        stats, last, m = self.core.stats(), self._last_stats, self.metrics
+        m.queue_length.set(stats.waiting)
+        m.running.set(stats.running)
+        m.kv_blocks_used.set(stats.kv_blocks_used)
+        m.kv_blocks_free.set(stats.kv_blocks_free)
+        m.kv_blocks_cached.set(stats.kv_blocks_cached)
+        m.rounds.inc(stats.rounds - last.rounds)
+        m.recomputed_tokens.inc(stats.recomputed_tokens - last.recomputed_tokens)
+        m.prefix_hit_tokens.inc(stats.prefix_hit_tokens - last.prefix_hit_tokens)
+        m.prefix_query_tokens.inc(stats.prefix_query_tokens - last.prefix_query_tokens)
+        self._last_stats = stats

@@ -1,0 +1,158 @@
+"""The replica's link to its worker: rounds over one ExecuteStream, health, and what rounds take.
+
+- `execute` sends a plan and returns the worker's result, or None when the call broke (stream
+  closed, UNAVAILABLE): the round is then lost with the worker, and the stream is dropped.
+- `serving` is False while the worker is unreachable; every change sets `changed` (the agent
+  heartbeats at once) and calls `on_change` (the loop wakes up). `probe` asks the worker's gRPC
+  health (else Info) and marks it down when it does not answer; the loop marks it up again.
+- `RoundRates` measures what rounds take (EWMA of decode round seconds and prefill tokens/s, from
+  each successful round's wall time); heartbeats carry them to the router's TTFT prediction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from scheduler_svc.core.types import RoundPlan, RoundResult
+from sluice.prom import SchedulerMetrics
+from sluice.v1 import worker_pb2, worker_pb2_grpc
+from worker_svc import convert as worker_convert
+from worker_svc.server import SERVICE_NAME as WORKER_SERVICE
+
+__all__ = ["RoundRates", "WorkerLink"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RoundRates:
+    """What this replica's rounds take, as exponentially weighted averages, for the router's TTFT.
+
+    A round's wall time is modelled as one decode round (when it has decodes) plus its prefill tokens
+    at the prefill rate. Decode-only rounds update `decode_round_s`; a round with prefill tokens
+    counts its time less one decode round (at least a tenth of the round, so that a noisy decode
+    average cannot make the rate absurd). The rate is averaged tokens over averaged seconds, so that
+    small chunks do not dominate it.
+    """
+
+    alpha: float = 0.2
+    """Weight of the newest round."""
+    decode_round_s: float = 0.0
+    """Average decode-only round, seconds; 0 until one was seen."""
+    prefill_tokens: float = 0.0
+    """Average prefill tokens of rounds that had some."""
+    prefill_s: float = 0.0
+    """Average seconds those rounds spent on prefill."""
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """Return the measured prefill rate in tokens/s; 0 until a round with prefill was seen."""
+        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    def observe(self, plan: RoundPlan, wall_s: float) -> None:
+        """Fold one successful round (its plan and its wall seconds) into the averages."""
+        prefill_tokens = decodes = 0
+        for seq in plan.seqs:
+            if seq.sample and seq.output_index > 0 and len(seq.token_ids) == 1:
+                decodes += 1
+            else:
+                prefill_tokens += len(seq.token_ids)
+        if prefill_tokens == 0:
+            if decodes:
+                self.decode_round_s = self._average(self.decode_round_s, wall_s)
+            return
+        spent = max(wall_s - (self.decode_round_s if decodes else 0.0), wall_s / 10)
+        self.prefill_tokens = self._average(self.prefill_tokens, prefill_tokens)
+        self.prefill_s = self._average(self.prefill_s, spent)
+
+    def _average(self, old: float, sample: float) -> float:
+        return sample if old == 0.0 else old + self.alpha * (sample - old)
+
+
+class WorkerLink:
+    """One worker, as the round loop sees it. See the module docstring."""
+
+    def __init__(self, stub: worker_pb2_grpc.WorkerServiceStub, *, metrics: SchedulerMetrics,
+                 health: health_pb2_grpc.HealthStub | None = None, use_stream: bool = True,
+                 on_change: Callable[[], None] = lambda: None) -> None:
+        self.stub = stub
+        self.health = health
+        self.metrics = metrics
+        self.use_stream = use_stream
+        self.on_change = on_change
+        self.serving = True
+        """False while the worker is unreachable (no rounds run; Submit refuses; the router is told)."""
+        self.changed = asyncio.Event()
+        """Set whenever `serving` changes."""
+        self._stream: grpc.aio.StreamStreamCall | None = None
+
+    def set_serving(self, serving: bool, waiting: int = 0) -> None:
+        """Record whether the worker serves; a change sets `changed` and calls `on_change`."""
+        if serving == self.serving:
+            return
+        self.serving = serving
+        self.changed.set()
+        self.on_change()
+        if serving:
+            log.info("the worker answers again: running rounds")
+        else:
+            log.error("the worker is unavailable: no rounds until it answers; %d requests wait", waiting)
+
+    def drop_stream(self) -> None:
+        """Cancel the round stream, if any (the next round opens a new one)."""
+        if self._stream is not None:
+            self._stream.cancel()
+            self._stream = None
+
+    async def probe(self) -> bool:
+        """Ask the worker whether it serves (gRPC health, else Info); mark it down when it does not; return
+        the answer. Marking it up again is the loop's (it resets the cache first)."""
+        try:
+            if self.health is not None:
+                reply = await self.health.Check(health_pb2.HealthCheckRequest(service=WORKER_SERVICE), timeout=2.0)
+                serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+            else:
+                await self.stub.Info(worker_pb2.InfoRequest(), timeout=2.0)
+                serving = True
+        except grpc.aio.AioRpcError:
+            serving = False
+        if not serving:
+            self.set_serving(False)
+        return serving
+
+    async def execute(self, plan: RoundPlan, sent: Callable[[], None]) -> RoundResult | None:
+        """Run one round on the worker, calling `sent()` exactly once, when the plan is on its way; return
+        the result, or None when the call broke (the round is lost with the worker; the stream is dropped)."""
+        if self.use_stream and self._stream is None:
+            self._stream = self.stub.ExecuteStream()
+        stream = self._stream
+        wire = worker_convert.plan_to_proto(plan)
+        pending = [sent]  # called exactly once, even when the call breaks before the plan went out
+        try:
+            if stream is None:
+                call = self.stub.Execute(wire)
+                pending.pop()()
+                reply = await call
+            else:
+                await stream.write(wire)
+                pending.pop()()
+                reply = await stream.read()
+                if reply is grpc.aio.EOF:
+                    raise ConnectionError("the worker closed the round stream")
+            result = worker_convert.result_from_proto(reply)
+        except (grpc.aio.AioRpcError, ConnectionError) as exc:
+            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            log.error("round %d: worker call failed, the round is lost: %s", plan.round_id, detail)
+            for callback in pending:
+                callback()
+            self.drop_stream()
+            return None
+        if result.error:
+            self.metrics.round_errors.inc()
+        return result
