@@ -485,3 +485,72 @@ def test_sigterm_drains_the_replica_process(redis_url: str, namespace: str, free
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.mark.e2e
+def test_a_killed_worker_process_restarted_on_its_port_lets_the_interrupted_request_finish(
+        redis_url: str, namespace: str, free_port, subprocess_env, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A real worker process SIGKILLed mid-round and started again on its port: the request it was running is
+    recomputed and completes FINISHED_LENGTH with exactly the cost model's greedy tokens (each streamed once,
+    in order), the request queued behind completes too, and nothing ends FAILED."""
+    port = free_port()
+    args = ["--port", str(port), "--backend", "costmodel", "--model", "llama-3-8b", "--num-blocks", "256",
+            "--emulate-time"]
+    procs = [_spawn("worker_svc", *args, env=subprocess_env, logs=tmp_path)]
+
+    async def body() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        bus = Bus(client, namespace)
+        replica = await start_replica(replica_id="r1", worker_address=f"127.0.0.1:{port}", bus=bus,
+                                      core_overrides={"max_num_seqs": 1}, worker_timeout_s=60)
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{replica.port}")
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        try:
+            await stub.Submit(_submit("interrupted", max_tokens=300))
+            await stub.Submit(_submit("queued", max_tokens=4))
+            await _wait_for(lambda: _tokens(bus))
+            procs[0].kill()
+            procs[0].wait(10)
+            await _wait_for(lambda: _not_serving(replica))
+            procs.append(_spawn("worker_svc", *args, env=subprocess_env, logs=tmp_path))
+            done = await _completions(bus, 2, timeout=60)
+            assert [(c.request_id, c.status) for c in done] == [
+                ("interrupted", common_pb2.FINISHED_LENGTH), ("queued", common_pb2.FINISHED_LENGTH)]
+            model = CostModel("llama-3-8b", "h200")
+            assert await _output_tokens(bus, "interrupted") == [model.token_for("interrupted", i) for i in range(300)]
+            assert done[0].usage.preemptions == 1 and done[0].usage.output_tokens == 300
+        finally:
+            await replica.stop(drain_timeout_s=2)
+            await channel.close()
+            await client.aclose()
+
+    try:
+        asyncio.run(body())
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(10)
+
+
+async def _not_serving(replica: RunningReplica) -> bool:
+    return not replica.driver.worker_serving
+
+
+def test_a_request_lost_with_the_worker_more_than_max_lost_rounds_fails_with_the_reason(
+        redis_url: str, namespace: str) -> None:
+    """With max_lost_rounds=0 the retry bound is reached at the first loss: the request ends FAILED and its
+    detail names the lost rounds and the bound, so a plan that kills the worker cannot loop forever."""
+    async def body() -> None:
+        async with _replica(redis_url, namespace, num_blocks=256, emulate_time=True,
+                            core_overrides={"max_lost_rounds": 0}) as r:
+            await r.stub.Submit(_submit("doomed", max_tokens=300))
+            await _wait_for(lambda: _tokens(r.bus))
+            port = r.worker.port
+            await r.worker.stop(grace_s=0)
+            [failed] = await _completions(r.bus, 1)
+            assert (failed.request_id, failed.status) == ("doomed", common_pb2.FAILED)
+            assert "lost in 1 consecutive rounds (max_lost_rounds 0)" in failed.detail
+            r.worker = await start_worker_server(
+                WorkerRuntime(lambda: CostModel("llama-3-8b", "h200"), num_blocks=256), port=port)
+    asyncio.run(body())
