@@ -201,13 +201,13 @@ class Driver:
                 return
 
     def _on_worker_back(self) -> None:
-        # A restarted worker holds no KV: forget the cached prefixes (the router gets ALL_CLEARED).
-        # Blocks that requests still hold stay theirs.
+        # A restarted worker holds no KV: running requests are recomputed, host copies are dropped and the
+        # cached prefixes are forgotten (the router gets ALL_CLEARED).
         if self.core.num_running:
-            log.warning("the worker is back while %d requests still run: their KV may be gone",
+            log.warning("the worker is back while %d requests were running: they are recomputed",
                         self.core.num_running)
-        self.core.reset_prefix_cache()
-        self.reporter.handle(self.core.take_events(), self.clock())
+        now = self.clock()
+        self.reporter.handle(self.core.on_worker_restarted(now), now)
         self.link.set_serving(True)
 
     async def _wait_for_work(self, stop: asyncio.Event) -> None:

@@ -216,7 +216,9 @@ class _Outcomes:
         Nothing of that round is known to have been computed and the worker's KV is gone, so each
         running request of the round is preempted by recompute (PREEMPTED with mode "recompute" and
         cause "worker_lost") and waits again in its place; cancelling ones are released; swap copies
-        of the round count as not done. A request lost in more than `max_lost_rounds` consecutive
+        of the round count as not done. The rest of the worker's KV is gone too: running requests
+        outside any in-flight round are recomputed as well, and swapped-out waiting requests drop
+        their host copies. A request lost in more than `max_lost_rounds` consecutive
         rounds fails instead, so a plan that kills the worker cannot loop forever. A late result
         for the round is dropped (unknown round, older epoch). An unknown round changes nothing.
         """
@@ -237,7 +239,23 @@ class _Outcomes:
                     self._requeue_lost(request, now)
             self._finish_swaps(record, now, copied=False)
             self._host_free.extend(record.host_release)
+            self._forget_worker_kv(now)
         return self.take_events()  # type: ignore[attr-defined, no-any-return]
+
+    def _forget_worker_kv(self, now: float) -> None:
+        """The worker's KV went with it, not only the lost round's: running requests that no in-flight
+        round reads are recomputed too (not counted as lost: their round was not lost), and swapped-out
+        waiting requests drop their host copies and resume by recompute."""
+        for request in list(self._running.values()):
+            if request.in_flight_round is None and request.status is RequestStatus.RUNNING:
+                self._requeue_lost(request, now)
+        for request in self._live.values():
+            if request.host_blocks and request.status is RequestStatus.WAITING:
+                self._host_free.extend(request.host_blocks)
+                request.host_blocks = []
+                request.recompute_debt = max(request.recompute_debt, request.num_computed)
+                request.num_computed = 0
+                self._set_pending(request, len(request.tokens))
 
     def _requeue_lost(self, request: Request, now: float) -> None:
         """Preempt a running request by recompute because its KV went with the worker."""
@@ -253,12 +271,18 @@ class _Outcomes:
         self._enqueue(request)
         self._event(request, Stage.PREEMPTED, now, (("mode", "recompute"), ("cause", "worker_lost")))
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (a restarted worker holds no KV); emits ALL_CLEARED.
+    def on_worker_restarted(self, now: float) -> CoreEvents:
+        """The worker is back empty (restarted); return the drained outbox.
 
-        Only free cached blocks are released; blocks that requests hold stay theirs.
+        Running requests that no in-flight round reads are recomputed (PREEMPTED, cause
+        "worker_lost"), swapped-out waiting requests drop their host copies, and the prefix cache
+        forgets every hash (ALL_CLEARED; only free cached blocks are released). After
+        `on_round_lost` this is only the cache reset; it matters when the worker was found dead
+        between rounds, with no round lost.
         """
+        self._forget_worker_kv(now)
         self.pool.reset_cache()
+        return self.take_events()  # type: ignore[attr-defined, no-any-return]
 
     def _fail_round(self, record: InFlightRound, error: str, now: float) -> None:
         """A round that failed as a whole fails every request it carried (exactly once)."""

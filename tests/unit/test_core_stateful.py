@@ -142,6 +142,13 @@ class CoreMachine(RuleBasedStateMachine):
         self._absorb(events)
         self.answered.append(plan)  # a late answer for it must be dropped
 
+    @rule()
+    def worker_restarted(self) -> None:
+        """The worker comes back empty: requests found running are recomputed, the cache is cleared."""
+        events = self.core.on_worker_restarted(self.now)
+        assert not events.tokens and not events.finished
+        self._absorb(events)
+
     @rule(rounds=st.integers(1, 6))
     def run_rounds(self, rounds: int) -> None:
         """Plan and answer several rounds back to back (the common case, so KV pressure builds up)."""
