@@ -25,9 +25,12 @@ CUDA-graph padding, speculative decoding, and stop strings (ignored: tokens are 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -79,6 +82,55 @@ class CostCoefficients:
     """Fraction of peak bandwidth a round achieves."""
     overhead_s: float = 0.0005
     """Fixed time per round (launches, sampling, host work)."""
+
+
+def coefficients_to_dict(coefficients: CostCoefficients) -> dict[str, float]:
+    """Return the coefficients as a JSON-ready dict (the inverse of `coefficients_from_dict`)."""
+    return {f.name: float(getattr(coefficients, f.name)) for f in dataclasses.fields(coefficients)}
+
+
+def coefficients_from_dict(data: Mapping[str, object]) -> CostCoefficients:
+    """Return CostCoefficients from a dict, or from a report holding one under "coefficients".
+
+    Raises ValueError naming the missing, unknown or out-of-range field (efficiencies must be
+    positive and finite, the overhead finite and not negative).
+    """
+    nested = data.get("coefficients")
+    fields = nested if isinstance(nested, Mapping) else data
+    names = [f.name for f in dataclasses.fields(CostCoefficients)]
+    missing = [name for name in names if name not in fields]
+    if missing:
+        raise ValueError(f"cost coefficients lack {missing}; expected the fields {names}")
+    values: dict[str, float] = {}
+    for name in names:
+        raw = fields[name]
+        if isinstance(raw, bool) or not isinstance(raw, int | float) or not math.isfinite(raw):
+            raise ValueError(f"cost coefficient {name!r} must be a finite number, got {raw!r}")
+        values[name] = float(raw)
+    for name in ("compute_efficiency", "memory_efficiency"):
+        if values[name] <= 0:
+            raise ValueError(f"cost coefficient {name!r} must be positive, got {values[name]}")
+    if values["overhead_s"] < 0:
+        raise ValueError(f"cost coefficient 'overhead_s' must not be negative, got {values['overhead_s']}")
+    return CostCoefficients(**values)
+
+
+def load_coefficients(path: str | Path) -> CostCoefficients:
+    """Return the coefficients stored in a JSON file (a `calibrate --json` report or a bare dict).
+
+    Raises ValueError for a file that is not JSON or holds bad coefficients, OSError when unreadable.
+    """
+    text = Path(path).read_text()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    try:
+        return coefficients_from_dict(data)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
 
 
 def _four_slot_builder(cls: type, names: tuple[str, str, str, str]) -> Callable[..., Any]:
@@ -267,17 +319,28 @@ class CostModel:
         clone._set_rates()
         return clone
 
-    def fit(self, samples: Sequence[tuple[RoundShape, float]], max_iterations: int = 20) -> CostModel:
+    def fit(
+        self,
+        samples: Sequence[tuple[RoundShape, float]],
+        max_iterations: int = 20,
+        *,
+        relative: bool = False,
+    ) -> CostModel:
         """Return a copy whose coefficients best fit measured `(shape, seconds)` samples.
 
         Least squares on time = a*flops or b*bytes (whichever regime a sample is in) + overhead:
         assign each sample to its current regime, solve the linear problem, repeat until the
-        assignment is stable. Raises ValueError with fewer than three samples or a degenerate fit.
+        assignment is stable. `relative=True` minimises relative rather than absolute errors (each
+        sample weighted by 1/seconds), so that rounds spanning orders of magnitude all count.
+        Raises ValueError with fewer than three samples, a non-positive time, or a degenerate fit.
         """
         if len(samples) < 3:
             raise ValueError(f"fit needs at least 3 samples, got {len(samples)}")
         fb = np.array([self.flops_and_bytes(shape) for shape, _ in samples], dtype=float)
         times = np.array([seconds for _, seconds in samples], dtype=float)
+        if relative and (times <= 0).any():
+            raise ValueError(f"relative fit needs positive times, got {times.min()} s")
+        weights = 1.0 / times if relative else np.ones(len(samples))
         a, b = self._seconds_per_flop, self._seconds_per_byte
         overhead = self.coefficients.overhead_s
         compute_bound = fb[:, 0] * a > fb[:, 1] * b
@@ -294,7 +357,8 @@ class CostModel:
             # FLOPs (~1e13) and bytes (~1e10) dwarf the constant column: scale for conditioning.
             scale = np.abs(design).max(axis=0)
             scale[scale == 0] = 1.0
-            solution, *_ = np.linalg.lstsq(design / scale, times, rcond=None)
+            weighted = design / scale * weights[:, None]
+            solution, *_ = np.linalg.lstsq(weighted, times * weights, rcond=None)
             solution = solution / scale
             a = solution[0] if compute_bound.any() else a
             b = solution[1] if not compute_bound.all() else b
