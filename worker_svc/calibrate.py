@@ -37,6 +37,8 @@ from worker_svc.models import resolve_model
 from worker_svc.torch_backend import TorchBackend
 
 BLOCK_SIZE = 16
+TOKEN_RANGE = 256
+"""Prompt tokens are drawn from the byte tokens, valid for every preset (and any real vocabulary)."""
 HOLDOUT_EVERY = 3
 """Every third round of the grid is held out of the held-out check's fit."""
 
@@ -200,13 +202,18 @@ def best_fit(base: CostModel, samples: Sequence[tuple[RoundShape, float]]) -> Co
     return min(fits, key=lambda item: item[:2])[2]
 
 
-def fit_report(base: CostModel, samples: list[tuple[RoundShape, float]]) -> dict[str, object]:
-    """Return the fit on all samples and the held-out check; raises ValueError for a degenerate fit."""
+def fit_report(
+    base: CostModel, samples: list[tuple[RoundShape, float]]
+) -> tuple[CostModel, dict[str, object]]:
+    """Return (the model fitted to all samples, its report with the held-out check).
+
+    Raises ValueError for a degenerate fit.
+    """
     fitted = best_fit(base, samples)
     held_out = [s for i, s in enumerate(samples) if i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1]
     training = [s for i, s in enumerate(samples) if i % HOLDOUT_EVERY != HOLDOUT_EVERY - 1]
     partial = best_fit(base, training)
-    return {
+    return fitted, {
         "coefficients": coefficients_to_dict(fitted.coefficients),
         "fit_relative_error": relative_errors(fitted, samples),
         "held_out": {
@@ -215,7 +222,6 @@ def fit_report(base: CostModel, samples: list[tuple[RoundShape, float]]) -> dict
             "coefficients": coefficients_to_dict(partial.coefficients),
             "relative_error": relative_errors(partial, held_out),
         },
-        "fitted_model": fitted,
     }
 
 
@@ -231,11 +237,7 @@ def calibrate(
     generator = torch.Generator().manual_seed(0)
     grid = round_grid(quick)
     dtype = "float32" if device == "cpu" else "bfloat16"
-    probe = TorchBackend(
-        resolve_model(preset), device=device, dtype=dtype, block_size=BLOCK_SIZE, num_blocks=1
-    )
-    plans = [build_plan(spec, probe.sampling_vocab, generator) for spec in grid]
-    del probe
+    plans = [build_plan(spec, TOKEN_RANGE, generator) for spec in grid]
     backend = TorchBackend(
         resolve_model(preset),
         device=device,
@@ -245,12 +247,13 @@ def calibrate(
     )
     backend.warm_up()
     repeats = repeats or (3 if quick else 5)
-    rows, samples = [], []
+    rows: list[dict[str, object]] = []
+    samples: list[tuple[RoundShape, float]] = []
     for spec, (plan, _) in zip(grid, plans, strict=True):
         seconds = time_round(backend, plan, repeats)
         shape = shape_of(plan)
         samples.append((shape, seconds))
-        rows.append({"round": spec.name, "shape": asdict(shape), "measured_s": seconds})
+        rows.append({"round": spec.name, "shape": asdict(shape)})
     profile = device_profile(gpu, backend.device, backend.dtype)
     base = CostModel(
         model_shape(preset),
@@ -259,11 +262,10 @@ def calibrate(
         dtype_bytes=backend.dtype.itemsize,
         tensor_parallel=1,
     )
-    report = fit_report(base, samples)
-    fitted: CostModel = report.pop("fitted_model")  # type: ignore[assignment]
-    for row, (shape, _) in zip(rows, samples, strict=True):
+    fitted, report = fit_report(base, samples)
+    for row, (shape, seconds) in zip(rows, samples, strict=True):
+        row["measured_s"] = round(seconds, 6)
         row["predicted_s"] = round(fitted.shape_time(shape), 6)
-        row["measured_s"] = round(float(row["measured_s"]), 6)  # type: ignore[arg-type]
     return {
         "benchmark": "worker_svc.calibrate",
         "preset": preset,

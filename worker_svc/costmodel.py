@@ -331,7 +331,8 @@ class CostModel:
         Least squares on time = a*flops or b*bytes (whichever regime a sample is in) + overhead:
         assign each sample to its current regime, solve the linear problem, repeat until the
         assignment is stable. `relative=True` minimises relative rather than absolute errors (each
-        sample weighted by 1/seconds), so that rounds spanning orders of magnitude all count.
+        sample weighted by 1/seconds), so that rounds spanning orders of magnitude all count. The
+        overhead is never negative: when the best solution has one, it is solved again with none.
         Raises ValueError with fewer than three samples, a non-positive time, or a degenerate fit.
         """
         if len(samples) < 3:
@@ -359,6 +360,12 @@ class CostModel:
             scale[scale == 0] = 1.0
             weighted = design / scale * weights[:, None]
             solution, *_ = np.linalg.lstsq(weighted, times * weights, rcond=None)
+            if solution[2] < 0:
+                # A negative per-round overhead has no physical meaning (it buys a steeper slope
+                # for the big rounds at the small ones' expense): solve again with none.
+                weighted[:, 2] = 0.0
+                solution, *_ = np.linalg.lstsq(weighted, times * weights, rcond=None)
+                solution[2] = 0.0
             solution = solution / scale
             a = solution[0] if compute_bound.any() else a
             b = solution[1] if not compute_bound.all() else b
