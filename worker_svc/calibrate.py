@@ -19,7 +19,9 @@ on its samples, and a held-out check (fit on two thirds of the grid, predict the
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import os
 import platform
 import statistics
@@ -171,24 +173,38 @@ def relative_errors(model: CostModel, samples: Sequence[tuple[RoundShape, float]
     return {"median": round(float(statistics.median(errors)), 4), "max": round(float(max(errors)), 4)}
 
 
-START_POINTS = ((None, None), (1.0, 1e-3), (1e-3, 1.0), (0.1, 0.1))
-"""(compute, memory) efficiencies `fit` starts from (None: the model's own); its regime assignment
-is a fixed-point iteration that can land on a degenerate solution from one start and not another."""
+def start_points(base: CostModel, samples: Sequence[tuple[RoundShape, float]]) -> list[CostModel]:
+    """Return copies of base whose coefficients start `fit` from every possible regime assignment.
+
+    A sample is compute-bound when flops/bytes exceeds (seconds/byte)/(seconds/flop), so the
+    assignments are the thresholds between consecutive flops/bytes ratios: n + 1 of them, plus
+    base's own. `fit`'s fixed-point iteration can land on a degenerate solution from one start and
+    not from another; trying them all finds the global best of its piecewise-linear problem.
+    """
+    ratios = sorted({f / b for f, b in (base.flops_and_bytes(shape) for shape, _ in samples)})
+    thresholds = [ratios[0] / 2, *(math.sqrt(x * y) for x, y in itertools.pairwise(ratios)), ratios[-1] * 2]
+    tp = base.tensor_parallel
+    peak, bandwidth = base.gpu.peak_flops * tp, base.gpu.memory_bandwidth * tp
+    starts = [base]
+    for threshold in thresholds:
+        # seconds/byte over seconds/flop = peak / (bandwidth * memory_efficiency) = threshold
+        memory = peak / (bandwidth * threshold)
+        starts.append(
+            base.with_coefficients(
+                replace(base.coefficients, compute_efficiency=1.0, memory_efficiency=memory)
+            )
+        )
+    return starts
 
 
 def best_fit(base: CostModel, samples: Sequence[tuple[RoundShape, float]]) -> CostModel:
-    """Return the fit, over several starting regime assignments, with the lowest median relative error.
+    """Return the relative-error fit, over every starting regime assignment, with the lowest median error.
 
     Raises ValueError (the last start's) when every start gives a degenerate fit.
     """
     fits: list[tuple[float, float, CostModel]] = []
     failure: ValueError | None = None
-    for compute, memory in START_POINTS:
-        start = base
-        if compute is not None and memory is not None:
-            start = base.with_coefficients(
-                replace(base.coefficients, compute_efficiency=compute, memory_efficiency=memory)
-            )
+    for start in start_points(base, samples):
         try:
             fitted = start.fit(samples, relative=True)
         except ValueError as exc:
@@ -230,7 +246,8 @@ def calibrate(
 ) -> dict[str, object]:
     """Measure the grid on the torch engine, fit the cost model, and return the report (JSON-ready).
 
-    Raises ValueError for an unknown preset or GPU name or a degenerate fit, and the backend's
+    A degenerate fit leaves `fit_error` in the report instead of the fit. Raises ValueError for an
+    unknown preset or GPU name, and the backend's
     ModelLoadError for an unavailable device.
     """
     started = time.perf_counter()
@@ -262,10 +279,16 @@ def calibrate(
         dtype_bytes=backend.dtype.itemsize,
         tensor_parallel=1,
     )
-    fitted, report = fit_report(base, samples)
-    for row, (shape, seconds) in zip(rows, samples, strict=True):
+    for row, (_, seconds) in zip(rows, samples, strict=True):
         row["measured_s"] = round(seconds, 6)
-        row["predicted_s"] = round(fitted.shape_time(shape), 6)
+    try:
+        fitted, report = fit_report(base, samples)
+    except ValueError as exc:
+        # the measurements are still worth having: they say why the roofline does not fit
+        report = {"fit_error": str(exc)}
+    else:
+        for row, (shape, _) in zip(rows, samples, strict=True):
+            row["predicted_s"] = round(fitted.shape_time(shape), 6)
     return {
         "benchmark": "worker_svc.calibrate",
         "preset": preset,
@@ -284,7 +307,11 @@ def calibrate(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the calibration, print the JSON report (and write it to --json); return 0, or 2 on a bad argument."""
+    """Run the calibration, print the JSON report (and write it to --json).
+
+    Return 0, 1 when no fit was found (the report then has the measurements and `fit_error`), or 2
+    on a bad argument.
+    """
     parser = argparse.ArgumentParser(
         prog="python -m worker_svc.calibrate", description=__doc__.splitlines()[0]
     )
@@ -306,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as out:
             out.write(text + "\n")
     print(text)
+    if "fit_error" in report:
+        print(f"calibrate: {report['fit_error']}", file=sys.stderr)
+        return 1
     return 0
 
 
