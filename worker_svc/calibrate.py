@@ -198,11 +198,12 @@ def start_points(base: CostModel, samples: Sequence[tuple[RoundShape, float]]) -
 
 
 def best_fit(base: CostModel, samples: Sequence[tuple[RoundShape, float]]) -> CostModel:
-    """Return the relative-error fit, over every starting regime assignment, with the lowest median error.
+    """Return the relative-error fit, over every starting regime assignment, with the lowest RMS relative error.
 
+    RMS relative error is what the relative fit minimises, so the starts are compared on it.
     Raises ValueError (the last start's) when every start gives a degenerate fit.
     """
-    fits: list[tuple[float, float, CostModel]] = []
+    fits: list[tuple[float, CostModel]] = []
     failure: ValueError | None = None
     for start in start_points(base, samples):
         try:
@@ -210,12 +211,28 @@ def best_fit(base: CostModel, samples: Sequence[tuple[RoundShape, float]]) -> Co
         except ValueError as exc:
             failure = exc
             continue
-        errors = relative_errors(fitted, samples)
-        fits.append((errors["median"], errors["max"], fitted))
+        squares = [((fitted.shape_time(shape) - seconds) / seconds) ** 2 for shape, seconds in samples]
+        fits.append((math.sqrt(statistics.fmean(squares)), fitted))
     if not fits:
         assert failure is not None
         raise failure
-    return min(fits, key=lambda item: item[:2])[2]
+    return min(fits, key=lambda item: item[0])[1]
+
+
+def regimes(model: CostModel, samples: Sequence[tuple[RoundShape, float]]) -> dict[str, int]:
+    """Return how many samples the model puts in each roofline regime.
+
+    With none memory-bound, the fit leaves memory_efficiency where it started: it is then
+    unconstrained by the measurements (only known to be high enough for no round to be memory-bound).
+    """
+    tp, coefficients = model.tensor_parallel, model.coefficients
+    flop_rate = model.gpu.peak_flops * tp * coefficients.compute_efficiency
+    byte_rate = model.gpu.memory_bandwidth * tp * coefficients.memory_efficiency
+    compute = 0
+    for shape, _ in samples:
+        flops, bytes_ = model.flops_and_bytes(shape)
+        compute += int(flops / flop_rate > bytes_ / byte_rate)
+    return {"compute_bound": compute, "memory_bound": len(samples) - compute}
 
 
 def fit_report(
@@ -232,6 +249,7 @@ def fit_report(
     return fitted, {
         "coefficients": coefficients_to_dict(fitted.coefficients),
         "fit_relative_error": relative_errors(fitted, samples),
+        "regimes": regimes(fitted, samples),
         "held_out": {
             "trained_on": len(training),
             "predicted": len(held_out),

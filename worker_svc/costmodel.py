@@ -381,8 +381,8 @@ class CostModel:
         tp = self.tensor_parallel
         fitted = replace(
             self.coefficients,
-            compute_efficiency=1.0 / (a * self.gpu.peak_flops * tp),
-            memory_efficiency=1.0 / (b * self.gpu.memory_bandwidth * tp),
+            compute_efficiency=float(1.0 / (a * self.gpu.peak_flops * tp)),
+            memory_efficiency=float(1.0 / (b * self.gpu.memory_bandwidth * tp)),
             overhead_s=float(overhead),
         )
         return self.with_coefficients(fitted)
