@@ -19,6 +19,7 @@ from dataclasses import replace
 from router_svc.core import RoutingPolicy
 from scheduler_svc.core.config import Policy, PreemptionMode
 from sluice.sim.config import SimConfig, parse_enum, vllm_default
+from worker_svc.costmodel import load_coefficients
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument("--gpu", default="h200", help="h100 | h200")
+    parser.add_argument("--cost-coefficients", metavar="FILE",
+                        help="fitted cost-model coefficients (a `python -m worker_svc.calibrate --json` report)")
     parser.add_argument(
         "--model",
         default="llama-3-8b",
@@ -73,6 +76,7 @@ def base_config(args: argparse.Namespace, tenant_weights: dict[str, float]) -> S
         replicas=args.replicas,
         gpu=args.gpu,
         model=args.model,
+        cost_coefficients=load_coefficients(args.cost_coefficients) if args.cost_coefficients else None,
         policy=parse_enum(Policy, args.policy),  # type: ignore[arg-type]
         router=parse_enum(RoutingPolicy, args.router),  # type: ignore[arg-type]
         preemption=parse_enum(PreemptionMode, args.preemption),  # type: ignore[arg-type]
@@ -165,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         base = base_config(args, workload.tenant_weights)
         items = [i.strip() for i in args.compare.split(",") if i.strip()] if args.compare else []
         configs = {item: parse_compare_item(item, base) for item in items} or {_label(base): base}
-    except (ValueError, WorkloadError) as error:
+    except (ValueError, OSError, WorkloadError) as error:
         print(f"sluice sim: {error}", file=sys.stderr)
         return 2
     print(f"workload {workload.name}: {workload.describe()}", file=sys.stderr)

@@ -82,7 +82,8 @@ class Simulator:
     def __init__(self, config: SimConfig, requests: Sequence[WorkloadRequest]) -> None:
         """Build the cores and the cost model; raises ValueError for unknown names or a bad config."""
         self.config = config
-        self.cost = CostModel(config.model, config.gpu, block_size=config.block_size)
+        self.cost = CostModel(config.model, config.gpu, block_size=config.block_size,
+                              coefficients=config.cost_coefficients)
         info = self.cost.info()
         self.vocab_size = info.vocab_size
         self.num_blocks = config.num_blocks or info.num_blocks

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from admission_svc.core import AdmissionConfig, TenantConfig
 from router_svc.core import RouterConfig, RoutingPolicy
 from scheduler_svc.core.config import Policy, PreemptionMode, SchedulerConfig
+from worker_svc.costmodel import CostCoefficients
 
 # vLLM V1 defaults for GPUs with >= 70 GiB that are not A100 (H100, H200), OpenAI server context:
 # max_num_batched_tokens 8192, max_num_seqs 1024, chunked prefill and prefix caching on, no
@@ -32,6 +33,8 @@ class SimConfig:
     """GPU profile name (worker_svc.gpu_profiles)."""
     model: str = "llama-3-8b"
     """Model shape name (Llama 3 or a repo preset)."""
+    cost_coefficients: CostCoefficients | None = None
+    """Fitted cost-model coefficients (`python -m worker_svc.calibrate --json`); None: datasheet defaults."""
     policy: Policy = Policy.FCFS
     """Scheduler queue order."""
     preemption: PreemptionMode = PreemptionMode.RECOMPUTE
