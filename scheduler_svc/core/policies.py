@@ -89,8 +89,9 @@ class _HeapQueue(WaitingQueue):
         super().__init__()
         self._heap: list[tuple] = []
 
+    @abstractmethod
     def _key(self, request: Request) -> tuple:
-        raise NotImplementedError
+        """Return the heap order of `request` (smallest first), fixed for its life in the queue."""
 
     def push(self, request: Request) -> None:
         seq = self._new_seq(request)
