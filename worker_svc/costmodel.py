@@ -28,13 +28,13 @@ import dataclasses
 import json
 import math
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from scheduler_svc.core.slots import slot_constructor
 from scheduler_svc.core.types import RoundPlan, RoundResult, SeqOutput
 from worker_svc.backend import BackendInfo
 from worker_svc.gpu_profiles import GpuProfile, ModelShape, gpu_profile, model_shape
@@ -133,31 +133,9 @@ def load_coefficients(path: str | Path) -> CostCoefficients:
         raise ValueError(f"{path}: {exc}") from None
 
 
-def _four_slot_builder(cls: type, names: tuple[str, str, str, str]) -> Callable[..., Any]:
-    """Return a positional constructor of the frozen, slotted dataclass `cls` that writes its slots.
-
-    Why: `execute` builds one SeqOutput per sequence and one RoundResult per simulated round, and a
-    frozen dataclass's __init__ pays object.__setattr__ per field (about twice the cost). Falls
-    back to `cls` when its fields are not `names` (every field must be passed).
-    """
-    if tuple(f.name for f in dataclasses.fields(cls)) != names:
-        return cls
-    s0, s1, s2, s3 = (getattr(cls, name).__set__ for name in names)
-    new = object.__new__
-
-    def build(a: object, b: object, c: object, d: object) -> Any:
-        obj: Any = new(cls)
-        s0(obj, a)
-        s1(obj, b)
-        s2(obj, c)
-        s3(obj, d)
-        return obj
-
-    return build
-
-
-_new_output = _four_slot_builder(SeqOutput, ("request_id", "epoch", "token_ids", "stop_string_hit"))
-_new_result = _four_slot_builder(RoundResult, ("round_id", "outputs", "elapsed_s", "error"))
+# One SeqOutput per simulated sequence, one RoundResult per simulated round.
+_new_output = slot_constructor(SeqOutput)
+_new_result = slot_constructor(RoundResult)
 
 
 class CostModel:
