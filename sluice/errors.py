@@ -109,6 +109,15 @@ async def abort(context: grpc.aio.ServicerContext, error: SluiceError) -> None:
     )
 
 
+# (RpcMethodHandler attribute, handler factory, whether the behaviour yields a stream); Sluice has
+# no client-streaming-only RPCs.
+_HANDLER_KINDS = (
+    ("unary_unary", grpc.unary_unary_rpc_method_handler, False),
+    ("unary_stream", grpc.unary_stream_rpc_method_handler, True),
+    ("stream_stream", grpc.stream_stream_rpc_method_handler, True),
+)
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps SluiceError (and whatever `translate` recognises) to statuses for every RPC."""
 
@@ -128,24 +137,12 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                self._wrap_unary(handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                self._wrap_stream(handler.unary_stream),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.stream_stream is not None:
-            return grpc.stream_stream_rpc_method_handler(
-                self._wrap_stream(handler.stream_stream),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
+        for kind, make_handler, streams in _HANDLER_KINDS:
+            behavior = getattr(handler, kind)
+            if behavior is not None:
+                wrap = self._wrap_stream if streams else self._wrap_unary
+                return make_handler(wrap(behavior), request_deserializer=handler.request_deserializer,
+                                    response_serializer=handler.response_serializer)
         return handler
 
     def _wrap_unary(self, behavior: Callable[..., Any]) -> Callable[..., Any]:
