@@ -32,7 +32,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from router_svc import convert
-from router_svc.core import IllegalReplicaTransition, ReplicaState, RouterCore
+from router_svc.core import ReplicaState, RouterCore
 from scheduler_svc.core.types import KvEvent
 from sluice import errors
 from sluice.bus import Bus
@@ -41,19 +41,12 @@ from sluice.prom import RouterMetrics
 from sluice.telemetry import extract_metadata, get_tracer
 from sluice.v1 import events_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
-__all__ = ["RouterRuntime", "RouterServicer", "translate_router_error"]
+__all__ = ["RouterRuntime", "RouterServicer"]
 
 log = logging.getLogger(__name__)
 tracer = get_tracer("sluice.router")
 
 SERVICE_NAME = "sluice.v1.RouterService"
-
-
-def translate_router_error(exc: BaseException) -> errors.SluiceError | None:
-    """Map core errors to statuses: the shared translation, plus illegal replica transitions."""
-    if isinstance(exc, IllegalReplicaTransition):
-        return errors.FailedPrecondition(str(exc), reason="illegal_replica_transition")
-    return translate_core_error(exc)
 
 
 class RouterRuntime:
@@ -266,7 +259,7 @@ async def start_router_server(runtime: RouterRuntime, port: int = 0,
 
     `runtime.health` turns NOT_SERVING with `enter_graceful_shutdown()`. Raises RuntimeError if the port is taken.
     """
-    server = grpc.aio.server(interceptors=[errors.ErrorInterceptor(translate_router_error)])
+    server = grpc.aio.server(interceptors=[errors.ErrorInterceptor(translate_core_error)])
     router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(runtime), server)
     health_pb2_grpc.add_HealthServicer_to_server(runtime.health, server)
     bound = server.add_insecure_port(f"{host}:{port}")

@@ -7,7 +7,7 @@ The cores raise plain exceptions (they must not import grpc); every service inst
 from __future__ import annotations
 
 from admission_svc.core import DuplicateRequest, InvalidRequest, OverBudget, UnknownApiKey
-from router_svc.core import NoReplicaAvailable, UnknownModel, UnknownReplica
+from router_svc.core import IllegalReplicaTransition, NoReplicaAvailable, UnknownModel, UnknownReplica
 from scheduler_svc.core.types import RejectReason, RequestRejected
 from sluice import errors
 
@@ -29,6 +29,8 @@ def translate_core_error(exc: BaseException) -> errors.SluiceError | None:
         return errors.Unavailable(str(exc), reason="no_ready_replica", retry_after_s=1.0)
     if isinstance(exc, UnknownReplica):
         return errors.NotFound(str(exc), reason="unknown_replica")
+    if isinstance(exc, IllegalReplicaTransition):
+        return errors.FailedPrecondition(str(exc), reason="illegal_replica_transition")
     if isinstance(exc, RequestRejected):
         return _rejected(exc)
     return None

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from admission_svc.core import InvalidRequest, OverBudget
-from router_svc.core import NoReplicaAvailable
+from router_svc.core import IllegalReplicaTransition, NoReplicaAvailable, ReplicaInput, ReplicaState
 from scheduler_svc.core.types import RejectReason, RequestRejected
 from sluice.core_errors import translate_core_error
 from sluice.errors import ErrorInterceptor, details_of
@@ -23,6 +23,7 @@ class Failing(scheduler_pb2_grpc.SchedulerServiceServicer, admission_pb2_grpc.Ad
         "invalid": InvalidRequest("sampling.max_tokens", "prompt (10 tokens) + max_tokens (9000) exceeds 4096"),
         "replica": NoReplicaAvailable("no READY replica"),
         "never": RequestRejected("never", RejectReason.NEVER_FITS, "needs 300 blocks, replica has 256"),
+        "illegal": IllegalReplicaTransition("r1", ReplicaState.DRAINING, ReplicaInput.WARMED),
         "bug": ZeroDivisionError("not a domain error"),
     }
 
@@ -63,7 +64,7 @@ async def _call_all() -> dict[str, grpc.aio.AioRpcError]:
 
 def test_core_errors_become_statuses_with_details() -> None:
     """OverBudget -> RESOURCE_EXHAUSTED + RetryInfo; InvalidRequest -> INVALID_ARGUMENT + field;
-    NoReplicaAvailable -> UNAVAILABLE; NEVER_FITS -> INVALID_ARGUMENT; other exceptions stay UNKNOWN."""
+    NoReplicaAvailable -> UNAVAILABLE; an illegal replica transition -> FAILED_PRECONDITION; NEVER_FITS -> INVALID_ARGUMENT; other exceptions stay UNKNOWN."""
     out = asyncio.run(_call_all())
     budget = details_of(out["budget"])
     assert budget.code is grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -75,6 +76,8 @@ def test_core_errors_become_statuses_with_details() -> None:
     assert details_of(out["replica"]).code is grpc.StatusCode.UNAVAILABLE
     never = details_of(out["never"])
     assert (never.code, never.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "never_fits")
+    illegal = details_of(out["illegal"])
+    assert (illegal.code, illegal.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "illegal_replica_transition")
     assert out["bug"].code() is grpc.StatusCode.UNKNOWN
     stream = details_of(out["stream"])
     assert stream.code is grpc.StatusCode.RESOURCE_EXHAUSTED and stream.retry_after_s == pytest.approx(2.5)
