@@ -29,10 +29,11 @@ test: setup
 
 lint: setup
 	$(BIN)/ruff check .
-	$(BIN)/mypy sluice scheduler_svc router_svc admission_svc worker_svc
+	$(BIN)/mypy sluice sluice_tools scheduler_svc router_svc admission_svc worker_svc
+	$(BIN)/lint-imports
 
 demo: setup
-	$(BIN)/python -m sluice.demo
+	$(BIN)/python -m sluice_tools.demo
 
 # Benchmarks print JSON; they are never part of `make test`. BENCH_FLAGS=--quick for a short run.
 bench: setup

@@ -20,15 +20,15 @@ from admission_svc import convert
 from admission_svc.core import AdmissionConfig, AdmissionCore, TenantConfig
 from admission_svc.server import AdmissionMetrics, AdmissionServicer
 from admission_svc.streams import token_reader_loop
-from sluice import serve
+from sluice import serve, services
 from sluice.bus import Bus
 from sluice.config import ConfigError, ServiceConfig, load_config
-from sluice.core_errors import translate_core_error
 from sluice.errors import ErrorInterceptor
-from sluice.v1 import admission_pb2, admission_pb2_grpc
+from sluice.models import find_model
+from sluice.v1 import admission_pb2_grpc
 
 log = logging.getLogger("admission_svc")
-SERVICE_NAME = admission_pb2.DESCRIPTOR.services_by_name["AdmissionService"].full_name
+SERVICE_NAME = services.ADMISSION
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,24 +70,16 @@ def parse_args(argv: Sequence[str] | None = None) -> AdmissionOptions:
 
 
 def resolve_model_dir(spec: str) -> Path:
-    """Return the model directory of a preset name or path (presets are generated on first use).
+    """Return the model directory of a path or an already generated preset.
 
-    A preset that a worker has already generated is found without importing worker_svc.models,
-    which imports torch (seconds and hundreds of MB that admission, a tokenizer user, does not need).
+    Admission reads only the config and tokenizer, so it never generates a preset (that needs torch);
+    `sluice up` and the workers do. Raises FileNotFoundError naming the way out.
     """
-    candidate = Path(spec).expanduser()
-    if candidate.is_dir():
-        return candidate
-    home = os.environ.get("SLUICE_HOME")
-    roots = [Path(home)] if home else [d / ".sluice" for d in (Path.cwd(), *Path.cwd().parents)
-                                       if (d / ".git").exists() or (d / "pyproject.toml").is_file()][:1]
-    for root in roots:
-        generated = root / "models" / spec
-        if (generated / "config.json").is_file() and (generated / "tokenizer.json").is_file():
-            return generated
-    from worker_svc.models import resolve_model
-
-    return resolve_model(spec)
+    found = find_model(spec)
+    if found is None:
+        raise FileNotFoundError(f"model {spec!r} is neither a directory nor a generated preset; "
+                                f"run `sluice model init DIR --preset {spec}` or pass --model DIR")
+    return found
 
 
 def admission_config(service: ServiceConfig, max_model_len: int) -> AdmissionConfig:
@@ -128,7 +120,7 @@ def build_servicer(ctx: serve.ServiceContext, options: AdmissionOptions) -> Admi
     """Return the servicer for the options; raises serve.StartupError for a bad config, model or metrics port."""
     try:
         model_dir = resolve_model_dir(options.model)
-        model = convert.load_model_spec(model_dir, options.model_id or model_dir.name, aliases=(options.model,))
+        model = convert.load_model_spec(model_dir, options.model_id or model_dir.name, aliases=(options.model, model_dir.name))
         core = AdmissionCore(admission_config(load_config(options.config), model.max_model_len))
     except (ConfigError, ValueError, OSError) as exc:
         raise serve.StartupError(str(exc)) from exc
@@ -143,7 +135,7 @@ async def start(ctx: serve.ServiceContext, options: AdmissionOptions) -> serve.S
     servicer = build_servicer(ctx, options)
     bus = await serve.open_bus(ctx, options, ping=True)
     ctx.cleanup.push_async_callback(servicer.close)  # before the Redis client closes (the stack is LIFO)
-    server = grpc.aio.server(interceptors=[ErrorInterceptor(translate_core_error)])
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
     admission_pb2_grpc.add_AdmissionServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

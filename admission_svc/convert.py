@@ -10,13 +10,13 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import grpc
 
+from sluice import convert as shared_convert
 from sluice import errors
+from sluice.tokenizer import REPLACEMENT_CHAR, TextTokenizer
 from sluice.v1 import admission_pb2, common_pb2, events_pb2, scheduler_pb2
-from worker_svc.engine.tokenizer import REPLACEMENT_CHAR, TextTokenizer
 
 # Terminal statuses that end a stream with a non-OK gRPC status (the client SDK raises them typed).
 FAILURE_STATUS: dict[int, grpc.StatusCode] = {
@@ -98,24 +98,17 @@ class Detokenizer:
         return text[len(seen):] if text.startswith(seen) else text
 
 
-def sampling_values(sampling: common_pb2.SamplingParams) -> dict[str, Any]:
-    """Return the sampling fields AdmissionCore.validate checks (top_p 0 means unset, i.e. 1.0)."""
-    return {"temperature": sampling.temperature, "top_k": sampling.top_k,
-            "top_p": 1.0 if sampling.top_p == 0 else sampling.top_p}
-
-
 def submit_request(request_id: str, tenant: str, prompt_ids: Sequence[int], request: admission_pb2.GenerateRequest,
                    owner: str, deadline_unix_s: float, eos_token_id: int,
-                   timestamps: common_pb2.LifecycleTimestamps) -> scheduler_pb2.SubmitRequest:
+                   timestamps: common_pb2.LifecycleTimestamps, tenant_weight: float) -> scheduler_pb2.SubmitRequest:
     """Return the scheduler's SubmitRequest for an admitted request."""
     sampling = common_pb2.SamplingParams()
     sampling.CopyFrom(request.sampling)
-    if sampling.top_p == 0:
-        sampling.top_p = 1.0
+    sampling.top_p = shared_convert.wire_top_p(sampling.top_p)
     return scheduler_pb2.SubmitRequest(
         request_id=request_id, tenant=tenant, prompt_token_ids=list(prompt_ids), sampling=sampling,
         priority=request.priority, deadline_unix_s=deadline_unix_s, owner=owner,
-        timestamps=timestamps, eos_token_id=eos_token_id)
+        timestamps=timestamps, eos_token_id=eos_token_id, tenant_weight=tenant_weight)
 
 
 def chunk(request_id: str, index: int, token_ids: Sequence[int], text: str,

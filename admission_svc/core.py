@@ -31,6 +31,8 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from sluice.core_errors import CoreError, DuplicateRequest, InvalidRequest, OverBudget, UnknownApiKey
+
 
 @dataclass(frozen=True)
 class TenantConfig:
@@ -68,43 +70,6 @@ class AdmissionConfig:
     max_retry_after_s: float = 30.0
     drain_rate_halflife_s: float = 5.0
     """Smoothing of the observed release rate used for retry delays."""
-
-
-class AdmissionError(Exception):
-    """Base of the core's refusals; `reason` is a stable word for metrics and error details."""
-
-    reason = "admission_error"
-
-
-class UnknownApiKey(AdmissionError):
-    reason = "bad_api_key"
-
-
-class InvalidRequest(AdmissionError):
-    """The request itself is wrong; `field` names the offending field."""
-
-    reason = "invalid_request"
-
-    def __init__(self, field_name: str, detail: str) -> None:
-        super().__init__(detail)
-        self.field = field_name
-        self.detail = detail
-
-
-class OverBudget(AdmissionError):
-    """No room now; retry after `retry_after_s`."""
-
-    reason = "over_budget"
-
-    def __init__(self, budget: str, retry_after_s: float, detail: str) -> None:
-        super().__init__(detail)
-        self.budget = budget
-        self.retry_after_s = retry_after_s
-        self.detail = detail
-
-
-class DuplicateRequest(AdmissionError):
-    reason = "duplicate_request"
 
 
 @dataclass
@@ -217,7 +182,7 @@ class AdmissionCore:
         try:
             self._check_fits_ever(reservation)
             self._check_budgets(reservation, now)
-        except AdmissionError as exc:
+        except CoreError as exc:
             key = getattr(exc, "budget", exc.reason)
             self.rejected[key] = self.rejected.get(key, 0) + 1
             raise

@@ -29,9 +29,11 @@ from opentelemetry.context import Context
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from admission_svc import convert
-from admission_svc.core import AdmissionCore, AdmissionError, OverBudget
+from admission_svc.core import AdmissionCore
 from admission_svc.streams import RequestStream, StreamRegistry
+from sluice import convert as shared_convert
 from sluice import errors, telemetry
+from sluice.core_errors import CoreError, OverBudget
 from sluice.hashing import hash_chain, salt_of
 from sluice.prom import REQUEST_DURATION_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
 from sluice.v1 import (
@@ -187,8 +189,8 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
                                   f"{self.model.model_id!r}", reason="unknown_model", field_name="model")
         ids = self._prompt_ids(request)
         try:
-            self.core.validate(len(ids), request.sampling.max_tokens, **convert.sampling_values(request.sampling))
-        except AdmissionError as exc:
+            self.core.validate(len(ids), request.sampling.max_tokens, **shared_convert.sampling_values(request.sampling))
+        except CoreError as exc:
             self.metrics.rejections.labels(exc.reason).inc()
             raise
         record = self._reserve(request, tenant, ids, received, context)
@@ -262,7 +264,8 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
         remaining = context.time_remaining()
         deadline = time.time() + remaining if remaining is not None else 0.0
         submit = convert.submit_request(record.request_id, record.tenant, ids, request, self.owner, deadline,
-                                        self.model.eos_token_id, record.timestamps)
+                                        self.model.eos_token_id, record.timestamps,
+                                        self.core.tenant_weight(record.tenant))
         await self._scheduler(route.scheduler_address).Submit(submit, metadata=metadata,
                                                               timeout=DOWNSTREAM_TIMEOUT_S)
         record.status = common_pb2.WAITING

@@ -15,8 +15,8 @@ import sys
 import time
 
 from router_svc.core import ReplicaLoad, ReplicaSpec, RouteQuery, RouterConfig, RouterCore
-from scheduler_svc.core.types import KvEvent, KvEventKind
 from sluice.hashing import hash_chain, salt_of
+from sluice.types import KvEvent, KvEventKind
 
 
 def build(replicas: int, blocks_per_replica: int, groups: int, seed: int) -> tuple[RouterCore, list[list[int]]]:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from router_svc.core import ReplicaLoad, ReplicaSpec, ReplicaState, ReplicaView, RouteDecision, RouteQuery
-from scheduler_svc.core.types import KvEvent, KvEventKind
-from sluice.v1 import events_pb2, router_pb2
+from sluice.v1 import router_pb2
 
 __all__ = [
-    "kv_events_from_proto", "load_from_proto", "query_from_proto", "decision_to_proto", "replica_to_proto",
+    "load_from_proto", "query_from_proto", "decision_to_proto", "replica_to_proto",
     "spec_from_proto", "state_from_proto", "state_to_proto",
 ]
 
@@ -74,20 +73,3 @@ def decision_to_proto(decision: RouteDecision) -> router_pb2.RouteResponse:
     return router_pb2.RouteResponse(replica_id=decision.replica_id, scheduler_address=decision.address,
                                     predicted_ttft_s=decision.predicted_ttft_s,
                                     cached_blocks=decision.cached_blocks)
-
-
-def kv_events_from_proto(batch: events_pb2.KvEventBatch) -> list[KvEvent]:
-    """Return the core KvEvents of a batch, in order. Raises ValueError on an event with no kind."""
-    out: list[KvEvent] = []
-    for event in batch.events:
-        kind = event.WhichOneof("kind")
-        if kind == "stored":
-            out.append(KvEvent(event.event_id, KvEventKind.STORED, tuple(event.stored.block_hashes),
-                               event.stored.parent_hash))
-        elif kind == "removed":
-            out.append(KvEvent(event.event_id, KvEventKind.REMOVED, tuple(event.removed.block_hashes)))
-        elif kind == "all_cleared":
-            out.append(KvEvent(event.event_id, KvEventKind.ALL_CLEARED))
-        else:
-            raise ValueError(f"KV event {event.event_id} of replica {batch.replica_id!r} has no kind")
-    return out

@@ -34,7 +34,8 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from scheduler_svc.core.types import KvEvent, KvEventKind
+from sluice.core_errors import IllegalReplicaTransition, NoReplicaAvailable, UnknownModel, UnknownReplica
+from sluice.types import KvEvent, KvEventKind
 
 
 class ReplicaState(enum.Enum):
@@ -76,13 +77,6 @@ REPLICA_TRANSITIONS: dict[tuple[ReplicaState, ReplicaInput], ReplicaState] = {
 }
 
 
-class IllegalReplicaTransition(Exception):
-    def __init__(self, replica_id: str, state: ReplicaState, event: ReplicaInput) -> None:
-        super().__init__(f"replica {replica_id!r}: {event.value} is not allowed in state {state.value}")
-        self.state = state
-        self.event = event
-
-
 def next_replica_state(replica_id: str, state: ReplicaState, event: ReplicaInput) -> ReplicaState:
     """Return the state after `event`; raises IllegalReplicaTransition (nothing changes)."""
     try:
@@ -109,18 +103,6 @@ class RoutingPolicy(enum.Enum):
         except ValueError:
             known = ", ".join(p.value for p in cls)
             raise ValueError(f"unknown routing policy {name!r}; known: {known}") from None
-
-
-class UnknownModel(Exception):
-    """No replica, in any state, serves this model and adapter version."""
-
-
-class NoReplicaAvailable(Exception):
-    """Replicas of the model exist but none is READY."""
-
-
-class UnknownReplica(Exception):
-    pass
 
 
 @dataclass(frozen=True)

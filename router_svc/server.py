@@ -33,12 +33,12 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from router_svc import convert
 from router_svc.core import ReplicaState, RouterCore
-from scheduler_svc.core.types import KvEvent
-from sluice import errors
+from sluice import convert as shared_convert
+from sluice import errors, services
 from sluice.bus import Bus
-from sluice.core_errors import translate_core_error
 from sluice.prom import RouterMetrics
 from sluice.telemetry import extract_metadata, get_tracer
+from sluice.types import KvEvent
 from sluice.v1 import events_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = ["RouterRuntime", "RouterServicer"]
@@ -46,7 +46,7 @@ __all__ = ["RouterRuntime", "RouterServicer"]
 log = logging.getLogger(__name__)
 tracer = get_tracer("sluice.router")
 
-SERVICE_NAME = "sluice.v1.RouterService"
+SERVICE_NAME = services.ROUTER
 
 
 class RouterRuntime:
@@ -129,7 +129,7 @@ class RouterRuntime:
     async def on_kv_entry(self, entry_id: str, payload: bytes, context: Context) -> None:
         """Apply one `kv` entry to the prefix index (buffered while a snapshot loads; a gap asks for one)."""
         batch = events_pb2.KvEventBatch.FromString(payload)
-        events = convert.kv_events_from_proto(batch)
+        events = shared_convert.kv_events_from_proto(batch)
         buffer = self._buffers.get(batch.replica_id)
         if buffer is not None:
             buffer.extend(events)
@@ -259,7 +259,7 @@ async def start_router_server(runtime: RouterRuntime, port: int = 0,
 
     `runtime.health` turns NOT_SERVING with `enter_graceful_shutdown()`. Raises RuntimeError if the port is taken.
     """
-    server = grpc.aio.server(interceptors=[errors.ErrorInterceptor(translate_core_error)])
+    server = grpc.aio.server(interceptors=[errors.ErrorInterceptor()])
     router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(runtime), server)
     health_pb2_grpc.add_HealthServicer_to_server(runtime.health, server)
     bound = server.add_insecure_port(f"{host}:{port}")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from scheduler_svc.core import SchedulerCore
 from scheduler_svc.core.config import SchedulerConfig
-from scheduler_svc.core.types import NewRequest, RoundPlan, RoundResult, SamplingParams, SeqOutput
+from sluice.types import NewRequest, RoundPlan, RoundResult, SamplingParams, SeqOutput
 
 TRACE = Path(__file__).resolve().parents[1].parent / "shared/data/traces/azure_llm_2023_conv.csv"
 CASES = ((64, 256), (256, 1024), (1024, 4096))

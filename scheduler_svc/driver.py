@@ -32,15 +32,15 @@ from collections.abc import Callable
 from grpc_health.v1 import health_pb2_grpc
 from opentelemetry.context import Context
 
-from scheduler_svc import convert
 from scheduler_svc.core import SchedulerCore
-from scheduler_svc.core.types import CoreEvents, RequestRejected, RequestStatus, RoundPlan
 from scheduler_svc.publisher import Publisher
 from scheduler_svc.reporting import Reporter
 from scheduler_svc.worker_link import RoundRates, WorkerLink
-from sluice import telemetry
+from sluice import convert, telemetry
 from sluice.bus import Bus
+from sluice.core_errors import RequestRejected
 from sluice.prom import SchedulerMetrics
+from sluice.types import CoreEvents, RequestStatus, RoundPlan
 from sluice.v1 import common_pb2, scheduler_pb2, worker_pb2_grpc
 
 __all__ = ["Driver", "RoundRates"]

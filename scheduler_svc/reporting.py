@@ -14,12 +14,11 @@ from dataclasses import dataclass
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from scheduler_svc import convert
 from scheduler_svc.core import SchedulerCore
-from scheduler_svc.core.types import CoreEvents, Finished, LifecycleEvent, RequestStatus, Stage
 from scheduler_svc.publisher import Outgoing, Publisher
-from sluice import telemetry
+from sluice import convert, telemetry
 from sluice.prom import SchedulerMetrics
+from sluice.types import CoreEvents, Finished, LifecycleEvent, RequestStatus, Stage
 from sluice.v1 import common_pb2
 
 __all__ = ["Reporter"]

@@ -2,7 +2,7 @@
 
 Theory of operation
 - The servicer is thin: convert, call the `Driver` (which owns the core), convert back. Core refusals
-  become statuses through the shared `translate_core_error` interceptor.
+  become statuses through the one `ErrorInterceptor` (sluice.errors.from_core_error).
 - `ReplicaAgent` makes the replica known: RegisterReplica (WARMING, with the worker's block size and
   capacity), a Heartbeat with READY and the load once the worker's health is SERVING, then a heartbeat
   every `heartbeat_interval_s`. A heartbeat answered NOT_FOUND (a restarted router) registers again.
@@ -26,13 +26,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from scheduler_svc import convert
 from scheduler_svc.core import SchedulerCore
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.driver import Driver
-from sluice import errors
+from sluice import convert, errors, services
 from sluice.bus import Bus
-from sluice.core_errors import translate_core_error
 from sluice.prom import SchedulerMetrics
 from sluice.telemetry import extract_metadata
 from sluice.v1 import (
@@ -43,7 +41,6 @@ from sluice.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from worker_svc.server import SERVICE_NAME as WORKER_SERVICE
 
 __all__ = [
     "ReplicaAgent", "RunningReplica", "SchedulerServicer", "make_core", "start_replica", "start_scheduler_server",
@@ -52,7 +49,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = "sluice.v1.SchedulerService"
+SERVICE_NAME = services.SCHEDULER
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
@@ -85,7 +82,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def Stats(self, request: scheduler_pb2.StatsRequest,  # noqa: N802
                     context: grpc.aio.ServicerContext) -> scheduler_pb2.SchedulerStats:
         core = self.driver.core
-        return convert.stats_to_proto(core.stats(), self.driver.replica_id, core.config)
+        return convert.stats_to_proto(core.stats(), self.driver.replica_id, core.config.max_num_batched_tokens,
+                                      core.config.max_num_seqs)
 
     async def KvSnapshot(self, request: scheduler_pb2.KvSnapshotRequest,  # noqa: N802
                          context: grpc.aio.ServicerContext) -> scheduler_pb2.KvSnapshotResponse:
@@ -187,7 +185,7 @@ async def start_scheduler_server(driver: Driver, health: health_aio.HealthServic
 
     Returns the server and its bound port. Raises RuntimeError if the port is taken.
     """
-    server = grpc.aio.server(interceptors=[errors.ErrorInterceptor(translate_core_error)])
+    server = grpc.aio.server(interceptors=[errors.ErrorInterceptor()])
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(SchedulerServicer(driver), server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     bound = server.add_insecure_port(f"{host}:{port}")
@@ -209,7 +207,7 @@ async def wait_for_worker(channel: grpc.aio.Channel, timeout_s: float = 120.0) -
     deadline = loop.time() + timeout_s
     while True:
         try:
-            reply = await health.Check(health_pb2.HealthCheckRequest(service=WORKER_SERVICE), timeout=2)
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=services.WORKER), timeout=2)
             if reply.status == health_pb2.HealthCheckResponse.SERVING:
                 return await worker_pb2_grpc.WorkerServiceStub(channel).Info(worker_pb2.InfoRequest(), timeout=5)
         except grpc.aio.AioRpcError as exc:

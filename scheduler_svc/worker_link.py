@@ -19,11 +19,10 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from scheduler_svc.core.types import RoundPlan, RoundResult
+from sluice import convert, services
 from sluice.prom import SchedulerMetrics
+from sluice.types import RoundPlan, RoundResult
 from sluice.v1 import worker_pb2, worker_pb2_grpc
-from worker_svc import convert as worker_convert
-from worker_svc.server import SERVICE_NAME as WORKER_SERVICE
 
 __all__ = ["RoundRates", "WorkerLink"]
 
@@ -115,7 +114,7 @@ class WorkerLink:
         the answer. Marking it up again is the loop's (it resets the cache first)."""
         try:
             if self.health is not None:
-                reply = await self.health.Check(health_pb2.HealthCheckRequest(service=WORKER_SERVICE), timeout=2.0)
+                reply = await self.health.Check(health_pb2.HealthCheckRequest(service=services.WORKER), timeout=2.0)
                 serving = reply.status == health_pb2.HealthCheckResponse.SERVING
             else:
                 await self.stub.Info(worker_pb2.InfoRequest(), timeout=2.0)
@@ -132,7 +131,7 @@ class WorkerLink:
         if self.use_stream and self._stream is None:
             self._stream = self.stub.ExecuteStream()
         stream = self._stream
-        wire = worker_convert.plan_to_proto(plan)
+        wire = convert.plan_to_proto(plan)
         pending = [sent]  # called exactly once, even when the call breaks before the plan went out
         try:
             if stream is None:
@@ -145,7 +144,7 @@ class WorkerLink:
                 reply = await stream.read()
                 if reply is grpc.aio.EOF:
                     raise ConnectionError("the worker closed the round stream")
-            result = worker_convert.result_from_proto(reply)
+            result = convert.result_from_proto(reply)
         except (grpc.aio.AioRpcError, ConnectionError) as exc:
             detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             log.error("round %d: worker call failed, the round is lost: %s", plan.round_id, detail)

@@ -1,45 +1,150 @@
-"""One translation of the pure cores' refusals into gRPC-mapped SluiceErrors.
+"""The refusals of the pure cores, each with the status it maps to: one table, no grpc.
 
-The cores raise plain exceptions (they must not import grpc); every service installs
-`ErrorInterceptor(translate_core_error)` so the mapping lives here once.
+The cores (admission, router, scheduler, planner) raise these; they must not import grpc, so a
+refusal carries its status as a name (``"INVALID_ARGUMENT"``) and `sluice.errors` turns it into
+a `SluiceError` with google.rpc details in exactly one place (`errors.from_core_error`), which
+every service's `ErrorInterceptor` applies. Adding a refusal means adding a class here: its
+status, its stable `reason` word, and what it tells the caller (field, metadata, retry delay).
 """
 
 from __future__ import annotations
 
-from admission_svc.core import DuplicateRequest, InvalidRequest, OverBudget, UnknownApiKey
-from router_svc.core import IllegalReplicaTransition, NoReplicaAvailable, UnknownModel, UnknownReplica
-from scheduler_svc.core.types import RejectReason, RequestRejected
-from sluice import errors
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # only for annotations: types.py imports nothing from here
+    from sluice.types import RejectReason
 
 
-def translate_core_error(exc: BaseException) -> errors.SluiceError | None:
-    """Return the SluiceError for a core exception, or None for anything else (a real bug)."""
-    if isinstance(exc, UnknownApiKey):
-        return errors.Unauthenticated(str(exc), reason=exc.reason)
-    if isinstance(exc, InvalidRequest):
-        return errors.InvalidArgument(exc.detail, reason=exc.reason, field_name=exc.field)
-    if isinstance(exc, OverBudget):
-        return errors.ResourceExhausted(exc.detail, reason="over_budget", metadata={"budget": exc.budget},
-                                        retry_after_s=exc.retry_after_s)
-    if isinstance(exc, DuplicateRequest):
-        return errors.AlreadyExists(str(exc), reason=exc.reason)
-    if isinstance(exc, UnknownModel):
-        return errors.NotFound(str(exc), reason="unknown_model")
-    if isinstance(exc, NoReplicaAvailable):
-        return errors.Unavailable(str(exc), reason="no_ready_replica", retry_after_s=1.0)
-    if isinstance(exc, UnknownReplica):
-        return errors.NotFound(str(exc), reason="unknown_replica")
-    if isinstance(exc, IllegalReplicaTransition):
-        return errors.FailedPrecondition(str(exc), reason="illegal_replica_transition")
-    if isinstance(exc, RequestRejected):
-        return _rejected(exc)
-    return None
+class CoreError(Exception):
+    """A refusal of a pure core; `status` is a gRPC status name, `reason` a stable word."""
+
+    status = "INTERNAL"
+    reason = "core_error"
+
+    def __init__(
+        self,
+        detail: str,
+        *,
+        field_name: str = "",
+        metadata: Mapping[str, str] | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.field_name = field_name
+        self.metadata = dict(metadata or {})
+        self.retry_after_s = retry_after_s
+
+    @property
+    def reason_word(self) -> str:
+        """The stable word for error details and metrics."""
+        return str(self.reason)
 
 
-def _rejected(exc: RequestRejected) -> errors.SluiceError:
-    metadata = {"reject_reason": exc.reason.value}
-    if exc.reason is RejectReason.QUEUE_FULL:
-        return errors.ResourceExhausted(exc.detail, reason="queue_full", metadata=metadata, retry_after_s=0.5)
-    if exc.reason is RejectReason.DUPLICATE:
-        return errors.AlreadyExists(exc.detail, reason="duplicate_request", metadata=metadata)
-    return errors.InvalidArgument(exc.detail, reason=exc.reason.value, metadata=metadata)
+# --- admission ---------------------------------------------------------------------------------
+
+
+class UnknownApiKey(CoreError):
+    status = "UNAUTHENTICATED"
+    reason = "bad_api_key"
+
+
+class InvalidRequest(CoreError):
+    """The request itself is wrong; `field` names the offending field."""
+
+    status = "INVALID_ARGUMENT"
+    reason = "invalid_request"
+
+    def __init__(self, field_name: str, detail: str) -> None:
+        super().__init__(detail, field_name=field_name)
+
+    @property
+    def field(self) -> str:
+        return self.field_name
+
+
+class OverBudget(CoreError):
+    """No room now; retry after `retry_after_s`."""
+
+    status = "RESOURCE_EXHAUSTED"
+    reason = "over_budget"
+
+    def __init__(self, budget: str, retry_after_s: float, detail: str) -> None:
+        super().__init__(detail, metadata={"budget": budget}, retry_after_s=retry_after_s)
+        self.budget = budget
+
+
+class DuplicateRequest(CoreError):
+    status = "ALREADY_EXISTS"
+    reason = "duplicate_request"
+
+
+# --- router ------------------------------------------------------------------------------------
+
+
+class UnknownModel(CoreError):
+    """No replica, in any state, serves this model and adapter version."""
+
+    status = "NOT_FOUND"
+    reason = "unknown_model"
+
+
+class NoReplicaAvailable(CoreError):
+    """Replicas of the model exist but none is READY."""
+
+    status = "UNAVAILABLE"
+    reason = "no_ready_replica"
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail, retry_after_s=1.0)
+
+
+class UnknownReplica(CoreError):
+    status = "NOT_FOUND"
+    reason = "unknown_replica"
+
+
+class IllegalReplicaTransition(CoreError):
+    status = "FAILED_PRECONDITION"
+    reason = "illegal_replica_transition"
+
+    def __init__(self, replica_id: str, state: object, event: object) -> None:
+        super().__init__(f"replica {replica_id!r}: {_value(event)} is not allowed in state {_value(state)}")
+        self.state = state
+        self.event = event
+
+
+# --- scheduler ---------------------------------------------------------------------------------
+
+# RejectReason value -> (status, reason word, retry delay). NEVER_FITS and INVALID are the
+# caller's mistake; QUEUE_FULL passes; DUPLICATE names a live request.
+_REJECTION_STATUS: dict[str, tuple[str, str, float | None]] = {
+    "queue_full": ("RESOURCE_EXHAUSTED", "queue_full", 0.5),
+    "duplicate": ("ALREADY_EXISTS", "duplicate_request", None),
+    "never_fits": ("INVALID_ARGUMENT", "never_fits", None),
+    "invalid": ("INVALID_ARGUMENT", "invalid", None),
+}
+
+
+class RequestRejected(CoreError):
+    """Raised by `SchedulerCore.submit`; nothing about the core changed. `reason` is the RejectReason."""
+
+    reason: RejectReason  # type: ignore[assignment]
+
+    def __init__(self, request_id: str, reason: RejectReason, detail: str) -> None:
+        status, word, retry_after_s = _REJECTION_STATUS[reason.value]
+        super().__init__(detail, metadata={"reject_reason": reason.value}, retry_after_s=retry_after_s)
+        self.args = (f"request {request_id!r} rejected ({reason.value}): {detail}",)
+        self.request_id = request_id
+        self.reason = reason
+        self.status = status
+        self._word = word
+
+    @property
+    def reason_word(self) -> str:
+        return self._word
+
+
+def _value(item: object) -> str:
+    return str(getattr(item, "value", item))

@@ -20,6 +20,8 @@ import grpc
 from google.protobuf import duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 
+from sluice.core_errors import CoreError
+
 DETAILS_KEY = "grpc-status-details-bin"
 ERROR_DOMAIN = "sluice"
 
@@ -97,8 +99,12 @@ class FailedPrecondition(SluiceError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
-# Errors of pure cores that must not import grpc are translated by a per-service function.
-Translator = Callable[[BaseException], SluiceError | None]
+def from_core_error(exc: CoreError) -> SluiceError:
+    """Return the SluiceError for a pure core's refusal: the one place its status name becomes a code."""
+    error = SluiceError(exc.detail, reason=exc.reason_word, field_name=exc.field_name, metadata=exc.metadata,
+                        retry_after_s=exc.retry_after_s)
+    error.code = grpc.StatusCode[exc.status]
+    return error
 
 
 async def abort(context: grpc.aio.ServicerContext, error: SluiceError) -> None:
@@ -119,15 +125,12 @@ _HANDLER_KINDS = (
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps SluiceError (and whatever `translate` recognises) to statuses for every RPC."""
-
-    def __init__(self, translate: Translator | None = None) -> None:
-        self._translate = translate
+    """Maps SluiceError and the cores' CoreError refusals to statuses for every RPC."""
 
     def _as_sluice_error(self, exc: BaseException) -> SluiceError | None:
         if isinstance(exc, SluiceError):
             return exc
-        return self._translate(exc) if self._translate is not None else None
+        return from_core_error(exc) if isinstance(exc, CoreError) else None
 
     async def intercept_service(
         self,

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from scheduler_svc.core.types import RoundPlan, SamplingParams, ScheduledSeq
+from sluice.types import RoundPlan, SamplingParams, ScheduledSeq
 from worker_svc.costmodel import CostModel, RoundShape, coefficients_to_dict, shape_of
 from worker_svc.gpu_profiles import GPUS, GpuProfile, model_shape
 from worker_svc.models import resolve_model

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from scheduler_svc.core.slots import slot_constructor
-from scheduler_svc.core.types import RoundPlan, RoundResult, SeqOutput
+from sluice.slots import slot_constructor
+from sluice.types import RoundPlan, RoundResult, SeqOutput
 from worker_svc.backend import BackendInfo
 from worker_svc.gpu_profiles import GpuProfile, ModelShape, gpu_profile, model_shape
 

@@ -7,25 +7,15 @@ two processes resolving the same preset at once never see (or leave) a half-writ
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from sluice.models import HOME_ENV, default_home, preset_dir
 from worker_svc.engine.presets import PRESETS, write_preset
 
-HOME_ENV = "SLUICE_HOME"
+__all__ = ["HOME_ENV", "default_home", "resolve_model"]
 
-
-def default_home() -> Path:
-    """Return $SLUICE_HOME, else `.sluice` in the enclosing repository (or the working directory)."""
-    if os.environ.get(HOME_ENV):
-        return Path(os.environ[HOME_ENV])
-    cwd = Path.cwd()
-    for directory in (cwd, *cwd.parents):
-        if (directory / ".git").exists() or (directory / "pyproject.toml").is_file():
-            return directory / ".sluice"
-    return cwd / ".sluice"
 
 
 def resolve_model(name_or_dir: str, home: Path | None = None) -> Path:
@@ -42,7 +32,7 @@ def resolve_model(name_or_dir: str, home: Path | None = None) -> Path:
         raise ValueError(
             f"model {name_or_dir!r} is neither a directory nor a preset; presets: {sorted(PRESETS)}"
         )
-    target = (home or default_home()) / "models" / name_or_dir
+    target = preset_dir(name_or_dir, home)
     if not target.is_dir():
         _generate_atomically(name_or_dir, target)
     return target

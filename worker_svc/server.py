@@ -24,18 +24,18 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from scheduler_svc.core.types import RoundPlan, RoundResult, SamplingParams, ScheduledSeq
+from sluice import convert, services
 from sluice.errors import ErrorInterceptor, Unavailable
 from sluice.prom import WorkerMetrics
+from sluice.types import RoundPlan, RoundResult, SamplingParams, ScheduledSeq
 from sluice.v1 import worker_pb2, worker_pb2_grpc
-from worker_svc import convert
 from worker_svc.backend import Backend, BackendInfo
 
 __all__ = ["SERVICE_NAME", "WorkerRuntime", "WorkerServicer", "start_worker_server"]
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = "sluice.v1.WorkerService"
+SERVICE_NAME = services.WORKER
 
 
 class WorkerRuntime:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from scheduler_svc.core.types import RoundPlan, RoundResult, SamplingParams, ScheduledSeq, SeqOutput
+from sluice.types import RoundPlan, RoundResult, SamplingParams, ScheduledSeq, SeqOutput
 from worker_svc.backend import BackendInfo
 from worker_svc.engine.attention import DEFAULT_MAX_GATHER_BYTES, paged_attention
 from worker_svc.engine.batch import EngineLimits, RoundInputs, build_round_inputs

@@ -19,7 +19,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from scheduler_svc.core.types import KvEvent, KvEventKind
+from sluice.types import KvEvent, KvEventKind
 
 
 class BlockPoolError(Exception):

@@ -21,7 +21,8 @@ from scheduler_svc.core.policies import WaitingQueue
 from scheduler_svc.core.request import Request
 from scheduler_svc.core.round import InFlightRound
 from scheduler_svc.core.state import Input, apply
-from scheduler_svc.core.types import (
+from sluice.hashing import block_hash
+from sluice.types import (
     CoreEvents,
     Finished,
     LifecycleEvent,
@@ -30,7 +31,6 @@ from scheduler_svc.core.types import (
     SeqOutput,
     Stage,
 )
-from sluice.hashing import block_hash
 
 _FINISH_REASON = {
     RequestStatus.FINISHED_STOP: "stop",

@@ -77,6 +77,9 @@ class WaitingQueue(ABC):
     def on_live(self, tenant: str, delta: int) -> None:  # noqa: B027
         """Note that `tenant` has `delta` more live requests in the core (only FAIR uses it)."""
 
+    def set_tenant_weight(self, tenant: str, weight: float) -> None:  # noqa: B027
+        """Take `tenant`'s share weight as a request carried it from admission (only FAIR uses it)."""
+
     @abstractmethod
     def live(self) -> list[Request]:
         """Return the queued requests (O(n); for checks and snapshots, not the hot path)."""
@@ -216,6 +219,10 @@ class FairQueue(WaitingQueue):
             return False
         self._tenant_len[request.tenant] -= 1
         return True
+
+    def set_tenant_weight(self, tenant: str, weight: float) -> None:
+        # Admission's configuration is the one source of tenant weights; the newest request wins.
+        self.tenant_weights[tenant] = weight
 
     def on_service(self, tenant: str, input_tokens: int, output_tokens: int) -> None:
         cost = input_tokens * self.input_weight + output_tokens * self.output_weight

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from array import array
 
-from scheduler_svc.core.types import NewRequest, RequestStatus, SamplingParams, Usage
+from sluice.types import NewRequest, RequestStatus, SamplingParams, Usage
 
 
 class Request:

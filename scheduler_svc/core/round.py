@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.request import Request
-from scheduler_svc.core.slots import slot_constructor
-from scheduler_svc.core.types import BlockCopy, RoundBudget, RoundPlan, ScheduledSeq
+from sluice.slots import slot_constructor
+from sluice.types import BlockCopy, RoundBudget, RoundPlan, ScheduledSeq
 
 
 class InFlightRound:

@@ -15,6 +15,7 @@ table only when it crosses a block boundary.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import OrderedDict
 
 from scheduler_svc.core.block_pool import BlockPool
@@ -24,18 +25,18 @@ from scheduler_svc.core.policies import make_queue
 from scheduler_svc.core.request import Request
 from scheduler_svc.core.round import RoundBuilder, new_round_budget, new_round_plan, new_scheduled_seq
 from scheduler_svc.core.state import Input, apply
-from scheduler_svc.core.types import (
+from sluice.core_errors import RequestRejected
+from sluice.hashing import salt_of
+from sluice.types import (
     BlockCopy,
     CoreEvents,
     CoreStats,
     NewRequest,
     RejectReason,
-    RequestRejected,
     RequestStatus,
     RoundPlan,
     Stage,
 )
-from sluice.hashing import salt_of
 
 
 class SchedulerCore(_Outcomes):
@@ -89,6 +90,8 @@ class SchedulerCore(_Outcomes):
         self._live[live.request_id] = live
         if self._account is not None:
             self._queue.on_live(live.tenant, 1)
+            if request.tenant_weight is not None:
+                self._queue.set_tenant_weight(live.tenant, request.tenant_weight)
         self._enqueue(live, self._cached_prefix_tokens(live))
         if request.queue_deadline is not None:
             self._push_deadline(request.queue_deadline, _QUEUE_DEADLINE, live)
@@ -98,6 +101,9 @@ class SchedulerCore(_Outcomes):
 
     def _check_admissible(self, request: NewRequest) -> None:
         config = self.config
+        if request.tenant_weight is not None and not (request.tenant_weight > 0 and math.isfinite(request.tenant_weight)):
+            raise RequestRejected(request.request_id, RejectReason.INVALID,
+                                  f"tenant_weight must be a positive finite number, got {request.tenant_weight}")
         rid = request.request_id
 
         def reject(reason: RejectReason, detail: str) -> RequestRejected:

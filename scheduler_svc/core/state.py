@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 from typing import Protocol
 
-from scheduler_svc.core.types import RequestStatus
+from sluice.types import RequestStatus
 
 
 class Input(enum.Enum):

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _sluice(*args: str) -> list[str]:
-    return [sys.executable, "-m", "sluice.cli", *args]
+    return [sys.executable, "-m", "sluice_tools.cli", *args]
 
 
 def test_up_generate_and_ctrl_c(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sluice import client as sdk
-from sluice.stack import Stack, StackConfig
+from sluice_tools.stack import Stack, StackConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 

@@ -1,6 +1,6 @@
 """End to end: real Redis, router, worker (tiny torch model), scheduler and admission processes on loopback.
 
-The stack starts once for the module (sluice.stack, as `sluice up` does); every test talks to it
+The stack starts once for the module (sluice_tools.stack, as `sluice up` does); every test talks to it
 through the client SDK only, and looks inside through the scheduler's Stats and the span file.
 """
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from sluice import client as sdk
-from sluice.stack import Stack, StackConfig
 from sluice.telemetry import read_span_file
+from sluice_tools.stack import Stack, StackConfig
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -60,7 +60,7 @@ def _wait(condition, timeout_s: float = 10.0) -> bool:  # type: ignore[no-untype
 def _direct_outputs(model: str, prompt: list[int], max_tokens: int, temperature: float,
                     seed: int | None) -> list[int]:
     """Run the TorchBackend in this process with hand-built plans (the worker without the control plane)."""
-    from scheduler_svc.core.types import SamplingParams
+    from sluice.types import SamplingParams
     from worker_svc.engine.manual import ManualPlanner
     from worker_svc.models import resolve_model
     from worker_svc.torch_backend import TorchBackend

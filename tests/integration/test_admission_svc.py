@@ -25,8 +25,8 @@ from sluice import client as sdk
 from sluice import errors
 from sluice.bus import Bus
 from sluice.config import Budgets, ServiceConfig, TenantConfig
-from sluice.core_errors import translate_core_error
 from sluice.errors import ErrorInterceptor
+from sluice.tokenizer import build_byte_tokenizer
 from sluice.v1 import (
     admission_pb2_grpc,
     common_pb2,
@@ -36,7 +36,6 @@ from sluice.v1 import (
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
-from worker_svc.engine.tokenizer import build_byte_tokenizer
 
 pytestmark = pytest.mark.redis
 OWNER = "adm-test"
@@ -119,7 +118,7 @@ async def _serve(tmp_path: Path, redis_url: str, namespace: str, body: Body, con
     model = load_model_spec(_model_dir(tmp_path), "tiny")
     servicer = AdmissionServicer(AdmissionCore(admission_config(CONFIG, model.max_model_len)), model,
                                  replica.address, OWNER)
-    server = grpc.aio.server(interceptors=[ErrorInterceptor(translate_core_error)])
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
     admission_pb2_grpc.add_AdmissionServiceServicer_to_server(servicer, server)
     target = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     await server.start()
@@ -307,7 +306,7 @@ def test_request_stream_drops_duplicates_and_waits_for_overtaken_tokens() -> Non
 def test_detokenizer_holds_back_split_utf8() -> None:
     """Incremental text never shows half a UTF-8 character and concatenates to the full text."""
     from admission_svc.convert import Detokenizer
-    from worker_svc.engine.tokenizer import TextTokenizer
+    from sluice.tokenizer import TextTokenizer
 
     tokenizer = TextTokenizer(build_byte_tokenizer())
     ids = tokenizer.encode("héllo €!")
@@ -353,8 +352,8 @@ def test_no_ready_replica_is_unavailable_and_releases(tmp_path: Path, redis_url:
 
 def test_bench_drive_records_every_outcome(tmp_path: Path, redis_url: str, namespace: str) -> None:
     """The load generator replays a workload open-loop and records each request: tokens, a cancel, a rejection."""
-    from sluice.commands.bench import drive, path_latency, records_of
-    from sluice.workload import WorkloadRequest
+    from sluice_tools.commands.bench import drive, path_latency, records_of
+    from sluice_tools.workload import WorkloadRequest
 
     requests = [WorkloadRequest(f"w{i}", arrival_s=0.01 * i, input_length=4, output_length=5, tenant="acme")
                 for i in range(3)]

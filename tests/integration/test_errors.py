@@ -9,9 +9,9 @@ import pytest
 
 from admission_svc.core import InvalidRequest, OverBudget
 from router_svc.core import IllegalReplicaTransition, NoReplicaAvailable, ReplicaInput, ReplicaState
-from scheduler_svc.core.types import RejectReason, RequestRejected
-from sluice.core_errors import translate_core_error
+from sluice.core_errors import RequestRejected
 from sluice.errors import ErrorInterceptor, details_of
+from sluice.types import RejectReason
 from sluice.v1 import admission_pb2, admission_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 
@@ -36,7 +36,7 @@ class Failing(scheduler_pb2_grpc.SchedulerServiceServicer, admission_pb2_grpc.Ad
 
 
 async def _call_all() -> dict[str, grpc.aio.AioRpcError]:
-    server = grpc.aio.server(interceptors=[ErrorInterceptor(translate_core_error)])
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(Failing(), server)
     admission_pb2_grpc.add_AdmissionServiceServicer_to_server(Failing(), server)
     port = server.add_insecure_port("127.0.0.1:0")

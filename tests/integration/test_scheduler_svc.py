@@ -19,11 +19,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router_svc.core import RouterCore
 from router_svc.server import RouterRuntime, start_router_server
-from scheduler_svc.core.types import RoundPlan, SamplingParams, ScheduledSeq
 from scheduler_svc.driver import RoundRates
 from scheduler_svc.server import RunningReplica, start_replica
 from sluice.bus import Bus
 from sluice.telemetry import get_tracer, inject_metadata, read_span_file
+from sluice.types import RoundPlan, SamplingParams, ScheduledSeq
 from sluice.v1 import common_pb2, events_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from worker_svc.costmodel import CostModel
 from worker_svc.server import RunningWorker, WorkerRuntime, start_worker_server

@@ -12,10 +12,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from scheduler_svc.core.types import RoundPlan, RoundResult, SamplingParams, ScheduledSeq
+from sluice import convert
 from sluice.errors import details_of
+from sluice.types import RoundPlan, RoundResult, SamplingParams, ScheduledSeq
 from sluice.v1 import worker_pb2, worker_pb2_grpc
-from worker_svc import convert
 from worker_svc.costmodel import CostModel
 from worker_svc.server import SERVICE_NAME, RunningWorker, WorkerRuntime, start_worker_server
 

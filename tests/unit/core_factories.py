@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from scheduler_svc.core import SchedulerCore
 from scheduler_svc.core.config import SchedulerConfig
-from scheduler_svc.core.types import (
+from sluice.types import (
     CoreEvents,
     Finished,
     NewRequest,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler_svc.core.block_pool import BlockPool, BlockPoolError
-from scheduler_svc.core.types import KvEventKind
+from sluice.types import KvEventKind
 
 
 def _ledgers(pool: BlockPool) -> tuple[int, int, int]:

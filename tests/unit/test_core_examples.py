@@ -6,7 +6,7 @@ import pytest
 from core_factories import FakeExecutor, check_invariants, make_core, make_request, step
 
 from scheduler_svc.core.config import Policy
-from scheduler_svc.core.types import Finished, NewRequest, RequestStatus
+from sluice.types import Finished, NewRequest, RequestStatus
 
 # Prompt lengths chosen so that A holds 6 blocks, B 5 and C needs 7 (block size 16) and no
 # decode in the example crosses a block boundary.

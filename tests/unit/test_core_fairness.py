@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 from core_factories import drive, make_core, make_request
 
 from scheduler_svc.core.config import Policy
-from scheduler_svc.core.types import NewRequest
+from sluice.types import NewRequest
 
 DELTA = 10  # priority gap between the stream and the normal request
 
@@ -64,6 +65,17 @@ def test_weighted_fair_share_between_two_backlogged_tenants() -> None:
     arrivals = _tenant_requests("silver", 400) + _tenant_requests("gold", 400)
     plans, _ = drive(core, arrivals, round_time=1.0, until=600.0)
     assert core.num_waiting > 0 and {r.tenant for r in core._queue.live()} == {"silver", "gold"}, "still backlogged"
+    served = _weighted_service(plans)
+    ratio = served["gold"] / served["silver"]
+    assert abs(ratio - 2.0) / 2.0 < 0.05, f"gold/silver = {ratio:.3f}"
+
+
+def test_weights_carried_by_requests_set_the_share() -> None:
+    """Weights that admission puts on each request (the scheduler has none configured) give the same 1:2 share."""
+    core = make_core(policy=Policy.FAIR, max_num_seqs=4)
+    arrivals = [(t, dataclasses.replace(r, tenant_weight=2.0 if r.tenant == "gold" else 1.0))
+                for t, r in _tenant_requests("silver", 400) + _tenant_requests("gold", 400)]
+    plans, _ = drive(core, arrivals, round_time=1.0, until=600.0)
     served = _weighted_service(plans)
     ratio = served["gold"] / served["silver"]
     assert abs(ratio - 2.0) / 2.0 < 0.05, f"gold/silver = {ratio:.3f}"

@@ -5,15 +5,9 @@ from __future__ import annotations
 import pytest
 from core_factories import FakeExecutor, check_invariants, make_core, make_request, step, token_for
 
-from scheduler_svc.core.types import (
-    RejectReason,
-    RequestRejected,
-    RequestStatus,
-    RoundResult,
-    SeqOutput,
-    Stage,
-)
+from sluice.core_errors import RequestRejected
 from sluice.hashing import hash_chain, salt_of
+from sluice.types import RejectReason, RequestStatus, RoundResult, SeqOutput, Stage
 
 # ---- rejections --------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ import pytest
 from scheduler_svc.core.config import Policy, SchedulerConfig
 from scheduler_svc.core.policies import FairQueue, make_queue
 from scheduler_svc.core.request import Request
-from scheduler_svc.core.types import NewRequest
+from sluice.types import NewRequest
 
 _seq = iter(range(1, 1_000_000))
 

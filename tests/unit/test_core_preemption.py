@@ -10,7 +10,7 @@ from __future__ import annotations
 from core_factories import FakeExecutor, check_invariants, make_core, make_request, step, token_for
 
 from scheduler_svc.core.config import PreemptionMode
-from scheduler_svc.core.types import BlockCopy, CoreEvents, RequestStatus, RoundPlan, RoundResult, Stage
+from sluice.types import BlockCopy, CoreEvents, RequestStatus, RoundPlan, RoundResult, Stage
 
 
 def _run(mode: PreemptionMode, host_blocks: int = 0) -> tuple[list[tuple[RoundPlan, CoreEvents]], object]:

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from scheduler_svc.core.slots import slot_constructor
-from scheduler_svc.core.types import RoundBudget, RoundResult, SamplingParams, ScheduledSeq, SeqOutput
+from sluice.slots import slot_constructor
+from sluice.types import RoundBudget, RoundResult, SamplingParams, ScheduledSeq, SeqOutput
 
 
 def test_built_objects_equal_the_init_built_ones_and_stay_frozen() -> None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 
 from scheduler_svc.core.state import TRANSITIONS, IllegalTransition, Input, apply, next_status
-from scheduler_svc.core.types import TERMINAL_STATUSES, RequestStatus
+from sluice.types import TERMINAL_STATUSES, RequestStatus
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from core_factories import FakeExecutor, check_invariants, make_core, make_request, step, token_for
 
 from scheduler_svc.core.config import PreemptionMode
-from scheduler_svc.core.types import KvEventKind, RequestStatus, RoundResult, SeqOutput, Stage
+from sluice.types import KvEventKind, RequestStatus, RoundResult, SeqOutput, Stage
 
 
 def test_a_lost_round_requeues_its_requests_and_they_finish_with_the_same_tokens() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_svc.core.types import BlockCopy, RoundPlan, SamplingParams, ScheduledSeq
+from sluice.types import BlockCopy, RoundPlan, SamplingParams, ScheduledSeq
 from worker_svc.backend import Backend
 from worker_svc.costmodel import CostCoefficients, CostModel, RoundShape, shape_of
 from worker_svc.gpu_profiles import LLAMA_SHAPES, model_shape

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scheduler_svc.core.types import RoundPlan, SamplingParams
+from sluice.types import RoundPlan, SamplingParams
 from worker_svc.engine.manual import ManualPlanner
 from worker_svc.engine.presets import write_preset
 from worker_svc.torch_backend import TorchBackend

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from scheduler_svc.core.types import RoundPlan, SamplingParams, ScheduledSeq
+from sluice.types import RoundPlan, SamplingParams, ScheduledSeq
 from worker_svc.engine.kv_cache import bytes_per_block
 from worker_svc.engine.manual import ManualPlanner, ManualSeq, reference_greedy
 from worker_svc.engine.model import reference_forward
@@ -250,7 +250,7 @@ def test_invalid_plan_is_reported_and_changes_nothing(
 
 def test_out_of_range_swap_is_reported(backend: TorchBackend) -> None:
     """A swap naming a host block beyond the host pool is rejected with an error before anything is copied."""
-    from scheduler_svc.core.types import BlockCopy
+    from sluice.types import BlockCopy
 
     result = backend.execute(RoundPlan(6, (), swap_out=(BlockCopy(0, 999),)))
     assert "swap_out copy 0 -> 999 is out of range" in result.error

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scheduler_svc.core.types import SamplingParams, ScheduledSeq
+from sluice.tokenizer import TextTokenizer, build_byte_tokenizer
+from sluice.types import SamplingParams, ScheduledSeq
 from worker_svc.engine.sampler import filter_logits, sample_tokens, seed_for, stop_string_hit
-from worker_svc.engine.tokenizer import TextTokenizer, build_byte_tokenizer
 
 
 @pytest.fixture(scope="module")

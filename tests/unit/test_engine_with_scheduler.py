@@ -12,7 +12,7 @@ import pytest
 
 from scheduler_svc.core import SchedulerCore
 from scheduler_svc.core.config import PreemptionMode, SchedulerConfig
-from scheduler_svc.core.types import Finished, NewRequest, RequestStatus, SamplingParams
+from sluice.types import Finished, NewRequest, RequestStatus, SamplingParams
 from worker_svc.engine.manual import reference_greedy
 from worker_svc.torch_backend import TorchBackend
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from sluice.metrics import FairnessWeights, RequestRecord, jain_index, meets_slo, percentiles, summarize
+from sluice_tools.metrics import FairnessWeights, RequestRecord, jain_index, meets_slo, percentiles, summarize
 
 
 def make_record(

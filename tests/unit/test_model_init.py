@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.commands import model as model_command
+from sluice_tools.commands import model as model_command
 from worker_svc.engine.loader import load_model
 from worker_svc.engine.presets import PRESETS
 from worker_svc.models import resolve_model
@@ -97,7 +97,7 @@ def test_sluice_cli_model_init_round_trips(tmp_path: Path) -> None:
     target = tmp_path / "cli"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run(
-        [sys.executable, "-m", "sluice.cli", "model", "init", str(target), "--preset", "tiny", "--seed", "5"],
+        [sys.executable, "-m", "sluice_tools.cli", "model", "init", str(target), "--preset", "tiny", "--seed", "5"],
         env=env,
         capture_output=True,
         text=True,

@@ -162,7 +162,7 @@ def test_transformers_5_rope_parameters_are_read(model_dir: Path) -> None:
 def test_hugging_face_checkpoint_gives_hugging_face_logits(tmp_path: Path) -> None:
     """A directory written by transformers' LlamaForCausalLM.save_pretrained (GQA, sharded, tied, llama3 RoPE scaling) loads and reproduces its logits within 1e-4."""
     transformers = pytest.importorskip("transformers")
-    from worker_svc.engine.tokenizer import build_byte_tokenizer
+    from sluice.tokenizer import build_byte_tokenizer
 
     llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip

@@ -21,8 +21,8 @@ from router_svc.core import (
     UnknownModel,
     next_replica_state,
 )
-from scheduler_svc.core.types import KvEvent, KvEventKind
 from sluice.hashing import hash_chain, salt_of
+from sluice.types import KvEvent, KvEventKind
 
 SALT = salt_of("m")
 

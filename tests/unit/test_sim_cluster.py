@@ -13,12 +13,12 @@ import router_svc.core
 import scheduler_svc.core
 from router_svc.core import RoutingPolicy
 from scheduler_svc.core.config import Policy
-from sluice.cli import main
-from sluice.commands.sim import parse_compare_item
-from sluice.metrics import RequestRecord
-from sluice.sim import SimConfig, Simulator, simulate
-from sluice.sim import cluster as sim_cluster
-from sluice.workload import WorkloadRequest, load_workload
+from sluice_tools.cli import main
+from sluice_tools.commands.sim import parse_compare_item
+from sluice_tools.metrics import RequestRecord
+from sluice_tools.sim import SimConfig, Simulator, simulate
+from sluice_tools.sim import cluster as sim_cluster
+from sluice_tools.workload import WorkloadRequest, load_workload
 
 SMALL = "synthetic:poisson?rate=40&n=120&input=lognormal:600:0.6:3000&output=lognormal:60:0.6:300"
 

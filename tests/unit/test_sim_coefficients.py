@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.cli import main
+from sluice_tools.cli import main
 
 WORKLOAD = "synthetic:poisson?rate=20&n=60&input=fixed:256&output=fixed:16"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from sluice.metrics import RequestRecord, summarize
-from sluice.report import format_compare, format_table, write_json, write_plots
+from sluice_tools.metrics import RequestRecord, summarize
+from sluice_tools.report import format_compare, format_table, write_json, write_plots
 
 
 def make_records(scale: float) -> list[RequestRecord]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sluice.sim.scenarios import SCENARIOS, run_scenarios
+from sluice_tools.sim.scenarios import SCENARIOS, run_scenarios
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))

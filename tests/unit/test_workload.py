@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from sluice.hashing import hash_chain, salt_of
-from sluice.workload import (
+from sluice_tools.workload import (
     WorkloadError,
     WorkloadRequest,
     load_azure_csv,

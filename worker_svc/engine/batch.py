@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from scheduler_svc.core.types import ScheduledSeq
+from sluice.types import ScheduledSeq
 from worker_svc.engine.errors import PlanError
 
 ToDevice = Callable[[np.ndarray], torch.Tensor]

@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from sluice.tokenizer import TextTokenizer
 from worker_svc.engine.config import LlamaConfig
 from worker_svc.engine.errors import ModelLoadError
 from worker_svc.engine.model import LlamaForCausalLM
-from worker_svc.engine.tokenizer import TextTokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FILE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}

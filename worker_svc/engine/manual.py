@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scheduler_svc.core.types import BlockCopy, RoundPlan, RoundResult, SamplingParams, ScheduledSeq
+from sluice.types import BlockCopy, RoundPlan, RoundResult, SamplingParams, ScheduledSeq
 from worker_svc.backend import Backend
 from worker_svc.engine.model import LlamaForCausalLM, reference_forward
 

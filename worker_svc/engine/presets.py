@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from sluice.tokenizer import build_byte_tokenizer
 from worker_svc.engine.config import LlamaConfig
 from worker_svc.engine.model import LlamaForCausalLM
-from worker_svc.engine.tokenizer import build_byte_tokenizer
 
 BYTE_VOCAB = 258
 """256 byte tokens, then <s> (256) and </s> (257)."""

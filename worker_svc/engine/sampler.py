@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-from scheduler_svc.core.types import SamplingParams, ScheduledSeq
-from worker_svc.engine.tokenizer import TextTokenizer, common_prefix_length
+from sluice.tokenizer import TextTokenizer, common_prefix_length
+from sluice.types import SamplingParams, ScheduledSeq
 
 
 def seed_for(seed: int, output_index: int) -> int:

@@ -20,7 +20,8 @@ from typing import Any
 from router_svc.core import ReplicaLoad, ReplicaSpec, RouteQuery, RouterConfig, RouterCore, RoutingPolicy
 from scheduler_svc.core import SchedulerCore
 from scheduler_svc.core.config import Policy, SchedulerConfig
-from scheduler_svc.core.types import (
+from sluice.hashing import hash_chain, salt_of
+from sluice.types import (
     CoreEvents,
     NewRequest,
     RequestStatus,
@@ -28,11 +29,10 @@ from scheduler_svc.core.types import (
     RoundResult,
     SamplingParams,
 )
-from sluice.hashing import hash_chain, salt_of
-from sluice.metrics import summarize
-from sluice.sim.config import SimConfig
-from sluice.sim.run import simulate
-from sluice.workload import WorkloadRequest, load_workload
+from sluice_tools.metrics import summarize
+from sluice_tools.sim.config import SimConfig
+from sluice_tools.sim.run import simulate
+from sluice_tools.workload import WorkloadRequest, load_workload
 from worker_svc.costmodel import CostModel
 
 

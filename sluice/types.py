@@ -83,6 +83,8 @@ class NewRequest:
     """Absolute time by which the request must be first scheduled, else TIMED_OUT."""
     eos_token_id: int | None = None
     """The model's end-of-sequence token (finishes the request unless ignore_eos)."""
+    tenant_weight: float | None = None
+    """The tenant's fair-share weight as admission's configuration sets it (None: the scheduler's own)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,16 +181,6 @@ class RejectReason(enum.Enum):
     """A live request already has this id (ALREADY_EXISTS)."""
     INVALID = "invalid"
     """Empty prompt, max_tokens < 1 and the like (INVALID_ARGUMENT)."""
-
-
-class RequestRejected(Exception):
-    """Raised by `SchedulerCore.submit`; nothing about the core changed."""
-
-    def __init__(self, request_id: str, reason: RejectReason, detail: str) -> None:
-        super().__init__(f"request {request_id!r} rejected ({reason.value}): {detail}")
-        self.request_id = request_id
-        self.reason = reason
-        self.detail = detail
 
 
 class KvEventKind(enum.Enum):
@@ -292,3 +284,21 @@ class CoreStats:
     timed_out: int
     prefix_hit_tokens: int
     prefix_query_tokens: int
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """What a worker tells its scheduler (and WorkerService.Info) about itself."""
+
+    model_id: str
+    model_version: str
+    block_size: int
+    num_blocks: int
+    num_host_blocks: int
+    dtype: str
+    device: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int
+    backend: str
+    """"torch" or "costmodel"."""

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from router_svc.core import RoutingPolicy
 from scheduler_svc.core.config import Policy, PreemptionMode
-from sluice.sim.config import SimConfig, parse_enum, vllm_default
+from sluice_tools.sim.config import SimConfig, parse_enum, vllm_default
 from worker_svc.costmodel import load_coefficients
 
 
@@ -148,10 +148,10 @@ def _setting_word(item: str, word: str, config: SimConfig) -> SimConfig:
 
 def run(args: argparse.Namespace) -> int:
     """Run the simulation(s) or scenarios; return the exit status (2 for a usage error)."""
-    from sluice.report import format_compare, format_table, write_json, write_plots
-    from sluice.sim.run import simulate
-    from sluice.sim.scenarios import run_scenarios
-    from sluice.workload import WorkloadError, load_workload
+    from sluice_tools.report import format_compare, format_table, write_json, write_plots
+    from sluice_tools.sim.run import simulate
+    from sluice_tools.sim.scenarios import run_scenarios
+    from sluice_tools.workload import WorkloadError, load_workload
 
     try:
         if args.scenario:

@@ -36,18 +36,12 @@ from router_svc.core import (
     RoutingPolicy,
 )
 from scheduler_svc.core import SchedulerCore
-from scheduler_svc.core.types import (
-    CoreEvents,
-    NewRequest,
-    RequestRejected,
-    RequestStatus,
-    SamplingParams,
-    Stage,
-)
+from sluice.core_errors import RequestRejected
 from sluice.hashing import hash_chain, salt_of
-from sluice.metrics import RequestRecord
-from sluice.sim.config import DEFAULT_MAX_MODEL_LEN, SimConfig
-from sluice.workload import WorkloadRequest
+from sluice.types import CoreEvents, NewRequest, RequestStatus, SamplingParams, Stage
+from sluice_tools.metrics import RequestRecord
+from sluice_tools.sim.config import DEFAULT_MAX_MODEL_LEN, SimConfig
+from sluice_tools.workload import WorkloadRequest
 from worker_svc.costmodel import CostModel, RoundShape
 
 # Event kinds, in no particular order (the heap orders by time, then creation).

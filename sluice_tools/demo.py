@@ -1,4 +1,4 @@
-"""`make demo` (`python -m sluice.demo`): the whole stack on this machine, a short workload, a report.
+"""`make demo` (`python -m sluice_tools.demo`): the whole stack on this machine, a short workload, a report.
 
 What it does, as a new user would: start embedded Redis, a router, two replicas (worker + scheduler)
 of the tiny torch model and admission, each its own process; replay the first 40 requests of the
@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sluice.commands.bench import Outcome, drive, fit_lengths, summarize_run
-from sluice.report import format_table, write_json
-from sluice.stack import Stack, StackConfig
-from sluice.workload import WorkloadRequest, load_workload
+from sluice_tools.commands.bench import Outcome, drive, fit_lengths, summarize_run
+from sluice_tools.report import format_table, write_json
+from sluice_tools.stack import Stack, StackConfig
+from sluice_tools.workload import WorkloadRequest, load_workload
 
 TENANTS = {"alice": "sk-demo-alice", "bob": "sk-demo-bob", "carol": "sk-demo-carol"}
 SLO_TTFT_S = 2.0
@@ -32,7 +32,7 @@ CONFIG = "\n".join(f'[tenants.{name}]\napi_keys = ["{key}"]\nweight = {1.0 if na
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Return the demo's options (all have working defaults)."""
-    p = argparse.ArgumentParser(prog="python -m sluice.demo", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m sluice_tools.demo", description=__doc__)
     p.add_argument("--requests", type=int, default=40)
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--arrival-span", type=float, default=8.0, help="seconds over which requests arrive")

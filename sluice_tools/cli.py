@@ -1,4 +1,4 @@
-"""`sluice ...`: one entry point; each subcommand lives in sluice/commands/<name>.py.
+"""`sluice ...`: one entry point; each subcommand lives in sluice_tools/commands/<name>.py.
 
 A command module exposes `add_arguments(parser)` and `run(args) -> int`. Modules are imported
 only when their command runs, so `sluice generate` does not import torch.
@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="Sluice: a serving control plane for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in COMMANDS.items():
-        module = importlib.import_module(f"sluice.commands.{name}")
+        module = importlib.import_module(f"sluice_tools.commands.{name}")
         command_parser = sub.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(command_parser)
         command_parser.set_defaults(_module=module)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sluice.metrics import FairnessWeights, RequestRecord, summarize
-from sluice.sim.cluster import Simulator
-from sluice.sim.config import SimConfig
-from sluice.workload import WorkloadRequest
+from sluice_tools.metrics import FairnessWeights, RequestRecord, summarize
+from sluice_tools.sim.cluster import Simulator
+from sluice_tools.sim.config import SimConfig
+from sluice_tools.workload import WorkloadRequest
 
 
 @dataclass

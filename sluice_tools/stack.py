@@ -34,6 +34,7 @@ from sluice.config import DEFAULT_API_KEY
 from sluice.lifeline import lifeline_command
 from sluice.redis_server import EmbeddedRedis, free_port
 from sluice.v1 import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from worker_svc.models import resolve_model
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -163,8 +164,10 @@ class Stack:
                 "--replica-id", f"replica-{i}", *c.scheduler_args]))
         self._wait_healthy(self.schedulers, deadline)
         model_id = self._wait_replicas_ready(deadline)
-        admission_args = [*common, "--router", self.router.address, "--model",
-                          c.model if c.backend == "torch" else "tiny", "--model-id", model_id,
+        # Admission reads the tokenizer only and never generates a preset: resolve (generate) it here.
+        tokenizer_model = str(resolve_model(c.model if c.backend == "torch" else "tiny"))
+        admission_args = [*common, "--router", self.router.address, "--model", tokenizer_model,
+                          "--model-id", model_id,
                           "--owner", f"admission-{c.namespace}"]
         if c.config_file:
             admission_args += ["--config", c.config_file]

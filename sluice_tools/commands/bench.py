@@ -4,7 +4,7 @@ Open loop: each request starts at its arrival time whatever happened to the othe
 `--max-concurrency` cap holds a request back when that many are in flight; its latency still
 counts from its arrival). Every request goes through the AsyncClient; per request we record
 arrival, first token, each token's arrival, finish and status, and summarise with the same code
-as `sluice sim` (sluice.metrics / sluice.report).
+as `sluice sim` (sluice_tools.metrics / sluice_tools.report).
 
 Latency the path adds per token: every GenerateChunk carries `created_unix_s`, the time the
 scheduler stamped on the token (or, when it does not stamp, the time Redis appended its delta,
@@ -205,8 +205,8 @@ async def drive(target: str, api_key: str | Mapping[str, str], requests: Sequenc
 
 
 def records_of(requests: Sequence[Any], outcomes: Sequence[Outcome]) -> list[Any]:
-    """Return sluice.metrics.RequestRecord for each (request, outcome)."""
-    from sluice.metrics import RequestRecord
+    """Return sluice_tools.metrics.RequestRecord for each (request, outcome)."""
+    from sluice_tools.metrics import RequestRecord
 
     return [RequestRecord(request_id=o.request_id or r.request_id, tenant=r.tenant, priority=r.priority,
                           arrival_s=o.arrival_s, first_token_s=o.first_token_s, finish_s=o.finish_s,
@@ -218,7 +218,7 @@ def records_of(requests: Sequence[Any], outcomes: Sequence[Outcome]) -> list[Any
 
 def path_latency(outcomes: Sequence[Outcome]) -> dict[str, Any]:
     """Return p50/p99 (and count) of the per-token path latency seen by the client, in seconds."""
-    from sluice.metrics import percentiles
+    from sluice_tools.metrics import percentiles
 
     values = [v for o in outcomes for v in o.path_latencies]
     out: dict[str, Any] = dict(percentiles(values, (50, 99)))
@@ -229,8 +229,8 @@ def path_latency(outcomes: Sequence[Outcome]) -> dict[str, Any]:
 
 def summarize_run(requests: Sequence[Any], outcomes: Sequence[Outcome], args: argparse.Namespace,
                   extra: dict[str, Any]) -> dict[str, Any]:
-    """Return the summary dict (sluice.metrics.summarize plus the path latency and run facts)."""
-    from sluice.metrics import summarize
+    """Return the summary dict (sluice_tools.metrics.summarize plus the path latency and run facts)."""
+    from sluice_tools.metrics import summarize
 
     summary = summarize(records_of(requests, outcomes), args.slo_ttft, args.slo_tpot)
     summary["path_latency_per_token_s"] = path_latency(outcomes)
@@ -240,8 +240,8 @@ def summarize_run(requests: Sequence[Any], outcomes: Sequence[Outcome], args: ar
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; returns 0, or 2 for a bad workload or flags."""
-    from sluice.report import format_table, write_json, write_plots
-    from sluice.workload import WorkloadError, load_workload
+    from sluice_tools.report import format_table, write_json, write_plots
+    from sluice_tools.workload import WorkloadError, load_workload
 
     try:
         workload = load_workload(args.workload, seed=args.seed, rate_scale=args.rate_scale,
@@ -252,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
     requests = fit_lengths(workload.requests, args.length_scale, args.max_input_tokens, args.max_output_tokens)
     stack = None
     if args.spawn:
-        from sluice.stack import Stack, StackConfig
+        from sluice_tools.stack import Stack, StackConfig
 
         stack = Stack(StackConfig(replicas=args.replicas, backend=args.backend, model=args.model,
                                   emulate_time=args.emulate_time)).start()

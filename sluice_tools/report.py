@@ -1,4 +1,4 @@
-"""Reports of a run's summary (`sluice.metrics.summarize`): JSON, tables and PNG plots.
+"""Reports of a run's summary (`sluice_tools.metrics.summarize`): JSON, tables and PNG plots.
 
 - `write_json`: the whole summary, for machines.
 - `format_table`: the headline figures of one run, fixed width, for people.
@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from sluice.metrics import RequestRecord
+from sluice_tools.metrics import RequestRecord
 
 Summary = Mapping[str, object]
 

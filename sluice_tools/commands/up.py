@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from sluice.stack import Stack
+    from sluice_tools.stack import Stack
 
 EXAMPLES = """\
 examples:
@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Start the stack, print the endpoint, wait for Ctrl-C/SIGTERM, stop gracefully; returns the exit code."""
-    from sluice.stack import Stack, StackConfig, StackError
+    from sluice_tools.stack import Stack, StackConfig, StackError
 
     problem = _check_args(args)
     if problem:
@@ -149,4 +149,4 @@ def _sluice_command() -> list[str]:
     if script.is_file():
         relative = os.path.relpath(script)
         return [relative if not relative.startswith("..") else str(script)]
-    return [sys.executable, "-m", "sluice.cli"]
+    return [sys.executable, "-m", "sluice_tools.cli"]

@@ -1,1 +1,0 @@
-"""Subcommands of `sluice` (see sluice/cli.py)."""

@@ -1,0 +1,265 @@
+"""The one conversion between the contract's types (sluice.types) and their wire forms (sluice.v1).
+
+Every rule is written once here: top_p 0 on the wire means 1.0, an unset seed is None, deadlines
+of 0 mean none, request status maps by one table. The services' own `convert` modules only
+handle their private types (the router's replica registry, admission's client chunks) and call
+these for everything shared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sluice.types import (
+    BackendInfo,
+    BlockCopy,
+    CoreStats,
+    Finished,
+    KvEvent,
+    KvEventKind,
+    NewRequest,
+    RequestStatus,
+    RoundPlan,
+    RoundResult,
+    SamplingParams,
+    ScheduledSeq,
+    SeqOutput,
+)
+from sluice.v1 import common_pb2, events_pb2, scheduler_pb2, worker_pb2
+
+
+def wire_top_p(top_p: float) -> float:
+    """Return the top_p a wire value means: 0 (unset) is 1.0, no nucleus cut."""
+    return top_p if top_p > 0 else 1.0
+
+
+def sampling_values(sampling: common_pb2.SamplingParams) -> dict[str, Any]:
+    """Return the sampling fields admission validates, with the wire's unset values resolved."""
+    return {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": wire_top_p(sampling.top_p)}
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Return the core SamplingParams of a wire message (an unset seed is None)."""
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_k=msg.top_k,
+        top_p=wire_top_p(msg.top_p),
+        seed=msg.seed if msg.HasField("seed") else None,
+        max_tokens=msg.max_tokens,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        stop_strings=tuple(msg.stop_strings),
+        ignore_eos=msg.ignore_eos,
+    )
+
+
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    """Return the wire form of core SamplingParams."""
+    msg = common_pb2.SamplingParams(
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+        max_tokens=params.max_tokens, stop_token_ids=params.stop_token_ids,
+        stop_strings=params.stop_strings, ignore_eos=params.ignore_eos,
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def plan_from_proto(msg: worker_pb2.RoundPlan) -> RoundPlan:
+    """Return the core RoundPlan of a wire plan (the budget is not on the wire: None)."""
+    cache: dict[bytes, SamplingParams] = {}
+    seqs = []
+    for s in msg.seqs:
+        # Many seqs of one batch share sampling settings; parse each distinct one once.
+        key = s.sampling.SerializeToString()
+        sampling = cache.get(key)
+        if sampling is None:
+            sampling = cache[key] = sampling_from_proto(s.sampling)
+        seqs.append(ScheduledSeq(
+            request_id=s.request_id, epoch=s.epoch, token_ids=tuple(s.token_ids),
+            start_position=s.start_position, block_table=tuple(s.block_table), sampling=sampling,
+            sample=s.sample, output_index=s.output_index, recent_output_ids=tuple(s.recent_output_ids),
+        ))
+    return RoundPlan(
+        round_id=msg.round_id, seqs=tuple(seqs),
+        swap_out=tuple(BlockCopy(c.src, c.dst) for c in msg.swap_out),
+        swap_in=tuple(BlockCopy(c.src, c.dst) for c in msg.swap_in),
+    )
+
+
+def plan_to_proto(plan: RoundPlan) -> worker_pb2.RoundPlan:
+    """Return the wire form of a core RoundPlan (its budget is local to the scheduler and not sent)."""
+    # Requests of a batch mostly share equal (frozen, hashable) sampling settings: convert each once.
+    cache: dict[SamplingParams, common_pb2.SamplingParams] = {}
+    seqs = []
+    for s in plan.seqs:
+        sampling = cache.get(s.sampling)
+        if sampling is None:
+            sampling = cache[s.sampling] = sampling_to_proto(s.sampling)
+        seqs.append(worker_pb2.ScheduledSeq(
+            request_id=s.request_id, epoch=s.epoch, token_ids=s.token_ids, start_position=s.start_position,
+            block_table=s.block_table, sampling=sampling, sample=s.sample, output_index=s.output_index,
+            recent_output_ids=s.recent_output_ids,
+        ))
+    return worker_pb2.RoundPlan(
+        round_id=plan.round_id, seqs=seqs,
+        swap_out=[worker_pb2.BlockCopy(src=c.src, dst=c.dst) for c in plan.swap_out],
+        swap_in=[worker_pb2.BlockCopy(src=c.src, dst=c.dst) for c in plan.swap_in],
+    )
+
+
+def result_to_proto(result: RoundResult) -> worker_pb2.RoundResult:
+    """Return the wire form of a core RoundResult."""
+    return worker_pb2.RoundResult(
+        round_id=result.round_id,
+        outputs=[worker_pb2.SeqOutput(request_id=o.request_id, epoch=o.epoch, token_ids=o.token_ids,
+                                      stop_string_hit=o.stop_string_hit) for o in result.outputs],
+        elapsed_s=result.elapsed_s, error=result.error,
+    )
+
+
+def result_from_proto(msg: worker_pb2.RoundResult) -> RoundResult:
+    """Return the core RoundResult of a wire result."""
+    return RoundResult(
+        round_id=msg.round_id,
+        outputs=tuple(SeqOutput(o.request_id, o.epoch, tuple(o.token_ids), o.stop_string_hit)
+                      for o in msg.outputs),
+        elapsed_s=msg.elapsed_s, error=msg.error,
+    )
+
+
+def info_to_proto(info: BackendInfo) -> worker_pb2.WorkerInfo:
+    """Return the wire WorkerInfo of a backend's info."""
+    return worker_pb2.WorkerInfo(
+        model_id=info.model_id, model_version=info.model_version, block_size=info.block_size,
+        num_blocks=info.num_blocks, num_host_blocks=info.num_host_blocks, dtype=info.dtype,
+        device=info.device, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+        eos_token_id=info.eos_token_id, backend=info.backend,
+    )
+
+
+def info_from_proto(msg: worker_pb2.WorkerInfo) -> BackendInfo:
+    """Return the BackendInfo carried by a wire WorkerInfo."""
+    return BackendInfo(
+        model_id=msg.model_id, model_version=msg.model_version, block_size=msg.block_size,
+        num_blocks=msg.num_blocks, num_host_blocks=msg.num_host_blocks, dtype=msg.dtype, device=msg.device,
+        max_model_len=msg.max_model_len, vocab_size=msg.vocab_size, eos_token_id=msg.eos_token_id,
+        backend=msg.backend,
+    )
+
+
+_STATUS: dict[RequestStatus, common_pb2.RequestStatus] = {
+    status: common_pb2.RequestStatus.Value(status.name) for status in RequestStatus
+}
+
+
+def status_to_proto(status: RequestStatus | None) -> common_pb2.RequestStatus:
+    """Return the wire RequestStatus (UNSPECIFIED for None, an unknown request)."""
+    return _STATUS[status] if status is not None else common_pb2.REQUEST_STATUS_UNSPECIFIED
+
+
+def new_request_from_proto(msg: scheduler_pb2.SubmitRequest, now: float, default_eos: int) -> NewRequest:
+    """Return the core NewRequest of a Submit call, arriving at `now`.
+
+    Deadlines of 0 mean none; an eos_token_id of 0 means the model's (`default_eos`, from the worker).
+    """
+    return NewRequest(
+        request_id=msg.request_id,
+        prompt_token_ids=tuple(msg.prompt_token_ids),
+        sampling=sampling_from_proto(msg.sampling),
+        tenant=msg.tenant or "default",
+        priority=msg.priority,
+        arrival_time=now,
+        deadline=msg.deadline_unix_s or None,
+        queue_deadline=msg.queue_deadline_unix_s or None,
+        eos_token_id=msg.eos_token_id or default_eos,
+        tenant_weight=msg.tenant_weight if msg.tenant_weight > 0 else None,
+    )
+
+
+def stats_to_proto(stats: CoreStats, replica_id: str, max_num_batched_tokens: int,
+                   max_num_seqs: int) -> scheduler_pb2.SchedulerStats:
+    """Return the wire SchedulerStats of the core's counters."""
+    hit_rate = stats.prefix_hit_tokens / stats.prefix_query_tokens if stats.prefix_query_tokens else 0.0
+    return scheduler_pb2.SchedulerStats(
+        replica_id=replica_id, waiting=stats.waiting, running=stats.running,
+        kv_blocks_total=stats.kv_blocks_total, kv_blocks_used=stats.kv_blocks_used,
+        kv_blocks_free=stats.kv_blocks_free, kv_blocks_cached=stats.kv_blocks_cached,
+        host_blocks_total=stats.host_blocks_total, host_blocks_used=stats.host_blocks_used,
+        preemptions=stats.preemptions, recomputed_tokens=stats.recomputed_tokens,
+        dropped_results=stats.dropped_results, rounds=stats.rounds,
+        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        queued_prefill_tokens=stats.queued_prefill_tokens, finished=stats.finished, cancelled=stats.cancelled,
+        timed_out=stats.timed_out, prefix_hit_rate=hit_rate,
+    )
+
+
+def kv_batch_to_proto(replica_id: str, events: Sequence[KvEvent]) -> events_pb2.KvEventBatch:
+    """Return one `kv` stream entry holding the replica's events, in order."""
+    batch = events_pb2.KvEventBatch(replica_id=replica_id)
+    for event in events:
+        wire = batch.events.add(event_id=event.event_id)
+        if event.kind is KvEventKind.STORED:
+            wire.stored.parent_hash = event.parent_hash
+            wire.stored.block_hashes.extend(event.block_hashes)
+        elif event.kind is KvEventKind.REMOVED:
+            wire.removed.block_hashes.extend(event.block_hashes)
+        else:
+            wire.all_cleared.SetInParent()
+    return batch
+
+
+def completion_to_proto(finished: Finished, *, replica_id: str, owner: str,
+                        timestamps: common_pb2.LifecycleTimestamps) -> events_pb2.Completion:
+    """Return the `completions` record of a terminal request.
+
+    `timestamps` carries the stages before the replica (received, admitted, routed) and the ones the
+    driver saw (cancel_requested, kv_released); the core's own times are filled in here.
+    """
+    ts = common_pb2.LifecycleTimestamps()
+    ts.CopyFrom(timestamps)
+    ts.enqueued = finished.arrival_time
+    ts.first_scheduled = finished.first_scheduled_time or 0.0
+    ts.first_token = finished.first_token_time or 0.0
+    ts.finished = finished.finish_time
+    u = finished.usage
+    return events_pb2.Completion(
+        request_id=finished.request_id, tenant=finished.tenant, replica_id=replica_id,
+        status=status_to_proto(finished.status), finish_reason=finished.finish_reason, detail=finished.detail,
+        usage=common_pb2.Usage(input_tokens=u.input_tokens, output_tokens=u.output_tokens,
+                               cached_tokens=u.cached_tokens, recomputed_tokens=u.recomputed_tokens,
+                               preemptions=u.preemptions),
+        timestamps=ts, owner=owner,
+    )
+
+
+def token_deltas(tokens: Sequence[tuple[str, int, int]], created_unix_s: float) -> list[events_pb2.TokenDelta]:
+    """Group the core's (request id, output index, token) triples into one delta per run of consecutive
+    tokens of a request, in order."""
+    deltas: list[events_pb2.TokenDelta] = []
+    last: events_pb2.TokenDelta | None = None
+    for request_id, index, token in tokens:
+        if last is not None and last.request_id == request_id and last.index + len(last.token_ids) == index:
+            last.token_ids.append(token)
+            continue
+        last = events_pb2.TokenDelta(request_id=request_id, index=index, token_ids=[token],
+                                     created_unix_s=created_unix_s)
+        deltas.append(last)
+    return deltas
+
+
+def kv_events_from_proto(batch: events_pb2.KvEventBatch) -> list[KvEvent]:
+    """Return the core KvEvents of a batch, in order. Raises ValueError on an event with no kind."""
+    out: list[KvEvent] = []
+    for event in batch.events:
+        kind = event.WhichOneof("kind")
+        if kind == "stored":
+            out.append(KvEvent(event.event_id, KvEventKind.STORED, tuple(event.stored.block_hashes),
+                               event.stored.parent_hash))
+        elif kind == "removed":
+            out.append(KvEvent(event.event_id, KvEventKind.REMOVED, tuple(event.removed.block_hashes)))
+        elif kind == "all_cleared":
+            out.append(KvEvent(event.event_id, KvEventKind.ALL_CLEARED))
+        else:
+            raise ValueError(f"KV event {event.event_id} of replica {batch.replica_id!r} has no kind")
+    return out

@@ -1,0 +1,1 @@
+"""Subcommands of `sluice` (see sluice_tools/cli.py)."""
