@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 COMMANDS = {
@@ -30,9 +31,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Errors a user's input causes: a bad config, workload or model path, an unreachable service. They
+# end in one line naming what was wrong (exit 2), never a traceback. SLUICE_DEBUG=1 shows it anyway.
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, LookupError)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; returns its exit code (2 for a user error reported in one line)."""
     args = build_parser().parse_args(argv)
-    return int(args._module.run(args) or 0)
+    try:
+        return int(args._module.run(args) or 0)
+    except KeyboardInterrupt:
+        print(f"sluice {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except USER_ERRORS as exc:
+        if os.environ.get("SLUICE_DEBUG"):
+            raise
+        print(f"sluice {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # a bug: still one line, with the way to see the traceback
+        if os.environ.get("SLUICE_DEBUG"):
+            raise
+        print(f"sluice {args.command}: internal error: {type(exc).__name__}: {_one_line(exc)} "
+              "(run with SLUICE_DEBUG=1 for the traceback)", file=sys.stderr)
+        return 1
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 400 else text[:400] + "..."
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import csv
 import functools
 import hashlib
 import json
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -314,7 +315,29 @@ def parse_synthetic_spec(spec: str) -> dict[str, object]:
     unknown = set(given) - set(SYNTHETIC_KEYS)
     if unknown:
         raise WorkloadError(f"unknown synthetic keys {sorted(unknown)}; known: {', '.join(SYNTHETIC_KEYS)}")
-    return {**_SYNTHETIC_DEFAULTS, **given}
+    return {**_SYNTHETIC_DEFAULTS, **{key: _typed(key, value) for key, value in given.items()}}
+
+
+_NUMERIC_KEYS: dict[str, type] = {
+    "rate": float, "rate_end": float, "cv": float, "n": int, "prefix_groups": int, "prefix_len": int,
+    "priority_frac": float, "high_priority": int, "deadline_s": float, "cancel_frac": float,
+    "cancel_after_s": float, "seed": int,
+}
+
+
+def _typed(key: str, value: object) -> object:
+    """Return a spec value as its key's number type; raises WorkloadError naming the key and the value."""
+    kind = _NUMERIC_KEYS.get(key)
+    if kind is None:
+        return value
+    try:
+        number = kind(value)
+    except (TypeError, ValueError):
+        raise WorkloadError(f"synthetic spec: {key}={value!r} is not {'an integer' if kind is int else 'a number'}"
+                            f" ({SYNTHETIC_KEYS[key]})") from None
+    if not math.isfinite(number):
+        raise WorkloadError(f"synthetic spec: {key}={value!r} must be finite")
+    return number
 
 
 def _lengths(text: str, n: int, rng: np.random.Generator) -> np.ndarray:

@@ -259,6 +259,10 @@ def run(args: argparse.Namespace) -> int:
         target, api_key = stack.endpoint, stack.api_key
     else:
         target, api_key = args.target or "localhost:50051", args.api_key
+        problem = _unreachable(target)
+        if problem:
+            print(f"sluice bench: error: {problem}", file=sys.stderr)
+            return 2
     try:
         outcomes = asyncio.run(drive(target, api_key, requests, max_concurrency=args.max_concurrency,
                                      vocab_size=args.vocab_size, timeout=args.timeout))
@@ -276,4 +280,22 @@ def run(args: argparse.Namespace) -> int:
     if args.plots:
         files = write_plots({"bench": records_of(requests, outcomes)}, {}, Path(args.plots))
         print(f"plots: {', '.join(str(f) for f in files)}")
+    if requests and not any(outcome.status == "ok" for outcome in outcomes):
+        print("sluice bench: error: no request succeeded (see the statuses above)", file=sys.stderr)
+        return 1
     return 0
+
+
+def _unreachable(target: str, timeout_s: float = 5.0) -> str:
+    """Return why admission at `target` cannot be benchmarked ("" when its health check says SERVING)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(target) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError as exc:
+            return f"cannot reach admission at {target}: {exc.code().name} ({exc.details()})"
+    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+        return f"admission at {target} is not serving (health {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)})"
+    return ""

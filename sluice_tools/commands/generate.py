@@ -30,8 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY", DEFAULT_API_KEY),
                         help=f"API key (default: $SLUICE_API_KEY, else {DEFAULT_API_KEY}, the key of a "
                              "deployment without a config file)")
-    parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most (default: 32)")
-    parser.add_argument("--priority", type=int, default=0, help="larger runs first (default: 0)")
+    parser.add_argument("--max-tokens", type=_int32, default=32, help="tokens to generate at most (default: 32)")
+    parser.add_argument("--priority", type=_int32, default=0, help="larger runs first (default: 0)")
     parser.add_argument("--model", default="", help="model name (default: the deployment's)")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1)")
@@ -40,6 +40,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--timeout", type=float, default=60.0, help="deadline in seconds (default: 60)")
     parser.add_argument("--ids", action="store_true", help="print token ids instead of text")
+
+
+def _int32(text: str) -> int:
+    """argparse type: an integer that fits the wire's int32 (the message names the value and the range)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not -(2**31) <= value < 2**31:
+        raise argparse.ArgumentTypeError(f"{value} is outside the 32-bit range [-2147483648, 2147483647]")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:

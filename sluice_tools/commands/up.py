@@ -55,6 +55,10 @@ def run(args: argparse.Namespace) -> int:
     """Start the stack, print the endpoint, wait for Ctrl-C/SIGTERM, stop gracefully; returns the exit code."""
     from sluice_tools.stack import Stack, StackConfig, StackError
 
+    # Services run with the repository as their working directory: relative paths must be made absolute here.
+    args.config = str(Path(args.config).resolve()) if args.config else None
+    if args.backend == "torch" and Path(args.model).exists():
+        args.model = str(Path(args.model).resolve())
     problem = _check_args(args)
     if problem:
         print(f"sluice up: {problem}", file=sys.stderr)
@@ -99,6 +103,9 @@ def _check_args(args: argparse.Namespace) -> str:
         return f"--replicas must be at least 1, got {args.replicas}"
     if args.config and not Path(args.config).is_file():
         return f"--config {args.config}: no such file"
+    problem = _check_config(args.config) or _check_model(args) or _check_redis(args.redis_url)
+    if problem:
+        return problem
     if args.port:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             # As gRPC does: a port whose last connections linger in TIME_WAIT is still free to listen on.
@@ -108,6 +115,49 @@ def _check_args(args: argparse.Namespace) -> str:
             except OSError as exc:
                 return (f"cannot listen on {args.host}:{args.port} ({exc.strerror}); is another `sluice up` "
                         f"running? Pass --port 0 for a free port")
+    return ""
+
+
+def _check_config(path: str | None) -> str:
+    """Return the config file's error in one line ("" when it loads): before any process starts."""
+    from sluice.config import ConfigError, load_config
+
+    try:
+        load_config(path)
+    except (ConfigError, OSError, ValueError) as exc:
+        return f"--config {path}: {exc}"
+    return ""
+
+
+def _check_model(args: argparse.Namespace) -> str:
+    """Return why --model cannot be served ("" when it is a directory, a preset, or a cost-model shape)."""
+    if args.backend != "torch":
+        from worker_svc.gpu_profiles import model_shape
+
+        try:
+            model_shape(args.model)
+        except ValueError as exc:
+            return f"--model: {exc}"
+        return ""
+    from worker_svc.engine.presets import PRESETS
+
+    if args.model in PRESETS or (Path(args.model) / "config.json").is_file():
+        return ""
+    return (f"--model {args.model}: neither a preset ({', '.join(sorted(PRESETS))}) nor a model directory "
+            f"with a config.json")
+
+
+def _check_redis(url: str | None) -> str:
+    """Return why an external Redis cannot be used ("" when it answers PING, or when none is given)."""
+    if not url:
+        return ""
+    import redis
+
+    try:
+        with redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3) as client:
+            client.ping()
+    except (redis.RedisError, ValueError, OSError) as exc:
+        return f"--redis-url: cannot use Redis ({type(exc).__name__}: {exc})"
     return ""
 
 
