@@ -13,6 +13,7 @@ import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from sluice_tools.metrics import RequestRecord
 
@@ -128,7 +129,17 @@ def write_json(summary: object, path: str | Path) -> Path:
     return target
 
 
-def _cdf_plot(plt: object, runs: Mapping[str, Sequence[RequestRecord]], metric: str, target: Path) -> Path:
+def _cdf_plot(plt: object, runs: Mapping[str, Sequence[RequestRecord]], metric: str, target: Path,
+              title: str = "", slo_s: float | None = None) -> Path:
+    figure = cdf_figure(plt, runs, metric, title, slo_s)
+    figure.savefig(target, dpi=110)
+    plt.close(figure)  # type: ignore[attr-defined]
+    return target
+
+
+def cdf_figure(plt: object, runs: Mapping[str, Sequence[RequestRecord]], metric: str, title: str = "",
+               slo_s: float | None = None) -> Any:
+    """Return a matplotlib figure: one CDF line per run, titled, with the SLO as a dashed line."""
     import numpy as np
 
     figure, axis = plt.subplots(figsize=(7, 4.5))  # type: ignore[attr-defined]
@@ -136,15 +147,17 @@ def _cdf_plot(plt: object, runs: Mapping[str, Sequence[RequestRecord]], metric: 
         values = np.sort([v for r in records if r.status == "ok" and (v := getattr(r, metric)) is not None])
         if values.size:
             axis.plot(values * 1000.0, np.arange(1, values.size + 1) / values.size, label=name)
-    axis.set_xlabel(f"{metric.removesuffix('_s').upper()} (ms)")
+    name = metric.removesuffix("_s").upper()
+    if slo_s:
+        axis.axvline(slo_s * 1000.0, color="red", linestyle="--", linewidth=1, label=f"SLO {slo_s * 1000:g} ms")
+    axis.set_title(f"{name} CDF" + (f": {title}" if title else ""), fontsize=9)
+    axis.set_xlabel(f"{name} (ms)")
     axis.set_ylabel("fraction of requests")
     axis.set_xscale("log")
     axis.grid(True, which="both", alpha=0.3)
     axis.legend()
     figure.tight_layout()
-    figure.savefig(target, dpi=110)
-    plt.close(figure)  # type: ignore[attr-defined]
-    return target
+    return figure
 
 
 _TIMELINE = (
@@ -176,11 +189,15 @@ def write_plots(
     runs: Mapping[str, Sequence[RequestRecord]],
     series: Mapping[str, Mapping[str, Sequence[Sequence[float]]]],
     out_dir: str | Path,
+    *,
+    title: str = "",
+    slo: Mapping[str, float] | None = None,
 ) -> list[Path]:
     """Write latency CDFs over all runs and one timeline per run into `out_dir`; returns the files.
 
     `runs` maps a configuration name to its records; `series` maps it to its time series
-    (keys "waiting", "running", "kv_used_frac", "replicas_ready" as (time, value) pairs).
+    (keys "waiting", "running", "kv_used_frac", "replicas_ready" as (time, value) pairs). `title`
+    names the workload and setup on every CDF; `slo` maps "ttft_s"/"tpot_s" to a target drawn as a line.
     """
     import matplotlib
 
@@ -190,10 +207,25 @@ def write_plots(
     target = Path(out_dir)
     target.mkdir(parents=True, exist_ok=True)
     files = [
-        _cdf_plot(plt, runs, metric, target / f"cdf_{metric.removesuffix('_s')}.png")
+        _cdf_plot(plt, runs, metric, target / f"cdf_{metric.removesuffix('_s')}.png", title,
+                  (slo or {}).get(metric))
         for metric in ("ttft_s", "tpot_s", "e2e_s")
     ]
     for name, run_series in series.items():
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
         files.append(_timeline_plot(plt, run_series, name, target / f"timeline_{safe}.png"))
     return files
+
+
+def records_to_json(records: Sequence[RequestRecord]) -> list[dict[str, object]]:
+    """Return the per-request fields a later run's plots overlay (`sluice bench --compare`)."""
+    keep = ("request_id", "tenant", "priority", "arrival_s", "first_token_s", "finish_s", "status",
+            "input_tokens", "output_tokens")
+    return [{key: getattr(record, key) for key in keep} for record in records]
+
+
+def records_from_json(rows: Sequence[Mapping[str, object]]) -> list[RequestRecord]:
+    """Return RequestRecords of `records_to_json` rows (TPOT is recomputed from the times and counts)."""
+    names = ("request_id", "tenant", "priority", "arrival_s", "first_token_s", "finish_s", "status",
+             "input_tokens", "output_tokens")
+    return [RequestRecord(**{key: row[key] for key in names if key in row}) for row in rows]  # type: ignore[arg-type]

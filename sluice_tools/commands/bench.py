@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
+import json
 import os
 import sys
 import time
@@ -56,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-tpot", type=float, default=DEFAULT_SLO_TPOT_S, help="TPOT target (s)")
     parser.add_argument("--json", default=None, help="write the summary here")
     parser.add_argument("--plots", default=None, help="write latency CDF plots into this directory")
+    parser.add_argument("--compare", nargs="+", default=[], metavar="JSON",
+                        help="earlier runs' --json files to overlay on the plots (one line per run)")
+    parser.add_argument("--name", default=None, help="this run's name in plots and --compare (default: the setup)")
 
 
 @dataclasses.dataclass
@@ -240,7 +244,7 @@ def summarize_run(requests: Sequence[Any], outcomes: Sequence[Outcome], args: ar
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; returns 0, or 2 for a bad workload or flags."""
-    from sluice_tools.report import format_table, write_json, write_plots
+    from sluice_tools.report import format_table, records_to_json, write_json, write_plots
     from sluice_tools.workload import WorkloadError, load_workload
 
     try:
@@ -275,15 +279,40 @@ def run(args: argparse.Namespace) -> int:
     if lat.get("p50") is not None:
         print(f"path latency per token (scheduler -> client): p50 {lat['p50'] * 1e3:.2f} ms, "
               f"p99 {lat['p99'] * 1e3:.2f} ms over {int(lat['count'])} chunks")
+    name = args.name or _run_name(args)
+    records = records_of(requests, outcomes)
     if args.json:
-        print(f"JSON: {write_json(summary, args.json)}")
+        print(f"JSON: {write_json({**summary, 'name': name, 'records': records_to_json(records)}, args.json)}")
     if args.plots:
-        files = write_plots({"bench": records_of(requests, outcomes)}, {}, Path(args.plots))
+        runs = {**_earlier_runs(args.compare), name: records}
+        files = write_plots(runs, {}, Path(args.plots), title=f"{args.workload} ({len(requests)} requests)",
+                            slo={"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot})
         print(f"plots: {', '.join(str(f) for f in files)}")
     if requests and not any(outcome.status == "ok" for outcome in outcomes):
         print("sluice bench: error: no request succeeded (see the statuses above)", file=sys.stderr)
         return 1
     return 0
+
+
+def _run_name(args: argparse.Namespace) -> str:
+    """Return a run's default name: the spawned setup, or the target it measured."""
+    if args.spawn:
+        timing = ", emulated time" if args.emulate_time else ""
+        return f"{args.replicas} x {args.backend} {args.model}{timing}"
+    return args.target or "localhost:50051"
+
+
+def _earlier_runs(paths: Sequence[str]) -> dict[str, list[Any]]:
+    """Return name -> records of earlier `--json` files; raises ValueError naming a file without records."""
+    from sluice_tools.report import records_from_json
+
+    runs: dict[str, list[Any]] = {}
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict) or "records" not in data:
+            raise ValueError(f"--compare {path}: not a `sluice bench --json` file with per-request records")
+        runs[str(data.get("name") or Path(path).stem)] = records_from_json(data["records"])
+    return runs
 
 
 def _unreachable(target: str, timeout_s: float = 5.0) -> str:

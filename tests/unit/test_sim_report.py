@@ -61,3 +61,35 @@ def test_compare_adds_rows_per_priority_and_tenant() -> None:
     table = format_compare({"mixed": summarize(mixed, 1, 1), "plain": summarize(make_records(1.0), 1, 1)})
     row = next(line for line in table.splitlines() if line.startswith("TTFT p99, priority 2 (ms)"))
     assert row.split()[-2:] == ["100.0", "-"]
+
+
+def test_cdf_is_titled_with_the_setup_and_draws_the_slo() -> None:
+    """A CDF plot names the workload in its title, has one line per run, and marks the SLO target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from sluice_tools.metrics import RequestRecord
+    from sluice_tools.report import cdf_figure
+
+    runs = {name: [RequestRecord(f"{name}{i}", arrival_s=0.0, first_token_s=0.01 * (i + 1), finish_s=1.0,
+                                 output_tokens=10) for i in range(5)] for name in ("before", "after")}
+    figure = cdf_figure(plt, runs, "ttft_s", "azure-conv (5 requests)", slo_s=0.2)
+    axis = figure.axes[0]
+    labels = [line.get_label() for line in axis.get_lines()]
+    assert "azure-conv (5 requests)" in axis.get_title()
+    assert labels == ["before", "after", "SLO 200 ms"]
+    plt.close(figure)
+
+
+def test_bench_records_survive_the_json_round_trip() -> None:
+    """Records written by `sluice bench --json` read back with the same latencies, for --compare overlays."""
+    from sluice_tools.metrics import RequestRecord
+    from sluice_tools.report import records_from_json, records_to_json
+
+    records = [RequestRecord("r1", tenant="a", arrival_s=1.0, first_token_s=1.2, finish_s=2.0, output_tokens=5,
+                             input_tokens=7), RequestRecord("r2", status="rejected", arrival_s=1.5, finish_s=1.5)]
+    back = records_from_json(json.loads(json.dumps(records_to_json(records))))
+    assert [(r.request_id, r.status, r.ttft_s, r.tpot_s, r.e2e_s) for r in back] == \
+        [(r.request_id, r.status, r.ttft_s, r.tpot_s, r.e2e_s) for r in records]
