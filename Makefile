@@ -13,7 +13,7 @@ $(BIN)/python:
 # torch==2.13.0 resolves to the CPU wheel that lies on this kind of machine.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[worker,test,dev,plots]'
+	$(BIN)/pip install -q -e '.[server,worker,test,dev,plots]'
 	touch $(STAMP)
 
 sluice/v1/.stamp: $(PROTOS) scripts/gen_protos.py $(STAMP)

@@ -41,7 +41,7 @@ from sluice.v1 import admission_pb2, admission_pb2_grpc, common_pb2
 
 __all__ = [
     "AsyncClient", "Cancelled", "Chunk", "Client", "DeadlineExceeded", "Generation", "InvalidArgument",
-    "NotFound", "PermissionDenied", "ResourceExhausted", "RetryBudget", "RetryPolicy", "SluiceError",
+    "NotFound", "PermissionDenied", "RequestInfo", "ResourceExhausted", "RetryBudget", "RetryPolicy", "SluiceError",
     "Unauthenticated", "Unavailable", "Usage",
 ]
 
@@ -86,6 +86,32 @@ class Generation:
     finish_reason: str
     status: str
     usage: Usage
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """What admission knows of one request (`get_request`)."""
+
+    request_id: str
+    status: str
+    """The lifecycle status: WAITING, RUNNING, FINISHED_STOP, FINISHED_LENGTH, CANCELLED, TIMED_OUT, ..."""
+    finish_reason: str
+    replica_id: str
+    usage: Usage
+    timestamps: dict[str, float]
+    """Unix time of each lifecycle stage seen so far (received, admitted, routed, first_token, ...)."""
+
+    @property
+    def finished(self) -> bool:
+        """True once the request is in a terminal status."""
+        return self.status not in ("WAITING", "RUNNING", "PREEMPTED", "CANCELLING", "REQUEST_STATUS_UNSPECIFIED")
+
+
+def _request_info(message: admission_pb2.RequestInfo) -> RequestInfo:
+    stamps = {field.name: value for field, value in message.timestamps.ListFields() if value}
+    return RequestInfo(message.request_id, common_pb2.RequestStatus.Name(message.status), message.finish_reason,
+                       message.replica_id, Usage(**{f: getattr(message.usage, f) for f in Usage.__dataclass_fields__}),
+                       stamps)
 
 
 def _chunk(message: admission_pb2.GenerateChunk) -> Chunk:
@@ -230,10 +256,10 @@ class Client:
                                timeout)
         return common_pb2.RequestStatus.Name(response.status)
 
-    def get_request(self, request_id: str, *, timeout: float | None = 10.0) -> admission_pb2.RequestInfo:
+    def get_request(self, request_id: str, *, timeout: float | None = 10.0) -> RequestInfo:
         """Return what admission knows of a request (status, usage, timestamps); raises NotFound."""
-        return self._unary(self._stub.GetRequest, admission_pb2.GetRequestRequest(request_id=request_id),
-                           timeout)
+        return _request_info(self._unary(self._stub.GetRequest,
+                                         admission_pb2.GetRequestRequest(request_id=request_id), timeout))
 
     def _unary(self, method: Any, message: Any, timeout: float | None) -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -308,10 +334,10 @@ class AsyncClient:
                                      admission_pb2.CancelGenerationRequest(request_id=request_id), timeout)
         return common_pb2.RequestStatus.Name(response.status)
 
-    async def get_request(self, request_id: str, *, timeout: float | None = 10.0) -> admission_pb2.RequestInfo:
+    async def get_request(self, request_id: str, *, timeout: float | None = 10.0) -> RequestInfo:
         """Return what admission knows of a request; raises NotFound."""
-        return await self._unary(self._stub.GetRequest,
-                                 admission_pb2.GetRequestRequest(request_id=request_id), timeout)
+        return _request_info(await self._unary(self._stub.GetRequest,
+                                               admission_pb2.GetRequestRequest(request_id=request_id), timeout))
 
     async def _unary(self, method: Any, message: Any, timeout: float | None) -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout

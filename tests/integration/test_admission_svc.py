@@ -224,7 +224,8 @@ def test_other_tenant_cannot_cancel_or_read(tmp_path: Path, redis_url: str, name
             rest = [chunk async for chunk in stream]
             info = await acme.get_request(first.request_id)
         assert replica.cancelled == [] and rest[-1].status == "FINISHED_LENGTH"
-        assert common_pb2.RequestStatus.Name(info.status) == "FINISHED_LENGTH" and info.usage.output_tokens == 6
+        assert info.status == "FINISHED_LENGTH" and info.finished and info.usage.output_tokens == 6
+        assert {"received", "admitted", "routed", "finished"} <= set(info.timestamps), info.timestamps
 
     run(tmp_path, redis_url, namespace, body)
 
