@@ -229,3 +229,55 @@ def records_from_json(rows: Sequence[Mapping[str, object]]) -> list[RequestRecor
     names = ("request_id", "tenant", "priority", "arrival_s", "first_token_s", "finish_s", "status",
              "input_tokens", "output_tokens")
     return [RequestRecord(**{key: row[key] for key in names if key in row}) for row in rows]  # type: ignore[arg-type]
+
+
+def format_capacity(results: Mapping[str, Any], ideal_prefix_hit_rate: float | None = None) -> str:
+    """Return a table of capacity searches: rate at the goal, p99 TTFT there, prefix hits, ratios."""
+    names = list(results)
+    baseline = next((n for n in names if "round_robin" in n), names[0] if names else "")
+    base_rps = results[baseline].capacity_rps if names else 0.0
+    header = f"{'configuration':<34} {'capacity req/s':>15} {'vs ' + baseline[:14]:>18} {'p99 TTFT s':>11} " \
+             f"{'prefix hits':>12} {'probes':>7}"
+    lines = [header, "-" * len(header)]
+    for name in names:
+        result = results[name]
+        ratio = f"{result.capacity_rps / base_rps:.2f}x" if base_rps > 0 else "-"
+        bound = "" if result.bracketed else " (unbracketed)"
+        p99 = f"{result.p99_ttft_s:.2f}" if result.p99_ttft_s is not None else "-"
+        hits = f"{result.prefix_hit_rate:.1%}" if result.prefix_hit_rate is not None else "-"
+        lines.append(f"{name:<34} {result.capacity_rps:>15.2f} {ratio:>18} {p99:>11} {hits:>12} "
+                     f"{len(result.probes):>7}{bound}")
+    if ideal_prefix_hit_rate is not None:
+        lines.append(f"one infinite prefix cache would hit {ideal_prefix_hit_rate:.1%} of prompt tokens; "
+                     f"goal: {next(iter(results.values())).goal:.0%} of requests within SLO" if names else "")
+    return "\n".join(lines)
+
+
+def write_capacity_plot(results: Mapping[str, Any], out_dir: str | Path, title: str = "") -> Path:
+    """Write attainment against offered rate, one line per configuration, with the goal; returns the file."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    target = Path(out_dir)
+    target.mkdir(parents=True, exist_ok=True)
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    goal = None
+    for name, result in results.items():
+        points = sorted((p.rate_rps, p.attainment) for p in result.probes)
+        axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+        goal = result.goal
+    if goal is not None:
+        axis.axhline(goal, color="red", linestyle="--", linewidth=1, label=f"goal {goal:.0%}")
+    axis.set_title("SLO attainment vs offered rate" + (f": {title}" if title else ""), fontsize=9)
+    axis.set_xlabel("offered rate (req/s)")
+    axis.set_ylabel("fraction of requests within SLO")
+    axis.set_xscale("log")
+    axis.grid(True, which="both", alpha=0.3)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    path = target / "capacity.png"
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

@@ -203,6 +203,34 @@ def _checked(requests: list[WorkloadRequest], source: str) -> list[WorkloadReque
     return requests
 
 
+def offered_rate(requests: Sequence[WorkloadRequest]) -> float:
+    """Return the requests' arrival rate in requests per second (0 for fewer than two)."""
+    if len(requests) < 2:
+        return 0.0
+    span = max(r.arrival_s for r in requests) - min(r.arrival_s for r in requests)
+    return (len(requests) - 1) / span if span > 0 else float("inf")
+
+
+def ideal_prefix_hit_rate(requests: Sequence[WorkloadRequest]) -> float:
+    """Return the prompt-token hit rate of one infinite prefix cache serving the requests in arrival order.
+
+    A request hits the leading run of its `hash_ids` blocks (MOONCAKE_BLOCK_TOKENS each, capped at its
+    input length) that any earlier request already computed: the most any router could reuse.
+    """
+    seen: set[int] = set()
+    hit = total = 0
+    for request in sorted(requests, key=lambda r: r.arrival_s):
+        total += request.input_length
+        leading = 0
+        for block in request.hash_ids:
+            if block not in seen:
+                break
+            leading += 1
+        hit += min(leading * MOONCAKE_BLOCK_TOKENS, request.input_length)
+        seen.update(request.hash_ids)
+    return hit / total if total else 0.0
+
+
 def transform(
     requests: Sequence[WorkloadRequest],
     *,

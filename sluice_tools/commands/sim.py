@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import replace
+from typing import Any
 
 from router_svc.core import RoutingPolicy
 from scheduler_svc.core.config import Policy, PreemptionMode
@@ -68,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compare", help="comma-separated configurations, e.g. fcfs+round_robin,priority+score"
     )
+    parser.add_argument("--capacity", action="store_true",
+                        help="find each configuration's capacity: the highest rate (by rate scale) at which "
+                             "--capacity-goal of requests meet both SLO targets")
+    parser.add_argument("--capacity-goal", type=float, default=0.9, help="SLO attainment to hold (default 0.9)")
 
 
 def base_config(args: argparse.Namespace, tenant_weights: dict[str, float]) -> SimConfig:
@@ -173,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"sluice sim: {error}", file=sys.stderr)
         return 2
     print(f"workload {workload.name}: {workload.describe()}", file=sys.stderr)
+    if args.capacity:
+        return _run_capacity(args, workload, configs)
     results = {}
     for name, config in configs.items():
         print(f"simulating {name} ...", file=sys.stderr)
@@ -191,6 +198,45 @@ def run(args: argparse.Namespace) -> int:
         )
         print(f"wrote {len(files)} plots into {args.plots}", file=sys.stderr)
     return 0
+
+
+def _run_capacity(args: argparse.Namespace, workload: Any, configs: dict[str, SimConfig]) -> int:
+    """Search each configuration's capacity on the workload; print a table, write JSON and a plot."""
+    from sluice_tools.capacity import CapacitySearch, Probe, find_capacity
+    from sluice_tools.report import format_capacity, write_capacity_plot, write_json
+    from sluice_tools.sim.run import simulate
+    from sluice_tools.workload import ideal_prefix_hit_rate, offered_rate, transform
+
+    search = CapacitySearch(goal=args.capacity_goal)
+    results = {}
+    for name, config in configs.items():
+        def probe(scale: float, config: SimConfig = config, name: str = name) -> Probe:
+            requests = transform(workload.requests, rate_scale=scale)
+            summary = simulate(config, requests, include_series=False).summary
+            print(f"  {name}: x{scale:.3g} ({offered_rate(requests):.2f} req/s) -> "
+                  f"{summary['slo_attainment']:.1%} within SLO", file=sys.stderr)
+            return probe_of(summary, scale, offered_rate(requests))
+
+        print(f"capacity of {name} ...", file=sys.stderr)
+        results[name] = find_capacity(probe, search)
+    ideal = ideal_prefix_hit_rate(workload.requests)
+    print(format_capacity(results, ideal_prefix_hit_rate=ideal))
+    payload = {"workload": workload.describe(), "ideal_prefix_hit_rate": ideal,
+               "capacity": {name: result.to_dict() for name, result in results.items()}}
+    if args.json:
+        print(f"wrote {write_json(payload, args.json)}", file=sys.stderr)
+    if args.plots:
+        print(f"wrote {write_capacity_plot(results, args.plots, title=workload.name)}", file=sys.stderr)
+    return 0
+
+
+def probe_of(summary: dict[str, Any], scale: float, rate_rps: float) -> Any:
+    """Return the capacity Probe of one run's summary (sim or bench: the same summary shape)."""
+    from sluice_tools.capacity import Probe
+
+    tokens = summary["tokens"]
+    hit = tokens["cached"] / tokens["input"] if tokens["input"] else None
+    return Probe(scale, rate_rps, float(summary["slo_attainment"]), summary["ttft_s"].get("p99"), hit)
 
 
 def _label(config: SimConfig) -> str:
