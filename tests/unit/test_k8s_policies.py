@@ -6,9 +6,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-import pytest
+import yaml
 
-yaml = pytest.importorskip("yaml")
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 APPS = ("admission", "router", "replica", "redis", "otel-collector", "jaeger", "planner")
 # Who calls whom on which port, and nothing else (inside the namespace; DNS and outside peers aside).

@@ -9,11 +9,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
-
-yaml = pytest.importorskip("yaml")
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
-from kubernetes_validate.utils import SchemaNotFoundError  # noqa: E402
+import yaml
+from kubernetes_validate.utils import SchemaNotFoundError
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 # The oldest Kubernetes the manifests are meant for (gRPC probes are GA from 1.27) and the newest
