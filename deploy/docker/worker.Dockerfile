@@ -11,6 +11,8 @@ COPY admission_svc ./admission_svc
 COPY router_svc ./router_svc
 COPY scheduler_svc ./scheduler_svc
 COPY worker_svc ./worker_svc
+# sluice_tools (not in the installed package) for the model-init containers: python -m sluice_tools.cli model init
+COPY sluice_tools ./sluice_tools
 RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu ".[worker]" grpcio-tools==1.85.1 \
  && python scripts/gen_protos.py \
  && pip uninstall -y grpcio-tools

@@ -95,3 +95,63 @@ def test_k8s_args_parse_and_match_container_ports() -> None:
         assert probed == args.port, f"{container['name']} probes port {probed}, listens on {args.port}"
         seen.add(service)
     assert seen == set(PARSERS)
+
+
+def test_prometheus_scrapes_every_compose_service_on_its_metrics_port() -> None:
+    """deploy/prometheus.yml has a target for each compose service at the --metrics-port it is started with."""
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    targets = {t for job in config["scrape_configs"] for group in job["static_configs"] for t in group["targets"]}
+    expected = {f"{name}:{parse(service, spec.get('command', [])).metrics_port}"
+                for name, service, spec in compose_services()}
+    assert None not in {parse(s, spec.get("command", [])).metrics_port for _, s, spec in compose_services()}
+    assert expected <= targets, f"not scraped: {expected - targets}"
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]
+    assert "./prometheus.yml:/etc/prometheus/prometheus.yml:ro" in compose["prometheus"]["volumes"]
+
+
+def test_grafana_provisions_the_dashboard_and_a_prometheus_datasource() -> None:
+    """Compose mounts the provisioning files and the dashboard where the provider looks, with a datasource of the dashboard's type."""
+    grafana = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]["grafana"]
+    mounts = dict(v.removesuffix(":ro").split(":", 1) for v in grafana["volumes"])
+    assert mounts["./grafana/provisioning"] == "/etc/grafana/provisioning"
+    provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/sluice.yaml").read_text())
+    folder, file = mounts["./grafana/sluice-dashboard.json"].rsplit("/", 1)
+    assert folder == provider["providers"][0]["options"]["path"] and file.endswith(".json")
+    dashboard = json.loads((DEPLOY / "grafana/sluice-dashboard.json").read_text())
+    wanted = {v["query"] for v in dashboard["templating"]["list"] if v["type"] == "datasource"}
+    datasources = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yaml").read_text())
+    assert wanted == {"prometheus"} and [d["type"] for d in datasources["datasources"]] == ["prometheus"]
+    prometheus = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]["prometheus"]
+    port = prometheus["ports"][0].split(":")[-1]
+    assert datasources["datasources"][0]["url"] == f"http://prometheus:{port}"
+
+
+def test_k8s_probes_resources_and_metrics_ports_match_each_containers_flags() -> None:
+    """Every Sluice container is probed over gRPC on its --port, has CPU/memory requests and limits, and names its --metrics-port *metrics."""
+    for service, container in k8s_containers():
+        args = parse(service, container.get("args", []))
+        for kind in ("readinessProbe", "livenessProbe"):
+            assert container[kind]["grpc"]["port"] == args.port, f"{container['name']} {kind}"
+        if "startupProbe" in container:
+            assert container["startupProbe"]["grpc"]["port"] == args.port, container["name"]
+        for level in ("requests", "limits"):
+            assert {"cpu", "memory"} <= set(container["resources"][level]), f"{container['name']} {level}"
+        metrics = [p["containerPort"] for p in container["ports"] if p["name"].endswith("metrics")]
+        assert metrics == [args.metrics_port], f"{container['name']}: metrics ports {metrics}"
+
+
+def test_both_containers_of_a_replica_pod_are_scraped() -> None:
+    """The replica pod declares two *metrics ports, carries no single-port annotation, and the PodMonitor lists both port names."""
+    pods = {doc["metadata"]["name"]: doc["spec"]["template"] for path in sorted((DEPLOY / "k8s").glob("*.yaml"))
+            for doc in yaml.safe_load_all(path.read_text()) if doc and doc["kind"] == "Deployment"}
+    names: set[str] = set()
+    for name in ("replica", "admission", "router"):
+        annotations = pods[name]["metadata"]["annotations"]
+        assert annotations == {"prometheus.io/scrape": "true"}, name
+        names |= {p["name"] for c in pods[name]["spec"]["containers"] for p in c["ports"]
+                  if p["name"].endswith("metrics")}
+    replica_ports = [p["name"] for c in pods["replica"]["spec"]["containers"] for p in c["ports"]]
+    assert sorted(p for p in replica_ports if p.endswith("metrics")) == ["metrics", "worker-metrics"]
+    monitor = yaml.safe_load((DEPLOY / "k8s/extras/podmonitor.yaml").read_text())
+    assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} == names
+    assert ".*metrics" in (DEPLOY / "k8s/extras/prometheus-scrape-config.yaml").read_text()
