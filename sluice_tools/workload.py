@@ -214,8 +214,8 @@ def offered_rate(requests: Sequence[WorkloadRequest]) -> float:
 def ideal_prefix_hit_rate(requests: Sequence[WorkloadRequest]) -> float:
     """Return the prompt-token hit rate of one infinite prefix cache serving the requests in arrival order.
 
-    A request hits the leading run of its `hash_ids` blocks (MOONCAKE_BLOCK_TOKENS each, capped at its
-    input length) that any earlier request already computed: the most any router could reuse.
+    A request hits the leading run of its `hash_ids` blocks (`hash_block_tokens` each, capped at its
+    prefix) that any earlier request already computed: the most any router could reuse.
     """
     seen: set[int] = set()
     hit = total = 0
@@ -226,7 +226,7 @@ def ideal_prefix_hit_rate(requests: Sequence[WorkloadRequest]) -> float:
             if block not in seen:
                 break
             leading += 1
-        hit += min(leading * MOONCAKE_BLOCK_TOKENS, request.input_length)
+        hit += min(leading * request.hash_block_tokens, request.input_length)
         seen.update(request.hash_ids)
     return hit / total if total else 0.0
 
@@ -305,6 +305,10 @@ SYNTHETIC_KEYS = {
     "cancel_frac": "fraction of requests the client cancels",
     "cancel_after_s": "seconds after arrival at which they are cancelled",
     "seed": "overrides --seed",
+    "system_len": "conversation mix: tokens of the system prompt every request starts with (0 = none)",
+    "conversations": "conversation mix: active conversations a follow-up turn picks from (0 = off)",
+    "new_conv_frac": "conversation mix: fraction of requests that open a new conversation (default 0.3)",
+    "history_cap": "conversation mix: history tokens after which a conversation closes (default 6000)",
 }
 _SYNTHETIC_DEFAULTS: dict[str, object] = {
     "arrival": "poisson",
@@ -319,6 +323,10 @@ _SYNTHETIC_DEFAULTS: dict[str, object] = {
     "priority_frac": 0.0,
     "high_priority": 1,
     "cancel_frac": 0.0,
+    "system_len": 0,
+    "conversations": 0,
+    "new_conv_frac": 0.3,
+    "history_cap": 6000,
 }
 
 
@@ -349,7 +357,8 @@ def parse_synthetic_spec(spec: str) -> dict[str, object]:
 _NUMERIC_KEYS: dict[str, type] = {
     "rate": float, "rate_end": float, "cv": float, "n": int, "prefix_groups": int, "prefix_len": int,
     "priority_frac": float, "high_priority": int, "deadline_s": float, "cancel_frac": float,
-    "cancel_after_s": float, "seed": int,
+    "cancel_after_s": float, "seed": int, "system_len": int, "conversations": int, "new_conv_frac": float,
+    "history_cap": int,
 }
 
 
@@ -460,6 +469,51 @@ def generate_synthetic(
                 seed=seed,
             )
         )
+    if int(settings["conversations"]) > 0 or int(settings["system_len"]) > 0:  # type: ignore[call-overload]
+        requests = _as_conversations(requests, settings, seed)
     if "tenant_weights" in settings:
         weights = _tenants(str(settings["tenant_weights"]))
     return requests, weights
+
+
+CONVERSATION_BLOCK_TOKENS = 64
+"""Granularity of shared conversation text (a multiple of every KV block size Sluice uses)."""
+_SYSTEM_BLOCK_BASE = 1 << 40
+_CONVERSATION_BLOCK_BASE = 1 << 41
+
+
+def _as_conversations(requests: list[WorkloadRequest], settings: dict[str, object],
+                      seed: int) -> list[WorkloadRequest]:
+    """Return the requests re-shaped as a chat mix: a shared system prompt, then per-conversation history.
+
+    Each request is a user turn of `input` tokens. It opens a new conversation (with probability
+    `new_conv_frac`, or when none is active) or continues one of the `conversations` most recent open
+    ones; its prompt is the system prompt + that conversation's history (earlier turns and replies) +
+    the new turn, and the history then grows by the turn and its reply. So every request shares the
+    system prompt's blocks and a follow-up shares its conversation's whole history, as real chat does.
+    """
+    system_len, active_max = int(settings["system_len"]), int(settings["conversations"])  # type: ignore[call-overload]
+    new_frac, cap = float(settings["new_conv_frac"]), int(settings["history_cap"])  # type: ignore[arg-type, call-overload]
+    block = CONVERSATION_BLOCK_TOKENS
+    system_ids = tuple(_SYSTEM_BLOCK_BASE + k for k in range(-(-system_len // block)))
+    rng = np.random.default_rng([seed, 4])
+    open_conversations: list[list[int]] = []  # [conversation id, history tokens]
+    out = []
+    for request in requests:
+        if not open_conversations or active_max == 0 or rng.random() < new_frac:
+            open_conversations.append([len(out), 0])
+            open_conversations = open_conversations[-max(active_max, 1):]
+            conversation = open_conversations[-1]
+        else:
+            conversation = open_conversations[int(rng.integers(len(open_conversations)))]
+        conversation_id, history = conversation
+        # The whole turn (history + the new message) is conversation text, so the next turn of this
+        # conversation finds all of it cached; a reply is not (the engine generates other tokens).
+        turn = history + request.input_length
+        turn_ids = tuple(_CONVERSATION_BLOCK_BASE + (conversation_id << 16) + k for k in range(-(-turn // block)))
+        out.append(replace(request, input_length=len(system_ids) * block + turn, hash_ids=system_ids + turn_ids,
+                           hash_block_tokens=block, prefix_tokens=None))
+        conversation[1] = history + request.input_length + request.output_length
+        if conversation[1] > cap:
+            open_conversations.remove(conversation)
+    return out

@@ -152,3 +152,29 @@ def test_mooncake_trace_shares_prefixes_and_rate_scales() -> None:
     assert pair is not None
     assert pair[0].prompt_token_ids(128256)[:512] == pair[1].prompt_token_ids(128256)[:512]
     assert len(pair[1].prompt_token_ids(128256)) == pair[1].input_length
+
+
+def test_conversation_mix_shares_the_system_prompt_and_each_conversations_history() -> None:
+    """Every prompt starts with the same system prompt; a follow-up turn starts with its previous turn's prompt."""
+    from sluice_tools.workload import ideal_prefix_hit_rate, load_workload
+
+    spec = ("synthetic:poisson?rate=5&n=300&input=lognormal:120:0.8:2000&output=fixed:50&system_len=256"
+            "&conversations=8&new_conv_frac=0.25")
+    requests = load_workload(spec, seed=3).requests
+    prompts = [r.prompt_token_ids(1000) for r in requests]
+    system = prompts[0][:256]
+    assert all(p[:256] == system for p in prompts) and len({p[256:320] for p in prompts}) > 20
+    follow_ups = 0
+    for i, prompt in enumerate(prompts):
+        earlier = [p for p in prompts[:i] if len(p) < len(prompt) and prompt[:len(p)] == p]
+        follow_ups += bool(earlier)
+    assert follow_ups > 150, "most turns continue a conversation whose earlier prompt they start with"
+    assert 0.5 < ideal_prefix_hit_rate(requests) < 0.95
+
+
+def test_conversation_keys_are_typed() -> None:
+    """A conversation key that is not a number is refused naming the key."""
+    from sluice_tools.workload import WorkloadError, load_workload
+
+    with pytest.raises(WorkloadError, match="conversations='many'"):
+        load_workload("synthetic:poisson?conversations=many", seed=0)
