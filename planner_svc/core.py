@@ -152,19 +152,29 @@ class Planner:
         growth = signals.rate_at(c.ready_delay_s) / signals.rate_now if signals.rate_now > 0 else 1.0
         projected = effective * growth
         signal = signals.dominant
-        if projected > c.scale_up_pressure:
+        # A fleet scaled to zero has no capacity at all: any load at the ready time needs a replica.
+        if projected > c.scale_up_pressure or (total == 0 and projected > 0):
             if total >= c.max_replicas:
                 return Hold(HoldReason.AT_MAX, signal, projected)
             wanted = math.ceil(max(1, total) * projected / c.target_pressure) - total
             return self._changed(ScaleUp(min(c.max_replicas - total, max(1, wanted)), signal, projected), now)
         if effective > c.scale_up_pressure:
             return Hold(HoldReason.BURST_ENDS_BEFORE_READY, signal, projected)
-        worst = max(effective, projected)
+        return self._maybe_shrink(replicas, max(effective, projected), signal, now)
+
+    def _maybe_shrink(self, replicas: Sequence[ReplicaLoad], worst: float, signal: str, now: float) -> Decision:
+        c, total = self.config, len(replicas)
         if worst >= c.scale_down_pressure:
             return Hold(HoldReason.IN_BAND, signal, worst)
         if total <= c.min_replicas:
             return Hold(HoldReason.AT_MIN, signal, worst)
-        if worst * total / (total - 1) > c.scale_up_pressure:
+        # Hysteresis: the pressure on one replica fewer must stay under the upper threshold, and the
+        # last replica goes (min_replicas 0) only when there is no load at all.
+        if total > 1:
+            after = worst * total / (total - 1)
+        else:
+            after = math.inf if worst > 0 else 0.0
+        if after > c.scale_up_pressure:
             return Hold(HoldReason.IN_BAND, signal, worst)
         return self._changed(ScaleDown(choose_victim(replicas), signal, worst), now)
 

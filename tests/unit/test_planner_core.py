@@ -137,6 +137,17 @@ def test_at_min_it_does_not_scale_down() -> None:
     assert feed(make_planner(), 0.0, [0.1] * 3, replicas=1).reason is HoldReason.AT_MIN  # type: ignore[union-attr]
 
 
+def test_with_min_zero_the_last_replica_goes_only_without_load() -> None:
+    """min_replicas=0: an idle last replica is retired, one with any load (pressure 0.1) is kept."""
+    assert isinstance(feed(make_planner(min_replicas=0), 0.0, [0.0] * 3, replicas=1), ScaleDown)
+    assert feed(make_planner(min_replicas=0), 0.0, [0.1] * 3, replicas=1).reason is HoldReason.IN_BAND  # type: ignore[union-attr]
+
+
+def test_a_fleet_at_zero_starts_a_replica_for_any_load() -> None:
+    """No replica at all and a trickle of arrivals (pressure 0.1 on one replica): start one."""
+    assert feed(make_planner(min_replicas=0), 0.0, [0.1] * 3, replicas=0) == ScaleUp(1, "demand", pytest.approx(0.1))
+
+
 def test_below_min_is_repaired_at_once() -> None:
     """A fleet that lost replicas below min is restored at once, inside the cooldown and the window."""
     planner = make_planner(min_replicas=3)
