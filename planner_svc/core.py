@@ -170,10 +170,7 @@ class Planner:
             return Hold(HoldReason.AT_MIN, signal, worst)
         # Hysteresis: the pressure on one replica fewer must stay under the upper threshold, and the
         # last replica goes (min_replicas 0) only when there is no load at all.
-        if total > 1:
-            after = worst * total / (total - 1)
-        else:
-            after = math.inf if worst > 0 else 0.0
+        after = worst * total / (total - 1) if total > 1 else (math.inf if worst > 0 else 0.0)
         if after > c.scale_up_pressure:
             return Hold(HoldReason.IN_BAND, signal, worst)
         return self._changed(ScaleDown(choose_victim(replicas), signal, worst), now)

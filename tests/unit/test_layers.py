@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("sluice", "sluice_tools", "admission_svc", "router_svc", "scheduler_svc", "worker_svc")
+PACKAGES = ("sluice", "sluice_tools", "admission_svc", "router_svc", "scheduler_svc", "worker_svc", "planner_svc")
 LINT = Path(sys.executable).with_name("lint-imports")
 
 
