@@ -9,8 +9,8 @@ how many replicas there are, add n, remove this one. `apply_decision` maps a dec
   replica it first lowers that pod's `controller.kubernetes.io/pod-deletion-cost`, so the
   ReplicaSet deletes that pod and not another; the pod's SIGTERM then drains its scheduler.
   RBAC it needs: deploy/k8s/60-planner.yaml.
-* `PrometheusConnector` acts on nothing: it exports the desired and current replica counts as
-  gauges, for clusters whose own autoscaler (an HPA on an external metric) does the scaling.
+* `PrometheusConnector` acts on nothing: the planner loop's desired and current replica gauges
+  are the output, for clusters whose own autoscaler (an HPA on an external metric) does the scaling.
 * `LocalProcessConnector` adapts a `ReplicaLauncher` (start, stop, list replica processes on this
   machine), which `sluice up --autoscale` implements.
 
@@ -22,12 +22,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
-
 from planner_svc.core import Decision, ScaleDown, ScaleUp
 
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient
+
+    from planner_svc.driver import PlannerMetrics
 
 # Lower than any cost a pod gets by default (0): the ReplicaSet deletes this pod first on scale-down.
 POD_DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
@@ -108,38 +108,24 @@ class KubernetesConnector:
 
 
 class PrometheusConnector:
-    """Exports desired vs current replicas as gauges for an external autoscaler; scales nothing itself."""
+    """For clusters whose own autoscaler acts: the planner only publishes its figure, the HPA scales.
 
-    def __init__(self, registry: CollectorRegistry | None = None, initial_replicas: int = 0) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
-        self.desired = Gauge("sluice_planner_desired_replicas",
-                             "Replicas the planner wants (an HPA on this metric does the scaling).",
-                             registry=self.registry)
-        self.current = Gauge("sluice_planner_current_replicas", "Replicas in the fleet as last observed.",
-                             registry=self.registry)
-        self.retire = Gauge("sluice_planner_retire_candidate",
-                            "1 for the replica the planner would remove first.", ["replica"], registry=self.registry)
-        self.changes = Counter("sluice_planner_scale_decisions", "Scale decisions, by direction.", ["direction"],
-                               registry=self.registry)
-        self.desired.set(initial_replicas)
-        self.current.set(initial_replicas)
+    The figure is `PlannerMetrics.desired` (sluice_planner_desired_replicas), set by the planner loop;
+    this connector changes nothing else, so the loop can run unchanged with it (docs/planner.md has
+    the HPA example). `current_replicas` is the count the loop last observed.
+    """
 
-    def set_current(self, replicas: int) -> None:
-        """Record the fleet size as observed (from the router's registry or the Deployment)."""
-        self.current.set(replicas)
+    def __init__(self, metrics: PlannerMetrics) -> None:
+        self.metrics = metrics
 
     def current_replicas(self) -> int:
-        return int(self.current._value.get())
+        return int(self.metrics.registry.get_sample_value("sluice_planner_current_replicas") or 0)
 
     def add(self, n: int) -> None:
-        self.desired.inc(n)
-        self.changes.labels("up").inc()
+        """Nothing to do: the loop has raised the desired gauge; the external autoscaler acts on it."""
 
     def remove(self, replica_id: str) -> None:
-        self.desired.dec()
-        self.retire.clear()
-        self.retire.labels(replica_id).set(1)
-        self.changes.labels("down").inc()
+        """Nothing to do: the loop has lowered the desired gauge and named the retire candidate."""
 
 
 class ReplicaLauncher(Protocol):

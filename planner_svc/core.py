@@ -107,6 +107,8 @@ class Planner:
         self.config = config
         self._window = Window(config.window_s)
         self._last_change_at: float | None = None
+        self.last_signals: Signals | None = None
+        """The signals of the last decision that got as far as computing them (for metrics)."""
 
     @property
     def last_change_at(self) -> float | None:
@@ -133,9 +135,10 @@ class Planner:
             return repair
         if len(observations) < self.config.min_observations:
             return Hold(HoldReason.WINDOW_NOT_FULL)
+        self.last_signals = compute_signals(observations, self.config)
         if self._last_change_at is not None and now - self._last_change_at < self.config.cooldown_s:
             return Hold(HoldReason.COOLDOWN)
-        return self._size(replicas, compute_signals(observations, self.config), now)
+        return self._size(replicas, self.last_signals, now)
 
     def _repair_bounds(self, replicas: Sequence[ReplicaLoad], now: float) -> Decision | None:
         total, c = len(replicas), self.config

@@ -11,6 +11,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from planner_svc.config import PlannerConfig
 from planner_svc.connectors import (
     POD_DELETION_COST_ANNOTATION,
     VICTIM_DELETION_COST,
@@ -19,7 +20,9 @@ from planner_svc.connectors import (
     PrometheusConnector,
     apply_decision,
 )
-from planner_svc.core import Hold, HoldReason, ScaleDown, ScaleUp
+from planner_svc.core import Hold, HoldReason, Planner, ScaleDown, ScaleUp
+from planner_svc.driver import PlannerLoop, PlannerMetrics
+from planner_svc.signals import Observation, ReplicaLoad
 from sluice.prom import serve_metrics
 from tests.integration.fake_kube_api import ClusterState, serve
 
@@ -107,18 +110,34 @@ def _scrape(port: int) -> dict[str, float]:
 
 
 def test_prometheus_exports_desired_against_current() -> None:
-    """After ScaleUp(2) and ScaleDown('r1') on a fleet of 3, a scrape shows desired 4, current 3, r1 to retire."""
-    connector = PrometheusConnector(initial_replicas=3)
-    port = serve_metrics(connector.registry, 0, addr="127.0.0.1")
-    apply_decision(connector, ScaleUp(2))
-    apply_decision(connector, ScaleDown("r1"))
-    connector.set_current(3)
-    metrics = _scrape(port)
-    assert metrics["sluice_planner_desired_replicas"] == 4
-    assert metrics["sluice_planner_current_replicas"] == 3 == connector.current_replicas()
-    assert metrics['sluice_planner_retire_candidate{replica="r1"}'] == 1
-    assert metrics['sluice_planner_scale_decisions_total{direction="up"}'] == 1
-    assert metrics['sluice_planner_scale_decisions_total{direction="down"}'] == 1
+    """A loop on a 3-replica fleet scales up by 2 then retires r1: scrapes show desired 5 then 2, current 3, r1 named."""
+    metrics = PlannerMetrics()
+    config = PlannerConfig(min_replicas=1, max_replicas=5, window_s=5.0, min_observations=1, cooldown_s=10.0,
+                           replica_tokens_per_s=1.0, output_token_weight=0.0)
+    source = FixedFleet(rate=3.0)  # pressure 1.0 on 3 replicas: ceil(3 / 0.7) = 5
+    connector = PrometheusConnector(metrics)
+    loop = PlannerLoop(Planner(config), source, connector, metrics)
+    port = serve_metrics(metrics.registry, 0, addr="127.0.0.1")
+    assert loop.tick(0.0) == ScaleUp(2, "demand", 1.0)
+    scraped = _scrape(port)
+    assert scraped["sluice_planner_desired_replicas"] == 5 and scraped["sluice_planner_current_replicas"] == 3
+    source.rate = 0.3  # the HPA did not act: still 3 replicas, pressure 0.1 -> retire the cheapest
+    assert isinstance(loop.tick(20.0), ScaleDown)
+    scraped = _scrape(port)
+    assert scraped["sluice_planner_desired_replicas"] == 2 and connector.current_replicas() == 3
+    assert scraped['sluice_planner_retire_candidate{replica="r1"}'] == 1
+    assert scraped['sluice_planner_decisions_total{kind="scale_down",reason="demand"}'] == 1
+
+
+class FixedFleet:
+    """Observations of replicas r0 (2 in flight), r1 (idle), r2 (1 in flight) at a settable rate."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+
+    def observe(self, now: float) -> Observation:
+        fleet = (ReplicaLoad("r0", in_flight=2), ReplicaLoad("r1"), ReplicaLoad("r2", in_flight=1))
+        return Observation(at=now, arrival_rate=self.rate, replicas=fleet, mean_input_tokens=1.0)
 
 
 class SleeperLauncher:
