@@ -6,6 +6,8 @@ Theory of operation
 `ScaleUp(n)`, `ScaleDown(replica_id)` or `Hold(reason)`. The caller carries it out (connectors.py)
 and the next observations show the result. Rules, in the order `decide` applies them:
 
+0. Fleet. Replicas being drained (a scale-down under way) are not counted and not chosen again;
+   warming ones are counted (they are coming), ready ones are counted and carry the load.
 1. Bounds. Fewer replicas than `min_replicas` (one died): ScaleUp to the minimum at once. More than
    `max_replicas`: ScaleDown one at once. Bounds repairs ignore the window and the cooldown.
 2. Window. Fewer than `min_observations` snapshots in the last `window_s` seconds: Hold.
@@ -129,7 +131,8 @@ class Planner:
         observations = self._window.current(now)
         if not observations:
             return Hold(HoldReason.NO_OBSERVATIONS)
-        replicas = observations[-1].replicas
+        # A draining replica is already on its way out: not counted, not chosen again.
+        replicas = [replica for replica in observations[-1].replicas if not replica.draining]
         repair = self._repair_bounds(replicas, now)
         if repair is not None:
             return repair
@@ -150,7 +153,7 @@ class Planner:
 
     def _size(self, replicas: Sequence[ReplicaLoad], signals: Signals, now: float) -> Decision:
         c, total = self.config, len(replicas)
-        ready = sum(1 for replica in replicas if replica.ready)
+        ready = sum(1 for replica in replicas if replica.serving)
         effective = signals.pressure * max(1, ready) / max(1, total)
         growth = signals.rate_at(c.ready_delay_s) / signals.rate_now if signals.rate_now > 0 else 1.0
         projected = effective * growth

@@ -43,7 +43,7 @@ class PlannerMetrics:
                                  "hold) and reason (signal or hold reason).", ["kind", "reason"], registry=r)
         self.pressure = Gauge("sluice_planner_pressure", "Window pressure by signal (1.0 = at target).",
                               ["signal"], registry=r)
-        self.current = Gauge("sluice_planner_current_replicas", "Replicas in the fleet as last observed.",
+        self.current = Gauge("sluice_planner_current_replicas", "Replicas in the fleet as last observed (ready or warming, not draining).",
                              registry=r)
         self.desired = Gauge("sluice_planner_desired_replicas",
                              "Replicas the planner wants: the observed count plus its last change.", registry=r)
@@ -57,7 +57,7 @@ class PlannerMetrics:
         self.decisions.labels(kind, reason).inc()
         for signal, value in pressures.items():
             self.pressure.labels(signal).set(value)
-        current = len(observation.replicas)
+        current = fleet_size(observation)
         self.current.set(current)
         if not self._seen or not isinstance(decision, Hold):
             self.desired.set(current + change_of(decision))
@@ -65,6 +65,11 @@ class PlannerMetrics:
         if isinstance(decision, ScaleDown):
             self.retire.clear()
             self.retire.labels(decision.replica_id).set(1)
+
+
+def fleet_size(observation: Observation) -> int:
+    """Replicas in the fleet: ready or warming; draining ones are already leaving."""
+    return sum(1 for replica in observation.replicas if not replica.draining)
 
 
 def describe(decision: Decision) -> tuple[str, str]:
@@ -105,7 +110,7 @@ class PlannerLoop:
         if isinstance(decision, Hold):
             return decision
         kind, reason = describe(decision)
-        before = len(observation.replicas)
+        before = fleet_size(observation)
         with self._tracer.start_as_current_span("planner.scale") as span:
             span.set_attributes({"sluice.planner.decision": kind, "sluice.planner.reason": reason,
                                  "sluice.planner.pressure": decision.pressure,

@@ -7,6 +7,8 @@ Theory of operation
   requests and predicted by the router for queued ones), and each replica's queue, queued prefill
   tokens, in-flight requests, KV use and cached prefix blocks. GPU utilisation is deliberately not an
   input: a busy GPU says nothing about whether requests meet their SLO.
+* "Per ready replica" counts replicas that serve now (ready, not draining); the queues of draining
+  replicas still count, since their work lands on the others if it is migrated.
 * `Window` keeps the snapshots of the last `window_s` seconds. Each signal is a window average,
   divided by its target, so 1.0 means "exactly at target" whatever the unit:
     demand   arrival rate x (input tokens + w x output tokens) / (ready replicas x replica rate)
@@ -45,6 +47,13 @@ class ReplicaLoad:
     kv_used_fraction: float = 0.0
     cached_blocks: frozenset[int] = frozenset()
     """Block hashes of its prefix cache (as the router's prefix index knows them)."""
+    draining: bool = False
+    """A scale-down is under way: it takes no new work and is leaving the fleet."""
+
+    @property
+    def serving(self) -> bool:
+        """Ready and not draining: it adds capacity now."""
+        return self.ready and not self.draining
 
 
 @dataclass(frozen=True)
@@ -131,7 +140,7 @@ def _latency_ratio(observations: list[Observation], observed: str, predicted: st
 
 
 def _per_ready(observation: Observation, value: float) -> float:
-    return value / max(1, sum(1 for r in observation.replicas if r.ready))
+    return value / max(1, sum(1 for r in observation.replicas if r.serving))
 
 
 def compute_signals(observations: list[Observation], config: PlannerConfig) -> Signals:
@@ -142,7 +151,7 @@ def compute_signals(observations: list[Observation], config: PlannerConfig) -> S
     queue = [_per_ready(o, sum(r.queue_length for r in o.replicas)) / c.queue_per_replica for o in observations]
     backlog = [_per_ready(o, sum(r.queued_prefill_tokens for r in o.replicas)) / c.prefill_tokens_per_s
                / c.ttft_slo_s for o in observations]
-    kv = [_mean(r.kv_used_fraction for r in o.replicas if r.ready) / c.kv_target for o in observations]
+    kv = [_mean(r.kv_used_fraction for r in o.replicas if r.serving) / c.kv_target for o in observations]
     pressures = {
         "demand": _mean(demand),
         "queue": _mean(queue),

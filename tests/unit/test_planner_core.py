@@ -101,6 +101,20 @@ def test_replicas_still_warming_count_as_coming_capacity() -> None:
     assert decision == Hold(HoldReason.IN_BAND, "demand", pytest.approx(0.7))
 
 
+def test_a_draining_replica_is_neither_counted_nor_chosen_again() -> None:
+    """r2 is draining (idle): 2 others at min 2 hold AT_MIN; and with min 1 the victim is r1, not r2."""
+    fleet = (ReplicaLoad("r0", in_flight=3), ReplicaLoad("r1", in_flight=1),
+             ReplicaLoad("r2", ready=False, draining=True))
+    assert feed(make_planner(min_replicas=2), 0.0, [0.2] * 3, replicas=fleet).reason is HoldReason.AT_MIN  # type: ignore[union-attr]
+    assert feed(make_planner(), 0.0, [0.2] * 3, replicas=fleet) == ScaleDown("r1", "demand", pytest.approx(0.1))
+
+
+def test_a_draining_replica_adds_no_capacity() -> None:
+    """Rate 1.4 on one serving replica beside a draining one is pressure 1.4, not 0.7: scale up."""
+    fleet = (ReplicaLoad("r0"), ReplicaLoad("r1", draining=True))
+    assert isinstance(feed(make_planner(), 0.0, [1.4] * 3, replicas=fleet), ScaleUp)
+
+
 # --- cooldown ---------------------------------------------------------------------------------------
 
 def test_no_second_change_within_the_cooldown() -> None:
