@@ -20,6 +20,8 @@ class PlannerConfig:
     """Observation window: signals are averages (and the arrival trend a fit) over this many seconds."""
     min_observations: int = 3
     """Fewer observations than this in the window and the planner holds (too little to judge)."""
+    trend_min_r2: float = 0.5
+    """The arrival trend is used only if the line explains this share of the rate's variance (else flat)."""
     cooldown_s: float = 120.0
     """Least time between two changes of the replica count (bounds repairs excepted)."""
     scale_up_pressure: float = 0.9
@@ -58,6 +60,8 @@ class PlannerConfig:
                     "prefill_tokens_per_s": self.prefill_tokens_per_s, "kv_target": self.kv_target,
                     "replica_tokens_per_s": self.replica_tokens_per_s, "queue_per_replica": self.queue_per_replica}
         bad = [name for name, value in positive.items() if value <= 0]
+        if not 0 <= self.trend_min_r2 <= 1:
+            bad.append("trend_min_r2")
         if bad or self.cooldown_s < 0 or self.load_time_s < 0 or self.warmup_s < 0 or self.min_observations < 1:
             raise ValueError(f"planner config out of range: {bad or 'a time is negative or min_observations < 1'}")
 

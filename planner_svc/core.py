@@ -17,7 +17,9 @@ and the next observations show the result. Rules, in the order `decide` applies 
    the measured one x ready / all replicas, so a replica on its way is not asked for twice.
 5. Load-time rule. A new replica helps only `load_time_s + warmup_s` from now. The planner projects
    the arrival rate to then along the window's least-squares trend and scales the pressure by
-   projected rate / current rate. It scales up when the *projected* pressure exceeds
+   projected rate / current rate. The trend is used only when it explains the rate (r squared >=
+   `trend_min_r2`): the first snapshots of a step, or noise around a flat rate, are taken as flat,
+   so the onset of a burst is judged by the window mean, not by a line extrapolated from it. It scales up when the *projected* pressure exceeds
    `scale_up_pressure`: a burst whose trend falls back before a new replica would be ready starts
    none (Hold BURST_ENDS_BEFORE_READY), and a ramp starts one before the SLO is breached.
    Scale-up asks for enough replicas to bring the projected pressure to `target_pressure`.
@@ -155,7 +157,8 @@ class Planner:
         c, total = self.config, len(replicas)
         ready = sum(1 for replica in replicas if replica.serving)
         effective = signals.pressure * max(1, ready) / max(1, total)
-        growth = signals.rate_at(c.ready_delay_s) / signals.rate_now if signals.rate_now > 0 else 1.0
+        trusted = signals.rate_fit >= c.trend_min_r2 and signals.rate_now > 0
+        growth = signals.rate_at(c.ready_delay_s) / signals.rate_now if trusted else 1.0
         projected = effective * growth
         signal = signals.dominant
         # A fleet scaled to zero has no capacity at all: any load at the ready time needs a replica.

@@ -18,8 +18,8 @@ Theory of operation
     tpot     max(observed, predicted) TPOT / TPOT SLO
     kv       mean KV use of ready replicas / kv_target
   The pressure is the largest of them, and the signal that gave it is named in every decision.
-* The arrival trend is a least-squares line through (at, arrival rate) over the window; the planner
-  uses it to project the rate to the moment a new replica would be ready.
+* The arrival trend is a least-squares line through (at, arrival rate) over the window, with its r
+  squared; the planner uses it to project the rate to the moment a new replica would be ready.
 
 Pure: no clock, no I/O.
 """
@@ -83,6 +83,8 @@ class Signals:
     """Arrival rate of the trend line at the newest observation."""
     rate_slope: float
     """Change of the arrival rate per second, fitted over the window."""
+    rate_fit: float = 0.0
+    """r squared of that line: the share of the rate's variance it explains (0 for a flat rate)."""
 
     @property
     def pressure(self) -> float:
@@ -122,15 +124,17 @@ def _mean(values: Iterable[float]) -> float:
     return sum(items) / len(items) if items else 0.0
 
 
-def _trend(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least-squares (value at the last x, slope); a flat line through the mean when x does not vary."""
+def _trend(points: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """Least-squares (value at the last x, slope, r squared); flat through the mean when x does not vary."""
     mean_x = _mean(x for x, _ in points)
     mean_y = _mean(y for _, y in points)
-    spread = sum((x - mean_x) ** 2 for x, _ in points)
-    if spread == 0:
-        return mean_y, 0.0
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread
-    return mean_y + slope * (points[-1][0] - mean_x), slope
+    spread_x = sum((x - mean_x) ** 2 for x, _ in points)
+    spread_y = sum((y - mean_y) ** 2 for _, y in points)
+    if spread_x == 0 or spread_y == 0:
+        return mean_y, 0.0, 0.0
+    covariance = sum((x - mean_x) * (y - mean_y) for x, y in points)
+    slope = covariance / spread_x
+    return mean_y + slope * (points[-1][0] - mean_x), slope, covariance**2 / (spread_x * spread_y)
 
 
 def _latency_ratio(observations: list[Observation], observed: str, predicted: str, slo_s: float) -> float:
@@ -160,5 +164,5 @@ def compute_signals(observations: list[Observation], config: PlannerConfig) -> S
         "tpot": _latency_ratio(observations, "tpot_observed_s", "tpot_predicted_s", c.tpot_slo_s),
         "kv": _mean(kv),
     }
-    rate_now, slope = _trend([(o.at, o.arrival_rate) for o in observations]) if observations else (0.0, 0.0)
-    return Signals(pressures=pressures, rate_now=max(0.0, rate_now), rate_slope=slope)
+    rate_now, slope, fit = _trend([(o.at, o.arrival_rate) for o in observations]) if observations else (0, 0, 0)
+    return Signals(pressures=pressures, rate_now=max(0.0, rate_now), rate_slope=slope, rate_fit=fit)

@@ -209,6 +209,24 @@ def test_a_rising_trend_blocks_a_scale_down() -> None:
     assert isinstance(feed(make_planner(), 0.0, [1.1, 1.2, 1.3], replicas=4), Hold)
 
 
+def test_the_onset_of_a_step_is_not_extrapolated() -> None:
+    """Ten snapshots at 0.5 then two at 2.0: the line explains 42% (< 50%), so the mean 0.75 rules and it holds.
+
+    With the trend always trusted (trend_min_r2 = 0) the same snapshots extrapolate to a scale-up.
+    """
+    rates = [1.0] * 10 + [4.0, 4.0]
+    assert feed(make_planner(window_s=20.0), 0.0, rates) == Hold(HoldReason.IN_BAND, "demand", pytest.approx(0.75))
+    assert isinstance(feed(make_planner(window_s=20.0, trend_min_r2=0.0), 0.0, rates), ScaleUp)
+
+
+def test_noise_around_a_flat_rate_is_not_a_trend() -> None:
+    """Rates wobbling around pressure 0.8 with a slight upward tilt (r squared 0.03) are judged flat: hold."""
+    rates = [1.7, 1.5, 1.6, 1.4, 1.7, 1.5, 1.8, 1.6]
+    decision = feed(make_planner(), 0.0, rates)
+    assert isinstance(decision, Hold) and decision.reason is HoldReason.IN_BAND, decision
+    assert isinstance(feed(make_planner(trend_min_r2=0.0), 0.0, rates), ScaleUp)  # the tilt alone would act
+
+
 # --- victim choice ----------------------------------------------------------------------------------
 
 def test_victim_has_the_fewest_in_flight_requests() -> None:
@@ -272,7 +290,7 @@ def test_the_length_mix_weighs_output_tokens() -> None:
 @pytest.mark.parametrize("overrides", [
     {"min_replicas": 3, "max_replicas": 2}, {"max_replicas": 0},
     {"scale_down_pressure": 0.9, "scale_up_pressure": 0.5}, {"target_pressure": 0.95},
-    {"cooldown_s": -1.0}, {"window_s": 0.0}, {"min_observations": 0},
+    {"cooldown_s": -1.0}, {"window_s": 0.0}, {"min_observations": 0}, {"trend_min_r2": 1.5},
 ])
 def test_inconsistent_configs_are_refused(overrides: dict[str, object]) -> None:
     """Bounds reversed, thresholds out of order, negative times: PlannerConfig raises ValueError."""
