@@ -29,7 +29,7 @@ test: setup
 
 lint: setup
 	$(BIN)/ruff check .
-	$(BIN)/mypy sluice sluice_tools scheduler_svc router_svc admission_svc worker_svc
+	$(BIN)/mypy sluice sluice_tools scheduler_svc router_svc admission_svc worker_svc planner_svc
 	$(BIN)/lint-imports
 
 demo: setup

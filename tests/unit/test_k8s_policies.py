@@ -93,7 +93,8 @@ def test_every_pod_is_covered_by_default_deny_and_may_resolve_names() -> None:
 
 
 def test_planner_may_patch_only_the_replica_deployments_scale() -> None:
-    """The planner's ServiceAccount is bound to a Role whose only write is patch/update of deployments/scale of `replica`."""
+    """The planner's ServiceAccount is bound to a Role whose only writes are the scale of `replica` and pod patches
+    (the deletion-cost annotation that picks the pod scale-down removes)."""
     docs = load()
     binding = next(d for d in docs if d["kind"] == "RoleBinding" and d["subjects"][0]["name"] == "planner")
     assert binding["subjects"][0]["kind"] == "ServiceAccount"
@@ -101,7 +102,8 @@ def test_planner_may_patch_only_the_replica_deployments_scale() -> None:
     role = next(d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == binding["roleRef"]["name"])
     writes = [r for r in role["rules"] if set(r["verbs"]) & {"create", "update", "patch", "delete", "*"}]
     assert writes == [{"apiGroups": ["apps"], "resources": ["deployments/scale"], "resourceNames": ["replica"],
-                       "verbs": ["get", "patch", "update"]}]
+                       "verbs": ["get", "patch", "update"]},
+                      {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "patch"]}]
     assert all("secrets" not in r["resources"] for r in role["rules"])
     assert any(d["kind"] == "Deployment" and d["metadata"]["name"] == "replica" for d in docs)
 

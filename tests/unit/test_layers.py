@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("sluice", "sluice_tools", "admission_svc", "router_svc", "scheduler_svc", "worker_svc")
+PACKAGES = ("sluice", "sluice_tools", "admission_svc", "router_svc", "scheduler_svc", "worker_svc", "planner_svc")
 LINT = Path(sys.executable).with_name("lint-imports")
 
 
@@ -36,6 +36,8 @@ def test_main_keeps_every_contract() -> None:
     ("sluice/hashing.py", "import sluice_tools.cli"),         # the contract importing the tools
     ("router_svc/core.py", "import scheduler_svc.core"),      # one service importing another
     ("worker_svc/costmodel.py", "import sluice_tools.sim"),   # a service importing the tools
+    ("planner_svc/core.py", "import router_svc.core"),        # the planner reaching into the router
+    ("planner_svc/signals.py", "import kubernetes"),          # the planner's pure core doing I/O
 ])
 def test_an_upward_or_sideways_import_breaks_the_lint(tmp_path: Path, module: str, upward: str) -> None:
     """Adding one import that points up or across services makes lint-imports fail and name it."""

@@ -1,0 +1,1 @@
+"""planner_svc: sizes the replica fleet from queues, request lengths, SLOs and load/warm-up time (pure core + connectors)."""
