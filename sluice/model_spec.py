@@ -118,7 +118,7 @@ def chat_template_source(model_dir: Path, tokenizer_config: Mapping[str, Any]) -
         return jinja_file.read_text()
     template = tokenizer_config.get("chat_template")
     if isinstance(template, list):
-        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
+        named = {str(entry.get("name")): entry.get("template") for entry in template if isinstance(entry, dict)}
         if "default" not in named:
             raise ValueError(f"{model_dir}: tokenizer_config.json names chat templates {sorted(named)} "
                              "but none called 'default'")

@@ -171,9 +171,9 @@ def load_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto")
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     spec = load_spec(root)
-    bos = spec.bos_token_id
-    config = dataclasses.replace(load_config(root), eos_token_id=spec.eos_token_id,
-                                 **({} if bos is None else {"bos_token_id": bos}))
+    config = load_config(root)
+    bos = config.bos_token_id if spec.bos_token_id is None else spec.bos_token_id
+    config = dataclasses.replace(config, eos_token_id=spec.eos_token_id, bos_token_id=bos)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     tensors = read_tensors(weight_files(root), torch_dtype, torch_device)
