@@ -12,9 +12,11 @@ Hugging Face-style directory through `load_model_spec`, so they agree on every f
   (e.g. Llama 3's BOS); transformers 5 does the same and ignores tokenizer_config's
   `add_bos_token` / `add_eos_token` when tokenizer.json exists. A tokenizer.json without a
   post-processor gets one from those two flags (both off when absent), as Llama tokenizers do;
-- `tokenizer_config.json` (optional): the special token strings (`bos_token`, `eos_token`, ...) and
-  `chat_template` (a string, or a list of named templates of which "default" is used);
-  `chat_template.jinja`, when present, takes precedence, as in transformers.
+- `tokenizer_config.json` (optional): the special token strings (`bos_token`, `eos_token`, ...; an
+  older directory whose tokenizer_config.json has no `added_tokens_decoder` takes them from
+  `special_tokens_map.json`, as transformers does) and `chat_template` (a string, or a list of
+  named templates of which "default" is used); `chat_template.jinja`, when present, takes
+  precedence, as in transformers.
 
 The end-of-sequence ids are config.json's, then generation_config.json's, without repeats; when
 neither names one, the tokenizer's `eos_token` (tokenizer_config.json, else "</s>").
@@ -235,6 +237,17 @@ def eos_ids(config: Mapping[str, Any], generation: Mapping[str, Any], tokenizer:
     return tuple(ids)
 
 
+def read_tokenizer_config(model_dir: Path) -> dict[str, Any]:
+    """Return tokenizer_config.json, with special_tokens_map.json's tokens when it is the older layout.
+
+    Raises ValueError for a file that is not a JSON object.
+    """
+    tokenizer_config = read_json(model_dir / "tokenizer_config.json", required=False)
+    if "added_tokens_decoder" in tokenizer_config:
+        return tokenizer_config
+    return tokenizer_config | read_json(model_dir / "special_tokens_map.json", required=False)
+
+
 def load_model_spec(model_dir: Path, model_id: str, aliases: Sequence[str] = ()) -> ModelSpec:
     """Return the ModelSpec of a Hugging Face-style directory.
 
@@ -243,7 +256,7 @@ def load_model_spec(model_dir: Path, model_id: str, aliases: Sequence[str] = ())
     """
     config = read_json(model_dir / "config.json", required=True)
     generation = read_json(model_dir / "generation_config.json", required=False)
-    tokenizer_config = read_json(model_dir / "tokenizer_config.json", required=False)
+    tokenizer_config = read_tokenizer_config(model_dir)
     tokenizer = load_tokenizer(model_dir, tokenizer_config)
     try:
         eos = eos_ids(config, generation, tokenizer, tokenizer_config)

@@ -127,6 +127,21 @@ def test_jinja_file_takes_precedence_and_named_templates(tmp_path: Path) -> None
         load_model_spec(directory, "z")
 
 
+def test_special_tokens_from_the_older_special_tokens_map(tmp_path: Path) -> None:
+    """Without added_tokens_decoder in tokenizer_config.json, special_tokens_map.json names the tokens the template prints, as in transformers."""
+    directory = write_model(tmp_path / "old", "mistral")
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps(config | {"bos_token": None, "eos_token": None}))
+    (directory / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": {"content": "<s>", "lstrip": False, "normalized": False, "rstrip": False, "single_word": False},
+         "eos_token": "</s>"}))
+    messages = CONVERSATIONS["multi_turn"]
+    text = load_model_spec(directory, "old").render_chat(messages)
+    hf = transformers.AutoTokenizer.from_pretrained(str(directory))
+    assert text == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<s>[INST]") and " Hi!\n</s>" in text
+
+
 def test_sandbox_and_missing_template(tmp_path: Path) -> None:
     """A template cannot reach Python internals or set underscore attributes; a model without a template says so."""
     directory = write_model(tmp_path / "s", "zephyr")
