@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from core_factories import make_core, step, token_for
 from tokenizers import AddedToken, Tokenizer, processors
 
 from admission_svc import convert as admission_convert
@@ -15,7 +16,6 @@ from sluice.model_spec import GenerationDefaults, ModelSpec, load_model_spec
 from sluice.tokenizer import TextTokenizer, build_byte_tokenizer
 from sluice.types import RequestStatus
 from sluice.v1 import admission_pb2, common_pb2
-from tests.unit.core_factories import make_core, step, token_for
 
 BOS_TEMPLATE = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 256)])
 LLAMA3_BOS = "<|begin_of_text|>"
