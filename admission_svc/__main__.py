@@ -16,7 +16,6 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from admission_svc import convert
 from admission_svc.core import AdmissionConfig, AdmissionCore, TenantConfig
 from admission_svc.server import AdmissionMetrics, AdmissionServicer
 from admission_svc.streams import token_reader_loop
@@ -24,6 +23,7 @@ from sluice import serve, services
 from sluice.bus import Bus
 from sluice.config import ConfigError, ServiceConfig, load_config
 from sluice.errors import ErrorInterceptor
+from sluice.model_spec import load_model_spec
 from sluice.models import find_model
 from sluice.v1 import admission_pb2_grpc
 
@@ -120,7 +120,7 @@ def build_servicer(ctx: serve.ServiceContext, options: AdmissionOptions) -> Admi
     """Return the servicer for the options; raises serve.StartupError for a bad config, model or metrics port."""
     try:
         model_dir = resolve_model_dir(options.model)
-        model = convert.load_model_spec(model_dir, options.model_id or model_dir.name, aliases=(options.model, model_dir.name))
+        model = load_model_spec(model_dir, options.model_id or model_dir.name, aliases=(options.model, model_dir.name))
         core = AdmissionCore(admission_config(load_config(options.config), model.max_model_len))
     except (ConfigError, ValueError, OSError) as exc:
         raise serve.StartupError(str(exc)) from exc

@@ -1,21 +1,18 @@
 """Conversions of the admission service: wire messages <-> what the core and the streams use.
 
-Also the model admission serves (tokenizer, length, end-of-sequence token) and the incremental
-detokenizer, because both turn token ids into what the client sees.
+The model admission serves (sluice.model_spec.ModelSpec) and the incremental detokenizer
+(sluice.tokenizer.Detokenizer) live on the ground floor, shared with the worker's loader.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 
 from sluice import convert as shared_convert
 from sluice import errors
-from sluice.tokenizer import REPLACEMENT_CHAR, TextTokenizer
+from sluice.model_spec import ModelSpec
 from sluice.v1 import admission_pb2, common_pb2, events_pb2, scheduler_pb2
 
 # Terminal statuses that end a stream with a non-OK gRPC status (the client SDK raises them typed).
@@ -29,86 +26,22 @@ TERMINAL = frozenset({common_pb2.FINISHED_STOP, common_pb2.FINISHED_LENGTH, comm
                       common_pb2.TIMED_OUT, common_pb2.FAILED, common_pb2.REJECTED})
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """The model this admission process tokenizes for."""
-
-    model_id: str
-    """The id replicas register under (router matches on it)."""
-    aliases: frozenset[str]
-    """Other names a client may use ("" and the preset name, e.g. "tiny")."""
-    max_model_len: int
-    eos_token_id: int
-    vocab_size: int
-    tokenizer: TextTokenizer = field(repr=False)
-
-    def accepts(self, name: str) -> bool:
-        """Return True when a request naming `name` is for this model."""
-        return name == self.model_id or name in self.aliases
-
-
-def load_model_spec(model_dir: Path, model_id: str, aliases: Sequence[str] = ()) -> ModelSpec:
-    """Return the ModelSpec of a Hugging Face-style directory (config.json + tokenizer.json).
-
-    Raises FileNotFoundError or ValueError for a missing or malformed directory.
-    """
-    config = json.loads((model_dir / "config.json").read_text())
-    tokenizer = TextTokenizer.from_file(model_dir / "tokenizer.json")
-    eos = config.get("eos_token_id", tokenizer.token_id("</s>"))
-    if isinstance(eos, list):
-        eos = eos[0]
-    if eos is None:
-        raise ValueError(f"{model_dir}/config.json names no eos_token_id")
-    max_len = int(config.get("max_position_embeddings", config.get("max_model_len", 2048)))
-    return ModelSpec(model_id, frozenset({"", *aliases}), max_len, int(eos),
-                     int(config.get("vocab_size", tokenizer.vocab_size)), tokenizer)
-
-
-class Detokenizer:
-    """Turns a growing list of token ids into text increments, holding back split UTF-8 characters.
-
-    Decodes only a short window (from the last emitted boundary), not the whole output each time,
-    so a long answer costs linear, not quadratic, decoding work.
-    """
-
-    def __init__(self, tokenizer: TextTokenizer) -> None:
-        self._tokenizer = tokenizer
-        self._ids: list[int] = []
-        self._prefix_offset = 0
-        """Start of the window: tokens before it are emitted and never decoded again."""
-        self._read_offset = 0
-        """Tokens before this are emitted; [prefix_offset, read_offset) gives decoding context."""
-
-    def push(self, token_ids: Sequence[int]) -> str:
-        """Add tokens; return the text they complete (may be "" while a character is incomplete)."""
-        self._ids.extend(t for t in token_ids if t >= 0)
-        window = self._ids[self._prefix_offset:]
-        seen = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
-        text = self._tokenizer.decode(window)
-        if len(text) <= len(seen) or text.endswith(REPLACEMENT_CHAR):
-            return ""
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return text[len(seen):]
-
-    def flush(self) -> str:
-        """Return the text still held back at the end (an incomplete character shows as U+FFFD)."""
-        seen = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
-        text = self._tokenizer.decode(self._ids[self._prefix_offset:])
-        self._prefix_offset = self._read_offset = len(self._ids)
-        return text[len(seen):] if text.startswith(seen) else text
-
-
 def submit_request(request_id: str, tenant: str, prompt_ids: Sequence[int], request: admission_pb2.GenerateRequest,
-                   owner: str, deadline_unix_s: float, eos_token_id: int,
+                   owner: str, deadline_unix_s: float, model: ModelSpec,
                    timestamps: common_pb2.LifecycleTimestamps, tenant_weight: float) -> scheduler_pb2.SubmitRequest:
-    """Return the scheduler's SubmitRequest for an admitted request."""
+    """Return the scheduler's SubmitRequest for an admitted request.
+
+    The model's first EOS id travels as eos_token_id, the others as stop token ids (unless the
+    request ignores EOS), so that every one of them ends generation.
+    """
     sampling = common_pb2.SamplingParams()
     sampling.CopyFrom(request.sampling)
     sampling.top_p = shared_convert.wire_top_p(sampling.top_p)
+    sampling.stop_token_ids[:] = model.stop_token_ids(sampling.stop_token_ids, sampling.ignore_eos)
     return scheduler_pb2.SubmitRequest(
         request_id=request_id, tenant=tenant, prompt_token_ids=list(prompt_ids), sampling=sampling,
         priority=request.priority, deadline_unix_s=deadline_unix_s, owner=owner,
-        timestamps=timestamps, eos_token_id=eos_token_id, tenant_weight=tenant_weight)
+        timestamps=timestamps, eos_token_id=model.eos_token_id, tenant_weight=tenant_weight)
 
 
 def chunk(request_id: str, index: int, token_ids: Sequence[int], text: str,

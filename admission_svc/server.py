@@ -35,7 +35,9 @@ from sluice import convert as shared_convert
 from sluice import errors, telemetry
 from sluice.core_errors import CoreError, OverBudget
 from sluice.hashing import hash_chain, salt_of
+from sluice.model_spec import ModelSpec
 from sluice.prom import REQUEST_DURATION_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
+from sluice.tokenizer import Detokenizer
 from sluice.v1 import (
     admission_pb2,
     admission_pb2_grpc,
@@ -109,7 +111,7 @@ def _ns(unix_s: float) -> int:
 class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
     """The front door; thin around AdmissionCore, the router, the schedulers and the token streams."""
 
-    def __init__(self, core: AdmissionCore, model: convert.ModelSpec, router_address: str, owner: str,
+    def __init__(self, core: AdmissionCore, model: ModelSpec, router_address: str, owner: str,
                  metrics: AdmissionMetrics | None = None, resume_window_s: float = 60.0) -> None:
         self.core = core
         self.model = model
@@ -173,7 +175,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
             raise errors.InvalidArgument("give either prompt or prompt_token_ids, not both",
                                          reason="invalid_request", field_name="prompt_token_ids")
         if not request.prompt_token_ids:
-            return self.model.tokenizer.encode(request.prompt)
+            return self.model.encode_prompt(request.prompt)
         ids = list(request.prompt_token_ids)
         bad = [t for t in ids if not 0 <= t < self.model.vocab_size]
         if bad:
@@ -264,7 +266,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
         remaining = context.time_remaining()
         deadline = time.time() + remaining if remaining is not None else 0.0
         submit = convert.submit_request(record.request_id, record.tenant, ids, request, self.owner, deadline,
-                                        self.model.eos_token_id, record.timestamps,
+                                        self.model, record.timestamps,
                                         self.core.tenant_weight(record.tenant))
         await self._scheduler(route.scheduler_address).Submit(submit, metadata=metadata,
                                                               timeout=DOWNSTREAM_TIMEOUT_S)
@@ -296,7 +298,7 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
     # ---- streaming --------------------------------------------------------------------------------
     async def _stream(self, record: Tracked,
                       context: grpc.aio.ServicerContext) -> AsyncIterator[admission_pb2.GenerateChunk]:
-        detokenizer = convert.Detokenizer(self.model.tokenizer)
+        detokenizer = Detokenizer(self.model.tokenizer)
         finished = False
         record.followers += 1
         try:

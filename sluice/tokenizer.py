@@ -1,4 +1,5 @@
-"""Tokenizer: a thin wrapper around `tokenizers.Tokenizer`, an incremental detokenizer, and the
+"""Tokenizer: a thin wrapper around `tokenizers.Tokenizer`, the incremental detokenizers (the
+worker's `new_text` for stop strings, admission's `Detokenizer` for streamed text), and the
 byte-level tokenizer the presets write (256 byte tokens, then `<s>` and `</s>`).
 """
 
@@ -61,9 +62,9 @@ class TextTokenizer:
         """Return the id of a token string (e.g. "</s>"), or None when it is not in the vocabulary."""
         return self._tokenizer.token_to_id(token)
 
-    def encode(self, text: str) -> list[int]:
-        """Return the token ids of text (no special tokens added)."""
-        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Return the token ids of text; with add_special_tokens, those the post-processor adds (e.g. BOS)."""
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Return the text of token_ids; an incomplete UTF-8 character becomes U+FFFD."""
@@ -98,3 +99,37 @@ def common_prefix_length(a: str, b: str) -> int:
             break
         length += 1
     return length
+
+
+class Detokenizer:
+    """Turns a growing list of token ids into text increments, holding back split UTF-8 characters.
+
+    Decodes only a short window (from the last emitted boundary), not the whole output each time,
+    so a long answer costs linear, not quadratic, decoding work.
+    """
+
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        """Start of the window: tokens before it are emitted and never decoded again."""
+        self._read_offset = 0
+        """Tokens before this are emitted; [prefix_offset, read_offset) gives decoding context."""
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Add tokens; return the text they complete (may be "" while a character is incomplete)."""
+        self._ids.extend(t for t in token_ids if t >= 0)
+        window = self._ids[self._prefix_offset:]
+        seen = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
+        text = self._tokenizer.decode(window)
+        if len(text) <= len(seen) or text.endswith(REPLACEMENT_CHAR):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return text[len(seen):]
+
+    def flush(self) -> str:
+        """Return the text still held back at the end (an incomplete character shows as U+FFFD)."""
+        seen = self._tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
+        text = self._tokenizer.decode(self._ids[self._prefix_offset:])
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return text[len(seen):] if text.startswith(seen) else text

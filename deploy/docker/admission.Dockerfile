@@ -11,7 +11,7 @@ COPY admission_svc ./admission_svc
 COPY router_svc ./router_svc
 COPY scheduler_svc ./scheduler_svc
 COPY worker_svc ./worker_svc
-RUN pip install . tokenizers==0.23.3 grpcio-tools==1.85.1 \
+RUN pip install . tokenizers==0.23.3 jinja2==3.1.6 grpcio-tools==1.85.1 \
  && python scripts/gen_protos.py \
  && pip uninstall -y grpcio-tools
 RUN useradd --create-home sluice && mkdir -p /models && chown sluice /models

@@ -1,7 +1,8 @@
 """`sluice model init DIR --preset tiny [--seed N]`: write a random-weight model directory.
 
-The directory (config.json, model.safetensors, tokenizer.json) loads like any Hugging Face
-Llama directory, so everything runs offline.
+The directory (config.json, generation_config.json, model.safetensors, tokenizer.json and a
+tokenizer_config.json with a chat template) loads like any Hugging Face Llama directory, so
+everything runs offline.
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ import pytest
 import redis.asyncio as aioredis
 
 from admission_svc.__main__ import admission_config
-from admission_svc.convert import load_model_spec
 from admission_svc.core import AdmissionCore
 from admission_svc.server import AdmissionServicer
 from admission_svc.streams import RequestStream, token_reader_loop
@@ -26,6 +25,7 @@ from sluice import errors
 from sluice.bus import Bus
 from sluice.config import Budgets, ServiceConfig, TenantConfig
 from sluice.errors import ErrorInterceptor
+from sluice.model_spec import load_model_spec
 from sluice.tokenizer import build_byte_tokenizer
 from sluice.v1 import (
     admission_pb2_grpc,
@@ -306,8 +306,7 @@ def test_request_stream_drops_duplicates_and_waits_for_overtaken_tokens() -> Non
 
 def test_detokenizer_holds_back_split_utf8() -> None:
     """Incremental text never shows half a UTF-8 character and concatenates to the full text."""
-    from admission_svc.convert import Detokenizer
-    from sluice.tokenizer import TextTokenizer
+    from sluice.tokenizer import Detokenizer, TextTokenizer
 
     tokenizer = TextTokenizer(build_byte_tokenizer())
     ids = tokenizer.encode("héllo €!")

@@ -30,14 +30,16 @@ def digest(path: Path) -> str:
 
 
 def test_init_writes_a_loadable_deterministic_model(tmp_path: Path) -> None:
-    """`model init` writes config, weights and tokenizer that load; the same seed gives identical bytes, another seed different weights."""
+    """`model init` writes config, generation config, weights, tokenizer and its config that load; the same seed gives identical bytes, another seed different weights."""
     assert run_init(str(tmp_path / "a"), "--preset", "tiny") == 0
     assert run_init(str(tmp_path / "b"), "--preset", "tiny") == 0
     assert run_init(str(tmp_path / "c"), "--preset", "tiny", "--seed", "1") == 0
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [
         "config.json",
+        "generation_config.json",
         "model.safetensors",
         "tokenizer.json",
+        "tokenizer_config.json",
     ]
     assert digest(tmp_path / "a" / "model.safetensors") == digest(tmp_path / "b" / "model.safetensors")
     assert digest(tmp_path / "a" / "model.safetensors") != digest(tmp_path / "c" / "model.safetensors")

@@ -207,3 +207,33 @@ def test_config_defaults_and_token_id_lists() -> None:
     assert (config.rms_norm_eps, config.rope_theta, config.rope_llama3) == (1e-6, 10000.0, None)
     with pytest.raises(ModelLoadError, match="'num_hidden_layers' is missing"):
         LlamaConfig.from_hf_dict({k: v for k, v in base.items() if k != "num_hidden_layers"})
+
+
+def test_worker_and_admission_read_the_model_the_same_way(model_dir: Path) -> None:
+    """The loader and load_model_spec agree on EOS ids (a list, plus generation_config's), BOS, length, vocabulary and prompt ids."""
+    from tokenizers import Tokenizer, processors
+
+    from sluice.model_spec import load_model_spec
+
+    edit_config(model_dir, eos_token_id=[257, 10], max_position_embeddings=1024)
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [10, 33], "temperature": 0.5}))
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 256)])
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    loaded = load_model(model_dir, "cpu", "float32")
+    spec = load_model_spec(model_dir, "m")
+    assert loaded.spec.eos_token_ids == spec.eos_token_ids == (257, 10, 33)
+    assert loaded.config.eos_token_id == spec.eos_token_id == 257 and loaded.config.bos_token_id == spec.bos_token_id
+    assert loaded.config.max_position_embeddings == spec.max_model_len == 1024
+    assert loaded.config.vocab_size == spec.vocab_size and loaded.spec.generation == spec.generation
+    assert loaded.tokenizer.encode("hi", add_special_tokens=True) == spec.encode_prompt("hi") == [256, 104, 105]
+
+
+def test_worker_eos_without_config_id_is_admissions(model_dir: Path) -> None:
+    """With no eos_token_id in config.json, the worker takes the same fallback as admission (the tokenizer's </s>), not Llama's 2."""
+    from sluice.model_spec import load_model_spec
+
+    path = model_dir / "config.json"
+    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "eos_token_id"}))
+    (model_dir / "generation_config.json").unlink()
+    assert load_model(model_dir, "cpu", "float32").config.eos_token_id == load_model_spec(model_dir, "m").eos_token_id == 257

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from sluice.model_spec import token_ids
 from worker_svc.engine.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURE = "LlamaForCausalLM"
@@ -43,7 +44,7 @@ class LlamaConfig:
     bos_token_id: int = 1
     """Beginning-of-sequence token."""
     eos_token_id: int = 2
-    """End-of-sequence token (the first one when config.json lists several)."""
+    """End-of-sequence token (the first one when config.json lists several; ModelSpec has them all)."""
     torch_dtype: str = "float32"
     """The dtype the weights were saved in."""
 
@@ -168,7 +169,7 @@ def _rope_llama3(raw: dict[str, Any], source: str) -> tuple[float, float, float,
 
 
 def _token_id(value: Any, default: int) -> int:
-    # null means "use the Llama default"; a list (Llama 3) contributes its first id
-    if isinstance(value, list):
-        value = value[0] if value else None
-    return default if value is None else int(value)
+    # null means "use the Llama default"; a list (Llama 3) contributes its first id. The loader
+    # replaces both ids with the ModelSpec's, which also reads generation_config.json.
+    ids = token_ids(value)
+    return ids[0] if ids else default

@@ -1,5 +1,9 @@
 """Load a Hugging Face-style Llama directory: config.json, *.safetensors, tokenizer.json.
 
+The directory's serving facts (EOS ids, BOS, tokenizer and its special tokens, generation defaults,
+chat template) are read by sluice.model_spec.load_model_spec, the same reader admission uses, so the
+worker and admission agree on them; this module adds the architecture and the weights.
+
 Every problem a caller can cause (a missing directory or file, another architecture, a missing,
 unexpected or misshapen tensor, an unsupported dtype) raises ModelLoadError naming the file or
 tensor, what was expected and what was found. Nothing is downloaded.
@@ -7,6 +11,7 @@ tensor, what was expected and what was found. Nothing is downloaded.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from sluice.model_spec import ModelSpec, load_model_spec, read_json
 from sluice.tokenizer import TextTokenizer
 from worker_svc.engine.config import LlamaConfig
 from worker_svc.engine.errors import ModelLoadError
@@ -34,6 +40,8 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     model_dir: Path
+    spec: ModelSpec
+    """What admission reads from the same directory (EOS ids, generation defaults, chat template)."""
 
 
 def resolve_device(device: str) -> torch.device:
@@ -67,15 +75,19 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def load_config(model_dir: Path) -> LlamaConfig:
     """Return the Llama configuration of model_dir; raises ModelLoadError when absent or unsupported."""
     path = model_dir / "config.json"
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: config.json not found")
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"{path}: cannot read config.json: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object, found {type(raw).__name__}")
+        raw = read_json(path, required=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read config.json: {exc}") from None
     return LlamaConfig.from_hf_dict(raw, str(path))
+
+
+def load_spec(model_dir: Path) -> ModelSpec:
+    """Return the ModelSpec of model_dir; raises ModelLoadError naming the file that is absent or malformed."""
+    try:
+        return load_model_spec(model_dir, model_dir.name)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(str(exc)) from None
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -158,8 +170,10 @@ def load_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto")
         raise ModelLoadError(f"model directory {root} does not exist")
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    spec = load_spec(root)
     config = load_config(root)
-    tokenizer = load_tokenizer(root)
+    bos = config.bos_token_id if spec.bos_token_id is None else spec.bos_token_id
+    config = dataclasses.replace(config, eos_token_id=spec.eos_token_id, bos_token_id=bos)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     tensors = read_tensors(weight_files(root), torch_dtype, torch_device)
@@ -168,15 +182,4 @@ def load_model(model_dir: str | Path, device: str = "auto", dtype: str = "auto")
     model.tie_weights()
     model.eval().requires_grad_(False)
     model.prepare_rope()
-    return LoadedModel(model, config, tokenizer, torch_device, torch_dtype, root)
-
-
-def load_tokenizer(model_dir: Path) -> TextTokenizer:
-    """Return the tokenizer in model_dir/tokenizer.json; raises ModelLoadError when absent or corrupt."""
-    path = model_dir / "tokenizer.json"
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: tokenizer.json not found")
-    try:
-        return TextTokenizer.from_file(path)
-    except Exception as exc:  # tokenizers raises a bare Exception for malformed files
-        raise ModelLoadError(f"{path}: cannot parse tokenizer.json: {exc}") from None
+    return LoadedModel(model, config, spec.tokenizer, torch_device, torch_dtype, root, spec)

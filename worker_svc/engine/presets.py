@@ -1,7 +1,8 @@
 """Built-in model presets: deterministic random-weight Llama models with a byte-level tokenizer.
 
-`write_preset(dir, "tiny")` writes config.json, model.safetensors and tokenizer.json that the
-loader reads like any Hugging Face Llama directory. Weights come from a fixed seed and are scaled
+`write_preset(dir, "tiny")` writes config.json, generation_config.json, model.safetensors,
+tokenizer.json and tokenizer_config.json (special tokens, no BOS added to prompts, and a Zephyr-style
+chat template so a demo can chat) that the loader reads like any Hugging Face Llama directory. Weights come from a fixed seed and are scaled
 so that every block's output has unit size, the embedding is small next to it (the prediction
 depends on the context, not only on the last token) and the logits spread over a few units.
 """
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from sluice.tokenizer import build_byte_tokenizer
+from sluice.tokenizer import BOS_TOKEN, EOS_TOKEN, build_byte_tokenizer
 from worker_svc.engine.config import LlamaConfig
 from worker_svc.engine.model import LlamaForCausalLM
 
@@ -61,6 +62,16 @@ PRESETS: dict[str, LlamaConfig] = {
     ),
 }
 DEFAULT_SEED = 0
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('Only system, user and assistant roles are supported, not ' + message['role']) }}"
+    "{% endif %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+"""The presets' chat template (Zephyr's layout): each turn is `<|role|>`, a newline, the text, `</s>`."""
 
 
 def preset_config(name: str) -> LlamaConfig:
@@ -106,6 +117,17 @@ def write_preset(target: str | Path, name: str, seed: int = DEFAULT_SEED) -> Pat
     # a single metadata key: safetensors writes its map in hash order, and the bytes should not vary
     save_file(weights, str(root / "model.safetensors"), metadata={"format": "pt"})
     hf = config.to_hf_dict() | {"sluice_preset": name, "sluice_seed": seed}
-    (root / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    write_json(root / "config.json", hf)
     build_byte_tokenizer().save(str(root / "tokenizer.json"))
+    write_json(root / "generation_config.json",
+               {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id})
+    write_json(root / "tokenizer_config.json", {
+        "bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "add_bos_token": False, "add_eos_token": False,
+        "chat_template": CHAT_TEMPLATE, "model_max_length": config.max_position_embeddings,
+        "tokenizer_class": "PreTrainedTokenizerFast"})
     return root
+
+
+def write_json(path: Path, content: dict[str, object]) -> None:
+    """Write content as indented JSON with sorted keys (the same bytes every time)."""
+    path.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
