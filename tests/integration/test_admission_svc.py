@@ -19,13 +19,13 @@ import redis.asyncio as aioredis
 from admission_svc.__main__ import admission_config
 from admission_svc.convert import load_model_spec
 from admission_svc.core import AdmissionCore
-from admission_svc.server import AdmissionServicer
+from admission_svc.frontdoor import FrontDoor, FrontDoorConfig
+from admission_svc.server import DEFAULT_MAX_MESSAGE_BYTES, build_server
 from admission_svc.streams import RequestStream, token_reader_loop
 from sluice import client as sdk
 from sluice import errors
 from sluice.bus import Bus
 from sluice.config import Budgets, ServiceConfig, TenantConfig
-from sluice.errors import ErrorInterceptor
 from sluice.tokenizer import build_byte_tokenizer
 from sluice.v1 import (
     admission_pb2_grpc,
@@ -103,10 +103,11 @@ def _model_dir(tmp_path: Path) -> Path:
 
 CONFIG = ServiceConfig(tenants=(TenantConfig("acme", ("k-acme",)), TenantConfig("beta", ("k-beta",))),
                        budgets=Budgets(max_active_requests=2))
-Body = Callable[[str, AdmissionServicer, StandInReplica, Bus], Awaitable[None]]
+Body = Callable[[str, FrontDoor, StandInReplica, Bus], Awaitable[None]]
 
 
-async def _serve(tmp_path: Path, redis_url: str, namespace: str, body: Body, consume: bool) -> None:
+async def _serve(tmp_path: Path, redis_url: str, namespace: str, body: Body, consume: bool,
+                 door_config: FrontDoorConfig | None, max_message_bytes: int) -> None:
     redis = aioredis.from_url(redis_url)
     bus = Bus(redis, namespace)
     replica = StandInReplica(bus)
@@ -116,32 +117,32 @@ async def _serve(tmp_path: Path, redis_url: str, namespace: str, body: Body, con
     replica.address = f"127.0.0.1:{downstream.add_insecure_port('127.0.0.1:0')}"
     await downstream.start()
     model = load_model_spec(_model_dir(tmp_path), "tiny")
-    servicer = AdmissionServicer(AdmissionCore(admission_config(CONFIG, model.max_model_len)), model,
-                                 replica.address, OWNER)
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
-    admission_pb2_grpc.add_AdmissionServiceServicer_to_server(servicer, server)
+    door = FrontDoor(AdmissionCore(admission_config(CONFIG, model.max_model_len)), model, replica.address, OWNER,
+                     config=door_config)
+    server = build_server(door, max_message_bytes)
     target = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     await server.start()
     stop = asyncio.Event()
     tasks = [asyncio.create_task(token_reader_loop(
         lambda s, last, count, block: bus.read_stream(s, last, count=count, block_ms=block),
-        bus.tokens_stream(OWNER), servicer.registry, stop, block_ms=50))]
+        bus.tokens_stream(OWNER), door.registry, stop, block_ms=50))]
     if consume:
-        tasks.append(asyncio.create_task(bus.consume("completions", "admission", "c1", servicer.on_completion,
+        tasks.append(asyncio.create_task(bus.consume("completions", "admission", "c1", door.on_completion,
                                                      stop=stop, block_ms=50)))
     try:
-        await body(target, servicer, replica, bus)
+        await body(target, door, replica, bus)
     finally:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
         await server.stop(None)
         await downstream.stop(None)
-        await servicer.close()
+        await door.close()
         await redis.aclose()
 
 
-def run(tmp_path: Path, redis_url: str, namespace: str, body: Body, consume: bool = True) -> None:
-    asyncio.run(_serve(tmp_path, redis_url, namespace, body, consume))
+def run(tmp_path: Path, redis_url: str, namespace: str, body: Body, consume: bool = True,
+        door_config: FrontDoorConfig | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+    asyncio.run(_serve(tmp_path, redis_url, namespace, body, consume, door_config, max_message_bytes))
 
 
 async def _settle(condition: Callable[[], bool], timeout_s: float = 3.0) -> bool:
@@ -154,13 +155,13 @@ async def _settle(condition: Callable[[], bool], timeout_s: float = 3.0) -> bool
 
 def test_stream_text_usage_and_release(tmp_path: Path, redis_url: str, namespace: str) -> None:
     """A generation streams its tokens in order as text, ends with usage, and releases its reservation."""
-    async def body(target: str, servicer: AdmissionServicer, replica: StandInReplica, bus: Bus) -> None:
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
         async with sdk.AsyncClient(target, api_key="k-acme") as client:
             result = await client.generate_text("hi there", max_tokens=5)
         assert (result.text, result.token_ids) == ("hello", tuple(OUTPUT[:5]))
         assert result.status == "FINISHED_LENGTH" and result.usage.output_tokens == 5
         assert replica.submitted[0].owner == OWNER and replica.submitted[0].tenant == "acme"
-        assert await _settle(lambda: servicer.core.stats(0).active == 0)
+        assert await _settle(lambda: door.core.stats(0).active == 0)
 
     run(tmp_path, redis_url, namespace, body)
 
@@ -178,7 +179,7 @@ def test_stream_text_usage_and_release(tmp_path: Path, redis_url: str, namespace
 def test_bad_inputs_get_precise_statuses(tmp_path: Path, redis_url: str, namespace: str,
                                          kwargs: dict[str, Any], error: type, words: list[str]) -> None:
     """Each bad input gets its own status with a message naming the field or numbers, and nothing is submitted."""
-    async def body(target: str, servicer: AdmissionServicer, replica: StandInReplica, bus: Bus) -> None:
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
         args = {"prompt": "hi", "max_tokens": 4, **kwargs}
         key = args.pop("api_key", "k-acme")
         async with sdk.AsyncClient(target, api_key=key) as client:
@@ -193,7 +194,7 @@ def test_bad_inputs_get_precise_statuses(tmp_path: Path, redis_url: str, namespa
 def test_over_budget_is_resource_exhausted_without_side_effect(tmp_path: Path, redis_url: str,
                                                                 namespace: str) -> None:
     """The third concurrent request over a budget of two gets RESOURCE_EXHAUSTED with a retry delay and is not submitted."""
-    async def body(target: str, servicer: AdmissionServicer, replica: StandInReplica, bus: Bus) -> None:
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
         no_retry = sdk.RetryPolicy(max_attempts=1)
         async with sdk.AsyncClient(target, api_key="k-acme", retry=no_retry) as client:
             streams = [client.generate("a", max_tokens=10), client.generate("b", max_tokens=10)]
@@ -205,14 +206,14 @@ def test_over_budget_is_resource_exhausted_without_side_effect(tmp_path: Path, r
             for stream in streams:
                 async for _ in stream:
                     pass
-        assert await _settle(lambda: servicer.core.stats(0).active == 0)
+        assert await _settle(lambda: door.core.stats(0).active == 0)
 
     run(tmp_path, redis_url, namespace, body)
 
 
 def test_other_tenant_cannot_cancel_or_read(tmp_path: Path, redis_url: str, namespace: str) -> None:
     """Another tenant's Cancel and GetRequest on a live request get NOT_FOUND and change nothing."""
-    async def body(target: str, servicer: AdmissionServicer, replica: StandInReplica, bus: Bus) -> None:
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
         async with sdk.AsyncClient(target, api_key="k-acme") as acme, \
                 sdk.AsyncClient(target, api_key="k-beta") as beta:
             stream = acme.generate("hi", max_tokens=6)
@@ -231,7 +232,7 @@ def test_other_tenant_cannot_cancel_or_read(tmp_path: Path, redis_url: str, name
 
 def test_cancel_and_disconnect_reach_the_scheduler(tmp_path: Path, redis_url: str, namespace: str) -> None:
     """Cancel ends the stream as CANCELLED with no further tokens; a client that goes away cancels too."""
-    async def body(target: str, servicer: AdmissionServicer, replica: StandInReplica, bus: Bus) -> None:
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
         async with sdk.AsyncClient(target, api_key="k-acme") as client:
             stream = client.generate("hi", max_tokens=11)
             first = await anext(stream)
@@ -244,7 +245,7 @@ def test_cancel_and_disconnect_reach_the_scheduler(tmp_path: Path, redis_url: st
             await gone.aclose()
         assert replica.cancelled[0] == first.request_id
         assert await _settle(lambda: second.request_id in replica.cancelled)
-        assert await _settle(lambda: servicer.core.stats(0).active == 0)
+        assert await _settle(lambda: door.core.stats(0).active == 0)
 
     run(tmp_path, redis_url, namespace, body)
 
@@ -252,7 +253,7 @@ def test_cancel_and_disconnect_reach_the_scheduler(tmp_path: Path, redis_url: st
 def test_idempotent_retry_attaches_instead_of_running_twice(tmp_path: Path, redis_url: str,
                                                             namespace: str) -> None:
     """Two calls with one idempotency key get the same request and the same text; the scheduler sees one Submit."""
-    async def body(target: str, servicer: AdmissionServicer, replica: StandInReplica, bus: Bus) -> None:
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
         async with sdk.AsyncClient(target, api_key="k-acme") as client:
             first, second = await asyncio.gather(
                 client.generate_text("hi", max_tokens=5, idempotency_key="same"),
@@ -265,20 +266,20 @@ def test_idempotent_retry_attaches_instead_of_running_twice(tmp_path: Path, redi
 
 def test_restarted_consumer_claims_pending_completion(tmp_path: Path, redis_url: str, namespace: str) -> None:
     """A completion read by a consumer that died before acknowledging it is claimed by the next one and releases."""
-    async def body(target: str, servicer: AdmissionServicer, replica: StandInReplica, bus: Bus) -> None:
-        servicer.core.admit("orphan", "acme", 3, 4, 0.0)
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
+        door.core.admit("orphan", "acme", 3, 4, 0.0)
         group = "admission-restart"
         await bus.ensure_group("completions", group, "$")
         await bus.publish_completion(events_pb2.Completion(request_id="orphan", owner=OWNER,
                                                            status=common_pb2.FINISHED_STOP))
         # The dead consumer: read the entry (now pending for it) and never acknowledge.
         await bus.client.xreadgroup(group, "dead", {bus.key("completions"): ">"}, count=10)
-        assert servicer.core.reservation("orphan") is not None
+        assert door.core.reservation("orphan") is not None
         stop = asyncio.Event()
-        task = asyncio.create_task(bus.consume("completions", group, "fresh", servicer.on_completion, stop=stop,
+        task = asyncio.create_task(bus.consume("completions", group, "fresh", door.on_completion, stop=stop,
                                                claim_idle_ms=50, block_ms=50))
         await asyncio.sleep(0.1)
-        released = await _settle(lambda: servicer.core.reservation("orphan") is None)
+        released = await _settle(lambda: door.core.reservation("orphan") is None)
         stop.set()
         await task
         assert released
@@ -320,7 +321,7 @@ def test_detokenizer_holds_back_split_utf8() -> None:
 
 def test_retry_that_goes_away_does_not_cancel_the_original(tmp_path: Path, redis_url: str, namespace: str) -> None:
     """When an attached retry disconnects while the first call still streams, the request is not cancelled."""
-    async def body(target: str, servicer: AdmissionServicer, replica: StandInReplica, bus: Bus) -> None:
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
         async with sdk.AsyncClient(target, api_key="k-acme") as client:
             original = client.generate("hi", max_tokens=11, idempotency_key="k1")
             await anext(original)
@@ -335,7 +336,7 @@ def test_retry_that_goes_away_does_not_cancel_the_original(tmp_path: Path, redis
 
 def test_no_ready_replica_is_unavailable_and_releases(tmp_path: Path, redis_url: str, namespace: str) -> None:
     """With no READY replica the call (and a retry attached to it) gets UNAVAILABLE with the router's retry delay, and the reservation is released."""
-    async def body(target: str, servicer: AdmissionServicer, replica: StandInReplica, bus: Bus) -> None:
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
         replica.ready = False
         async with sdk.AsyncClient(target, api_key="k-acme", retry=sdk.RetryPolicy(max_attempts=1)) as client:
             first = asyncio.create_task(client.generate_text("hi", max_tokens=4, idempotency_key="k"))
@@ -345,7 +346,7 @@ def test_no_ready_replica_is_unavailable_and_releases(tmp_path: Path, redis_url:
             with pytest.raises(sdk.Unavailable) as info:
                 await first
         assert info.value.retry_delay_s == pytest.approx(0.5)
-        assert servicer.core.stats(0).active == 0 and replica.submitted == []
+        assert door.core.stats(0).active == 0 and replica.submitted == []
 
     run(tmp_path, redis_url, namespace, body)
 
@@ -361,7 +362,7 @@ def test_bench_drive_records_every_outcome(tmp_path: Path, redis_url: str, names
                                     cancel_after_s=0.05))
     requests.append(WorkloadRequest("bad", arrival_s=0.06, input_length=4, output_length=100, tenant="acme"))
 
-    async def body(target: str, servicer: AdmissionServicer, replica: StandInReplica, bus: Bus) -> None:
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
         outcomes = await drive(target, {"acme": "k-acme"}, requests, max_concurrency=2, progress=False)
         records = records_of(requests, outcomes)
         assert [r.status for r in records] == ["ok", "ok", "ok", "cancelled", "failed"]
