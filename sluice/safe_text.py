@@ -25,10 +25,8 @@ def escape_controls(text: str) -> str:
 def shown(value: str, limit: int = SHOWN_CHARS) -> str:
     """Return a quoted, control-escaped prefix of `value` of at most `limit` characters, saying how long
     the whole was when it is cut: `'abc...' (20000 chars)`."""
-    head = escape_controls(value[:limit])
-    if len(value) <= limit:
-        return repr(head)
-    return f"{head[:limit]!r}... ({len(value)} chars)"
+    quoted = f"'{escape_controls(value[:limit])}'"
+    return quoted if len(value) <= limit else f"{quoted}... ({len(value)} chars)"
 
 
 class EscapingFormatter(logging.Formatter):
