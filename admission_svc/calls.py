@@ -28,7 +28,7 @@ class FrontDoorConfig:
     """Prompts up to this size are tokenized on the event loop (a few microseconds; a thread hop costs
     more); longer ones on the tokenizer threads, so they delay no other client."""
     tokenizer_threads: int = 2
-    """Threads that tokenize long prompts (the `tokenizers` library releases the GIL)."""
+    """Threads that tokenize long prompts (with the GIL released: TextTokenizer.encode_releasing_gil)."""
     downstream_timeout_s: float = 10.0
     """Timeout of each Route, Submit, Cancel and ListReplicas call."""
     resume_window_s: float = 60.0

@@ -13,8 +13,8 @@ finishing raises its `RequestEnded` refusal (CANCELLED, TIMED_OUT, FAILED, REJEC
 delay); the transport maps them once (gRPC: the ErrorInterceptor).
 
 Nothing a client sends costs work on the event loop before its size is checked: a text prompt over
-`max_prompt_bytes` is refused untokenized, and a long prompt is tokenized on a thread (`tokenizers`
-releases the GIL), so one client's 4 MB prompt does not hold back every other client's tokens.
+`max_prompt_bytes` is refused untokenized, and a long prompt is tokenized on a thread with the GIL
+released, so one client's long prompt does not hold back every other client's tokens.
 
 The reservation is released exactly once: when the completion arrives, or at once when routing or
 submitting fails. Other tenants' requests are NOT_FOUND to `cancel` and `lookup` (not
@@ -195,8 +195,8 @@ class FrontDoor:
         if size <= self.config.inline_tokenize_bytes:
             ids = self.model.tokenizer.encode(text)  # microseconds: cheaper than the hop to a thread
         else:
-            ids = await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self.model.tokenizer.encode,
-                                                                   text)
+            ids = await asyncio.get_running_loop().run_in_executor(
+                self._tokenizer_pool, self.model.tokenizer.encode_releasing_gil, text)
         self.metrics.tokenize.observe(time.perf_counter() - started)
         return ids
 

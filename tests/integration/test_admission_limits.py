@@ -87,13 +87,17 @@ class _ThreadRecordingTokenizer(TextTokenizer):
         self.threads: list[str] = []
 
     def encode(self, text: str) -> list[int]:
-        self.threads.append(threading.current_thread().name)
+        self.threads.append(f"{threading.current_thread().name} encode")
         return super().encode(text)
+
+    def encode_releasing_gil(self, text: str) -> list[int]:
+        self.threads.append(f"{threading.current_thread().name} encode_releasing_gil")
+        return super().encode_releasing_gil(text)
 
 
 def test_long_prompts_are_tokenized_off_the_event_loop(tmp_path: Path, redis_url: str, namespace: str) -> None:
-    """A prompt over inline_tokenize_bytes is tokenized on a tokenizer thread and still generates; a short one
-    is tokenized on the event loop's thread; the tokenize histogram counts both."""
+    """A prompt over inline_tokenize_bytes is tokenized on a tokenizer thread, with the GIL-releasing call, and
+    still generates; a short one is tokenized on the event loop's thread; the tokenize histogram counts both."""
     async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
         recorder = _ThreadRecordingTokenizer(door.model.tokenizer)
         object.__setattr__(door.model, "tokenizer", recorder)
@@ -102,7 +106,8 @@ def test_long_prompts_are_tokenized_off_the_event_loop(tmp_path: Path, redis_url
             long_one = await client.generate_text("hello world!", max_tokens=3)
             short_one = await client.generate_text("hi", max_tokens=3)
         assert long_one.text == short_one.text == "hel"
-        assert recorder.threads[0].startswith("tokenize") and recorder.threads[1] == loop_thread
+        assert recorder.threads[0].startswith("tokenize") and recorder.threads[0].endswith(" encode_releasing_gil")
+        assert recorder.threads[1] == f"{loop_thread} encode"
         assert replica.submitted[0].prompt_token_ids == list(b"hello world!")
         assert _tokenize_count(door) == 2
 
