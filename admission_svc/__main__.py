@@ -124,7 +124,9 @@ async def _consume_completions(bus: Bus, servicer: FrontDoor, stop: asyncio.Even
 
 
 def build_servicer(ctx: serve.ServiceContext, options: AdmissionOptions) -> FrontDoor:
-    """Return the front door for the options; raises serve.StartupError for a bad config, model, limit or metrics port."""
+    """Return the front door for the options.
+
+    Raises serve.StartupError for a bad config, model, size limit or metrics port."""
     if not 0 < options.max_prompt_bytes <= options.max_message_bytes:
         raise serve.StartupError(f"--max-prompt-bytes ({options.max_prompt_bytes}) must be positive and at most "
                                  f"--max-message-bytes ({options.max_message_bytes})")

@@ -12,13 +12,10 @@ scheduler. Refusals are the cores' `CoreError`s or `SluiceError`s, and a request
 finishing raises its `RequestEnded` refusal (CANCELLED, TIMED_OUT, FAILED, REJECTED with a retry
 delay); the transport maps them once (gRPC: the ErrorInterceptor).
 
-Nothing a client sends costs work on the event loop before its size is checked: a text prompt over
-`max_prompt_bytes` is refused untokenized, and a long prompt is tokenized on a thread with the GIL
-released, so one client's long prompt does not hold back every other client's tokens.
-
-The reservation is released exactly once: when the completion arrives, or at once when routing or
-submitting fails. Other tenants' requests are NOT_FOUND to `cancel` and `lookup` (not
-PERMISSION_DENIED), so that a tenant cannot probe which request ids exist.
+A text prompt over `max_prompt_bytes` is refused untokenized, and a long one is tokenized on a thread
+with the GIL released, so one client's long prompt does not hold back other clients' tokens. The
+reservation is released exactly once: on the completion, or at once when routing or submitting fails.
+Other tenants' requests are NOT_FOUND to `cancel` and `lookup`, so no tenant can probe which ids exist.
 """
 
 from __future__ import annotations
@@ -40,21 +37,12 @@ from admission_svc import convert
 from admission_svc.calls import Caller, FrontDoorConfig, GenerateCall, Output, Tracked
 from admission_svc.core import AdmissionCore
 from admission_svc.streams import RequestStream, StreamRegistry
-from sluice import errors, telemetry
-from sluice.core_errors import (
-    FAILURE_STATUSES,
-    CoreError,
-    InvalidRequest,
-    OverBudget,
-    PromptTooLarge,
-    ended_error,
-)
+from sluice import core_errors, errors, telemetry
+from sluice.core_errors import CoreError, OverBudget
 from sluice.hashing import hash_chain, salt_of
 from sluice.prom import AdmissionMetrics
 from sluice.safe_text import shown
 from sluice.v1 import common_pb2, events_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-
-__all__ = ["Caller", "FrontDoor", "FrontDoorConfig", "GenerateCall", "Output", "Tracked"]
 
 log = logging.getLogger(__name__)
 
@@ -153,12 +141,13 @@ class FrontDoor:
         sampling = call.sampling
         try:
             ids = await self._prompt_ids(call)
+            tokenized = time.time() if not call.prompt_token_ids else None
             self.core.validate(len(ids), sampling.max_tokens, temperature=sampling.temperature,
                                top_p=sampling.top_p, top_k=sampling.top_k)
         except CoreError as exc:
             self.metrics.rejections.labels(exc.reason_word).inc()
             raise
-        record = self._reserve(call, tenant, ids, received, caller.trace_context)
+        record = self._reserve(call, tenant, ids, (received, tokenized), caller.trace_context)
         try:
             await self._route_and_submit(record, call, ids, caller.deadline_unix_s)
         except BaseException as exc:
@@ -178,8 +167,8 @@ class FrontDoor:
             return await self._tokenize(call.prompt)
         ids = call.prompt_token_ids
         if len(ids) > self.model.max_model_len:  # before looking at every id
-            raise InvalidRequest("prompt_token_ids", f"prompt_token_ids holds {len(ids)} ids; the model length "
-                                                     f"is {self.model.max_model_len} tokens")
+            raise core_errors.InvalidRequest("prompt_token_ids", f"prompt_token_ids holds {len(ids)} ids; the "
+                                                                 f"model length is {self.model.max_model_len} tokens")
         bad = [t for t in ids if not 0 <= t < self.model.vocab_size]
         if bad:
             raise errors.InvalidArgument(f"prompt_token_ids holds {len(bad)} ids outside [0, {self.model.vocab_size}),"
@@ -190,7 +179,7 @@ class FrontDoor:
         """Return the ids of a prompt within max_prompt_bytes; a long one is tokenized on a thread."""
         size, limit = len(text.encode("utf-8", "surrogatepass")), self.config.max_prompt_bytes
         if size > limit:
-            raise PromptTooLarge(size, limit)
+            raise core_errors.PromptTooLarge(size, limit)
         started = time.perf_counter()
         if size <= self.config.inline_tokenize_bytes:
             ids = self.model.tokenizer.encode(text)  # microseconds: cheaper than the hop to a thread
@@ -200,10 +189,12 @@ class FrontDoor:
         self.metrics.tokenize.observe(time.perf_counter() - started)
         return ids
 
-    def _reserve(self, call: GenerateCall, tenant: str, ids: list[int], received: float,
+    def _reserve(self, call: GenerateCall, tenant: str, ids: list[int], stamps: tuple[float, float | None],
                  parent: Context | None) -> Tracked:
-        """Admit (no await between the key lookup and here, so two retries cannot both start)."""
-        request_id = uuid.uuid4().hex
+        """Admit (no await between the key lookup and here, so two retries cannot both start).
+
+        `stamps`: when the call was received, and when its text was tokenized (None: it came as ids)."""
+        (received, tokenized), request_id = stamps, uuid.uuid4().hex
         span = self._tracer.start_span("admission.request", context=parent, kind=trace.SpanKind.SERVER,
                                        start_time=_ns(received), attributes={
                                            telemetry.GEN_AI_REQUEST_MODEL: self.model.model_id,
@@ -212,6 +203,8 @@ class FrontDoor:
                                            "sluice.priority": call.priority,
                                            "gen_ai.request.max_tokens": call.sampling.max_tokens})
         span.add_event("received", timestamp=_ns(received))
+        if tokenized is not None:
+            span.add_event("tokenized", timestamp=_ns(tokenized))
         try:
             self.core.admit(request_id, tenant, len(ids), call.sampling.max_tokens, time.monotonic())
         except OverBudget as exc:
@@ -286,8 +279,9 @@ class FrontDoor:
         """Return the refusal a completion ends the stream with (None for a finished request)."""
         status = common_pb2.RequestStatus.Name(completion.status)
         detail = f": {completion.detail}" if completion.detail else ""
-        return ended_error(status, f"request {record.request_id} {status} after {completion.usage.output_tokens} "
-                                   f"output tokens{detail}", record.retry_after_s)
+        outputs = completion.usage.output_tokens
+        return core_errors.ended_error(status, f"request {record.request_id} {status} after {outputs} output tokens"
+                                               f"{detail}", record.retry_after_s)
 
     def _scheduler(self, address: str) -> scheduler_pb2_grpc.SchedulerServiceStub:
         if address not in self._schedulers:
@@ -371,7 +365,7 @@ class FrontDoor:
         span.set_attribute("sluice.status", status_name)
         span.add_event("completed", attributes={"status": status_name, "missing_tokens":
                                                 record.stream.missing_tokens})
-        if status_name in FAILURE_STATUSES:
+        if status_name in core_errors.FAILURE_STATUSES:
             span.set_status(trace.Status(trace.StatusCode.ERROR, status_name))
         span.end()
         record.ended = True

@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 import pytest
 from admission_harness import OWNER, StandInReplica, run
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from admission_svc.frontdoor import FrontDoor, FrontDoorConfig
 from admission_svc.server import DEFAULT_MAX_MESSAGE_BYTES, HARD_LIMIT_FACTOR
@@ -95,9 +96,11 @@ class _ThreadRecordingTokenizer(TextTokenizer):
         return super().encode_releasing_gil(text)
 
 
-def test_long_prompts_are_tokenized_off_the_event_loop(tmp_path: Path, redis_url: str, namespace: str) -> None:
+def test_long_prompts_are_tokenized_off_the_event_loop(tmp_path: Path, redis_url: str, namespace: str,
+                                                       span_exporter: InMemorySpanExporter) -> None:
     """A prompt over inline_tokenize_bytes is tokenized on a tokenizer thread, with the GIL-releasing call, and
-    still generates; a short one is tokenized on the event loop's thread; the tokenize histogram counts both."""
+    still generates; a short one is tokenized on the event loop's thread; the tokenize histogram counts both,
+    and each request's span has a `tokenized` event between `received` and `admitted`."""
     async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
         recorder = _ThreadRecordingTokenizer(door.model.tokenizer)
         object.__setattr__(door.model, "tokenizer", recorder)
@@ -112,6 +115,12 @@ def test_long_prompts_are_tokenized_off_the_event_loop(tmp_path: Path, redis_url
         assert _tokenize_count(door) == 2
 
     run(tmp_path, redis_url, namespace, body, door_config=FrontDoorConfig(inline_tokenize_bytes=8))
+    roots = [s for s in span_exporter.get_finished_spans() if s.name == "admission.request"]
+    assert len(roots) == 2
+    for root in roots:
+        names = [e.name for e in root.events]
+        assert names[:3] == ["received", "tokenized", "admitted"]
+        assert root.events[0].timestamp <= root.events[1].timestamp <= root.events[2].timestamp
 
 
 @pytest.mark.parametrize("method", ["Generate", "Cancel", "GetRequest"])
