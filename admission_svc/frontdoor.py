@@ -13,7 +13,7 @@ finishing raises its `RequestEnded` refusal (CANCELLED, TIMED_OUT, FAILED, REJEC
 delay); the transport maps them once (gRPC: the ErrorInterceptor).
 
 A text prompt over `max_prompt_bytes` is refused untokenized, and a long one is tokenized on a thread
-with the GIL released, so one client's long prompt does not hold back other clients' tokens. The
+with the GIL released (admission_svc/prompts.py), so one client's long prompt does not hold back other clients' tokens. The
 reservation is released exactly once: on the completion, or at once when routing or submitting fails.
 Other tenants' requests are NOT_FOUND to `cancel` and `lookup`, so no tenant can probe which ids exist.
 """
@@ -26,7 +26,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -36,6 +35,7 @@ from opentelemetry.context import Context
 from admission_svc import convert
 from admission_svc.calls import Caller, FrontDoorConfig, GenerateCall, Output, Tracked
 from admission_svc.core import AdmissionCore
+from admission_svc.prompts import PromptReader
 from admission_svc.streams import RequestStream, StreamRegistry
 from sluice import core_errors, errors, telemetry
 from sluice.core_errors import CoreError, OverBudget
@@ -68,7 +68,7 @@ class FrontDoor:
         self._schedulers: dict[str, tuple[grpc.aio.Channel, scheduler_pb2_grpc.SchedulerServiceStub]] = {}
         self._block_size: tuple[float, int] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._tokenizer_pool = ThreadPoolExecutor(self.config.tokenizer_threads, thread_name_prefix="tokenize")
+        self.prompts = PromptReader(model, self.config, self.metrics)
         self._tracer = telemetry.get_tracer("sluice.admission")
 
     # ---- what transports call -------------------------------------------------------------------
@@ -79,10 +79,15 @@ class FrontDoor:
         received = time.time()
         tenant = self.core.authenticate(caller.api_key)
         record = self._attach(tenant, call.idempotency_key)
-        attached = record is not None
         if record is None:
-            record = await self._admit(call, tenant, caller, received)
-        self.metrics.requests.labels(tenant, "attached" if attached else "admitted").inc()
+            ids, tokenized = await self._checked_prompt(call)
+            # Tokenizing on a thread awaits: a retry with the same key may have started the request meanwhile.
+            record = self._attach(tenant, call.idempotency_key)
+            if record is None:
+                record = await self._admit(call, tenant, ids, caller, (received, tokenized))
+                self.metrics.requests.labels(tenant, "admitted").inc()
+                return record
+        self.metrics.requests.labels(tenant, "attached").inc()
         return record
 
     async def stream(self, record: Tracked) -> AsyncIterator[Output]:
@@ -133,21 +138,26 @@ class FrontDoor:
         request_id = self.core.lookup_key(tenant, key, time.monotonic())
         return self.records.get(request_id) if request_id else None
 
-    async def _admit(self, call: GenerateCall, tenant: str, caller: Caller, received: float) -> Tracked:
+    async def _checked_prompt(self, call: GenerateCall) -> tuple[list[int], float | None]:
+        """Return the prompt's ids and when its text was tokenized (None: it came as ids); raises the refusal."""
         if not self.model.accepts(call.model):
             self.metrics.rejections.labels("unknown_model").inc()
             raise errors.NotFound(f"unknown model {shown(call.model)}; this deployment serves "
                                   f"{self.model.model_id!r}", reason="unknown_model", field_name="model")
         sampling = call.sampling
         try:
-            ids = await self._prompt_ids(call)
-            tokenized = time.time() if not call.prompt_token_ids else None
+            ids = await self.prompts.ids(call)
             self.core.validate(len(ids), sampling.max_tokens, temperature=sampling.temperature,
                                top_p=sampling.top_p, top_k=sampling.top_k)
         except CoreError as exc:
             self.metrics.rejections.labels(exc.reason_word).inc()
             raise
-        record = self._reserve(call, tenant, ids, (received, tokenized), caller.trace_context)
+        return ids, (time.time() if not call.prompt_token_ids else None)
+
+    async def _admit(self, call: GenerateCall, tenant: str, ids: list[int], caller: Caller,
+                     stamps: tuple[float, float | None]) -> Tracked:
+        """Reserve, route and submit; undo the reservation if routing or submitting fails."""
+        record = self._reserve(call, tenant, ids, stamps, caller.trace_context)
         try:
             await self._route_and_submit(record, call, ids, caller.deadline_unix_s)
         except BaseException as exc:
@@ -158,36 +168,6 @@ class FrontDoor:
                 raise error from None
             raise
         return record
-
-    async def _prompt_ids(self, call: GenerateCall) -> list[int]:
-        if call.prompt and call.prompt_token_ids:
-            raise errors.InvalidArgument("give either prompt or prompt_token_ids, not both",
-                                         reason="invalid_request", field_name="prompt_token_ids")
-        if not call.prompt_token_ids:
-            return await self._tokenize(call.prompt)
-        ids = call.prompt_token_ids
-        if len(ids) > self.model.max_model_len:  # before looking at every id
-            raise core_errors.InvalidRequest("prompt_token_ids", f"prompt_token_ids holds {len(ids)} ids; the "
-                                                                 f"model length is {self.model.max_model_len} tokens")
-        bad = [t for t in ids if not 0 <= t < self.model.vocab_size]
-        if bad:
-            raise errors.InvalidArgument(f"prompt_token_ids holds {len(bad)} ids outside [0, {self.model.vocab_size}),"
-                                         f" e.g. {bad[0]}", reason="invalid_request", field_name="prompt_token_ids")
-        return list(ids)
-
-    async def _tokenize(self, text: str) -> list[int]:
-        """Return the ids of a prompt within max_prompt_bytes; a long one is tokenized on a thread."""
-        size, limit = len(text.encode("utf-8", "surrogatepass")), self.config.max_prompt_bytes
-        if size > limit:
-            raise core_errors.PromptTooLarge(size, limit)
-        started = time.perf_counter()
-        if size <= self.config.inline_tokenize_bytes:
-            ids = self.model.tokenizer.encode(text)  # microseconds: cheaper than the hop to a thread
-        else:
-            ids = await asyncio.get_running_loop().run_in_executor(
-                self._tokenizer_pool, self.model.tokenizer.encode_releasing_gil, text)
-        self.metrics.tokenize.observe(time.perf_counter() - started)
-        return ids
 
     def _reserve(self, call: GenerateCall, tenant: str, ids: list[int], stamps: tuple[float, float | None],
                  parent: Context | None) -> Tracked:
@@ -390,5 +370,5 @@ class FrontDoor:
         for channel, _ in self._schedulers.values():
             await channel.close()
         await self._router_channel.close()
-        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self.prompts.close()
 

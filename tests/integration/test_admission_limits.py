@@ -5,6 +5,7 @@ end without finishing. Real admission gRPC server on loopback, real Redis (admis
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from pathlib import Path
@@ -96,6 +97,18 @@ class _ThreadRecordingTokenizer(TextTokenizer):
         return super().encode_releasing_gil(text)
 
 
+class _GatedTokenizer(TextTokenizer):
+    """The real byte tokenizer, whose threaded encodes wait until `parties` of them are under way together."""
+
+    def __init__(self, inner: TextTokenizer, parties: int) -> None:
+        super().__init__(inner._tokenizer)
+        self.barrier = threading.Barrier(parties, timeout=10)
+
+    def encode_releasing_gil(self, text: str) -> list[int]:
+        self.barrier.wait()
+        return super().encode_releasing_gil(text)
+
+
 def test_long_prompts_are_tokenized_off_the_event_loop(tmp_path: Path, redis_url: str, namespace: str,
                                                        span_exporter: InMemorySpanExporter) -> None:
     """A prompt over inline_tokenize_bytes is tokenized on a tokenizer thread, with the GIL-releasing call, and
@@ -121,6 +134,22 @@ def test_long_prompts_are_tokenized_off_the_event_loop(tmp_path: Path, redis_url
         names = [e.name for e in root.events]
         assert names[:3] == ["received", "tokenized", "admitted"]
         assert root.events[0].timestamp <= root.events[1].timestamp <= root.events[2].timestamp
+
+
+def test_idempotent_retries_attach_while_the_first_is_tokenized_on_a_thread(tmp_path: Path, redis_url: str,
+                                                                          namespace: str) -> None:
+    """Two calls with one idempotency key whose prompts are tokenized on threads (an await before the
+    reservation) still start one request: the key is looked up again after tokenizing."""
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
+        object.__setattr__(door.model, "tokenizer", _GatedTokenizer(door.model.tokenizer, parties=3))
+        async with sdk.AsyncClient(target, api_key="k-acme") as client:
+            calls = [client.generate_text("hello there", max_tokens=5, idempotency_key="same") for _ in range(3)]
+            results = await asyncio.gather(*calls)
+        assert len({r.request_id for r in results}) == 1 and {r.text for r in results} == {"hello"}
+        assert len(replica.submitted) == 1
+
+    run(tmp_path, redis_url, namespace, body, door_config=FrontDoorConfig(inline_tokenize_bytes=0,
+                                                                            tokenizer_threads=3))
 
 
 @pytest.mark.parametrize("method", ["Generate", "Cancel", "GetRequest"])
