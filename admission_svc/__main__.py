@@ -13,19 +13,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from admission_svc.core import AdmissionConfig, AdmissionCore, TenantConfig
-from admission_svc.server import AdmissionMetrics, AdmissionServicer
+from admission_svc.frontdoor import FrontDoor, FrontDoorConfig
+from admission_svc.server import DEFAULT_MAX_MESSAGE_BYTES, build_server
 from admission_svc.streams import token_reader_loop
 from sluice import serve, services
 from sluice.bus import Bus
 from sluice.config import ConfigError, ServiceConfig, load_config
-from sluice.errors import ErrorInterceptor
 from sluice.model_spec import load_model_spec
 from sluice.models import find_model
-from sluice.v1 import admission_pb2_grpc
+from sluice.prom import AdmissionMetrics
 
 log = logging.getLogger("admission_svc")
 SERVICE_NAME = services.ADMISSION
@@ -47,6 +46,10 @@ class AdmissionOptions(serve.BusOptions):
     """Token-stream owner id; None: admission-<hostname>-<port>."""
     resume_window_s: float = 60.0
     """Seconds finished streams are kept for a client to resume."""
+    max_prompt_bytes: int = FrontDoorConfig.max_prompt_bytes
+    """A text prompt over this many bytes is INVALID_ARGUMENT, untokenized."""
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    """A request message over this many bytes is INVALID_ARGUMENT, unparsed (at least max_prompt_bytes)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-id", default=None, help="id replicas register under (default: the directory name)")
     p.add_argument("--owner", default=None, help="token-stream owner id (default: admission-<host>-<port>)")
     p.add_argument("--resume-window-s", type=float, default=60.0, help="keep finished streams this long")
+    p.add_argument("--max-prompt-bytes", type=int, default=FrontDoorConfig.max_prompt_bytes,
+                   help="refuse longer text prompts (INVALID_ARGUMENT) before tokenizing them")
+    p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
+                   help="refuse larger request messages (INVALID_ARGUMENT) before parsing them")
     return p
 
 
@@ -95,14 +102,14 @@ def admission_config(service: ServiceConfig, max_model_len: int) -> AdmissionCon
                            max_model_len=max_model_len, tenants=tenants)
 
 
-async def _housekeeping(servicer: AdmissionServicer, stop: asyncio.Event) -> None:
+async def _housekeeping(servicer: FrontDoor, stop: asyncio.Event) -> None:
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 5.0)
         servicer.expire()
 
 
-async def _consume_completions(bus: Bus, servicer: AdmissionServicer, stop: asyncio.Event) -> None:
+async def _consume_completions(bus: Bus, servicer: FrontDoor, stop: asyncio.Event) -> None:
     """Run the completion consumer, restarting it (new consumer name) if Redis fails under it."""
     group = f"admission-{servicer.owner}"
     incarnation = 0
@@ -116,8 +123,13 @@ async def _consume_completions(bus: Bus, servicer: AdmissionServicer, stop: asyn
             await asyncio.sleep(0.5)
 
 
-def build_servicer(ctx: serve.ServiceContext, options: AdmissionOptions) -> AdmissionServicer:
-    """Return the servicer for the options; raises serve.StartupError for a bad config, model or metrics port."""
+def build_servicer(ctx: serve.ServiceContext, options: AdmissionOptions) -> FrontDoor:
+    """Return the front door for the options.
+
+    Raises serve.StartupError for a bad config, model, size limit or metrics port."""
+    if not 0 < options.max_prompt_bytes <= options.max_message_bytes:
+        raise serve.StartupError(f"--max-prompt-bytes ({options.max_prompt_bytes}) must be positive and at most "
+                                 f"--max-message-bytes ({options.max_message_bytes})")
     try:
         model_dir = resolve_model_dir(options.model)
         model = load_model_spec(model_dir, options.model_id or model_dir.name, aliases=(options.model, model_dir.name))
@@ -127,7 +139,8 @@ def build_servicer(ctx: serve.ServiceContext, options: AdmissionOptions) -> Admi
     metrics = AdmissionMetrics()
     ctx.expose_metrics(metrics.registry)
     owner = options.owner or f"admission-{socket.gethostname()}-{options.port}"
-    return AdmissionServicer(core, model, options.router, owner, metrics, options.resume_window_s)
+    config = FrontDoorConfig(max_prompt_bytes=options.max_prompt_bytes, resume_window_s=options.resume_window_s)
+    return FrontDoor(core, model, options.router, owner, metrics, config)
 
 
 async def start(ctx: serve.ServiceContext, options: AdmissionOptions) -> serve.Started:
@@ -135,8 +148,7 @@ async def start(ctx: serve.ServiceContext, options: AdmissionOptions) -> serve.S
     servicer = build_servicer(ctx, options)
     bus = await serve.open_bus(ctx, options, ping=True)
     ctx.cleanup.push_async_callback(servicer.close)  # before the Redis client closes (the stack is LIFO)
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
-    admission_pb2_grpc.add_AdmissionServiceServicer_to_server(servicer, server)
+    server = build_server(servicer, options.max_message_bytes)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(f"{options.host}:{options.port}")

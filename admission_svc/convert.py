@@ -6,27 +6,26 @@ The model admission serves (sluice.model_spec.ModelSpec) and the incremental det
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import grpc
 
+from admission_svc.calls import GenerateCall, Output
 from sluice import convert as shared_convert
 from sluice import errors
 from sluice.model_spec import ModelSpec
 from sluice.v1 import admission_pb2, common_pb2, events_pb2, scheduler_pb2
 
-# Terminal statuses that end a stream with a non-OK gRPC status (the client SDK raises them typed).
-FAILURE_STATUS: dict[int, grpc.StatusCode] = {
-    common_pb2.CANCELLED: grpc.StatusCode.CANCELLED,
-    common_pb2.TIMED_OUT: grpc.StatusCode.DEADLINE_EXCEEDED,
-    common_pb2.FAILED: grpc.StatusCode.INTERNAL,
-    common_pb2.REJECTED: grpc.StatusCode.UNAVAILABLE,  # could not be placed: a later retry may be
-}
-TERMINAL = frozenset({common_pb2.FINISHED_STOP, common_pb2.FINISHED_LENGTH, common_pb2.CANCELLED,
-                      common_pb2.TIMED_OUT, common_pb2.FAILED, common_pb2.REJECTED})
+
+def generate_call(request: admission_pb2.GenerateRequest) -> GenerateCall:
+    """Return the front door's GenerateCall for a Generate message (unset sampling values resolved)."""
+    return GenerateCall(prompt=request.prompt, prompt_token_ids=tuple(request.prompt_token_ids), model=request.model,
+                        sampling=shared_convert.sampling_from_proto(request.sampling), priority=request.priority,
+                        adapter_version=request.adapter_version, idempotency_key=request.idempotency_key)
 
 
-def submit_request(request_id: str, tenant: str, prompt_ids: Sequence[int], request: admission_pb2.GenerateRequest,
+def submit_request(request_id: str, tenant: str, prompt_ids: Sequence[int], call: GenerateCall,
                    owner: str, deadline_unix_s: float, model: ModelSpec,
                    timestamps: common_pb2.LifecycleTimestamps, tenant_weight: float) -> scheduler_pb2.SubmitRequest:
     """Return the scheduler's SubmitRequest for an admitted request.
@@ -34,14 +33,20 @@ def submit_request(request_id: str, tenant: str, prompt_ids: Sequence[int], requ
     The model's first EOS id travels as eos_token_id, the others as stop token ids (unless the
     request ignores EOS), so that every one of them ends generation.
     """
-    sampling = common_pb2.SamplingParams()
-    sampling.CopyFrom(request.sampling)
-    sampling.top_p = shared_convert.wire_top_p(sampling.top_p)
-    sampling.stop_token_ids[:] = model.stop_token_ids(sampling.stop_token_ids, sampling.ignore_eos)
+    sampling = dataclasses.replace(call.sampling, stop_token_ids=model.stop_token_ids(
+        call.sampling.stop_token_ids, call.sampling.ignore_eos))
     return scheduler_pb2.SubmitRequest(
-        request_id=request_id, tenant=tenant, prompt_token_ids=list(prompt_ids), sampling=sampling,
-        priority=request.priority, deadline_unix_s=deadline_unix_s, owner=owner,
-        timestamps=timestamps, eos_token_id=model.eos_token_id, tenant_weight=tenant_weight)
+        request_id=request_id, tenant=tenant, prompt_token_ids=list(prompt_ids),
+        sampling=shared_convert.sampling_to_proto(sampling), priority=call.priority,
+        deadline_unix_s=deadline_unix_s, owner=owner, timestamps=timestamps, eos_token_id=model.eos_token_id,
+        tenant_weight=tenant_weight)
+
+
+def chunk_of(output: Output) -> admission_pb2.GenerateChunk:
+    """Return the GenerateChunk of a front-door Output (new tokens, or the last chunk of a finished request)."""
+    if output.completion is None:
+        return chunk(output.request_id, output.index, output.token_ids, output.text, output.created_unix_s)
+    return final_chunk(output.request_id, output.index, output.completion, output.text)
 
 
 def chunk(request_id: str, index: int, token_ids: Sequence[int], text: str,
@@ -57,17 +62,6 @@ def final_chunk(request_id: str, index: int, completion: events_pb2.Completion,
     return admission_pb2.GenerateChunk(request_id=request_id, index=index, finished=True, text=text,
                                        finish_reason=completion.finish_reason, status=completion.status,
                                        usage=completion.usage)
-
-
-def failure_of(completion: events_pb2.Completion) -> tuple[grpc.StatusCode, str] | None:
-    """Return (gRPC code, message) when a completion ends the stream with an error, else None."""
-    if completion.status not in FAILURE_STATUS:
-        return None
-    code = FAILURE_STATUS[completion.status]
-    status = common_pb2.RequestStatus.Name(completion.status)
-    detail = f": {completion.detail}" if completion.detail else ""
-    return code, (f"request {completion.request_id} {status} after {completion.usage.output_tokens} "
-                  f"output tokens{detail}")
 
 
 def error_from_downstream(exc: grpc.aio.AioRpcError, what: str) -> errors.SluiceError:

@@ -9,7 +9,6 @@ these for everything shared.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from sluice.types import (
     BackendInfo,
@@ -32,11 +31,6 @@ from sluice.v1 import common_pb2, events_pb2, scheduler_pb2, worker_pb2
 def wire_top_p(top_p: float) -> float:
     """Return the top_p a wire value means: 0 (unset) is 1.0, no nucleus cut."""
     return top_p if top_p > 0 else 1.0
-
-
-def sampling_values(sampling: common_pb2.SamplingParams) -> dict[str, Any]:
-    """Return the sampling fields admission validates, with the wire's unset values resolved."""
-    return {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": wire_top_p(sampling.top_p)}
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:

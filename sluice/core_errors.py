@@ -80,6 +80,72 @@ class DuplicateRequest(CoreError):
     reason = "duplicate_request"
 
 
+class PromptTooLarge(CoreError):
+    """The prompt is over the byte limit; refused before it is tokenized (no work spent on it)."""
+
+    status = "INVALID_ARGUMENT"
+    reason = "prompt_too_large"
+
+    def __init__(self, size_bytes: int, limit_bytes: int) -> None:
+        super().__init__(f"prompt is {size_bytes} bytes; the limit is max_prompt_bytes = {limit_bytes} bytes",
+                         field_name="prompt", metadata={"limit": "max_prompt_bytes", "limit_bytes": str(limit_bytes)})
+
+
+# --- a request that ended without finishing -------------------------------------------------------
+# Its stream ends with one of these instead of a final chunk, raised like any other refusal so the
+# one interceptor gives it its status and details (a REJECTED request's RetryInfo included).
+
+
+class RequestEnded(CoreError):
+    """A request reached a terminal status other than FINISHED_STOP or FINISHED_LENGTH."""
+
+
+class RequestCancelled(RequestEnded):
+    status = "CANCELLED"
+    reason = "request_cancelled"
+
+
+class RequestTimedOut(RequestEnded):
+    status = "DEADLINE_EXCEEDED"
+    reason = "request_timed_out"
+
+
+class RequestFailed(RequestEnded):
+    status = "INTERNAL"
+    reason = "request_failed"
+
+
+class RequestNotPlaced(RequestEnded):
+    """Admitted but could not be placed on a replica (REJECTED): a later retry may be."""
+
+    status = "UNAVAILABLE"
+    reason = "request_not_placed"
+
+
+# Terminal request status name -> the refusal its stream ends with (finished ones end normally).
+_ENDED: dict[str, type[RequestEnded]] = {
+    "CANCELLED": RequestCancelled,
+    "TIMED_OUT": RequestTimedOut,
+    "FAILED": RequestFailed,
+    "REJECTED": RequestNotPlaced,
+}
+FAILURE_STATUSES = frozenset(_ENDED)
+"""Terminal request status names that end a stream with a refusal."""
+NOT_PLACED_RETRY_AFTER_S = 1.0
+"""Retry delay of a REJECTED request when the refusal that ended it named none."""
+
+
+def ended_error(status_name: str, detail: str, retry_after_s: float | None = None) -> RequestEnded | None:
+    """Return the refusal a request's terminal status `status_name` ends its stream with, or None when the
+    status is not a failure (finished, or not terminal). A REJECTED one always carries a retry delay."""
+    kind = _ENDED.get(status_name)
+    if kind is None:
+        return None
+    if kind is RequestNotPlaced and retry_after_s is None:
+        retry_after_s = NOT_PLACED_RETRY_AFTER_S
+    return kind(detail, metadata={"request_status": status_name}, retry_after_s=retry_after_s)
+
+
 # --- router ------------------------------------------------------------------------------------
 
 

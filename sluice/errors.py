@@ -115,17 +115,26 @@ async def abort(context: grpc.aio.ServicerContext, error: SluiceError) -> None:
     )
 
 
-# (RpcMethodHandler attribute, handler factory, whether the behaviour yields a stream); Sluice has
-# no client-streaming-only RPCs.
+# (RpcMethodHandler attribute, handler factory, whether the behaviour yields a stream, whether the
+# request is a stream); Sluice has no client-streaming-only RPCs.
 _HANDLER_KINDS = (
-    ("unary_unary", grpc.unary_unary_rpc_method_handler, False),
-    ("unary_stream", grpc.unary_stream_rpc_method_handler, True),
-    ("stream_stream", grpc.stream_stream_rpc_method_handler, True),
+    ("unary_unary", grpc.unary_unary_rpc_method_handler, False, False),
+    ("unary_stream", grpc.unary_stream_rpc_method_handler, True, False),
+    ("stream_stream", grpc.stream_stream_rpc_method_handler, True, True),
 )
+Parse = Callable[[bytes], Any]
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps SluiceError and the cores' CoreError refusals to statuses for every RPC."""
+    """Maps SluiceError and the cores' CoreError refusals to statuses for every RPC.
+
+    It also parses request messages itself (the handlers get raw bytes from gRPC), because gRPC
+    answers a message that does not parse with UNKNOWN and logs a traceback: here a malformed
+    message, or one over `max_message_bytes`, is INVALID_ARGUMENT like any other bad input.
+    """
+
+    def __init__(self, max_message_bytes: int | None = None) -> None:
+        self.max_message_bytes = max_message_bytes
 
     def _as_sluice_error(self, exc: BaseException) -> SluiceError | None:
         if isinstance(exc, SluiceError):
@@ -140,18 +149,38 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
-        for kind, make_handler, streams in _HANDLER_KINDS:
+        for kind, make_handler, streams, request_streams in _HANDLER_KINDS:
             behavior = getattr(handler, kind)
             if behavior is not None:
+                parse = self._parser(handler.request_deserializer, handler_call_details.method)
                 wrap = self._wrap_stream if streams else self._wrap_unary
-                return make_handler(wrap(behavior), request_deserializer=handler.request_deserializer,
+                return make_handler(wrap(behavior, parse, request_streams), request_deserializer=None,
                                     response_serializer=handler.response_serializer)
         return handler
 
-    def _wrap_unary(self, behavior: Callable[..., Any]) -> Callable[..., Any]:
+    def _parser(self, deserializer: Parse | None, method: Any) -> Parse:
+        limit = self.max_message_bytes
+        rpc = method.decode(errors="replace") if isinstance(method, bytes) else str(method)
+
+        def parse(raw: bytes) -> Any:
+            if limit is not None and len(raw) > limit:
+                raise InvalidArgument(f"request message is {len(raw)} bytes; the limit is max_message_bytes = "
+                                      f"{limit} bytes", reason="message_too_large",
+                                      metadata={"limit": "max_message_bytes", "limit_bytes": str(limit)})
+            if deserializer is None:
+                return raw
+            try:
+                return deserializer(raw)
+            except Exception as exc:  # protobuf's DecodeError, or whatever a custom deserializer raises
+                raise InvalidArgument(f"request message of {rpc} does not parse ({type(exc).__name__}: "
+                                      f"{str(exc)[:80]})", reason="malformed_message") from None
+
+        return parse
+
+    def _wrap_unary(self, behavior: Callable[..., Any], parse: Parse, request_streams: bool) -> Callable[..., Any]:
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
-                return await behavior(request, context)
+                return await behavior(parse(request), context)
             except Exception as exc:
                 error = self._as_sluice_error(exc)
                 if error is None:
@@ -160,10 +189,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
         return wrapped
 
-    def _wrap_stream(self, behavior: Callable[..., Any]) -> Callable[..., Any]:
+    def _wrap_stream(self, behavior: Callable[..., Any], parse: Parse, request_streams: bool) -> Callable[..., Any]:
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             try:
-                result = behavior(request, context)
+                result = behavior(_parsed(request, parse) if request_streams else parse(request), context)
                 if inspect.isasyncgen(result):
                     async for item in result:
                         yield item
@@ -176,6 +205,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 await abort(context, error)
 
         return wrapped
+
+
+async def _parsed(requests: AsyncIterator[bytes], parse: Parse) -> AsyncIterator[Any]:
+    async for raw in requests:
+        yield parse(raw)
 
 
 @dataclass

@@ -190,8 +190,14 @@ class ModelSpec:
         """Return True when a request naming `name` is for this model."""
         return name == self.model_id or name in self.aliases
 
-    def encode_prompt(self, text: str) -> list[int]:
-        """Return the token ids of a completion prompt, with the special tokens the tokenizer adds (BOS)."""
+    def encode_prompt(self, text: str, release_gil: bool = False) -> list[int]:
+        """Return the token ids of a completion prompt, with the special tokens the tokenizer adds (BOS).
+
+        With release_gil, other threads run meanwhile (for a thread beside an event loop; see
+        TextTokenizer.encode_releasing_gil).
+        """
+        if release_gil:
+            return self.tokenizer.encode_releasing_gil(text, add_special_tokens=True)
         return self.tokenizer.encode(text, add_special_tokens=True)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,

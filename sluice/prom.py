@@ -13,14 +13,16 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 __all__ = [
-    "REQUEST_DURATION_BUCKETS", "TPOT_BUCKETS", "TTFT_BUCKETS", "RouterMetrics", "SchedulerMetrics",
-    "WorkerMetrics", "serve_metrics",
+    "REQUEST_DURATION_BUCKETS", "TPOT_BUCKETS", "TTFT_BUCKETS", "AdmissionMetrics", "RouterMetrics",
+    "SchedulerMetrics", "WorkerMetrics", "serve_metrics",
 ]
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 REQUEST_DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
                             40.96, 81.92)
+# Tokenizing one prompt: microseconds for a chat turn, about a second for a 1 MiB prompt.
+TOKENIZE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 # Rounds of a CPU engine or a modelled GPU: from sub-millisecond to seconds.
 ROUND_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -114,3 +116,31 @@ class RouterMetrics:
         self.snapshots = Counter("sluice_router_snapshots", "KV snapshots fetched, by outcome.", ["outcome"],
                                  registry=r)
         self.replicas = Gauge("sluice_router_replicas", "Replicas known, by state.", ["state"], registry=r)
+
+
+@dataclass
+class AdmissionMetrics:
+    """Metrics of one admission process (the front door)."""
+
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.requests = Counter("sluice_admission_requests", "Generate calls, by tenant and outcome.",
+                                ["tenant", "outcome"], registry=r)
+        self.rejections = Counter("sluice_admission_rejections", "Refused requests, by reason.", ["reason"],
+                                  registry=r)
+        self.active = Gauge("sluice_admission_active_requests", "Admitted, not terminal.", registry=r)
+        self.tokenize = Histogram("sluice_admission_tokenize_seconds",
+                                  "Tokenizing one prompt, waiting for a tokenizer thread included.",
+                                  buckets=TOKENIZE_BUCKETS, registry=r)
+        self.ttft = Histogram("sluice_admission_time_to_first_token_seconds", "Received to first token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("sluice_admission_time_per_output_token_seconds", "Per token after the first.",
+                              buckets=TPOT_BUCKETS, registry=r)
+        self.duration = Histogram("sluice_admission_request_duration_seconds", "Received to terminal.",
+                                  buckets=REQUEST_DURATION_BUCKETS, registry=r)
+        self.cancellations = Counter("sluice_admission_cancellations", "Cancels sent, by cause.", ["cause"],
+                                     registry=r)
+        self.missing_tokens = Counter("sluice_admission_missing_tokens",
+                                      "Tokens a completion counted that never arrived.", registry=r)

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from sluice.bus import Bus
 
 __all__ = ["BusOptions", "ServiceContext", "ServiceOptions", "Started", "StartupError", "add_common_flags",
-           "add_redis_flags", "load_options", "open_bus", "run_service"]
+           "add_redis_flags", "configure_logging", "load_options", "open_bus", "run_service"]
 
 log = logging.getLogger("sluice.serve")
 OptionsT = TypeVar("OptionsT", bound="ServiceOptions")
@@ -173,8 +173,17 @@ async def open_bus(ctx: ServiceContext, options: BusOptions, *, ping: bool = Fal
 
 def run_service(name: str, options: ServiceOptions, start: Start) -> int:
     """Run the service `name` until SIGTERM/SIGINT; return its exit code (0, 1 on failure, 2 on bad config)."""
-    logging.basicConfig(level=options.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging(options.log_level)
     return asyncio.run(_serve(name, options, start))
+
+
+def configure_logging(level: str) -> None:
+    """Log to stderr at `level`, with control characters in messages escaped (callers' values reach logs)."""
+    from sluice.safe_text import EscapingFormatter
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(EscapingFormatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
 
 
 async def _serve(name: str, options: ServiceOptions, start: Start) -> int:

@@ -498,7 +498,7 @@ def _as_conversations(requests: list[WorkloadRequest], settings: dict[str, objec
     system_ids = tuple(_SYSTEM_BLOCK_BASE + k for k in range(-(-system_len // block)))
     rng = np.random.default_rng([seed, 4])
     open_conversations: list[list[int]] = []  # [conversation id, history tokens]
-    out = []
+    out: list[WorkloadRequest] = []
     for request in requests:
         if not open_conversations or active_max == 0 or rng.random() < new_frac:
             open_conversations.append([len(out), 0])

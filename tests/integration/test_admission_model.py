@@ -1,7 +1,7 @@
 """Admission serves a model as its directory defines it: BOS on prompts, every EOS id sent to the scheduler.
 
 Runs the real admission servicer over gRPC and Redis with the stand-in router and scheduler of
-test_admission_svc, on a Llama-style directory (a BOS post-processor, an eos_token_id list).
+tests/integration/admission_harness.py, on a Llama-style directory (a BOS post-processor, an eos_token_id list).
 """
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import admission_harness
 import pytest
-import test_admission_svc as admission_harness
-from test_admission_svc import StandInReplica
+from admission_harness import StandInReplica
 from tokenizers import processors
 
-from admission_svc.server import AdmissionServicer
+from admission_svc.frontdoor import FrontDoor
 from sluice import client as sdk
 from sluice.bus import Bus
 from sluice.tokenizer import build_byte_tokenizer
@@ -38,9 +38,9 @@ def test_prompt_gets_bos_and_submit_carries_every_eos(tmp_path: Path, redis_url:
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A text prompt reaches the scheduler with the tokenizer's BOS; EOS 257 as eos_token_id and 10 as a stop id (not with ignore_eos)."""
     directory = llama_style_dir(tmp_path)
-    monkeypatch.setattr(admission_harness, "_model_dir", lambda _: directory)
+    monkeypatch.setattr(admission_harness, "model_dir", lambda _: directory)
 
-    async def body(target: str, servicer: AdmissionServicer, replica: StandInReplica, bus: Bus) -> None:
+    async def body(target: str, servicer: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
         async with sdk.AsyncClient(target, api_key="k-acme") as client:
             await client.generate_text("hi", max_tokens=2, stop_token_ids=[7])
             await client.generate_text("hi", max_tokens=2, ignore_eos=True)

@@ -2,165 +2,39 @@
 
 The router and scheduler here are small real gRPC servers that publish tokens and completions
 on the real bus the way a replica does; the component under test is admission (and its client).
+The harness is in admission_harness.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
-import redis.asyncio as aioredis
+from admission_harness import OUTPUT, OWNER, StandInReplica, run
+from admission_harness import settle as _settle
 
-from admission_svc.__main__ import admission_config
-from admission_svc.core import AdmissionCore
-from admission_svc.server import AdmissionServicer
-from admission_svc.streams import RequestStream, token_reader_loop
+from admission_svc.frontdoor import FrontDoor
+from admission_svc.streams import RequestStream
 from sluice import client as sdk
-from sluice import errors
 from sluice.bus import Bus
-from sluice.config import Budgets, ServiceConfig, TenantConfig
-from sluice.errors import ErrorInterceptor
-from sluice.model_spec import load_model_spec
 from sluice.tokenizer import build_byte_tokenizer
-from sluice.v1 import (
-    admission_pb2_grpc,
-    common_pb2,
-    events_pb2,
-    router_pb2,
-    router_pb2_grpc,
-    scheduler_pb2,
-    scheduler_pb2_grpc,
-)
+from sluice.v1 import common_pb2, events_pb2
 
 pytestmark = pytest.mark.redis
-OWNER = "adm-test"
-OUTPUT = list(b"hello world")
-
-
-class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.SchedulerServiceServicer):
-    """Routes everything to itself; 'generates' OUTPUT one token per 20 ms onto the bus."""
-
-    def __init__(self, bus: Bus) -> None:
-        self.bus = bus
-        self.address = ""
-        self.submitted: list[scheduler_pb2.SubmitRequest] = []
-        self.cancelled: list[str] = []
-        self.tasks: dict[str, asyncio.Task[None]] = {}
-        self.ready = True
-
-    async def Route(self, request: Any, context: Any) -> router_pb2.RouteResponse:
-        if not self.ready:
-            await asyncio.sleep(0.2)  # long enough for an idempotent retry to attach meanwhile
-            await errors.abort(context, errors.Unavailable("no READY replica of model 'tiny'", retry_after_s=0.5))
-        return router_pb2.RouteResponse(replica_id="r0", scheduler_address=self.address)
-
-    async def ListReplicas(self, request: Any, context: Any) -> router_pb2.ListReplicasResponse:
-        return router_pb2.ListReplicasResponse(replicas=[router_pb2.Replica(
-            replica_id="r0", model="tiny", block_size=4, state=router_pb2.READY)])
-
-    async def Submit(self, request: scheduler_pb2.SubmitRequest, context: Any) -> scheduler_pb2.SubmitResponse:
-        self.submitted.append(request)
-        self.tasks[request.request_id] = asyncio.create_task(self._run(request))
-        return scheduler_pb2.SubmitResponse()
-
-    async def _run(self, request: scheduler_pb2.SubmitRequest) -> None:
-        produced = 0
-        status, reason = common_pb2.FINISHED_LENGTH, "length"
-        try:
-            for index in range(min(request.sampling.max_tokens, len(OUTPUT))):
-                await asyncio.sleep(0.02)
-                await self.bus.publish_tokens(request.owner, [events_pb2.TokenDelta(
-                    request_id=request.request_id, index=index, token_ids=[OUTPUT[index]])])
-                produced += 1
-        except asyncio.CancelledError:
-            status, reason = common_pb2.CANCELLED, "cancelled"
-        await self.bus.publish_completion(events_pb2.Completion(
-            request_id=request.request_id, tenant=request.tenant, status=status, finish_reason=reason,
-            owner=request.owner, usage=common_pb2.Usage(input_tokens=len(request.prompt_token_ids),
-                                                        output_tokens=produced)))
-
-    async def Cancel(self, request: scheduler_pb2.CancelRequest, context: Any) -> scheduler_pb2.CancelResponse:
-        self.cancelled.append(request.request_id)
-        task = self.tasks.get(request.request_id)
-        if task is not None and not task.done():
-            task.cancel()
-        return scheduler_pb2.CancelResponse(status=common_pb2.CANCELLING)
-
-
-def _model_dir(tmp_path: Path) -> Path:
-    directory = tmp_path / "tiny"
-    directory.mkdir()
-    build_byte_tokenizer().save(str(directory / "tokenizer.json"))
-    (directory / "config.json").write_text(json.dumps({"vocab_size": 258, "eos_token_id": 257,
-                                                       "max_position_embeddings": 64}))
-    return directory
-
-
-CONFIG = ServiceConfig(tenants=(TenantConfig("acme", ("k-acme",)), TenantConfig("beta", ("k-beta",))),
-                       budgets=Budgets(max_active_requests=2))
-Body = Callable[[str, AdmissionServicer, StandInReplica, Bus], Awaitable[None]]
-
-
-async def _serve(tmp_path: Path, redis_url: str, namespace: str, body: Body, consume: bool) -> None:
-    redis = aioredis.from_url(redis_url)
-    bus = Bus(redis, namespace)
-    replica = StandInReplica(bus)
-    downstream = grpc.aio.server()
-    router_pb2_grpc.add_RouterServiceServicer_to_server(replica, downstream)
-    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(replica, downstream)
-    replica.address = f"127.0.0.1:{downstream.add_insecure_port('127.0.0.1:0')}"
-    await downstream.start()
-    model = load_model_spec(_model_dir(tmp_path), "tiny")
-    servicer = AdmissionServicer(AdmissionCore(admission_config(CONFIG, model.max_model_len)), model,
-                                 replica.address, OWNER)
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
-    admission_pb2_grpc.add_AdmissionServiceServicer_to_server(servicer, server)
-    target = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    await server.start()
-    stop = asyncio.Event()
-    tasks = [asyncio.create_task(token_reader_loop(
-        lambda s, last, count, block: bus.read_stream(s, last, count=count, block_ms=block),
-        bus.tokens_stream(OWNER), servicer.registry, stop, block_ms=50))]
-    if consume:
-        tasks.append(asyncio.create_task(bus.consume("completions", "admission", "c1", servicer.on_completion,
-                                                     stop=stop, block_ms=50)))
-    try:
-        await body(target, servicer, replica, bus)
-    finally:
-        stop.set()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await server.stop(None)
-        await downstream.stop(None)
-        await servicer.close()
-        await redis.aclose()
-
-
-def run(tmp_path: Path, redis_url: str, namespace: str, body: Body, consume: bool = True) -> None:
-    asyncio.run(_serve(tmp_path, redis_url, namespace, body, consume))
-
-
-async def _settle(condition: Callable[[], bool], timeout_s: float = 3.0) -> bool:
-    for _ in range(int(timeout_s / 0.02)):
-        if condition():
-            return True
-        await asyncio.sleep(0.02)
-    return condition()
 
 
 def test_stream_text_usage_and_release(tmp_path: Path, redis_url: str, namespace: str) -> None:
     """A generation streams its tokens in order as text, ends with usage, and releases its reservation."""
-    async def body(target: str, servicer: AdmissionServicer, replica: StandInReplica, bus: Bus) -> None:
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
         async with sdk.AsyncClient(target, api_key="k-acme") as client:
             result = await client.generate_text("hi there", max_tokens=5)
         assert (result.text, result.token_ids) == ("hello", tuple(OUTPUT[:5]))
         assert result.status == "FINISHED_LENGTH" and result.usage.output_tokens == 5
         assert replica.submitted[0].owner == OWNER and replica.submitted[0].tenant == "acme"
-        assert await _settle(lambda: servicer.core.stats(0).active == 0)
+        assert await _settle(lambda: door.core.stats(0).active == 0)
 
     run(tmp_path, redis_url, namespace, body)
 
@@ -178,7 +52,7 @@ def test_stream_text_usage_and_release(tmp_path: Path, redis_url: str, namespace
 def test_bad_inputs_get_precise_statuses(tmp_path: Path, redis_url: str, namespace: str,
                                          kwargs: dict[str, Any], error: type, words: list[str]) -> None:
     """Each bad input gets its own status with a message naming the field or numbers, and nothing is submitted."""
-    async def body(target: str, servicer: AdmissionServicer, replica: StandInReplica, bus: Bus) -> None:
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
         args = {"prompt": "hi", "max_tokens": 4, **kwargs}
         key = args.pop("api_key", "k-acme")
         async with sdk.AsyncClient(target, api_key=key) as client:
@@ -193,7 +67,7 @@ def test_bad_inputs_get_precise_statuses(tmp_path: Path, redis_url: str, namespa
 def test_over_budget_is_resource_exhausted_without_side_effect(tmp_path: Path, redis_url: str,
                                                                 namespace: str) -> None:
     """The third concurrent request over a budget of two gets RESOURCE_EXHAUSTED with a retry delay and is not submitted."""
-    async def body(target: str, servicer: AdmissionServicer, replica: StandInReplica, bus: Bus) -> None:
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
         no_retry = sdk.RetryPolicy(max_attempts=1)
         async with sdk.AsyncClient(target, api_key="k-acme", retry=no_retry) as client:
             streams = [client.generate("a", max_tokens=10), client.generate("b", max_tokens=10)]
@@ -205,14 +79,14 @@ def test_over_budget_is_resource_exhausted_without_side_effect(tmp_path: Path, r
             for stream in streams:
                 async for _ in stream:
                     pass
-        assert await _settle(lambda: servicer.core.stats(0).active == 0)
+        assert await _settle(lambda: door.core.stats(0).active == 0)
 
     run(tmp_path, redis_url, namespace, body)
 
 
 def test_other_tenant_cannot_cancel_or_read(tmp_path: Path, redis_url: str, namespace: str) -> None:
     """Another tenant's Cancel and GetRequest on a live request get NOT_FOUND and change nothing."""
-    async def body(target: str, servicer: AdmissionServicer, replica: StandInReplica, bus: Bus) -> None:
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
         async with sdk.AsyncClient(target, api_key="k-acme") as acme, \
                 sdk.AsyncClient(target, api_key="k-beta") as beta:
             stream = acme.generate("hi", max_tokens=6)
@@ -232,7 +106,7 @@ def test_other_tenant_cannot_cancel_or_read(tmp_path: Path, redis_url: str, name
 
 def test_cancel_and_disconnect_reach_the_scheduler(tmp_path: Path, redis_url: str, namespace: str) -> None:
     """Cancel ends the stream as CANCELLED with no further tokens; a client that goes away cancels too."""
-    async def body(target: str, servicer: AdmissionServicer, replica: StandInReplica, bus: Bus) -> None:
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
         async with sdk.AsyncClient(target, api_key="k-acme") as client:
             stream = client.generate("hi", max_tokens=11)
             first = await anext(stream)
@@ -245,7 +119,7 @@ def test_cancel_and_disconnect_reach_the_scheduler(tmp_path: Path, redis_url: st
             await gone.aclose()
         assert replica.cancelled[0] == first.request_id
         assert await _settle(lambda: second.request_id in replica.cancelled)
-        assert await _settle(lambda: servicer.core.stats(0).active == 0)
+        assert await _settle(lambda: door.core.stats(0).active == 0)
 
     run(tmp_path, redis_url, namespace, body)
 
@@ -253,7 +127,7 @@ def test_cancel_and_disconnect_reach_the_scheduler(tmp_path: Path, redis_url: st
 def test_idempotent_retry_attaches_instead_of_running_twice(tmp_path: Path, redis_url: str,
                                                             namespace: str) -> None:
     """Two calls with one idempotency key get the same request and the same text; the scheduler sees one Submit."""
-    async def body(target: str, servicer: AdmissionServicer, replica: StandInReplica, bus: Bus) -> None:
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
         async with sdk.AsyncClient(target, api_key="k-acme") as client:
             first, second = await asyncio.gather(
                 client.generate_text("hi", max_tokens=5, idempotency_key="same"),
@@ -266,20 +140,20 @@ def test_idempotent_retry_attaches_instead_of_running_twice(tmp_path: Path, redi
 
 def test_restarted_consumer_claims_pending_completion(tmp_path: Path, redis_url: str, namespace: str) -> None:
     """A completion read by a consumer that died before acknowledging it is claimed by the next one and releases."""
-    async def body(target: str, servicer: AdmissionServicer, replica: StandInReplica, bus: Bus) -> None:
-        servicer.core.admit("orphan", "acme", 3, 4, 0.0)
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
+        door.core.admit("orphan", "acme", 3, 4, 0.0)
         group = "admission-restart"
         await bus.ensure_group("completions", group, "$")
         await bus.publish_completion(events_pb2.Completion(request_id="orphan", owner=OWNER,
                                                            status=common_pb2.FINISHED_STOP))
         # The dead consumer: read the entry (now pending for it) and never acknowledge.
         await bus.client.xreadgroup(group, "dead", {bus.key("completions"): ">"}, count=10)
-        assert servicer.core.reservation("orphan") is not None
+        assert door.core.reservation("orphan") is not None
         stop = asyncio.Event()
-        task = asyncio.create_task(bus.consume("completions", group, "fresh", servicer.on_completion, stop=stop,
+        task = asyncio.create_task(bus.consume("completions", group, "fresh", door.on_completion, stop=stop,
                                                claim_idle_ms=50, block_ms=50))
         await asyncio.sleep(0.1)
-        released = await _settle(lambda: servicer.core.reservation("orphan") is None)
+        released = await _settle(lambda: door.core.reservation("orphan") is None)
         stop.set()
         await task
         assert released
@@ -320,7 +194,7 @@ def test_detokenizer_holds_back_split_utf8() -> None:
 
 def test_retry_that_goes_away_does_not_cancel_the_original(tmp_path: Path, redis_url: str, namespace: str) -> None:
     """When an attached retry disconnects while the first call still streams, the request is not cancelled."""
-    async def body(target: str, servicer: AdmissionServicer, replica: StandInReplica, bus: Bus) -> None:
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
         async with sdk.AsyncClient(target, api_key="k-acme") as client:
             original = client.generate("hi", max_tokens=11, idempotency_key="k1")
             await anext(original)
@@ -335,17 +209,18 @@ def test_retry_that_goes_away_does_not_cancel_the_original(tmp_path: Path, redis
 
 def test_no_ready_replica_is_unavailable_and_releases(tmp_path: Path, redis_url: str, namespace: str) -> None:
     """With no READY replica the call (and a retry attached to it) gets UNAVAILABLE with the router's retry delay, and the reservation is released."""
-    async def body(target: str, servicer: AdmissionServicer, replica: StandInReplica, bus: Bus) -> None:
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
         replica.ready = False
         async with sdk.AsyncClient(target, api_key="k-acme", retry=sdk.RetryPolicy(max_attempts=1)) as client:
             first = asyncio.create_task(client.generate_text("hi", max_tokens=4, idempotency_key="k"))
             await asyncio.sleep(0.05)
-            with pytest.raises(sdk.Unavailable):  # the retry attached to the request that could not be placed
+            with pytest.raises(sdk.Unavailable) as attached:  # the retry attached to the request that could not be placed
                 await client.generate_text("hi", max_tokens=4, idempotency_key="k")
             with pytest.raises(sdk.Unavailable) as info:
                 await first
         assert info.value.retry_delay_s == pytest.approx(0.5)
-        assert servicer.core.stats(0).active == 0 and replica.submitted == []
+        assert attached.value.retry_delay_s == pytest.approx(0.5)  # the REJECTED stream carries the same RetryInfo
+        assert door.core.stats(0).active == 0 and replica.submitted == []
 
     run(tmp_path, redis_url, namespace, body)
 
@@ -361,7 +236,7 @@ def test_bench_drive_records_every_outcome(tmp_path: Path, redis_url: str, names
                                     cancel_after_s=0.05))
     requests.append(WorkloadRequest("bad", arrival_s=0.06, input_length=4, output_length=100, tenant="acme"))
 
-    async def body(target: str, servicer: AdmissionServicer, replica: StandInReplica, bus: Bus) -> None:
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
         outcomes = await drive(target, {"acme": "k-acme"}, requests, max_concurrency=2, progress=False)
         records = records_of(requests, outcomes)
         assert [r.status for r in records] == ["ok", "ok", "ok", "cancelled", "failed"]

@@ -74,7 +74,8 @@ def test_a_later_eos_id_ends_generation(tmp_path: Path, ignore_eos: bool, stop_a
     spec = load_model_spec(write_model(tmp_path / "m", {"eos_token_id": [token_for("r", 5), token_for("r", 2)]}), "m")
     request = admission_pb2.GenerateRequest(prompt="hi", sampling=common_pb2.SamplingParams(
         max_tokens=8, stop_token_ids=[3], ignore_eos=ignore_eos))
-    submit = admission_convert.submit_request("r", "t", [1, 2, 3, 4], request, "owner", 0.0, spec,
+    submit = admission_convert.submit_request("r", "t", [1, 2, 3, 4], admission_convert.generate_call(request),
+                                              "owner", 0.0, spec,
                                               common_pb2.LifecycleTimestamps(), 1.0)
     assert submit.eos_token_id == token_for("r", 5)
     assert list(submit.sampling.stop_token_ids) == ([3] if ignore_eos else [3, token_for("r", 2)])

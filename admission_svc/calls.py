@@ -1,0 +1,107 @@
+"""What a transport hands the front door (`GenerateCall`, `Caller`), what it gets back (`Output`),
+the front door's settings, and its record of one admitted request (`Tracked`).
+
+Plain dataclasses, no gRPC: the gRPC servicer and an HTTP edge build the same ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+
+from admission_svc.streams import RequestStream
+from sluice.types import SamplingParams
+from sluice.v1 import common_pb2, events_pb2
+
+
+@dataclass(frozen=True)
+class FrontDoorConfig:
+    """Settings of the front door (the budgets are the core's, in AdmissionConfig)."""
+
+    max_prompt_bytes: int = 1 << 20
+    """A text prompt over this many UTF-8 bytes is INVALID_ARGUMENT before it is tokenized. 1 MiB is
+    twice the text of the longest context served today (128k tokens at ~4 bytes per token) and
+    about a second of one tokenizer thread."""
+    inline_tokenize_bytes: int = 2048
+    """Prompts up to this size are tokenized on the event loop (a few microseconds; a thread hop costs
+    more); longer ones on the tokenizer threads, so they delay no other client."""
+    tokenizer_threads: int = 2
+    """Threads that tokenize long prompts (with the GIL released: TextTokenizer.encode_releasing_gil)."""
+    downstream_timeout_s: float = 10.0
+    """Timeout of each Route, Submit, Cancel and ListReplicas call."""
+    resume_window_s: float = 60.0
+    """Seconds a finished stream is kept for an idempotent retry to replay."""
+    default_block_size: int = 16
+    """Block size for prompt hashes when the router lists no replica of the model."""
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """One generation as a client asked for it, whatever the transport."""
+
+    prompt: str = ""
+    """Text to tokenize (empty when `prompt_token_ids` is given)."""
+    prompt_token_ids: tuple[int, ...] = ()
+    """The prompt as token ids (then `prompt` must be empty)."""
+    model: str = ""
+    """Model name or alias ("" = the one this deployment serves)."""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    """Sampling and stop settings, unset wire values already resolved."""
+    priority: int = 0
+    """Scheduling priority (higher first under the priority policy)."""
+    adapter_version: str = ""
+    """Adapter the replica must serve ("" = the base model)."""
+    idempotency_key: str = ""
+    """A retry with the same key attaches to the request the first call started ("" = none)."""
+
+
+@dataclass(frozen=True)
+class Caller:
+    """What the transport knows about the call itself."""
+
+    api_key: str | None = None
+    """The bearer key (None = none sent)."""
+    deadline_unix_s: float | None = None
+    """When the client stops waiting (time.time() clock); None = no deadline."""
+    trace_context: Context | None = None
+    """The client's trace context from the call's headers (None = start a new trace)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    """A piece of a generation: new tokens and their text, or (completion set) the successful end."""
+
+    request_id: str
+    index: int
+    """Index of token_ids[0] in the output (for the last one: the number of tokens)."""
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    """Text the tokens complete (the last one: text held back until the end)."""
+    created_unix_s: float = 0.0
+    """When token_ids[0] was created; 0 = unknown."""
+    completion: events_pb2.Completion | None = None
+    """Set on the last Output: status, finish reason, usage."""
+
+
+@dataclass
+class Tracked:
+    """What admission remembers about one request it admitted."""
+
+    request_id: str
+    tenant: str
+    input_tokens: int
+    stream: RequestStream
+    span: trace.Span
+    received_s: float
+    timestamps: common_pb2.LifecycleTimestamps = field(default_factory=common_pb2.LifecycleTimestamps)
+    status: common_pb2.RequestStatus = common_pb2.WAITING
+    replica_id: str = ""
+    scheduler_address: str = ""
+    completion: events_pb2.Completion | None = None
+    ended: bool = False
+    followers: int = 0
+    """Generate calls streaming this request now (an idempotent retry is a second follower)."""
+    retry_after_s: float | None = None
+    """Retry delay of the refusal that kept it from being placed (a REJECTED request)."""

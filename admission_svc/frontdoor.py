@@ -1,0 +1,376 @@
+"""The front door: one generation's way through admission, the same for every transport.
+
+    authenticate -> attach to the request an idempotency key started, or:
+    size check -> tokenize -> validate -> reserve -> route -> submit -> stream -> release
+
+A transport (the gRPC servicer; an HTTP edge next) converts its message into a `GenerateCall` and
+what it knows about the call into a `Caller` (API key, deadline, trace context), awaits
+`FrontDoor.start` (every refusal is raised there, before a byte is streamed) and iterates
+`FrontDoor.stream`, converting each `Output` back. Closing that iterator before its end is the
+cancellation hook: when the last follower of a request goes away, the request is cancelled at its
+scheduler. Refusals are the cores' `CoreError`s or `SluiceError`s, and a request that ends without
+finishing raises its `RequestEnded` refusal (CANCELLED, TIMED_OUT, FAILED, REJECTED with a retry
+delay); the transport maps them once (gRPC: the ErrorInterceptor).
+
+A text prompt over `max_prompt_bytes` is refused untokenized, and a long one is tokenized on a thread
+with the GIL released (admission_svc/prompts.py), so one client's long prompt does not hold back other clients' tokens. The
+reservation is released exactly once: on the completion, or at once when routing or submitting fails.
+Other tenants' requests are NOT_FOUND to `cancel` and `lookup`, so no tenant can probe which ids exist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from opentelemetry import trace
+from opentelemetry.context import Context
+
+from admission_svc import convert
+from admission_svc.calls import Caller, FrontDoorConfig, GenerateCall, Output, Tracked
+from admission_svc.core import AdmissionCore
+from admission_svc.prompts import PromptReader
+from admission_svc.streams import RequestStream, StreamRegistry
+from sluice import core_errors, errors, telemetry
+from sluice.core_errors import CoreError, OverBudget
+from sluice.hashing import hash_chain, salt_of
+from sluice.model_spec import ModelSpec
+from sluice.prom import AdmissionMetrics
+from sluice.safe_text import shown
+from sluice.tokenizer import Detokenizer
+from sluice.v1 import common_pb2, events_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def _ns(unix_s: float) -> int:
+    return int(unix_s * 1e9)
+
+
+class FrontDoor:
+    """Admission's orchestration around AdmissionCore, the router, the schedulers and the token streams."""
+
+    def __init__(self, core: AdmissionCore, model: ModelSpec, router_address: str, owner: str,
+                 metrics: AdmissionMetrics | None = None, config: FrontDoorConfig | None = None) -> None:
+        self.core = core
+        self.model = model
+        self.owner = owner
+        self.config = config or FrontDoorConfig()
+        self.metrics = metrics or AdmissionMetrics()
+        self.registry = StreamRegistry(self.config.resume_window_s, listener=self)
+        self.records: dict[str, Tracked] = {}
+        self._router_channel = grpc.aio.insecure_channel(router_address)
+        self.router = router_pb2_grpc.RouterServiceStub(self._router_channel)
+        self._schedulers: dict[str, tuple[grpc.aio.Channel, scheduler_pb2_grpc.SchedulerServiceStub]] = {}
+        self._block_size: tuple[float, int] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.prompts = PromptReader(model, self.config, self.metrics)
+        self._tracer = telemetry.get_tracer("sluice.admission")
+
+    # ---- what transports call -------------------------------------------------------------------
+    async def start(self, call: GenerateCall, caller: Caller) -> Tracked:
+        """Return the request `call` starts (or the one its idempotency key already started).
+
+        Raises the refusal (bad key, bad input, over budget, no replica) before anything is streamed."""
+        received = time.time()
+        tenant = self.core.authenticate(caller.api_key)
+        record = self._attach(tenant, call.idempotency_key)
+        if record is None:
+            ids, tokenized = await self._checked_prompt(call)
+            # Tokenizing on a thread awaits: a retry with the same key may have started the request meanwhile.
+            record = self._attach(tenant, call.idempotency_key)
+            if record is None:
+                record = await self._admit(call, tenant, ids, caller, (received, tokenized))
+                self.metrics.requests.labels(tenant, "admitted").inc()
+                return record
+        self.metrics.requests.labels(tenant, "attached").inc()
+        return record
+
+    async def stream(self, record: Tracked) -> AsyncIterator[Output]:
+        """Yield the request's tokens with their text, then a last Output carrying the completion.
+
+        Raises the request's RequestEnded refusal when it ends without finishing. Closing the iterator
+        early (the client went away) cancels the request once nobody else follows it."""
+        detokenizer = Detokenizer(self.model.tokenizer)
+        finished = False
+        record.followers += 1
+        try:
+            async for item in record.stream.follow():
+                if item.completion is None:
+                    yield Output(record.request_id, item.index, item.tokens, detokenizer.push(item.tokens),
+                                 item.emitted_unix_s)
+                    continue
+                finished = True
+                failure = self._ended(record, item.completion)
+                if failure is not None:
+                    raise failure
+                yield Output(record.request_id, item.index, text=detokenizer.flush(), completion=item.completion)
+                return
+        finally:
+            record.followers -= 1
+            if not finished and record.completion is None and record.followers == 0:
+                # The last client went away or its deadline passed: stop the work nobody waits for.
+                self._spawn(self._cancel_downstream(record, "disconnect"))
+
+    def lookup(self, request_id: str, api_key: str | None) -> Tracked:
+        """Return one of the caller's requests; raises NotFound for unknown and other tenants' ids alike."""
+        tenant = self.core.authenticate(api_key)
+        record = self.records.get(request_id)
+        if record is None or record.tenant != tenant:
+            raise errors.NotFound(f"request {shown(request_id)} not found", reason="unknown_request")
+        return record
+
+    async def cancel(self, request_id: str, api_key: str | None) -> common_pb2.RequestStatus:
+        """Cancel one of the caller's requests; returns its status (terminal ones are left as they are)."""
+        record = self.lookup(request_id, api_key)
+        if record.completion is not None:
+            return record.completion.status
+        return await self._cancel_downstream(record, "client")
+
+    # ---- admission --------------------------------------------------------------------------------
+    def _attach(self, tenant: str, key: str) -> Tracked | None:
+        if not key:
+            return None
+        request_id = self.core.lookup_key(tenant, key, time.monotonic())
+        return self.records.get(request_id) if request_id else None
+
+    async def _checked_prompt(self, call: GenerateCall) -> tuple[list[int], float | None]:
+        """Return the prompt's ids and when its text was tokenized (None: it came as ids); raises the refusal."""
+        if not self.model.accepts(call.model):
+            self.metrics.rejections.labels("unknown_model").inc()
+            raise errors.NotFound(f"unknown model {shown(call.model)}; this deployment serves "
+                                  f"{self.model.model_id!r}", reason="unknown_model", field_name="model")
+        sampling = call.sampling
+        try:
+            ids = await self.prompts.ids(call)
+            self.core.validate(len(ids), sampling.max_tokens, temperature=sampling.temperature,
+                               top_p=sampling.top_p, top_k=sampling.top_k)
+        except CoreError as exc:
+            self.metrics.rejections.labels(exc.reason_word).inc()
+            raise
+        return ids, (time.time() if not call.prompt_token_ids else None)
+
+    async def _admit(self, call: GenerateCall, tenant: str, ids: list[int], caller: Caller,
+                     stamps: tuple[float, float | None]) -> Tracked:
+        """Reserve, route and submit; undo the reservation if routing or submitting fails."""
+        record = self._reserve(call, tenant, ids, stamps, caller.trace_context)
+        try:
+            await self._route_and_submit(record, call, ids, caller.deadline_unix_s)
+        except BaseException as exc:
+            error = convert.error_from_downstream(exc, "could not place the request") \
+                if isinstance(exc, grpc.aio.AioRpcError) else exc
+            self._abandon(record, error)
+            if error is not exc:
+                raise error from None
+            raise
+        return record
+
+    def _reserve(self, call: GenerateCall, tenant: str, ids: list[int], stamps: tuple[float, float | None],
+                 parent: Context | None) -> Tracked:
+        """Admit (no await between the key lookup and here, so two retries cannot both start).
+
+        `stamps`: when the call was received, and when its text was tokenized (None: it came as ids)."""
+        (received, tokenized), request_id = stamps, uuid.uuid4().hex
+        span = self._tracer.start_span("admission.request", context=parent, kind=trace.SpanKind.SERVER,
+                                       start_time=_ns(received), attributes={
+                                           telemetry.GEN_AI_REQUEST_MODEL: self.model.model_id,
+                                           telemetry.GEN_AI_USAGE_INPUT_TOKENS: len(ids),
+                                           "sluice.request_id": request_id, "sluice.tenant": tenant,
+                                           "sluice.priority": call.priority,
+                                           "gen_ai.request.max_tokens": call.sampling.max_tokens})
+        span.add_event("received", timestamp=_ns(received))
+        if tokenized is not None:
+            span.add_event("tokenized", timestamp=_ns(tokenized))
+        try:
+            self.core.admit(request_id, tenant, len(ids), call.sampling.max_tokens, time.monotonic())
+        except OverBudget as exc:
+            self.metrics.rejections.labels(exc.budget).inc()
+            span.add_event("rejected", attributes={"reason": exc.budget})
+            span.set_status(trace.Status(trace.StatusCode.ERROR, exc.detail))
+            span.end()
+            raise
+        now = time.time()
+        span.add_event("admitted", timestamp=_ns(now))
+        if call.idempotency_key:
+            self.core.remember_key(tenant, call.idempotency_key, request_id, time.monotonic())
+        record = Tracked(request_id, tenant, len(ids), self.registry.open(request_id), span, received)
+        record.timestamps.received, record.timestamps.admitted = received, now
+        self.records[request_id] = record
+        self.metrics.active.inc()
+        return record
+
+    async def _block_size_now(self) -> int:
+        cached = self._block_size
+        if cached is not None and time.monotonic() - cached[0] < 5.0:
+            return cached[1]
+        size = self.config.default_block_size
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            listed = await self.router.ListReplicas(router_pb2.ListReplicasRequest(),
+                                                    timeout=self.config.downstream_timeout_s)
+            sizes = [r.block_size for r in listed.replicas if r.block_size > 0 and self.model.accepts(r.model)]
+            size = sizes[0] if sizes else size
+        self._block_size = (time.monotonic(), size)
+        return size
+
+    async def _route_and_submit(self, record: Tracked, call: GenerateCall, ids: list[int],
+                                deadline_unix_s: float | None) -> None:
+        metadata = tuple(telemetry.inject_metadata(trace.set_span_in_context(record.span)))
+        timeout = self.config.downstream_timeout_s
+        block_size = await self._block_size_now()
+        hashes = hash_chain(ids, block_size, salt_of(self.model.model_id, call.adapter_version))
+        route = await self.router.Route(router_pb2.RouteRequest(
+            request_id=record.request_id, model=self.model.model_id, adapter_version=call.adapter_version,
+            block_hashes=hashes, prompt_tokens=len(ids), max_tokens=call.sampling.max_tokens),
+            metadata=metadata, timeout=timeout)
+        record.timestamps.routed = time.time()
+        record.replica_id, record.scheduler_address = route.replica_id, route.scheduler_address
+        record.span.add_event("routed", timestamp=_ns(record.timestamps.routed), attributes={
+            "sluice.replica_id": route.replica_id, "sluice.cached_blocks": route.cached_blocks,
+            "sluice.predicted_ttft_s": route.predicted_ttft_s})
+        submit = convert.submit_request(record.request_id, record.tenant, ids, call, self.owner, deadline_unix_s or 0.0,
+                                        self.model, record.timestamps,
+                                        self.core.tenant_weight(record.tenant))
+        await self._scheduler(route.scheduler_address).Submit(submit, metadata=metadata, timeout=timeout)
+        record.status = common_pb2.WAITING
+        record.span.add_event("submitted")
+
+    def _abandon(self, record: Tracked, exc: BaseException) -> None:
+        """Undo an admission whose routing or submission failed: release, forget, end the span."""
+        self.core.release(record.request_id, time.monotonic())
+        self.metrics.active.dec()
+        self.records.pop(record.request_id, None)
+        record.status = common_pb2.REJECTED
+        record.retry_after_s = getattr(exc, "retry_after_s", None)
+        # An idempotent retry may already follow this request: end its stream too.
+        record.stream.set_completion(events_pb2.Completion(
+            request_id=record.request_id, tenant=record.tenant, status=common_pb2.REJECTED,
+            finish_reason="rejected", detail=str(exc)[:200]))
+        record.stream.complete_if_ready()
+        record.span.add_event("rejected", attributes={"reason": type(exc).__name__})
+        record.span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)[:200]))
+        record.span.end()
+        record.ended = True
+
+    def _ended(self, record: Tracked, completion: events_pb2.Completion) -> CoreError | None:
+        """Return the refusal a completion ends the stream with (None for a finished request)."""
+        status = common_pb2.RequestStatus.Name(completion.status)
+        detail = f": {completion.detail}" if completion.detail else ""
+        outputs = completion.usage.output_tokens
+        return core_errors.ended_error(status, f"request {record.request_id} {status} after {outputs} output tokens"
+                                               f"{detail}", record.retry_after_s)
+
+    def _scheduler(self, address: str) -> scheduler_pb2_grpc.SchedulerServiceStub:
+        if address not in self._schedulers:
+            channel = grpc.aio.insecure_channel(address)
+            self._schedulers[address] = (channel, scheduler_pb2_grpc.SchedulerServiceStub(channel))
+        return self._schedulers[address][1]
+
+    # ---- stream stages (StreamListener): they happen whether or not a client follows ------------
+    def first_token(self, stream: RequestStream) -> None:
+        """The first token arrived: the request leaves the admission queue; record the stage."""
+        record = self.records.get(stream.request_id)
+        if record is None or record.timestamps.first_token:
+            return
+        record.timestamps.first_token = time.time()
+        record.status = common_pb2.RUNNING
+        self.core.mark_started(record.request_id, time.monotonic())
+        record.span.add_event("first_token", timestamp=_ns(record.timestamps.first_token))
+        self.metrics.ttft.observe(record.timestamps.first_token - record.received_s)
+
+    def done(self, stream: RequestStream) -> None:
+        """Completion and tokens are all here: end the request's span (exactly once)."""
+        record = self.records.get(stream.request_id)
+        if record is not None and record.completion is not None and not record.ended:
+            self.metrics.missing_tokens.inc(stream.missing_tokens)
+            self._end_span(record, record.completion)
+
+    async def _cancel_downstream(self, record: Tracked, cause: str) -> common_pb2.RequestStatus:
+        """Ask the request's scheduler to cancel it; returns the status it reports."""
+        if not record.timestamps.cancel_requested:
+            record.timestamps.cancel_requested = time.time()
+            record.span.add_event("cancel_requested", attributes={"cause": cause})
+            self.metrics.cancellations.labels(cause).inc()
+        if not record.scheduler_address:
+            return record.status
+        metadata = tuple(telemetry.inject_metadata(trace.set_span_in_context(record.span)))
+        try:
+            response = await self._scheduler(record.scheduler_address).Cancel(
+                scheduler_pb2.CancelRequest(request_id=record.request_id), metadata=metadata,
+                timeout=self.config.downstream_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return record.completion.status if record.completion else record.status
+            raise convert.error_from_downstream(exc, "cancel failed at the scheduler") from None
+        return response.status
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("background task failed: %r", task.exception())
+
+    # ---- completions --------------------------------------------------------------------------
+    async def on_completion(self, entry_id: str, payload: bytes, context: Context) -> None:
+        """Handle one completion: release the reservation exactly once, finish the stream and the span.
+
+        Idempotent (the bus delivers at least once); completions of other owners are ignored.
+        """
+        completion = events_pb2.Completion.FromString(payload)
+        if completion.owner and completion.owner != self.owner:
+            return
+        released = self.core.release(completion.request_id, time.monotonic())
+        record = self.records.get(completion.request_id)
+        if record is not None and record.completion is None:
+            if released is not None:
+                self.metrics.active.dec()
+            record.completion, record.status = completion, completion.status
+        # Last: the stream may be complete now, which ends the span (it reads record.completion).
+        self.registry.on_completion(completion)
+
+    def _end_span(self, record: Tracked, completion: events_pb2.Completion) -> None:
+        now = time.time()
+        record.timestamps.finished = completion.timestamps.finished or now
+        status_name = common_pb2.RequestStatus.Name(completion.status)
+        span = record.span
+        span.set_attribute(telemetry.GEN_AI_USAGE_OUTPUT_TOKENS, completion.usage.output_tokens)
+        span.set_attribute(telemetry.GEN_AI_RESPONSE_FINISH_REASONS, [completion.finish_reason])
+        span.set_attribute("sluice.status", status_name)
+        span.add_event("completed", attributes={"status": status_name, "missing_tokens":
+                                                record.stream.missing_tokens})
+        if status_name in core_errors.FAILURE_STATUSES:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, status_name))
+        span.end()
+        record.ended = True
+        self.metrics.duration.observe(now - record.received_s)
+        outputs = completion.usage.output_tokens
+        if record.timestamps.first_token and outputs > 1:
+            self.metrics.tpot.observe((now - record.timestamps.first_token) / (outputs - 1))
+        self.metrics.requests.labels(record.tenant, status_name.lower()).inc()
+
+    # ---- housekeeping ---------------------------------------------------------------------------
+    def expire(self, keep_s: float = 600.0) -> None:
+        """Forget streams past the resume window and records finished more than `keep_s` ago."""
+        self.registry.expire()
+        limit = time.time() - keep_s
+        for request_id in [rid for rid, r in self.records.items() if r.completion and r.timestamps.finished < limit]:
+            del self.records[request_id]
+
+    async def close(self) -> None:
+        """Close downstream channels, wait for background cancels, stop the tokenizer threads."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=5)
+        for channel, _ in self._schedulers.values():
+            await channel.close()
+        await self._router_channel.close()
+        self.prompts.close()
+

@@ -1,0 +1,147 @@
+"""The admission harness shared by the integration tests: a real admission gRPC server (the production
+`build_server` around a FrontDoor) on loopback, a real Redis bus, and a stand-in router and scheduler
+that are small real gRPC servers publishing tokens and completions on the bus the way a replica does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import redis.asyncio as aioredis
+
+from admission_svc.__main__ import admission_config
+from admission_svc.core import AdmissionCore
+from admission_svc.frontdoor import FrontDoor, FrontDoorConfig
+from admission_svc.server import DEFAULT_MAX_MESSAGE_BYTES, build_server
+from admission_svc.streams import token_reader_loop
+from sluice import errors
+from sluice.bus import Bus
+from sluice.config import Budgets, ServiceConfig, TenantConfig
+from sluice.model_spec import load_model_spec
+from sluice.tokenizer import build_byte_tokenizer
+from sluice.v1 import common_pb2, events_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+OWNER = "adm-test"
+OUTPUT = list(b"hello world")
+
+
+class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.SchedulerServiceServicer):
+    """Routes everything to itself; 'generates' OUTPUT one token per 20 ms onto the bus."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.address = ""
+        self.submitted: list[scheduler_pb2.SubmitRequest] = []
+        self.cancelled: list[str] = []
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.ready = True
+        self.end_status: int | None = None
+        """When set, each request ends after one token with this status instead of finishing."""
+
+    async def Route(self, request: Any, context: Any) -> router_pb2.RouteResponse:
+        if not self.ready:
+            await asyncio.sleep(0.2)  # long enough for an idempotent retry to attach meanwhile
+            await errors.abort(context, errors.Unavailable("no READY replica of model 'tiny'", retry_after_s=0.5))
+        return router_pb2.RouteResponse(replica_id="r0", scheduler_address=self.address)
+
+    async def ListReplicas(self, request: Any, context: Any) -> router_pb2.ListReplicasResponse:
+        return router_pb2.ListReplicasResponse(replicas=[router_pb2.Replica(
+            replica_id="r0", model="tiny", block_size=4, state=router_pb2.READY)])
+
+    async def Submit(self, request: scheduler_pb2.SubmitRequest, context: Any) -> scheduler_pb2.SubmitResponse:
+        self.submitted.append(request)
+        self.tasks[request.request_id] = asyncio.create_task(self._run(request))
+        return scheduler_pb2.SubmitResponse()
+
+    async def _run(self, request: scheduler_pb2.SubmitRequest) -> None:
+        produced = 0
+        status, reason = common_pb2.FINISHED_LENGTH, "length"
+        try:
+            for index in range(min(request.sampling.max_tokens, len(OUTPUT))):
+                if self.end_status is not None and index == 1:
+                    status, reason = self.end_status, "error"
+                    break
+                await asyncio.sleep(0.02)
+                await self.bus.publish_tokens(request.owner, [events_pb2.TokenDelta(
+                    request_id=request.request_id, index=index, token_ids=[OUTPUT[index]])])
+                produced += 1
+        except asyncio.CancelledError:
+            status, reason = common_pb2.CANCELLED, "cancelled"
+        await self.bus.publish_completion(events_pb2.Completion(
+            request_id=request.request_id, tenant=request.tenant, status=status, finish_reason=reason,
+            owner=request.owner, detail="the replica gave up" if self.end_status is not None else "",
+            usage=common_pb2.Usage(input_tokens=len(request.prompt_token_ids),
+                                                        output_tokens=produced)))
+
+    async def Cancel(self, request: scheduler_pb2.CancelRequest, context: Any) -> scheduler_pb2.CancelResponse:
+        self.cancelled.append(request.request_id)
+        task = self.tasks.get(request.request_id)
+        if task is not None and not task.done():
+            task.cancel()
+        return scheduler_pb2.CancelResponse(status=common_pb2.CANCELLING)
+
+
+def model_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "tiny"
+    directory.mkdir()
+    build_byte_tokenizer().save(str(directory / "tokenizer.json"))
+    (directory / "config.json").write_text(json.dumps({"vocab_size": 258, "eos_token_id": 257,
+                                                       "max_position_embeddings": 64}))
+    return directory
+
+
+CONFIG = ServiceConfig(tenants=(TenantConfig("acme", ("k-acme",)), TenantConfig("beta", ("k-beta",))),
+                       budgets=Budgets(max_active_requests=2))
+Body = Callable[[str, FrontDoor, StandInReplica, Bus], Awaitable[None]]
+
+
+async def _serve(tmp_path: Path, redis_url: str, namespace: str, body: Body, consume: bool,
+                 door_config: FrontDoorConfig | None, max_message_bytes: int) -> None:
+    redis = aioredis.from_url(redis_url)
+    bus = Bus(redis, namespace)
+    replica = StandInReplica(bus)
+    downstream = grpc.aio.server()
+    router_pb2_grpc.add_RouterServiceServicer_to_server(replica, downstream)
+    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(replica, downstream)
+    replica.address = f"127.0.0.1:{downstream.add_insecure_port('127.0.0.1:0')}"
+    await downstream.start()
+    model = load_model_spec(model_dir(tmp_path), "tiny")
+    door = FrontDoor(AdmissionCore(admission_config(CONFIG, model.max_model_len)), model, replica.address, OWNER,
+                     config=door_config)
+    server = build_server(door, max_message_bytes)
+    target = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(token_reader_loop(
+        lambda s, last, count, block: bus.read_stream(s, last, count=count, block_ms=block),
+        bus.tokens_stream(OWNER), door.registry, stop, block_ms=50))]
+    if consume:
+        tasks.append(asyncio.create_task(bus.consume("completions", "admission", "c1", door.on_completion,
+                                                     stop=stop, block_ms=50)))
+    try:
+        await body(target, door, replica, bus)
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await server.stop(None)
+        await downstream.stop(None)
+        await door.close()
+        await redis.aclose()
+
+
+def run(tmp_path: Path, redis_url: str, namespace: str, body: Body, consume: bool = True,
+        door_config: FrontDoorConfig | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+    asyncio.run(_serve(tmp_path, redis_url, namespace, body, consume, door_config, max_message_bytes))
+
+
+async def settle(condition: Callable[[], bool], timeout_s: float = 3.0) -> bool:
+    for _ in range(int(timeout_s / 0.02)):
+        if condition():
+            return True
+        await asyncio.sleep(0.02)
+    return condition()
