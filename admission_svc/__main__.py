@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from admission_svc import convert
-from admission_svc.core import AdmissionConfig, AdmissionCore, TenantConfig
+from admission_svc.core import AdmissionConfig, AdmissionCore
 from admission_svc.server import AdmissionMetrics, AdmissionServicer
 from admission_svc.streams import token_reader_loop
 from sluice import serve, services
@@ -84,15 +84,7 @@ def resolve_model_dir(spec: str) -> Path:
 
 def admission_config(service: ServiceConfig, max_model_len: int) -> AdmissionConfig:
     """Return the core's configuration for the service config and the model length."""
-    budgets = service.budgets
-    tenants = tuple(TenantConfig(t.name, t.api_keys, t.weight, t.budgets.max_active_requests,
-                                 t.budgets.max_pending_input_tokens, t.budgets.max_reserved_output_tokens)
-                    for t in service.tenants)
-    return AdmissionConfig(max_active_requests=budgets.max_active_requests,
-                           max_queued_requests=budgets.max_queue_length,
-                           max_pending_input_tokens=budgets.max_pending_input_tokens,
-                           max_reserved_output_tokens=budgets.max_reserved_output_tokens,
-                           max_model_len=max_model_len, tenants=tenants)
+    return AdmissionConfig(budgets=service.budgets, tenants=service.tenants, max_model_len=max_model_len)
 
 
 async def _housekeeping(servicer: AdmissionServicer, stop: asyncio.Event) -> None:
