@@ -6,11 +6,10 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import socket
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -35,9 +34,15 @@ SERVICE_NAME = services.ADMISSION
 class AdmissionOptions(serve.BusOptions):
     """The admission service's flags."""
 
+    port: int = 50051
+    """gRPC port; 0 picks a free one."""
+    redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={"env": "SLUICE_REDIS_URL"})
+    """Redis URL."""
+    namespace: str = field(default="default", metadata={"env": "SLUICE_NAMESPACE"})
+    """Bus namespace (keys sluice:{namespace}:...)."""
     router: str = "127.0.0.1:50052"
     """Router HOST:PORT."""
-    config: str | None = None
+    config: str | None = field(default=None, metadata={"env": "SLUICE_CONFIG"})
     """TOML/JSON config file (API keys, tenants, budgets); None: the default tenant and key."""
     model: str = "tiny"
     """Preset name or model directory (for the tokenizer)."""
@@ -50,18 +55,8 @@ class AdmissionOptions(serve.BusOptions):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Return the command-line parser of the admission service."""
-    p = argparse.ArgumentParser(prog="python -m admission_svc", description=__doc__)
-    serve.add_common_flags(p, default_port=50051)
-    serve.add_redis_flags(p, default_url="redis://127.0.0.1:6379/0", namespace_env="SLUICE_NAMESPACE")
-    p.add_argument("--router", default="127.0.0.1:50052", help="router HOST:PORT")
-    p.add_argument("--config", default=os.environ.get("SLUICE_CONFIG"),
-                   help="TOML/JSON config: API keys, tenants, budgets (default: $SLUICE_CONFIG)")
-    p.add_argument("--model", default="tiny", help="preset name or model directory (for the tokenizer)")
-    p.add_argument("--model-id", default=None, help="id replicas register under (default: the directory name)")
-    p.add_argument("--owner", default=None, help="token-stream owner id (default: admission-<host>-<port>)")
-    p.add_argument("--resume-window-s", type=float, default=60.0, help="keep finished streams this long")
-    return p
+    """Return the command-line parser of the admission service (one flag per AdmissionOptions field)."""
+    return serve.options_parser(AdmissionOptions, prog="python -m admission_svc", description=__doc__)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> AdmissionOptions:

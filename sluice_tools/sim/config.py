@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from admission_svc.core import AdmissionConfig, TenantConfig
+from admission_svc.core import AdmissionConfig
 from router_svc.core import RouterConfig, RoutingPolicy
 from scheduler_svc.core.config import Policy, PreemptionMode, SchedulerConfig
+from sluice.config import Budgets, TenantConfig
 from worker_svc.costmodel import CostCoefficients
 
 # vLLM V1 defaults for GPUs with >= 70 GiB that are not A100 (H100, H200), OpenAI server context:
@@ -100,10 +101,9 @@ class SimConfig:
     def admission_config(self, max_model_len: int) -> AdmissionConfig:
         """Return the front door's budgets."""
         return AdmissionConfig(
-            max_active_requests=self.max_active_requests,
-            max_queued_requests=self.max_queued_requests,
-            max_pending_input_tokens=self.max_pending_input_tokens,
-            max_reserved_output_tokens=self.max_reserved_output_tokens,
+            budgets=Budgets(max_active_requests=self.max_active_requests, max_queue_length=self.max_queued_requests,
+                            max_pending_input_tokens=self.max_pending_input_tokens,
+                            max_reserved_output_tokens=self.max_reserved_output_tokens),
             max_model_len=max_model_len,
             tenants=tuple(TenantConfig(name, weight=weight) for name, weight in self.tenant_weights),
         )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from sluice.redis_server import free_port
-from sluice.serve import ServiceOptions, add_common_flags, load_options
+from sluice.serve import ServiceOptions, load_options, options_parser
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,10 +57,9 @@ def test_options_and_parser_must_agree() -> None:
     @dataclass(frozen=True, kw_only=True)
     class Options(ServiceOptions):
         name: str = "x"
+        """A name."""
 
-    parser = argparse.ArgumentParser()
-    add_common_flags(parser, default_port=123)
-    parser.add_argument("--name", default="x")
+    parser = options_parser(Options)
     options = load_options(Options, parser, ["--name", "y", "--port", "0"])
     assert options == Options(name="y", port=0, host="127.0.0.1")
     with pytest.raises(Exception, match="frozen|cannot assign"):
