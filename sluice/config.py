@@ -21,6 +21,9 @@ max_active_requests = 32       # any budget field may be overridden per tenant
 api_keys = ["sk-beta-1"]
 ```
 
+Every key of every table is checked: an unknown key (a typo) or a value of the wrong type is a
+ConfigError naming it, never silently ignored.
+
 With no file, one tenant "default" with the key `DEFAULT_API_KEY` exists, so a fresh
 `sluice up` works out of the box. `SLUICE_API_KEYS="key1=tenantA,key2=tenantB"` adds keys.
 """

@@ -78,7 +78,7 @@ def test_config_weights_one_to_two_give_backlogged_tenants_one_to_two_service(tm
 
     The tolerance is the core test's (tests/unit/test_core_fairness.py). It holds live because the scheduler
     charges exactly what the clients count (prompt tokens at the first token, twice each output token), every
-    request has the same shape, and the window (20 s, thousands of requests) is long against the one request
+    request has the same shape, and the window (20 s, about 400 requests) is long against the one request
     per tenant the fair queue may be ahead or behind by. Without the weights (admission not sending them, or
     the scheduler ignoring them) the ratio is 1.0 and the test fails.
     """

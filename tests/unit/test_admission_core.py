@@ -87,6 +87,19 @@ def test_queue_and_token_budgets_are_global_and_started_requests_leave_the_queue
     assert (stats.queued, stats.pending_input_tokens) == (3, 610)
 
 
+def test_a_tenants_own_queue_length_is_enforced() -> None:
+    """A tenant's max_queue_length (from the config file's tenant table) bounds its requests without a first token."""
+    small = Budgets(max_active_requests=10, max_queue_length=1, max_pending_input_tokens=1000,
+                    max_reserved_output_tokens=1000)
+    core = make_admission(max_queue_length=10, tenants=(TenantConfig("carol", ("k-carol",), budgets=small),))
+    core.admit("c1", "carol", 10, 10, now=0.0)
+    with pytest.raises(OverBudget) as info:
+        core.admit("c2", "carol", 10, 10, now=0.0)
+    assert info.value.budget == "tenant.queued"
+    core.mark_started("c1", now=0.1)
+    core.admit("c2", "carol", 10, 10, now=0.2)
+
+
 def test_a_request_that_could_never_fit_is_invalid_not_retryable() -> None:
     """Input beyond the whole pending-token budget is InvalidRequest (retrying would never help)."""
     with pytest.raises(InvalidRequest, match="could never be admitted"):
