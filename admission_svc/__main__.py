@@ -106,9 +106,10 @@ async def _consume_completions(bus: Bus, servicer: AdmissionServicer, stop: asyn
 def build_servicer(ctx: serve.ServiceContext, options: AdmissionOptions) -> AdmissionServicer:
     """Return the servicer for the options; raises serve.StartupError for a bad config, model or metrics port."""
     try:
+        service = load_config(options.config)  # first: a typo in the file is the cheapest thing to report
         model_dir = resolve_model_dir(options.model)
         model = convert.load_model_spec(model_dir, options.model_id or model_dir.name, aliases=(options.model, model_dir.name))
-        core = AdmissionCore(admission_config(load_config(options.config), model.max_model_len))
+        core = AdmissionCore(admission_config(service, model.max_model_len))
     except (ConfigError, ValueError, OSError) as exc:
         raise serve.StartupError(str(exc)) from exc
     metrics = AdmissionMetrics()

@@ -80,6 +80,16 @@ def test_configuration_errors_exit_2_with_the_reason(flags: tuple[str, ...], mes
     assert proc.returncode == 2 and message in output, output
 
 
+def test_a_config_file_typo_exits_2_naming_the_key(tmp_path: Path) -> None:
+    """Admission started with a misspelt budget in its config file exits 2 with one line naming the key, no traceback."""
+    config = tmp_path / "sluice.toml"
+    config.write_text("[budgets]\nmax_activ_requests = 8\n")
+    proc = _service("admission_svc", "--port", "0", "--config", str(config), "--redis-url", "redis://127.0.0.1:1/0")
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "unknown key 'budgets.max_activ_requests'" in output, output
+    assert "Traceback" not in output, output
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/status")
 def test_sigterm_during_a_slow_start_exits_0_at_once() -> None:
     """A scheduler still waiting for its worker stops promptly on SIGTERM instead of finishing its start first."""
