@@ -31,7 +31,7 @@ PROMPT_TOKENS = 32
 MAX_TOKENS = 24
 STREAMS_PER_TENANT = 12  # three times the scheduler's 4 seats: each tenant alone could fill them
 WARMUP_S = 4.0
-WINDOW_S = 20.0
+WINDOW_S = 30.0
 # The scheduler's fair weights (SchedulerConfig.fair_input_weight / fair_output_weight).
 INPUT_WEIGHT, OUTPUT_WEIGHT = 1.0, 2.0
 
@@ -78,9 +78,12 @@ def test_config_weights_one_to_two_give_backlogged_tenants_one_to_two_service(tm
 
     The tolerance is the core test's (tests/unit/test_core_fairness.py). It holds live because the scheduler
     charges exactly what the clients count (prompt tokens at the first token, twice each output token), every
-    request has the same shape, and the window (20 s, about 400 requests) is long against the one request
-    per tenant the fair queue may be ahead or behind by. Without the weights (admission not sending them, or
-    the scheduler ignoring them) the ratio is 1.0 and the test fails.
+    request has the same shape, and the window (30 s, about 650 requests) is long against the few requests
+    (the 4 seats) by which one tenant may lead at its edges: measured, 5 s windows scatter by about 4%,
+    10 s ones by 1%, 30 s ones by 0.2%. The worker emulates its rounds' modelled H200 time so that the replica,
+    not the client threads, is the bottleneck: with rounds as fast as the CPU allows the clients cannot keep
+    the queue full and the share follows demand (1.3 measured), which the backlog check reports.
+    Without the weights (admission not sending them, or the scheduler ignoring them) the ratio is 1.0.
     """
     config = tmp_path / "sluice.toml"
     config.write_text(CONFIG)
@@ -95,15 +98,17 @@ def test_config_weights_one_to_two_give_backlogged_tenants_one_to_two_service(tm
             thread.start()
         time.sleep(WARMUP_S)
         start = time.monotonic()
-        time.sleep(WINDOW_S)
+        waiting = []
+        while time.monotonic() < start + WINDOW_S:
+            waiting.append(stack.scheduler_stats()[0].waiting)
+            time.sleep(0.5)
         end = time.monotonic()
-        backlog = stack.scheduler_stats()[0]
         recorder.stop.set()
         for thread in threads:
             thread.join(30)
     assert not recorder.errors, recorder.errors[:3]
     # Each tenant has at most STREAMS_PER_TENANT requests in flight: more waiting means both tenants wait.
-    assert backlog.waiting > STREAMS_PER_TENANT, f"not both backlogged: {backlog.waiting} waiting"
+    assert min(waiting) > STREAMS_PER_TENANT, f"not both backlogged throughout: waiting {waiting}"
     served = recorder.service(start, end)
     assert served["silver"] > 0, served
     ratio = served["gold"] / served["silver"]
