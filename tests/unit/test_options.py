@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -96,3 +98,20 @@ def test_service_flag_defaults_are_the_cores_defaults() -> None:
     assert (router.policy, router.heartbeat_timeout, router.prediction_ttl, router.seed, router.prefill_weight) == (
         defaults.policy.value, defaults.heartbeat_timeout_s, defaults.prediction_ttl_s, defaults.seed,
         defaults.prefill_weight)
+
+
+def _documented_flags(service: str) -> set[str]:
+    """Return the flags named in the first column of the service's table in docs/operations.md."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    section = text.split(f"(`python -m {service}`)", 1)[1].split("\n#", 1)[0]
+    rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `--")]
+    return {flag for row in rows for flag in re.findall(r"--[a-z0-9-]+", row)}
+
+
+@pytest.mark.parametrize("service, parser", [("worker_svc", worker_parser), ("scheduler_svc", scheduler_parser),
+                                             ("router_svc", router_parser)])
+def test_operations_tables_list_exactly_the_flags(service: str, parser: object) -> None:
+    """docs/operations.md's flag table of each service names every flag its parser has, and no other."""
+    flags = {option for action in parser()._actions for option in action.option_strings}  # type: ignore[operator]
+    flags -= {"-h", "--help"}
+    assert _documented_flags(service) == flags, _documented_flags(service) ^ flags
