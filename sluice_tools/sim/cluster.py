@@ -255,6 +255,7 @@ class Simulator:
             arrival_time=now,
             deadline=deadline,
             eos_token_id=None,
+            tenant_weight=self.admission.tenant_weight(request.tenant),  # as admission_svc sends it
         )
         try:
             replica.core.submit(new, now)

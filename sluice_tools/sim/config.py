@@ -26,8 +26,8 @@ VLLM_DEFAULT_MAX_SEQS = 1024
 DEFAULT_MAX_MODEL_LEN = {"llama-3-8b": 8192, "llama-3-70b": 8192}
 
 SCHEDULER = SchedulerConfig(num_blocks=0)
-"""The replicas' scheduler: the core's own defaults (num_blocks, num_host_blocks, model_id, max_model_len and
-tenant_weights are filled in per run from the cost model and the admission config)."""
+"""The replicas' scheduler: the core's own defaults (num_blocks, num_host_blocks, model_id and max_model_len are
+filled in per run from the cost model). Tenant weights reach it as in production: on each request, from admission."""
 ADMISSION = AdmissionConfig(budgets=Budgets(max_active_requests=100_000, max_queue_length=100_000,
                                             max_pending_input_tokens=1_000_000_000,
                                             max_reserved_output_tokens=1_000_000_000))
@@ -80,7 +80,7 @@ class SimConfig:
         """Return one replica's scheduler configuration for the given capacity."""
         swap = self.scheduler.preemption_mode is PreemptionMode.SWAP
         return replace(self.scheduler, num_blocks=num_blocks, num_host_blocks=num_host_blocks if swap else 0,
-                       model_id=self.model, max_model_len=max_model_len, tenant_weights=self.tenant_weights)
+                       model_id=self.model, max_model_len=max_model_len)
 
     def admission_config(self, max_model_len: int) -> AdmissionConfig:
         """Return the front door's configuration for the model length."""

@@ -155,3 +155,19 @@ def test_compare_admission_words_set_that_items_budget_only() -> None:
         parse_compare_item("max-queued=zero", base)
     with pytest.raises(ValueError, match="unknown setting"):
         parse_compare_item("max-tokens=3", base)
+
+
+def test_tenant_weights_reach_the_simulated_schedulers_on_each_request() -> None:
+    """Tenants weighted 2:1 in admission's tenants, both backlogged (2-8 s of a 10 s overload), get weighted service within 5% of 2:1."""
+    spec = "synthetic:poisson?rate=120&n=1200&tenants=a:1,b:1&tenant_weights=a:2,b:1&input=fixed:800&output=fixed:100"
+    workload = load_workload(spec, seed=4)
+    config = with_tenant_weights(SimConfig(replicas=1, scheduler=replace(SCHEDULER, policy=Policy.FAIR)),
+                                 workload.tenant_weights)
+    assert config.scheduler_config(64, 0, 4096).tenant_weights == (), "weights travel on the requests, as in production"
+    served: dict[str, float] = {"a": 0.0, "b": 0.0}
+    for record in simulate(config, workload.requests).records:
+        served[record.tenant] += 2 * sum(1 for t in record.token_times or () if 2.0 <= t < 8.0)
+        if record.first_token_s is not None and 2.0 <= record.first_token_s < 8.0:
+            served[record.tenant] += record.input_tokens
+    ratio = served["a"] / served["b"]
+    assert abs(ratio - 2.0) / 2.0 < 0.05, f"a/b = {ratio:.3f}"  # 0.98 when the weight is not sent
