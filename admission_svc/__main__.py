@@ -6,16 +6,15 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import socket
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from admission_svc.core import AdmissionConfig, AdmissionCore, TenantConfig
+from admission_svc.core import AdmissionConfig, AdmissionCore
 from admission_svc.frontdoor import FrontDoor, FrontDoorConfig
 from admission_svc.server import DEFAULT_MAX_MESSAGE_BYTES, build_server
 from admission_svc.streams import token_reader_loop
@@ -34,9 +33,15 @@ SERVICE_NAME = services.ADMISSION
 class AdmissionOptions(serve.BusOptions):
     """The admission service's flags."""
 
+    port: int = 50051
+    """gRPC port; 0 picks a free one."""
+    redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={"env": "SLUICE_REDIS_URL"})
+    """Redis URL."""
+    namespace: str = field(default="default", metadata={"env": "SLUICE_NAMESPACE"})
+    """Bus namespace (keys sluice:{namespace}:...)."""
     router: str = "127.0.0.1:50052"
     """Router HOST:PORT."""
-    config: str | None = None
+    config: str | None = field(default=None, metadata={"env": "SLUICE_CONFIG"})
     """TOML/JSON config file (API keys, tenants, budgets); None: the default tenant and key."""
     model: str = "tiny"
     """Preset name or model directory (for the tokenizer)."""
@@ -53,22 +58,8 @@ class AdmissionOptions(serve.BusOptions):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Return the command-line parser of the admission service."""
-    p = argparse.ArgumentParser(prog="python -m admission_svc", description=__doc__)
-    serve.add_common_flags(p, default_port=50051)
-    serve.add_redis_flags(p, default_url="redis://127.0.0.1:6379/0", namespace_env="SLUICE_NAMESPACE")
-    p.add_argument("--router", default="127.0.0.1:50052", help="router HOST:PORT")
-    p.add_argument("--config", default=os.environ.get("SLUICE_CONFIG"),
-                   help="TOML/JSON config: API keys, tenants, budgets (default: $SLUICE_CONFIG)")
-    p.add_argument("--model", default="tiny", help="preset name or model directory (for the tokenizer)")
-    p.add_argument("--model-id", default=None, help="id replicas register under (default: the directory name)")
-    p.add_argument("--owner", default=None, help="token-stream owner id (default: admission-<host>-<port>)")
-    p.add_argument("--resume-window-s", type=float, default=60.0, help="keep finished streams this long")
-    p.add_argument("--max-prompt-bytes", type=int, default=FrontDoorConfig.max_prompt_bytes,
-                   help="refuse longer text prompts (INVALID_ARGUMENT) before tokenizing them")
-    p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
-                   help="refuse larger request messages (INVALID_ARGUMENT) before parsing them")
-    return p
+    """Return the command-line parser of the admission service (one flag per AdmissionOptions field)."""
+    return serve.options_parser(AdmissionOptions, prog="python -m admission_svc", description=__doc__)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> AdmissionOptions:
@@ -91,15 +82,7 @@ def resolve_model_dir(spec: str) -> Path:
 
 def admission_config(service: ServiceConfig, max_model_len: int) -> AdmissionConfig:
     """Return the core's configuration for the service config and the model length."""
-    budgets = service.budgets
-    tenants = tuple(TenantConfig(t.name, t.api_keys, t.weight, t.budgets.max_active_requests,
-                                 t.budgets.max_pending_input_tokens, t.budgets.max_reserved_output_tokens)
-                    for t in service.tenants)
-    return AdmissionConfig(max_active_requests=budgets.max_active_requests,
-                           max_queued_requests=budgets.max_queue_length,
-                           max_pending_input_tokens=budgets.max_pending_input_tokens,
-                           max_reserved_output_tokens=budgets.max_reserved_output_tokens,
-                           max_model_len=max_model_len, tenants=tenants)
+    return AdmissionConfig(budgets=service.budgets, tenants=service.tenants, max_model_len=max_model_len)
 
 
 async def _housekeeping(servicer: FrontDoor, stop: asyncio.Event) -> None:
@@ -131,9 +114,10 @@ def build_servicer(ctx: serve.ServiceContext, options: AdmissionOptions) -> Fron
         raise serve.StartupError(f"--max-prompt-bytes ({options.max_prompt_bytes}) must be positive and at most "
                                  f"--max-message-bytes ({options.max_message_bytes})")
     try:
+        service = load_config(options.config)  # first: a typo in the file is the cheapest thing to report
         model_dir = resolve_model_dir(options.model)
         model = load_model_spec(model_dir, options.model_id or model_dir.name, aliases=(options.model, model_dir.name))
-        core = AdmissionCore(admission_config(load_config(options.config), model.max_model_len))
+        core = AdmissionCore(admission_config(service, model.max_model_len))
     except (ConfigError, ValueError, OSError) as exc:
         raise serve.StartupError(str(exc)) from exc
     metrics = AdmissionMetrics()

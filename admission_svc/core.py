@@ -31,43 +31,30 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from sluice.config import Budgets, TenantConfig
 from sluice.core_errors import CoreError, DuplicateRequest, InvalidRequest, OverBudget, UnknownApiKey
 
 
 @dataclass(frozen=True)
-class TenantConfig:
-    """One tenant: its API keys, share weight and caps (None = only the global caps)."""
-
-    name: str
-    api_keys: tuple[str, ...] = ()
-    weight: float = 1.0
-    max_active_requests: int | None = None
-    max_pending_input_tokens: int | None = None
-    max_reserved_output_tokens: int | None = None
-
-
-@dataclass(frozen=True)
 class AdmissionConfig:
-    """Global budgets of one admission process."""
+    """Budgets and tenants of one admission process (the file's part comes from sluice.config)."""
 
-    max_active_requests: int = 512
-    """Requests accepted and not yet terminal."""
-    max_queued_requests: int = 256
-    """Requests accepted that have no first token yet."""
-    max_pending_input_tokens: int = 1_000_000
-    """Input tokens of accepted requests whose prefill is not done."""
-    max_reserved_output_tokens: int = 2_000_000
-    """Output tokens reserved (max_tokens) by active requests."""
+    budgets: Budgets = field(default_factory=Budgets)
+    """Process-wide caps (each tenant's own caps, if it has any, apply as well)."""
     max_model_len: int = 4096
     """Prompt + max_tokens may not exceed this."""
     tenants: tuple[TenantConfig, ...] = ()
+    """Every tenant, its keys, weight and caps."""
     allow_anonymous: bool = False
     """Accept calls without an API key as tenant `anonymous_tenant`."""
     anonymous_tenant: str = "anonymous"
+    """Tenant of calls without an API key when `allow_anonymous`."""
     idempotency_ttl_s: float = 600.0
     """How long an idempotency key keeps pointing at its request."""
     min_retry_after_s: float = 0.05
+    """Shortest retry delay an over-budget refusal advises."""
     max_retry_after_s: float = 30.0
+    """Longest retry delay an over-budget refusal advises."""
     drain_rate_halflife_s: float = 5.0
     """Smoothing of the observed release rate used for retry delays."""
 
@@ -193,14 +180,16 @@ class AdmissionCore:
         return reservation
 
     def _caps(self, tenant: str | None) -> tuple[int | None, ...]:
+        """The caps in _BUDGETS order: the process's (tenant None) or the tenant's own (None: uncapped)."""
         if tenant is None:
-            c = self.config
-            return (c.max_active_requests, c.max_queued_requests, c.max_pending_input_tokens,
-                    c.max_reserved_output_tokens)
-        t = self._tenants.get(tenant)
-        if t is None:
+            budgets: Budgets | None = self.config.budgets
+        else:
+            t = self._tenants.get(tenant)
+            budgets = t.budgets if t is not None else None
+        if budgets is None:
             return (None, None, None, None)
-        return (t.max_active_requests, None, t.max_pending_input_tokens, t.max_reserved_output_tokens)
+        return (budgets.max_active_requests, budgets.max_queue_length, budgets.max_pending_input_tokens,
+                budgets.max_reserved_output_tokens)
 
     def _check_fits_ever(self, r: Reservation) -> None:
         for scope in (None, r.tenant):

@@ -13,40 +13,34 @@ from router_svc.server import RouterRuntime, start_router_server
 from sluice import serve
 from sluice.prom import RouterMetrics
 
+_CORE = RouterConfig()
+"""The core's defaults, which the flags share."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class RouterOptions(serve.BusOptions):
-    """The router's flags."""
+    """The router's flags; the core's settings default to RouterConfig's (written there once)."""
 
+    port: int = 50052
+    """gRPC port; 0 picks a free one."""
     router_id: str = "router"
     """Stable id naming this router's consumer groups, so that a restart resumes them."""
-    policy: str = "score"
-    """Routing policy name (RoutingPolicy)."""
-    heartbeat_timeout: float = 10.0
+    policy: str = _CORE.policy.value
+    """Routing policy: score, round_robin, random, least_loaded or prefix_only (RoutingPolicy)."""
+    heartbeat_timeout: float = _CORE.heartbeat_timeout_s
     """Seconds of replica silence before it is GONE."""
-    prediction_ttl: float = 2.0
+    prediction_ttl: float = _CORE.prediction_ttl_s
     """Seconds a routing decision counts as cached."""
-    seed: int = 0
+    seed: int = _CORE.seed
     """Tie-break seed."""
-    prefill_weight: float = 1.0
-    """SCORE: weight of a request's own uncached prefill when comparing replicas (>1 values cache hits more)."""
+    prefill_weight: float = _CORE.prefill_weight
+    """Score policy: weight of a request's own uncached prefill when comparing replicas (>1 values cache hits
+    more; the simulator's Mooncake comparison in docs/simulator.md found 4 better for long shared prompts)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Return the command-line parser of the router."""
-    p = argparse.ArgumentParser(prog="python -m router_svc", description=__doc__)
-    serve.add_common_flags(p, default_port=50052)
-    serve.add_redis_flags(p)
-    p.add_argument("--router-id", default="router",
-                   help="stable id: names this router's consumer groups, so a restart resumes them")
-    p.add_argument("--policy", default="score", help=f"one of: {', '.join(x.value for x in RoutingPolicy)}")
-    p.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds of silence before GONE")
-    p.add_argument("--prediction-ttl", type=float, default=2.0, help="seconds a routing decision counts as cached")
-    p.add_argument("--seed", type=int, default=0, help="tie-break seed")
-    p.add_argument("--prefill-weight", type=float, default=1.0,
-                   help="score policy: weight of the request's own uncached prefill (default 1; the simulator's "
-                        "Mooncake comparison in docs/simulator.md found 4 better for long shared prompts)")
-    return p
+    """Return the command-line parser of the router (one flag per RouterOptions field)."""
+    return serve.options_parser(RouterOptions, prog="python -m router_svc", description=__doc__)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> RouterOptions:

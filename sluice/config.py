@@ -21,6 +21,9 @@ max_active_requests = 32       # any budget field may be overridden per tenant
 api_keys = ["sk-beta-1"]
 ```
 
+Every key of every table is checked: an unknown key (a typo) or a value of the wrong type is a
+ConfigError naming it, never silently ignored.
+
 With no file, one tenant "default" with the key `DEFAULT_API_KEY` exists, so a fresh
 `sluice up` works out of the box. `SLUICE_API_KEYS="key1=tenantA,key2=tenantB"` adds keys.
 """
@@ -59,7 +62,7 @@ class Budgets:
 
 @dataclass(frozen=True)
 class TenantConfig:
-    """One tenant: its keys, its fair-share weight and its own caps."""
+    """One tenant: its keys, its fair-share weight and its own caps (the one tenant type of every component)."""
 
     name: str
     """Tenant name (appears in traces, metrics and completions)."""
@@ -67,8 +70,8 @@ class TenantConfig:
     """Keys that authenticate as this tenant (`authorization: Bearer <key>`)."""
     weight: float = 1.0
     """Fair-share weight (a tenant of weight 2 gets twice the service under contention)."""
-    budgets: Budgets = field(default_factory=Budgets)
-    """This tenant's caps (the process-wide caps apply as well)."""
+    budgets: Budgets | None = None
+    """This tenant's caps (the process-wide caps apply as well); None: only the process-wide caps."""
 
 
 @dataclass(frozen=True)
@@ -91,44 +94,58 @@ class ServiceConfig:
         return next((t for t in self.tenants if t.name == name), None)
 
 
+_BUDGET_KEYS = frozenset(f.name for f in fields(Budgets))
+_TENANT_KEYS = frozenset({"api_keys", "weight"}) | _BUDGET_KEYS
+_TOP_KEYS = frozenset({"budgets", "tenants", "default_model"})
+
+
+def _table(raw: object, where: str, known: frozenset[str] | None = None) -> Mapping[str, Any]:
+    """Return `raw` checked to be a table whose keys are all in `known` (None: any key); raises ConfigError."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where or 'the configuration'} must be a table, got {type(raw).__name__} {raw!r}")
+    for key in raw:
+        if known is not None and key not in known:
+            raise ConfigError(f"unknown key {_dotted(where, key)!r}; known: {', '.join(sorted(known))}")
+    return raw
+
+
+def _dotted(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else str(key)
+
+
 def _budgets(raw: Mapping[str, Any], base: Budgets, where: str) -> Budgets:
-    known = {f.name for f in fields(Budgets)}
     values: dict[str, int] = {}
     for key, value in raw.items():
-        if key not in known:
-            continue
+        if key not in _BUDGET_KEYS:
+            continue  # the caller checked the keys of its table
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{where}.{key} must be a positive integer, got {value!r}")
         values[key] = value
     return replace(base, **values)
 
 
-def _tenant(name: str, raw: Mapping[str, Any], base: Budgets) -> TenantConfig:
-    keys = raw.get("api_keys", [])
+def _tenant(name: str, raw: object, base: Budgets) -> TenantConfig:
+    where = f"tenants.{name}"
+    table = _table(raw, where, _TENANT_KEYS)
+    keys = table.get("api_keys", [])
     if not isinstance(keys, list) or not all(isinstance(k, str) and k for k in keys):
-        raise ConfigError(f"tenants.{name}.api_keys must be a list of non-empty strings")
-    weight = raw.get("weight", 1.0)
-    if not isinstance(weight, int | float) or isinstance(weight, bool) or weight <= 0:
-        raise ConfigError(f"tenants.{name}.weight must be a positive number, got {weight!r}")
-    unknown = set(raw) - {"api_keys", "weight"} - {f.name for f in fields(Budgets)}
-    if unknown:
-        raise ConfigError(f"tenants.{name}: unknown fields {sorted(unknown)}")
-    return TenantConfig(name, tuple(keys), float(weight), _budgets(raw, base, f"tenants.{name}"))
+        raise ConfigError(f"{where}.api_keys must be a list of non-empty strings, got {keys!r}")
+    weight = table.get("weight", 1.0)
+    if not isinstance(weight, int | float) or isinstance(weight, bool) or not 0 < weight < float("inf"):
+        raise ConfigError(f"{where}.weight must be a positive number, got {weight!r}")
+    budgets = _budgets(table, base, where) if _BUDGET_KEYS & set(table) else None
+    return TenantConfig(name, tuple(keys), float(weight), budgets)
 
 
 def parse_config(raw: Mapping[str, Any]) -> ServiceConfig:
-    """Return the ServiceConfig for a parsed file; raises ConfigError naming the bad field."""
-    unknown = set(raw) - {"budgets", "tenants", "default_model"}
-    if unknown:
-        raise ConfigError(f"unknown top-level fields {sorted(unknown)}")
-    budgets = _budgets(raw.get("budgets", {}), Budgets(), "budgets")
-    tenants_raw = raw.get("tenants", {})
-    if not isinstance(tenants_raw, Mapping):
-        raise ConfigError("tenants must be a table of tenant name -> settings")
+    """Return the ServiceConfig for a parsed file; raises ConfigError naming the bad or unknown key."""
+    _table(raw, "", _TOP_KEYS)
+    budgets = _budgets(_table(raw.get("budgets", {}), "budgets", _BUDGET_KEYS), Budgets(), "budgets")
+    tenants_raw = _table(raw.get("tenants", {}), "tenants")
     tenants = tuple(_tenant(name, spec, budgets) for name, spec in tenants_raw.items())
     default_model = raw.get("default_model", "tiny")
     if not isinstance(default_model, str) or not default_model:
-        raise ConfigError("default_model must be a non-empty string")
+        raise ConfigError(f"default_model must be a non-empty string, got {default_model!r}")
     config = ServiceConfig(tenants, budgets, default_model)
     _check_unique_keys(config)
     return config
@@ -150,7 +167,7 @@ def _with_env_keys(config: ServiceConfig, spec: str) -> ServiceConfig:
         key, sep, name = pair.partition("=")
         if not sep or not key or not name:
             raise ConfigError(f"SLUICE_API_KEYS entry {pair!r} is not of the form key=tenant")
-        current = tenants.get(name, TenantConfig(name, budgets=config.budgets))
+        current = tenants.get(name, TenantConfig(name))
         tenants[name] = replace(current, api_keys=(*current.api_keys, key))
     result = replace(config, tenants=tuple(tenants.values()))
     _check_unique_keys(result)

@@ -2,8 +2,9 @@
 
 Every `python -m <service>` is the same life, told once here:
 
-1. Flags become the service's frozen options (`load_options`), once; the common flags (`--host`,
-   `--port`, `--metrics-port`, `--log-level`) come from `add_common_flags`.
+1. Flags become the service's frozen options (`load_options`), once. The flags are generated from the
+   options dataclass (`options_parser`, sluice.options): every service's options extend ServiceOptions
+   (`--host`, `--port`, `--metrics-port`, `--log-level`), those on the bus BusOptions.
 2. `run_service` configures logging and tracing and calls the service's `start(ctx)` coroutine, which
    builds and starts the server and returns a `Started`. Resources that must be closed on the way out
    go on `ctx.cleanup` (an AsyncExitStack), so a start that fails half-way still closes what it opened.
@@ -22,22 +23,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import gc
 import logging
-import os
 import signal
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
+
+from sluice.options import options_parser, parse_options
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from sluice.bus import Bus
 
-__all__ = ["BusOptions", "ServiceContext", "ServiceOptions", "Started", "StartupError", "add_common_flags",
-           "add_redis_flags", "configure_logging", "load_options", "open_bus", "run_service"]
+__all__ = ["BusOptions", "ServiceContext", "ServiceOptions", "Started", "StartupError", "configure_logging",
+           "load_options", "open_bus", "options_parser", "run_service"]
 
 log = logging.getLogger("sluice.serve")
 OptionsT = TypeVar("OptionsT", bound="ServiceOptions")
@@ -64,42 +65,19 @@ class ServiceOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class BusOptions(ServiceOptions):
-    """Flags of a service on the Redis bus (the flags of `add_redis_flags`)."""
+    """Flags of a service on the Redis bus."""
 
-    redis_url: str = ""
+    redis_url: str = field(default="", metadata={"env": "SLUICE_REDIS_URL"})
     """Redis URL; empty: none given (open_bus refuses it)."""
     namespace: str = "default"
     """Bus namespace (keys sluice:{namespace}:...)."""
 
 
-def add_common_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
-    """Add the flags of ServiceOptions (`--host`, `--port`, `--metrics-port`, `--log-level`) to `parser`."""
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=default_port, help="gRPC port (0 picks a free one)")
-    parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (default: none)")
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
-
-
-def add_redis_flags(parser: argparse.ArgumentParser, default_url: str = "",
-                    namespace_env: str | None = None) -> None:
-    """Add `--redis-url` (default: $SLUICE_REDIS_URL, else `default_url`) and `--namespace` to `parser`."""
-    parser.add_argument("--redis-url", default=os.environ.get("SLUICE_REDIS_URL", default_url),
-                        help=f"Redis URL (default: $SLUICE_REDIS_URL{', else ' + default_url if default_url else ''})")
-    namespace = os.environ.get(namespace_env, "default") if namespace_env else "default"
-    parser.add_argument("--namespace", default=namespace,
-                        help="bus namespace (keys sluice:{namespace}:...)"
-                             + (f"; default ${namespace_env} or 'default'" if namespace_env else ""))
-
-
 def load_options(cls: type[OptionsT], parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> OptionsT:
-    """Return the frozen options parsed from `argv` (None: sys.argv); argparse exits 2 with usage on bad flags."""
-    parsed = vars(parser.parse_args(None if argv is None else list(argv)))
-    names = {f.name for f in dataclasses.fields(cls)}
-    if set(parsed) != names:
-        # A flag without a field (or the reverse) is a bug in the service, not in the command line.
-        raise TypeError(f"{cls.__name__} and its parser disagree: flags only {sorted(set(parsed) - names)}, "
-                        f"fields only {sorted(names - set(parsed))}")
-    return cls(**parsed)
+    """Return the frozen options parsed from `argv` (None: sys.argv); argparse exits 2 with usage on bad flags.
+
+    Raises TypeError when the parser has a flag the options lack, or the reverse (a bug in the service)."""
+    return parse_options(cls, parser, argv)
 
 
 @dataclass

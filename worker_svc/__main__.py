@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sluice import serve
 from sluice.prom import WorkerMetrics
@@ -17,36 +17,27 @@ from worker_svc.server import WorkerRuntime, start_worker_server
 class WorkerOptions(serve.ServiceOptions):
     """The worker's flags."""
 
-    backend: str = "torch"
-    """"torch" (the engine) or "costmodel" (modelled GPU time)."""
+    port: int = 50061
+    """gRPC port; 0 picks a free one."""
+    backend: str = field(default="torch", metadata={"choices": ("torch", "costmodel")})
+    """The torch engine, or the cost model (modelled GPU time, no weights)."""
     model: str = "tiny"
-    """torch: a preset name or a model directory; costmodel: a model shape."""
+    """torch: a preset name or a model directory; costmodel: a model shape (llama-3-8b, tiny...)."""
     device: str = "auto"
     """torch device: auto, cpu, cuda, cuda:N."""
     num_blocks: int | None = None
     """KV blocks to offer; None: the backend's capacity."""
     gpu: str = "h200"
-    """costmodel: GPU profile."""
+    """costmodel: GPU profile (h100, h200)."""
     emulate_time: bool = False
-    """costmodel: make each round take its modelled time."""
+    """costmodel: make each round take its modelled time (GPU-like load tests on a CPU)."""
     eos_after: int | None = None
     """costmodel: output token N is EOS."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Return the command-line parser of the worker."""
-    p = argparse.ArgumentParser(prog="python -m worker_svc", description=__doc__)
-    serve.add_common_flags(p, default_port=50061)
-    p.add_argument("--backend", choices=("torch", "costmodel"), default="torch")
-    p.add_argument("--model", default="tiny",
-                   help="torch: a preset name or a model directory; costmodel: a model shape (llama-3-8b, tiny...)")
-    p.add_argument("--device", default="auto", help="torch device: auto, cpu, cuda, cuda:N")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks to offer (default: backend capacity)")
-    p.add_argument("--gpu", default="h200", help="costmodel: GPU profile (h100, h200)")
-    p.add_argument("--emulate-time", action="store_true",
-                   help="costmodel: make each round take its modelled time (GPU-like load tests on a CPU)")
-    p.add_argument("--eos-after", type=int, default=None, help="costmodel: output token N is EOS")
-    return p
+    """Return the command-line parser of the worker (one flag per WorkerOptions field)."""
+    return serve.options_parser(WorkerOptions, prog="python -m worker_svc", description=__doc__)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> WorkerOptions:

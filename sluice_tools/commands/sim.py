@@ -17,9 +17,16 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from router_svc.core import RoutingPolicy
+from router_svc.core import RouterConfig, RoutingPolicy
 from scheduler_svc.core.config import Policy, PreemptionMode
-from sluice_tools.sim.config import SimConfig, parse_enum, vllm_default
+from sluice_tools.sim.config import (
+    SCHEDULER,
+    SimConfig,
+    parse_enum,
+    vllm_default,
+    with_budgets,
+    with_tenant_weights,
+)
 from worker_svc.costmodel import load_coefficients
 
 
@@ -77,14 +84,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def base_config(args: argparse.Namespace, tenant_weights: dict[str, float]) -> SimConfig:
     """Return the SimConfig the flags describe; raises ValueError for unknown names."""
+    scheduler = replace(SCHEDULER, policy=parse_enum(Policy, args.policy),
+                        preemption_mode=parse_enum(PreemptionMode, args.preemption))
     config = SimConfig(
         replicas=args.replicas,
         gpu=args.gpu,
         model=args.model,
         cost_coefficients=load_coefficients(args.cost_coefficients) if args.cost_coefficients else None,
-        policy=parse_enum(Policy, args.policy),  # type: ignore[arg-type]
-        router=parse_enum(RoutingPolicy, args.router),  # type: ignore[arg-type]
-        preemption=parse_enum(PreemptionMode, args.preemption),  # type: ignore[arg-type]
+        scheduler=scheduler,
+        router=RouterConfig(policy=parse_enum(RoutingPolicy, args.router)),
         max_model_len=args.max_model_len,
         max_retries=args.retries,
         heartbeat_interval_s=args.heartbeat_ms / 1000.0,
@@ -92,18 +100,15 @@ def base_config(args: argparse.Namespace, tenant_weights: dict[str, float]) -> S
         slo_ttft_s=args.slo_ttft_ms / 1000.0,
         slo_tpot_s=args.slo_tpot_ms / 1000.0,
         seed=args.seed,
-        tenant_weights=tuple(sorted(tenant_weights.items())),
     )
+    config = with_tenant_weights(config, tenant_weights)
     if args.budgets == "vllm-default":
         config = vllm_default(config)
-    overrides = {
-        "max_num_batched_tokens": args.max_batched_tokens,
-        "max_num_seqs": args.max_num_seqs,
-        "max_prefill_chunk": args.max_prefill_chunk,
-        "max_active_requests": args.max_active,
-        "max_queued_requests": args.max_queued,
-    }
-    return replace(config, **{k: v for k, v in overrides.items() if v is not None})
+    rounds = {"max_num_batched_tokens": args.max_batched_tokens, "max_num_seqs": args.max_num_seqs,
+              "max_prefill_chunk": args.max_prefill_chunk}
+    config = replace(config, scheduler=replace(config.scheduler, **{k: v for k, v in rounds.items() if v is not None}))
+    budgets = {"max_active_requests": args.max_active, "max_queue_length": args.max_queued}
+    return with_budgets(config, **{k: v for k, v in budgets.items() if v is not None})
 
 
 def parse_compare_item(item: str, base: SimConfig) -> SimConfig:
@@ -115,11 +120,11 @@ def parse_compare_item(item: str, base: SimConfig) -> SimConfig:
         elif word == "vllm-default":
             config = vllm_default(config)
         elif word in {p.value for p in Policy}:
-            config = replace(config, policy=Policy(word))
+            config = replace(config, scheduler=replace(config.scheduler, policy=Policy(word)))
         elif word in {p.value for p in RoutingPolicy}:
-            config = replace(config, router=RoutingPolicy(word))
+            config = replace(config, router=replace(config.router, policy=RoutingPolicy(word)))
         elif word in {p.value for p in PreemptionMode}:
-            config = replace(config, preemption=PreemptionMode(word))
+            config = replace(config, scheduler=replace(config.scheduler, preemption_mode=PreemptionMode(word)))
         else:
             known = [p.value for e in (Policy, RoutingPolicy, PreemptionMode) for p in e]  # type: ignore[attr-defined]
             raise ValueError(
@@ -130,9 +135,9 @@ def parse_compare_item(item: str, base: SimConfig) -> SimConfig:
 
 
 _SETTING_WORDS: dict[str, tuple[str, type]] = {
-    "max-queued": ("max_queued_requests", int),
+    "max-queued": ("max_queue_length", int),
     "max-active": ("max_active_requests", int),
-    "prefill-weight": ("route_prefill_weight", float),
+    "prefill-weight": ("prefill_weight", float),
 }
 
 
@@ -148,7 +153,9 @@ def _setting_word(item: str, word: str, config: SimConfig) -> SimConfig:
         number = 0
     if number <= 0:
         raise ValueError(f"--compare item {item!r}: {key} needs a positive {kind.__name__}, got {value!r}")
-    return replace(config, **{field: number})
+    if field == "prefill_weight":
+        return replace(config, router=replace(config.router, prefill_weight=number))
+    return with_budgets(config, **{field: number})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -240,4 +247,4 @@ def probe_of(summary: dict[str, Any], scale: float, rate_rps: float) -> Any:
 
 
 def _label(config: SimConfig) -> str:
-    return f"{config.policy.value}+{config.router.value}"
+    return f"{config.scheduler.policy.value}+{config.router.policy.value}"

@@ -76,7 +76,7 @@ class Simulator:
     def __init__(self, config: SimConfig, requests: Sequence[WorkloadRequest]) -> None:
         """Build the cores and the cost model; raises ValueError for unknown names or a bad config."""
         self.config = config
-        self.cost = CostModel(config.model, config.gpu, block_size=config.block_size,
+        self.cost = CostModel(config.model, config.gpu, block_size=config.scheduler.block_size,
                               coefficients=config.cost_coefficients)
         info = self.cost.info()
         self.vocab_size = info.vocab_size
@@ -112,7 +112,7 @@ class Simulator:
         self._next_arrival = 0
         self._token_times: dict[str, array] = {}
         self._placement: dict[str, _Replica] = {}
-        self._hash_prompts = config.router in (RoutingPolicy.SCORE, RoutingPolicy.PREFIX_ONLY)
+        self._hash_prompts = config.router.policy in (RoutingPolicy.SCORE, RoutingPolicy.PREFIX_ONLY)
         self._salt = salt_of(config.model)
         self.rounds = 0
         self.dropped_results = 0
@@ -128,13 +128,13 @@ class Simulator:
         heapq.heappush(self._heap, (max(when, self.now), self._seq, kind, payload))
 
     def _replica_spec(self, replica: _Replica) -> ReplicaSpec:
-        cfg, cost = self.config, self.cost
+        cfg, cost = self.config.scheduler, self.cost
         chunk = min(cfg.max_num_batched_tokens, 2048)
         prefill_s = cost.shape_time(RoundShape(chunk, chunk * (chunk + 1) // 2, chunk, chunk, 1))
         decode_s = cost.shape_time(RoundShape(32, 32 * 1000, 32 * 1000, 32, 32))
         return ReplicaSpec(
             replica_id=replica.replica_id,
-            model=cfg.model,
+            model=self.config.model,
             block_size=cfg.block_size,
             num_blocks=self.num_blocks,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -229,7 +229,7 @@ class Simulator:
             self._reject(request, record, f"over budget {error.budget}", error.retry_after_s)
             return
         prompt = request.prompt_token_ids(self.vocab_size)
-        hashes = tuple(hash_chain(prompt, self.config.block_size, self._salt)) if self._hash_prompts else ()
+        hashes = tuple(hash_chain(prompt, self.config.scheduler.block_size, self._salt)) if self._hash_prompts else ()
         query = RouteQuery(rid, self.config.model, "", hashes, request.input_length, request.output_length)
         try:
             decision = self.router.route(query, now)
@@ -255,6 +255,7 @@ class Simulator:
             arrival_time=now,
             deadline=deadline,
             eos_token_id=None,
+            tenant_weight=self.admission.tenant_weight(request.tenant),  # as admission_svc sends it
         )
         try:
             replica.core.submit(new, now)

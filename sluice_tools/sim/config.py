@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
-from admission_svc.core import AdmissionConfig, TenantConfig
-from router_svc.core import RouterConfig, RoutingPolicy
-from scheduler_svc.core.config import Policy, PreemptionMode, SchedulerConfig
+from admission_svc.core import AdmissionConfig
+from router_svc.core import RouterConfig
+from scheduler_svc.core.config import PreemptionMode, SchedulerConfig
+from sluice.config import Budgets, TenantConfig
 from worker_svc.costmodel import CostCoefficients
+
+E = TypeVar("E", bound=enum.Enum)
 
 # vLLM V1 defaults for GPUs with >= 70 GiB that are not A100 (H100, H200), OpenAI server context:
 # max_num_batched_tokens 8192, max_num_seqs 1024, chunked prefill and prefix caching on, no
@@ -16,16 +22,21 @@ from worker_svc.costmodel import CostCoefficients
 VLLM_DEFAULT_BATCHED_TOKENS = 8192
 VLLM_DEFAULT_MAX_SEQS = 1024
 
-# Sluice's own round budgets are the scheduler's defaults (one definition).
-_SCHEDULER_DEFAULTS = SchedulerConfig(num_blocks=1)
-
 # Per-model context limits used by the simulator (Llama 3: max_position_embeddings 8192).
 DEFAULT_MAX_MODEL_LEN = {"llama-3-8b": 8192, "llama-3-70b": 8192}
+
+SCHEDULER = SchedulerConfig(num_blocks=0)
+"""The replicas' scheduler: the core's own defaults (num_blocks, num_host_blocks, model_id and max_model_len are
+filled in per run from the cost model). Tenant weights reach it as in production: on each request, from admission."""
+ADMISSION = AdmissionConfig(budgets=Budgets(max_active_requests=100_000, max_queue_length=100_000,
+                                            max_pending_input_tokens=1_000_000_000,
+                                            max_reserved_output_tokens=1_000_000_000))
+"""The front door: practically unbounded, so a simulation measures the replicas unless budgets are given."""
 
 
 @dataclass(frozen=True)
 class SimConfig:
-    """A deployment to simulate: replicas, their scheduler, the router, admission and the clock."""
+    """A deployment to simulate: the cores' own configurations, plus the replicas, the clock and the clients."""
 
     replicas: int = 8
     """Number of replicas (each one SchedulerCore + one cost model)."""
@@ -35,33 +46,16 @@ class SimConfig:
     """Model shape name (Llama 3 or a repo preset)."""
     cost_coefficients: CostCoefficients | None = None
     """Fitted cost-model coefficients (`python -m worker_svc.calibrate --json`); None: datasheet defaults."""
-    policy: Policy = Policy.FCFS
-    """Scheduler queue order."""
-    preemption: PreemptionMode = PreemptionMode.RECOMPUTE
-    router: RoutingPolicy = RoutingPolicy.SCORE
-    max_num_batched_tokens: int = _SCHEDULER_DEFAULTS.max_num_batched_tokens
-    """Query tokens per round."""
-    max_num_seqs: int = _SCHEDULER_DEFAULTS.max_num_seqs
-    max_prefill_chunk: int = _SCHEDULER_DEFAULTS.max_prefill_chunk
-    """Per-request prefill chunk cap (the vLLM default has none beyond the round budget)."""
-    max_kv_read_tokens: int | None = None
-    max_waiting: int = 4096
-    """Bounded waiting queue per replica."""
+    scheduler: SchedulerConfig = SCHEDULER
+    """Every replica's scheduler core (round budgets, queue policy, preemption, block size)."""
+    router: RouterConfig = field(default_factory=RouterConfig)
+    """The router core (policy, prediction TTL, prefill weight); its seed is the simulation's `seed`."""
+    admission: AdmissionConfig = ADMISSION
+    """The admission core (budgets; tenants and their fair-share weights)."""
     max_model_len: int | None = None
     """Prompt + max_tokens limit; None picks DEFAULT_MAX_MODEL_LEN or the model's own."""
     num_blocks: int | None = None
     """Override the KV blocks the cost model derives from GPU memory (scenarios use tiny pools)."""
-    block_size: int = 16
-    aging_rate: float = 1.0
-    """Priority points per second of waiting (priority policy)."""
-    tenant_weights: tuple[tuple[str, float], ...] = ()
-    """Share weight per tenant (fair policy, fairness report)."""
-    max_active_requests: int = 100_000
-    """Admission: accepted and not yet terminal (all replicas together)."""
-    max_queued_requests: int = 100_000
-    """Admission: accepted without a first token yet."""
-    max_pending_input_tokens: int = 1_000_000_000
-    max_reserved_output_tokens: int = 1_000_000_000
     max_retries: int = 0
     """Client retries after an over-budget or no-replica refusal (after the advised delay)."""
     heartbeat_interval_s: float = 0.05
@@ -71,68 +65,59 @@ class SimConfig:
     warmup_s: float = 0.0
     """Replica warm-up: registered WARMING at t=0, READY (mark_ready) at warmup_s."""
     slo_ttft_s: float = 1.0
+    """Time-to-first-token objective of the report."""
     slo_tpot_s: float = 0.05
+    """Time-per-output-token objective of the report."""
     seed: int = 0
-    prediction_ttl_s: float = 2.0
-    """How long the router trusts its own routing decisions as cached prefixes."""
-    route_prefill_weight: float = 1.0
-    """The score router's weight of a request's own uncached prefill (RouterConfig.prefill_weight)."""
+    """Seed of the router's tie-breaks (and of nothing else: the workload has its own)."""
+
+    @property
+    def tenant_weights(self) -> tuple[tuple[str, float], ...]:
+        """(tenant, weight) of every configured tenant (admission's tenants, the one source)."""
+        return tuple((t.name, t.weight) for t in self.admission.tenants)
 
     def scheduler_config(self, num_blocks: int, num_host_blocks: int, max_model_len: int) -> SchedulerConfig:
         """Return one replica's scheduler configuration for the given capacity."""
-        return SchedulerConfig(
-            num_blocks=num_blocks,
-            block_size=self.block_size,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs,
-            max_prefill_chunk=self.max_prefill_chunk,
-            max_kv_read_tokens=self.max_kv_read_tokens,
-            max_waiting=self.max_waiting,
-            policy=self.policy,
-            aging_rate=self.aging_rate,
-            tenant_weights=self.tenant_weights,
-            preemption_mode=self.preemption,
-            num_host_blocks=num_host_blocks if self.preemption is PreemptionMode.SWAP else 0,
-            model_id=self.model,
-            max_model_len=max_model_len,
-        )
+        swap = self.scheduler.preemption_mode is PreemptionMode.SWAP
+        return replace(self.scheduler, num_blocks=num_blocks, num_host_blocks=num_host_blocks if swap else 0,
+                       model_id=self.model, max_model_len=max_model_len)
 
     def admission_config(self, max_model_len: int) -> AdmissionConfig:
-        """Return the front door's budgets."""
-        return AdmissionConfig(
-            max_active_requests=self.max_active_requests,
-            max_queued_requests=self.max_queued_requests,
-            max_pending_input_tokens=self.max_pending_input_tokens,
-            max_reserved_output_tokens=self.max_reserved_output_tokens,
-            max_model_len=max_model_len,
-            tenants=tuple(TenantConfig(name, weight=weight) for name, weight in self.tenant_weights),
-        )
+        """Return the front door's configuration for the model length."""
+        return replace(self.admission, max_model_len=max_model_len)
 
     def router_config(self) -> RouterConfig:
         """Return the router's configuration (seeded from the simulation seed)."""
-        return RouterConfig(
-            policy=self.router,
-            seed=self.seed,
-            prediction_ttl_s=self.prediction_ttl_s,
-            prefill_weight=self.route_prefill_weight,
-        )
+        return replace(self.router, seed=self.seed)
+
+
+def with_tenant_weights(config: SimConfig, weights: Mapping[str, float]) -> SimConfig:
+    """Return `config` whose admission knows the tenants of `weights` with those fair-share weights."""
+    tenants = tuple(TenantConfig(name, weight=weight) for name, weight in sorted(weights.items()))
+    return replace(config, admission=replace(config.admission, tenants=tenants))
+
+
+def with_budgets(config: SimConfig, **budgets: int) -> SimConfig:
+    """Return `config` with admission's process-wide budgets changed (Budgets field names)."""
+    admission = config.admission
+    return replace(config, admission=replace(admission, budgets=replace(admission.budgets, **budgets)))
 
 
 def vllm_default(config: SimConfig) -> SimConfig:
     """Return `config` with vLLM V1's default round budgets on H100/H200 (an honest baseline)."""
-    return replace(
-        config,
+    return replace(config, scheduler=replace(
+        config.scheduler,
         max_num_batched_tokens=VLLM_DEFAULT_BATCHED_TOKENS,
         max_num_seqs=VLLM_DEFAULT_MAX_SEQS,
         max_prefill_chunk=VLLM_DEFAULT_BATCHED_TOKENS,
         max_kv_read_tokens=None,
-    )
+    ))
 
 
-def parse_enum(kind: type, name: str) -> object:
+def parse_enum(kind: type[E], name: str) -> E:
     """Return the member of an Enum with value `name`; raises ValueError listing the known values."""
     try:
         return kind(name)
     except ValueError:
-        known = ", ".join(member.value for member in kind)  # type: ignore[attr-defined]
+        known = ", ".join(str(member.value) for member in kind)
         raise ValueError(f"unknown {kind.__name__} {name!r}; known: {known}") from None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from router_svc.core import ReplicaLoad, ReplicaSpec, RouteQuery, RouterConfig, RouterCore, RoutingPolicy
@@ -30,7 +30,7 @@ from sluice.types import (
     SamplingParams,
 )
 from sluice_tools.metrics import summarize
-from sluice_tools.sim.config import SimConfig
+from sluice_tools.sim.config import SCHEDULER, SimConfig, with_budgets
 from sluice_tools.sim.run import simulate
 from sluice_tools.workload import WorkloadRequest, load_workload
 from worker_svc.costmodel import CostModel
@@ -305,14 +305,8 @@ def seed_late_callback() -> list[Check]:
 
 def seed_overload() -> list[Check]:
     """Arrivals above capacity: bounded queue, explicit rejections, and admitted requests keep their SLO."""
-    config = SimConfig(
-        replicas=1,
-        max_active_requests=96,
-        max_queued_requests=16,
-        slo_ttft_s=1.0,
-        slo_tpot_s=0.05,
-        sample_interval_s=0.1,
-    )
+    config = with_budgets(SimConfig(replicas=1, slo_ttft_s=1.0, slo_tpot_s=0.05, sample_interval_s=0.1),
+                          max_active_requests=96, max_queue_length=16)
     spec = "synthetic:poisson?rate=150&n=1500&input=fixed:1024&output=fixed:128"
     requests = load_workload(spec, seed=7).requests
     result = simulate(config, requests)
@@ -346,7 +340,8 @@ def _starvation_run(aging_rate: float) -> tuple[float, int]:
         WorkloadRequest(f"h{i}", i * 0.04, 64, 20, priority=1) for i in range(500)
     ]  # 25/s, above capacity
     requests += [WorkloadRequest(f"n{i}", 1.0 + i, 64, 20) for i in range(3)]
-    config = SimConfig(replicas=1, policy=Policy.PRIORITY, aging_rate=aging_rate, max_num_seqs=1)
+    scheduler = replace(SCHEDULER, policy=Policy.PRIORITY, aging_rate=aging_rate, max_num_seqs=1)
+    config = SimConfig(replicas=1, scheduler=scheduler)
     records = simulate(config, requests).records
     normal = [r for r in records if r.priority == 0]
     high = [r for r in records if r.priority == 1]

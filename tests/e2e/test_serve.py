@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from sluice.redis_server import free_port
-from sluice.serve import ServiceOptions, add_common_flags, load_options
+from sluice.serve import ServiceOptions, load_options, options_parser
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,10 +57,9 @@ def test_options_and_parser_must_agree() -> None:
     @dataclass(frozen=True, kw_only=True)
     class Options(ServiceOptions):
         name: str = "x"
+        """A name."""
 
-    parser = argparse.ArgumentParser()
-    add_common_flags(parser, default_port=123)
-    parser.add_argument("--name", default="x")
+    parser = options_parser(Options)
     options = load_options(Options, parser, ["--name", "y", "--port", "0"])
     assert options == Options(name="y", port=0, host="127.0.0.1")
     with pytest.raises(Exception, match="frozen|cannot assign"):
@@ -80,6 +78,16 @@ def test_configuration_errors_exit_2_with_the_reason(flags: tuple[str, ...], mes
     proc = _service("router_svc", "--port", "0", *flags)
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2 and message in output, output
+
+
+def test_a_config_file_typo_exits_2_naming_the_key(tmp_path: Path) -> None:
+    """Admission started with a misspelt budget in its config file exits 2 with one line naming the key, no traceback."""
+    config = tmp_path / "sluice.toml"
+    config.write_text("[budgets]\nmax_activ_requests = 8\n")
+    proc = _service("admission_svc", "--port", "0", "--config", str(config), "--redis-url", "redis://127.0.0.1:1/0")
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "unknown key 'budgets.max_activ_requests'" in output, output
+    assert "Traceback" not in output, output
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/status")

@@ -10,15 +10,18 @@ from admission_svc.core import (
     DuplicateRequest,
     InvalidRequest,
     OverBudget,
-    TenantConfig,
     UnknownApiKey,
 )
+from sluice.config import Budgets, TenantConfig
 
 
-def make_admission(**overrides: object) -> AdmissionCore:
-    tenants = (TenantConfig("alice", api_keys=("k-alice",), max_active_requests=2), TenantConfig("bob", ("k-bob",)))
-    config = {"max_active_requests": 4, "max_queued_requests": 3, "max_pending_input_tokens": 1000,
-              "max_reserved_output_tokens": 1000, "max_model_len": 512, "tenants": tenants}
+def make_admission(max_active_requests: int = 4, max_queue_length: int = 3, **overrides: object) -> AdmissionCore:
+    budgets = Budgets(max_active_requests=max_active_requests, max_queue_length=max_queue_length,
+                      max_pending_input_tokens=1000, max_reserved_output_tokens=1000)
+    alice = Budgets(max_active_requests=2, max_queue_length=10**6, max_pending_input_tokens=10**6,
+                    max_reserved_output_tokens=10**6)
+    tenants = (TenantConfig("alice", api_keys=("k-alice",), budgets=alice), TenantConfig("bob", ("k-bob",)))
+    config: dict[str, object] = {"budgets": budgets, "max_model_len": 512, "tenants": tenants}
     config.update(overrides)
     return AdmissionCore(AdmissionConfig(**config))  # type: ignore[arg-type]
 
@@ -84,6 +87,19 @@ def test_queue_and_token_budgets_are_global_and_started_requests_leave_the_queue
     assert (stats.queued, stats.pending_input_tokens) == (3, 610)
 
 
+def test_a_tenants_own_queue_length_is_enforced() -> None:
+    """A tenant's max_queue_length (from the config file's tenant table) bounds its requests without a first token."""
+    small = Budgets(max_active_requests=10, max_queue_length=1, max_pending_input_tokens=1000,
+                    max_reserved_output_tokens=1000)
+    core = make_admission(max_queue_length=10, tenants=(TenantConfig("carol", ("k-carol",), budgets=small),))
+    core.admit("c1", "carol", 10, 10, now=0.0)
+    with pytest.raises(OverBudget) as info:
+        core.admit("c2", "carol", 10, 10, now=0.0)
+    assert info.value.budget == "tenant.queued"
+    core.mark_started("c1", now=0.1)
+    core.admit("c2", "carol", 10, 10, now=0.2)
+
+
 def test_a_request_that_could_never_fit_is_invalid_not_retryable() -> None:
     """Input beyond the whole pending-token budget is InvalidRequest (retrying would never help)."""
     with pytest.raises(InvalidRequest, match="could never be admitted"):
@@ -92,7 +108,7 @@ def test_a_request_that_could_never_fit_is_invalid_not_retryable() -> None:
 
 def test_retry_delay_follows_the_observed_drain_rate() -> None:
     """With 10 releases in the last 10 s (1/s), one excess request is told to wait about 1 s; faster drain, shorter wait."""
-    core = make_admission(max_active_requests=1, max_queued_requests=100)
+    core = make_admission(max_active_requests=1, max_queue_length=100)
     for i in range(10):
         core.admit(f"r{i}", "bob", 1, 1, now=float(i))
         core.release(f"r{i}", now=float(i) + 0.5)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -41,4 +42,32 @@ def test_malformed_config_names_the_field(tmp_path: Path, text: str, field: str)
     path = tmp_path / "bad.toml"
     path.write_text(text)
     with pytest.raises(ConfigError, match=field):
+        load_config(path, env={})
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[budgets]\nmax_activ_requests = 8\n', "unknown key 'budgets.max_activ_requests'"),
+    ('[tenants.a]\napi_keys = ["k"]\nwieght = 2\n', "unknown key 'tenants.a.wieght'"),
+    ('budgets = 3\n', "budgets must be a table, got int 3"),
+    ('tenants = ["a"]\n', "tenants must be a table"),
+    ('[tenants]\na = 1\n', "tenants.a must be a table"),
+    ('[tenants.a]\napi_keys = "k"\n', "tenants.a.api_keys must be a list"),
+])
+def test_unknown_or_mistyped_keys_are_refused_by_name(tmp_path: Path, text: str, message: str) -> None:
+    """A misspelt key in any table, or a key of the wrong type, raises a one-line ConfigError naming it."""
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(message)) as raised:
+        load_config(path, env={})
+    assert "\n" not in str(raised.value)
+
+
+def test_json_config_of_the_wrong_shape_is_refused_by_name(tmp_path: Path) -> None:
+    """A JSON file whose `budgets` is a number (or which is not an object) gets a ConfigError, not a traceback."""
+    path = tmp_path / "bad.json"
+    path.write_text('{"budgets": 3}')
+    with pytest.raises(ConfigError, match="budgets must be a table"):
+        load_config(path, env={})
+    path.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="the configuration must be a table"):
         load_config(path, env={})

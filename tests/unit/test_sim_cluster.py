@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import astuple
+from dataclasses import astuple, replace
 from pathlib import Path
 
 import pytest
@@ -11,13 +11,14 @@ import pytest
 import admission_svc.core
 import router_svc.core
 import scheduler_svc.core
-from router_svc.core import RoutingPolicy
+from router_svc.core import RouterConfig, RoutingPolicy
 from scheduler_svc.core.config import Policy
 from sluice_tools.cli import main
 from sluice_tools.commands.sim import parse_compare_item
 from sluice_tools.metrics import RequestRecord
 from sluice_tools.sim import SimConfig, Simulator, simulate
 from sluice_tools.sim import cluster as sim_cluster
+from sluice_tools.sim.config import SCHEDULER, with_tenant_weights
 from sluice_tools.workload import WorkloadRequest, load_workload
 
 SMALL = "synthetic:poisson?rate=40&n=120&input=lognormal:600:0.6:3000&output=lognormal:60:0.6:300"
@@ -57,10 +58,10 @@ def test_same_seed_same_run_and_other_seed_differs() -> None:
     """Two runs with one seed are identical to the token time; the random router with another seed is not."""
     requests = load_workload(SMALL, seed=2).requests
     for router in (RoutingPolicy.SCORE, RoutingPolicy.RANDOM):
-        first = simulate(SimConfig(replicas=3, router=router, seed=5), requests).records
-        second = simulate(SimConfig(replicas=3, router=router, seed=5), requests).records
+        first = simulate(SimConfig(replicas=3, router=RouterConfig(router), seed=5), requests).records
+        second = simulate(SimConfig(replicas=3, router=RouterConfig(router), seed=5), requests).records
         assert outcome(first) == outcome(second)
-    other = simulate(SimConfig(replicas=3, router=RoutingPolicy.RANDOM, seed=6), requests).records
+    other = simulate(SimConfig(replicas=3, router=RouterConfig(RoutingPolicy.RANDOM), seed=6), requests).records
     assert [r.replica for r in other] != [r.replica for r in first]
 
 
@@ -103,7 +104,7 @@ def test_kv_events_reach_the_router_and_prefixes_are_reused() -> None:
     stats = result.summary["replica_stats"]
     assert stats["prefix_hit_rate"] > 0.5  # type: ignore[index]
     assert stats["kv_snapshots"] == 0  # type: ignore[index]
-    rr = simulate(SimConfig(replicas=4, router=RoutingPolicy.ROUND_ROBIN), requests).summary["replica_stats"]
+    rr = simulate(SimConfig(replicas=4, router=RouterConfig(RoutingPolicy.ROUND_ROBIN)), requests).summary["replica_stats"]
     assert stats["prefix_hit_rate"] > rr["prefix_hit_rate"]  # type: ignore[index]
 
 
@@ -134,12 +135,11 @@ def test_fair_policy_follows_tenant_weights_under_backlog() -> None:
     """With equal demand and weights 3:1, the fair policy's windowed Jain index beats FCFS's."""
     spec = "synthetic:poisson?rate=60&n=600&tenants=a:1,b:1&tenant_weights=a:3,b:1&input=fixed:800&output=fixed:100"
     workload = load_workload(spec, seed=4)
-    weights = tuple(sorted(workload.tenant_weights.items()))
     jain = {}
     for policy in (Policy.FCFS, Policy.FAIR):
-        summary = simulate(
-            SimConfig(replicas=1, policy=policy, tenant_weights=weights), workload.requests
-        ).summary
+        config = with_tenant_weights(SimConfig(replicas=1, scheduler=replace(SCHEDULER, policy=policy)),
+                                     workload.tenant_weights)
+        summary = simulate(config, workload.requests).summary
         jain[policy] = summary["fairness"]["windowed_jain_index"]  # type: ignore[index]
     assert jain[Policy.FAIR] > jain[Policy.FCFS] + 0.02
 
@@ -148,10 +148,26 @@ def test_compare_admission_words_set_that_items_budget_only() -> None:
     """`max-queued=N` (or another setting word) in a --compare item changes that item only; a bad value is a clear error."""
     base = SimConfig()
     shed = parse_compare_item("fcfs+score+max-queued=32", base)
-    assert shed.max_queued_requests == 32 and base.max_queued_requests == 100_000
-    assert parse_compare_item("max-active=7", base).max_active_requests == 7
-    assert parse_compare_item("score+prefill-weight=2.5", base).route_prefill_weight == 2.5
+    assert shed.admission.budgets.max_queue_length == 32 and base.admission.budgets.max_queue_length == 100_000
+    assert parse_compare_item("max-active=7", base).admission.budgets.max_active_requests == 7
+    assert parse_compare_item("score+prefill-weight=2.5", base).router.prefill_weight == 2.5
     with pytest.raises(ValueError, match="positive int"):
         parse_compare_item("max-queued=zero", base)
     with pytest.raises(ValueError, match="unknown setting"):
         parse_compare_item("max-tokens=3", base)
+
+
+def test_tenant_weights_reach_the_simulated_schedulers_on_each_request() -> None:
+    """Tenants weighted 2:1 in admission's tenants, both backlogged (2-8 s of a 10 s overload), get weighted service within 5% of 2:1."""
+    spec = "synthetic:poisson?rate=120&n=1200&tenants=a:1,b:1&tenant_weights=a:2,b:1&input=fixed:800&output=fixed:100"
+    workload = load_workload(spec, seed=4)
+    config = with_tenant_weights(SimConfig(replicas=1, scheduler=replace(SCHEDULER, policy=Policy.FAIR)),
+                                 workload.tenant_weights)
+    assert config.scheduler_config(64, 0, 4096).tenant_weights == (), "weights travel on the requests, as in production"
+    served: dict[str, float] = {"a": 0.0, "b": 0.0}
+    for record in simulate(config, workload.requests).records:
+        served[record.tenant] += 2 * sum(1 for t in record.token_times or () if 2.0 <= t < 8.0)
+        if record.first_token_s is not None and 2.0 <= record.first_token_s < 8.0:
+            served[record.tenant] += record.input_tokens
+    ratio = served["a"] / served["b"]
+    assert abs(ratio - 2.0) / 2.0 < 0.05, f"a/b = {ratio:.3f}"  # 0.98 when the weight is not sent

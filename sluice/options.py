@@ -1,0 +1,141 @@
+"""Command-line flags generated from a frozen options dataclass, so that every setting is written once.
+
+A service declares its options as a frozen dataclass with a one-line docstring under each field;
+`options_parser` turns every field into a flag:
+
+* the flag is the field's name with dashes (`max_num_seqs` -> `--max-num-seqs`), its help the docstring,
+  its default the dataclass default (argparse prints it); a field without a default is a required flag;
+* `bool` -> `store_true` when it defaults to False, `--x/--no-x` when it defaults to True;
+* an `enum.Enum` -> `choices` of its values (the parsed options hold the member);
+* `X | None` -> a flag of type X whose default is None;
+* `tuple[X, ...]` -> a flag taking any number of X values;
+* `field(metadata={"env": "NAME"})` -> the default is `$NAME` when set (the help says so),
+  `field(metadata={"choices": (...)})` -> a string restricted to those values.
+
+`parse_options` parses a command line into the frozen options; argparse exits 2 with usage on bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import enum
+import inspect
+import os
+import textwrap
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+__all__ = ["field_docs", "options_parser", "parse_options"]
+
+T = TypeVar("T")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Return field name -> its docstring joined into one line (a subclass's docstring wins over its base's)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            source = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        body = ast.parse(source).body[0]
+        assert isinstance(body, ast.ClassDef)
+        for statement, following in zip(body.body, body.body[1:], strict=False):
+            if (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
+                    and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                    and isinstance(following.value.value, str)):
+                docs[statement.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def _unwrap_optional(kind: Any) -> Any:
+    """Return X for `X | None` (and Optional[X]), else `kind`."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return kind
+
+
+def _argument(f: dataclasses.Field[Any], kind: Any, doc: str) -> tuple[list[str], dict[str, Any]]:
+    """Return the (names, keyword arguments) of `add_argument` for one field."""
+    flag = "--" + f.name.replace("_", "-")
+    default = _default(f)
+    env = f.metadata.get("env")
+    help_text = doc + (f" (default: ${env}, else {default!r})" if env else "")
+    if env and os.environ.get(env) is not None:
+        default = os.environ[env]
+    kwargs: dict[str, Any] = {"dest": f.name, "help": help_text}
+    if default is dataclasses.MISSING:
+        kwargs.update(required=True, default=argparse.SUPPRESS)
+    else:
+        kwargs["default"] = default
+    kind = _unwrap_optional(kind)
+    if kind is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction if default is True else "store_true"
+        return [flag], kwargs
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        kwargs["choices"] = [member.value for member in kind]
+        if isinstance(default, enum.Enum):
+            kwargs["default"] = default.value
+        return [flag], kwargs
+    if typing.get_origin(kind) is tuple:
+        kwargs.update(nargs="*", type=typing.get_args(kind)[0])
+        return [flag], kwargs
+    if "choices" in f.metadata:
+        kwargs["choices"] = list(f.metadata["choices"])
+    if kind in (int, float, str):
+        kwargs["type"] = kind
+    return [flag], kwargs
+
+
+def options_parser(cls: type, prog: str | None = None, description: str | None = None) -> argparse.ArgumentParser:
+    """Return a parser with one flag per field of the frozen dataclass `cls` (see the module docstring)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    docs = field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        names, kwargs = _argument(f, hints[f.name], docs.get(f.name, ""))
+        parser.add_argument(*names, **kwargs)
+    return parser
+
+
+def _convert(value: Any, kind: Any) -> Any:
+    """Return a parsed flag value as the field's type (enum members, tuples)."""
+    if value is None:
+        return None
+    kind = _unwrap_optional(kind)
+    if isinstance(kind, type) and issubclass(kind, enum.Enum) and not isinstance(value, kind):
+        return kind(value)
+    if typing.get_origin(kind) is tuple and isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def parse_options(cls: type[T], parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> T:
+    """Return the frozen options parsed from `argv` (None: sys.argv); argparse exits 2 with usage on bad flags.
+
+    Raises TypeError when the parser and the dataclass disagree (a flag without a field or the reverse:
+    a bug in the service, not in the command line)."""
+    parsed: Mapping[str, Any] = vars(parser.parse_args(None if argv is None else list(argv)))
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    if set(parsed) != names:
+        raise TypeError(f"{cls.__name__} and its parser disagree: flags only {sorted(set(parsed) - names)}, "
+                        f"fields only {sorted(names - set(parsed))}")
+    hints = typing.get_type_hints(cls)
+    return cls(**{name: _convert(value, hints[name]) for name, value in parsed.items()})
