@@ -5,7 +5,8 @@ model, adapter and cache salt, same tokens) give equal chains, so admission, rou
 scheduler agree on which blocks a prompt shares with cached ones without exchanging token ids.
 
 Encoding (fixed, so every interpreter, platform and process computes the same values): the
-parent as 8 bytes little-endian, each token id as 4 bytes little-endian; the salt is the
+parent as 8 bytes little-endian, each token id as 4 bytes little-endian signed (the wire type is int32,
+so every id a request can carry encodes, and none aliases another); the salt is the
 BLAKE2b key (32 bytes). Values are unsigned 64-bit, never 0 (0 means "no parent"), because
 the wire type is `uint64` (protos/sluice/v1/events.proto, router.proto, scheduler.proto).
 
@@ -73,7 +74,7 @@ def _digest(keyed: Any, parent: bytes, packed_tokens: bytes | memoryview) -> byt
 
 def block_hash(parent: int, salt: int, tokens: Sequence[int]) -> int:
     """Return the hash of one full block given its parent's hash (NO_PARENT for the first)."""
-    packed = struct.pack(f"<{len(tokens)}I", *tokens)
+    packed = struct.pack(f"<{len(tokens)}i", *tokens)
     return int.from_bytes(_digest(_keyed(salt), parent.to_bytes(8, "little"), packed), "little")
 
 
@@ -83,7 +84,7 @@ def hash_chain(token_ids: Sequence[int], block_size: int, salt: int, parent: int
     if full == 0:
         return []
     keyed = _keyed(salt)
-    packed = memoryview(struct.pack(f"<{full}I", *token_ids[:full]))
+    packed = memoryview(struct.pack(f"<{full}i", *token_ids[:full]))
     step = 4 * block_size
     digests: list[bytes] = []
     previous = parent.to_bytes(8, "little")

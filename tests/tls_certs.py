@@ -31,7 +31,7 @@ def _name(common_name: str) -> x509.Name:
 
 def make_certs(directory: Path, ca_name: str = "sluice test CA") -> CertFiles:
     """Write a fresh CA and a server certificate for 127.0.0.1 under `directory`; return their paths."""
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (x509.CertificateBuilder().subject_name(_name(ca_name)).issuer_name(_name(ca_name))
           .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())

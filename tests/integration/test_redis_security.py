@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
-from redis.exceptions import AuthenticationError, AuthenticationWrongNumberOfArgsError, ConnectionError, ResponseError
+from redis.exceptions import (
+    AuthenticationError,
+    AuthenticationWrongNumberOfArgsError,
+    ConnectionError,
+    ResponseError,
+)
 
 from sluice.bus import PASSWORD_FILE_ENV, Bus, redact_url, redis_client
 from sluice.redis_server import EmbeddedRedis, RedisTls, tls_redis_server_binary

@@ -20,12 +20,12 @@ KNOWN_TINY_0_TO_31 = [17925649318200310025, 14178422303080598613]
 def _reference(parent: int, salt: int, tokens: list[int]) -> int:
     """The documented definition, written out independently of sluice.hashing."""
     key = salt.to_bytes(32, "little")
-    data = parent.to_bytes(8, "little") + struct.pack(f"<{len(tokens)}I", *tokens)
+    data = parent.to_bytes(8, "little") + struct.pack(f"<{len(tokens)}i", *tokens)
     return int.from_bytes(hashlib.blake2b(data, digest_size=8, key=key).digest(), "little") or 1
 
 
 def test_chain_matches_the_documented_keyed_blake2b_definition() -> None:
-    """Each block is BLAKE2b-64 keyed by the salt over parent (8 bytes LE) and token ids (4 bytes LE)."""
+    """Each block is BLAKE2b-64 keyed by the salt over parent (8 bytes LE) and token ids (int32 LE)."""
     salt = salt_of("tiny")
     tokens = list(range(48)) + [7]
     expected, parent = [], NO_PARENT
@@ -86,9 +86,11 @@ def test_one_token_or_one_position_changes_the_block_and_everything_after() -> N
     assert hash_chain(tokens, 16, salt) != hash_chain(tokens, 32, salt)[:4]
 
 
-def test_token_ids_outside_uint32_are_refused_not_wrapped() -> None:
-    """A negative or over-wide token id raises instead of silently aliasing another id."""
+def test_every_int32_token_id_hashes_and_wider_ids_are_refused_not_wrapped() -> None:
+    """Any id the int32 wire type carries (negative ones too) hashes, distinctly; a wider id raises, never aliases."""
+    salt = salt_of("m")
+    assert hash_chain([-1] * 16, 16, salt) != hash_chain([(1 << 31) - 1] * 16, 16, salt)
     with pytest.raises(struct.error):
-        hash_chain([-1] * 16, 16, salt_of("m"))
+        hash_chain([1 << 31] * 16, 16, salt)
     with pytest.raises(struct.error):
-        block_hash(NO_PARENT, salt_of("m"), [1 << 32] * 16)
+        block_hash(NO_PARENT, salt, [(1 << 32) - 1] * 16)
