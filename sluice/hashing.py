@@ -65,6 +65,12 @@ def _keyed(salt: int) -> Any:
     return hashlib.blake2b(digest_size=8, key=key)
 
 
+@functools.lru_cache(maxsize=64)
+def _packer(count: int) -> Any:
+    """struct.pack for `count` int32 token ids, little-endian (one Struct per block size, built once)."""
+    return struct.Struct(f"<{count}i").pack
+
+
 def _digest(keyed: Any, parent: bytes, packed_tokens: bytes | memoryview) -> bytes:
     state = keyed.copy()
     state.update(parent + packed_tokens)
@@ -74,7 +80,7 @@ def _digest(keyed: Any, parent: bytes, packed_tokens: bytes | memoryview) -> byt
 
 def block_hash(parent: int, salt: int, tokens: Sequence[int]) -> int:
     """Return the hash of one full block given its parent's hash (NO_PARENT for the first)."""
-    packed = struct.pack(f"<{len(tokens)}i", *tokens)
+    packed = _packer(len(tokens))(*tokens)
     return int.from_bytes(_digest(_keyed(salt), parent.to_bytes(8, "little"), packed), "little")
 
 
@@ -84,7 +90,7 @@ def hash_chain(token_ids: Sequence[int], block_size: int, salt: int, parent: int
     if full == 0:
         return []
     keyed = _keyed(salt)
-    packed = memoryview(struct.pack(f"<{full}i", *token_ids[:full]))
+    packed = memoryview(_packer(full)(*token_ids[:full]))
     step = 4 * block_size
     digests: list[bytes] = []
     previous = parent.to_bytes(8, "little")
