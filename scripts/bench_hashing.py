@@ -1,8 +1,10 @@
-"""Print the cost of hashing one prompt's block chain: CPython tuple hash() (before) vs BLAKE2b (now).
+"""Print the cost of block hashing: CPython tuple hash() (before) vs keyed BLAKE2b (now).
 
     python scripts/bench_hashing.py [--tokens 8192] [--block-size 16]
 
-Prints one JSON object: median microseconds per prompt for each, and the ratio.
+Prints one JSON object: median microseconds for one prompt's whole chain (what admission pays per
+request) and for one block extended from its parent (what the scheduler core pays each time a
+request's block fills), for each, and the ratios.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ import json
 import random
 import statistics
 import time
+from array import array
 from collections.abc import Callable, Sequence
 
-from sluice.hashing import hash_chain, salt_of
+from sluice.hashing import block_hash, hash_chain, salt_of
 
 
 def tuple_hash_chain(token_ids: Sequence[int], block_size: int, salt: int) -> list[int]:
@@ -27,13 +30,14 @@ def tuple_hash_chain(token_ids: Sequence[int], block_size: int, salt: int) -> li
     return hashes
 
 
-def median_us(fn: Callable[[], object], repeats: int = 200) -> float:
-    """Median wall time of `fn` in microseconds."""
+def median_us(fn: Callable[[], object], repeats: int = 200, inner: int = 1) -> float:
+    """Median wall time of one call of `fn` in microseconds (`inner` calls per sample)."""
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e6)
+        for _ in range(inner):
+            fn()
+        samples.append((time.perf_counter() - start) * 1e6 / inner)
     return statistics.median(samples)
 
 
@@ -47,8 +51,14 @@ def main() -> None:
     salt = salt_of("llama-3-8b")
     before = median_us(lambda: tuple_hash_chain(tokens, args.block_size, salt & ((1 << 64) - 1)))
     after = median_us(lambda: hash_chain(tokens, args.block_size, salt))
-    print(json.dumps({"tokens": args.tokens, "block_size": args.block_size, "tuple_hash_us": round(before, 1),
-                      "blake2b_us": round(after, 1), "ratio": round(after / before, 2)}))
+    block = array("q", tokens[: args.block_size])  # the scheduler core keeps tokens in an int64 array
+    mask = (1 << 64) - 1
+    block_before = median_us(lambda: (hash((12345, salt & mask, *block)) & mask) or 1, inner=1000)
+    block_after = median_us(lambda: block_hash(12345, salt, block), inner=1000)
+    print(json.dumps({"tokens": args.tokens, "block_size": args.block_size,
+                      "chain_tuple_hash_us": round(before, 1), "chain_blake2b_us": round(after, 1),
+                      "chain_ratio": round(after / before, 2), "block_tuple_hash_us": round(block_before, 2),
+                      "block_blake2b_us": round(block_after, 2), "block_ratio": round(block_after / block_before, 2)}))
 
 
 if __name__ == "__main__":

@@ -80,8 +80,10 @@ def _digest(keyed: Any, parent: bytes, packed_tokens: bytes | memoryview) -> byt
 
 def block_hash(parent: int, salt: int, tokens: Sequence[int]) -> int:
     """Return the hash of one full block given its parent's hash (NO_PARENT for the first)."""
-    packed = _packer(len(tokens))(*tokens)
-    return int.from_bytes(_digest(_keyed(salt), parent.to_bytes(8, "little"), packed), "little")
+    # Inlined (no _digest call): the scheduler core calls this each time one of its requests fills a block.
+    state = _keyed(salt).copy()
+    state.update(parent.to_bytes(8, "little") + _packer(len(tokens))(*tokens))
+    return int.from_bytes(state.digest(), "little") or 1
 
 
 def hash_chain(token_ids: Sequence[int], block_size: int, salt: int, parent: int = NO_PARENT) -> list[int]:
