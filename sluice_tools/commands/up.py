@@ -38,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "costmodel: a shape such as llama-3-8b (default: tiny)")
     parser.add_argument("--redis-url", default=os.environ.get("SLUICE_REDIS_URL"),
                         help="use this Redis instead of starting the embedded one (default: $SLUICE_REDIS_URL, "
-                             "else embedded)")
+                             "else embedded, with a random password); a password belongs in $SLUICE_REDIS_URL "
+                             "or in the file named by $SLUICE_REDIS_PASSWORD_FILE, never in this flag")
     parser.add_argument("--config", default=os.environ.get("SLUICE_CONFIG"),
                         help="admission config: API keys, tenants, budgets; see docs/usage.md "
                              "(default: $SLUICE_CONFIG, else one tenant with key sk-sluice-local)")

@@ -124,6 +124,47 @@ def test_retry_budget_stops_a_retry_storm(serve) -> None:
     assert 0 < retries <= 2 + 0.1 * 30 + 1
 
 
+def test_budget_is_not_charged_for_retries_that_are_not_made(serve) -> None:
+    """With max_attempts=1, failed calls only deposit: the budget grows instead of draining (3.0 -> 3.4)."""
+    servicer = ScriptedAdmission(10_000, _status(code_pb2.UNAVAILABLE, "no ready replica"))
+    budget = RetryBudget(ratio=0.1, reserve=3.0)
+    with Client(serve(servicer), retry=RetryPolicy(max_attempts=1), budget=budget) as client:
+        for _ in range(4):
+            with pytest.raises(Unavailable):
+                client.generate_text("hi")
+    assert len(servicer.calls) == 4
+    assert budget.balance == pytest.approx(3.4)
+
+
+def test_budget_is_charged_once_per_retry_made(serve) -> None:
+    """With max_attempts=2 each failing call makes one retry and pays exactly one token for it."""
+    servicer = ScriptedAdmission(10_000, _status(code_pb2.UNAVAILABLE, "no ready replica"))
+    budget = RetryBudget(ratio=0.1, reserve=3.0)
+    with Client(serve(servicer), retry=RetryPolicy(max_attempts=2, initial_backoff_s=0.0001, max_backoff_s=0.0001),
+                budget=budget) as client:
+        for _ in range(2):
+            with pytest.raises(Unavailable):
+                client.generate_text("hi")
+    assert len(servicer.calls) == 4
+    assert budget.balance == pytest.approx(3.0 + 0.2 - 2.0)
+
+
+def test_async_budget_is_not_charged_when_the_deadline_forbids_the_retry(serve) -> None:
+    """AsyncClient: a retry the deadline rules out (RetryInfo longer than the timeout) costs nothing."""
+    servicer = ScriptedAdmission(10_000, _status(code_pb2.RESOURCE_EXHAUSTED, "over budget", 5.0))
+    budget = RetryBudget(ratio=0.1, reserve=3.0)
+
+    async def main() -> None:
+        async with AsyncClient(serve(servicer), budget=budget) as client:
+            for _ in range(3):
+                with pytest.raises(ResourceExhausted):
+                    await client.generate_text("hi", timeout=1.0)
+
+    asyncio.run(main())
+    assert len(servicer.calls) == 3
+    assert budget.balance == pytest.approx(3.3)
+
+
 def test_async_client_streams_and_types_errors(serve) -> None:
     """AsyncClient streams the same chunks and raises Unauthenticated for a rejected key."""
     ok = serve(ScriptedAdmission())
