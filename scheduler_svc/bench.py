@@ -95,7 +95,7 @@ def build_core(running: int, waiting: int, rounds: int, pairs: list[tuple[int, i
     core = SchedulerCore(config)
     for request in active:
         core.submit(request, 0.0)
-    while any(r.num_computed < len(r.tokens) - 1 for r in core._live.values()) or core.num_waiting:
+    while any(r.num_computed < len(r.tokens) - 1 for r in core.requests.live.values()) or core.num_waiting:
         plan = core.schedule(0.0)
         core.on_round_result(_answer(plan), 0.0)
     for request in _requests(pairs, waiting, rng, "wait", 1):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from array import array
 
+from sluice.hashing import block_hash
 from sluice.types import NewRequest, RequestStatus, SamplingParams, Usage
 
 
@@ -105,3 +106,17 @@ class Request:
             f"Request({self.request_id!r}, {self.status.value}, computed={self.num_computed}/"
             f"{len(self.tokens)}, blocks={len(self.block_ids)}, epoch={self.epoch})"
         )
+
+
+def block_hashes_upto(request: Request, count: int, block_size: int, salt: int) -> list[int]:
+    """Return `request`'s block-hash chain, extended to at least `count` full blocks.
+
+    The chain is kept on the request, so admission, the prefix-cache lookup and registration
+    compute each hash once.
+    """
+    hashes = request.block_hashes
+    tokens = request.tokens
+    while len(hashes) < count:
+        start = len(hashes) * block_size
+        hashes.append(block_hash(hashes[-1] if hashes else 0, salt, tokens[start : start + block_size]))
+    return hashes
