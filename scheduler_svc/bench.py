@@ -29,7 +29,12 @@ from scheduler_svc.core import SchedulerCore
 from scheduler_svc.core.config import SchedulerConfig
 from sluice.types import NewRequest, RoundPlan, RoundResult, SamplingParams, SeqOutput
 
-TRACE = Path(__file__).resolve().parents[1].parent / "shared/data/traces/azure_llm_2023_conv.csv"
+TRACE_NAME = "shared/data/traces/azure_llm_2023_conv.csv"
+# The shared data sit beside the checkout, or beside the folder of worktrees that holds it.
+TRACE = next(
+    (folder / TRACE_NAME for folder in Path(__file__).resolve().parents[1:4] if (folder / TRACE_NAME).exists()),
+    Path(__file__).resolve().parents[1].parent / TRACE_NAME,
+)
 CASES = ((64, 256), (256, 1024), (1024, 4096))
 SMALL_CASES = ((1, 0), (2, 4), (4, 16))
 """Rounds of a few sequences: what a lightly loaded replica (and the simulator) mostly runs."""

@@ -249,7 +249,7 @@ class Batcher:
         rnd.swap_in += tuple(BlockCopy(h, d) for h, d in zip(request.host_blocks, blocks, strict=False))
         # The host copies are read by this round; they are free once its result arrives.
         rnd.host_release += tuple(request.host_blocks)
-        request.host_blocks = []
+        request.host_blocks = ()
         request.block_ids, request.block_table, request.num_registered = blocks, tuple(blocks), 0
         self._outbox.event(request, Stage.RESUMED, now, (("mode", "swap"),))
         self._start_running(request)

@@ -140,5 +140,5 @@ class Endings:
             request.block_table = ()
         if request.host_blocks:
             self._host.release(request.host_blocks)
-            request.host_blocks = []
+            request.host_blocks = ()
         return released

@@ -171,14 +171,14 @@ class RoundOutcomes:
         """
         for victim in record.swapping:
             self._pool.unpin(reversed(victim.swap_pinned))
-            victim.swap_pinned = []
+            victim.swap_pinned = ()
             victim.in_flight_round = None
             if victim.status is RequestStatus.CANCELLING:
                 self._endings.release_deferred(victim, now)
                 continue
             if not copied:
                 self._host.release(victim.host_blocks)
-                victim.host_blocks = []
+                victim.host_blocks = ()
                 victim.recompute_debt = max(victim.recompute_debt, victim.num_computed)
                 victim.num_computed = 0
             del self._table.swapping[victim.request_id]
@@ -229,7 +229,7 @@ class RoundOutcomes:
         for request in self._table.live.values():
             if request.host_blocks and request.status is RequestStatus.WAITING:
                 self._host.release(request.host_blocks)
-                request.host_blocks = []
+                request.host_blocks = ()
                 request.recompute_debt = max(request.recompute_debt, request.num_computed)
                 request.num_computed = 0
                 self._backlog.set_pending(request, len(request.tokens))
