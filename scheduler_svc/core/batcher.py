@@ -14,6 +14,8 @@ table only when it crosses a block boundary.
 
 from __future__ import annotations
 
+from array import array
+
 from scheduler_svc.core.backlog import Backlog
 from scheduler_svc.core.block_pool import BlockPool
 from scheduler_svc.core.config import PreemptionMode, SchedulerConfig
@@ -21,7 +23,7 @@ from scheduler_svc.core.host_blocks import HostBlocks
 from scheduler_svc.core.outbox import Outbox
 from scheduler_svc.core.outcomes import RoundOutcomes
 from scheduler_svc.core.request import Request, block_hashes_upto
-from scheduler_svc.core.round import RoundBuilder, new_round_budget, new_round_plan, new_scheduled_seq
+from scheduler_svc.core.round import DECODE, RoundBuilder, new_round_budget, new_round_plan, new_scheduled_seq
 from scheduler_svc.core.state import Input, apply
 from scheduler_svc.core.table import RequestTable
 from scheduler_svc.core.victims import make_victim_rule
@@ -116,7 +118,7 @@ class Batcher:
                         (),
                     )
                 )
-                entries.append((request, 1, True, True))
+                entries.append(request)
                 request.in_flight_round = round_id
                 tokens_left, seqs_left, kv_left, decodes = tokens_left - 1, seqs_left - 1, kv_left - start - 1, decodes + 1
                 continue
@@ -171,7 +173,7 @@ class Batcher:
         if swap and computed < len(blocks):
             self._pool.free(reversed(blocks[computed:]))
             blocks = blocks[:computed]
-        victim.block_ids, victim.block_table, victim.num_registered = [], (), 0
+        victim.block_ids, victim.block_table, victim.num_registered = array("q"), (), 0
         apply(victim, Input.PREEMPT)
         victim.usage.preemptions += 1
         self._outbox.preemptions += 1
@@ -216,7 +218,8 @@ class Batcher:
             return False
         self._backlog.dequeue(request, served=True)
         pool.acquire(hits)
-        request.block_ids = hits + (pool.allocate(need) or [])
+        request.block_ids = array("q", hits)
+        request.block_ids.extend(pool.allocate(need) or ())
         request.block_table = tuple(request.block_ids)
         request.num_registered = len(hits)
         request.num_computed = start
@@ -250,7 +253,7 @@ class Batcher:
         # The host copies are read by this round; they are free once its result arrives.
         rnd.host_release += tuple(request.host_blocks)
         request.host_blocks = ()
-        request.block_ids, request.block_table, request.num_registered = blocks, tuple(blocks), 0
+        request.block_ids, request.block_table, request.num_registered = array("q", blocks), tuple(blocks), 0
         self._outbox.event(request, Stage.RESUMED, now, (("mode", "swap"),))
         self._start_running(request)
         self._place(request, start, num, rnd, now)
@@ -284,7 +287,9 @@ class Batcher:
         if request.pending_prefill:
             # A chunk that reaches the last known token ends the prefill (what follows is decode).
             self._backlog.set_pending(request, 0 if sample else len(tokens) - end)
-        rnd.entries.append((request, num, sample, decode))
+        rnd.entries.append(request)
+        if not decode:
+            rnd.chunks[request] = (num, sample)
         request.in_flight_round = rnd.round_id
         rnd.tokens_left -= num
         rnd.seqs_left -= 1
@@ -297,8 +302,10 @@ class Batcher:
     def _unplace(self, request: Request, rnd: RoundBuilder) -> None:
         """Take a request placed earlier in this round back out (it is being preempted)."""
         entries = rnd.entries
-        index = next(i for i in range(len(entries) - 1, -1, -1) if entries[i][0] is request)
-        _, num, _, decode = entries.pop(index)
+        index = next(i for i in range(len(entries) - 1, -1, -1) if entries[i] is request)
+        entries.pop(index)
+        decode = request not in rnd.chunks
+        num, _ = rnd.chunks.pop(request, DECODE)
         seq = rnd.seqs.pop(index)
         request.in_flight_round = None
         rnd.tokens_left += num
@@ -335,8 +342,10 @@ class Batcher:
     def _note_prefill_chunks(self, rnd: RoundBuilder, now: float) -> None:
         # Emitted when the round is sealed, so a chunk taken back by a preemption never shows up.
         account = self._backlog.account
-        for seq, (request, num, _, decode) in zip(rnd.seqs, rnd.entries, strict=True):
-            if not decode:
+        chunks = rnd.chunks
+        for seq, request in zip(rnd.seqs, rnd.entries, strict=True):
+            if request in chunks:
+                num = chunks[request][0]
                 self._outbox.event(request, Stage.PREFILL_CHUNK, now, (("tokens", num), ("start", seq.start_position)))
                 if account is not None:
                     account(request.tenant, num, 0)

@@ -9,6 +9,7 @@ Every end emits one Finished record, a FINISHED event and, when it held blocks, 
 from __future__ import annotations
 
 import dataclasses
+from array import array
 
 from scheduler_svc.core.backlog import Backlog
 from scheduler_svc.core.block_pool import BlockPool
@@ -136,7 +137,7 @@ class Endings:
         released = bool(request.block_ids or request.host_blocks)
         if request.block_ids:
             self._pool.free(reversed(request.block_ids))
-            request.block_ids = []
+            request.block_ids = array("q")
             request.block_table = ()
         if request.host_blocks:
             self._host.release(request.host_blocks)

@@ -10,6 +10,10 @@ blocks are pinned in the pool for the same duration.
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Iterable
+from operator import attrgetter
+
 from scheduler_svc.core.backlog import Backlog
 from scheduler_svc.core.block_pool import BlockPool
 from scheduler_svc.core.config import SchedulerConfig
@@ -17,10 +21,12 @@ from scheduler_svc.core.endings import Endings
 from scheduler_svc.core.host_blocks import HostBlocks
 from scheduler_svc.core.outbox import Outbox
 from scheduler_svc.core.request import Request, block_hashes_upto
-from scheduler_svc.core.round import InFlightRound
+from scheduler_svc.core.round import DECODE, InFlightRound
 from scheduler_svc.core.state import Input, apply
 from scheduler_svc.core.table import RequestTable
 from sluice.types import RequestStatus, RoundResult, SeqOutput, Stage
+
+_REQUEST_ID = attrgetter("request_id")
 
 
 class RoundOutcomes:
@@ -71,10 +77,18 @@ class RoundOutcomes:
                 self._finish_swaps(record, now)
 
     def _apply_outputs(self, record: InFlightRound, outputs: tuple[SeqOutput, ...], now: float) -> None:
-        by_id = {out.request_id: out for out in outputs}
-        if len(by_id) != len(outputs):
-            by_id = self._newest_outputs(outputs)
-        pop = by_id.pop
+        entries = record.entries
+        by_id: dict[str, SeqOutput] = {}
+        # A worker answers in plan order: then the outputs pair with the entries as they are,
+        # with no table built per round; anything else is matched by request id.
+        if list(map(_REQUEST_ID, outputs)) == list(map(_REQUEST_ID, entries)):
+            matched: Iterable[tuple[Request, SeqOutput | None]] = zip(entries, outputs, strict=True)
+        else:
+            by_id = {out.request_id: out for out in outputs}
+            if len(by_id) != len(outputs):
+                by_id = self._newest_outputs(outputs)
+            pop = by_id.pop
+            matched = [(request, pop(request.request_id, None)) for request in entries]
         outbox = self._outbox
         drop = outbox.drop
         emit = outbox.events.tokens.append
@@ -82,11 +96,12 @@ class RoundOutcomes:
         caching = self._pool.caching
         account = self._backlog.account
         running = RequestStatus.RUNNING
-        for request, num_tokens, sample, _ in record.entries:
+        chunks = record.chunks
+        for request, out in matched:
+            num_tokens, sample = chunks.get(request, DECODE) if chunks else DECODE
             request.in_flight_round = None
             if request.lost_rounds:
                 request.lost_rounds = 0
-            out = pop(request.request_id, None)
             if request.status is not running:
                 if out is not None and out.token_ids:
                     drop(1)
@@ -187,7 +202,7 @@ class RoundOutcomes:
 
     def _fail_round(self, record: InFlightRound, error: str, now: float) -> None:
         """A round that failed as a whole fails every request it carried (exactly once)."""
-        for request, _, _, _ in record.entries:
+        for request in record.entries:
             request.in_flight_round = None
             if request.status is RequestStatus.RUNNING:
                 self._endings.end_running(request, Input.FAIL, now, f"round {record.round_id} failed: {error}")
@@ -203,7 +218,7 @@ class RoundOutcomes:
         if record is None:
             return
         limit = self._max_lost_rounds
-        for request, _, _, _ in record.entries:
+        for request in record.entries:
             request.in_flight_round = None
             if request.status is not RequestStatus.RUNNING:
                 self._endings.release_deferred(request, now)
@@ -238,7 +253,7 @@ class RoundOutcomes:
         """Preempt a running request by recompute because its KV went with the worker."""
         del self._table.running[request.request_id]
         self._pool.free(reversed(request.block_ids))
-        request.block_ids, request.block_table, request.num_registered = [], (), 0
+        request.block_ids, request.block_table, request.num_registered = array("q"), (), 0
         apply(request, Input.PREEMPT)
         request.usage.preemptions += 1
         self._outbox.preemptions += 1

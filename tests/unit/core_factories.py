@@ -108,7 +108,7 @@ def check_invariants(core: SchedulerCore) -> None:
 
 def _check_pending_prefill(core: SchedulerCore) -> None:
     """The reported pending prefill is the sum of each live request's unscheduled prefill."""
-    in_flight = {id(request): num for record in core.outcomes.in_flight.values() for request, num, _, _ in record.entries}
+    in_flight = {id(request): record.entry(request)[0] for record in core.outcomes.in_flight.values() for request in record.entries}
     for request in core.requests.live.values():
         unscheduled = len(request.tokens) - request.num_computed - in_flight.get(id(request), 0)
         if request.status is RequestStatus.WAITING:  # less what the cache held at submission
