@@ -197,7 +197,8 @@ def run(quick: bool, profile: bool, python_gc: bool = False) -> dict[str, object
     # As sluice.serve does after start-up: what exists now (modules, the length table) is frozen.
     gc.collect()
     gc.freeze()
-    cases = []
+    cases: list[dict[str, object]] = []
+    per_running: list[float] = []
     for running, waiting in CASES:
         core = build_core(running, waiting, rounds, pairs, seed=running)
         thresholds = _collector(running, python_gc)
@@ -215,8 +216,8 @@ def run(quick: bool, profile: bool, python_gc: bool = False) -> dict[str, object
                 "median_per_reference_loop": round(figures["median_us"] / reference, 4),
             }
         )
+        per_running.append(figures["median_us"] / running)
         del core
-    per_running = [case["per_running_us"] for case in cases]
     small = []
     for running, waiting in SMALL_CASES:
         small_rounds = SMALL_ROUNDS // 10 if quick else SMALL_ROUNDS
