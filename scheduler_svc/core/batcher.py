@@ -289,6 +289,8 @@ class Batcher:
             self._backlog.set_pending(request, 0 if sample else len(tokens) - end)
         rnd.entries.append(request)
         if not decode:
+            if rnd.chunks is None:
+                rnd.chunks = {}
             rnd.chunks[request] = (num, sample)
         request.in_flight_round = rnd.round_id
         rnd.tokens_left -= num
@@ -304,8 +306,9 @@ class Batcher:
         entries = rnd.entries
         index = next(i for i in range(len(entries) - 1, -1, -1) if entries[i] is request)
         entries.pop(index)
-        decode = request not in rnd.chunks
-        num, _ = rnd.chunks.pop(request, DECODE)
+        chunks = rnd.chunks
+        decode = chunks is None or request not in chunks
+        num, _ = DECODE if chunks is None or decode else chunks.pop(request)
         seq = rnd.seqs.pop(index)
         request.in_flight_round = None
         rnd.tokens_left += num
@@ -342,7 +345,7 @@ class Batcher:
     def _note_prefill_chunks(self, rnd: RoundBuilder, now: float) -> None:
         # Emitted when the round is sealed, so a chunk taken back by a preemption never shows up.
         account = self._backlog.account
-        chunks = rnd.chunks
+        chunks = rnd.chunks or {}
         for seq, request in zip(rnd.seqs, rnd.entries, strict=True):
             if request in chunks:
                 num = chunks[request][0]

@@ -11,8 +11,6 @@ blocks are pinned in the pool for the same duration.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
-from operator import attrgetter
 
 from scheduler_svc.core.backlog import Backlog
 from scheduler_svc.core.block_pool import BlockPool
@@ -25,8 +23,6 @@ from scheduler_svc.core.round import DECODE, InFlightRound
 from scheduler_svc.core.state import Input, apply
 from scheduler_svc.core.table import RequestTable
 from sluice.types import RequestStatus, RoundResult, SeqOutput, Stage
-
-_REQUEST_ID = attrgetter("request_id")
 
 
 class RoundOutcomes:
@@ -77,18 +73,10 @@ class RoundOutcomes:
                 self._finish_swaps(record, now)
 
     def _apply_outputs(self, record: InFlightRound, outputs: tuple[SeqOutput, ...], now: float) -> None:
-        entries = record.entries
-        by_id: dict[str, SeqOutput] = {}
-        # A worker answers in plan order: then the outputs pair with the entries as they are,
-        # with no table built per round; anything else is matched by request id.
-        if list(map(_REQUEST_ID, outputs)) == list(map(_REQUEST_ID, entries)):
-            matched: Iterable[tuple[Request, SeqOutput | None]] = zip(entries, outputs, strict=True)
-        else:
-            by_id = {out.request_id: out for out in outputs}
-            if len(by_id) != len(outputs):
-                by_id = self._newest_outputs(outputs)
-            pop = by_id.pop
-            matched = [(request, pop(request.request_id, None)) for request in entries]
+        by_id = {out.request_id: out for out in outputs}
+        if len(by_id) != len(outputs):
+            by_id = self._newest_outputs(outputs)
+        pop = by_id.pop
         outbox = self._outbox
         drop = outbox.drop
         emit = outbox.events.tokens.append
@@ -97,11 +85,12 @@ class RoundOutcomes:
         account = self._backlog.account
         running = RequestStatus.RUNNING
         chunks = record.chunks
-        for request, out in matched:
-            num_tokens, sample = chunks.get(request, DECODE) if chunks else DECODE
+        for request in record.entries:
+            num_tokens, sample = chunks.get(request, DECODE) if chunks is not None else DECODE
             request.in_flight_round = None
             if request.lost_rounds:
                 request.lost_rounds = 0
+            out = pop(request.request_id, None)
             if request.status is not running:
                 if out is not None and out.token_ids:
                     drop(1)

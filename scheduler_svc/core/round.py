@@ -20,8 +20,9 @@ class InFlightRound:
         self.round_id = round_id
         self.entries: list[Request] = []
         """The request of each scheduled sequence, in plan order."""
-        self.chunks: dict[Request, tuple[int, bool]] = {}
-        """(tokens computed, sample) of each entry that is not a plain decode (1 token, sampled)."""
+        self.chunks: dict[Request, tuple[int, bool]] | None = None
+        """(tokens computed, sample) of each entry that is not a plain decode (1 token, sampled);
+        None until the round has one (most rounds are decodes only)."""
         # Tuples, grown by the rare swap paths: most rounds never touch them, and sharing the
         # empty tuple saves two allocations per round.
         self.swapping: tuple[Request, ...] = ()
@@ -31,7 +32,7 @@ class InFlightRound:
 
     def entry(self, request: Request) -> tuple[int, bool]:
         """Return (tokens computed, sample) of `request`'s sequence in this round."""
-        return self.chunks.get(request, DECODE) if self.chunks else DECODE
+        return self.chunks.get(request, DECODE) if self.chunks is not None else DECODE
 
 
 # Built once per sequence per round (and once per round): see slots.py for why not the __init__.
@@ -61,7 +62,7 @@ class RoundBuilder(InFlightRound):
         # per round).
         self.round_id = round_id
         self.entries = []
-        self.chunks = {}
+        self.chunks = None
         self.swapping = ()
         self.host_release = ()
         self.seqs: list[ScheduledSeq] = []

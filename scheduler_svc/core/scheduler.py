@@ -207,7 +207,9 @@ class SchedulerCore:
     # ---- views -----------------------------------------------------------------------------
     def take_events(self) -> CoreEvents:
         """Return everything that happened since the last call and start a new outbox."""
-        events = self.outbox.take()
+        outbox = self.outbox
+        # Outbox.take's two lines, inlined: this runs once per round.
+        events, outbox.events = outbox.events, CoreEvents()
         if self.pool.has_events:
             events.kv_events.extend(self.pool.take_events())
         return events
