@@ -7,8 +7,12 @@ Prompt and output lengths come from the Azure LLM 2023 conversation trace in ../
 to max_model_len). A pure-Python reference loop timed in the same process lets figures from noisy
 runs be normalised. A (64, 4096) case shows that the waiting queue's size does not change the cost.
 Small cases (1, 2 and 4 running) measure the fixed cost of a round, which dominates a lightly
-loaded replica and the simulator. Prints JSON to stdout; `--profile` adds the top cProfile entries
-of the largest case and of the 2-running case to stderr.
+loaded replica and the simulator. The collector runs as in the scheduler service: the start-up
+heap frozen (as sluice.serve does) and the thresholds of `scheduler_svc.collector` for each case's
+max_num_seqs (`--python-gc` keeps CPython's defaults instead); each case reports its full
+collections, its cost per running request and p99 / median. Prints JSON to stdout; `--profile`
+adds the top cProfile entries of the largest case and of the 2-running case to stderr. The setup
+uses only the core's public API, so this file also measures older checkouts side by side.
 """
 
 from __future__ import annotations
@@ -25,11 +29,17 @@ import sys
 import time
 from pathlib import Path
 
+from scheduler_svc.collector import tune_collector
 from scheduler_svc.core import SchedulerCore
 from scheduler_svc.core.config import SchedulerConfig
 from sluice.types import NewRequest, RoundPlan, RoundResult, SamplingParams, SeqOutput
 
-TRACE = Path(__file__).resolve().parents[1].parent / "shared/data/traces/azure_llm_2023_conv.csv"
+TRACE_NAME = "shared/data/traces/azure_llm_2023_conv.csv"
+# The shared data sit beside the checkout, or beside the folder of worktrees that holds it.
+TRACE = next(
+    (folder / TRACE_NAME for folder in Path(__file__).resolve().parents[1:4] if (folder / TRACE_NAME).exists()),
+    Path(__file__).resolve().parents[1].parent / TRACE_NAME,
+)
 CASES = ((64, 256), (256, 1024), (1024, 4096))
 SMALL_CASES = ((1, 0), (2, 4), (4, 16))
 """Rounds of a few sequences: what a lightly loaded replica (and the simulator) mostly runs."""
@@ -37,6 +47,8 @@ SMALL_ROUNDS = 4000
 TARGETS_US = {64: 250.0, 256: 1000.0, 1024: 4500.0}
 """DESIGN.md: a tenth of vLLM's median round cost at the same sizes."""
 BLOCK_SIZE = 16
+PYTHON_GC_THRESHOLDS = (700, 10, 10)
+"""CPython's default collector thresholds."""
 MAX_MODEL_LEN = 8192
 
 
@@ -95,7 +107,9 @@ def build_core(running: int, waiting: int, rounds: int, pairs: list[tuple[int, i
     core = SchedulerCore(config)
     for request in active:
         core.submit(request, 0.0)
-    while any(r.num_computed < len(r.tokens) - 1 for r in core._live.values()) or core.num_waiting:
+    # Public API only, so this bench also runs against older cores side by side: prompts are
+    # done when nothing waits and no prefill is pending.
+    while core.num_waiting or core.stats().queued_prefill_tokens:
         plan = core.schedule(0.0)
         core.on_round_result(_answer(plan), 0.0)
     for request in _requests(pairs, waiting, rng, "wait", 1):
@@ -169,14 +183,25 @@ def reference_loop_us(repeats: int = 7) -> float:
     return statistics.median(samples) / 1000
 
 
-def run(quick: bool, profile: bool) -> dict[str, object]:
-    """Run every case and return the report."""
+def _collector(max_num_seqs: int, python_gc: bool) -> tuple[int, int, int]:
+    """Set the collector as a scheduler service with `max_num_seqs` runs it (or Python's defaults)."""
+    gc.set_threshold(*PYTHON_GC_THRESHOLDS)
+    return PYTHON_GC_THRESHOLDS if python_gc else tune_collector(max_num_seqs)
+
+
+def run(quick: bool, profile: bool, python_gc: bool = False) -> dict[str, object]:
+    """Run every case and return the report (collector as the service sets it, or Python's defaults)."""
     rounds = 40 if quick else 200
     pairs, source = load_lengths()
     reference = reference_loop_us()
-    cases = []
+    # As sluice.serve does after start-up: what exists now (modules, the length table) is frozen.
+    gc.collect()
+    gc.freeze()
+    cases: list[dict[str, object]] = []
+    per_running: list[float] = []
     for running, waiting in CASES:
         core = build_core(running, waiting, rounds, pairs, seed=running)
+        thresholds = _collector(running, python_gc)
         figures = measure(core, rounds)
         cases.append(
             {
@@ -184,14 +209,20 @@ def run(quick: bool, profile: bool) -> dict[str, object]:
                 "waiting": waiting,
                 "rounds": rounds,
                 **{k: round(v, 1) for k, v in figures.items()},
+                "per_running_us": round(figures["median_us"] / running, 3),
+                "p99_over_median": round(figures["p99_us"] / figures["median_us"], 2),
+                "gc_thresholds": thresholds,
                 "target_median_us": TARGETS_US[running],
                 "median_per_reference_loop": round(figures["median_us"] / reference, 4),
             }
         )
+        per_running.append(figures["median_us"] / running)
+        del core
     small = []
     for running, waiting in SMALL_CASES:
         small_rounds = SMALL_ROUNDS // 10 if quick else SMALL_ROUNDS
         core = build_core(running, waiting, small_rounds, pairs, seed=running)
+        _collector(running, python_gc)
         figures = measure(core, small_rounds)
         small.append(
             {
@@ -204,6 +235,7 @@ def run(quick: bool, profile: bool) -> dict[str, object]:
     independence = {}
     for waiting in (256, 4096):
         core = build_core(64, waiting, rounds, pairs, seed=64)
+        _collector(64, python_gc)
         independence[f"waiting_{waiting}_median_us"] = round(measure(core, rounds)["median_us"], 1)
     if profile:
         _profile(pairs, rounds)
@@ -212,6 +244,8 @@ def run(quick: bool, profile: bool) -> dict[str, object]:
         "lengths_from": source,
         "python": sys.version.split()[0],
         "reference_loop_us": round(reference, 1),
+        "collector": "Python defaults" if python_gc else "as the scheduler service sets it (scheduler_svc.collector)",
+        "per_running_1024_over_64": round(per_running[-1] / per_running[0], 3),
         "cases": cases,
         "small_rounds": small,
         "queue_independence_64_running": independence,
@@ -234,8 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="40 rounds per case instead of 200")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of the largest case to stderr")
+    parser.add_argument("--python-gc", action="store_true",
+                        help="measure with Python's default collector thresholds instead of the service's")
     args = parser.parse_args(argv)
-    print(json.dumps(run(args.quick, args.profile), indent=2))
+    print(json.dumps(run(args.quick, args.profile, args.python_gc), indent=2))
     return 0
 
 

@@ -26,6 +26,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from scheduler_svc.collector import tune_collector
 from scheduler_svc.core import SchedulerCore
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.driver import Driver
@@ -270,6 +271,7 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
     worker_channel = grpc.aio.insecure_channel(worker_address)
     info = await wait_for_worker(worker_channel, worker_timeout_s)
     core = make_core(info, replica_id, **(core_overrides or {}))
+    tune_collector(core.config.max_num_seqs)
     driver = Driver(core, worker_pb2_grpc.WorkerServiceStub(worker_channel), bus, replica_id=replica_id,
                     model_id=info.model_id, eos_token_id=info.eos_token_id, metrics=metrics, use_stream=use_stream,
                     worker_health=health_pb2_grpc.HealthStub(worker_channel),

@@ -16,8 +16,19 @@ class Policy(enum.Enum):
 
 
 class PreemptionMode(enum.Enum):
+    """What happens to a preemption victim's KV."""
+
     RECOMPUTE = "recompute"
     SWAP = "swap"
+
+
+class VictimPolicy(enum.Enum):
+    """Whom to preempt when a running request needs a block and none is free (see victims.py)."""
+
+    LOWEST_PRIORITY = "lowest_priority"
+    """Lowest priority first, then the latest arrival."""
+    LATEST_ARRIVAL = "latest_arrival"
+    """The latest arrival first, whatever its priority."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +61,8 @@ class SchedulerConfig:
     """Share weight per tenant; unnamed tenants weigh 1."""
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
     """What happens to a victim's KV when blocks run out."""
+    victim_policy: VictimPolicy = VictimPolicy.LOWEST_PRIORITY
+    """Whom to preempt when blocks run out."""
     num_host_blocks: int = 0
     """Host (CPU) blocks for swap mode; when full, swap falls back to recompute."""
     enable_prefix_caching: bool = True
@@ -57,6 +70,7 @@ class SchedulerConfig:
     model_id: str = "tiny"
     """Salts the block hashes, with the adapter version."""
     adapter_version: str = ""
+    """Adapter version of the served model (salts the block hashes)."""
     max_model_len: int = 4096
     """Prompt + max_tokens may not exceed this."""
     max_lost_rounds: int = 3

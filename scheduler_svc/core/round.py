@@ -7,22 +7,32 @@ from scheduler_svc.core.request import Request
 from sluice.slots import slot_constructor
 from sluice.types import BlockCopy, RoundBudget, RoundPlan, ScheduledSeq
 
+DECODE = (1, True)
+"""(tokens computed, sample) of a plain decode: most entries, so they are not stored per entry."""
+
 
 class InFlightRound:
     """The bookkeeping of one planned round until its result arrives."""
 
-    __slots__ = ("round_id", "entries", "swapping", "host_release")
+    __slots__ = ("round_id", "entries", "chunks", "swapping", "host_release")
 
     def __init__(self, round_id: int) -> None:
         self.round_id = round_id
-        self.entries: list[tuple[Request, int, bool, bool]] = []
-        """(request, tokens computed, sample, is a decode) per scheduled sequence."""
+        self.entries: list[Request] = []
+        """The request of each scheduled sequence, in plan order."""
+        self.chunks: dict[Request, tuple[int, bool]] | None = None
+        """(tokens computed, sample) of each entry that is not a plain decode (1 token, sampled);
+        None until the round has one (most rounds are decodes only)."""
         # Tuples, grown by the rare swap paths: most rounds never touch them, and sharing the
         # empty tuple saves two allocations per round.
         self.swapping: tuple[Request, ...] = ()
         """Swap-out victims whose device blocks are pinned until the copy is done."""
         self.host_release: tuple[int, ...] = ()
         """Host blocks read by this round's swap-ins, free once it is done."""
+
+    def entry(self, request: Request) -> tuple[int, bool]:
+        """Return (tokens computed, sample) of `request`'s sequence in this round."""
+        return self.chunks.get(request, DECODE) if self.chunks is not None else DECODE
 
 
 # Built once per sequence per round (and once per round): see slots.py for why not the __init__.
@@ -52,6 +62,7 @@ class RoundBuilder(InFlightRound):
         # per round).
         self.round_id = round_id
         self.entries = []
+        self.chunks = None
         self.swapping = ()
         self.host_release = ()
         self.seqs: list[ScheduledSeq] = []

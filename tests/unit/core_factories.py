@@ -89,7 +89,7 @@ def check_invariants(core: SchedulerCore) -> None:
     assert len(set(free)) == len(free) and len(set(cached)) == len(cached)
     assert not set(free) & set(cached)
     expected = Counter[int]()
-    for request in core._live.values():
+    for request in core.requests.live.values():
         expected.update(request.block_ids)
         expected.update(request.swap_pinned)
     for block in range(pool.num_blocks):
@@ -98,7 +98,7 @@ def check_invariants(core: SchedulerCore) -> None:
         if block in free or block in cached:
             assert pool.refcount(block) == 0
     pinned = Counter[int]()
-    for request in core._live.values():
+    for request in core.requests.live.values():
         pinned.update(request.swap_pinned)
     assert all(pool.pin_count(b) == pinned[b] for b in range(pool.num_blocks))
     _check_places(core)
@@ -108,8 +108,8 @@ def check_invariants(core: SchedulerCore) -> None:
 
 def _check_pending_prefill(core: SchedulerCore) -> None:
     """The reported pending prefill is the sum of each live request's unscheduled prefill."""
-    in_flight = {id(request): num for record in core._in_flight.values() for request, num, _, _ in record.entries}
-    for request in core._live.values():
+    in_flight = {id(request): record.entry(request)[0] for record in core.outcomes.in_flight.values() for request in record.entries}
+    for request in core.requests.live.values():
         unscheduled = len(request.tokens) - request.num_computed - in_flight.get(id(request), 0)
         if request.status is RequestStatus.WAITING:  # less what the cache held at submission
             assert 0 < request.pending_prefill <= len(request.tokens) - request.num_computed
@@ -117,30 +117,30 @@ def _check_pending_prefill(core: SchedulerCore) -> None:
             assert request.pending_prefill == 0
         elif request.status is RequestStatus.RUNNING:
             assert 0 <= request.pending_prefill <= max(unscheduled, 0), f"{request}: {request.pending_prefill}"
-    assert core.stats().queued_prefill_tokens == sum(r.pending_prefill for r in core._live.values())
+    assert core.stats().queued_prefill_tokens == sum(r.pending_prefill for r in core.requests.live.values())
 
 
 def _check_places(core: SchedulerCore) -> None:
     places = {
-        RequestStatus.WAITING: [r.request_id for r in core._queue.live()],
-        RequestStatus.RUNNING: list(core._running),
-        RequestStatus.PREEMPTED: list(core._swapping),
-        RequestStatus.CANCELLING: list(core._cancelling),
+        RequestStatus.WAITING: [r.request_id for r in core.backlog.queue.live()],
+        RequestStatus.RUNNING: list(core.requests.running),
+        RequestStatus.PREEMPTED: list(core.requests.swapping),
+        RequestStatus.CANCELLING: list(core.requests.cancelling),
     }
     seen: list[str] = []
     for status, ids in places.items():
         for rid in ids:
-            assert core._live[rid].status is status, f"{rid} is {core._live[rid].status} in {status} place"
+            assert core.requests.live[rid].status is status, f"{rid} is {core.requests.live[rid].status} in {status} place"
         seen.extend(ids)
-    assert sorted(seen) == sorted(core._live), "every live request is in exactly one place"
-    assert len(core._queue) == len(places[RequestStatus.WAITING])
+    assert sorted(seen) == sorted(core.requests.live), "every live request is in exactly one place"
+    assert len(core.backlog.queue) == len(places[RequestStatus.WAITING])
 
 
 def _check_host(core: SchedulerCore) -> None:
-    host = list(core._host_free)
-    for request in core._live.values():
+    host = list(core.host.free_ids())
+    for request in core.requests.live.values():
         host.extend(request.host_blocks)
-    for record in core._in_flight.values():
+    for record in core.outcomes.in_flight.values():
         host.extend(record.host_release)
     assert sorted(host) == list(range(core.config.num_host_blocks)), "host blocks leaked or doubled"
 

@@ -22,7 +22,7 @@ def test_kv_pool_cancel_released_after_in_flight_round(caching: bool) -> None:
     executor = FakeExecutor()
     plan, _ = step(core, 0.0, executor)
     assert [s.request_id for s in plan.seqs] == ["A", "B"]
-    assert (len(core._live["A"].block_ids), len(core._live["B"].block_ids)) == (6, 5)
+    assert (len(core.requests.live["A"].block_ids), len(core.requests.live["B"].block_ids)) == (6, 5)
     assert core.pool.num_allocatable == 5 and core.request_status("C") is RequestStatus.WAITING
 
     in_flight = core.schedule(1.0)
@@ -41,7 +41,7 @@ def test_kv_pool_cancel_released_after_in_flight_round(caching: bool) -> None:
 
     placed = core.schedule(3.0)
     assert [s.request_id for s in placed.seqs] == ["A", "C"]
-    assert len(core._live["C"].block_ids) == 7
+    assert len(core.requests.live["C"].block_ids) == 7
     check_invariants(core)
 
 

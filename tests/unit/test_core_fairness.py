@@ -64,7 +64,7 @@ def test_weighted_fair_share_between_two_backlogged_tenants() -> None:
     core = make_core(policy=Policy.FAIR, tenant_weights=(("silver", 1.0), ("gold", 2.0)), max_num_seqs=4)
     arrivals = _tenant_requests("silver", 400) + _tenant_requests("gold", 400)
     plans, _ = drive(core, arrivals, round_time=1.0, until=600.0)
-    assert core.num_waiting > 0 and {r.tenant for r in core._queue.live()} == {"silver", "gold"}, "still backlogged"
+    assert core.num_waiting > 0 and {r.tenant for r in core.backlog.queue.live()} == {"silver", "gold"}, "still backlogged"
     served = _weighted_service(plans)
     ratio = served["gold"] / served["silver"]
     assert abs(ratio - 2.0) / 2.0 < 0.05, f"gold/silver = {ratio:.3f}"

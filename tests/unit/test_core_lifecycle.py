@@ -111,7 +111,7 @@ def test_stale_epoch_output_is_dropped(stale_first: bool) -> None:
     """An extra output with an older epoch than the request's is dropped and counted; the current one is used."""
     core = make_core()
     core.submit(make_request("a", 4, max_tokens=8), 0.0)
-    core._live["a"].epoch = 2  # as after two preemptions
+    core.requests.live["a"].epoch = 2  # as after two preemptions
     plan = core.schedule(0.0)
     stale, fresh = SeqOutput("a", 1, (7,)), SeqOutput("a", 2, (token_for("a", 0),))
     outputs = (stale, fresh) if stale_first else (fresh, stale)
@@ -227,7 +227,7 @@ def test_stop_string_hit_and_recent_output_tail() -> None:
         step(core, float(now), executor)
     seq_x, seq_y = core.schedule(7.0).seqs
     assert seq_x.recent_output_ids == tuple(token_for("x", i) for i in range(1, 7)) and seq_y.recent_output_ids == ()
-    result = RoundResult(core._next_round_id - 1, (SeqOutput("x", 0, (1,), stop_string_hit=True), SeqOutput("y", 0, (2,))))
+    result = RoundResult(core.batcher.next_round_id - 1, (SeqOutput("x", 0, (1,), stop_string_hit=True), SeqOutput("y", 0, (2,))))
     (finished,) = core.on_round_result(result, 8.0).finished
     assert (finished.request_id, finished.status) == ("x", RequestStatus.FINISHED_STOP)
 
@@ -276,7 +276,7 @@ def test_deadline_heap_drops_entries_of_ended_requests() -> None:
     for i in range(3000):
         core.submit(make_request(f"r{i}", deadline=1e9, queue_deadline=1e9), 0.0)
         core.cancel(f"r{i}", 0.0)
-    assert len(core._deadlines) < 1100 and core.next_deadline() is None
+    assert len(core.deadlines) < 1100 and core.next_deadline() is None
 
 
 # ---- reported load -------------------------------------------------------------------------

@@ -1,0 +1,354 @@
+"""The round builder: continuous batching of one replica's running and waiting requests.
+
+A round is built in phases:
+  1. `_schedule_running`: requests already running (decodes and unfinished prefill chunks) in the
+     order they started, skipping any still in an in-flight round; a block boundary needs one new
+     block, and when none is left `_preempt` frees the victim the victim rule picks.
+  2. `_schedule_waiting`: waiting and resumed requests in policy order, within what is left of the
+     query-token, sequence and KV-read budgets, stopping at the first head that does not fit
+     (head-of-line blocking is the policies' semantics). Skipped in a round that had to preempt.
+  3. `_seal`: the plan, its budget report and the in-flight record (kept by `RoundOutcomes`).
+Cost grows with the round's work: nothing scans the waiting queue, and a decode touches its block
+table only when it crosses a block boundary.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+from scheduler_svc.core.backlog import Backlog
+from scheduler_svc.core.block_pool import BlockPool
+from scheduler_svc.core.config import PreemptionMode, SchedulerConfig
+from scheduler_svc.core.host_blocks import HostBlocks
+from scheduler_svc.core.outbox import Outbox
+from scheduler_svc.core.outcomes import RoundOutcomes
+from scheduler_svc.core.request import Request, block_hashes_upto
+from scheduler_svc.core.round import DECODE, RoundBuilder, new_round_budget, new_round_plan, new_scheduled_seq
+from scheduler_svc.core.state import Input, apply
+from scheduler_svc.core.table import RequestTable
+from scheduler_svc.core.victims import make_victim_rule
+from sluice.types import BlockCopy, RequestStatus, RoundPlan, Stage
+
+
+class Batcher:
+    """Builds each round of one core from its parts; `schedule(now)` returns the plan."""
+
+    __slots__ = ("next_round_id", "_config", "_block_size", "_salt", "_swap", "_victims", "_table",
+                 "_backlog", "_pool", "_host", "_outbox", "_outcomes")
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        salt: int,
+        table: RequestTable,
+        backlog: Backlog,
+        pool: BlockPool,
+        host: HostBlocks,
+        outbox: Outbox,
+        outcomes: RoundOutcomes,
+    ) -> None:
+        self.next_round_id = 1
+        self._config = config
+        self._block_size = config.block_size
+        self._salt = salt
+        self._swap = config.preemption_mode is PreemptionMode.SWAP
+        self._victims = make_victim_rule(config.victim_policy)
+        self._table = table
+        self._backlog = backlog
+        self._pool = pool
+        self._host = host
+        self._outbox = outbox
+        self._outcomes = outcomes
+
+    def schedule(self, now: float) -> RoundPlan:
+        """Build the next round; return its plan (possibly empty: `plan.is_empty`).
+
+        Requests in a round that is still in flight are skipped. A non-empty plan must be
+        answered with `on_round_result` carrying its `round_id`.
+        """
+        round_id = self.next_round_id
+        self.next_round_id += 1
+        rnd = RoundBuilder(round_id, self._config)
+        # The phase calls are skipped when they have nothing to look at: most rounds of a lightly
+        # loaded replica carry a few decodes and no queue, and the calls are most of their cost.
+        if self._table.running:
+            self._schedule_running(rnd, now)
+        if len(self._backlog) and not rnd.preempted:
+            self._schedule_waiting(rnd, now)
+        return self._seal(rnd, now)
+
+    def _schedule_running(self, rnd: RoundBuilder, now: float) -> None:
+        """Place running requests in start order; plain decodes take an inlined fast path.
+
+        A plain decode (one known token beyond the computed prefix, no block boundary, no stop
+        strings, no pending prefill left by a recompute resume) only appends to the round, so it
+        works on local copies of the budgets; anything else syncs them back to `rnd` and goes
+        through `_grow` / `_place`.
+        """
+        max_chunk, block_size = self._config.max_prefill_chunk, self._block_size
+        running_status = RequestStatus.RUNNING
+        seqs, entries, round_id = rnd.seqs, rnd.entries, rnd.round_id
+        tokens_left, seqs_left, kv_left, decodes = rnd.tokens_left, rnd.seqs_left, rnd.kv_left, 0
+        for request in list(self._table.running.values()):
+            if request.in_flight_round is not None or request.status is not running_status:
+                continue
+            if not seqs_left or not tokens_left:
+                break
+            start = request.num_computed
+            tokens = request.tokens
+            if (
+                len(tokens) - start == 1
+                and start >= request.num_prompt
+                and len(request.block_ids) * block_size > start
+                and not request.stop_tail
+                and not request.pending_prefill
+            ):
+                if kv_left <= start:
+                    break
+                seqs.append(
+                    new_scheduled_seq(
+                        request.request_id,
+                        request.epoch,
+                        (tokens[start],),
+                        start,
+                        request.block_table,
+                        request.sampling,
+                        True,
+                        start + 1 - request.num_prompt,
+                        (),
+                    )
+                )
+                entries.append(request)
+                request.in_flight_round = round_id
+                tokens_left, seqs_left, kv_left, decodes = tokens_left - 1, seqs_left - 1, kv_left - start - 1, decodes + 1
+                continue
+            rnd.tokens_left, rnd.seqs_left, rnd.kv_left = tokens_left, seqs_left, kv_left
+            rnd.decode_tokens, decodes = rnd.decode_tokens + decodes, 0
+            num = min(len(tokens) - start, max_chunk, tokens_left, kv_left - start)
+            if num <= 0:
+                break
+            if len(request.block_ids) * block_size >= start + num or self._grow(request, start + num, rnd, now):
+                self._place(request, start, num, rnd, now)
+            tokens_left, seqs_left, kv_left = rnd.tokens_left, rnd.seqs_left, rnd.kv_left
+        rnd.tokens_left, rnd.seqs_left, rnd.kv_left = tokens_left, seqs_left, kv_left
+        rnd.decode_tokens += decodes
+
+    def _grow(self, request: Request, end: int, rnd: RoundBuilder, now: float) -> bool:
+        """Give `request` blocks up to position `end`, preempting others; False if it was preempted."""
+        need = -(-end // self._block_size) - len(request.block_ids)
+        while True:
+            blocks = self._pool.allocate(need)
+            if blocks is not None:
+                request.block_ids.extend(blocks)
+                request.block_table = tuple(request.block_ids)
+                return True
+            victim = self._pick_victim(request, rnd.round_id)
+            self._preempt(victim, rnd, now)
+            if victim is request:
+                return False
+
+    def _pick_victim(self, needy: Request, round_id: int) -> Request:
+        """Return the request to preempt so that `needy` can grow (the victim rule decides).
+
+        Candidates are the running requests not read by an in-flight round (ones placed in this
+        round are taken back out); `needy` itself is taken only when the rule ranks it lowest.
+        """
+        candidates = (
+            request
+            for request in self._table.running.values()
+            if request.in_flight_round in (None, round_id) and request is not needy
+        )
+        return self._victims.choose(needy, candidates)
+
+    def _preempt(self, victim: Request, rnd: RoundBuilder, now: float) -> None:
+        """Take `victim` off the device: swap its blocks to host if there is room, else recompute."""
+        rnd.preempted = True
+        if victim.in_flight_round == rnd.round_id:
+            self._unplace(victim, rnd)
+        del self._table.running[victim.request_id]
+        blocks = victim.block_ids
+        # Only blocks with computed KV are worth copying (one grown earlier in this round is not).
+        computed = -(-victim.num_computed // self._block_size)
+        swap = self._swap and self._host.num_free >= computed
+        if swap and computed < len(blocks):
+            self._pool.free(reversed(blocks[computed:]))
+            blocks = blocks[:computed]
+        victim.block_ids, victim.block_table, victim.num_registered = array("q"), (), 0
+        apply(victim, Input.PREEMPT)
+        victim.usage.preemptions += 1
+        self._outbox.preemptions += 1
+        if swap:
+            host = self._host.take(len(blocks))
+            rnd.swap_out += tuple(BlockCopy(d, h) for d, h in zip(blocks, host, strict=True))
+            # Pinned until the copy is done: the worker reads them before this round's forward.
+            self._pool.pin(blocks)
+            self._pool.free(reversed(blocks))
+            victim.swap_pinned, victim.host_blocks = blocks, host
+            victim.in_flight_round = rnd.round_id
+            rnd.swapping += (victim,)
+            self._table.swapping[victim.request_id] = victim
+        else:
+            self._pool.free(reversed(blocks))
+            victim.recompute_debt = max(victim.recompute_debt, victim.num_computed)
+            victim.num_computed = 0
+            apply(victim, Input.REQUEUE)
+            self._backlog.enqueue(victim)
+        self._outbox.event(victim, Stage.PREEMPTED, now, (("mode", "swap" if swap else "recompute"),))
+
+    def _schedule_waiting(self, rnd: RoundBuilder, now: float) -> None:
+        queue = self._backlog.queue
+        while rnd.seqs_left and rnd.tokens_left:
+            request = queue.peek()
+            if request is None:
+                return
+            admitted = self._resume_swapped(request, rnd, now) if request.host_blocks else self._admit(request, rnd, now)
+            if not admitted:
+                return
+
+    def _admit(self, request: Request, rnd: RoundBuilder, now: float) -> bool:
+        """Place the head of the queue (first schedule or recompute resume) if it fits."""
+        size, pool = self._block_size, self._pool
+        hits: list[int] = []
+        if pool.caching:
+            hits = pool.lookup(block_hashes_upto(request, (len(request.tokens) - 1) // size, size, self._salt))
+        start = len(hits) * size
+        num = min(len(request.tokens) - start, self._config.max_prefill_chunk, rnd.tokens_left, rnd.kv_left - start)
+        need = -(-(start + num) // size) - len(hits)
+        if num <= 0 or need + pool.count_unreferenced(hits) > pool.num_allocatable:
+            return False
+        self._backlog.dequeue(request, served=True)
+        pool.acquire(hits)
+        request.block_ids = array("q", hits)
+        request.block_ids.extend(pool.allocate(need) or ())
+        request.block_table = tuple(request.block_ids)
+        request.num_registered = len(hits)
+        request.num_computed = start
+        self._backlog.set_pending(request, len(request.tokens) - start)  # cached blocks are no work
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = now
+            request.usage.cached_tokens = start
+            self._outbox.prefix_hit_tokens += start
+            self._outbox.prefix_query_tokens += len(request.tokens)
+            self._outbox.event(request, Stage.FIRST_SCHEDULED, now, (("cached_tokens", start),))
+        else:
+            recomputed = max(0, request.recompute_debt - start)
+            request.recompute_debt = 0
+            request.usage.recomputed_tokens += recomputed
+            self._outbox.recomputed_tokens += recomputed
+            self._outbox.event(request, Stage.RESUMED, now, (("mode", "recompute"), ("cached_tokens", start)))
+        self._start_running(request)
+        self._place(request, start, num, rnd, now)
+        return True
+
+    def _resume_swapped(self, request: Request, rnd: RoundBuilder, now: float) -> bool:
+        """Bring a swapped-out request back: device blocks, swap-in copies, then its next chunk."""
+        start = request.num_computed
+        num = min(len(request.tokens) - start, self._config.max_prefill_chunk, rnd.tokens_left, rnd.kv_left - start)
+        need = -(-(start + num) // self._block_size)
+        if num <= 0 or need > self._pool.num_allocatable:
+            return False
+        self._backlog.dequeue(request, served=True)
+        blocks = self._pool.allocate(need) or []
+        rnd.swap_in += tuple(BlockCopy(h, d) for h, d in zip(request.host_blocks, blocks, strict=False))
+        # The host copies are read by this round; they are free once its result arrives.
+        rnd.host_release += tuple(request.host_blocks)
+        request.host_blocks = ()
+        request.block_ids, request.block_table, request.num_registered = array("q", blocks), tuple(blocks), 0
+        self._outbox.event(request, Stage.RESUMED, now, (("mode", "swap"),))
+        self._start_running(request)
+        self._place(request, start, num, rnd, now)
+        return True
+
+    def _start_running(self, request: Request) -> None:
+        apply(request, Input.SCHEDULE)
+        self._table.running[request.request_id] = request
+
+    def _place(self, request: Request, start: int, num: int, rnd: RoundBuilder, now: float) -> None:
+        """Add `num` tokens of `request` from position `start` to the round."""
+        tokens = request.tokens
+        end = start + num
+        sample = end == len(tokens)
+        num_outputs = len(tokens) - request.num_prompt
+        recent = tuple(tokens[max(request.num_prompt, len(tokens) - request.stop_tail) :]) if request.stop_tail else ()
+        rnd.seqs.append(
+            new_scheduled_seq(
+                request.request_id,
+                request.epoch,
+                tuple(tokens[start:end]),
+                start,
+                request.block_table,
+                request.sampling,
+                sample,
+                num_outputs,
+                recent,
+            )
+        )
+        decode = num == 1 and sample and start >= request.num_prompt
+        if request.pending_prefill:
+            # A chunk that reaches the last known token ends the prefill (what follows is decode).
+            self._backlog.set_pending(request, 0 if sample else len(tokens) - end)
+        rnd.entries.append(request)
+        if not decode:
+            if rnd.chunks is None:
+                rnd.chunks = {}
+            rnd.chunks[request] = (num, sample)
+        request.in_flight_round = rnd.round_id
+        rnd.tokens_left -= num
+        rnd.seqs_left -= 1
+        rnd.kv_left -= end
+        if decode:
+            rnd.decode_tokens += 1
+        else:
+            rnd.prefill_tokens += num
+
+    def _unplace(self, request: Request, rnd: RoundBuilder) -> None:
+        """Take a request placed earlier in this round back out (it is being preempted)."""
+        entries = rnd.entries
+        index = next(i for i in range(len(entries) - 1, -1, -1) if entries[i] is request)
+        entries.pop(index)
+        chunks = rnd.chunks
+        decode = chunks is None or request not in chunks
+        num, _ = DECODE if chunks is None or decode else chunks.pop(request)
+        seq = rnd.seqs.pop(index)
+        request.in_flight_round = None
+        rnd.tokens_left += num
+        rnd.seqs_left += 1
+        rnd.kv_left += seq.start_position + num
+        if decode:
+            rnd.decode_tokens -= 1
+        else:
+            rnd.prefill_tokens -= num
+            self._backlog.set_pending(request, len(request.tokens) - seq.start_position)
+
+    def _seal(self, rnd: RoundBuilder, now: float) -> RoundPlan:
+        config = self._config
+        if rnd.prefill_tokens:
+            self._note_prefill_chunks(rnd, now)
+        # Positional, in RoundBudget's field order (new_round_budget writes the slots directly).
+        budget = new_round_budget(
+            config.max_num_batched_tokens,
+            config.max_num_batched_tokens - rnd.tokens_left,
+            config.max_num_seqs,
+            config.max_num_seqs - rnd.seqs_left,
+            config.max_kv_read_tokens,
+            (config.max_kv_read_tokens or 1 << 62) - rnd.kv_left,
+            rnd.prefill_tokens,
+            rnd.decode_tokens,
+        )
+        swap_out, swap_in = rnd.swap_out, rnd.swap_in
+        plan = new_round_plan(rnd.round_id, tuple(rnd.seqs), swap_out, swap_in, budget)
+        if rnd.seqs or swap_out or swap_in:
+            self._outcomes.in_flight[rnd.round_id] = rnd
+            self._outbox.rounds += 1
+        return plan
+
+    def _note_prefill_chunks(self, rnd: RoundBuilder, now: float) -> None:
+        # Emitted when the round is sealed, so a chunk taken back by a preemption never shows up.
+        account = self._backlog.account
+        chunks = rnd.chunks or {}
+        for seq, request in zip(rnd.seqs, rnd.entries, strict=True):
+            if request in chunks:
+                num = chunks[request][0]
+                self._outbox.event(request, Stage.PREFILL_CHUNK, now, (("tokens", num), ("start", seq.start_position)))
+                if account is not None:
+                    account(request.tenant, num, 0)
