@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scheduler_svc.core.config import Policy, PreemptionMode, SchedulerConfig
+from scheduler_svc.core.config import Policy, PreemptionMode, SchedulerConfig, VictimPolicy
 from scheduler_svc.server import start_replica
 from sluice import serve
 from sluice.prom import SchedulerMetrics
@@ -34,6 +34,8 @@ class SchedulerOptions(serve.BusOptions):
     """Order of the waiting queue."""
     preemption: PreemptionMode = _CORE.preemption_mode
     """What happens to a victim's KV when blocks run out."""
+    victim_policy: VictimPolicy = _CORE.victim_policy
+    """Which running request is preempted when KV blocks run out."""
     max_num_batched_tokens: int = _CORE.max_num_batched_tokens
     """Token budget of one round (prefill chunk tokens + one per decode)."""
     max_num_seqs: int = _CORE.max_num_seqs
@@ -74,7 +76,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SchedulerOptions:
 def core_overrides(options: SchedulerOptions) -> dict[str, object]:
     """Return the SchedulerConfig fields the flags set (the rest come from the worker's Info)."""
     return {
-        "policy": options.policy, "preemption_mode": options.preemption,
+        "policy": options.policy, "preemption_mode": options.preemption, "victim_policy": options.victim_policy,
         "max_num_batched_tokens": options.max_num_batched_tokens, "max_num_seqs": options.max_num_seqs,
         "max_prefill_chunk": options.max_prefill_chunk, "max_kv_read_tokens": options.max_kv_read_tokens,
         "max_waiting": options.max_waiting, "enable_prefix_caching": not options.no_prefix_caching,
