@@ -96,7 +96,7 @@ class MirroredSimulator(Simulator):
 
     def __init__(self, config: SimConfig, requests: Sequence[Any]) -> None:
         super().__init__(config, requests)
-        self.services = Services(config.router_config(), lambda: self.now)
+        self.services = Services(self.router.config, lambda: self.now)  # the very config the simulated router runs
         self.heartbeats: list[tuple[float, tuple[object, ...]]] = []
         self.routes: list[tuple[str, int, str]] = []
 
