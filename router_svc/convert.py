@@ -1,33 +1,16 @@
-"""Wire <-> core conversions of the router: replicas, loads, route queries and decisions, KV events."""
+"""Wire <-> core conversions of the router's own types: replica specs and views, route queries and decisions.
+
+Replica states, loads and heartbeats are shared with the scheduler: they convert in `sluice.convert`.
+"""
 
 from __future__ import annotations
 
-from router_svc.core import ReplicaLoad, ReplicaSpec, ReplicaState, ReplicaView, RouteDecision, RouteQuery
+from router_svc.fleet import ReplicaSpec, ReplicaView
+from router_svc.scoring import RouteDecision, RouteQuery
+from sluice.convert import replica_state_to_proto
 from sluice.v1 import router_pb2
 
-__all__ = [
-    "load_from_proto", "query_from_proto", "decision_to_proto", "replica_to_proto",
-    "spec_from_proto", "state_from_proto", "state_to_proto",
-]
-
-_STATE_TO_PROTO: dict[ReplicaState, router_pb2.ReplicaState] = {
-    ReplicaState.WARMING: router_pb2.WARMING,
-    ReplicaState.READY: router_pb2.READY,
-    ReplicaState.DRAINING: router_pb2.DRAINING,
-    ReplicaState.GONE: router_pb2.GONE,
-    ReplicaState.UNHEALTHY: router_pb2.UNHEALTHY,
-}
-_STATE_FROM_PROTO: dict[int, ReplicaState] = {int(v): k for k, v in _STATE_TO_PROTO.items()}
-
-
-def state_to_proto(state: ReplicaState | None) -> router_pb2.ReplicaState:
-    """Return the wire ReplicaState (None, an unknown replica, is GONE)."""
-    return _STATE_TO_PROTO[state] if state is not None else router_pb2.GONE
-
-
-def state_from_proto(value: int) -> ReplicaState | None:
-    """Return the core ReplicaState of a wire value (None for UNSPECIFIED)."""
-    return _STATE_FROM_PROTO.get(value)
+__all__ = ["decision_to_proto", "query_from_proto", "replica_to_proto", "spec_from_proto"]
 
 
 def spec_from_proto(msg: router_pb2.Replica) -> ReplicaSpec:
@@ -47,18 +30,11 @@ def replica_to_proto(view: ReplicaView) -> router_pb2.Replica:
     spec = view.spec
     return router_pb2.Replica(
         replica_id=spec.replica_id, model=spec.model, adapter_version=spec.adapter_version,
-        scheduler_address=spec.address, state=state_to_proto(view.state), block_size=spec.block_size,
+        scheduler_address=spec.address, state=replica_state_to_proto(view.state), block_size=spec.block_size,
         num_blocks=spec.num_blocks, max_num_batched_tokens=spec.max_num_batched_tokens,
         prefill_tokens_per_s=spec.prefill_tokens_per_s, decode_round_s=spec.decode_round_s,
         last_heartbeat_unix_s=view.last_heartbeat,
     )
-
-
-def load_from_proto(msg: router_pb2.ReplicaLoad) -> ReplicaLoad:
-    """Return the core ReplicaLoad of a heartbeat's load (measured rates 0 when the replica has none yet)."""
-    return ReplicaLoad(waiting=msg.waiting, running=msg.running, queued_prefill_tokens=msg.queued_prefill_tokens,
-                       kv_blocks_free=msg.kv_blocks_free, prefill_tokens_per_s=max(msg.prefill_tokens_per_s, 0.0),
-                       decode_round_s=max(msg.decode_round_s, 0.0))
 
 
 def query_from_proto(msg: router_pb2.RouteRequest) -> RouteQuery:

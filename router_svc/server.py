@@ -4,9 +4,10 @@ Theory of operation
 - Route, RegisterReplica, Heartbeat, Drain, ListReplicas: convert, call the core with `time.time()`,
   convert back. A "routed" span continues the caller's trace.
 - RegisterReplica (re)creates the replica in WARMING and fetches a KvSnapshot from its scheduler.
-  A Heartbeat with state READY moves a WARMING (or UNHEALTHY) replica to READY; UNHEALTHY (its worker
-  is down) takes it out of routing until it reports READY again; DRAINING drains it. A Heartbeat
-  from a replica the router does not know (a restarted router) is NOT_FOUND: the replica registers again.
+  A Heartbeat goes through `sluice.glue.apply_heartbeat`, the one reconciliation the simulator runs
+  too: READY moves a WARMING (or UNHEALTHY) replica to READY; UNHEALTHY (its worker is down) takes
+  it out of routing until it reports READY again; DRAINING drains it. A Heartbeat from a replica
+  the router does not know (a restarted router) is NOT_FOUND: the replica registers again.
 - The `kv` stream is read in this router's own consumer group (`router:{router_id}`: every router
   needs every event). Events feed `apply_kv_events`; an event-id gap (False) triggers a snapshot
   fetch. While a replica's snapshot is being fetched its events are buffered and replayed on top of
@@ -32,13 +33,13 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from router_svc import convert
-from router_svc.core import ReplicaState, RouterCore
+from router_svc.core import RouterCore
 from sluice import convert as shared_convert
-from sluice import errors, services
+from sluice import errors, glue, services
 from sluice.bus import Bus
 from sluice.prom import RouterMetrics
 from sluice.telemetry import extract_metadata, get_tracer
-from sluice.types import KvEvent
+from sluice.types import KvEvent, ReplicaState
 from sluice.v1 import events_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = ["RouterRuntime", "RouterServicer"]
@@ -224,29 +225,22 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         state = self.core.register(spec, self.runtime.clock())
         log.info("replica %s registered (%s at %s)", spec.replica_id, spec.model, spec.address)
         self.runtime.on_registered(spec.replica_id)
-        return router_pb2.RegisterReplicaResponse(state=convert.state_to_proto(state))
+        return router_pb2.RegisterReplicaResponse(state=shared_convert.replica_state_to_proto(state))
 
     async def Heartbeat(self, request: router_pb2.HeartbeatRequest,  # noqa: N802
                         context: grpc.aio.ServicerContext) -> router_pb2.HeartbeatResponse:
-        now = self.runtime.clock()
-        current = self.core.state_of(request.replica_id)
-        reported = convert.state_from_proto(request.state)
-        if reported is ReplicaState.READY and current in (ReplicaState.WARMING, ReplicaState.UNHEALTHY):
-            self.core.mark_ready(request.replica_id, now)
-            if current is ReplicaState.UNHEALTHY:
-                log.info("replica %s reports its worker back: READY", request.replica_id)
-        elif reported is ReplicaState.UNHEALTHY and current in (ReplicaState.WARMING, ReplicaState.READY):
-            self.core.mark_unhealthy(request.replica_id, now)
-            log.warning("replica %s reports its worker down: UNHEALTHY, no traffic", request.replica_id)
-        elif reported is ReplicaState.DRAINING and current is not ReplicaState.DRAINING:
-            self.core.drain(request.replica_id, now)
-        state = self.core.heartbeat(request.replica_id, convert.load_from_proto(request.load), now)
-        return router_pb2.HeartbeatResponse(state=convert.state_to_proto(state))
+        report = shared_convert.heartbeat_from_proto(request)
+        before, after = glue.apply_heartbeat(self.core, report, self.runtime.clock())
+        if before is not after and after is ReplicaState.UNHEALTHY:
+            log.warning("replica %s reports its worker down: UNHEALTHY, no traffic", report.replica_id)
+        elif before is ReplicaState.UNHEALTHY and after is ReplicaState.READY:
+            log.info("replica %s reports its worker back: READY", report.replica_id)
+        return router_pb2.HeartbeatResponse(state=shared_convert.replica_state_to_proto(after))
 
     async def Drain(self, request: router_pb2.DrainRequest,  # noqa: N802
                     context: grpc.aio.ServicerContext) -> router_pb2.DrainResponse:
         state = self.core.drain(request.replica_id, self.runtime.clock())
-        return router_pb2.DrainResponse(state=convert.state_to_proto(state))
+        return router_pb2.DrainResponse(state=shared_convert.replica_state_to_proto(state))
 
     async def ListReplicas(self, request: router_pb2.ListReplicasRequest,  # noqa: N802
                            context: grpc.aio.ServicerContext) -> router_pb2.ListReplicasResponse:

@@ -35,15 +35,16 @@ from opentelemetry.context import Context
 from scheduler_svc.core import SchedulerCore
 from scheduler_svc.publisher import Publisher
 from scheduler_svc.reporting import Reporter
-from scheduler_svc.worker_link import RoundRates, WorkerLink
+from scheduler_svc.worker_link import WorkerLink
 from sluice import convert, telemetry
 from sluice.bus import Bus
 from sluice.core_errors import RequestRejected
+from sluice.glue import RoundRates
 from sluice.prom import SchedulerMetrics
 from sluice.types import CoreEvents, RequestStatus, RoundPlan
 from sluice.v1 import common_pb2, scheduler_pb2, worker_pb2_grpc
 
-__all__ = ["Driver", "RoundRates"]
+__all__ = ["Driver"]
 
 log = logging.getLogger(__name__)
 tracer = telemetry.get_tracer("sluice.scheduler")

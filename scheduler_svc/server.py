@@ -6,7 +6,8 @@ Theory of operation
 - `ReplicaAgent` makes the replica known: RegisterReplica (WARMING, with the worker's block size and
   capacity), a Heartbeat with READY and the load once the worker's health is SERVING, then a heartbeat
   every `heartbeat_interval_s`. A heartbeat answered NOT_FOUND (a restarted router) registers again.
-  The load carries the rates the driver measured (decode round, prefill tokens/s) once it has them.
+  The heartbeat is built by `sluice.glue.heartbeat_report` (the glue the simulator runs too): the
+  load carries the rates the driver measured (decode round, prefill tokens/s) once it has them.
   Before each heartbeat the agent probes the worker; while it is down the heartbeat says UNHEALTHY
   (the router routes nothing here) and Submit answers UNAVAILABLE reason `worker_unavailable`; the
   driver's `worker_changed` makes the agent heartbeat at once on either change.
@@ -30,10 +31,11 @@ from scheduler_svc.collector import tune_collector
 from scheduler_svc.core import SchedulerCore
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.driver import Driver
-from sluice import convert, errors, services
+from sluice import convert, errors, glue, services
 from sluice.bus import Bus
 from sluice.prom import SchedulerMetrics
 from sluice.telemetry import extract_metadata
+from sluice.types import ReplicaState
 from sluice.v1 import (
     router_pb2,
     router_pb2_grpc,
@@ -101,22 +103,15 @@ class ReplicaAgent:
     router: router_pb2_grpc.RouterServiceStub
     replica: router_pb2.Replica
     heartbeat_interval_s: float = 1.0
-    state: router_pb2.ReplicaState = router_pb2.WARMING
+    state: ReplicaState = ReplicaState.WARMING
+    """What the agent says of the replica; reported UNHEALTHY instead while the worker is down."""
 
-    def load(self) -> router_pb2.ReplicaLoad:
-        """Return the replica's current load for a heartbeat."""
-        stats, rates = self.driver.core.stats(), self.driver.rates
-        return router_pb2.ReplicaLoad(waiting=stats.waiting, running=stats.running,
-                                      queued_prefill_tokens=stats.queued_prefill_tokens,
-                                      kv_blocks_free=stats.kv_blocks_free,
-                                      prefill_tokens_per_s=rates.prefill_tokens_per_s,
-                                      decode_round_s=rates.decode_round_s)
-
-    def reported_state(self) -> router_pb2.ReplicaState:
-        """Return the state to heartbeat: UNHEALTHY instead of WARMING/READY while the worker is down."""
-        if not self.driver.worker_serving and self.state in (router_pb2.WARMING, router_pb2.READY):
-            return router_pb2.UNHEALTHY
-        return self.state
+    def heartbeat_request(self) -> router_pb2.HeartbeatRequest:
+        """Return the next heartbeat: the reported state and the load, built by the one glue (sluice.glue)."""
+        driver = self.driver
+        report = glue.heartbeat_report(self.replica.replica_id, self.state, driver.worker_serving,
+                                       driver.core.stats(), driver.rates)
+        return convert.heartbeat_to_proto(report)
 
     async def register(self) -> None:
         """Register (WARMING). Raises grpc.aio.AioRpcError when the router cannot be reached."""
@@ -125,8 +120,7 @@ class ReplicaAgent:
 
     async def heartbeat(self) -> int:
         """Send one heartbeat (re-registering if the router forgot us); return the router's state for us."""
-        request = router_pb2.HeartbeatRequest(replica_id=self.replica.replica_id, state=self.reported_state(),
-                                              load=self.load())
+        request = self.heartbeat_request()
         try:
             reply = await self.router.Heartbeat(request, timeout=5)
         except grpc.aio.AioRpcError as exc:
@@ -146,8 +140,8 @@ class ReplicaAgent:
                 if not registered:
                     await self.register()
                     registered = True
-                if ready.is_set() and self.state == router_pb2.WARMING:
-                    self.state = router_pb2.READY
+                if ready.is_set() and self.state is ReplicaState.WARMING:
+                    self.state = ReplicaState.READY
                 if self.driver.worker_serving:
                     await self.driver.probe_worker()  # an idle replica notices a dead worker too
                 await self.heartbeat()
@@ -163,7 +157,7 @@ class ReplicaAgent:
     async def drain(self, drain_timeout_s: float) -> None:
         """Tell the router DRAINING, stop accepting, finish or cancel live requests (see module docstring)."""
         self.driver.accepting = False
-        self.state = router_pb2.DRAINING
+        self.state = ReplicaState.DRAINING
         with contextlib.suppress(grpc.aio.AioRpcError):
             await self.heartbeat()
         loop = asyncio.get_running_loop()

@@ -5,8 +5,8 @@
 - `serving` is False while the worker is unreachable; every change sets `changed` (the agent
   heartbeats at once) and calls `on_change` (the loop wakes up). `probe` asks the worker's gRPC
   health (else Info) and marks it down when it does not answer; the loop marks it up again.
-- `RoundRates` measures what rounds take (EWMA of decode round seconds and prefill tokens/s, from
-  each successful round's wall time); heartbeats carry them to the router's TTFT prediction.
+- What rounds take is measured by the driver with `sluice.glue.RoundRates` (the one glue the simulator
+  shares); heartbeats carry it to the router's TTFT prediction.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -24,54 +23,9 @@ from sluice.prom import SchedulerMetrics
 from sluice.types import RoundPlan, RoundResult
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 
-__all__ = ["RoundRates", "WorkerLink"]
+__all__ = ["WorkerLink"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RoundRates:
-    """What this replica's rounds take, as exponentially weighted averages, for the router's TTFT.
-
-    A round's wall time is modelled as one decode round (when it has decodes) plus its prefill tokens
-    at the prefill rate. Decode-only rounds update `decode_round_s`; a round with prefill tokens
-    counts its time less one decode round (at least a tenth of the round, so that a noisy decode
-    average cannot make the rate absurd). The rate is averaged tokens over averaged seconds, so that
-    small chunks do not dominate it.
-    """
-
-    alpha: float = 0.2
-    """Weight of the newest round."""
-    decode_round_s: float = 0.0
-    """Average decode-only round, seconds; 0 until one was seen."""
-    prefill_tokens: float = 0.0
-    """Average prefill tokens of rounds that had some."""
-    prefill_s: float = 0.0
-    """Average seconds those rounds spent on prefill."""
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        """Return the measured prefill rate in tokens/s; 0 until a round with prefill was seen."""
-        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
-
-    def observe(self, plan: RoundPlan, wall_s: float) -> None:
-        """Fold one successful round (its plan and its wall seconds) into the averages."""
-        prefill_tokens = decodes = 0
-        for seq in plan.seqs:
-            if seq.sample and seq.output_index > 0 and len(seq.token_ids) == 1:
-                decodes += 1
-            else:
-                prefill_tokens += len(seq.token_ids)
-        if prefill_tokens == 0:
-            if decodes:
-                self.decode_round_s = self._average(self.decode_round_s, wall_s)
-            return
-        spent = max(wall_s - (self.decode_round_s if decodes else 0.0), wall_s / 10)
-        self.prefill_tokens = self._average(self.prefill_tokens, prefill_tokens)
-        self.prefill_s = self._average(self.prefill_s, spent)
-
-    def _average(self, old: float, sample: float) -> float:
-        return sample if old == 0.0 else old + self.alpha * (sample - old)
 
 
 class WorkerLink:

@@ -15,9 +15,12 @@ from sluice.types import (
     BlockCopy,
     CoreStats,
     Finished,
+    HeartbeatReport,
     KvEvent,
     KvEventKind,
     NewRequest,
+    ReplicaLoad,
+    ReplicaState,
     RequestStatus,
     RoundPlan,
     RoundResult,
@@ -25,7 +28,7 @@ from sluice.types import (
     ScheduledSeq,
     SeqOutput,
 )
-from sluice.v1 import common_pb2, events_pb2, scheduler_pb2, worker_pb2
+from sluice.v1 import common_pb2, events_pb2, router_pb2, scheduler_pb2, worker_pb2
 
 
 def wire_top_p(top_p: float) -> float:
@@ -257,3 +260,52 @@ def kv_events_from_proto(batch: events_pb2.KvEventBatch) -> list[KvEvent]:
         else:
             raise ValueError(f"KV event {event.event_id} of replica {batch.replica_id!r} has no kind")
     return out
+
+
+# ---- a replica's presence at the router ---------------------------------------------------------
+
+_REPLICA_STATE_TO_PROTO: dict[ReplicaState, router_pb2.ReplicaState] = {
+    ReplicaState.WARMING: router_pb2.WARMING,
+    ReplicaState.READY: router_pb2.READY,
+    ReplicaState.DRAINING: router_pb2.DRAINING,
+    ReplicaState.GONE: router_pb2.GONE,
+    ReplicaState.UNHEALTHY: router_pb2.UNHEALTHY,
+}
+_REPLICA_STATE_FROM_PROTO: dict[int, ReplicaState] = {int(v): k for k, v in _REPLICA_STATE_TO_PROTO.items()}
+
+
+def replica_state_to_proto(state: ReplicaState | None) -> router_pb2.ReplicaState:
+    """Return the wire ReplicaState (None, an unknown replica, is GONE)."""
+    return _REPLICA_STATE_TO_PROTO[state] if state is not None else router_pb2.GONE
+
+
+def replica_state_from_proto(value: int) -> ReplicaState | None:
+    """Return the ReplicaState of a wire value (None for UNSPECIFIED)."""
+    return _REPLICA_STATE_FROM_PROTO.get(value)
+
+
+def load_to_proto(load: ReplicaLoad) -> router_pb2.ReplicaLoad:
+    """Return the wire form of a heartbeat's load."""
+    return router_pb2.ReplicaLoad(waiting=load.waiting, running=load.running,
+                                  queued_prefill_tokens=load.queued_prefill_tokens,
+                                  kv_blocks_free=load.kv_blocks_free,
+                                  prefill_tokens_per_s=load.prefill_tokens_per_s,
+                                  decode_round_s=load.decode_round_s)
+
+
+def load_from_proto(msg: router_pb2.ReplicaLoad) -> ReplicaLoad:
+    """Return the ReplicaLoad of a heartbeat's load (measured rates 0 when the replica has none yet)."""
+    return ReplicaLoad(waiting=msg.waiting, running=msg.running, queued_prefill_tokens=msg.queued_prefill_tokens,
+                       kv_blocks_free=msg.kv_blocks_free, prefill_tokens_per_s=max(msg.prefill_tokens_per_s, 0.0),
+                       decode_round_s=max(msg.decode_round_s, 0.0))
+
+
+def heartbeat_to_proto(report: HeartbeatReport) -> router_pb2.HeartbeatRequest:
+    """Return the Heartbeat call of a replica's report (an unspecified state stays UNSPECIFIED)."""
+    state = router_pb2.REPLICA_STATE_UNSPECIFIED if report.state is None else replica_state_to_proto(report.state)
+    return router_pb2.HeartbeatRequest(replica_id=report.replica_id, state=state, load=load_to_proto(report.load))
+
+
+def heartbeat_from_proto(msg: router_pb2.HeartbeatRequest) -> HeartbeatReport:
+    """Return the report a Heartbeat call carries."""
+    return HeartbeatReport(msg.replica_id, replica_state_from_proto(msg.state), load_from_proto(msg.load))

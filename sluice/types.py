@@ -302,3 +302,54 @@ class BackendInfo:
     eos_token_id: int
     backend: str
     """"torch" or "costmodel"."""
+
+
+# ---- a replica's presence at the router (sent by the scheduler, kept by the router, played by the simulator) ----
+
+
+class ReplicaState(enum.Enum):
+    """Where a replica stands with the router; the router's transition table is in router_svc/fleet.py."""
+
+    WARMING = "warming"
+    READY = "ready"
+    DRAINING = "draining"
+    GONE = "gone"
+    UNHEALTHY = "unhealthy"
+    """Registered, but its worker is down: no traffic until it reports READY again."""
+
+
+class ReplicaInput(enum.Enum):
+    """What moves a replica between states (the inputs of the router's replica table)."""
+
+    WARMED = "warmed"
+    """The replica reports its model loaded and a warm-up round done."""
+    DRAIN = "drain"
+    """Stop sending it traffic; in-flight work finishes."""
+    REMOVE = "remove"
+    """It left, or its heartbeat was lost."""
+    FAULT = "fault"
+    """It reports its worker down (it cannot run rounds until the worker is back)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLoad:
+    """A replica's load as a heartbeat reports it (built by `sluice.glue.replica_load`)."""
+
+    waiting: int = 0
+    running: int = 0
+    queued_prefill_tokens: int = 0
+    kv_blocks_free: int = 0
+    prefill_tokens_per_s: float = 0.0
+    """Measured by the replica from its rounds; 0 = not yet (the spec's registered rate is used)."""
+    decode_round_s: float = 0.0
+    """Measured by the replica from its rounds; 0 = not yet (the spec's registered value is used)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatReport:
+    """One heartbeat: the state a replica reports and its load (built by `sluice.glue.heartbeat_report`)."""
+
+    replica_id: str
+    state: ReplicaState | None
+    """None: the wire said nothing (UNSPECIFIED); the router then changes no state."""
+    load: ReplicaLoad

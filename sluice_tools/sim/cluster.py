@@ -13,9 +13,11 @@ cost model. Everything that decides anything is the cores' code, unchanged:
 - the core's events are delivered as a service would: tokens and terminal records to the request
   records, `Finished` to `AdmissionCore.release` and `RouterCore.on_request_done`, KV events to
   `RouterCore.apply_kv_events` (a gap asks for `kv_snapshot`);
-- every `heartbeat_interval_s` each replica's `stats()` refresh the router's load view;
+- every `heartbeat_interval_s` each replica heartbeats as the services do, through the one glue
+  (`sluice.glue`): `heartbeat_report` from its core's `stats()` and the `RoundRates` measured from
+  its rounds' modelled times, then `apply_heartbeat` (the router servicer's reconciliation);
 - cancellations (`cancel_after_s`) call `cancel`; deadlines are the core's, polled at
-  `next_deadline()` with `expire`; replicas start WARMING and `mark_ready` after `warmup_s`.
+  `next_deadline()` with `expire`; replicas start WARMING and heartbeat READY after `warmup_s`.
 """
 
 from __future__ import annotations
@@ -29,16 +31,17 @@ from typing import Any
 from admission_svc.core import AdmissionCore, InvalidRequest, OverBudget
 from router_svc.core import (
     NoReplicaAvailable,
-    ReplicaLoad,
     ReplicaSpec,
+    RouteDecision,
     RouteQuery,
     RouterCore,
     RoutingPolicy,
 )
 from scheduler_svc.core import SchedulerCore
+from sluice import glue
 from sluice.core_errors import RequestRejected
 from sluice.hashing import hash_chain, salt_of
-from sluice.types import CoreEvents, NewRequest, RequestStatus, SamplingParams, Stage
+from sluice.types import CoreEvents, NewRequest, ReplicaState, RequestStatus, RoundPlan, SamplingParams, Stage
 from sluice_tools.metrics import RequestRecord
 from sluice_tools.sim.config import DEFAULT_MAX_MODEL_LEN, SimConfig
 from sluice_tools.workload import WorkloadRequest
@@ -58,7 +61,7 @@ _STATUS = {
 
 
 class _Replica:
-    __slots__ = ("index", "replica_id", "core", "busy", "deadline_at", "reported_idle")
+    __slots__ = ("index", "replica_id", "core", "busy", "deadline_at", "reported_idle", "state", "rates")
 
     def __init__(self, index: int, replica_id: str, core: SchedulerCore) -> None:
         self.index = index
@@ -68,6 +71,10 @@ class _Replica:
         self.deadline_at: float | None = None
         self.reported_idle = False
         """The router's view of this replica is already 'empty' (last heartbeat had no work)."""
+        self.state = ReplicaState.WARMING
+        """What its heartbeats report (the scheduler's ReplicaAgent.state)."""
+        self.rates = glue.RoundRates()
+        """Measured from its rounds' modelled times, as the scheduler's driver measures wall times."""
 
 
 class Simulator:
@@ -147,7 +154,7 @@ class Simulator:
         """Play every request to a terminal state; return the records in arrival order."""
         started = time.perf_counter()
         for replica in self.replicas:
-            self.router.register(self._replica_spec(replica), 0.0)
+            self._register(replica)
             self.push(self.config.warmup_s, _READY, replica)
         self.push(0.0, _HEARTBEAT)
         self.push(0.0, _SAMPLE)
@@ -232,7 +239,7 @@ class Simulator:
         hashes = tuple(hash_chain(prompt, self.config.scheduler.block_size, self._salt)) if self._hash_prompts else ()
         query = RouteQuery(rid, self.config.model, "", hashes, request.input_length, request.output_length)
         try:
-            decision = self.router.route(query, now)
+            decision = self._route(query)
         except NoReplicaAvailable as error:
             self.admission.release(rid, now)
             self._reject(request, record, f"unavailable: {error}", max(self.config.warmup_s - now, 0.1))
@@ -287,11 +294,12 @@ class Simulator:
         self.rounds += 1
         # push() inlined: this runs once per simulated round
         self._seq += 1
-        heapq.heappush(self._heap, (now + result.elapsed_s, self._seq, _ROUND_DONE, (replica, result)))
+        heapq.heappush(self._heap, (now + result.elapsed_s, self._seq, _ROUND_DONE, (replica, plan, result)))
 
-    def _on_round_done(self, payload: tuple[_Replica, Any]) -> None:
-        replica, result = payload
+    def _on_round_done(self, payload: tuple[_Replica, RoundPlan, Any]) -> None:
+        replica, plan, result = payload
         replica.busy = False
+        replica.rates.observe(plan, result.elapsed_s)
         self._absorb(replica, replica.core.on_round_result(result, self.now))
         self._kick(replica)
 
@@ -319,23 +327,18 @@ class Simulator:
         self._kick(replica)
 
     def _on_ready(self, replica: _Replica) -> None:
-        self.router.mark_ready(replica.replica_id, self.now)
+        replica.state = ReplicaState.READY
+        self._heartbeat(replica)  # as the scheduler's agent does once its worker serves
 
     def _on_heartbeat(self, _: object) -> None:
         now = self.now
         for replica in self.replicas:
-            core = replica.core
-            idle = not replica.busy and not core.has_unfinished()
-            if idle and replica.reported_idle:
-                # Same (empty) load as the last heartbeat told the router: skipping it changes no
-                # routing decision and saves most of the heartbeat cost on a lightly loaded fleet.
+            if replica.reported_idle and not replica.busy and not replica.core.has_unfinished():
+                # Same (empty) load as the last heartbeat told the router, and no round since to move the
+                # rates: skipping it changes no routing decision (only the heartbeat time, which the
+                # simulator never expires) and saves most of the heartbeat cost on a lightly loaded fleet.
                 continue
-            stats = core.stats()
-            load = ReplicaLoad(
-                stats.waiting, stats.running, stats.queued_prefill_tokens, stats.kv_blocks_free
-            )
-            self.router.heartbeat(replica.replica_id, load, now)
-            replica.reported_idle = idle
+            self._heartbeat(replica)
         if self._busy():
             self.push(now + self.config.heartbeat_interval_s, _HEARTBEAT)
 
@@ -355,6 +358,22 @@ class Simulator:
         series["recomputed_tokens"].append((now, float(sum(s.recomputed_tokens for s in stats))))
         if self._busy():
             self.push(now + self.config.sample_interval_s, _SAMPLE)
+
+    # ---- the router, through the services' glue ---------------------------------------------
+    def _register(self, replica: _Replica) -> None:
+        """Register the replica with the router (WARMING), as the scheduler's agent does at start."""
+        self.router.register(self._replica_spec(replica), self.now)
+
+    def _heartbeat(self, replica: _Replica) -> None:
+        """Send one heartbeat of the replica: the services' report and reconciliation (sluice.glue)."""
+        core = replica.core
+        report = glue.heartbeat_report(replica.replica_id, replica.state, True, core.stats(), replica.rates)
+        glue.apply_heartbeat(self.router, report, self.now)
+        replica.reported_idle = not replica.busy and not core.has_unfinished()
+
+    def _route(self, query: RouteQuery) -> RouteDecision:
+        """Route one request (the router servicer's Route, without the wire)."""
+        return self.router.route(query, self.now)
 
     # ---- what the cores said ----------------------------------------------------------------
     def _absorb(self, replica: _Replica, events: CoreEvents) -> None:

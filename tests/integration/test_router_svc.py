@@ -218,45 +218,6 @@ def test_an_unhealthy_replica_gets_no_traffic_until_it_reports_ready_again(redis
     asyncio.run(body())
 
 
-def test_every_replica_state_and_input_pair_including_unhealthy() -> None:
-    """Walk every (state, input) of the replica table: the UNHEALTHY rows are the ones the worker-down
-    protocol needs (FAULT takes WARMING/READY there, WARMED brings it back to READY), the rest as before."""
-    import itertools
-
-    from router_svc.core import (
-        REPLICA_TRANSITIONS,
-        IllegalReplicaTransition,
-        ReplicaInput,
-        ReplicaState,
-        next_replica_state,
-    )
-
-    expected = {
-        (ReplicaState.WARMING, ReplicaInput.WARMED): ReplicaState.READY,
-        (ReplicaState.WARMING, ReplicaInput.DRAIN): ReplicaState.DRAINING,
-        (ReplicaState.WARMING, ReplicaInput.REMOVE): ReplicaState.GONE,
-        (ReplicaState.WARMING, ReplicaInput.FAULT): ReplicaState.UNHEALTHY,
-        (ReplicaState.READY, ReplicaInput.WARMED): ReplicaState.READY,
-        (ReplicaState.READY, ReplicaInput.DRAIN): ReplicaState.DRAINING,
-        (ReplicaState.READY, ReplicaInput.REMOVE): ReplicaState.GONE,
-        (ReplicaState.READY, ReplicaInput.FAULT): ReplicaState.UNHEALTHY,
-        (ReplicaState.DRAINING, ReplicaInput.DRAIN): ReplicaState.DRAINING,
-        (ReplicaState.DRAINING, ReplicaInput.REMOVE): ReplicaState.GONE,
-        (ReplicaState.DRAINING, ReplicaInput.FAULT): ReplicaState.DRAINING,
-        (ReplicaState.UNHEALTHY, ReplicaInput.WARMED): ReplicaState.READY,
-        (ReplicaState.UNHEALTHY, ReplicaInput.DRAIN): ReplicaState.DRAINING,
-        (ReplicaState.UNHEALTHY, ReplicaInput.REMOVE): ReplicaState.GONE,
-        (ReplicaState.UNHEALTHY, ReplicaInput.FAULT): ReplicaState.UNHEALTHY,
-    }
-    assert expected == REPLICA_TRANSITIONS
-    for state, event in itertools.product(ReplicaState, ReplicaInput):
-        if (state, event) in expected:
-            assert next_replica_state("r", state, event) is expected[(state, event)]
-        else:
-            with pytest.raises(IllegalReplicaTransition):
-                next_replica_state("r", state, event)
-
-
 def test_measured_rates_in_heartbeats_replace_the_registered_ones(redis_url: str, namespace: str) -> None:
     """The TTFT prediction uses the prefill rate and decode round a heartbeat measured, and falls back to
     the registered ones when a heartbeat carries none (0)."""

@@ -19,11 +19,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router_svc.core import RouterCore
 from router_svc.server import RouterRuntime, start_router_server
-from scheduler_svc.driver import RoundRates
 from scheduler_svc.server import RunningReplica, start_replica
 from sluice.bus import Bus
 from sluice.telemetry import get_tracer, inject_metadata, read_span_file
-from sluice.types import RoundPlan, SamplingParams, ScheduledSeq
 from sluice.v1 import common_pb2, events_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from worker_svc.costmodel import CostModel
 from worker_svc.server import RunningWorker, WorkerRuntime, start_worker_server
@@ -145,24 +143,6 @@ def test_big_rounds_publish_after_the_next_plan_in_order_and_complete(redis_url:
                 request_id = events_pb2.Completion.FromString(payload).request_id
                 assert last_ms[request_id] <= int(entry_id.split("-")[0])
     asyncio.run(body())
-
-
-def test_round_rates_average_decode_rounds_and_prefill_throughput() -> None:
-    """Decode-only rounds set the decode round time; a round with prefill counts its time less one decode
-    round towards the prefill rate; later rounds move the averages by the weight alpha."""
-    def seq(tokens: int, output_index: int) -> ScheduledSeq:
-        return ScheduledSeq("r", 0, tuple(range(tokens)), 0, (0,), SamplingParams(), True, output_index)
-
-    rates = RoundRates(alpha=0.5)
-    assert (rates.decode_round_s, rates.prefill_tokens_per_s) == (0.0, 0.0)
-    rates.observe(RoundPlan(1, (seq(1, 3), seq(1, 7))), 0.010)
-    assert rates.decode_round_s == pytest.approx(0.010) and rates.prefill_tokens_per_s == 0.0
-    rates.observe(RoundPlan(2, (seq(1, 4), seq(500, 0))), 0.060)  # 0.050 s of prefill for 500 tokens
-    assert rates.prefill_tokens_per_s == pytest.approx(10_000.0)
-    rates.observe(RoundPlan(3, (seq(1, 5),)), 0.020)
-    assert rates.decode_round_s == pytest.approx(0.015)
-    rates.observe(RoundPlan(4, (seq(1500, 0),)), 0.150)  # prefill only: the whole round is prefill
-    assert rates.prefill_tokens_per_s == pytest.approx(1000 / 0.100)
 
 
 def test_cancel_mid_run_frees_every_kv_block(redis_url: str, namespace: str) -> None:

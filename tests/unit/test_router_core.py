@@ -181,3 +181,50 @@ def test_unknown_policy_name_lists_the_known_ones() -> None:
     """RoutingPolicy.parse rejects an unknown name with the list of known ones."""
     with pytest.raises(ValueError, match="round_robin"):
         RoutingPolicy.parse("fastest")
+
+
+def test_every_replica_state_and_input_pair_including_unhealthy() -> None:
+    """Walk every (state, input) of the replica table: the UNHEALTHY rows are the ones the worker-down
+    protocol needs (FAULT takes WARMING/READY there, WARMED brings it back to READY), the rest as before."""
+    expected = {
+        (ReplicaState.WARMING, ReplicaInput.WARMED): ReplicaState.READY,
+        (ReplicaState.WARMING, ReplicaInput.DRAIN): ReplicaState.DRAINING,
+        (ReplicaState.WARMING, ReplicaInput.REMOVE): ReplicaState.GONE,
+        (ReplicaState.WARMING, ReplicaInput.FAULT): ReplicaState.UNHEALTHY,
+        (ReplicaState.READY, ReplicaInput.WARMED): ReplicaState.READY,
+        (ReplicaState.READY, ReplicaInput.DRAIN): ReplicaState.DRAINING,
+        (ReplicaState.READY, ReplicaInput.REMOVE): ReplicaState.GONE,
+        (ReplicaState.READY, ReplicaInput.FAULT): ReplicaState.UNHEALTHY,
+        (ReplicaState.DRAINING, ReplicaInput.DRAIN): ReplicaState.DRAINING,
+        (ReplicaState.DRAINING, ReplicaInput.REMOVE): ReplicaState.GONE,
+        (ReplicaState.DRAINING, ReplicaInput.FAULT): ReplicaState.DRAINING,
+        (ReplicaState.UNHEALTHY, ReplicaInput.WARMED): ReplicaState.READY,
+        (ReplicaState.UNHEALTHY, ReplicaInput.DRAIN): ReplicaState.DRAINING,
+        (ReplicaState.UNHEALTHY, ReplicaInput.REMOVE): ReplicaState.GONE,
+        (ReplicaState.UNHEALTHY, ReplicaInput.FAULT): ReplicaState.UNHEALTHY,
+    }
+    assert expected == REPLICA_TRANSITIONS
+    for state, event in itertools.product(ReplicaState, ReplicaInput):
+        if (state, event) in expected:
+            assert next_replica_state("r", state, event) is expected[(state, event)]
+        else:
+            with pytest.raises(IllegalReplicaTransition):
+                next_replica_state("r", state, event)
+
+
+def test_make_policy_builds_each_policy_and_refuses_an_unknown_name() -> None:
+    """make_policy returns one policy class per RoutingPolicy member (also by value) and refuses an unknown
+    name with ValueError listing the known ones."""
+    import random
+
+    from router_svc.prefix_index import PrefixIndex
+    from router_svc.scoring import ReplicaPolicy, make_policy
+
+    index = PrefixIndex(ttl_s=0.0)
+    built = {p: make_policy(p, cached=index.cached, rng=random.Random(0)) for p in RoutingPolicy}
+    assert all(isinstance(policy, ReplicaPolicy) for policy in built.values())
+    assert len({type(policy) for policy in built.values()}) == len(RoutingPolicy)
+    assert type(make_policy("least_loaded", cached=index.cached, rng=random.Random(0))) is type(
+        built[RoutingPolicy.LEAST_LOADED])
+    with pytest.raises(ValueError, match="prefix_only"):
+        make_policy("fastest", cached=index.cached, rng=random.Random(0))

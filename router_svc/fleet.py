@@ -1,0 +1,172 @@
+"""The router's replica fleet: who is there, in which state, with which load.
+
+Rules
+-----
+* Replicas move through WARMING -> READY -> DRAINING -> GONE by a transition table
+  (`REPLICA_TRANSITIONS`); `next_replica_state` is the one function that applies it. A replica
+  whose worker is down reports it (FAULT) and is UNHEALTHY, with no traffic, until it reports
+  READY again. A GONE replica leaves the table at once.
+* Only READY replicas of the requested model and adapter version are candidates
+  (`ready_for`, sorted by id so that every policy sees them in one order).
+* A heartbeat replaces the replica's load and clears its routed-but-unreported tokens (they are
+  part of the report now); what a heartbeat's reported state does to the table is
+  `sluice.glue.reconcile`. A replica silent for longer than the timeout is `stale`.
+* Each replica carries its `ReplicaCache` (router_svc.prefix_index), so that the scoring loop
+  reaches a candidate's cached prefix without a lookup.
+
+Pure: no clock, no I/O; `now` is an argument.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from router_svc.prefix_index import ReplicaCache
+from sluice.core_errors import IllegalReplicaTransition, NoReplicaAvailable, UnknownModel, UnknownReplica
+from sluice.types import ReplicaInput, ReplicaLoad, ReplicaState
+
+__all__ = [
+    "REPLICA_TRANSITIONS", "Fleet", "Replica", "ReplicaSpec", "ReplicaView", "next_replica_state",
+]
+
+REPLICA_TRANSITIONS: dict[tuple[ReplicaState, ReplicaInput], ReplicaState] = {
+    (ReplicaState.WARMING, ReplicaInput.WARMED): ReplicaState.READY,
+    (ReplicaState.WARMING, ReplicaInput.DRAIN): ReplicaState.DRAINING,
+    (ReplicaState.WARMING, ReplicaInput.REMOVE): ReplicaState.GONE,
+    (ReplicaState.READY, ReplicaInput.WARMED): ReplicaState.READY,
+    (ReplicaState.READY, ReplicaInput.DRAIN): ReplicaState.DRAINING,
+    (ReplicaState.READY, ReplicaInput.REMOVE): ReplicaState.GONE,
+    (ReplicaState.DRAINING, ReplicaInput.DRAIN): ReplicaState.DRAINING,
+    (ReplicaState.DRAINING, ReplicaInput.REMOVE): ReplicaState.GONE,
+    (ReplicaState.DRAINING, ReplicaInput.FAULT): ReplicaState.DRAINING,
+    (ReplicaState.WARMING, ReplicaInput.FAULT): ReplicaState.UNHEALTHY,
+    (ReplicaState.READY, ReplicaInput.FAULT): ReplicaState.UNHEALTHY,
+    (ReplicaState.UNHEALTHY, ReplicaInput.FAULT): ReplicaState.UNHEALTHY,
+    (ReplicaState.UNHEALTHY, ReplicaInput.WARMED): ReplicaState.READY,
+    (ReplicaState.UNHEALTHY, ReplicaInput.DRAIN): ReplicaState.DRAINING,
+    (ReplicaState.UNHEALTHY, ReplicaInput.REMOVE): ReplicaState.GONE,
+}
+
+
+def next_replica_state(replica_id: str, state: ReplicaState, event: ReplicaInput) -> ReplicaState:
+    """Return the state after `event`; raises IllegalReplicaTransition (nothing changes)."""
+    try:
+        return REPLICA_TRANSITIONS[(state, event)]
+    except KeyError:
+        raise IllegalReplicaTransition(replica_id, state, event) from None
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What a replica tells the router when it registers."""
+
+    replica_id: str
+    model: str
+    adapter_version: str = ""
+    address: str = ""
+    block_size: int = 16
+    num_blocks: int = 0
+    max_num_batched_tokens: int = 2048
+    prefill_tokens_per_s: float = 10_000.0
+    """Prefill throughput, for the predicted prefill and queue time."""
+    decode_round_s: float = 0.01
+    """Time of a decode round, the interference a prefill chunk suffers while decodes run."""
+
+
+@dataclass
+class Replica:
+    """One row of the fleet table (the router's own; ReplicaView is the read-only picture)."""
+
+    spec: ReplicaSpec
+    state: ReplicaState
+    last_heartbeat: float
+    cache: ReplicaCache
+    load: ReplicaLoad = field(default_factory=ReplicaLoad)
+    unreported_tokens: int = 0
+    """Uncached prompt tokens routed here since the last heartbeat (queued, but not yet reported)."""
+    inflight: dict[str, int] = field(default_factory=dict)
+    """Routed requests not yet done: request id -> uncached prompt tokens."""
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """A read-only picture of one replica, for ListReplicas and tests."""
+
+    spec: ReplicaSpec
+    state: ReplicaState
+    load: ReplicaLoad
+    inflight: int
+    indexed_blocks: int
+    last_event_id: int
+    last_heartbeat: float
+
+
+class Fleet:
+    """The replica table. See the module docstring."""
+
+    def __init__(self) -> None:
+        self._replicas: dict[str, Replica] = {}
+
+    def add(self, spec: ReplicaSpec, now: float) -> tuple[Replica, Replica | None]:
+        """Add (or replace) a replica in WARMING with an empty cache; return it and the one it replaced."""
+        old = self._replicas.get(spec.replica_id)
+        replica = Replica(spec, ReplicaState.WARMING, now, ReplicaCache(spec.replica_id))
+        self._replicas[spec.replica_id] = replica
+        return replica, old
+
+    def get(self, replica_id: str) -> Replica:
+        """Return the replica; raises UnknownReplica."""
+        replica = self._replicas.get(replica_id)
+        if replica is None:
+            raise UnknownReplica(f"unknown replica {replica_id!r}")
+        return replica
+
+    def find(self, replica_id: str) -> Replica | None:
+        """Return the replica, or None when it is not known."""
+        return self._replicas.get(replica_id)
+
+    def apply(self, replica: Replica, event: ReplicaInput) -> ReplicaState:
+        """Move the replica by the table (GONE leaves the table); raises IllegalReplicaTransition."""
+        replica.state = next_replica_state(replica.spec.replica_id, replica.state, event)
+        if replica.state is ReplicaState.GONE:
+            del self._replicas[replica.spec.replica_id]
+        return replica.state
+
+    def heartbeat(self, replica_id: str, load: ReplicaLoad, now: float) -> ReplicaState:
+        """Record the replica's load; routed-but-unreported work is now part of the report. Raises UnknownReplica."""
+        replica = self.get(replica_id)
+        replica.load = load
+        replica.last_heartbeat = now
+        replica.unreported_tokens = 0
+        return replica.state
+
+    def stale(self, now: float, timeout_s: float) -> list[str]:
+        """Return the ids of replicas whose last heartbeat is older than `timeout_s`."""
+        limit = now - timeout_s
+        return [rid for rid, r in self._replicas.items() if r.last_heartbeat < limit]
+
+    def ready_for(self, model: str, adapter_version: str) -> list[Replica]:
+        """Return the READY replicas of the model and adapter, by id.
+
+        Raises UnknownModel (none of that model/adapter at all) or NoReplicaAvailable (none READY).
+        """
+        compatible = [
+            r for r in self._replicas.values()
+            if r.spec.model == model and r.spec.adapter_version == adapter_version
+        ]
+        if not compatible:
+            raise UnknownModel(f"no replica serves model {model!r} adapter {adapter_version!r}")
+        ready = [r for r in compatible if r.state is ReplicaState.READY]
+        if not ready:
+            states = ", ".join(sorted({r.state.value for r in compatible}))
+            raise NoReplicaAvailable(f"no READY replica of model {model!r} (replicas are: {states})")
+        ready.sort(key=lambda r: r.spec.replica_id)
+        return ready
+
+    def views(self) -> list[ReplicaView]:
+        """Return every known replica, sorted by id."""
+        return [
+            ReplicaView(r.spec, r.state, r.load, len(r.inflight), len(r.cache.hashes), r.cache.last_event_id,
+                        r.last_heartbeat)
+            for _, r in sorted(self._replicas.items())
+        ]

@@ -1,0 +1,172 @@
+"""How the router chooses among READY replicas: policies as small classes behind `RoutingPolicy`.
+
+Score (policy SCORE) = predicted time to first token on that replica (`predict_ttft`)
+  = queue wait (queued prefill tokens, reported and routed since, / prefill rate)
+  + prefill time of the uncached part
+  + decode interference (one decode round per prefill chunk while the replica has running decodes).
+Measured rates (heartbeats) win over the ones the replica registered with. The minimum wins;
+replicas within `tie_tolerance_s` of it are tie-broken at random (seeded), so routers with the
+same stale view do not all herd onto one replica. The baselines (ROUND_ROBIN, RANDOM,
+LEAST_LOADED, PREFIX_ONLY) are there to be compared with it.
+
+`make_policy` builds one from its enum member or name; an unknown name raises ValueError listing
+the known ones. Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from router_svc.fleet import Replica
+from router_svc.prefix_index import ReplicaCache
+
+__all__ = [
+    "LeastLoaded", "PrefixOnly", "RandomChoice", "ReplicaPolicy", "RoundRobin", "RouteDecision", "RouteQuery",
+    "RoutingPolicy", "Score", "load_key", "make_policy", "predict_ttft",
+]
+
+
+class RoutingPolicy(enum.Enum):
+    SCORE = "score"
+    """Minimum predicted time to first token (queue wait + uncached prefill + interference)."""
+    ROUND_ROBIN = "round_robin"
+    RANDOM = "random"
+    LEAST_LOADED = "least_loaded"
+    """Fewest waiting + running + routed-in-flight requests."""
+    PREFIX_ONLY = "prefix_only"
+    """Longest cached prefix, ties to the least loaded (ignores queues: the herding baseline)."""
+
+    @classmethod
+    def parse(cls, name: str) -> RoutingPolicy:
+        """Return the policy named `name`; raises ValueError listing the known names."""
+        try:
+            return cls(name)
+        except ValueError:
+            known = ", ".join(p.value for p in cls)
+            raise ValueError(f"unknown routing policy {name!r}; known: {known}") from None
+
+
+@dataclass(frozen=True)
+class RouteQuery:
+    request_id: str
+    model: str
+    adapter_version: str = ""
+    block_hashes: tuple[int, ...] = ()
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    replica_id: str
+    address: str
+    predicted_ttft_s: float
+    queue_wait_s: float
+    prefill_s: float
+    cached_blocks: int
+
+
+CachedBlocks = Callable[[ReplicaCache, tuple[int, ...], float], int]
+"""(replica cache, block hashes, now) -> cached prefix in blocks (PrefixIndex.cached)."""
+
+
+def predict_ttft(replica: Replica, query: RouteQuery, cached: int) -> tuple[float, float, float]:
+    """Return (predicted TTFT, queue wait, prefill time) of `query` on `replica`; the hot loop of SCORE."""
+    spec, load = replica.spec, replica.load
+    uncached_tokens = max(query.prompt_tokens - cached * spec.block_size, 1)
+    rate = load.prefill_tokens_per_s or spec.prefill_tokens_per_s
+    rate = rate if rate > 0 else 1e-9
+    decode_round_s = load.decode_round_s or spec.decode_round_s
+    queue_wait = (load.queued_prefill_tokens + replica.unreported_tokens) / rate
+    prefill = uncached_tokens / rate
+    interference = 0.0
+    if load.running or replica.inflight:
+        interference = -(-uncached_tokens // max(spec.max_num_batched_tokens, 1)) * decode_round_s
+    return queue_wait + prefill + interference, queue_wait, prefill
+
+
+def load_key(replica: Replica) -> tuple[int, str]:
+    """Return the replica's request count (waiting + running + routed in flight), then its id."""
+    return (replica.load.waiting + replica.load.running + len(replica.inflight), replica.spec.replica_id)
+
+
+class ReplicaPolicy(ABC):
+    """Interface of every routing policy."""
+
+    @abstractmethod
+    def choose(self, ready: list[Replica], query: RouteQuery, now: float) -> Replica:
+        """Return one of `ready` (non-empty, sorted by id) for `query`."""
+
+
+class Score(ReplicaPolicy):
+    def __init__(self, cached: CachedBlocks, rng: random.Random, tie_tolerance_s: float,
+                 prefill_weight: float) -> None:
+        self.cached = cached
+        self.rng = rng
+        self.tie_tolerance_s = tie_tolerance_s
+        self.extra_prefill_weight = prefill_weight - 1.0
+
+    def choose(self, ready: list[Replica], query: RouteQuery, now: float) -> Replica:
+        cached, hashes, extra = self.cached, query.block_hashes, self.extra_prefill_weight
+        if extra:
+            scores = [ttft + extra * prefill for ttft, _, prefill in
+                      (predict_ttft(r, query, cached(r.cache, hashes, now)) for r in ready)]
+        else:
+            scores = [predict_ttft(r, query, cached(r.cache, hashes, now))[0] for r in ready]
+        limit = min(scores) + self.tie_tolerance_s
+        ties = [r for r, score in zip(ready, scores, strict=True) if score <= limit]
+        return ties[0] if len(ties) == 1 else ties[self.rng.randrange(len(ties))]
+
+
+class RoundRobin(ReplicaPolicy):
+    def __init__(self) -> None:
+        self.counter = 0
+
+    def choose(self, ready: list[Replica], query: RouteQuery, now: float) -> Replica:
+        self.counter += 1
+        return ready[(self.counter - 1) % len(ready)]
+
+
+class RandomChoice(ReplicaPolicy):
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+
+    def choose(self, ready: list[Replica], query: RouteQuery, now: float) -> Replica:
+        return ready[self.rng.randrange(len(ready))]
+
+
+class LeastLoaded(ReplicaPolicy):
+    def choose(self, ready: list[Replica], query: RouteQuery, now: float) -> Replica:
+        return min(ready, key=load_key)
+
+
+class PrefixOnly(ReplicaPolicy):
+    def __init__(self, cached: CachedBlocks) -> None:
+        self.cached = cached
+
+    def choose(self, ready: list[Replica], query: RouteQuery, now: float) -> Replica:
+        hashes = query.block_hashes
+        return min(ready, key=lambda r: (-self.cached(r.cache, hashes, now), *load_key(r)))
+
+
+def make_policy(policy: RoutingPolicy | str, *, cached: CachedBlocks, rng: random.Random,
+                tie_tolerance_s: float = 0.001, prefill_weight: float = 1.0) -> ReplicaPolicy:
+    """Return a routing policy for `policy` (an enum member or its value).
+
+    `cached` gives a replica's cached prefix, `rng` breaks ties and drives RANDOM. Raises ValueError
+    naming the known policies when `policy` is unknown.
+    """
+    if not isinstance(policy, RoutingPolicy):
+        policy = RoutingPolicy.parse(policy)
+    factories: dict[RoutingPolicy, Callable[[], ReplicaPolicy]] = {
+        RoutingPolicy.SCORE: lambda: Score(cached, rng, tie_tolerance_s, prefill_weight),
+        RoutingPolicy.ROUND_ROBIN: RoundRobin,
+        RoutingPolicy.RANDOM: lambda: RandomChoice(rng),
+        RoutingPolicy.LEAST_LOADED: LeastLoaded,
+        RoutingPolicy.PREFIX_ONLY: lambda: PrefixOnly(cached),
+    }
+    return factories[policy]()
