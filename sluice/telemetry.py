@@ -95,7 +95,7 @@ class JsonLinesSpanExporter(SpanExporter):
 
 
 def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
-    """Return a JSON-ready dict of a finished span: ids in hex, times in Unix nanoseconds, events."""
+    """Return a JSON-ready dict of a finished span: ids in hex, times in Unix nanoseconds, events, links."""
     ctx = span.get_span_context()
     parent = span.parent
     return {
@@ -110,6 +110,8 @@ def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
         "attributes": dict(span.attributes or {}),
         "events": [{"name": e.name, "time_ns": e.timestamp, "attributes": dict(e.attributes or {})}
                    for e in span.events],
+        "links": [{"trace_id": format(link.context.trace_id, "032x"), "span_id": format(link.context.span_id, "016x"),
+                   "attributes": dict(link.attributes or {})} for link in span.links],
     }
 
 
