@@ -126,13 +126,15 @@ def test_scheduler_exports_vllm_names_with_model_name_beside_its_own(stack: Stac
 def test_admission_exports_the_genai_server_metrics(stack: Stack) -> None:
     """Admission exports the OpenTelemetry GenAI server metrics (and token usage) with their attributes as
     labels: TTFT and TPOT for the finished requests, durations with error_type for the cancelled one."""
-    samples = _settled(lambda: (s := _samples(stack.admission)) if stack.admission else None)
+    assert stack.admission is not None
+    cancelled = {**GEN_AI, "error_type": "CANCELLED"}
+    samples = _settled(lambda: (s := _samples(stack.admission))
+                       and _value(s, "gen_ai_server_request_duration_seconds_count", cancelled) and s)
     missing = {name: labels for name, labels in ADMISSION_GEN_AI.items() if _value(samples, name, labels) is None}
     assert not missing, missing
     assert _value(samples, "gen_ai_server_time_to_first_token_seconds_count", GEN_AI) == FINISHED
     assert _value(samples, "gen_ai_server_request_duration_seconds_count", {**GEN_AI, "error_type": ""}) == FINISHED
-    assert _value(samples, "gen_ai_server_request_duration_seconds_count",
-                  {**GEN_AI, "error_type": "CANCELLED"}) == 1
+    assert _value(samples, "gen_ai_server_request_duration_seconds_count", cancelled) == 1
     assert _value(samples, "gen_ai_client_token_usage_sum", {**GEN_AI, "gen_ai_token_type": "input"}) == 4 * len(PROMPT)
     # The GenAI conventions' bucket boundaries: TTFT from 1 ms to 10 s, token usage in powers of 4.
     assert _bounds(samples, "gen_ai_server_time_to_first_token_seconds_bucket") == [*TTFT_BUCKETS, math.inf]
