@@ -55,6 +55,8 @@ class GenerateCall:
     """Adapter the replica must serve ("" = the base model)."""
     idempotency_key: str = ""
     """A retry with the same key attaches to the request the first call started ("" = none)."""
+    operation: str = "text_completion"
+    """GenAI operation name (`gen_ai.operation.name`): "text_completion", or "chat" for a chat endpoint."""
 
 
 @dataclass(frozen=True)
@@ -105,3 +107,5 @@ class Tracked:
     """Generate calls streaming this request now (an idempotent retry is a second follower)."""
     retry_after_s: float | None = None
     """Retry delay of the refusal that kept it from being placed (a REJECTED request)."""
+    operation: str = "text_completion"
+    """GenAI operation name of the call that started it (span name and metric label)."""

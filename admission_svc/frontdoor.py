@@ -41,7 +41,7 @@ from sluice import core_errors, errors, telemetry
 from sluice.core_errors import CoreError, OverBudget
 from sluice.hashing import hash_chain, salt_of
 from sluice.model_spec import ModelSpec
-from sluice.prom import AdmissionMetrics
+from sluice.prom import AdmissionMetrics, RequestOutcome
 from sluice.safe_text import shown
 from sluice.tokenizer import Detokenizer
 from sluice.v1 import common_pb2, events_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -49,8 +49,26 @@ from sluice.v1 import common_pb2, events_pb2, router_pb2, router_pb2_grpc, sched
 log = logging.getLogger(__name__)
 
 
+_SUCCESS = frozenset({"FINISHED_STOP", "FINISHED_LENGTH"})
+
+
 def _ns(unix_s: float) -> int:
     return int(unix_s * 1e9)
+
+
+def _gen_ai_attributes(call: GenerateCall, model_id: str, request_id: str, ids: list[int]) -> dict[str, Any]:
+    """Return the GenAI request attributes of the root span (prompts are never recorded)."""
+    sampling = call.sampling
+    attributes: dict[str, Any] = {
+        telemetry.GEN_AI_OPERATION_NAME: call.operation, telemetry.GEN_AI_REQUEST_MODEL: model_id,
+        telemetry.GEN_AI_RESPONSE_MODEL: model_id, telemetry.GEN_AI_RESPONSE_ID: request_id,
+        telemetry.GEN_AI_USAGE_INPUT_TOKENS: len(ids), "gen_ai.request.max_tokens": sampling.max_tokens,
+        "gen_ai.request.temperature": sampling.temperature, "gen_ai.request.top_p": sampling.top_p}
+    if sampling.top_k:
+        attributes["gen_ai.request.top_k"] = sampling.top_k
+    if sampling.seed is not None:
+        attributes["gen_ai.request.seed"] = sampling.seed
+    return attributes
 
 
 class FrontDoor:
@@ -177,13 +195,12 @@ class FrontDoor:
 
         `stamps`: when the call was received, and when its text was tokenized (None: it came as ids)."""
         (received, tokenized), request_id = stamps, uuid.uuid4().hex
-        span = self._tracer.start_span("admission.request", context=parent, kind=trace.SpanKind.SERVER,
-                                       start_time=_ns(received), attributes={
-                                           telemetry.GEN_AI_REQUEST_MODEL: self.model.model_id,
-                                           telemetry.GEN_AI_USAGE_INPUT_TOKENS: len(ids),
-                                           "sluice.request_id": request_id, "sluice.tenant": tenant,
-                                           "sluice.priority": call.priority,
-                                           "gen_ai.request.max_tokens": call.sampling.max_tokens})
+        # GenAI conventions: the span is named "{gen_ai.operation.name} {gen_ai.request.model}".
+        span = self._tracer.start_span(f"{call.operation} {self.model.model_id}", context=parent,
+                                       kind=trace.SpanKind.SERVER, start_time=_ns(received),
+                                       attributes=_gen_ai_attributes(call, self.model.model_id, request_id, ids))
+        span.set_attributes({"sluice.request_id": request_id, "sluice.tenant": tenant,
+                             "sluice.priority": call.priority})
         span.add_event("received", timestamp=_ns(received))
         if tokenized is not None:
             span.add_event("tokenized", timestamp=_ns(tokenized))
@@ -192,14 +209,14 @@ class FrontDoor:
         except OverBudget as exc:
             self.metrics.rejections.labels(exc.budget).inc()
             span.add_event("rejected", attributes={"reason": exc.budget})
-            span.set_status(trace.Status(trace.StatusCode.ERROR, exc.detail))
-            span.end()
+            telemetry.end_request_span(span, "REJECTED", exc.detail)
             raise
         now = time.time()
         span.add_event("admitted", timestamp=_ns(now))
         if call.idempotency_key:
             self.core.remember_key(tenant, call.idempotency_key, request_id, time.monotonic())
-        record = Tracked(request_id, tenant, len(ids), self.registry.open(request_id), span, received)
+        record = Tracked(request_id, tenant, len(ids), self.registry.open(request_id), span, received,
+                         operation=call.operation)
         record.timestamps.received, record.timestamps.admitted = received, now
         self.records[request_id] = record
         self.metrics.active.inc()
@@ -253,8 +270,7 @@ class FrontDoor:
             finish_reason="rejected", detail=str(exc)[:200]))
         record.stream.complete_if_ready()
         record.span.add_event("rejected", attributes={"reason": type(exc).__name__})
-        record.span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)[:200]))
-        record.span.end()
+        telemetry.end_request_span(record.span, "REJECTED", str(exc)[:200])
         record.ended = True
 
     def _ended(self, record: Tracked, completion: events_pb2.Completion) -> CoreError | None:
@@ -344,18 +360,21 @@ class FrontDoor:
         span = record.span
         span.set_attribute(telemetry.GEN_AI_USAGE_OUTPUT_TOKENS, completion.usage.output_tokens)
         span.set_attribute(telemetry.GEN_AI_RESPONSE_FINISH_REASONS, [completion.finish_reason])
-        span.set_attribute("sluice.status", status_name)
         span.add_event("completed", attributes={"status": status_name, "missing_tokens":
                                                 record.stream.missing_tokens})
-        if status_name in core_errors.FAILURE_STATUSES:
-            span.set_status(trace.Status(trace.StatusCode.ERROR, status_name))
-        span.end()
+        telemetry.end_request_span(span, status_name, completion.detail)
         record.ended = True
         self.metrics.duration.observe(now - record.received_s)
         outputs = completion.usage.output_tokens
-        if record.timestamps.first_token and outputs > 1:
-            self.metrics.tpot.observe((now - record.timestamps.first_token) / (outputs - 1))
+        first_token = record.timestamps.first_token
+        tpot = (now - first_token) / (outputs - 1) if first_token and outputs > 1 else None
+        if tpot is not None:
+            self.metrics.tpot.observe(tpot)
         self.metrics.requests.labels(record.tenant, status_name.lower()).inc()
+        self.metrics.gen_ai_request(record.operation, self.model.model_id, RequestOutcome(
+            duration_s=now - record.received_s, ttft_s=first_token - record.received_s if first_token else None,
+            tpot_s=tpot, input_tokens=record.input_tokens, output_tokens=outputs,
+            error_type="" if status_name in _SUCCESS else status_name))
 
     # ---- housekeeping ---------------------------------------------------------------------------
     def expire(self, keep_s: float = 600.0) -> None:

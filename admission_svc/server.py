@@ -18,8 +18,9 @@ import grpc
 from admission_svc import convert
 from admission_svc.calls import Caller
 from admission_svc.frontdoor import FrontDoor
-from sluice import telemetry
+from sluice import services, telemetry
 from sluice.errors import ErrorInterceptor
+from sluice.serve import grpc_server
 from sluice.v1 import admission_pb2, admission_pb2_grpc
 
 DEFAULT_MAX_MESSAGE_BYTES = 2 << 20
@@ -79,6 +80,7 @@ def build_server(door: FrontDoor, max_message_bytes: int = DEFAULT_MAX_MESSAGE_B
                  extra_options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Server:
     """Return a gRPC server (not started, no port) serving `door` behind the ErrorInterceptor and the size limits."""
     options = [("grpc.max_receive_message_length", HARD_LIMIT_FACTOR * max_message_bytes), *extra_options]
-    server = grpc.aio.server(interceptors=[ErrorInterceptor(max_message_bytes=max_message_bytes)], options=options)
+    server = grpc_server(services.ADMISSION, interceptors=[ErrorInterceptor(max_message_bytes=max_message_bytes)],
+                         options=options)
     admission_pb2_grpc.add_AdmissionServiceServicer_to_server(AdmissionServicer(door), server)
     return server

@@ -38,6 +38,7 @@ from sluice import convert as shared_convert
 from sluice import errors, glue, services
 from sluice.bus import Bus
 from sluice.prom import RouterMetrics
+from sluice.serve import grpc_server
 from sluice.telemetry import extract_metadata, get_tracer
 from sluice.types import KvEvent, ReplicaState
 from sluice.v1 import events_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -253,7 +254,7 @@ async def start_router_server(runtime: RouterRuntime, port: int = 0,
 
     `runtime.health` turns NOT_SERVING with `enter_graceful_shutdown()`. Raises RuntimeError if the port is taken.
     """
-    server = grpc.aio.server(interceptors=[errors.ErrorInterceptor()])
+    server = grpc_server(SERVICE_NAME, interceptors=[errors.ErrorInterceptor()])
     router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(runtime), server)
     health_pb2_grpc.add_HealthServicer_to_server(runtime.health, server)
     bound = server.add_insecure_port(f"{host}:{port}")

@@ -64,6 +64,7 @@ class Driver:
         self.model_id = model_id
         self.eos_token_id = eos_token_id
         self.metrics = metrics or SchedulerMetrics()
+        self.metrics.bind_model(model_id)
         self.clock = clock
         self.worker_retry_s = worker_retry_s
         self.accepting = True
@@ -111,7 +112,7 @@ class Driver:
             telemetry.GEN_AI_USAGE_INPUT_TOKENS: len(request.prompt_token_ids)})
         timestamps = common_pb2.LifecycleTimestamps()
         timestamps.CopyFrom(msg.timestamps)
-        self.reporter.track(msg.request_id, msg.owner, span, timestamps, now)
+        self.reporter.track(msg.request_id, msg.owner, span, timestamps, now, len(request.prompt_token_ids))
         self.reporter.handle(self.core.take_events(), now)
         self._wake.set()
         return self.core.num_waiting
@@ -161,7 +162,7 @@ class Driver:
         reporter = self.reporter
         # The previous round's deferred events and this round's scheduling events are handed over once the
         # plan is on its way to the worker: that work overlaps the worker's.
-        result = await self.link.execute(plan, lambda: reporter.handle(scheduled, now))
+        result = await self.link.execute(plan, lambda: reporter.handle(scheduled, now), reporter.round_traces(plan))
         done = self.clock()
         self.metrics.round_duration.observe(done - now)
         if result is None:  # lost with the worker: its requests wait to be recomputed

@@ -18,10 +18,14 @@ from scheduler_svc.core import SchedulerCore
 from scheduler_svc.publisher import Outgoing, Publisher
 from sluice import convert, telemetry
 from sluice.prom import SchedulerMetrics
-from sluice.types import CoreEvents, Finished, LifecycleEvent, RequestStatus, Stage
-from sluice.v1 import common_pb2
+from sluice.types import CoreEvents, Finished, LifecycleEvent, RequestStatus, RoundPlan, Stage
+from sluice.v1 import common_pb2, worker_pb2
 
-__all__ = ["Reporter"]
+__all__ = ["MAX_ROUND_TRACES", "Reporter"]
+
+MAX_ROUND_TRACES = 32
+"""Requests whose trace context one round carries to the worker (its round span links to them): a bound, so
+that tracing costs a round O(1), not O(batch). Prefill chunks come first (see `round_traces`)."""
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +42,11 @@ class _Tracked:
     owner: str
     span: trace.Span
     trace_fields: dict[str, str]
+    round_trace: worker_pb2.RequestTrace | None
+    """What a round carries to the worker for this request; None when its span is not sampled."""
     timestamps: common_pb2.LifecycleTimestamps
     arrival: float
+    prompt_tokens: int = 0
     last_token_time: float | None = None
 
 
@@ -52,14 +59,36 @@ class Reporter:
         self.metrics = metrics
         self.replica_id = replica_id
         self._tracked: dict[str, _Tracked] = {}
+        self._sampled = 0
+        """Tracked requests whose span is sampled (none: rounds carry no trace context at all)."""
         self._deferred: tuple[CoreEvents, float] | None = None
         self._last_stats = core.stats()
 
     def track(self, request_id: str, owner: str, span: trace.Span, timestamps: common_pb2.LifecycleTimestamps,
-              arrival: float) -> None:
+              arrival: float, prompt_tokens: int = 0) -> None:
         """Start tracking a submitted request (its tokens go to `owner`, its events to `span`)."""
         fields = telemetry.inject_fields(trace.set_span_in_context(span))
-        self._tracked[request_id] = _Tracked(owner, span, fields, timestamps, arrival)
+        round_trace = None
+        if span.get_span_context().trace_flags.sampled and "traceparent" in fields:
+            round_trace = worker_pb2.RequestTrace(request_id=request_id, traceparent=fields["traceparent"],
+                                                  tracestate=fields.get("tracestate", ""))
+            self._sampled += 1
+        self._tracked[request_id] = _Tracked(owner, span, fields, round_trace, timestamps, arrival, prompt_tokens)
+
+    def round_traces(self, plan: RoundPlan) -> list[worker_pb2.RequestTrace]:
+        """Return the trace contexts the round `plan` carries to the worker: sampled requests only, at most
+        MAX_ROUND_TRACES, prefill chunks first (the core plans decodes first, so the plan is read backwards)."""
+        if not self._sampled:
+            return []
+        traces: list[worker_pb2.RequestTrace] = []
+        tracked = self._tracked
+        for seq in reversed(plan.seqs):
+            entry = tracked.get(seq.request_id)
+            if entry is not None and entry.round_trace is not None:
+                traces.append(entry.round_trace)
+                if len(traces) == MAX_ROUND_TRACES:
+                    break
+        return traces
 
     def live_request_ids(self) -> list[str]:
         """Return the ids of tracked requests not yet terminal."""
@@ -113,20 +142,27 @@ class Reporter:
             return
         stage = event.stage
         name = stage.value
+        attributes = dict(event.detail)
         if stage is Stage.FINISHED:
-            status = dict(event.detail).get("status", "")
-            name = _TERMINAL_EVENT.get(RequestStatus(status), "finished") if status else name
+            status = attributes.get("status", "")
+            if status:
+                name = _TERMINAL_EVENT.get(RequestStatus(status), "finished")
+                attributes["status"] = RequestStatus(status).name  # one spelling across services
         elif stage is Stage.CANCEL_REQUESTED:
             tracked.timestamps.cancel_requested = event.time
         elif stage is Stage.KV_RELEASED:
             tracked.timestamps.kv_released = event.time
         elif stage is Stage.FIRST_TOKEN:
             self.metrics.ttft.observe(event.time - tracked.arrival)
+            self.metrics.prompt_tokens.inc(tracked.prompt_tokens)
+        elif stage is Stage.FIRST_SCHEDULED:
+            self.metrics.queue_time.observe(event.time - tracked.arrival)
         elif stage is Stage.PREEMPTED:
             self.metrics.preemptions.inc()
-        tracked.span.add_event(name, attributes=dict(event.detail), timestamp=int(event.time * 1e9))
+        tracked.span.add_event(name, attributes=attributes, timestamp=int(event.time * 1e9))
 
     def _on_tokens(self, events: CoreEvents, now: float, out: Outgoing) -> None:
+        self.metrics.generation_tokens.inc(len(events.tokens))
         for delta in convert.token_deltas(events.tokens, now):
             tracked = self._tracked.get(delta.request_id)
             if tracked is None:  # the core never reports tokens of a request it did not get from us
@@ -144,24 +180,24 @@ class Reporter:
         if tracked is None:
             log.error("finished record for untracked request %s", finished.request_id)
             return
+        if tracked.round_trace is not None:
+            self._sampled -= 1
         completion = convert.completion_to_proto(finished, replica_id=self.replica_id, owner=tracked.owner,
                                                  timestamps=tracked.timestamps)
         self._observe_finished(finished)
         span = tracked.span
         span.set_attribute(telemetry.GEN_AI_USAGE_OUTPUT_TOKENS, finished.usage.output_tokens)
         span.set_attribute(telemetry.GEN_AI_RESPONSE_FINISH_REASONS, [finished.finish_reason])
-        span.set_attribute("sluice.status", finished.status.value)
         span.set_attribute("sluice.preemptions", finished.usage.preemptions)
-        if finished.status is RequestStatus.FAILED:
-            span.set_status(trace.Status(trace.StatusCode.ERROR, finished.detail))
         end = max(finished.finish_time, tracked.timestamps.kv_released)
-        span.end(end_time=int(end * 1e9))
+        telemetry.end_request_span(span, finished.status.name, finished.detail, end_time=int(end * 1e9))
         context: Context = trace.set_span_in_context(span)
         out.completions.append((completion, context))
 
     def _observe_finished(self, finished: Finished) -> None:
         m = self.metrics
         m.finished.labels(finished.finish_reason).inc()
+        m.request_success(finished.finish_reason)
         m.request_duration.observe(finished.finish_time - finished.arrival_time)
         if finished.status is RequestStatus.CANCELLED:
             m.cancellations.inc()
@@ -178,6 +214,7 @@ class Reporter:
         m.kv_blocks_used.set(stats.kv_blocks_used)
         m.kv_blocks_free.set(stats.kv_blocks_free)
         m.kv_blocks_cached.set(stats.kv_blocks_cached)
+        m.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
         m.rounds.inc(stats.rounds - last.rounds)
         m.recomputed_tokens.inc(stats.recomputed_tokens - last.recomputed_tokens)
         m.prefix_hit_tokens.inc(stats.prefix_hit_tokens - last.prefix_hit_tokens)

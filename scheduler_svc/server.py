@@ -34,6 +34,7 @@ from scheduler_svc.driver import Driver
 from sluice import convert, errors, glue, services
 from sluice.bus import Bus
 from sluice.prom import SchedulerMetrics
+from sluice.serve import grpc_server
 from sluice.telemetry import extract_metadata
 from sluice.types import ReplicaState
 from sluice.v1 import (
@@ -180,7 +181,7 @@ async def start_scheduler_server(driver: Driver, health: health_aio.HealthServic
 
     Returns the server and its bound port. Raises RuntimeError if the port is taken.
     """
-    server = grpc.aio.server(interceptors=[errors.ErrorInterceptor()])
+    server = grpc_server(SERVICE_NAME, interceptors=[errors.ErrorInterceptor()])
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(SchedulerServicer(driver), server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     bound = server.add_insecure_port(f"{host}:{port}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -79,13 +79,18 @@ class WorkerLink:
             self.set_serving(False)
         return serving
 
-    async def execute(self, plan: RoundPlan, sent: Callable[[], None]) -> RoundResult | None:
+    async def execute(self, plan: RoundPlan, sent: Callable[[], None],
+                      traces: Sequence[worker_pb2.RequestTrace] = ()) -> RoundResult | None:
         """Run one round on the worker, calling `sent()` exactly once, when the plan is on its way; return
-        the result, or None when the call broke (the round is lost with the worker; the stream is dropped)."""
+        the result, or None when the call broke (the round is lost with the worker; the stream is dropped).
+
+        `traces`: trace contexts of requests the round serves, for the worker's round span to link to."""
         if self.use_stream and self._stream is None:
             self._stream = self.stub.ExecuteStream()
         stream = self._stream
         wire = convert.plan_to_proto(plan)
+        if traces:
+            wire.traces.extend(traces)
         pending = [sent]  # called exactly once, even when the call breaks before the plan went out
         try:
             if stream is None:

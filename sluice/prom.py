@@ -1,30 +1,73 @@
 """Prometheus metrics: one registry per service, served by `serve_metrics(registry, port)`.
 
-Latency histograms use the bucket boundaries the OpenTelemetry GenAI semantic conventions advise for
+Three families, each quantity measured once and recorded under every name that means it (`Fanout`):
+- Sluice's own `sluice_*` names (every service).
+- vLLM's `vllm:*` names with the `model_name` label, on the scheduler (a replica is what a vLLM engine is
+  to llm-d's inference scheduler, KEDA/HPA rules and vLLM dashboards). Names, types, labels and meanings
+  follow vLLM's V1 metrics: docs/design/metrics.md and docs/usage/metrics.md of vllm-project/vllm
+  (https://docs.vllm.ai/en/stable/usage/metrics/), finish reasons as its FINISH_REASON_STRINGS
+  (vllm/v1/engine/__init__.py). Only quantities Sluice measures are exported.
+- The OpenTelemetry GenAI model-server metrics, on admission (the server clients call), under the names
+  the OTel-to-Prometheus translation gives them (dots to underscores, unit `s` as `_seconds`, `{token}`
+  dropped), with the attributes as labels: open-telemetry/semantic-conventions
+  docs/gen-ai/gen-ai-metrics.md (v1.41.0).
+
+Latency histograms of every family use the bucket boundaries the GenAI conventions advise for
 `gen_ai.server.time_to_first_token`, `gen_ai.server.time_per_output_token` and
-`gen_ai.server.request.duration`, so dashboards built for either agree.
+`gen_ai.server.request.duration`, so dashboards built for any of them agree.
 Metric names are listed in docs/operations.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 __all__ = [
-    "REQUEST_DURATION_BUCKETS", "TPOT_BUCKETS", "TTFT_BUCKETS", "AdmissionMetrics", "RouterMetrics",
-    "SchedulerMetrics", "WorkerMetrics", "serve_metrics",
+    "REQUEST_DURATION_BUCKETS", "TOKEN_USAGE_BUCKETS", "TPOT_BUCKETS", "TTFT_BUCKETS", "VLLM_FINISH_REASONS",
+    "AdmissionMetrics", "Fanout", "RequestOutcome", "RouterMetrics", "SchedulerMetrics", "WorkerMetrics", "serve_metrics",
 ]
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 REQUEST_DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
                             40.96, 81.92)
+# gen_ai.client.token.usage: the GenAI conventions' boundaries (powers of 4 from 1 to 4^13).
+TOKEN_USAGE_BUCKETS = tuple(float(4 ** i) for i in range(14))
 # Tokenizing one prompt: microseconds for a chat turn, about a second for a 1 MiB prompt.
 TOKENIZE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 # Rounds of a CPU engine or a modelled GPU: from sub-millisecond to seconds.
 ROUND_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+VLLM_FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "timeout": "abort",
+                       "error": "error"}
+"""Sluice finish reason -> vLLM's `finished_reason` label (vLLM counts a timed-out request as aborted)."""
+
+
+class Fanout:
+    """One measurement recorded under several names (Sluice's own and its standard twins)."""
+
+    __slots__ = ("metrics",)
+
+    def __init__(self, *metrics: Any) -> None:
+        self.metrics = metrics
+
+    def observe(self, value: float) -> None:
+        """Observe `value` in every histogram."""
+        for metric in self.metrics:
+            metric.observe(value)
+
+    def inc(self, amount: float = 1.0) -> None:
+        """Add `amount` to every counter or gauge."""
+        for metric in self.metrics:
+            metric.inc(amount)
+
+    def set(self, value: float) -> None:
+        """Set every gauge to `value`."""
+        for metric in self.metrics:
+            metric.set(value)
 
 
 def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") -> int:
@@ -38,35 +81,37 @@ def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0")
 
 @dataclass
 class SchedulerMetrics:
-    """Metrics of one replica's scheduler service."""
+    """Metrics of one replica's scheduler service: Sluice's names and vLLM's (labelled with `model_name`)."""
 
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    model_name: str = ""
+    """The served model, the vLLM metrics' `model_name` label; `bind_model` sets it once the worker said."""
 
     def __post_init__(self) -> None:
         r = self.registry
-        self.ttft = Histogram("sluice_time_to_first_token_seconds", "Enqueue to first output token.",
-                              buckets=TTFT_BUCKETS, registry=r)
+        self._ttft = Histogram("sluice_time_to_first_token_seconds", "Enqueue to first output token.",
+                               buckets=TTFT_BUCKETS, registry=r)
         self.tpot = Histogram("sluice_time_per_output_token_seconds",
                               "Mean time per output token after the first, per finished request.",
                               buckets=TPOT_BUCKETS, registry=r)
-        self.itl = Histogram("sluice_inter_token_latency_seconds", "Time between consecutive output tokens.",
-                             buckets=TPOT_BUCKETS, registry=r)
-        self.request_duration = Histogram("sluice_request_duration_seconds", "Enqueue to terminal state.",
-                                          buckets=REQUEST_DURATION_BUCKETS, registry=r)
+        self._itl = Histogram("sluice_inter_token_latency_seconds", "Time between consecutive output tokens.",
+                              buckets=TPOT_BUCKETS, registry=r)
+        self._request_duration = Histogram("sluice_request_duration_seconds", "Enqueue to terminal state.",
+                                           buckets=REQUEST_DURATION_BUCKETS, registry=r)
         self.round_duration = Histogram("sluice_round_duration_seconds",
                                         "Wall time of one scheduling round (plan, execute, result).",
                                         buckets=ROUND_BUCKETS, registry=r)
-        self.queue_length = Gauge("sluice_queue_length", "Requests waiting.", registry=r)
-        self.running = Gauge("sluice_running_requests", "Requests running.", registry=r)
+        self._queue_length = Gauge("sluice_queue_length", "Requests waiting.", registry=r)
+        self._running = Gauge("sluice_running_requests", "Requests running.", registry=r)
         self.kv_blocks_used = Gauge("sluice_kv_blocks_used", "KV blocks referenced by requests.", registry=r)
         self.kv_blocks_free = Gauge("sluice_kv_blocks_free", "KV blocks allocatable now.", registry=r)
         self.kv_blocks_cached = Gauge("sluice_kv_blocks_cached", "Free KV blocks holding cached prefixes.",
                                       registry=r)
-        self.prefix_hit_tokens = Counter("sluice_prefix_hit_tokens", "Prompt tokens found in the prefix cache.",
-                                         registry=r)
-        self.prefix_query_tokens = Counter("sluice_prefix_query_tokens",
-                                           "Prompt tokens looked up in the prefix cache.", registry=r)
-        self.preemptions = Counter("sluice_preemptions", "Requests preempted.", registry=r)
+        self._prefix_hit_tokens = Counter("sluice_prefix_hit_tokens", "Prompt tokens found in the prefix cache.",
+                                          registry=r)
+        self._prefix_query_tokens = Counter("sluice_prefix_query_tokens",
+                                            "Prompt tokens looked up in the prefix cache.", registry=r)
+        self._preemptions = Counter("sluice_preemptions", "Requests preempted.", registry=r)
         self.recomputed_tokens = Counter("sluice_recomputed_tokens", "Tokens computed again after preemption.",
                                          registry=r)
         self.rejections = Counter("sluice_rejections", "Submissions rejected, by reason.", ["reason"],
@@ -79,6 +124,73 @@ class SchedulerMetrics:
                                        registry=r)
         self.rounds = Counter("sluice_rounds", "Rounds executed.", registry=r)
         self.round_errors = Counter("sluice_round_errors", "Rounds the worker reported as failed.", registry=r)
+        self.vllm = _VllmFamilies(r)
+        self.bind_model(self.model_name)
+
+    def bind_model(self, model_name: str) -> None:
+        """Label the vLLM metrics with `model_name` from now on (the previous label's series are removed)."""
+        v, previous = self.vllm, self.model_name
+        if previous != model_name:
+            v.clear()
+        self.model_name = model_name
+        labels = {"model_name": model_name}
+        self.ttft = Fanout(self._ttft, v.ttft.labels(**labels))
+        self.itl = Fanout(self._itl, v.itl.labels(**labels))
+        self.request_duration = Fanout(self._request_duration, v.e2e.labels(**labels))
+        self.queue_length = Fanout(self._queue_length, v.waiting.labels(**labels))
+        self.running = Fanout(self._running, v.running.labels(**labels))
+        self.preemptions = Fanout(self._preemptions, v.preemptions.labels(**labels))
+        self.prefix_hit_tokens = Fanout(self._prefix_hit_tokens, v.prefix_hits.labels(**labels))
+        self.prefix_query_tokens = Fanout(self._prefix_query_tokens, v.prefix_queries.labels(**labels))
+        self.kv_usage = v.kv_usage.labels(**labels)
+        self.queue_time = v.queue_time.labels(**labels)
+        self.prompt_tokens = v.prompt_tokens.labels(**labels)
+        self.generation_tokens = v.generation_tokens.labels(**labels)
+
+    def request_success(self, finish_reason: str) -> None:
+        """Count a terminal request under vLLM's `vllm:request_success_total{finished_reason}`."""
+        reason = VLLM_FINISH_REASONS.get(finish_reason, "error")
+        self.vllm.success.labels(model_name=self.model_name, finished_reason=reason).inc()
+
+
+class _VllmFamilies:
+    """vLLM's metric families (V1 names; see the module docstring for the source), label `model_name`."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        m = ["model_name"]
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting (queued or preempted).", m, registry=r)
+        self.running = Gauge("vllm:num_requests_running", "Requests in model execution batches.", m, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc",
+                              "Fraction of KV blocks referenced by requests (0-1; 1 means 100 percent).", m,
+                              registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds",
+                              "Time to first token: enqueue at this replica to the first output token.", m,
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive output tokens.", m,
+                             buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds",
+                             "Enqueue at this replica to the terminal state.", m, buckets=REQUEST_DURATION_BUCKETS,
+                             registry=r)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds",
+                                    "Time in the WAITING phase: enqueue to first scheduled.", m,
+                                    buckets=REQUEST_DURATION_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of requests whose prefill completed.",
+                                     m, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Output tokens generated.", m, registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "Requests preempted.", m, registry=r)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries",
+                                      "Prefix cache queries, in prompt tokens looked up.", m, registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in prompt tokens found.", m,
+                                   registry=r)
+        self.success = Counter("vllm:request_success", "Finished requests, by finish reason.",
+                               ["model_name", "finished_reason"], registry=r)
+
+    def clear(self) -> None:
+        """Drop every series (those of a model label that no longer applies)."""
+        for family in (self.waiting, self.running, self.kv_usage, self.ttft, self.itl, self.e2e, self.queue_time,
+                       self.prompt_tokens, self.generation_tokens, self.preemptions, self.prefix_queries,
+                       self.prefix_hits, self.success):
+            family.clear()
 
 
 @dataclass
@@ -144,3 +256,50 @@ class AdmissionMetrics:
                                      registry=r)
         self.missing_tokens = Counter("sluice_admission_missing_tokens",
                                       "Tokens a completion counted that never arrived.", registry=r)
+        self.gen_ai = _GenAiFamilies(r)
+
+    def gen_ai_request(self, operation: str, model: str, outcome: RequestOutcome) -> None:
+        """Record one ended request in the GenAI families (TTFT and TPOT only for successful ones)."""
+        g, labels = self.gen_ai, {"gen_ai_operation_name": operation, "gen_ai_request_model": model}
+        g.duration.labels(**labels, error_type=outcome.error_type).observe(outcome.duration_s)
+        if not outcome.error_type and outcome.ttft_s is not None:
+            g.ttft.labels(**labels).observe(outcome.ttft_s)
+            if outcome.tpot_s is not None:
+                g.tpot.labels(**labels).observe(outcome.tpot_s)
+        g.token_usage.labels(**labels, gen_ai_token_type="input").observe(outcome.input_tokens)
+        g.token_usage.labels(**labels, gen_ai_token_type="output").observe(outcome.output_tokens)
+
+
+@dataclass(frozen=True)
+class RequestOutcome:
+    """What the GenAI metrics record of one ended request."""
+
+    duration_s: float
+    """Received to terminal."""
+    ttft_s: float | None
+    """Received to first token (None: no token)."""
+    tpot_s: float | None
+    """Mean time per output token after the first (None: fewer than two tokens)."""
+    input_tokens: int
+    output_tokens: int
+    error_type: str = ""
+    """The terminal status name when the request did not finish; "" when it did (the label is then absent)."""
+
+
+class _GenAiFamilies:
+    """The OpenTelemetry GenAI model-server metrics (and client token usage) as Prometheus names."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        op = ["gen_ai_operation_name", "gen_ai_request_model"]
+        self.ttft = Histogram("gen_ai_server_time_to_first_token_seconds",
+                              "gen_ai.server.time_to_first_token: received to first token, successful requests.",
+                              op, buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("gen_ai_server_time_per_output_token_seconds",
+                              "gen_ai.server.time_per_output_token: per output token after the first, successful "
+                              "requests.", op, buckets=TPOT_BUCKETS, registry=r)
+        self.duration = Histogram("gen_ai_server_request_duration_seconds",
+                                  "gen_ai.server.request.duration: received to last output token or end.",
+                                  [*op, "error_type"], buckets=REQUEST_DURATION_BUCKETS, registry=r)
+        self.token_usage = Histogram("gen_ai_client_token_usage",
+                                     "gen_ai.client.token.usage: input and output tokens per request, as billed.",
+                                     [*op, "gen_ai_token_type"], buckets=TOKEN_USAGE_BUCKETS, registry=r)

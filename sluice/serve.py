@@ -33,14 +33,17 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from sluice.options import options_parser, parse_options
 
 if TYPE_CHECKING:
+    import grpc
     from prometheus_client import CollectorRegistry
 
     from sluice.bus import Bus
 
 __all__ = ["BusOptions", "ServiceContext", "ServiceOptions", "Started", "StartupError", "configure_logging",
-           "load_options", "open_bus", "options_parser", "run_service"]
+           "METRICS_LINE", "grpc_server", "load_options", "open_bus", "options_parser", "run_service"]
 
 log = logging.getLogger("sluice.serve")
+METRICS_LINE = "metrics on "
+"""What starts the line a service prints with its metrics URL (sluice_tools.stack reads it back)."""
 OptionsT = TypeVar("OptionsT", bound="ServiceOptions")
 T = TypeVar("T")
 
@@ -58,7 +61,7 @@ class ServiceOptions:
     port: int = 0
     """gRPC port; 0 picks a free one."""
     metrics_port: int | None = None
-    """Prometheus port; None serves no metrics."""
+    """Prometheus port; 0 picks a free one (printed and logged); None serves no metrics."""
     log_level: str = "INFO"
     """Logging level name for the root logger."""
 
@@ -89,17 +92,26 @@ class ServiceContext:
     """Set by SIGTERM/SIGINT; long-running loops the service starts watch it."""
     cleanup: contextlib.AsyncExitStack = field(default_factory=contextlib.AsyncExitStack)
     """Closed last, whether start-up failed or not (Redis clients, servers...)."""
+    metrics_url: str = ""
+    """Where the metrics are served, once `expose_metrics` has bound a port ("" before, or without metrics)."""
 
-    def expose_metrics(self, registry: CollectorRegistry) -> None:
-        """Serve `registry` on `--metrics-port` when one was given; raises StartupError when the port is taken."""
+    def expose_metrics(self, registry: CollectorRegistry) -> str:
+        """Serve `registry` on `--metrics-port` when one was given (0: a free port); return its URL ("" without).
+
+        The URL is logged and printed as `metrics on URL` (METRICS_LINE), which is how a supervisor learns the
+        port it did not choose. Raises StartupError when the port is taken."""
         if self.options.metrics_port is None:
-            return
+            return ""
         from sluice.prom import serve_metrics
 
         try:
-            serve_metrics(registry, self.options.metrics_port)
+            port = serve_metrics(registry, self.options.metrics_port)
         except OSError as exc:
             raise StartupError(f"cannot serve metrics on port {self.options.metrics_port}: {exc}") from exc
+        self.metrics_url = f"http://{self.options.host}:{port}/metrics"
+        log.info("metrics on %s", self.metrics_url)
+        print(f"{METRICS_LINE}{self.metrics_url}", flush=True)
+        return self.metrics_url
 
 
 @dataclass
@@ -149,6 +161,24 @@ async def open_bus(ctx: ServiceContext, options: BusOptions, *, ping: bool = Fal
         except (RedisError, OSError) as exc:
             raise StartupError(f"cannot reach Redis at {redact_url(options.redis_url)}: {exc}") from exc
     return bus
+
+
+def grpc_server(*service_names: str, interceptors: Sequence[Any] = (),
+                options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Server:
+    """Return a new (not started) gRPC server that answers server reflection for `service_names`.
+
+    Every service builds its server here, so that `grpcurl` and grpcui can list and call it without the
+    protos: reflection lists `service_names`, gRPC health (every service serves it) and reflection itself,
+    and describes them from the generated modules' descriptors (the default pool).
+    """
+    import grpc
+    from grpc_health.v1 import health_pb2
+    from grpc_reflection.v1alpha import reflection
+
+    server = grpc.aio.server(interceptors=list(interceptors), options=list(options))
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.enable_server_reflection((*service_names, health_name, reflection.SERVICE_NAME), server)
+    return server
 
 
 def run_service(name: str, options: ServiceOptions, start: Start) -> int:

@@ -36,19 +36,27 @@ from opentelemetry.sdk.trace.export import (
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 __all__ = [
-    "GEN_AI_REQUEST_MODEL", "GEN_AI_RESPONSE_FINISH_REASONS", "GEN_AI_USAGE_INPUT_TOKENS",
-    "GEN_AI_USAGE_OUTPUT_TOKENS", "TRACE_FIELDS", "JsonLinesSpanExporter", "extract_fields",
-    "extract_metadata", "get_tracer", "inject_fields", "inject_metadata", "read_span_file", "setup_tracing",
+    "ERROR_STATUSES", "GEN_AI_OPERATION_NAME", "GEN_AI_REQUEST_MODEL", "GEN_AI_RESPONSE_FINISH_REASONS",
+    "GEN_AI_RESPONSE_ID", "GEN_AI_RESPONSE_MODEL", "GEN_AI_USAGE_INPUT_TOKENS", "GEN_AI_USAGE_OUTPUT_TOKENS",
+    "TRACE_FIELDS", "JsonLinesSpanExporter", "end_request_span", "extract_fields", "extract_metadata",
+    "get_tracer", "inject_fields", "inject_metadata", "link_to", "read_span_file", "setup_tracing",
 ]
 
 # OpenTelemetry GenAI semantic conventions (attribute names only; values set by the services).
+GEN_AI_OPERATION_NAME = "gen_ai.operation.name"
 GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
+GEN_AI_RESPONSE_ID = "gen_ai.response.id"
+GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
 GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
 
 # The W3C trace-context carrier keys, on gRPC metadata and on Redis entries alike.
 TRACE_FIELDS = ("traceparent", "tracestate")
+
+ERROR_STATUSES = frozenset({"FAILED", "TIMED_OUT", "REJECTED"})
+"""Terminal request statuses (RequestStatus names) that make a span's status ERROR: the server failed, ran
+out of time or could not place the request. A cancel (the client's, or a drain's) is an outcome, not an error."""
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _setup_lock = threading.Lock()
@@ -87,7 +95,7 @@ class JsonLinesSpanExporter(SpanExporter):
 
 
 def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
-    """Return a JSON-ready dict of a finished span: ids in hex, times in Unix nanoseconds, events."""
+    """Return a JSON-ready dict of a finished span: ids in hex, times in Unix nanoseconds, events, links."""
     ctx = span.get_span_context()
     parent = span.parent
     return {
@@ -102,6 +110,8 @@ def span_to_dict(span: ReadableSpan) -> dict[str, Any]:
         "attributes": dict(span.attributes or {}),
         "events": [{"name": e.name, "time_ns": e.timestamp, "attributes": dict(e.attributes or {})}
                    for e in span.events],
+        "links": [{"trace_id": format(link.context.trace_id, "032x"), "span_id": format(link.context.span_id, "016x"),
+                   "attributes": dict(link.attributes or {})} for link in span.links],
     }
 
 
@@ -144,6 +154,29 @@ def setup_tracing(service_name: str) -> TracerProvider:
         trace.set_tracer_provider(provider)
         _provider = provider
         return provider
+
+
+def end_request_span(span: trace.Span, status_name: str, detail: str = "", end_time: int | None = None) -> None:
+    """Record a request's terminal status on `span` and end it, the same way in every service.
+
+    `status_name` is the RequestStatus name (`FINISHED_STOP`, `CANCELLED`, ...), the one spelling of a status
+    across services: attribute `sluice.status`; the span status is ERROR (with `error.type`) only for
+    ERROR_STATUSES.
+    """
+    span.set_attribute("sluice.status", status_name)
+    if status_name in ERROR_STATUSES:
+        span.set_attribute("error.type", status_name)
+        span.set_status(trace.Status(trace.StatusCode.ERROR, detail or status_name))
+    span.end(end_time=end_time)
+
+
+def link_to(traceparent: str, tracestate: str = "", **attributes: str) -> trace.Link | None:
+    """Return a span link to the span a W3C `traceparent` names (None when it is malformed)."""
+    carrier = {"traceparent": traceparent, "tracestate": tracestate} if tracestate else {"traceparent": traceparent}
+    context = trace.get_current_span(_PROPAGATOR.extract(carrier)).get_span_context()
+    if not context.is_valid:
+        return None
+    return trace.Link(context, attributes=attributes)
 
 
 def get_tracer(name: str) -> trace.Tracer:

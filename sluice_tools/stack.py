@@ -40,6 +40,7 @@ from sluice.bus import redact_url
 from sluice.config import DEFAULT_API_KEY
 from sluice.lifeline import lifeline_command
 from sluice.redis_server import EmbeddedRedis, free_port
+from sluice.serve import METRICS_LINE
 from sluice.v1 import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from worker_svc.models import resolve_model
 
@@ -81,6 +82,8 @@ class StackConfig:
     start_timeout_s: float = 120.0
     drain_timeout_s: float = 10.0
     log_level: str = "INFO"
+    metrics: bool = True
+    """Every service serves Prometheus metrics on a free port (`Proc.metrics_url` says which)."""
 
 
 @dataclass
@@ -92,6 +95,8 @@ class Proc:
     log_path: Path
     address: str = ""
     popen: subprocess.Popen[bytes] | None = None
+    metrics_url: str = ""
+    """Its Prometheus endpoint, read from its log once it serves ("" without metrics)."""
 
     def log_tail(self, limit: int = 3000) -> str:
         """Return the end of the process's log."""
@@ -189,6 +194,8 @@ class Stack:
         port = port or free_port()
         address = f"{self.config.host}:{port}"
         command = [sys.executable, "-m", module, "--host", self.config.host, "--port", str(port), *args]
+        if self.config.metrics:
+            command += ["--metrics-port", "0"]  # the service prints the port it bound (sluice.serve)
         # Every child dies with the supervisor, even a SIGKILLed one (sluice.lifeline).
         proc = Proc(name, lifeline_command(command), self.run_dir / f"{name}.log", address)
         env = {**os.environ, **(env or {})}
@@ -214,6 +221,9 @@ class Stack:
         while pending:
             self._check_alive(pending)
             pending = [p for p in pending if not health_serving(p.address)]
+            for proc in procs:
+                if proc not in pending and self.config.metrics and not proc.metrics_url:
+                    proc.metrics_url = _metrics_url_in_log(proc)
             if pending and time.monotonic() > deadline:
                 names = ", ".join(p.name for p in pending)
                 raise StackError(f"not SERVING within {self.config.start_timeout_s}s: {names}; last log:\n"
@@ -244,7 +254,8 @@ class Stack:
         for proc in self.procs:
             pid = proc.popen.pid if proc.popen is not None else "?"
             role = "  <- the endpoint clients call" if proc is self.admission else ""
-            lines.append(f"  {proc.name:<12} {proc.address:<21} pid {pid}{role}")
+            metrics = f"  metrics {proc.metrics_url}" if proc.metrics_url else ""
+            lines.append(f"  {proc.name:<12} {proc.address:<21} pid {pid}{metrics}{role}")
         return "\n".join(lines)
 
     def scheduler_stats(self) -> list[scheduler_pb2.SchedulerStats]:
@@ -298,6 +309,15 @@ def health_serving(address: str, service: str = "", timeout_s: float = 1.0) -> b
         except grpc.RpcError:
             return False
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def _metrics_url_in_log(proc: Proc) -> str:
+    """Return the metrics URL the process printed at start-up (the last one in its log; "" if none)."""
+    with contextlib.suppress(OSError):
+        for line in reversed(proc.log_path.read_text(errors="replace").splitlines()):
+            if line.startswith(METRICS_LINE):
+                return line[len(METRICS_LINE):].strip()
+    return ""
 
 
 def _terminate(proc: Proc, timeout_s: float) -> None:

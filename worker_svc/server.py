@@ -9,6 +9,9 @@ Theory of operation
   round's requests); the service keeps serving.
 - `emulate_time`: a backend whose `elapsed_s` is modelled (the cost model) is made to take that long,
   so that load tests on a CPU see GPU-like round times.
+- Tracing: a round that carries trace contexts (`RoundPlan.traces`: the sampled requests it serves, as
+  many as the scheduler sends) gets a `worker.round` span, a root of its own trace with one link per
+  request; a round that carries none costs no span.
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
+from opentelemetry import trace
 
-from sluice import convert, services
+from sluice import convert, services, telemetry
 from sluice.errors import ErrorInterceptor, Unavailable
 from sluice.prom import WorkerMetrics
+from sluice.serve import grpc_server
 from sluice.types import RoundPlan, RoundResult, SamplingParams, ScheduledSeq
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.backend import Backend, BackendInfo
@@ -34,6 +39,7 @@ from worker_svc.backend import Backend, BackendInfo
 __all__ = ["SERVICE_NAME", "WorkerRuntime", "WorkerServicer", "start_worker_server"]
 
 log = logging.getLogger(__name__)
+tracer = telemetry.get_tracer("sluice.worker")
 
 SERVICE_NAME = services.WORKER
 
@@ -137,14 +143,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def Execute(self, request: worker_pb2.RoundPlan,  # noqa: N802 (gRPC method name)
                       context: grpc.aio.ServicerContext) -> worker_pb2.RoundResult:
-        result = await self.runtime.execute(convert.plan_from_proto(request), "Execute")
-        return convert.result_to_proto(result)
+        return await self._round(request, "Execute")
 
     async def ExecuteStream(self, request_iterator: AsyncIterator[worker_pb2.RoundPlan],  # noqa: N802
                             context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.RoundResult]:
         async for plan in request_iterator:
-            result = await self.runtime.execute(convert.plan_from_proto(plan), "ExecuteStream")
-            yield convert.result_to_proto(result)
+            yield await self._round(plan, "ExecuteStream")
+
+    async def _round(self, wire: worker_pb2.RoundPlan, rpc: str) -> worker_pb2.RoundResult:
+        plan = convert.plan_from_proto(wire)
+        if not wire.traces:
+            return convert.result_to_proto(await self.runtime.execute(plan, rpc))
+        links = [link for t in wire.traces
+                 if (link := telemetry.link_to(t.traceparent, t.tracestate, **{"sluice.request_id": t.request_id}))]
+        with tracer.start_as_current_span("worker.round", kind=trace.SpanKind.SERVER, links=links, attributes={
+                "sluice.round_id": plan.round_id, "sluice.seqs": len(plan.seqs), "rpc.method": rpc}) as span:
+            result = await self.runtime.execute(plan, rpc)
+            span.set_attribute("sluice.elapsed_s", result.elapsed_s)
+            if result.error:
+                span.set_status(trace.Status(trace.StatusCode.ERROR, result.error))
+        return convert.result_to_proto(result)
 
     async def Info(self, request: worker_pb2.InfoRequest,  # noqa: N802
                    context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
@@ -175,7 +193,7 @@ async def start_worker_server(runtime: WorkerRuntime, port: int = 0, host: str =
     Returns the running worker; health turns SERVING when the warm-up round has run. Loading errors are
     logged and leave the worker NOT_SERVING. Raises RuntimeError when the port cannot be bound.
     """
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+    server = grpc_server(SERVICE_NAME, interceptors=[ErrorInterceptor()])
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(runtime), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker (default: all that fit)")
     parser.add_argument("--emulate-time", action="store_true", help="costmodel: rounds take their modelled time")
     parser.add_argument("--log-level", default="INFO", help="services' log level (default: INFO)")
+    parser.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
+                        help="every service serves Prometheus metrics on a free port, printed with its address "
+                             "(default: on)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     config = StackConfig(replicas=args.replicas, backend=args.backend, model=args.model, redis_url=args.redis_url,
                          config_file=args.config, admission_port=args.port, host=args.host,
                          run_dir=Path(args.run_dir) if args.run_dir else None, num_blocks=args.num_blocks,
-                         emulate_time=args.emulate_time, log_level=args.log_level)
+                         emulate_time=args.emulate_time, log_level=args.log_level, metrics=args.metrics)
     stack = Stack(config)
     print(f"starting Redis, router, {args.replicas} x (worker + scheduler) ({args.backend}, {args.model}) and "
           f"admission; logs in {stack.run_dir}", file=sys.stderr, flush=True)

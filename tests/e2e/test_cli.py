@@ -41,6 +41,8 @@ def test_up_generate_and_ctrl_c(tmp_path: Path) -> None:
                 break
         banner = "".join(lines)
         assert f"endpoint: 127.0.0.1:{port}" in banner and "sk-sluice-local" in banner, banner
+        # Every service's Prometheus endpoint, on the free port it bound (--metrics on by default).
+        assert banner.count("metrics http://127.0.0.1:") == 4, banner
         suggested = next(line for line in lines if line.startswith("Try: "))
         tried = subprocess.run(shlex.split(suggested.removeprefix("Try: ")), cwd=ROOT, env=env, capture_output=True,
                                text=True, timeout=60)

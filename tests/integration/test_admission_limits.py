@@ -128,7 +128,7 @@ def test_long_prompts_are_tokenized_off_the_event_loop(tmp_path: Path, redis_url
         assert _tokenize_count(door) == 2
 
     run(tmp_path, redis_url, namespace, body, door_config=FrontDoorConfig(inline_tokenize_bytes=8))
-    roots = [s for s in span_exporter.get_finished_spans() if s.name == "admission.request"]
+    roots = [s for s in span_exporter.get_finished_spans() if s.name == "text_completion tiny"]
     assert len(roots) == 2
     for root in roots:
         names = [e.name for e in root.events]
