@@ -18,7 +18,7 @@ from admission_svc.core import AdmissionConfig, AdmissionCore
 from admission_svc.frontdoor import FrontDoor, FrontDoorConfig
 from admission_svc.server import DEFAULT_MAX_MESSAGE_BYTES, build_server
 from admission_svc.streams import token_reader_loop
-from sluice import serve, services
+from sluice import serve, services, tls
 from sluice.bus import Bus
 from sluice.config import ConfigError, ServiceConfig, load_config
 from sluice.model_spec import load_model_spec
@@ -55,6 +55,9 @@ class AdmissionOptions(serve.BusOptions):
     """A text prompt over this many bytes is INVALID_ARGUMENT, untokenized."""
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     """A request message over this many bytes is INVALID_ARGUMENT, unparsed (at least max_prompt_bytes)."""
+    public_tls: bool = False
+    """Serve the public endpoint over TLS with the admission certificate of --tls-dir (clients trust ca.pem;
+    they authenticate with API keys, so no client certificate is asked for)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,7 +127,7 @@ def build_servicer(ctx: serve.ServiceContext, options: AdmissionOptions) -> Fron
     ctx.expose_metrics(metrics.registry)
     owner = options.owner or f"admission-{socket.gethostname()}-{options.port}"
     config = FrontDoorConfig(max_prompt_bytes=options.max_prompt_bytes, resume_window_s=options.resume_window_s)
-    return FrontDoor(core, model, options.router, owner, metrics, config)
+    return FrontDoor(core, model, options.router, owner, metrics, config, serve.tls_files(options, "admission"))
 
 
 async def start(ctx: serve.ServiceContext, options: AdmissionOptions) -> serve.Started:
@@ -135,7 +138,10 @@ async def start(ctx: serve.ServiceContext, options: AdmissionOptions) -> serve.S
     server = build_server(servicer, options.max_message_bytes)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    if options.public_tls and servicer.tls_files is None:
+        raise serve.StartupError("--public-tls needs --tls-dir (the admission certificate to serve)")
+    port = tls.listen(server, f"{options.host}:{options.port}", servicer.tls_files if options.public_tls else None,
+                      public=True)
     await server.start()
     stop = ctx.stop
     tasks = [

@@ -27,7 +27,8 @@ def generate_call(request: admission_pb2.GenerateRequest) -> GenerateCall:
 
 def submit_request(request_id: str, tenant: str, prompt_ids: Sequence[int], call: GenerateCall,
                    owner: str, deadline_unix_s: float, model: ModelSpec,
-                   timestamps: common_pb2.LifecycleTimestamps, tenant_weight: float) -> scheduler_pb2.SubmitRequest:
+                   timestamps: common_pb2.LifecycleTimestamps, tenant_weight: float,
+                   cache_salt: str = "") -> scheduler_pb2.SubmitRequest:
     """Return the scheduler's SubmitRequest for an admitted request.
 
     The model's first EOS id travels as eos_token_id, the others as stop token ids (unless the
@@ -39,7 +40,7 @@ def submit_request(request_id: str, tenant: str, prompt_ids: Sequence[int], call
         request_id=request_id, tenant=tenant, prompt_token_ids=list(prompt_ids),
         sampling=shared_convert.sampling_to_proto(sampling), priority=call.priority,
         deadline_unix_s=deadline_unix_s, owner=owner, timestamps=timestamps, eos_token_id=model.eos_token_id,
-        tenant_weight=tenant_weight)
+        tenant_weight=tenant_weight, cache_salt=cache_salt)
 
 
 def chunk_of(output: Output) -> admission_pb2.GenerateChunk:

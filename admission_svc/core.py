@@ -136,6 +136,11 @@ class AdmissionCore:
         config = self._tenants.get(tenant)
         return config.weight if config is not None else 1.0
 
+    def cache_salt(self, tenant: str) -> str:
+        """Return the tenant's prefix-cache salt ("" shares cached prefixes with every tenant)."""
+        config = self._tenants.get(tenant)
+        return config.cache_salt if config is not None else ""
+
     def validate(self, prompt_tokens: int, max_tokens: int, *, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0) -> None:
         """Check a request against the model length and the sampling ranges.

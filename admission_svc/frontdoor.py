@@ -37,12 +37,13 @@ from admission_svc.calls import Caller, FrontDoorConfig, GenerateCall, Output, T
 from admission_svc.core import AdmissionCore
 from admission_svc.prompts import PromptReader
 from admission_svc.streams import RequestStream, StreamRegistry
-from sluice import core_errors, errors, telemetry
+from sluice import core_errors, errors, telemetry, tls
 from sluice.core_errors import CoreError, OverBudget
 from sluice.hashing import hash_chain, salt_of
 from sluice.model_spec import ModelSpec
 from sluice.prom import AdmissionMetrics, RequestOutcome
 from sluice.safe_text import shown
+from sluice.tls import TlsFiles
 from sluice.tokenizer import Detokenizer
 from sluice.v1 import common_pb2, events_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -75,15 +76,17 @@ class FrontDoor:
     """Admission's orchestration around AdmissionCore, the router, the schedulers and the token streams."""
 
     def __init__(self, core: AdmissionCore, model: ModelSpec, router_address: str, owner: str,
-                 metrics: AdmissionMetrics | None = None, config: FrontDoorConfig | None = None) -> None:
+                 metrics: AdmissionMetrics | None = None, config: FrontDoorConfig | None = None,
+                 tls_files: TlsFiles | None = None) -> None:
         self.core = core
+        self.tls_files = tls_files
         self.model = model
         self.owner = owner
         self.config = config or FrontDoorConfig()
         self.metrics = metrics or AdmissionMetrics()
         self.registry = StreamRegistry(self.config.resume_window_s, listener=self)
         self.records: dict[str, Tracked] = {}
-        self._router_channel = grpc.aio.insecure_channel(router_address)
+        self._router_channel = tls.aio_channel(router_address, tls_files)
         self.router = router_pb2_grpc.RouterServiceStub(self._router_channel)
         self._schedulers: dict[str, tuple[grpc.aio.Channel, scheduler_pb2_grpc.SchedulerServiceStub]] = {}
         self._block_size: tuple[float, int] | None = None
@@ -240,7 +243,8 @@ class FrontDoor:
         metadata = tuple(telemetry.inject_metadata(trace.set_span_in_context(record.span)))
         timeout = self.config.downstream_timeout_s
         block_size = await self._block_size_now()
-        hashes = hash_chain(ids, block_size, salt_of(self.model.model_id, call.adapter_version))
+        cache_salt = self.core.cache_salt(record.tenant)
+        hashes = hash_chain(ids, block_size, salt_of(self.model.model_id, call.adapter_version, cache_salt))
         route = await self.router.Route(router_pb2.RouteRequest(
             request_id=record.request_id, model=self.model.model_id, adapter_version=call.adapter_version,
             block_hashes=hashes, prompt_tokens=len(ids), max_tokens=call.sampling.max_tokens),
@@ -252,7 +256,7 @@ class FrontDoor:
             "sluice.predicted_ttft_s": route.predicted_ttft_s})
         submit = convert.submit_request(record.request_id, record.tenant, ids, call, self.owner, deadline_unix_s or 0.0,
                                         self.model, record.timestamps,
-                                        self.core.tenant_weight(record.tenant))
+                                        self.core.tenant_weight(record.tenant), cache_salt)
         await self._scheduler(route.scheduler_address).Submit(submit, metadata=metadata, timeout=timeout)
         record.status = common_pb2.WAITING
         record.span.add_event("submitted")
@@ -283,7 +287,7 @@ class FrontDoor:
 
     def _scheduler(self, address: str) -> scheduler_pb2_grpc.SchedulerServiceStub:
         if address not in self._schedulers:
-            channel = grpc.aio.insecure_channel(address)
+            channel = tls.aio_channel(address, self.tls_files)
             self._schedulers[address] = (channel, scheduler_pb2_grpc.SchedulerServiceStub(channel))
         return self._schedulers[address][1]
 

@@ -66,8 +66,9 @@ async def start(ctx: serve.ServiceContext, options: RouterOptions) -> serve.Star
     metrics = RouterMetrics()
     ctx.expose_metrics(metrics.registry)
     bus = await serve.open_bus(ctx, options)
-    runtime = RouterRuntime(RouterCore(config), bus, options.router_id, metrics=metrics)
-    server, port = await start_router_server(runtime, options.port, options.host)
+    files = serve.tls_files(options, "router")
+    runtime = RouterRuntime(RouterCore(config), bus, options.router_id, metrics=metrics, tls_files=files)
+    server, port = await start_router_server(runtime, options.port, options.host, files)
     loop = asyncio.create_task(runtime.run(ctx.stop))
 
     async def drain() -> None:

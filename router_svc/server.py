@@ -35,11 +35,12 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from router_svc import convert
 from router_svc.core import RouterCore
 from sluice import convert as shared_convert
-from sluice import errors, glue, services
+from sluice import errors, glue, services, tls
 from sluice.bus import Bus
 from sluice.prom import RouterMetrics
 from sluice.serve import grpc_server
 from sluice.telemetry import extract_metadata, get_tracer
+from sluice.tls import TlsFiles
 from sluice.types import KvEvent, ReplicaState
 from sluice.v1 import events_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -56,8 +57,10 @@ class RouterRuntime:
 
     def __init__(self, core: RouterCore, bus: Bus, router_id: str = "router", *,
                  metrics: RouterMetrics | None = None, clock: Callable[[], float] = time.time,
-                 snapshot_timeout_s: float = 5.0) -> None:
+                 snapshot_timeout_s: float = 5.0, tls_files: TlsFiles | None = None) -> None:
         self.core = core
+        self.tls_files = tls_files
+        """Credentials of the router's calls to schedulers (KvSnapshot); None: plaintext."""
         self.bus = bus
         self.router_id = router_id
         self.metrics = metrics or RouterMetrics()
@@ -124,7 +127,7 @@ class RouterRuntime:
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+            channel = self._channels[address] = tls.aio_channel(address, self.tls_files)
         return channel
 
     # ---- stream handlers ------------------------------------------------------------------
@@ -248,16 +251,17 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         return router_pb2.ListReplicasResponse(replicas=[convert.replica_to_proto(v) for v in self.core.replicas()])
 
 
-async def start_router_server(runtime: RouterRuntime, port: int = 0,
-                              host: str = "127.0.0.1") -> tuple[grpc.aio.Server, int]:
+async def start_router_server(runtime: RouterRuntime, port: int = 0, host: str = "127.0.0.1",
+                              tls_files: TlsFiles | None = None) -> tuple[grpc.aio.Server, int]:
     """Start the router's gRPC server (with gRPC health SERVING); return it and its bound port.
 
     `runtime.health` turns NOT_SERVING with `enter_graceful_shutdown()`. Raises RuntimeError if the port is taken.
     """
-    server = grpc_server(SERVICE_NAME, interceptors=[errors.ErrorInterceptor()])
+    authorize = tls.authorizer() if tls_files is not None else None
+    server = grpc_server(SERVICE_NAME, interceptors=[errors.ErrorInterceptor(authorize=authorize)])
     router_pb2_grpc.add_RouterServiceServicer_to_server(RouterServicer(runtime), server)
     health_pb2_grpc.add_HealthServicer_to_server(runtime.health, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = tls.listen(server, f"{host}:{port}", tls_files)
     if bound == 0:
         raise RuntimeError(f"cannot bind the router to {host}:{port}")
     await server.start()

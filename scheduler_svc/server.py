@@ -31,11 +31,12 @@ from scheduler_svc.collector import tune_collector
 from scheduler_svc.core import SchedulerCore
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.driver import Driver
-from sluice import convert, errors, glue, services
+from sluice import convert, errors, glue, services, tls
 from sluice.bus import Bus
 from sluice.prom import SchedulerMetrics
 from sluice.serve import grpc_server
 from sluice.telemetry import extract_metadata
+from sluice.tls import TlsFiles
 from sluice.types import ReplicaState
 from sluice.v1 import (
     router_pb2,
@@ -176,15 +177,17 @@ class ReplicaAgent:
 
 
 async def start_scheduler_server(driver: Driver, health: health_aio.HealthServicer, port: int = 0,
-                                 host: str = "127.0.0.1") -> tuple[grpc.aio.Server, int]:
+                                 host: str = "127.0.0.1",
+                                 tls_files: TlsFiles | None = None) -> tuple[grpc.aio.Server, int]:
     """Start the scheduler's gRPC server with gRPC health SERVING (its worker is SERVING by then).
 
     Returns the server and its bound port. Raises RuntimeError if the port is taken.
     """
-    server = grpc_server(SERVICE_NAME, interceptors=[errors.ErrorInterceptor()])
+    authorize = tls.authorizer() if tls_files is not None else None
+    server = grpc_server(SERVICE_NAME, interceptors=[errors.ErrorInterceptor(authorize=authorize)])
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(SchedulerServicer(driver), server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = tls.listen(server, f"{host}:{port}", tls_files)
     if bound == 0:
         raise RuntimeError(f"cannot bind the scheduler to {host}:{port}")
     await server.start()
@@ -258,12 +261,13 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
                         core_overrides: dict[str, object] | None = None, metrics: SchedulerMetrics | None = None,
                         heartbeat_interval_s: float = 1.0, prefill_tokens_per_s: float = 10_000.0,
                         decode_round_s: float = 0.01, use_stream: bool = True,
-                        worker_timeout_s: float = 120.0, publish_first_max_tokens: int = 64) -> RunningReplica:
+                        worker_timeout_s: float = 120.0, publish_first_max_tokens: int = 64,
+                        tls_files: TlsFiles | None = None) -> RunningReplica:
     """Wait for the worker, build the core from its Info, serve, run the driver, register with the router.
 
     Raises TimeoutError (worker never SERVING), ValueError (bad core settings), RuntimeError (port taken).
     """
-    worker_channel = grpc.aio.insecure_channel(worker_address)
+    worker_channel = tls.aio_channel(worker_address, tls_files)
     info = await wait_for_worker(worker_channel, worker_timeout_s)
     core = make_core(info, replica_id, **(core_overrides or {}))
     tune_collector(core.config.max_num_seqs)
@@ -272,13 +276,13 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
                     worker_health=health_pb2_grpc.HealthStub(worker_channel),
                     publish_first_max_tokens=publish_first_max_tokens)
     health = health_aio.HealthServicer()
-    server, bound = await start_scheduler_server(driver, health, port, host)
+    server, bound = await start_scheduler_server(driver, health, port, host, tls_files)
     stop = asyncio.Event()
     tasks = [asyncio.create_task(driver.run(stop))]
     channels = [worker_channel]
     agent = None
     if router_address:
-        router_channel = grpc.aio.insecure_channel(router_address)
+        router_channel = tls.aio_channel(router_address, tls_files)
         channels.append(router_channel)
         replica = router_pb2.Replica(
             replica_id=replica_id, model=info.model_id, scheduler_address=f"{advertise_host}:{bound}",

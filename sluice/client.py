@@ -114,6 +114,12 @@ def _request_info(message: admission_pb2.RequestInfo) -> RequestInfo:
                        stamps)
 
 
+def _tls(ca_file: str) -> grpc.ChannelCredentials:
+    """Return channel credentials trusting the CA in `ca_file` (the API key authenticates the client)."""
+    with open(ca_file, "rb") as handle:
+        return grpc.ssl_channel_credentials(root_certificates=handle.read())
+
+
 def _chunk(message: admission_pb2.GenerateChunk) -> Chunk:
     usage = Usage(**{f: getattr(message.usage, f) for f in Usage.__dataclass_fields__}) \
         if message.HasField("usage") else None
@@ -204,8 +210,10 @@ class Client:
 
     def __init__(self, target: str = DEFAULT_TARGET, api_key: str | None = None, *,
                  retry: RetryPolicy | None = None, budget: RetryBudget | None = None,
-                 channel: grpc.Channel | None = None) -> None:
-        self._channel = channel or grpc.insecure_channel(target)
+                 channel: grpc.Channel | None = None, tls_ca: str | None = None) -> None:
+        """`tls_ca`: the PEM file of the CA that signed admission's certificate; the call then uses TLS."""
+        self._channel = channel or (grpc.secure_channel(target, _tls(tls_ca)) if tls_ca
+                                    else grpc.insecure_channel(target))
         self._stub = admission_pb2_grpc.AdmissionServiceStub(self._channel)
         self._retrier = _Retrier(api_key, retry or RetryPolicy(), budget)
 
@@ -286,8 +294,11 @@ class AsyncClient:
     """asyncio client; create and use it inside one event loop."""
 
     def __init__(self, target: str = DEFAULT_TARGET, api_key: str | None = None, *,
-                 retry: RetryPolicy | None = None, budget: RetryBudget | None = None) -> None:
-        self._channel = grpc.aio.insecure_channel(target)
+                 retry: RetryPolicy | None = None, budget: RetryBudget | None = None,
+                 tls_ca: str | None = None) -> None:
+        """`tls_ca`: the PEM file of the CA that signed admission's certificate; the call then uses TLS."""
+        self._channel = (grpc.aio.secure_channel(target, _tls(tls_ca)) if tls_ca
+                         else grpc.aio.insecure_channel(target))
         self._stub = admission_pb2_grpc.AdmissionServiceStub(self._channel)
         self._retrier = _Retrier(api_key, retry or RetryPolicy(), budget)
 

@@ -72,6 +72,9 @@ class TenantConfig:
     """Fair-share weight (a tenant of weight 2 gets twice the service under contention)."""
     budgets: Budgets | None = None
     """This tenant's caps (the process-wide caps apply as well); None: only the process-wide caps."""
+    cache_salt: str = ""
+    """A secret mixed into this tenant's prefix-cache block hashes: its prompts then share cached blocks with
+    no other tenant (no timing side channel); "": share with every tenant of the model (docs/security.md)."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,7 @@ class ServiceConfig:
 
 
 _BUDGET_KEYS = frozenset(f.name for f in fields(Budgets))
-_TENANT_KEYS = frozenset({"api_keys", "weight"}) | _BUDGET_KEYS
+_TENANT_KEYS = frozenset({"api_keys", "weight", "cache_salt"}) | _BUDGET_KEYS
 _TOP_KEYS = frozenset({"budgets", "tenants", "default_model"})
 
 
@@ -134,7 +137,10 @@ def _tenant(name: str, raw: object, base: Budgets) -> TenantConfig:
     if not isinstance(weight, int | float) or isinstance(weight, bool) or not 0 < weight < float("inf"):
         raise ConfigError(f"{where}.weight must be a positive number, got {weight!r}")
     budgets = _budgets(table, base, where) if _BUDGET_KEYS & set(table) else None
-    return TenantConfig(name, tuple(keys), float(weight), budgets)
+    salt = table.get("cache_salt", "")
+    if not isinstance(salt, str):
+        raise ConfigError(f"{where}.cache_salt must be a string, got {type(salt).__name__}")
+    return TenantConfig(name, tuple(keys), float(weight), budgets, salt)
 
 
 def parse_config(raw: Mapping[str, Any]) -> ServiceConfig:

@@ -171,6 +171,7 @@ def new_request_from_proto(msg: scheduler_pb2.SubmitRequest, now: float, default
         queue_deadline=msg.queue_deadline_unix_s or None,
         eos_token_id=msg.eos_token_id or default_eos,
         tenant_weight=msg.tenant_weight if msg.tenant_weight > 0 else None,
+        cache_salt=msg.cache_salt,
     )
 
 

@@ -123,6 +123,12 @@ _HANDLER_KINDS = (
     ("stream_stream", grpc.stream_stream_rpc_method_handler, True, True),
 )
 Parse = Callable[[bytes], Any]
+Guard = Callable[[Any], None]
+Authorize = Callable[[str, Any], None]
+
+
+def _no_guard(context: Any) -> None:
+    return None
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -133,8 +139,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     message, or one over `max_message_bytes`, is INVALID_ARGUMENT like any other bad input.
     """
 
-    def __init__(self, max_message_bytes: int | None = None) -> None:
+    def __init__(self, max_message_bytes: int | None = None, authorize: Authorize | None = None) -> None:
         self.max_message_bytes = max_message_bytes
+        self.authorize = authorize
+        """Called with (full method name, context) before each handler; raises a SluiceError to refuse."""
 
     def _as_sluice_error(self, exc: BaseException) -> SluiceError | None:
         if isinstance(exc, SluiceError):
@@ -153,10 +161,19 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             behavior = getattr(handler, kind)
             if behavior is not None:
                 parse = self._parser(handler.request_deserializer, handler_call_details.method)
+                guard = self._guard(handler_call_details.method)
                 wrap = self._wrap_stream if streams else self._wrap_unary
-                return make_handler(wrap(behavior, parse, request_streams), request_deserializer=None,
+                return make_handler(wrap(behavior, parse, guard, request_streams), request_deserializer=None,
                                     response_serializer=handler.response_serializer)
         return handler
+
+    def _guard(self, method: Any) -> Guard:
+        """Return the per-call check of the caller for `method` (a no-op without `authorize`)."""
+        authorize = self.authorize
+        if authorize is None:
+            return _no_guard
+        rpc = method.decode(errors="replace") if isinstance(method, bytes) else str(method)
+        return lambda context: authorize(rpc, context)
 
     def _parser(self, deserializer: Parse | None, method: Any) -> Parse:
         limit = self.max_message_bytes
@@ -177,9 +194,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
         return parse
 
-    def _wrap_unary(self, behavior: Callable[..., Any], parse: Parse, request_streams: bool) -> Callable[..., Any]:
+    def _wrap_unary(self, behavior: Callable[..., Any], parse: Parse, guard: Guard,
+                    request_streams: bool) -> Callable[..., Any]:
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
+                guard(context)
                 return await behavior(parse(request), context)
             except Exception as exc:
                 error = self._as_sluice_error(exc)
@@ -189,9 +208,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
         return wrapped
 
-    def _wrap_stream(self, behavior: Callable[..., Any], parse: Parse, request_streams: bool) -> Callable[..., Any]:
+    def _wrap_stream(self, behavior: Callable[..., Any], parse: Parse, guard: Guard,
+                     request_streams: bool) -> Callable[..., Any]:
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             try:
+                guard(context)
                 result = behavior(_parsed(request, parse) if request_streams else parse(request), context)
                 if inspect.isasyncgen(result):
                     async for item in result:

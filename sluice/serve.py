@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sluice.options import options_parser, parse_options
+from sluice.tls import TlsFiles
 
 if TYPE_CHECKING:
     import grpc
@@ -64,6 +65,9 @@ class ServiceOptions:
     """Prometheus port; 0 picks a free one (printed and logged); None serves no metrics."""
     log_level: str = "INFO"
     """Logging level name for the root logger."""
+    tls_dir: str | None = field(default=None, metadata={"env": "SLUICE_TLS_DIR"})
+    """Directory of the deployment's TLS credentials (ca.pem, <role>.pem, <role>-key.pem): internal calls
+    then use mutual TLS and each RPC admits only its callers' roles; None: plaintext (a trusted network)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,6 +165,16 @@ async def open_bus(ctx: ServiceContext, options: BusOptions, *, ping: bool = Fal
         except (RedisError, OSError) as exc:
             raise StartupError(f"cannot reach Redis at {redact_url(options.redis_url)}: {exc}") from exc
     return bus
+
+
+def tls_files(options: ServiceOptions, role: str) -> TlsFiles | None:
+    """Return this service's TLS credentials (None when --tls-dir is not set); raises StartupError if incomplete."""
+    if not options.tls_dir:
+        return None
+    try:
+        return TlsFiles.of(options.tls_dir, role)
+    except FileNotFoundError as exc:
+        raise StartupError(str(exc)) from exc
 
 
 def grpc_server(*service_names: str, interceptors: Sequence[Any] = (),

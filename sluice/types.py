@@ -85,6 +85,8 @@ class NewRequest:
     """The model's end-of-sequence token (finishes the request unless ignore_eos)."""
     tenant_weight: float | None = None
     """The tenant's fair-share weight as admission's configuration sets it (None: the scheduler's own)."""
+    cache_salt: str = ""
+    """The tenant's prefix-cache salt ("": cached prefixes are shared with every tenant of the model)."""
 
 
 @dataclass(frozen=True, slots=True)

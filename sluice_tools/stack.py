@@ -41,6 +41,7 @@ from sluice.config import DEFAULT_API_KEY
 from sluice.lifeline import lifeline_command
 from sluice.redis_server import EmbeddedRedis, free_port
 from sluice.serve import METRICS_LINE
+from sluice.tls import TlsFiles, sync_channel, write_local_pki
 from sluice.v1 import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from worker_svc.models import resolve_model
 
@@ -84,6 +85,11 @@ class StackConfig:
     log_level: str = "INFO"
     metrics: bool = True
     """Every service serves Prometheus metrics on a free port (`Proc.metrics_url` says which)."""
+    mtls: bool = False
+    """Internal calls over mutual TLS, each RPC admitting only its callers' roles (a fresh local CA in
+    run_dir/tls; the stack's own checks use the `operator` certificate)."""
+    public_tls: bool = False
+    """Admission's public endpoint over TLS too (needs mtls; clients trust `Stack.tls_ca`)."""
 
 
 @dataclass
@@ -123,6 +129,17 @@ class Stack:
         self.workers: list[Proc] = []
         self.schedulers: list[Proc] = []
         self.admission: Proc | None = None
+        self.tls_dir: Path | None = write_local_pki(self.run_dir / "tls") if config.mtls or config.public_tls else None
+        self._operator = TlsFiles.of(self.tls_dir, "operator") if self.tls_dir else None
+
+    @property
+    def tls_ca(self) -> str | None:
+        """The CA certificate (PEM path) clients trust for a TLS admission endpoint; None without TLS."""
+        return str(self.tls_dir / "ca.pem") if self.tls_dir else None
+
+    def channel(self, address: str) -> grpc.Channel:
+        """Return a blocking channel to a service of this stack (mutual TLS as `operator` when on)."""
+        return sync_channel(address, self._operator)
 
     @property
     def endpoint(self) -> str:
@@ -185,6 +202,8 @@ class Stack:
                           "--owner", f"admission-{c.namespace}"]
         if c.config_file:
             admission_args += ["--config", c.config_file]
+        if c.public_tls:
+            admission_args.append("--public-tls")
         self.admission = self._spawn("admission", "admission_svc", admission_args, port=c.admission_port,
                                      env=bus_env)
         self._wait_healthy([self.admission], deadline)
@@ -202,12 +221,20 @@ class Stack:
         env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.update(dict(self.config.env))
+        if self.tls_dir is not None:
+            env["SLUICE_TLS_DIR"] = str(self.tls_dir)
         with proc.log_path.open("ab") as log:
             # A new session: a Ctrl-C in the terminal reaches only `sluice up`, which stops children in order.
             proc.popen = subprocess.Popen(proc.args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                           env=env, cwd=str(REPO_ROOT), start_new_session=True)
         self.procs.append(proc)
         return proc
+
+    def _health_files(self, proc: Proc) -> TlsFiles | None:
+        """The credentials to ask `proc`'s health with: admission's public port is plaintext unless public_tls."""
+        if proc is self.admission and not self.config.public_tls:
+            return None
+        return self._operator
 
     def _check_alive(self, procs: list[Proc]) -> None:
         for proc in procs:
@@ -220,7 +247,7 @@ class Stack:
         pending = list(procs)
         while pending:
             self._check_alive(pending)
-            pending = [p for p in pending if not health_serving(p.address)]
+            pending = [p for p in pending if not health_serving(p.address, files=self._health_files(p))]
             for proc in procs:
                 if proc not in pending and self.config.metrics and not proc.metrics_url:
                     proc.metrics_url = _metrics_url_in_log(proc)
@@ -234,7 +261,7 @@ class Stack:
     def _wait_replicas_ready(self, deadline: float) -> str:
         """Wait until the router lists every replica READY; return their model id."""
         assert self.router is not None
-        with grpc.insecure_channel(self.router.address) as channel:
+        with self.channel(self.router.address) as channel:
             stub = router_pb2_grpc.RouterServiceStub(channel)
             while True:
                 self._check_alive(self.procs)
@@ -262,7 +289,7 @@ class Stack:
         """Return every scheduler's Stats (KV blocks, queue, counters)."""
         out = []
         for proc in self.schedulers:
-            with grpc.insecure_channel(proc.address) as channel:
+            with self.channel(proc.address) as channel:
                 stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
                 out.append(stub.Stats(scheduler_pb2.StatsRequest(), timeout=5))
         return out
@@ -286,7 +313,7 @@ class Stack:
         """Stop routing to every replica, let in-flight requests finish (clients keep their streams), then
         stop admission. New requests meanwhile get UNAVAILABLE (no READY replica) with a retry delay."""
         if self.router is not None and self.router.alive():
-            with grpc.insecure_channel(self.router.address) as channel:
+            with self.channel(self.router.address) as channel:
                 stub = router_pb2_grpc.RouterServiceStub(channel)
                 for i in range(len(self.schedulers)):
                     with contextlib.suppress(grpc.RpcError):
@@ -300,9 +327,9 @@ class Stack:
             _terminate(self.admission, timeout_s=10.0)
 
 
-def health_serving(address: str, service: str = "", timeout_s: float = 1.0) -> bool:
-    """Return True when the gRPC health service at `address` reports SERVING."""
-    with grpc.insecure_channel(address) as channel:
+def health_serving(address: str, service: str = "", timeout_s: float = 1.0, files: TlsFiles | None = None) -> bool:
+    """Return True when the gRPC health service at `address` reports SERVING (over TLS with `files`)."""
+    with sync_channel(address, files) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
                                                               timeout=timeout_s)

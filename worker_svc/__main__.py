@@ -68,7 +68,7 @@ async def start(ctx: serve.ServiceContext, options: WorkerOptions) -> serve.Star
     ctx.expose_metrics(metrics.registry)
     runtime = WorkerRuntime(backend_loader(options), num_blocks=options.num_blocks,
                             emulate_time=options.emulate_time, metrics=metrics)
-    worker = await start_worker_server(runtime, options.port, options.host)
+    worker = await start_worker_server(runtime, options.port, options.host, serve.tls_files(options, "worker"))
     ctx.cleanup.push_async_callback(worker.stop)
 
     async def loaded() -> bool:

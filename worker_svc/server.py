@@ -28,10 +28,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from opentelemetry import trace
 
-from sluice import convert, services, telemetry
+from sluice import convert, services, telemetry, tls
 from sluice.errors import ErrorInterceptor, Unavailable
 from sluice.prom import WorkerMetrics
 from sluice.serve import grpc_server
+from sluice.tls import TlsFiles
 from sluice.types import RoundPlan, RoundResult, SamplingParams, ScheduledSeq
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.backend import Backend, BackendInfo
@@ -187,19 +188,21 @@ class RunningWorker:
         self.runtime.close()
 
 
-async def start_worker_server(runtime: WorkerRuntime, port: int = 0, host: str = "127.0.0.1") -> RunningWorker:
+async def start_worker_server(runtime: WorkerRuntime, port: int = 0, host: str = "127.0.0.1",
+                              tls_files: TlsFiles | None = None) -> RunningWorker:
     """Start the gRPC server at once (health NOT_SERVING) and load the backend in the background.
 
     Returns the running worker; health turns SERVING when the warm-up round has run. Loading errors are
     logged and leave the worker NOT_SERVING. Raises RuntimeError when the port cannot be bound.
     """
-    server = grpc_server(SERVICE_NAME, interceptors=[ErrorInterceptor()])
+    authorize = tls.authorizer() if tls_files is not None else None
+    server = grpc_server(SERVICE_NAME, interceptors=[ErrorInterceptor(authorize=authorize)])
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(runtime), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     for name in ("", SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = tls.listen(server, f"{host}:{port}", tls_files)
     if bound == 0:
         raise RuntimeError(f"cannot bind the worker to {host}:{port}")
     await server.start()

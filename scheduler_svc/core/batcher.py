@@ -33,13 +33,12 @@ from sluice.types import BlockCopy, RequestStatus, RoundPlan, Stage
 class Batcher:
     """Builds each round of one core from its parts; `schedule(now)` returns the plan."""
 
-    __slots__ = ("next_round_id", "_config", "_block_size", "_salt", "_swap", "_victims", "_table",
+    __slots__ = ("next_round_id", "_config", "_block_size", "_swap", "_victims", "_table",
                  "_backlog", "_pool", "_host", "_outbox", "_outcomes")
 
     def __init__(
         self,
         config: SchedulerConfig,
-        salt: int,
         table: RequestTable,
         backlog: Backlog,
         pool: BlockPool,
@@ -50,7 +49,6 @@ class Batcher:
         self.next_round_id = 1
         self._config = config
         self._block_size = config.block_size
-        self._salt = salt
         self._swap = config.preemption_mode is PreemptionMode.SWAP
         self._victims = make_victim_rule(config.victim_policy)
         self._table = table
@@ -210,7 +208,7 @@ class Batcher:
         size, pool = self._block_size, self._pool
         hits: list[int] = []
         if pool.caching:
-            hits = pool.lookup(block_hashes_upto(request, (len(request.tokens) - 1) // size, size, self._salt))
+            hits = pool.lookup(block_hashes_upto(request, (len(request.tokens) - 1) // size, size, request.salt))
         start = len(hits) * size
         num = min(len(request.tokens) - start, self._config.max_prefill_chunk, rnd.tokens_left, rnd.kv_left - start)
         need = -(-(start + num) // size) - len(hits)

@@ -29,12 +29,11 @@ class RoundOutcomes:
     """In-flight rounds of one core and what their results (or their loss) do."""
 
     __slots__ = ("in_flight", "_table", "_backlog", "_pool", "_host", "_outbox", "_endings",
-                 "_block_size", "_salt", "_max_lost_rounds")
+                 "_block_size", "_max_lost_rounds")
 
     def __init__(
         self,
         config: SchedulerConfig,
-        salt: int,
         table: RequestTable,
         backlog: Backlog,
         pool: BlockPool,
@@ -51,7 +50,6 @@ class RoundOutcomes:
         self._outbox = outbox
         self._endings = endings
         self._block_size = config.block_size
-        self._salt = salt
         self._max_lost_rounds = config.max_lost_rounds
 
     # ---- results ---------------------------------------------------------------------------
@@ -161,7 +159,7 @@ class RoundOutcomes:
     def _register_full_blocks(self, request: Request) -> None:
         """Register the hash of each block that became full and computed (STORED events)."""
         full = request.num_computed // self._block_size
-        hashes = block_hashes_upto(request, full, self._block_size, self._salt)
+        hashes = block_hashes_upto(request, full, self._block_size, request.salt)
         register = self._pool.register
         for index in range(request.num_registered, full):
             register(request.block_ids[index], hashes[index], hashes[index - 1] if index else 0)

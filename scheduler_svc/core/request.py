@@ -41,6 +41,7 @@ class Request:
         "deadline",
         "queue_deadline",
         "block_hashes",
+        "salt",
         "host_blocks",
         "swap_pinned",
         "recompute_debt",
@@ -80,6 +81,8 @@ class Request:
         # Arrays, and shared empty tuples until a swap: fewer objects and items for a full
         # collection to walk per live request (the p99 of a round at 1024 running is one).
         self.block_hashes = array("Q")
+        self.salt = 0
+        """The block-hash salt: the replica's, or the tenant's own (set by the core at submission)."""
         self.num_registered = 0
         self.status = RequestStatus.WAITING
         self.epoch = 0

@@ -64,9 +64,9 @@ class SchedulerCore:
         self.host = HostBlocks(config.num_host_blocks)
         self.outbox = Outbox()
         self.endings = Endings(self.requests, self.backlog, self.pool, self.host, self.outbox, self.deadlines)
-        self.outcomes = RoundOutcomes(config, self._salt, self.requests, self.backlog, self.pool, self.host,
+        self.outcomes = RoundOutcomes(config, self.requests, self.backlog, self.pool, self.host,
                                       self.outbox, self.endings)
-        self.batcher = Batcher(config, self._salt, self.requests, self.backlog, self.pool, self.host,
+        self.batcher = Batcher(config, self.requests, self.backlog, self.pool, self.host,
                                self.outbox, self.outcomes)
 
     # ---- submission ------------------------------------------------------------------------
@@ -79,6 +79,8 @@ class SchedulerCore:
             raise RequestRejected(
                 request.request_id, RejectReason.INVALID, f"token ids must be 64-bit integers: {error}"
             ) from None
+        live.salt = (salt_of(self.config.model_id, self.config.adapter_version, request.cache_salt)
+                     if request.cache_salt else self._salt)
         self.requests.add(live)
         if self.backlog.account is not None:
             self.backlog.queue.on_live(live.tenant, 1)
@@ -139,7 +141,7 @@ class SchedulerCore:
         if not self.pool.caching:
             return 0
         size = self._block_size
-        return len(self.pool.lookup(block_hashes_upto(request, (len(request.tokens) - 1) // size, size, self._salt))) * size
+        return len(self.pool.lookup(block_hashes_upto(request, (len(request.tokens) - 1) // size, size, request.salt))) * size
 
     # ---- the step cycle --------------------------------------------------------------------
     def schedule(self, now: float) -> RoundPlan:

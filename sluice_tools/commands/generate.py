@@ -40,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--timeout", type=float, default=60.0, help="deadline in seconds (default: 60)")
     parser.add_argument("--ids", action="store_true", help="print token ids instead of text")
+    parser.add_argument("--tls-ca", default=os.environ.get("SLUICE_TLS_CA"),
+                        help="CA certificate (PEM) of a TLS admission endpoint (default: $SLUICE_TLS_CA, else plaintext)")
 
 
 def _int32(text: str) -> int:
@@ -59,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
 
     last = None
     try:
-        with Client(args.target, api_key=args.api_key) as client:
+        with Client(args.target, api_key=args.api_key, tls_ca=args.tls_ca) as client:
             for chunk in client.generate(args.prompt, max_tokens=args.max_tokens, priority=args.priority,
                                          model=args.model, temperature=args.temperature, top_p=args.top_p,
                                          top_k=args.top_k, seed=args.seed, stop=args.stop, timeout=args.timeout):

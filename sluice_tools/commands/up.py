@@ -50,6 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker (default: all that fit)")
     parser.add_argument("--emulate-time", action="store_true", help="costmodel: rounds take their modelled time")
     parser.add_argument("--log-level", default="INFO", help="services' log level (default: INFO)")
+    parser.add_argument("--mtls", action=argparse.BooleanOptionalAction, default=True,
+                        help="internal calls over mutual TLS with a fresh local CA, each RPC admitting only its "
+                             "callers' roles (default: on)")
+    parser.add_argument("--public-tls", action="store_true",
+                        help="the public endpoint over TLS too; clients pass the printed CA file (--tls-ca)")
     parser.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
                         help="every service serves Prometheus metrics on a free port, printed with its address "
                              "(default: on)")
@@ -70,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
     config = StackConfig(replicas=args.replicas, backend=args.backend, model=args.model, redis_url=args.redis_url,
                          config_file=args.config, admission_port=args.port, host=args.host,
                          run_dir=Path(args.run_dir) if args.run_dir else None, num_blocks=args.num_blocks,
-                         emulate_time=args.emulate_time, log_level=args.log_level, metrics=args.metrics)
+                         emulate_time=args.emulate_time, log_level=args.log_level, metrics=args.metrics,
+                         mtls=args.mtls or args.public_tls, public_tls=args.public_tls)
     stack = Stack(config)
     print(f"starting Redis, router, {args.replicas} x (worker + scheduler) ({args.backend}, {args.model}) and "
           f"admission; logs in {stack.run_dir}", file=sys.stderr, flush=True)
@@ -169,10 +175,21 @@ def _banner(stack: Stack, config_file: str | None) -> str:
     """Return what `sluice up` prints once ready: endpoint, key, Redis, logs and a generate command that works."""
     key = _first_api_key(config_file) or stack.api_key
     command = [*_sluice_command(), "generate", "Hello", "--target", stack.endpoint, "--api-key", key]
+    if stack.config.public_tls and stack.tls_ca:
+        command += ["--tls-ca", stack.tls_ca]
     source = f" (from {config_file})" if config_file else ""
+    security = _security_line(stack)
     return (f"Sluice is up: each service is its own process\n{stack.describe()}\n"
-            f"  endpoint: {stack.endpoint}\n  API key:  {key}{source}\n  logs:     {stack.run_dir}\n"
+            f"  endpoint: {stack.endpoint}\n  API key:  {key}{source}\n  logs:     {stack.run_dir}\n{security}"
             f"Try: {shlex.join(command)}{_gibberish_note(stack)}\nCtrl-C to stop.")
+
+
+def _security_line(stack: Stack) -> str:
+    """Return how the stack's hops are protected, one line (no secret: the CA certificate is public)."""
+    if stack.tls_dir is None:
+        return "  security: internal calls in plaintext (--mtls to authenticate every hop)\n"
+    public = f"TLS (CA {stack.tls_ca})" if stack.config.public_tls else "plaintext, API keys"
+    return f"  security: internal calls over mutual TLS (credentials in {stack.tls_dir}); public endpoint: {public}\n"
 
 
 def _gibberish_note(stack: Stack) -> str:

@@ -128,3 +128,19 @@ def test_duplicate_ids_and_idempotency_keys() -> None:
     assert core.lookup_key("bob", "key-1", now=1.0) == "r"
     assert core.lookup_key("alice", "key-1", now=1.0) is None
     assert core.lookup_key("bob", "key-1", now=6.0) is None
+
+
+def test_a_tenants_cache_salt_comes_from_the_config_file_and_reaches_submit() -> None:
+    """`cache_salt` in a tenant's table is that tenant's salt, a non-string is refused, and Submit carries it."""
+    from sluice import convert as shared_convert
+    from sluice.config import ConfigError, parse_config
+    from sluice.v1 import scheduler_pb2
+
+    config = parse_config({"tenants": {"acme": {"api_keys": ["k1"], "cache_salt": "s3cret"},
+                                       "beta": {"api_keys": ["k2"]}}})
+    core = AdmissionCore(AdmissionConfig(tenants=config.tenants))
+    assert (core.cache_salt("acme"), core.cache_salt("beta"), core.cache_salt("nobody")) == ("s3cret", "", "")
+    with pytest.raises(ConfigError, match="cache_salt"):
+        parse_config({"tenants": {"acme": {"api_keys": ["k1"], "cache_salt": 7}}})
+    wire = scheduler_pb2.SubmitRequest(request_id="r", prompt_token_ids=[1], cache_salt="s3cret")
+    assert shared_convert.new_request_from_proto(wire, 0.0, default_eos=2).cache_salt == "s3cret"
