@@ -70,7 +70,7 @@ class RouterRuntime:
 
     @property
     def group(self) -> str:
-        """This router's consumer group on the `kv` and `completions` streams."""
+        """This router's consumer group on the `kv` shard streams and the `completions` stream."""
         return f"router:{self.router_id}"
 
     # ---- snapshots ------------------------------------------------------------------------
@@ -150,9 +150,11 @@ class RouterRuntime:
 
     # ---- loops ----------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event, *, expiry_interval_s: float = 1.0, block_ms: int = 100) -> None:
-        """Run the consumers and the expiry loop until `stop` is set; a consumer that fails is restarted."""
+        """Run the consumers (one per `kv` shard, one for completions) and the expiry loop until `stop` is set;
+        a consumer that fails is restarted."""
         tasks = [
-            asyncio.create_task(self._supervise("kv", self.on_kv_entry, stop, block_ms)),
+            *(asyncio.create_task(self._supervise(stream, self.on_kv_entry, stop, block_ms))
+              for stream in self.bus.kv_streams()),
             asyncio.create_task(self._supervise("completions", self.on_completion, stop, block_ms)),
             asyncio.create_task(self._expire_loop(stop, expiry_interval_s)),
         ]

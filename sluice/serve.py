@@ -73,7 +73,10 @@ class BusOptions(ServiceOptions):
     redis_url: str = field(default="", metadata={"env": "SLUICE_REDIS_URL"})
     """Redis URL; empty: none given (open_bus refuses it)."""
     namespace: str = "default"
-    """Bus namespace (keys sluice:{namespace}:...)."""
+    """Bus namespace (keys sluice:{<namespace>:<stream>}..., hash-tagged per stream)."""
+    kv_shards: int = field(default=4, metadata={"env": "SLUICE_KV_SHARDS"})
+    """KV event streams of the namespace (kv:0..N-1); every service of a deployment must use the same number
+    (4 is sluice.bus.DEFAULT_KV_SHARDS, not imported here so that parsing flags does not load redis)."""
 
 
 def load_options(cls: type[OptionsT], parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> OptionsT:
@@ -152,7 +155,7 @@ async def open_bus(ctx: ServiceContext, options: BusOptions, *, ping: bool = Fal
         raise StartupError(f"Redis at {redact_url(options.redis_url)}: {exc}") from exc
     ctx.cleanup.push_async_callback(client.aclose)
     try:
-        bus = Bus(client, options.namespace)
+        bus = Bus(client, options.namespace, kv_shards=options.kv_shards)
     except ValueError as exc:
         raise StartupError(str(exc)) from exc
     if ping:
