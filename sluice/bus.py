@@ -47,7 +47,7 @@ from sluice.telemetry import TRACE_FIELDS, extract_fields, inject_fields
 from sluice.v1 import events_pb2
 
 __all__ = ["Bus", "DEFAULT_KV_SHARDS", "Handler", "PAYLOAD_FIELD", "PASSWORD_FILE_ENV", "RedisClient", "redact_url",
-           "redis_client"]
+           "redis_client", "split_cluster_url"]
 
 log = logging.getLogger(__name__)
 
@@ -125,10 +125,19 @@ def redis_client(url: str, password_file: str | None = None) -> RedisClient:
     if parts.password is None and password_file:
         with open(password_file, encoding="utf-8") as secret:
             kwargs["password"] = secret.read().removesuffix("\n").removesuffix("\r")
+    plain_url, cluster = split_cluster_url(url)
+    if not cluster:
+        return aioredis.Redis.from_url(url, **kwargs)
+    return RedisCluster.from_url(plain_url, **kwargs)
+
+
+def split_cluster_url(url: str) -> tuple[str, bool]:
+    """Return (`url` with a `redis+cluster`/`rediss+cluster` scheme made plain, whether it named a cluster)."""
+    parts = urlsplit(url)
     plain_scheme = CLUSTER_SCHEMES.get(parts.scheme)
     if plain_scheme is None:
-        return aioredis.Redis.from_url(url, **kwargs)
-    return RedisCluster.from_url(urlunsplit(parts._replace(scheme=plain_scheme)), **kwargs)
+        return url, False
+    return urlunsplit(parts._replace(scheme=plain_scheme)), True
 
 
 class Bus:

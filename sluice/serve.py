@@ -143,7 +143,7 @@ async def open_bus(ctx: ServiceContext, options: BusOptions, *, ping: bool = Fal
 
     Raises StartupError when no URL is given, the namespace is malformed or (with `ping`) Redis cannot be reached.
     """
-    from redis.exceptions import RedisError
+    from redis.exceptions import RedisClusterException, RedisError
 
     from sluice.bus import Bus, redact_url, redis_client
 
@@ -161,7 +161,7 @@ async def open_bus(ctx: ServiceContext, options: BusOptions, *, ping: bool = Fal
     if ping:
         try:
             await client.ping()
-        except (RedisError, OSError) as exc:
+        except (RedisError, RedisClusterException, OSError) as exc:  # a cluster client connects on first use
             raise StartupError(f"cannot reach Redis at {redact_url(options.redis_url)}: {exc}") from exc
     return bus
 
