@@ -263,25 +263,30 @@ class EmbeddedRedisCluster:
     Each node is an EmbeddedRedis with `cluster-enabled yes`; `start()` gives node i an equal share of the
     16384 slots (CLUSTER ADDSLOTS), introduces every node to the first (CLUSTER MEET) and waits until each
     node reports `cluster_state:ok` and knows all the others. Its URL is `redis+cluster://` (sluice.bus),
-    with `password` in it when every node requires one.
+    with `password` in it when every node requires one; with `tls`, `rediss+cluster://` and its CA, and the
+    nodes talk TLS to each other too (`tls-cluster yes`; needs a redis-server built with TLS).
     """
 
     def __init__(self, size: int = 3, *, start_timeout_s: float = 20.0, binary: str | None = None,
-                 password: str | None = None) -> None:
+                 password: str | None = None, tls: RedisTls | None = None) -> None:
         if size < 1:
             raise ValueError(f"a cluster needs at least one node, got {size}")
         config = ["cluster-enabled yes", "cluster-config-file nodes.conf", "cluster-node-timeout 5000",
                   "cluster-require-full-coverage yes"]
+        if tls is not None:
+            config.append("tls-cluster yes")
+            binary = binary or tls_redis_server_binary()
         self.password = password or None
-        self.nodes = [EmbeddedRedis(_cluster_port(), binary=binary, password=self.password, extra_config=config)
-                      for _ in range(size)]
+        self.tls = tls
+        self.nodes = [EmbeddedRedis(_cluster_port(), binary=binary, password=self.password, tls=tls,
+                                    extra_config=config) for _ in range(size)]
         self._start_timeout_s = start_timeout_s
 
     @property
     def url(self) -> str:
         """The cluster URL naming its first node (a cluster client discovers the rest)."""
-        auth = f":{quote(self.password, safe='')}@" if self.password else ""
-        return f"redis+cluster://{auth}127.0.0.1:{self.nodes[0].port}/0"
+        plain = self.nodes[0].url  # redis:// or rediss://...?ssl_ca_certs=, password included
+        return plain.replace("://", "+cluster://", 1)
 
     def start(self) -> str:
         """Start the nodes, assign the slots, join them and wait until the cluster is ok; return its URL.
@@ -293,8 +298,7 @@ class EmbeddedRedisCluster:
         try:
             for node in self.nodes:
                 node.start()
-            clients = [redis.Redis(port=node.port, password=self.password, decode_responses=True)
-                       for node in self.nodes]
+            clients = [redis.Redis.from_url(node.url, decode_responses=True) for node in self.nodes]
             size = len(self.nodes)
             for i, client in enumerate(clients):
                 client.execute_command("CLUSTER", "ADDSLOTS",

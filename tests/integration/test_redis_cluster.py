@@ -1,7 +1,7 @@
 """The bus on a real 3-node Redis Cluster (embedded redis-servers with `cluster-enabled yes`, every slot
 assigned): hash-tagged keys spread over the nodes, sharded KV streams consumed one reader per shard,
 XAUTOCLAIM of a dead consumer's entries, dead letters beside their stream, token deltas through the Lua
-script, and a password taken from a file."""
+script, a password taken from a file, and TLS (`rediss+cluster://`)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import redis
 from redis.exceptions import RedisClusterException
 
 from sluice.bus import Bus, RedisClient, redis_client
-from sluice.redis_server import EmbeddedRedisCluster
+from sluice.redis_server import EmbeddedRedisCluster, RedisTls
 from sluice.v1 import events_pb2
+from tests.tls_certs import make_certs
 
 pytestmark = pytest.mark.redis
 PASSWORD = "cluster pass:@/"
@@ -182,3 +183,25 @@ def test_cluster_without_the_password_refuses_the_bus(cluster: EmbeddedRedisClus
             await client.aclose()
     with pytest.raises(RedisClusterException, match="authenticated"):
         asyncio.run(body())
+
+
+def test_tls_cluster_serves_the_bus_over_rediss_cluster(tmp_path: Path) -> None:
+    """A cluster whose nodes speak only TLS (clients and cluster bus) serves the bus through a
+    `rediss+cluster://` URL verified against its CA, with the password in the URL."""
+    certs = make_certs(tmp_path / "certs", client_auth=True)
+    tls = RedisTls(cert_file=certs.cert_file, key_file=certs.key_file, ca_file=certs.ca_file)
+
+    async def body(url: str) -> list[str]:
+        client = redis_client(url)
+        bus = Bus(client, "tls", kv_shards=3)
+        try:
+            for replica_id in REPLICAS:
+                await bus.publish_kv(_batch(replica_id, 1))
+            entries = [entry for stream in bus.kv_streams() for entry in await bus.read_stream(stream, "0")]
+            return sorted(events_pb2.KvEventBatch.FromString(payload).replica_id for _, payload, _ in entries)
+        finally:
+            await client.aclose()
+
+    with EmbeddedRedisCluster(3, password=PASSWORD, tls=tls) as cluster:
+        assert cluster.url.startswith("rediss+cluster://")
+        assert asyncio.run(body(cluster.url)) == sorted(REPLICAS)
