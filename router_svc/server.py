@@ -29,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from opentelemetry import trace
 from opentelemetry.context import Context
+from redis.exceptions import ClusterDownError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -172,7 +173,8 @@ class RouterRuntime:
             try:
                 await self.bus.consume(stream, self.group, self.router_id, handler,  # type: ignore[arg-type]
                                        stop=stop, block_ms=block_ms)
-            except (RedisConnectionError, RedisTimeoutError) as exc:
+            # ClusterDownError: a Redis Cluster whose slot has no primary yet (a failover in progress).
+            except (RedisConnectionError, RedisTimeoutError, ClusterDownError) as exc:
                 log.error("%s consumer lost Redis (%s); retrying in 1 s", stream, exc)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), 1.0)
