@@ -20,7 +20,8 @@ PROMPT = list(range(1, 97))  # 6 full blocks of 16: each replica that serves it 
 
 
 async def _kv_state(url: str, namespace: str, group: str, replicas: list[str]) -> dict[str, tuple[int, int, int]]:
-    """Return replica -> (KV batches on its shard stream, its STORED events, entries pending for the router)."""
+    """Return replica -> (KV batches on its shard stream, its STORED events, entries pending for the router);
+    asserts that each STORED event has vLLM's fields as the stack's flags set them."""
     client = redis_client(url)
     bus = Bus(client, namespace)
     out = {}
@@ -29,7 +30,12 @@ async def _kv_state(url: str, namespace: str, group: str, replicas: list[str]) -
             key = bus.key(bus.kv_stream(replica_id))
             batches = [events_pb2.KvEventBatch.FromString(fields[b"p"]) for _, fields in await client.xrange(key)]
             mine = [b for b in batches if b.replica_id == replica_id]
-            stored = sum(1 for b in mine for e in b.events if e.WhichOneof("kind") == "block_stored")
+            events = [e.block_stored for b in mine for e in b.events if e.WhichOneof("kind") == "block_stored"]
+            for event in events:
+                assert (event.block_size, event.medium) == (16, "GPU"), event
+                assert len(event.token_ids) == 16 * len(event.block_hashes), "--kv-event-token-ids sends tokens"
+            assert all(b.ts > 1e9 for b in mine), "batches carry a Unix timestamp"
+            stored = len(events)
             pending = (await client.xpending(key, group))["pending"]
             out[replica_id] = (len(mine), stored, pending)
     finally:
@@ -39,10 +45,11 @@ async def _kv_state(url: str, namespace: str, group: str, replicas: list[str]) -
 
 def test_costmodel_stack_generates_over_a_redis_cluster(tmp_path: Path) -> None:
     """Requests complete with every token through the cluster, and the router consumed both replicas' KV
-    events (vLLM-shaped, block size 16) from the shard streams with nothing pending."""
+    events (vLLM-shaped: block size 16, medium GPU, token ids as asked, a timestamp) from the shard streams
+    with nothing pending."""
     with EmbeddedRedisCluster(3) as cluster:
         config = StackConfig(replicas=2, backend="costmodel", model="llama-3-8b", run_dir=tmp_path,
-                             redis_url=cluster.url, num_blocks=512)
+                             redis_url=cluster.url, num_blocks=512, scheduler_args=("--kv-event-token-ids",))
         with Stack(config) as stack:
             assert stack.redis is None, "the stack used the cluster, not an embedded server"
             with sdk.Client(stack.endpoint, api_key=stack.api_key) as client:
