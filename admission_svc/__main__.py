@@ -38,7 +38,7 @@ class AdmissionOptions(serve.BusOptions):
     redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={"env": "SLUICE_REDIS_URL"})
     """Redis URL."""
     namespace: str = field(default="default", metadata={"env": "SLUICE_NAMESPACE"})
-    """Bus namespace (keys sluice:{namespace}:...)."""
+    """Bus namespace (keys sluice:{<namespace>:<stream>}..., hash-tagged per stream)."""
     router: str = "127.0.0.1:50052"
     """Router HOST:PORT."""
     config: str | None = field(default=None, metadata={"env": "SLUICE_CONFIG"})

@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from sluice.types import KvEvent, KvEventKind
+from sluice.types import KvEvent, KvEventKind, KvMedium
 
 __all__ = ["PrefixIndex", "ReplicaCache"]
 
@@ -86,6 +86,8 @@ class PrefixIndex:
         return True
 
     def _apply_event(self, cache: ReplicaCache, event: KvEvent) -> None:
+        if event.medium is not KvMedium.GPU and event.kind is not KvEventKind.ALL_CLEARED:
+            return  # host copies of a swapped-out request: no other request can hit them (ids still count)
         if event.kind is KvEventKind.STORED:
             self._add(cache, event.block_hashes)
         elif event.kind is KvEventKind.REMOVED:

@@ -29,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from opentelemetry import trace
 from opentelemetry.context import Context
+from redis.exceptions import ClusterDownError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -73,7 +74,7 @@ class RouterRuntime:
 
     @property
     def group(self) -> str:
-        """This router's consumer group on the `kv` and `completions` streams."""
+        """This router's consumer group on the `kv` shard streams and the `completions` stream."""
         return f"router:{self.router_id}"
 
     # ---- snapshots ------------------------------------------------------------------------
@@ -153,9 +154,11 @@ class RouterRuntime:
 
     # ---- loops ----------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event, *, expiry_interval_s: float = 1.0, block_ms: int = 100) -> None:
-        """Run the consumers and the expiry loop until `stop` is set; a consumer that fails is restarted."""
+        """Run the consumers (one per `kv` shard, one for completions) and the expiry loop until `stop` is set;
+        a consumer that fails is restarted."""
         tasks = [
-            asyncio.create_task(self._supervise("kv", self.on_kv_entry, stop, block_ms)),
+            *(asyncio.create_task(self._supervise(stream, self.on_kv_entry, stop, block_ms))
+              for stream in self.bus.kv_streams()),
             asyncio.create_task(self._supervise("completions", self.on_completion, stop, block_ms)),
             asyncio.create_task(self._expire_loop(stop, expiry_interval_s)),
         ]
@@ -173,7 +176,8 @@ class RouterRuntime:
             try:
                 await self.bus.consume(stream, self.group, self.router_id, handler,  # type: ignore[arg-type]
                                        stop=stop, block_ms=block_ms)
-            except (RedisConnectionError, RedisTimeoutError) as exc:
+            # ClusterDownError: a Redis Cluster whose slot has no primary yet (a failover in progress).
+            except (RedisConnectionError, RedisTimeoutError, ClusterDownError) as exc:
                 log.error("%s consumer lost Redis (%s); retrying in 1 s", stream, exc)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), 1.0)

@@ -48,6 +48,8 @@ class SchedulerOptions(serve.BusOptions):
     """Waiting requests at most; more are refused with QUEUE_FULL."""
     no_prefix_caching: bool = not _CORE.enable_prefix_caching
     """Turn prefix caching off."""
+    kv_event_token_ids: bool = _CORE.kv_event_token_ids
+    """Send each stored block's token ids in its KV event (vLLM's BlockStored.token_ids; bigger events)."""
     prefill_tokens_per_s: float = 10_000.0
     """Prefill speed told to the router for its TTFT prediction."""
     decode_round_s: float = 0.01
@@ -80,6 +82,7 @@ def core_overrides(options: SchedulerOptions) -> dict[str, object]:
         "max_num_batched_tokens": options.max_num_batched_tokens, "max_num_seqs": options.max_num_seqs,
         "max_prefill_chunk": options.max_prefill_chunk, "max_kv_read_tokens": options.max_kv_read_tokens,
         "max_waiting": options.max_waiting, "enable_prefix_caching": not options.no_prefix_caching,
+        "kv_event_token_ids": options.kv_event_token_ids,
     }
 
 

@@ -129,7 +129,9 @@ class Reporter:
         for finished in events.finished:
             self._on_finished(finished, out)
         if events.kv_events:
-            out.kv = convert.kv_batch_to_proto(self.replica_id, events.kv_events)
+            config = self.core.config
+            out.kv = convert.kv_batch_to_proto(self.replica_id, events.kv_events, block_size=config.block_size,
+                                               lora_name=config.adapter_version, ts=now)
         if events.dropped_results:
             self.metrics.dropped_results.inc(events.dropped_results)
         self._update_gauges()

@@ -1,8 +1,13 @@
 """The Redis bus: KV events, completions and token deltas as protobuf bytes on Redis streams.
 
 Theory of operation
-- Keys are namespaced: `sluice:{namespace}:{parts...}`. Streams: `kv` (KV event batches of every replica),
-  `completions` (terminal records), `tokens:{owner}` (token deltas for one admission process).
+- Keys are namespaced and carry a Redis Cluster hash tag: `sluice:{<namespace>:<stream>}[:suffix]`, so a
+  stream and its dead-letter stream (`...:dead`) share a slot, and different streams spread over the
+  cluster's shards. Every command and script touches one key, so no command ever crosses slots.
+- Streams: `kv:<shard>` (KV event batches; replica R always publishes on shard crc32(R) % kv_shards, so a
+  replica's batches stay in order on one stream and the replicas spread over `kv_shards` streams; a
+  router runs one consumer per shard: XREADGROUP on several keys in one call needs them in one slot),
+  `completions` (terminal records), `tokens:<owner>` (token deltas for one admission process).
 - Every entry has the protobuf bytes in field `p` and, when a span is active, the W3C trace context in
   fields `traceparent`/`tracestate`.
 - Publishing trims each stream approximately (`XADD MAXLEN ~ maxlen`): cheap, and never below `maxlen`.
@@ -15,7 +20,9 @@ Theory of operation
 - `read_stream` is a plain XREAD for the one token-reader loop of each admission process.
 
 Connecting (`redis_client`): `redis://` or `rediss://` (TLS; `?ssl_ca_certs=FILE` names the CA to verify
-the server against, `ssl_certfile`/`ssl_keyfile` a client certificate). The password is taken from the
+the server against, `ssl_certfile`/`ssl_keyfile` a client certificate); `redis+cluster://` or
+`rediss+cluster://` (any one node of a Redis or Valkey Cluster) for a cluster client, which finds the
+other nodes itself and sends each command to the node that holds its key's slot. The password is taken from the
 URL (`redis://[user]:password@host`, as set in $SLUICE_REDIS_URL) or, when the URL has none, from the
 file named by $SLUICE_REDIS_PASSWORD_FILE. Secrets travel by environment or file only, never on a
 command line; anything printed or logged about the URL goes through `redact_url`.
@@ -26,23 +33,33 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import zlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from opentelemetry.context import Context
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
 from sluice.telemetry import TRACE_FIELDS, extract_fields, inject_fields
 from sluice.v1 import events_pb2
 
-__all__ = ["Bus", "Handler", "PAYLOAD_FIELD", "PASSWORD_FILE_ENV", "redact_url", "redis_client"]
+__all__ = ["Bus", "DEFAULT_KV_SHARDS", "Handler", "PAYLOAD_FIELD", "PASSWORD_FILE_ENV", "RedisClient", "redact_url",
+           "redis_client", "split_cluster_url"]
 
 log = logging.getLogger(__name__)
 
 PAYLOAD_FIELD = "p"
 PASSWORD_FILE_ENV = "SLUICE_REDIS_PASSWORD_FILE"
+DEFAULT_KV_SHARDS = 4
+"""KV event streams per namespace: enough to spread over a small cluster, few enough for one router's loops."""
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+"""URL schemes that ask for a cluster client, and the plain scheme each stands for."""
+
+RedisClient = aioredis.Redis | RedisCluster
+"""A client of one Redis server or of a Redis Cluster: the bus uses only commands both route alike."""
 
 # Appends many entries to one stream in one call. Measured against a pipeline of XADDs for 256 token
 # deltas: about 1.8 ms instead of 8-13 ms, nearly all of the difference being redis-py's per-command
@@ -95,18 +112,32 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-def redis_client(url: str, password_file: str | None = None) -> aioredis.Redis:
-    """Return an asyncio Redis client for `url`; raises ValueError for a malformed URL, OSError for an unreadable file.
+def redis_client(url: str, password_file: str | None = None) -> RedisClient:
+    """Return an asyncio client for `url` (a cluster client for `redis+cluster://` and `rediss+cluster://`).
 
     Without a password in the URL, the password is read from `password_file` (default: the file named
     by $SLUICE_REDIS_PASSWORD_FILE, if set; one trailing newline is ignored).
+    Raises ValueError for a malformed URL, OSError for an unreadable file.
     """
+    parts = urlsplit(url)
+    kwargs: dict[str, Any] = {}
     password_file = password_file or os.environ.get(PASSWORD_FILE_ENV) or None
-    if urlsplit(url).password is None and password_file:
+    if parts.password is None and password_file:
         with open(password_file, encoding="utf-8") as secret:
-            password = secret.read().removesuffix("\n").removesuffix("\r")
-        return aioredis.Redis.from_url(url, password=password)
-    return aioredis.Redis.from_url(url)
+            kwargs["password"] = secret.read().removesuffix("\n").removesuffix("\r")
+    plain_url, cluster = split_cluster_url(url)
+    if not cluster:
+        return aioredis.Redis.from_url(url, **kwargs)
+    return RedisCluster.from_url(plain_url, **kwargs)
+
+
+def split_cluster_url(url: str) -> tuple[str, bool]:
+    """Return (`url` with a `redis+cluster`/`rediss+cluster` scheme made plain, whether it named a cluster)."""
+    parts = urlsplit(url)
+    plain_scheme = CLUSTER_SCHEMES.get(parts.scheme)
+    if plain_scheme is None:
+        return url, False
+    return urlunsplit(parts._replace(scheme=plain_scheme)), True
 
 
 class Bus:
@@ -115,19 +146,34 @@ class Bus:
     The client must return bytes (the default `decode_responses=False`): payloads are protobuf bytes.
     """
 
-    def __init__(self, client: aioredis.Redis, namespace: str = "default", maxlen: int = 100_000) -> None:
-        if not namespace or ":" in namespace:
-            raise ValueError(f"namespace must be non-empty and contain no ':', got {namespace!r}")
+    def __init__(self, client: RedisClient, namespace: str = "default", maxlen: int = 100_000,
+                 kv_shards: int = DEFAULT_KV_SHARDS) -> None:
+        if not namespace or any(c in namespace for c in ":{}"):
+            raise ValueError(f"namespace must be non-empty and contain no ':', '{{' or '}}', got {namespace!r}")
         if maxlen <= 0:
             raise ValueError(f"maxlen must be positive, got {maxlen}")
+        if kv_shards < 1:
+            raise ValueError(f"kv_shards must be >= 1, got {kv_shards}")
         self.client = client
         self.namespace = namespace
         self.maxlen = maxlen
+        self.kv_shards = kv_shards
         self._xadd_many = client.register_script(_XADD_MANY)
 
-    def key(self, *parts: str) -> str:
-        """Return the Redis key `sluice:{namespace}:{parts joined by ':'}`."""
-        return ":".join(("sluice", self.namespace, *parts))
+    def key(self, stream: str, *suffix: str) -> str:
+        """Return the Redis key of logical stream `stream`: `sluice:{namespace:stream}` plus `:suffix` parts.
+
+        The braces are a Redis Cluster hash tag: keys of one stream (its dead letters) share a slot.
+        """
+        return ":".join((f"sluice:{{{self.namespace}:{stream}}}", *suffix))
+
+    def kv_stream(self, replica_id: str) -> str:
+        """Return the logical `kv` shard stream that replica `replica_id` publishes on (stable, by crc32)."""
+        return f"kv:{zlib.crc32(replica_id.encode()) % self.kv_shards}"
+
+    def kv_streams(self) -> list[str]:
+        """Return every logical `kv` shard stream of the namespace (what a router consumes)."""
+        return [f"kv:{shard}" for shard in range(self.kv_shards)]
 
     @staticmethod
     def tokens_stream(owner: str) -> str:
@@ -146,8 +192,8 @@ class Bus:
         return _str(entry_id)
 
     async def publish_kv(self, batch: events_pb2.KvEventBatch, *, context: Context | None = None) -> str:
-        """Publish one replica's batch of KV events on `kv`; return the entry id."""
-        return await self.publish("kv", batch.SerializeToString(), context=context)
+        """Publish one replica's batch of KV events on its `kv` shard stream; return the entry id."""
+        return await self.publish(self.kv_stream(batch.replica_id), batch.SerializeToString(), context=context)
 
     async def publish_completion(self, completion: events_pb2.Completion, *,
                                  context: Context | None = None) -> str:

@@ -8,6 +8,7 @@ these for everything shared.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 from sluice.types import (
@@ -18,6 +19,7 @@ from sluice.types import (
     HeartbeatReport,
     KvEvent,
     KvEventKind,
+    KvMedium,
     NewRequest,
     ReplicaLoad,
     ReplicaState,
@@ -192,18 +194,44 @@ def stats_to_proto(stats: CoreStats, replica_id: str, max_num_batched_tokens: in
     )
 
 
-def kv_batch_to_proto(replica_id: str, events: Sequence[KvEvent]) -> events_pb2.KvEventBatch:
-    """Return one `kv` stream entry holding the replica's events, in order."""
-    batch = events_pb2.KvEventBatch(replica_id=replica_id)
+def lora_id_of(lora_name: str) -> int | None:
+    """Return the integer LoRA id KV events carry for adapter `lora_name` (None for no adapter).
+
+    Sluice names adapters and has no integer ids; vLLM's events (and indexers keyed on them) want one,
+    so it is derived from the name: the first 63 bits of its SHA-256, equal on every replica.
+    """
+    if not lora_name:
+        return None
+    return int.from_bytes(hashlib.sha256(lora_name.encode()).digest()[:8], "big") >> 1
+
+
+def kv_batch_to_proto(replica_id: str, events: Sequence[KvEvent], *, block_size: int = 0, lora_name: str = "",
+                      ts: float = 0.0) -> events_pb2.KvEventBatch:
+    """Return one `kv` stream entry holding the replica's events, in order, in vLLM's shape.
+
+    `block_size` and `lora_name` (the replica's adapter version) go into every BlockStored; `ts` (Unix
+    seconds) is the batch's time. docs/kv-events.md maps each field to vLLM's.
+    """
+    batch = events_pb2.KvEventBatch(replica_id=replica_id, ts=ts)
+    lora_id = lora_id_of(lora_name)
     for event in events:
         wire = batch.events.add(event_id=event.event_id)
         if event.kind is KvEventKind.STORED:
-            wire.stored.parent_hash = event.parent_hash
-            wire.stored.block_hashes.extend(event.block_hashes)
+            stored = wire.block_stored
+            if event.parent_hash:
+                stored.parent_block_hash = event.parent_hash
+            stored.block_hashes.extend(event.block_hashes)
+            stored.token_ids.extend(event.token_ids)
+            stored.block_size = block_size
+            stored.medium = event.medium.value
+            stored.lora_name = lora_name
+            if lora_id is not None:
+                stored.lora_id = lora_id
         elif event.kind is KvEventKind.REMOVED:
-            wire.removed.block_hashes.extend(event.block_hashes)
+            wire.block_removed.block_hashes.extend(event.block_hashes)
+            wire.block_removed.medium = event.medium.value
         else:
-            wire.all_cleared.SetInParent()
+            wire.all_blocks_cleared.SetInParent()
     return batch
 
 
@@ -247,20 +275,35 @@ def token_deltas(tokens: Sequence[tuple[str, int, int]], created_unix_s: float) 
 
 
 def kv_events_from_proto(batch: events_pb2.KvEventBatch) -> list[KvEvent]:
-    """Return the core KvEvents of a batch, in order. Raises ValueError on an event with no kind."""
+    """Return the core KvEvents of a batch, in order (an empty medium reads as GPU).
+
+    Raises ValueError on an event with no kind or an unknown medium.
+    """
     out: list[KvEvent] = []
     for event in batch.events:
         kind = event.WhichOneof("kind")
-        if kind == "stored":
-            out.append(KvEvent(event.event_id, KvEventKind.STORED, tuple(event.stored.block_hashes),
-                               event.stored.parent_hash))
-        elif kind == "removed":
-            out.append(KvEvent(event.event_id, KvEventKind.REMOVED, tuple(event.removed.block_hashes)))
-        elif kind == "all_cleared":
+        if kind == "block_stored":
+            stored = event.block_stored
+            out.append(KvEvent(event.event_id, KvEventKind.STORED, tuple(stored.block_hashes),
+                               stored.parent_block_hash, tuple(stored.token_ids),
+                               _medium(stored.medium, event.event_id, batch.replica_id)))
+        elif kind == "block_removed":
+            removed = event.block_removed
+            out.append(KvEvent(event.event_id, KvEventKind.REMOVED, tuple(removed.block_hashes),
+                               medium=_medium(removed.medium, event.event_id, batch.replica_id)))
+        elif kind == "all_blocks_cleared":
             out.append(KvEvent(event.event_id, KvEventKind.ALL_CLEARED))
         else:
             raise ValueError(f"KV event {event.event_id} of replica {batch.replica_id!r} has no kind")
     return out
+
+
+def _medium(name: str, event_id: int, replica_id: str) -> KvMedium:
+    try:
+        return KvMedium(name or KvMedium.GPU.value)
+    except ValueError:
+        raise ValueError(f"KV event {event_id} of replica {replica_id!r} has unknown medium {name!r}; "
+                         f"known: {[m.value for m in KvMedium]}") from None
 
 
 # ---- a replica's presence at the router ---------------------------------------------------------

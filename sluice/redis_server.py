@@ -19,6 +19,7 @@ import ssl
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -26,8 +27,8 @@ from urllib.parse import quote, urlencode
 
 from sluice.lifeline import lifeline_command
 
-__all__ = ["EmbeddedRedis", "EmbeddedRedisError", "RedisTls", "free_port", "redis_server_binary",
-           "tls_redis_server_binary"]
+__all__ = ["EmbeddedRedis", "EmbeddedRedisCluster", "EmbeddedRedisError", "RedisTls", "free_port",
+           "redis_server_binary", "tls_redis_server_binary"]
 
 
 class EmbeddedRedisError(RuntimeError):
@@ -139,7 +140,7 @@ class EmbeddedRedis:
 
     def __init__(self, port: int | None = None, *, log_path: str | Path | None = None,
                  start_timeout_s: float = 10.0, password: str | None = None, tls: RedisTls | None = None,
-                 binary: str | None = None) -> None:
+                 binary: str | None = None, extra_config: Sequence[str] = ()) -> None:
         self.port = port if port is not None else free_port()
         self._workdir = Path(tempfile.mkdtemp(prefix="sluice-redis-"))
         self.log_path = Path(log_path) if log_path is not None else self._workdir / "redis.log"
@@ -148,6 +149,8 @@ class EmbeddedRedis:
         self.password = password or None
         self.tls = tls
         self._binary = binary
+        self._extra_config = tuple(extra_config)
+        """More redis.conf lines (e.g. cluster mode), appended as they are."""
 
     @property
     def url(self) -> str:
@@ -169,6 +172,7 @@ class EmbeddedRedis:
                       f"tls-ca-cert-file {_config_value(self.tls.ca_file)}", "tls-auth-clients no"]
         if self.password:
             lines.append(f"requirepass {_config_value(self.password)}")
+        lines += self._extra_config
         path = self._workdir / "redis.conf"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as config:
@@ -231,6 +235,99 @@ class EmbeddedRedis:
         return "(no log)"
 
     def __enter__(self) -> EmbeddedRedis:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
+CLUSTER_SLOTS = 16384
+
+
+def _cluster_port() -> int:
+    """Return a free port whose cluster bus port (port + 10000, fixed before Redis 7) is free and valid too."""
+    for _ in range(100):
+        port = free_port()
+        if port + 10000 < 65536:
+            with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind(("127.0.0.1", port + 10000))
+                return port
+    raise EmbeddedRedisError("no free port pair (port, port + 10000) for a cluster node")
+
+
+class EmbeddedRedisCluster:
+    """A real Redis Cluster of `size` embedded primaries (no replicas) on loopback, every slot assigned.
+
+    Each node is an EmbeddedRedis with `cluster-enabled yes`; `start()` gives node i an equal share of the
+    16384 slots (CLUSTER ADDSLOTS), introduces every node to the first (CLUSTER MEET) and waits until each
+    node reports `cluster_state:ok` and knows all the others. Its URL is `redis+cluster://` (sluice.bus),
+    with `password` in it when every node requires one; with `tls`, `rediss+cluster://` and its CA, and the
+    nodes talk TLS to each other too (`tls-cluster yes`; needs a redis-server built with TLS).
+    """
+
+    def __init__(self, size: int = 3, *, start_timeout_s: float = 20.0, binary: str | None = None,
+                 password: str | None = None, tls: RedisTls | None = None) -> None:
+        if size < 1:
+            raise ValueError(f"a cluster needs at least one node, got {size}")
+        config = ["cluster-enabled yes", "cluster-config-file nodes.conf", "cluster-node-timeout 5000",
+                  "cluster-require-full-coverage yes"]
+        if tls is not None:
+            config.append("tls-cluster yes")
+            binary = binary or tls_redis_server_binary()
+        self.password = password or None
+        self.tls = tls
+        self.nodes = [EmbeddedRedis(_cluster_port(), binary=binary, password=self.password, tls=tls,
+                                    extra_config=config) for _ in range(size)]
+        self._start_timeout_s = start_timeout_s
+
+    @property
+    def url(self) -> str:
+        """The cluster URL naming its first node (a cluster client discovers the rest)."""
+        plain = self.nodes[0].url  # redis:// or rediss://...?ssl_ca_certs=, password included
+        return plain.replace("://", "+cluster://", 1)
+
+    def start(self) -> str:
+        """Start the nodes, assign the slots, join them and wait until the cluster is ok; return its URL.
+
+        Raises EmbeddedRedisError when a node does not start or the cluster is not ok within the timeout.
+        """
+        import redis
+
+        try:
+            for node in self.nodes:
+                node.start()
+            clients = [redis.Redis.from_url(node.url, decode_responses=True) for node in self.nodes]
+            size = len(self.nodes)
+            for i, client in enumerate(clients):
+                client.execute_command("CLUSTER", "ADDSLOTS",
+                                       *range(i * CLUSTER_SLOTS // size, (i + 1) * CLUSTER_SLOTS // size))
+            for node in self.nodes[1:]:
+                clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", node.port)
+            self._wait_ok(clients)
+            for client in clients:
+                client.close()
+        except (redis.RedisError, EmbeddedRedisError) as exc:
+            self.stop()
+            raise EmbeddedRedisError(f"Redis Cluster of {len(self.nodes)} nodes did not form: {exc}") from exc
+        return self.url
+
+    def _wait_ok(self, clients: Sequence[object]) -> None:
+        deadline = time.monotonic() + self._start_timeout_s
+        while time.monotonic() < deadline:
+            infos = [client.execute_command("CLUSTER", "INFO") for client in clients]  # type: ignore[attr-defined]
+            if all("cluster_state:ok" in info and f"cluster_known_nodes:{len(clients)}" in info for info in infos):
+                return
+            time.sleep(0.05)
+        raise EmbeddedRedisError(f"cluster not ok within {self._start_timeout_s} s")
+
+    def stop(self) -> None:
+        """Stop every node and remove their working directories."""
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> EmbeddedRedisCluster:
         self.start()
         return self
 

@@ -77,7 +77,10 @@ class BusOptions(ServiceOptions):
     redis_url: str = field(default="", metadata={"env": "SLUICE_REDIS_URL"})
     """Redis URL; empty: none given (open_bus refuses it)."""
     namespace: str = "default"
-    """Bus namespace (keys sluice:{namespace}:...)."""
+    """Bus namespace (keys sluice:{<namespace>:<stream>}..., hash-tagged per stream)."""
+    kv_shards: int = field(default=4, metadata={"env": "SLUICE_KV_SHARDS"})
+    """KV event streams of the namespace (kv:0..N-1); every service of a deployment must use the same number
+    (4 is sluice.bus.DEFAULT_KV_SHARDS, not imported here so that parsing flags does not load redis)."""
 
 
 def load_options(cls: type[OptionsT], parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> OptionsT:
@@ -144,7 +147,7 @@ async def open_bus(ctx: ServiceContext, options: BusOptions, *, ping: bool = Fal
 
     Raises StartupError when no URL is given, the namespace is malformed or (with `ping`) Redis cannot be reached.
     """
-    from redis.exceptions import RedisError
+    from redis.exceptions import RedisClusterException, RedisError
 
     from sluice.bus import Bus, redact_url, redis_client
 
@@ -156,13 +159,13 @@ async def open_bus(ctx: ServiceContext, options: BusOptions, *, ping: bool = Fal
         raise StartupError(f"Redis at {redact_url(options.redis_url)}: {exc}") from exc
     ctx.cleanup.push_async_callback(client.aclose)
     try:
-        bus = Bus(client, options.namespace)
+        bus = Bus(client, options.namespace, kv_shards=options.kv_shards)
     except ValueError as exc:
         raise StartupError(str(exc)) from exc
     if ping:
         try:
             await client.ping()
-        except (RedisError, OSError) as exc:
+        except (RedisError, RedisClusterException, OSError) as exc:  # a cluster client connects on first use
             raise StartupError(f"cannot reach Redis at {redact_url(options.redis_url)}: {exc}") from exc
     return bus
 

@@ -186,19 +186,34 @@ class RejectReason(enum.Enum):
 
 
 class KvEventKind(enum.Enum):
+    """vLLM's KV event kinds: BlockStored, BlockRemoved, AllBlocksCleared."""
+
     STORED = "stored"
     REMOVED = "removed"
     ALL_CLEARED = "all_cleared"
 
 
+class KvMedium(enum.Enum):
+    """Where a block's KV is held (vLLM's `medium` strings)."""
+
+    GPU = "GPU"
+    """The replica's device KV: what the prefix cache can hit."""
+    CPU = "CPU"
+    """Host copies of a swapped-out request's blocks: private to it, never a prefix hit for another."""
+
+
 @dataclass(frozen=True, slots=True)
 class KvEvent:
-    """A change of the replica's prefix cache; event ids are monotonic per replica."""
+    """A change of the replica's KV blocks; event ids are monotonic per replica (both media share them)."""
 
     event_id: int
     kind: KvEventKind
     block_hashes: tuple[int, ...] = ()
     parent_hash: int = 0
+    """The parent of block_hashes[0] (STORED); 0: the first block of a sequence."""
+    token_ids: tuple[int, ...] = ()
+    """The stored blocks' tokens, block_size per block (STORED, only when the replica is asked to send them)."""
+    medium: KvMedium = KvMedium.GPU
 
 
 class Stage(enum.Enum):

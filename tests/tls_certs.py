@@ -29,8 +29,11 @@ def _name(common_name: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
-def make_certs(directory: Path, ca_name: str = "sluice test CA") -> CertFiles:
-    """Write a fresh CA and a server certificate for 127.0.0.1 under `directory`; return their paths."""
+def make_certs(directory: Path, ca_name: str = "sluice test CA", *, client_auth: bool = False) -> CertFiles:
+    """Write a fresh CA and a server certificate for 127.0.0.1 under `directory`; return their paths.
+
+    With `client_auth` the certificate may also authenticate a client (Redis Cluster nodes present their
+    own certificate when they connect to each other over TLS)."""
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (x509.CertificateBuilder().subject_name(_name(ca_name)).issuer_name(_name(ca_name))
@@ -47,7 +50,9 @@ def make_certs(directory: Path, ca_name: str = "sluice test CA") -> CertFiles:
             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
             .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
                                                         x509.DNSName("localhost")]), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]
+                                                 + ([ExtendedKeyUsageOID.CLIENT_AUTH] if client_auth else [])),
+                           critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .sign(ca_key, hashes.SHA256()))
     directory.mkdir(parents=True, exist_ok=True)

@@ -171,12 +171,13 @@ class Batcher:
         if swap and computed < len(blocks):
             self._pool.free(reversed(blocks[computed:]))
             blocks = blocks[:computed]
+        registered = victim.num_registered
         victim.block_ids, victim.block_table, victim.num_registered = array("q"), (), 0
         apply(victim, Input.PREEMPT)
         victim.usage.preemptions += 1
         self._outbox.preemptions += 1
         if swap:
-            host = self._host.take(len(blocks))
+            host = self._host.take(len(blocks), victim.block_hashes[:registered])
             rnd.swap_out += tuple(BlockCopy(d, h) for d, h in zip(blocks, host, strict=True))
             # Pinned until the copy is done: the worker reads them before this round's forward.
             self._pool.pin(blocks)

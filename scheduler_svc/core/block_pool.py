@@ -11,6 +11,11 @@ so `num_free + num_used + num_cached == num_blocks` always holds. A full block g
 `register` once its KV is computed (a STORED event); equal prefixes then share that block through
 `lookup` + `acquire`. `pin` takes an extra reference for an explicit reader (a swap-out copy), so a
 pinned block is never handed out. Allocation that does not fit returns None and changes nothing.
+
+Events (vLLM's shape, see docs/kv-events.md): STORED when a hash is registered, REMOVED when a cached
+block is evicted, ALL_CLEARED on reset; `emit_host` adds the host (CPU) copies of swapped-out requests
+under the same monotonic event ids. A STORED event carries the block's tokens only when the caller
+passes them (the scheduler does when `kv_event_token_ids` is set), so the default costs nothing extra.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from sluice.types import KvEvent, KvEventKind
+from sluice.types import KvEvent, KvEventKind, KvMedium
 
 
 class BlockPoolError(Exception):
@@ -174,9 +179,10 @@ class BlockPool:
                 del self._cached[block]
             refcount[block] += 1
 
-    def register(self, block_id: int, block_hash: int, parent_hash: int) -> bool:
+    def register(self, block_id: int, block_hash: int, parent_hash: int, token_ids: Sequence[int] = ()) -> bool:
         """Record the hash of a full, computed block; return True when it was newly stored.
 
+        `token_ids` (the block's tokens) go into the STORED event as they are; empty: the event has none.
         A hash that another block already holds keeps the first one (the duplicate stays uncached).
         """
         if not self.caching or self._hash_of[block_id] or block_hash in self._block_of:
@@ -185,7 +191,7 @@ class BlockPool:
             raise BlockPoolError(f"block {block_id} registered without a reference")
         self._hash_of[block_id] = block_hash
         self._block_of[block_hash] = block_id
-        self._emit(KvEventKind.STORED, (block_hash,), parent_hash)
+        self._emit(KvEventKind.STORED, (block_hash,), parent_hash, tuple(token_ids) if token_ids else ())
         return True
 
     def reset_cache(self) -> None:
@@ -222,9 +228,19 @@ class BlockPool:
         self.free(block_ids)
 
     # ---- events ----------------------------------------------------------------------------
-    def _emit(self, kind: KvEventKind, hashes: tuple[int, ...], parent_hash: int = 0) -> None:
+    def _emit(self, kind: KvEventKind, hashes: tuple[int, ...], parent_hash: int = 0,
+              token_ids: tuple[int, ...] = (), medium: KvMedium = KvMedium.GPU) -> None:
         self.last_event_id += 1
-        self._events.append(KvEvent(self.last_event_id, kind, hashes, parent_hash))
+        self._events.append(KvEvent(self.last_event_id, kind, hashes, parent_hash, token_ids, medium))
+
+    def emit_host(self, kind: KvEventKind, hashes: Sequence[int], parent_hash: int = 0) -> None:
+        """Emit a STORED or REMOVED event for host (CPU) copies of blocks; nothing for no hashes.
+
+        The pool does not own host blocks (HostBlocks does); it only numbers their events with the
+        device's, so that a consumer sees one gap-free sequence of event ids per replica.
+        """
+        if hashes and self.caching:
+            self._emit(kind, tuple(hashes), parent_hash, (), KvMedium.CPU)
 
     @property
     def has_events(self) -> bool:

@@ -73,5 +73,8 @@ class SchedulerConfig:
     """Adapter version of the served model (salts the block hashes)."""
     max_model_len: int = 4096
     """Prompt + max_tokens may not exceed this."""
+    kv_event_token_ids: bool = False
+    """Put each stored block's token ids in its KV event (vLLM's BlockStored.token_ids): what a KV indexer
+    needs to rebuild hashes of its own, at block_size extra integers per stored block."""
     max_lost_rounds: int = 3
     """A request lost with the worker in more than this many consecutive rounds fails (bounded retry)."""

@@ -29,7 +29,7 @@ class RoundOutcomes:
     """In-flight rounds of one core and what their results (or their loss) do."""
 
     __slots__ = ("in_flight", "_table", "_backlog", "_pool", "_host", "_outbox", "_endings",
-                 "_block_size", "_max_lost_rounds")
+                 "_block_size", "_max_lost_rounds", "_event_token_ids")
 
     def __init__(
         self,
@@ -51,6 +51,7 @@ class RoundOutcomes:
         self._endings = endings
         self._block_size = config.block_size
         self._max_lost_rounds = config.max_lost_rounds
+        self._event_token_ids = config.kv_event_token_ids
 
     # ---- results ---------------------------------------------------------------------------
     def on_round_result(self, result: RoundResult, now: float) -> None:
@@ -161,8 +162,14 @@ class RoundOutcomes:
         full = request.num_computed // self._block_size
         hashes = block_hashes_upto(request, full, self._block_size, request.salt)
         register = self._pool.register
-        for index in range(request.num_registered, full):
-            register(request.block_ids[index], hashes[index], hashes[index - 1] if index else 0)
+        if self._event_token_ids:
+            size, tokens = self._block_size, request.tokens
+            for index in range(request.num_registered, full):
+                register(request.block_ids[index], hashes[index], hashes[index - 1] if index else 0,
+                         tokens[index * size : (index + 1) * size])
+        else:
+            for index in range(request.num_registered, full):
+                register(request.block_ids[index], hashes[index], hashes[index - 1] if index else 0)
         request.num_registered = full
 
     def _finish_swaps(self, record: InFlightRound, now: float, copied: bool = True) -> None:
@@ -178,7 +185,9 @@ class RoundOutcomes:
             if victim.status is RequestStatus.CANCELLING:
                 self._endings.release_deferred(victim, now)
                 continue
-            if not copied:
+            if copied:
+                self._host.stored(victim.host_blocks)
+            else:
                 self._host.release(victim.host_blocks)
                 victim.host_blocks = ()
                 victim.recompute_debt = max(victim.recompute_debt, victim.num_computed)

@@ -61,7 +61,7 @@ class SchedulerCore:
         self.requests = RequestTable()
         self.backlog = Backlog(make_queue(config.policy, config))
         self.deadlines = DeadlineHeap(self.requests)
-        self.host = HostBlocks(config.num_host_blocks)
+        self.host = HostBlocks(config.num_host_blocks, self.pool)
         self.outbox = Outbox()
         self.endings = Endings(self.requests, self.backlog, self.pool, self.host, self.outbox, self.deadlines)
         self.outcomes = RoundOutcomes(config, self.requests, self.backlog, self.pool, self.host,
@@ -187,6 +187,7 @@ class SchedulerCore:
         """
         self.outcomes.forget_worker_kv(now)
         self.pool.reset_cache()
+        self.host.forget_hashes()
         return self.take_events()
 
     # ---- terminations ----------------------------------------------------------------------

@@ -163,10 +163,14 @@ def _check_redis(url: str | None) -> str:
         return ""
     import redis
 
+    from sluice.bus import split_cluster_url
+
     try:
-        with redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3) as client:
+        plain_url, cluster = split_cluster_url(url)  # redis+cluster:// (sluice.bus): ping through a cluster client
+        factory = redis.RedisCluster if cluster else redis.Redis
+        with factory.from_url(plain_url, socket_connect_timeout=3, socket_timeout=3) as client:
             client.ping()
-    except (redis.RedisError, ValueError, OSError) as exc:
+    except (redis.RedisError, redis.exceptions.RedisClusterException, ValueError, OSError) as exc:
         return f"--redis-url: cannot use Redis ({type(exc).__name__}: {exc})"
     return ""
 

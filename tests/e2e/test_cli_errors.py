@@ -34,6 +34,8 @@ CASES = {
     "unknown cost-model shape": (["up", "--backend", "costmodel", "--model", "gpt9", "--port", "0"],
                                  "unknown model 'gpt9'"),
     "unreachable Redis": (["up", "--redis-url", "redis://127.0.0.1:1", "--port", "0"], "cannot use Redis"),
+    "unreachable Redis Cluster": (["up", "--redis-url", "redis+cluster://127.0.0.1:1", "--port", "0"],
+                                  "cannot use Redis (RedisClusterException"),
     "bench target unreachable": (["bench", "--target", "127.0.0.1:1", WORKLOAD], "cannot reach admission"),
 }
 

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.redis
 
 def _batch(replica: str, event_id: int) -> events_pb2.KvEventBatch:
     batch = events_pb2.KvEventBatch(replica_id=replica)
-    batch.events.add(event_id=event_id).stored.block_hashes.append(event_id * 7)
+    batch.events.add(event_id=event_id).block_stored.block_hashes.append(event_id * 7)
     return batch
 
 
@@ -62,11 +62,11 @@ def test_publish_and_consume_round_trip_with_trace_context(redis_url: str, names
             contexts.append((events_pb2.KvEventBatch.FromString(payload), ctx))
             stop.set()
 
-        await asyncio.wait_for(bus.consume("kv", "routers", "c1", handler, stop=stop, block_ms=50), 10)
+        await asyncio.wait_for(bus.consume(bus.kv_stream("r1"), "routers", "c1", handler, stop=stop, block_ms=50), 10)
         batch, ctx = contexts[0]
         assert batch == _batch("r1", 1)
         assert trace.get_current_span(ctx).get_span_context().trace_id == trace_id  # type: ignore[arg-type]
-        assert await client.xpending(bus.key("kv"), "routers") == {
+        assert await client.xpending(bus.key(bus.kv_stream("r1")), "routers") == {
             "pending": 0, "min": None, "max": None, "consumers": []}
         await client.aclose()
     asyncio.run(body())

@@ -33,7 +33,7 @@ async def _roundtrip(client: aioredis.Redis) -> bytes:
         bus = Bus(client, "security")
         batch = events_pb2.KvEventBatch(replica_id="r0")
         await bus.publish_kv(batch)
-        reply = await client.xrange(bus.key("kv"), count=1)
+        reply = await client.xrange(bus.key(bus.kv_stream("r0")), count=1)
         return bytes(reply[0][1][b"p"])
     finally:
         await client.aclose()

@@ -113,7 +113,7 @@ async def _heartbeat(h: Harness, replica_id: str, state: int, queued_prefill_tok
 async def _publish(bus: Bus, replica_id: str, first_id: int, hashes: list[int]) -> None:
     batch = events_pb2.KvEventBatch(replica_id=replica_id)
     for i, block_hash in enumerate(hashes):
-        batch.events.add(event_id=first_id + i).stored.block_hashes.append(block_hash)
+        batch.events.add(event_id=first_id + i).block_stored.block_hashes.append(block_hash)
     await bus.publish_kv(batch)
 
 

@@ -95,8 +95,9 @@ async def _output_tokens(bus: Bus, request_id: str) -> list[int]:
     return tokens
 
 
-async def _kv_event_kinds(bus: Bus) -> list[str]:
-    return [str(event.WhichOneof("kind")) for _, payload, _ in await bus.read_stream("kv", "0", count=10_000, block_ms=10)
+async def _kv_event_kinds(bus: Bus, replica_id: str = "r1") -> list[str]:
+    return [str(event.WhichOneof("kind"))
+            for _, payload, _ in await bus.read_stream(bus.kv_stream(replica_id), "0", count=10_000, block_ms=10)
             for event in events_pb2.KvEventBatch.FromString(payload).events]
 
 
@@ -178,12 +179,12 @@ def test_kv_events_are_published_with_monotonic_ids(redis_url: str, namespace: s
             await _completions(r.bus, 4)
             await r.replica.driver.flush()
             ids, stored = [], set()
-            for _, payload, _ in await r.bus.read_stream("kv", "0", count=10_000, block_ms=10):
+            for _, payload, _ in await r.bus.read_stream(r.bus.kv_stream("r1"), "0", count=10_000, block_ms=10):
                 batch = events_pb2.KvEventBatch.FromString(payload)
                 assert batch.replica_id == "r1"
                 for event in batch.events:
                     ids.append(event.event_id)
-                    stored.update(event.stored.block_hashes)
+                    stored.update(event.block_stored.block_hashes)
             assert ids == list(range(1, len(ids) + 1)) and ids
             snap = await r.stub.KvSnapshot(scheduler_pb2.KvSnapshotRequest())
             assert snap.last_event_id == ids[-1]
@@ -355,7 +356,7 @@ def test_a_lost_worker_reruns_its_round_makes_the_replica_unhealthy_and_the_queu
             model = CostModel("llama-3-8b", "h200")
             assert await _output_tokens(r.bus, "interrupted") == [model.token_for("interrupted", i) for i in range(200)]
             assert done[0].usage.preemptions == 1
-            assert "all_cleared" in await _kv_event_kinds(r.bus)
+            assert "all_blocks_cleared" in await _kv_event_kinds(r.bus)
             await _wait_for(lambda: state(router_pb2.READY))
             assert (await router.Route(route)).replica_id == "r1"
     asyncio.run(body())
