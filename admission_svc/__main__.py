@@ -82,7 +82,8 @@ def resolve_model_dir(spec: str) -> Path:
 
 def admission_config(service: ServiceConfig, max_model_len: int) -> AdmissionConfig:
     """Return the core's configuration for the service config and the model length."""
-    return AdmissionConfig(budgets=service.budgets, tenants=service.tenants, max_model_len=max_model_len)
+    return AdmissionConfig(budgets=service.budgets, tenants=service.tenants, max_model_len=max_model_len,
+                           reservation=service.reservation, ttft_slo_s=service.ttft_slo_s)
 
 
 async def _housekeeping(servicer: FrontDoor, stop: asyncio.Event) -> None:
