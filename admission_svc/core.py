@@ -40,7 +40,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from admission_svc.reservations import BlockLedger, make_reserver, request_blocks
+from admission_svc.reservations import Growth, Reservation, Usage, make_reserver
 from sluice.config import Budgets, ReservationConfig, TenantConfig
 from sluice.core_errors import CoreError, DuplicateRequest, InvalidRequest, OverBudget, UnknownApiKey
 
@@ -71,68 +71,6 @@ class AdmissionConfig:
     """How many output tokens a request reserves (conservative: max_tokens; predicted)."""
     ttft_slo_s: float | None = None
     """Refuse early a request whose predicted TTFT exceeds this many seconds; None: never."""
-
-
-@dataclass
-class Reservation:
-    request_id: str
-    tenant: str
-    input_tokens: int
-    reserved_output_tokens: int
-    admitted_at: float
-    started: bool = False
-    max_tokens: int = 0
-    """What the request asked for (the most its reservation can grow to)."""
-    model: str = ""
-    block_hashes: tuple[int, ...] = ()
-    """Its full prompt blocks' hashes (shared blocks are counted once across requests)."""
-    block_size: int = 16
-    generated: int = 0
-    """Output tokens streamed so far (the growth signal)."""
-
-    @property
-    def own_blocks(self) -> int:
-        """KV blocks of its own: partial last prompt block and reserved output, rounded up."""
-        return request_blocks(self.input_tokens, self.reserved_output_tokens, self.block_size,
-                              len(self.block_hashes))
-
-
-@dataclass
-class _Usage:
-    """The five budgets' usage, for one tenant or globally."""
-
-    active: int = 0
-    queued: int = 0
-    pending_input_tokens: int = 0
-    reserved_output_tokens: int = 0
-    kv: BlockLedger = field(default_factory=BlockLedger)
-
-    def add(self, reservation: Reservation, sign: int) -> None:
-        self.active += sign
-        if not reservation.started:
-            self.queued += sign
-            self.pending_input_tokens += sign * reservation.input_tokens
-        self.reserved_output_tokens += sign * reservation.reserved_output_tokens
-        if sign > 0:
-            self.kv.add(reservation.block_hashes, reservation.own_blocks)
-        else:
-            self.kv.remove(reservation.block_hashes, reservation.own_blocks)
-
-    def used(self) -> tuple[int, ...]:
-        """Usage in _BUDGETS order."""
-        return (self.active, self.queued, self.pending_input_tokens, self.reserved_output_tokens, self.kv.blocks)
-
-
-@dataclass(frozen=True)
-class Growth:
-    """A reservation grown because its request outran it."""
-
-    request_id: str
-    reserved_output_tokens: int
-    """The reservation after growing."""
-    overcommitted: bool
-    """The ledger had no room for it: granted anyway, over the cap named in `budget`."""
-    budget: str = ""
 
 
 @dataclass(frozen=True)
@@ -167,8 +105,8 @@ class AdmissionCore:
         self._tenants = {t.name: t for t in config.tenants}
         self._keys = {key: t.name for t in config.tenants for key in t.api_keys}
         self._reservations: dict[str, Reservation] = {}
-        self._total = _Usage()
-        self._per_tenant: dict[str, _Usage] = {}
+        self._total = Usage()
+        self._per_tenant: dict[str, Usage] = {}
         self._releases: deque[tuple[float, int, int]] = deque()
         """(time, tokens, KV blocks) of each release in the last _DRAIN_WINDOW_S: the drain rate."""
         self.reserver = make_reserver(config.reservation)
@@ -248,7 +186,7 @@ class AdmissionCore:
 
     def _hold(self, reservation: Reservation, sign: int) -> None:
         self._total.add(reservation, sign)
-        self._per_tenant.setdefault(reservation.tenant, _Usage()).add(reservation, sign)
+        self._per_tenant.setdefault(reservation.tenant, Usage()).add(reservation, sign)
 
     def _caps(self, tenant: str | None) -> tuple[int | None, ...]:
         """The caps in _BUDGETS order: the process's (tenant None) or the tenant's own (None: uncapped)."""
@@ -276,12 +214,12 @@ class AdmissionCore:
                 raise InvalidRequest("sampling.max_tokens", f"the request needs {blocks} KV blocks, more than the "
                                                             f"KV-block budget of {caps[4]}, and could never be admitted")
 
-    def _demand(self, r: Reservation, usage: _Usage) -> tuple[int, ...]:
+    def _demand(self, r: Reservation, usage: Usage) -> tuple[int, ...]:
         """What admitting `r` adds to `usage`, in _BUDGETS order (prompt blocks it holds already: nothing)."""
         return (1, 1, r.input_tokens, r.reserved_output_tokens, usage.kv.new_blocks(r.block_hashes) + r.own_blocks)
 
-    def _scopes(self, tenant: str) -> tuple[tuple[str | None, _Usage], ...]:
-        return ((None, self._total), (tenant, self._per_tenant.get(tenant, _Usage())))
+    def _scopes(self, tenant: str) -> tuple[tuple[str | None, Usage], ...]:
+        return ((None, self._total), (tenant, self._per_tenant.get(tenant, Usage())))
 
     def _check_budgets(self, r: Reservation, now: float) -> None:
         for scope, usage in self._scopes(r.tenant):

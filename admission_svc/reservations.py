@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from sluice.config import ReservationConfig, ReservationPolicy
@@ -169,3 +170,65 @@ class BlockLedger:
             else:
                 del self._refs[h]
         self.own_blocks -= own_blocks
+
+
+@dataclass
+class Reservation:
+    request_id: str
+    tenant: str
+    input_tokens: int
+    reserved_output_tokens: int
+    admitted_at: float
+    started: bool = False
+    max_tokens: int = 0
+    """What the request asked for (the most its reservation can grow to)."""
+    model: str = ""
+    block_hashes: tuple[int, ...] = ()
+    """Its full prompt blocks' hashes (shared blocks are counted once across requests)."""
+    block_size: int = 16
+    generated: int = 0
+    """Output tokens streamed so far (the growth signal)."""
+
+    @property
+    def own_blocks(self) -> int:
+        """KV blocks of its own: partial last prompt block and reserved output, rounded up."""
+        return request_blocks(self.input_tokens, self.reserved_output_tokens, self.block_size,
+                              len(self.block_hashes))
+
+
+@dataclass
+class Usage:
+    """The five budgets' usage (in the core's budget order), for one tenant or globally."""
+
+    active: int = 0
+    queued: int = 0
+    pending_input_tokens: int = 0
+    reserved_output_tokens: int = 0
+    kv: BlockLedger = field(default_factory=BlockLedger)
+
+    def add(self, reservation: Reservation, sign: int) -> None:
+        self.active += sign
+        if not reservation.started:
+            self.queued += sign
+            self.pending_input_tokens += sign * reservation.input_tokens
+        self.reserved_output_tokens += sign * reservation.reserved_output_tokens
+        if sign > 0:
+            self.kv.add(reservation.block_hashes, reservation.own_blocks)
+        else:
+            self.kv.remove(reservation.block_hashes, reservation.own_blocks)
+
+    def used(self) -> tuple[int, ...]:
+        """Return (active, queued, pending input tokens, reserved output tokens, reserved KV blocks)."""
+        return (self.active, self.queued, self.pending_input_tokens, self.reserved_output_tokens, self.kv.blocks)
+
+
+@dataclass(frozen=True)
+class Growth:
+    """A reservation grown because its request outran it."""
+
+    request_id: str
+    reserved_output_tokens: int
+    """The reservation after growing."""
+    overcommitted: bool
+    """The ledger had no room for it: granted anyway, over the cap named in `budget`."""
+    budget: str = ""
