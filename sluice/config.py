@@ -5,6 +5,7 @@ dataclasses that are never mutated. The file format (docs/usage.md has the full 
 
 ```toml
 default_model = "tiny"
+ttft_slo_s = 2.0               # optional: refuse early a request the router predicts would miss it
 
 [budgets]                      # whole admission process
 max_active_requests = 256
@@ -19,8 +20,6 @@ percentile = 0.95              # of the last `window` output lengths of the tena
 window = 1000
 min_samples = 50               # conservative until this many completions were seen
 growth_factor = 2.0            # a request that outruns its reservation grows it by this factor
-
-ttft_slo_s = 2.0               # optional: refuse early a request the router predicts would miss it
 
 [tenants.acme]
 api_keys = ["sk-acme-1"]
