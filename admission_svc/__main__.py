@@ -132,6 +132,7 @@ async def start(ctx: serve.ServiceContext, options: AdmissionOptions) -> serve.S
     """Serve the front door with its stream reader, completion consumer and housekeeping; returns how to drain."""
     servicer = build_servicer(ctx, options)
     bus = await serve.open_bus(ctx, options, ping=True)
+    servicer.publish_completion = bus.publish_completion
     ctx.cleanup.push_async_callback(servicer.close)  # before the Redis client closes (the stack is LIFO)
     server = build_server(servicer, options.max_message_bytes)
     health_servicer = health.aio.HealthServicer()

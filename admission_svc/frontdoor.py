@@ -28,7 +28,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -75,6 +75,9 @@ class FrontDoor:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.prompts = PromptReader(model, self.config, self.metrics)
         self._tracer = telemetry.get_tracer("sluice.admission")
+        self.publish_completion: Callable[[events_pb2.Completion], Awaitable[object]] | None = None
+        """Publishes on the bus's `completions` (set once the bus is open): a routed request that admission
+        refuses or fails to submit gets a REJECTED terminal record there, so the router forgets it."""
         self.metrics.reserved_output_tokens.set_function(lambda: self.core.stats(time.monotonic()).reserved_output_tokens)
         self.metrics.reserved_kv_blocks.set_function(lambda: self.core.stats(time.monotonic()).reserved_kv_blocks)
 
@@ -275,9 +278,12 @@ class FrontDoor:
         record.status = common_pb2.REJECTED
         record.retry_after_s = getattr(exc, "retry_after_s", None)
         # An idempotent retry may already follow this request: end its stream too.
-        record.stream.set_completion(events_pb2.Completion(
-            request_id=record.request_id, tenant=record.tenant, status=common_pb2.REJECTED,
-            finish_reason="rejected", detail=str(exc)[:200]))
+        completion = events_pb2.Completion(
+            request_id=record.request_id, tenant=record.tenant, status=common_pb2.REJECTED, finish_reason="rejected",
+            detail=str(exc)[:200], owner=self.owner, replica_id=record.replica_id)
+        record.stream.set_completion(completion)
+        if record.replica_id and self.publish_completion is not None:
+            self._spawn(self.publish_completion(completion))
         record.stream.complete_if_ready()
         record.span.add_event("rejected", attributes={"reason": type(exc).__name__})
         record.span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)[:200]))

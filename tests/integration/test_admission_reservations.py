@@ -7,12 +7,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from admission_harness import CONFIG, StandInReplica, run, settle
+from admission_harness import CONFIG, OWNER, StandInReplica, run, settle
 
 from admission_svc.frontdoor import FrontDoor
 from sluice import client as sdk
 from sluice.bus import Bus
 from sluice.config import Budgets, ReservationConfig, ReservationPolicy
+from sluice.v1 import common_pb2, events_pb2
 
 pytestmark = pytest.mark.redis
 NO_RETRY = sdk.RetryPolicy(max_attempts=1)
@@ -22,8 +23,10 @@ def test_predicted_ttft_over_the_slo_is_refused_early_with_retry_info(tmp_path: 
                                                                       namespace: str) -> None:
     """With ttft_slo_s = 1 s, a request the router predicts would take 4 s to its first token is
     RESOURCE_EXHAUSTED with a RetryInfo of the 3 s excess, never submitted, its reservation released and
-    the refusal counted; once the prediction is within the SLO the same call runs."""
+    the refusal counted and a REJECTED terminal record published for the router; once the prediction is
+    within the SLO the same call runs."""
     async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
+        door.publish_completion = bus.publish_completion  # as admission_svc.__main__ wires it
         replica.predicted_ttft_s = 4.0
         async with sdk.AsyncClient(target, api_key="k-acme", retry=NO_RETRY) as client:
             with pytest.raises(sdk.ResourceExhausted) as info:
@@ -33,6 +36,9 @@ def test_predicted_ttft_over_the_slo_is_refused_early_with_retry_info(tmp_path: 
             assert replica.submitted == [] and door.core.stats(0).active == 0
             assert door.metrics.registry.get_sample_value("sluice_admission_rejections_total",
                                                           {"reason": "ttft_slo"}) == 1.0
+            published = [events_pb2.Completion.FromString(payload)
+                         for _, payload, _ in await bus.read_stream("completions", "0", block_ms=500)]
+            assert [(c.status, c.replica_id, c.owner) for c in published] == [(common_pb2.REJECTED, "r0", OWNER)]
             replica.predicted_ttft_s = 0.5
             assert (await client.generate_text("hello", max_tokens=4)).text == "hell"
         assert await settle(lambda: door.core.stats(0).active == 0)
