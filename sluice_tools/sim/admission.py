@@ -63,9 +63,8 @@ class SimAdmission:
         return None
 
     def on_token(self, request_id: str, index: int, now: float) -> None:
-        """Token `index` of the request was streamed: the growth signal."""
-        if self.grows:
-            self.core.on_tokens(request_id, index + 1, now)
+        """Token `index` of the request was streamed: the growth signal (needed only when `grows`)."""
+        self.core.on_tokens(request_id, index + 1, now)
 
     def release(self, request_id: str, now: float, output_tokens: int | None) -> None:
         """The request is terminal: reclaim its reservation (and learn its length if it finished)."""

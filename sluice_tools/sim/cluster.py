@@ -119,6 +119,7 @@ class Simulator:
         # admission: the front door's calls into the core (client max_tokens, KV hashes, TTFT refusal, growth)
         self.front_door = SimAdmission(self.admission, config.model, config.client_max_tokens, self.max_model_len,
                                        config.scheduler.block_size, self._salt, self.vocab_size)
+        self._growth_signal = self.front_door.on_token if self.front_door.grows else None
         self.rounds = 0
         self.dropped_results = 0
         self.kv_snapshots = 0
@@ -367,13 +368,14 @@ class Simulator:
 
     # ---- what the cores said ----------------------------------------------------------------
     def _absorb(self, replica: _Replica, events: CoreEvents) -> None:
-        now, records, times = self.now, self.records, self._token_times
+        now, records, times, grow = self.now, self.records, self._token_times, self._growth_signal
         for request_id, index, _token in events.tokens:
             times[request_id].append(now)
             if index == 0:
                 records[request_id].first_token_s = now
                 self.admission.mark_started(request_id, now)
-            self.front_door.on_token(request_id, index, now)  # admission: the growth signal
+            if grow is not None:
+                grow(request_id, index, now)  # admission: the growth signal
         for event in events.lifecycle:
             if event.stage is Stage.FIRST_SCHEDULED:
                 records[event.request_id].first_scheduled_s = event.time
