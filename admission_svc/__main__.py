@@ -85,7 +85,8 @@ def resolve_model_dir(spec: str) -> Path:
 
 def admission_config(service: ServiceConfig, max_model_len: int) -> AdmissionConfig:
     """Return the core's configuration for the service config and the model length."""
-    return AdmissionConfig(budgets=service.budgets, tenants=service.tenants, max_model_len=max_model_len)
+    return AdmissionConfig(budgets=service.budgets, tenants=service.tenants, max_model_len=max_model_len,
+                           reservation=service.reservation, ttft_slo_s=service.ttft_slo_s)
 
 
 async def _housekeeping(servicer: FrontDoor, stop: asyncio.Event) -> None:
@@ -134,6 +135,7 @@ async def start(ctx: serve.ServiceContext, options: AdmissionOptions) -> serve.S
     """Serve the front door with its stream reader, completion consumer and housekeeping; returns how to drain."""
     servicer = build_servicer(ctx, options)
     bus = await serve.open_bus(ctx, options, ping=True)
+    servicer.publish_completion = bus.publish_completion
     ctx.cleanup.push_async_callback(servicer.close)  # before the Redis client closes (the stack is LIFO)
     server = build_server(servicer, options.max_message_bytes)
     health_servicer = health.aio.HealthServicer()

@@ -4,13 +4,22 @@ Theory of operation
 -------------------
 The admission ledger holds, for every accepted request until its terminal completion, a
 *reservation* of predicted work: its input tokens (pending until its first token shows the
-prefill is done) and its reserved output tokens (max_tokens, the conservative choice). Budgets
-are checked globally and per tenant, before anything else happens:
+prefill is done), its reserved output tokens (how many, the reservation policy decides:
+admission_svc/reservations.py) and its reserved KV blocks. Budgets are checked globally and per
+tenant, before anything else happens:
 
 * active requests (accepted and not terminal),
 * queued requests (accepted, no first token yet): the bound on the queue behind the front door,
 * pending input tokens (accepted, prefill not done),
-* reserved output tokens.
+* reserved output tokens,
+* reserved KV blocks (optional): prompt blocks shared by several requests counted once.
+
+A request whose streamed output outruns its reservation grows it (`on_tokens`); growth that finds no
+budget is granted over-committed and counted (reservations.py states why). `release` reclaims it all
+and teaches the policy the request's real output length.
+
+With `ttft_slo_s` set, `check_ttft` refuses a request the router predicts would wait past the SLO
+(RESOURCE_EXHAUSTED, retry after the predicted excess has drained) instead of admitting it to wait.
 
 A request that does not fit is refused with OverBudget naming the budget and a retry delay
 derived from the observed drain rate (releases per second, smoothed): the time until enough
@@ -29,9 +38,10 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from sluice.config import Budgets, TenantConfig
+from admission_svc.reservations import Growth, Reservation, Usage, make_reserver
+from sluice.config import Budgets, ReservationConfig, TenantConfig
 from sluice.core_errors import CoreError, DuplicateRequest, InvalidRequest, OverBudget, UnknownApiKey
 
 
@@ -57,33 +67,10 @@ class AdmissionConfig:
     """Longest retry delay an over-budget refusal advises."""
     drain_rate_halflife_s: float = 5.0
     """Smoothing of the observed release rate used for retry delays."""
-
-
-@dataclass
-class Reservation:
-    request_id: str
-    tenant: str
-    input_tokens: int
-    reserved_output_tokens: int
-    admitted_at: float
-    started: bool = False
-
-
-@dataclass
-class _Usage:
-    """The four ledgers, for one tenant or globally."""
-
-    active: int = 0
-    queued: int = 0
-    pending_input_tokens: int = 0
-    reserved_output_tokens: int = 0
-
-    def add(self, reservation: Reservation, sign: int) -> None:
-        self.active += sign
-        if not reservation.started:
-            self.queued += sign
-            self.pending_input_tokens += sign * reservation.input_tokens
-        self.reserved_output_tokens += sign * reservation.reserved_output_tokens
+    reservation: ReservationConfig = field(default_factory=ReservationConfig)
+    """How many output tokens a request reserves (conservative: max_tokens; predicted)."""
+    ttft_slo_s: float | None = None
+    """Refuse early a request whose predicted TTFT exceeds this many seconds; None: never."""
 
 
 @dataclass(frozen=True)
@@ -97,9 +84,16 @@ class AdmissionStats:
     released: int
     drain_rate_per_s: float
     per_tenant_active: Mapping[str, int] = field(default_factory=dict)
+    reserved_kv_blocks: int = 0
+    growths: int = 0
+    """Reservations grown because their request outran them."""
+    overcommitted_growths: int = 0
+    """Growths granted with no budget left (the stated rule: run over-committed, counted)."""
+    reclaimed_output_tokens: int = 0
+    """Reserved output tokens that finished requests did not use, returned at release."""
 
 
-_BUDGETS = ("active", "queued", "pending_input_tokens", "reserved_output_tokens")
+_BUDGETS = ("active", "queued", "pending_input_tokens", "reserved_output_tokens", "reserved_kv_blocks")
 _DRAIN_WINDOW_S = 10.0
 
 
@@ -111,14 +105,19 @@ class AdmissionCore:
         self._tenants = {t.name: t for t in config.tenants}
         self._keys = {key: t.name for t in config.tenants for key in t.api_keys}
         self._reservations: dict[str, Reservation] = {}
-        self._total = _Usage()
-        self._per_tenant: dict[str, _Usage] = {}
-        self._releases: deque[tuple[float, int]] = deque()
+        self._total = Usage()
+        self._per_tenant: dict[str, Usage] = {}
+        self._releases: deque[tuple[float, int, int]] = deque()
+        """(time, tokens, KV blocks) of each release in the last _DRAIN_WINDOW_S: the drain rate."""
+        self.reserver = make_reserver(config.reservation)
         self._idempotency: dict[tuple[str, str], tuple[str, float]] = {}
         self._idempotency_order: deque[tuple[float, tuple[str, str]]] = deque()
         self.admitted = 0
         self.released = 0
         self.rejected: dict[str, int] = {}
+        self.growths = 0
+        self.overcommitted_growths = 0
+        self.reclaimed_output_tokens = 0
 
     # ---- identity and validation --------------------------------------------------------
     def authenticate(self, api_key: str | None) -> str:
@@ -165,24 +164,34 @@ class AdmissionCore:
             )
 
     # ---- the ledger -------------------------------------------------------------------------
-    def admit(self, request_id: str, tenant: str, input_tokens: int, max_tokens: int, now: float) -> Reservation:
+    def admit(self, request_id: str, tenant: str, input_tokens: int, max_tokens: int, now: float, *,
+              model: str = "", block_hashes: tuple[int, ...] = (), block_size: int = 16) -> Reservation:
         """Reserve room for a request. Raises DuplicateRequest, InvalidRequest (it could never fit)
-        or OverBudget (not now: retry after the delay it carries); on a refusal nothing changes."""
+        or OverBudget (not now: retry after the delay it carries); on a refusal nothing changes.
+
+        `block_hashes` are its full prompt blocks' hashes (the router's), for the KV-block budget."""
         if request_id in self._reservations:
             raise DuplicateRequest(f"request {request_id!r} is already active")
-        reservation = Reservation(request_id, tenant, input_tokens, max_tokens, admitted_at=now)
+        reserved = self.reserver.initial(tenant, model, max_tokens)
+        reservation = Reservation(request_id, tenant, input_tokens, reserved, admitted_at=now, max_tokens=max_tokens,
+                                  model=model, block_hashes=block_hashes, block_size=block_size)
         try:
             self._check_fits_ever(reservation)
             self._check_budgets(reservation, now)
         except CoreError as exc:
-            key = getattr(exc, "budget", exc.reason)
-            self.rejected[key] = self.rejected.get(key, 0) + 1
+            self._count_refusal(getattr(exc, "budget", exc.reason))
             raise
         self._reservations[request_id] = reservation
-        self._total.add(reservation, +1)
-        self._per_tenant.setdefault(tenant, _Usage()).add(reservation, +1)
+        self._hold(reservation, +1)
         self.admitted += 1
         return reservation
+
+    def _count_refusal(self, key: str) -> None:
+        self.rejected[key] = self.rejected.get(key, 0) + 1
+
+    def _hold(self, reservation: Reservation, sign: int) -> None:
+        self._total.add(reservation, sign)
+        self._per_tenant.setdefault(reservation.tenant, Usage()).add(reservation, sign)
 
     def _caps(self, tenant: str | None) -> tuple[int | None, ...]:
         """The caps in _BUDGETS order: the process's (tenant None) or the tenant's own (None: uncapped)."""
@@ -192,9 +201,9 @@ class AdmissionCore:
             t = self._tenants.get(tenant)
             budgets = t.budgets if t is not None else None
         if budgets is None:
-            return (None, None, None, None)
+            return (None,) * len(_BUDGETS)
         return (budgets.max_active_requests, budgets.max_queue_length, budgets.max_pending_input_tokens,
-                budgets.max_reserved_output_tokens)
+                budgets.max_reserved_output_tokens, budgets.max_reserved_kv_blocks)
 
     def _check_fits_ever(self, r: Reservation) -> None:
         for scope in (None, r.tenant):
@@ -205,33 +214,55 @@ class AdmissionCore:
             if caps[3] is not None and r.reserved_output_tokens > caps[3]:
                 raise InvalidRequest("sampling.max_tokens", f"max_tokens {r.reserved_output_tokens} exceeds the "
                                                             f"output budget of {caps[3]} tokens")
+            blocks = len(set(r.block_hashes)) + r.own_blocks
+            if caps[4] is not None and blocks > caps[4]:
+                raise InvalidRequest("sampling.max_tokens", f"the request needs {blocks} KV blocks, more than the "
+                                                            f"KV-block budget of {caps[4]}, and could never be admitted")
+
+    def _demand(self, r: Reservation, usage: Usage) -> tuple[int, ...]:
+        """What admitting `r` adds to `usage`, in _BUDGETS order (prompt blocks it holds already: nothing)."""
+        return (1, 1, r.input_tokens, r.reserved_output_tokens, usage.kv.new_blocks(r.block_hashes) + r.own_blocks)
+
+    def _scopes(self, tenant: str) -> tuple[tuple[str | None, Usage], ...]:
+        return ((None, self._total), (tenant, self._per_tenant.get(tenant, Usage())))
 
     def _check_budgets(self, r: Reservation, now: float) -> None:
-        demand = (1, 1, r.input_tokens, r.reserved_output_tokens)
-        for scope in (None, r.tenant):
-            usage = self._total if scope is None else self._per_tenant.get(r.tenant, _Usage())
-            used = (usage.active, usage.queued, usage.pending_input_tokens, usage.reserved_output_tokens)
-            for name, cap, in_use, want in zip(_BUDGETS, self._caps(scope), used, demand, strict=True):
-                if cap is not None and in_use + want > cap:
-                    where = "global" if scope is None else f"tenant {r.tenant!r}"
-                    retry = self._retry_after(name, in_use + want - cap, now)
-                    raise OverBudget(
-                        f"{name}" if scope is None else f"tenant.{name}", retry,
-                        f"{where} budget {name} is full ({in_use} in use + {want} requested > {cap}); "
-                        f"retry after {retry:.2f}s",
-                    )
+        for scope, usage in self._scopes(r.tenant):
+            full = self._full(self._caps(scope), usage.used(), self._demand(r, usage))
+            if full is not None:
+                name, in_use, want, cap = full
+                where = "global" if scope is None else f"tenant {r.tenant!r}"
+                retry = self._retry_after(name, in_use + want - cap, now)
+                raise OverBudget(
+                    f"{name}" if scope is None else f"tenant.{name}", retry,
+                    f"{where} budget {name} is full ({in_use} in use + {want} requested > {cap}); "
+                    f"retry after {retry:.2f}s",
+                )
+
+    @staticmethod
+    def _full(caps: tuple[int | None, ...], used: tuple[int, ...],
+              demand: tuple[int, ...]) -> tuple[str, int, int, int] | None:
+        """Return (budget, in use, wanted, cap) of the first budget `demand` would exceed, or None."""
+        for name, cap, in_use, want in zip(_BUDGETS, caps, used, demand, strict=True):
+            if cap is not None and want > 0 and in_use + want > cap:
+                return name, in_use, want, cap
+        return None
 
     def _retry_after(self, budget: str, excess: int, now: float) -> float:
         """Time until `excess` units have drained at the observed release rate."""
         self._prune_releases(now)
         releases = len(self._releases)
         if releases == 0:
-            return min(max(1.0, self.config.min_retry_after_s), self.config.max_retry_after_s)
+            return self._clamp_retry(1.0)
         if budget in ("active", "queued"):
             units_per_s = releases / _DRAIN_WINDOW_S
+        elif budget == "reserved_kv_blocks":
+            units_per_s = sum(blocks for _, _, blocks in self._releases) / _DRAIN_WINDOW_S
         else:
-            units_per_s = sum(tokens for _, tokens in self._releases) / _DRAIN_WINDOW_S
-        delay = excess / max(units_per_s, 1e-9)
+            units_per_s = sum(tokens for _, tokens, _ in self._releases) / _DRAIN_WINDOW_S
+        return self._clamp_retry(excess / max(units_per_s, 1e-9))
+
+    def _clamp_retry(self, delay: float) -> float:
         return min(max(delay, self.config.min_retry_after_s), self.config.max_retry_after_s)
 
     def _prune_releases(self, now: float) -> None:
@@ -250,15 +281,58 @@ class AdmissionCore:
         r.started = True
         return True
 
-    def release(self, request_id: str, now: float) -> Reservation | None:
-        """Return a terminal request's reservation, exactly once (None the second time)."""
+    def on_tokens(self, request_id: str, generated: int, now: float) -> Growth | None:
+        """The request has streamed `generated` output tokens; grow its reservation if it outran it.
+
+        Returns the Growth (None: unknown request, or still within its reservation). Growth with no
+        budget left is granted anyway and counted as over-committed (module docstring)."""
+        r = self._reservations.get(request_id)
+        if r is None:
+            return None
+        r.generated = max(r.generated, generated)
+        if generated <= r.reserved_output_tokens:
+            return None
+        grown = replace(r, reserved_output_tokens=self.reserver.grown(r.reserved_output_tokens, generated,
+                                                                       r.max_tokens))
+        extra = (0, 0, 0, grown.reserved_output_tokens - r.reserved_output_tokens, grown.own_blocks - r.own_blocks)
+        full = next(filter(None, (self._full(self._caps(scope), usage.used(), extra)
+                                  for scope, usage in self._scopes(r.tenant))), None)
+        self._hold(r, -1)
+        self._reservations[request_id] = grown
+        self._hold(grown, +1)
+        self.growths += 1
+        self.overcommitted_growths += full is not None
+        return Growth(request_id, grown.reserved_output_tokens, full is not None, full[0] if full else "")
+
+    def check_ttft(self, request_id: str, predicted_ttft_s: float, now: float) -> None:
+        """Refuse a routed request whose predicted TTFT exceeds the SLO (ttft_slo_s; None: never refuse).
+
+        Raises OverBudget("ttft_slo") with a retry delay of the predicted excess (the time the queue
+        ahead of it needs to drain until a new request would meet the SLO). The caller releases it."""
+        slo = self.config.ttft_slo_s
+        if slo is None or predicted_ttft_s <= slo:
+            return
+        self._count_refusal("ttft_slo")
+        retry = self._clamp_retry(predicted_ttft_s - slo)
+        raise OverBudget("ttft_slo", retry, f"request {request_id} would wait: predicted time to first token "
+                                            f"{predicted_ttft_s:.2f}s exceeds the SLO of {slo:.2f}s; retry after "
+                                            f"{retry:.2f}s")
+
+    def release(self, request_id: str, now: float, output_tokens: int | None = None) -> Reservation | None:
+        """Return a terminal request's reservation, exactly once (None the second time).
+
+        `output_tokens`: what a request that finished generated (None: it did not finish, e.g.
+        cancelled or refused), which the reservation policy learns from."""
         r = self._reservations.pop(request_id, None)
         if r is None:
             return None
-        self._total.add(r, -1)
-        self._per_tenant[r.tenant].add(r, -1)
+        self._hold(r, -1)
         self.released += 1
-        self._releases.append((now, r.input_tokens + r.reserved_output_tokens))
+        if output_tokens is not None:
+            self.reserver.observe(r.tenant, r.model, output_tokens)
+            self.reclaimed_output_tokens += max(r.reserved_output_tokens - output_tokens, 0)
+        self._releases.append((now, r.input_tokens + r.reserved_output_tokens,
+                               len(r.block_hashes) + r.own_blocks))
         self._prune_releases(now)
         return r
 
@@ -288,5 +362,6 @@ class AdmissionCore:
         return AdmissionStats(
             t.active, t.queued, t.pending_input_tokens, t.reserved_output_tokens, self.admitted,
             dict(self.rejected), self.released, len(self._releases) / _DRAIN_WINDOW_S,
-            {name: u.active for name, u in self._per_tenant.items()},
+            {name: u.active for name, u in self._per_tenant.items()}, t.kv.blocks, self.growths,
+            self.overcommitted_growths, self.reclaimed_output_tokens,
         )

@@ -1,7 +1,8 @@
 """The front door: one generation's way through admission, the same for every transport.
 
     authenticate -> attach to the request an idempotency key started, or:
-    size check -> tokenize -> validate -> reserve -> route -> submit -> stream -> release
+    size check -> tokenize -> validate -> hash blocks -> reserve -> route -> TTFT check -> submit
+    -> stream (growing the reservation if the output outruns it) -> release (learning the output length)
 
 A transport (the gRPC servicer; an HTTP edge next) converts its message into a `GenerateCall` and
 what it knows about the call into a `Caller` (API key, deadline, trace context), awaits
@@ -15,6 +16,8 @@ delay); the transport maps them once (gRPC: the ErrorInterceptor).
 A text prompt over `max_prompt_bytes` is refused untokenized, and a long one is tokenized on a thread
 with the GIL released (admission_svc/prompts.py), so one client's long prompt does not hold back other clients' tokens. The
 reservation is released exactly once: on the completion, or at once when routing or submitting fails.
+With `ttft_slo_s` set, a request the router predicts would wait past the SLO is refused after routing
+and before submitting (RESOURCE_EXHAUSTED + RetryInfo of the predicted excess), instead of admitted to wait.
 Other tenants' requests are NOT_FOUND to `cancel` and `lookup`, so no tenant can probe which ids exist.
 """
 
@@ -25,7 +28,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -93,6 +96,11 @@ class FrontDoor:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.prompts = PromptReader(model, self.config, self.metrics)
         self._tracer = telemetry.get_tracer("sluice.admission")
+        self.publish_completion: Callable[[events_pb2.Completion], Awaitable[object]] | None = None
+        """Publishes on the bus's `completions` (set once the bus is open): a routed request that admission
+        refuses or fails to submit gets a REJECTED terminal record there, so the router forgets it."""
+        self.metrics.reserved_output_tokens.set_function(lambda: self.core.stats(time.monotonic()).reserved_output_tokens)
+        self.metrics.reserved_kv_blocks.set_function(lambda: self.core.stats(time.monotonic()).reserved_kv_blocks)
 
     # ---- what transports call -------------------------------------------------------------------
     async def start(self, call: GenerateCall, caller: Caller) -> Tracked:
@@ -104,10 +112,11 @@ class FrontDoor:
         record = self._attach(tenant, call.idempotency_key)
         if record is None:
             ids, tokenized = await self._checked_prompt(call)
+            blocks = await self._prompt_blocks(call, ids, tenant)
             # Tokenizing on a thread awaits: a retry with the same key may have started the request meanwhile.
             record = self._attach(tenant, call.idempotency_key)
             if record is None:
-                record = await self._admit(call, tenant, ids, caller, (received, tokenized))
+                record = await self._admit(call, tenant, (ids, blocks), caller, (received, tokenized))
                 self.metrics.requests.labels(tenant, "admitted").inc()
                 return record
         self.metrics.requests.labels(tenant, "attached").inc()
@@ -177,12 +186,23 @@ class FrontDoor:
             raise
         return ids, (time.time() if not call.prompt_token_ids else None)
 
-    async def _admit(self, call: GenerateCall, tenant: str, ids: list[int], caller: Caller,
-                     stamps: tuple[float, float | None]) -> Tracked:
-        """Reserve, route and submit; undo the reservation if routing or submitting fails."""
-        record = self._reserve(call, tenant, ids, stamps, caller.trace_context)
+    async def _prompt_blocks(self, call: GenerateCall, ids: list[int], tenant: str) -> tuple[list[int], int]:
+        """Return the prompt's block-hash chain (for the router and the KV-block budget) and the block size.
+
+        The chain is salted with the tenant's cache salt, as the scheduler will name its blocks."""
+        block_size = await self._block_size_now()
+        salt = salt_of(self.model.model_id, call.adapter_version, self.core.cache_salt(tenant))
+        return hash_chain(ids, block_size, salt), block_size
+
+    async def _admit(self, call: GenerateCall, tenant: str, prompt: tuple[list[int], tuple[list[int], int]],
+                     caller: Caller, stamps: tuple[float, float | None]) -> Tracked:
+        """Reserve, route and submit; undo the reservation if routing, the TTFT check or submitting fails.
+
+        `prompt`: the token ids, and the block hashes with the block size."""
+        ids, blocks = prompt
+        record = self._reserve(call, tenant, ids, blocks, stamps, caller.trace_context)
         try:
-            await self._route_and_submit(record, call, ids, caller.deadline_unix_s)
+            await self._route_and_submit(record, call, ids, blocks[0], caller.deadline_unix_s)
         except BaseException as exc:
             error = convert.error_from_downstream(exc, "could not place the request") \
                 if isinstance(exc, grpc.aio.AioRpcError) else exc
@@ -192,8 +212,8 @@ class FrontDoor:
             raise
         return record
 
-    def _reserve(self, call: GenerateCall, tenant: str, ids: list[int], stamps: tuple[float, float | None],
-                 parent: Context | None) -> Tracked:
+    def _reserve(self, call: GenerateCall, tenant: str, ids: list[int], blocks: tuple[list[int], int],
+                 stamps: tuple[float, float | None], parent: Context | None) -> Tracked:
         """Admit (no await between the key lookup and here, so two retries cannot both start).
 
         `stamps`: when the call was received, and when its text was tokenized (None: it came as ids)."""
@@ -208,14 +228,17 @@ class FrontDoor:
         if tokenized is not None:
             span.add_event("tokenized", timestamp=_ns(tokenized))
         try:
-            self.core.admit(request_id, tenant, len(ids), call.sampling.max_tokens, time.monotonic())
+            reservation = self.core.admit(request_id, tenant, len(ids), call.sampling.max_tokens, time.monotonic(),
+                                          model=self.model.model_id, block_hashes=tuple(blocks[0]),
+                                          block_size=blocks[1])
         except OverBudget as exc:
             self.metrics.rejections.labels(exc.budget).inc()
             span.add_event("rejected", attributes={"reason": exc.budget})
             telemetry.end_request_span(span, "REJECTED", exc.detail)
             raise
         now = time.time()
-        span.add_event("admitted", timestamp=_ns(now))
+        span.add_event("admitted", timestamp=_ns(now), attributes={
+            "sluice.reserved_output_tokens": reservation.reserved_output_tokens})
         if call.idempotency_key:
             self.core.remember_key(tenant, call.idempotency_key, request_id, time.monotonic())
         record = Tracked(request_id, tenant, len(ids), self.registry.open(request_id), span, received,
@@ -238,13 +261,10 @@ class FrontDoor:
         self._block_size = (time.monotonic(), size)
         return size
 
-    async def _route_and_submit(self, record: Tracked, call: GenerateCall, ids: list[int],
+    async def _route_and_submit(self, record: Tracked, call: GenerateCall, ids: list[int], hashes: list[int],
                                 deadline_unix_s: float | None) -> None:
         metadata = tuple(telemetry.inject_metadata(trace.set_span_in_context(record.span)))
         timeout = self.config.downstream_timeout_s
-        block_size = await self._block_size_now()
-        cache_salt = self.core.cache_salt(record.tenant)
-        hashes = hash_chain(ids, block_size, salt_of(self.model.model_id, call.adapter_version, cache_salt))
         route = await self.router.Route(router_pb2.RouteRequest(
             request_id=record.request_id, model=self.model.model_id, adapter_version=call.adapter_version,
             block_hashes=hashes, prompt_tokens=len(ids), max_tokens=call.sampling.max_tokens),
@@ -254,12 +274,24 @@ class FrontDoor:
         record.span.add_event("routed", timestamp=_ns(record.timestamps.routed), attributes={
             "sluice.replica_id": route.replica_id, "sluice.cached_blocks": route.cached_blocks,
             "sluice.predicted_ttft_s": route.predicted_ttft_s})
+        self._check_ttft(record, route.predicted_ttft_s)
         submit = convert.submit_request(record.request_id, record.tenant, ids, call, self.owner, deadline_unix_s or 0.0,
                                         self.model, record.timestamps,
-                                        self.core.tenant_weight(record.tenant), cache_salt)
+                                        self.core.tenant_weight(record.tenant), self.core.cache_salt(record.tenant))
         await self._scheduler(route.scheduler_address).Submit(submit, metadata=metadata, timeout=timeout)
         record.status = common_pb2.WAITING
         record.span.add_event("submitted")
+
+    def _check_ttft(self, record: Tracked, predicted_ttft_s: float) -> None:
+        """Refuse early (the core decides) a routed request that would wait past the TTFT SLO."""
+        self.metrics.predicted_ttft.observe(predicted_ttft_s)
+        try:
+            self.core.check_ttft(record.request_id, predicted_ttft_s, time.monotonic())
+        except OverBudget as exc:
+            self.metrics.rejections.labels(exc.budget).inc()
+            record.span.add_event("refused_early", attributes={"sluice.predicted_ttft_s": predicted_ttft_s,
+                                                               "sluice.retry_after_s": exc.retry_after_s or 0.0})
+            raise
 
     def _abandon(self, record: Tracked, exc: BaseException) -> None:
         """Undo an admission whose routing or submission failed: release, forget, end the span."""
@@ -269,9 +301,12 @@ class FrontDoor:
         record.status = common_pb2.REJECTED
         record.retry_after_s = getattr(exc, "retry_after_s", None)
         # An idempotent retry may already follow this request: end its stream too.
-        record.stream.set_completion(events_pb2.Completion(
-            request_id=record.request_id, tenant=record.tenant, status=common_pb2.REJECTED,
-            finish_reason="rejected", detail=str(exc)[:200]))
+        completion = events_pb2.Completion(
+            request_id=record.request_id, tenant=record.tenant, status=common_pb2.REJECTED, finish_reason="rejected",
+            detail=str(exc)[:200], owner=self.owner, replica_id=record.replica_id)
+        record.stream.set_completion(completion)
+        if record.replica_id and self.publish_completion is not None:
+            self._spawn(self.publish_completion(completion))
         record.stream.complete_if_ready()
         record.span.add_event("rejected", attributes={"reason": type(exc).__name__})
         telemetry.end_request_span(record.span, "REJECTED", str(exc)[:200])
@@ -302,6 +337,18 @@ class FrontDoor:
         self.core.mark_started(record.request_id, time.monotonic())
         record.span.add_event("first_token", timestamp=_ns(record.timestamps.first_token))
         self.metrics.ttft.observe(record.timestamps.first_token - record.received_s)
+
+    def progress(self, stream: RequestStream) -> None:
+        """More tokens arrived: grow the reservation if the request outran it (the core's rule applies)."""
+        growth = self.core.on_tokens(stream.request_id, len(stream.tokens), time.monotonic())
+        if growth is None:
+            return
+        self.metrics.reservation_growths.labels("overcommitted" if growth.overcommitted else "granted").inc()
+        record = self.records.get(stream.request_id)
+        if record is not None and not record.ended:
+            record.span.add_event("reservation_grown", attributes={
+                "sluice.reserved_output_tokens": growth.reserved_output_tokens,
+                "sluice.overcommitted": growth.overcommitted})
 
     def done(self, stream: RequestStream) -> None:
         """Completion and tokens are all here: end the request's span (exactly once)."""
@@ -348,7 +395,11 @@ class FrontDoor:
         completion = events_pb2.Completion.FromString(payload)
         if completion.owner and completion.owner != self.owner:
             return
-        released = self.core.release(completion.request_id, time.monotonic())
+        finished = completion.status in (common_pb2.FINISHED_STOP, common_pb2.FINISHED_LENGTH)
+        outputs = completion.usage.output_tokens if finished else None
+        released = self.core.release(completion.request_id, time.monotonic(), outputs)
+        if released is not None and outputs is not None:
+            self.metrics.reclaimed_output_tokens.inc(max(released.reserved_output_tokens - outputs, 0))
         record = self.records.get(completion.request_id)
         if record is not None and record.completion is None:
             if released is not None:

@@ -41,6 +41,9 @@ class StreamListener(Protocol):
     def first_token(self, stream: RequestStream) -> None:
         """The request's first output token has arrived."""
 
+    def progress(self, stream: RequestStream) -> None:
+        """New output tokens have arrived (`len(stream.tokens)` so far): the reservation's growth signal."""
+
     def done(self, stream: RequestStream) -> None:
         """The completion and every token it counts are here (or the wait for them gave up)."""
 
@@ -83,8 +86,10 @@ class RequestStream:
             self.tokens.extend(fresh)
             self.token_emitted.extend([emitted_unix_s] * len(fresh))
             self._wake()
-            if first and self.listener is not None:
-                self.listener.first_token(self)
+            if self.listener is not None:
+                if first:
+                    self.listener.first_token(self)
+                self.listener.progress(self)
 
     def set_completion(self, completion: events_pb2.Completion) -> None:
         """Record the terminal record (the first one wins; later copies are redeliveries)."""

@@ -5,12 +5,21 @@ dataclasses that are never mutated. The file format (docs/usage.md has the full 
 
 ```toml
 default_model = "tiny"
+ttft_slo_s = 2.0               # optional: refuse early a request the router predicts would miss it
 
 [budgets]                      # whole admission process
 max_active_requests = 256
 max_pending_input_tokens = 262144
 max_reserved_output_tokens = 262144
 max_queue_length = 1024
+# max_reserved_kv_blocks = 65536   # optional: KV blocks reserved at admission (shared prefix blocks once)
+
+[reservation]                  # how much output an admitted request reserves (docs/routing-and-admission.md)
+policy = "predicted"           # conservative (max_tokens, the default) | predicted
+percentile = 0.95              # of the last `window` output lengths of the tenant and model
+window = 1000
+min_samples = 50               # conservative until this many completions were seen
+growth_factor = 2.0            # a request that outruns its reservation grows it by this factor
 
 [tenants.acme]
 api_keys = ["sk-acme-1"]
@@ -30,7 +39,9 @@ With no file, one tenant "default" with the key `DEFAULT_API_KEY` exists, so a f
 
 from __future__ import annotations
 
+import enum
 import json
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -58,6 +69,34 @@ class Budgets:
     """Output tokens reserved (max_tokens) by admitted requests that have not finished."""
     max_queue_length: int = 1024
     """Admitted requests that have not produced their first token yet."""
+    max_reserved_kv_blocks: int | None = None
+    """KV blocks reserved by admitted requests (prompt blocks shared by several requests counted once, plus
+    each one's own tail and reserved output); None: no KV-block budget at admission."""
+
+
+class ReservationPolicy(enum.Enum):
+    """How many output tokens an admitted request reserves (admission_svc/reservations.py has the classes)."""
+
+    CONSERVATIVE = "conservative"
+    """Its whole max_tokens: never outrun, often far more than it uses."""
+    PREDICTED = "predicted"
+    """A high percentile of the recent output lengths of its tenant and model, grown when outrun."""
+
+
+@dataclass(frozen=True)
+class ReservationConfig:
+    """Admission's reservation policy and its prediction settings."""
+
+    policy: ReservationPolicy = ReservationPolicy.CONSERVATIVE
+    """Which policy reserves output tokens."""
+    percentile: float = 0.95
+    """The predicted policy reserves this quantile (0 < p <= 1) of the observed output lengths."""
+    window: int = 1000
+    """Completions remembered per (tenant, model): a sliding window, so the prediction follows drift."""
+    min_samples: int = 50
+    """Fewer completions than this: reserve max_tokens (conservative) until enough are seen."""
+    growth_factor: float = 2.0
+    """A request that outruns its reservation grows it to max(generated, reserved x this), at most max_tokens."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +126,10 @@ class ServiceConfig:
     """Process-wide caps."""
     default_model: str = "tiny"
     """Model used when a request leaves `model` empty."""
+    reservation: ReservationConfig = field(default_factory=ReservationConfig)
+    """How admitted requests reserve output tokens."""
+    ttft_slo_s: float | None = None
+    """Refuse early (RESOURCE_EXHAUSTED + RetryInfo) a request whose predicted TTFT exceeds this; None: off."""
 
     def tenant_of_key(self) -> dict[str, str]:
         """Return the map API key -> tenant name."""
@@ -99,7 +142,8 @@ class ServiceConfig:
 
 _BUDGET_KEYS = frozenset(f.name for f in fields(Budgets))
 _TENANT_KEYS = frozenset({"api_keys", "weight", "cache_salt"}) | _BUDGET_KEYS
-_TOP_KEYS = frozenset({"budgets", "tenants", "default_model"})
+_TOP_KEYS = frozenset({"budgets", "tenants", "default_model", "reservation", "ttft_slo_s"})
+_RESERVATION_KEYS = frozenset(f.name for f in fields(ReservationConfig))
 
 
 def _table(raw: object, where: str, known: frozenset[str] | None = None) -> Mapping[str, Any]:
@@ -121,10 +165,38 @@ def _budgets(raw: Mapping[str, Any], base: Budgets, where: str) -> Budgets:
     for key, value in raw.items():
         if key not in _BUDGET_KEYS:
             continue  # the caller checked the keys of its table
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not _positive(value, int):
             raise ConfigError(f"{where}.{key} must be a positive integer, got {value!r}")
         values[key] = value
     return replace(base, **values)
+
+
+def _positive(value: object, kind: type) -> bool:
+    """True for a finite number > 0 of `kind` (int: an int; float: an int or a float), never a bool."""
+    if isinstance(value, bool) or not isinstance(value, int | float if kind is float else int):
+        return False
+    return 0 < value < math.inf
+
+
+def _reservation(raw: object) -> ReservationConfig:
+    """Return the [reservation] table as a ReservationConfig; raises ConfigError naming the bad key."""
+    table = _table(raw, "reservation", _RESERVATION_KEYS)
+    base = ReservationConfig()
+    policy = table.get("policy", base.policy.value)
+    known = [p.value for p in ReservationPolicy]
+    if policy not in known:
+        raise ConfigError(f"reservation.policy {policy!r} is unknown; known: {', '.join(known)}")
+    numbers: dict[str, Any] = {}
+    for key, kind in (("percentile", float), ("window", int), ("min_samples", int), ("growth_factor", float)):
+        value = table.get(key, getattr(base, key))
+        if not _positive(value, kind):
+            raise ConfigError(f"reservation.{key} must be a positive {kind.__name__}, got {value!r}")
+        numbers[key] = kind(value)
+    config = ReservationConfig(ReservationPolicy(policy), **numbers)
+    if config.percentile > 1 or config.growth_factor <= 1:
+        raise ConfigError(f"reservation.percentile must be in (0, 1] and growth_factor > 1, got "
+                          f"{config.percentile} and {config.growth_factor}")
+    return config
 
 
 def _tenant(name: str, raw: object, base: Budgets) -> TenantConfig:
@@ -152,7 +224,11 @@ def parse_config(raw: Mapping[str, Any]) -> ServiceConfig:
     default_model = raw.get("default_model", "tiny")
     if not isinstance(default_model, str) or not default_model:
         raise ConfigError(f"default_model must be a non-empty string, got {default_model!r}")
-    config = ServiceConfig(tenants, budgets, default_model)
+    ttft_slo_s = raw.get("ttft_slo_s")
+    if ttft_slo_s is not None and not _positive(ttft_slo_s, float):
+        raise ConfigError(f"ttft_slo_s must be a positive number of seconds, got {ttft_slo_s!r}")
+    config = ServiceConfig(tenants, budgets, default_model, _reservation(raw.get("reservation", {})),
+                           None if ttft_slo_s is None else float(ttft_slo_s))
     _check_unique_keys(config)
     return config
 

@@ -256,6 +256,20 @@ class AdmissionMetrics:
                                      registry=r)
         self.missing_tokens = Counter("sluice_admission_missing_tokens",
                                       "Tokens a completion counted that never arrived.", registry=r)
+        self.reserved_output_tokens = Gauge("sluice_admission_reserved_output_tokens",
+                                            "Output tokens reserved by admitted requests (ledger 1).", registry=r)
+        self.reserved_kv_blocks = Gauge("sluice_admission_reserved_kv_blocks",
+                                        "KV blocks reserved at admission, shared prompt blocks once (ledger 1).",
+                                        registry=r)
+        self.reservation_growths = Counter("sluice_admission_reservation_growths",
+                                           "Reservations grown because the request outran them, by outcome "
+                                           "(granted, overcommitted: no budget left, granted anyway).",
+                                           ["outcome"], registry=r)
+        self.reclaimed_output_tokens = Counter("sluice_admission_reclaimed_output_tokens",
+                                               "Reserved output tokens finished requests did not use.", registry=r)
+        self.predicted_ttft = Histogram("sluice_admission_predicted_ttft_seconds",
+                                        "The router's predicted time to first token of each routed request.",
+                                        buckets=TTFT_BUCKETS, registry=r)
         self.gen_ai = _GenAiFamilies(r)
 
     def gen_ai_request(self, operation: str, model: str, outcome: RequestOutcome) -> None:

@@ -5,8 +5,12 @@ them side by side. An item is `+`-joined words: a queue policy (fcfs, priority, 
 router (score, round_robin, random, least_loaded, prefix_only), a preemption mode (recompute,
 swap), `vllm-default` (vLLM V1's round budgets: 8192 tokens, 1024 seqs, no per-request chunk
 cap), or a setting for that item only: the admission budgets `max-queued=N` / `max-active=N`
-(as `--max-queued` / `--max-active`) or the score router's `prefill-weight=W`. Words not given
-come from the other flags. `--scenario NAME|all` runs the self-checking scenarios instead and
+(as `--max-queued` / `--max-active`) or the score router's `prefill-weight=W`; admission's
+reservation policy `reserve=conservative|predicted`, its budgets `max-kv-blocks=N` and
+`max-reserved-output=N`, the max_tokens clients ask for `client-max-tokens=N`, the replicas' KV
+blocks `num-blocks=N` (a memory-tight deployment), and admission's early
+refusal `early-refusal` (refuse a request whose predicted TTFT exceeds the report's TTFT SLO) or
+`ttft-slo-ms=N` (a TTFT limit of its own). Words not given come from the other flags. `--scenario NAME|all` runs the self-checking scenarios instead and
 exits 0 only if every check holds.
 """
 
@@ -19,11 +23,13 @@ from typing import Any
 
 from router_svc.core import RouterConfig, RoutingPolicy
 from scheduler_svc.core.config import Policy, PreemptionMode
+from sluice.config import ReservationPolicy
 from sluice_tools.sim.config import (
     SCHEDULER,
     SimConfig,
     parse_enum,
     vllm_default,
+    with_admission,
     with_budgets,
     with_tenant_weights,
 )
@@ -61,6 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, help="default: 8192 for Llama 3")
     parser.add_argument("--max-active", type=int, help="admission: max active requests")
     parser.add_argument("--max-queued", type=int, help="admission: max requests without a first token")
+    parser.add_argument("--max-kv-blocks", type=int, help="admission: max KV blocks reserved (shared prefix once)")
+    parser.add_argument("--max-reserved-output", type=int, help="admission: max output tokens reserved")
+    parser.add_argument("--reservation", default="conservative", help="admission: conservative | predicted")
+    parser.add_argument("--client-max-tokens", type=int,
+                        help="max_tokens every client asks for (default: exactly its output length)")
+    parser.add_argument("--admission-ttft-slo-ms", type=float,
+                        help="admission refuses early a request whose predicted TTFT exceeds this")
     parser.add_argument("--retries", type=int, default=0, help="client retries after a refusal")
     parser.add_argument("--heartbeat-ms", type=float, default=50.0, help="router load-view refresh period")
     parser.add_argument("--slo-ttft-ms", type=float, default=1000.0)
@@ -100,14 +113,18 @@ def base_config(args: argparse.Namespace, tenant_weights: dict[str, float]) -> S
         slo_ttft_s=args.slo_ttft_ms / 1000.0,
         slo_tpot_s=args.slo_tpot_ms / 1000.0,
         seed=args.seed,
+        client_max_tokens=args.client_max_tokens,
     )
     config = with_tenant_weights(config, tenant_weights)
+    config = with_admission(config, reservation=parse_enum(ReservationPolicy, args.reservation),
+                            ttft_slo_s=None if args.admission_ttft_slo_ms is None else args.admission_ttft_slo_ms / 1e3)
     if args.budgets == "vllm-default":
         config = vllm_default(config)
     rounds = {"max_num_batched_tokens": args.max_batched_tokens, "max_num_seqs": args.max_num_seqs,
               "max_prefill_chunk": args.max_prefill_chunk}
     config = replace(config, scheduler=replace(config.scheduler, **{k: v for k, v in rounds.items() if v is not None}))
-    budgets = {"max_active_requests": args.max_active, "max_queue_length": args.max_queued}
+    budgets = {"max_active_requests": args.max_active, "max_queue_length": args.max_queued,
+               "max_reserved_kv_blocks": args.max_kv_blocks, "max_reserved_output_tokens": args.max_reserved_output}
     return with_budgets(config, **{k: v for k, v in budgets.items() if v is not None})
 
 
@@ -115,7 +132,11 @@ def parse_compare_item(item: str, base: SimConfig) -> SimConfig:
     """Return `base` changed by one `--compare` item; raises ValueError naming an unknown word."""
     config = base
     for word in filter(None, item.strip().split("+")):
-        if "=" in word:
+        if word.startswith("reserve="):
+            config = with_admission(config, reservation=parse_enum(ReservationPolicy, word.partition("=")[2]))
+        elif word == "early-refusal":
+            config = with_admission(config, ttft_slo_s=config.slo_ttft_s)
+        elif "=" in word:
             config = _setting_word(item, word, config)
         elif word == "vllm-default":
             config = vllm_default(config)
@@ -128,7 +149,8 @@ def parse_compare_item(item: str, base: SimConfig) -> SimConfig:
         else:
             known = [p.value for e in (Policy, RoutingPolicy, PreemptionMode) for p in e]  # type: ignore[attr-defined]
             raise ValueError(
-                f"--compare item {item!r}: unknown word {word!r}; known: vllm-default, "
+                f"--compare item {item!r}: unknown word {word!r}; known: vllm-default, early-refusal, "
+                f"reserve={'|'.join(p.value for p in ReservationPolicy)}, "
                 f"{', '.join(known)}, {'=N, '.join(_SETTING_WORDS)}=N"
             )
     return config
@@ -138,6 +160,11 @@ _SETTING_WORDS: dict[str, tuple[str, type]] = {
     "max-queued": ("max_queue_length", int),
     "max-active": ("max_active_requests", int),
     "prefill-weight": ("prefill_weight", float),
+    "max-kv-blocks": ("max_reserved_kv_blocks", int),
+    "max-reserved-output": ("max_reserved_output_tokens", int),
+    "client-max-tokens": ("client_max_tokens", int),
+    "num-blocks": ("num_blocks", int),
+    "ttft-slo-ms": ("ttft_slo_s", float),
 }
 
 
@@ -155,6 +182,10 @@ def _setting_word(item: str, word: str, config: SimConfig) -> SimConfig:
         raise ValueError(f"--compare item {item!r}: {key} needs a positive {kind.__name__}, got {value!r}")
     if field == "prefill_weight":
         return replace(config, router=replace(config.router, prefill_weight=number))
+    if field in ("client_max_tokens", "num_blocks"):
+        return replace(config, **{field: number})
+    if field == "ttft_slo_s":
+        return with_admission(config, ttft_slo_s=number / 1e3)
     return with_budgets(config, **{field: number})
 
 

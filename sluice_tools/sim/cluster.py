@@ -6,7 +6,8 @@ resolve in the order events were created, and a run is deterministic for a seed)
 cost model. Everything that decides anything is the cores' code, unchanged:
 
 - arrival: `AdmissionCore.validate` + `admit` (bounded budgets, explicit rejections), then
-  `RouterCore.route`, then `SchedulerCore.submit` on the chosen replica;
+  `RouterCore.route`, then admission's early TTFT refusal, then `SchedulerCore.submit` on the chosen
+  replica (the front door's calls into the admission core are in sluice_tools/sim/admission.py);
 - a replica with no round in flight calls `schedule(now)`; a non-empty plan is executed by the
   cost model, whose modelled time puts the round's result on the heap at now + t; the result goes
   to `on_round_result` and the replica schedules again;
@@ -43,6 +44,7 @@ from sluice.core_errors import RequestRejected
 from sluice.hashing import hash_chain, salt_of
 from sluice.types import CoreEvents, NewRequest, ReplicaState, RequestStatus, RoundPlan, SamplingParams, Stage
 from sluice_tools.metrics import RequestRecord
+from sluice_tools.sim.admission import SimAdmission
 from sluice_tools.sim.config import DEFAULT_MAX_MODEL_LEN, SimConfig
 from sluice_tools.workload import WorkloadRequest
 from worker_svc.costmodel import CostModel, RoundShape
@@ -121,6 +123,10 @@ class Simulator:
         self._placement: dict[str, _Replica] = {}
         self._hash_prompts = config.router.policy in (RoutingPolicy.SCORE, RoutingPolicy.PREFIX_ONLY)
         self._salt = salt_of(config.model)
+        # admission: the front door's calls into the core (client max_tokens, KV hashes, TTFT refusal, growth)
+        self.front_door = SimAdmission(self.admission, config.model, config.client_max_tokens, self.max_model_len,
+                                       config.scheduler.block_size, self._salt, self.vocab_size)
+        self._growth_signal = self.front_door.on_token if self.front_door.grows else None
         self.rounds = 0
         self.dropped_results = 0
         self.kv_snapshots = 0
@@ -227,8 +233,7 @@ class Simulator:
     def _admit(self, request: WorkloadRequest, record: RequestRecord) -> None:
         rid, now = request.request_id, self.now
         try:
-            self.admission.validate(request.input_length, request.output_length)
-            self.admission.admit(rid, request.tenant, request.input_length, request.output_length, now)
+            self.front_door.admit(request, now)
         except InvalidRequest as error:
             self._reject(request, record, f"invalid: {error.detail}", None)
             return
@@ -245,6 +250,11 @@ class Simulator:
             self._reject(request, record, f"unavailable: {error}", max(self.config.warmup_s - now, 0.1))
             return
         replica = self.replicas[int(decision.replica_id.rsplit("-", 1)[1])]
+        refusal = self.front_door.refused_early(rid, decision.predicted_ttft_s, now)  # admission: TTFT SLO
+        if refusal is not None:
+            self.router.on_request_done(replica.replica_id, rid, now)
+            self._reject(request, record, f"over budget {refusal.budget}", refusal.retry_after_s)
+            return
         self._submit(replica, request, record, prompt)
 
     def _submit(
@@ -377,12 +387,14 @@ class Simulator:
 
     # ---- what the cores said ----------------------------------------------------------------
     def _absorb(self, replica: _Replica, events: CoreEvents) -> None:
-        now, records, times = self.now, self.records, self._token_times
+        now, records, times, grow = self.now, self.records, self._token_times, self._growth_signal
         for request_id, index, _token in events.tokens:
             times[request_id].append(now)
             if index == 0:
                 records[request_id].first_token_s = now
                 self.admission.mark_started(request_id, now)
+            if grow is not None:
+                grow(request_id, index, now)  # admission: the growth signal
         for event in events.lifecycle:
             if event.stage is Stage.FIRST_SCHEDULED:
                 records[event.request_id].first_scheduled_s = event.time
@@ -407,7 +419,8 @@ class Simulator:
         record.detail = finished.detail
         record.token_times = self._token_times.pop(rid, None)
         self._placement.pop(rid, None)
-        self.admission.release(rid, now)
+        finished_ok = record.status == "ok"  # admission learns the lengths of finished requests only
+        self.front_door.release(rid, now, usage.output_tokens if finished_ok else None)
         self.router.on_request_done(replica.replica_id, rid, now)
 
     def _finish_stragglers(self) -> None:

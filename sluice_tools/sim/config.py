@@ -10,7 +10,7 @@ from typing import TypeVar
 from admission_svc.core import AdmissionConfig
 from router_svc.core import RouterConfig
 from scheduler_svc.core.config import PreemptionMode, SchedulerConfig
-from sluice.config import Budgets, TenantConfig
+from sluice.config import Budgets, ReservationPolicy, TenantConfig
 from worker_svc.costmodel import CostCoefficients
 
 E = TypeVar("E", bound=enum.Enum)
@@ -70,6 +70,9 @@ class SimConfig:
     """Time-per-output-token objective of the report."""
     seed: int = 0
     """Seed of the router's tie-breaks (and of nothing else: the workload has its own)."""
+    client_max_tokens: int | None = None
+    """max_tokens every client asks for (clamped to the model length, never below its output); None: exactly
+    its output length. Admission reserves from it; the replicas still stop at the trace's output length."""
 
     @property
     def tenant_weights(self) -> tuple[tuple[str, float], ...]:
@@ -101,6 +104,18 @@ def with_budgets(config: SimConfig, **budgets: int) -> SimConfig:
     """Return `config` with admission's process-wide budgets changed (Budgets field names)."""
     admission = config.admission
     return replace(config, admission=replace(admission, budgets=replace(admission.budgets, **budgets)))
+
+
+def with_admission(config: SimConfig, *, reservation: ReservationPolicy | None = None,
+                   ttft_slo_s: float | None = None) -> SimConfig:
+    """Return `config` whose admission uses that reservation policy and refuses early past `ttft_slo_s`
+    (each None: unchanged)."""
+    admission = config.admission
+    if reservation is not None:
+        admission = replace(admission, reservation=replace(admission.reservation, policy=reservation))
+    if ttft_slo_s is not None:
+        admission = replace(admission, ttft_slo_s=ttft_slo_s)
+    return replace(config, admission=admission)
 
 
 def vllm_default(config: SimConfig) -> SimConfig:

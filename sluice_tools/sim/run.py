@@ -58,4 +58,14 @@ def simulate(
         "max_model_len": simulator.max_model_len,
         "seed": config.seed,
     }
+    stats = simulator.admission.stats(simulated_s)
+    summary["admission"] = {
+        "reservation": config.admission.reservation.policy.value,
+        "ttft_slo_s": config.admission.ttft_slo_s,
+        "client_max_tokens": config.client_max_tokens,
+        "rejected": dict(stats.rejected),
+        "growths": stats.growths,
+        "overcommitted_growths": stats.overcommitted_growths,
+        "reclaimed_output_tokens": stats.reclaimed_output_tokens,
+    }
     return SimResult(config, records, simulator.series, summary)

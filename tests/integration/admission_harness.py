@@ -42,12 +42,17 @@ class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.S
         self.ready = True
         self.end_status: int | None = None
         """When set, each request ends after one token with this status instead of finishing."""
+        self.predicted_ttft_s = 0.0
+        """The time to first token the stand-in router predicts for every request."""
+        self.output = OUTPUT
+        """What each request generates (one token per 20 ms) when it runs to its max_tokens."""
 
     async def Route(self, request: Any, context: Any) -> router_pb2.RouteResponse:
         if not self.ready:
             await asyncio.sleep(0.2)  # long enough for an idempotent retry to attach meanwhile
             await errors.abort(context, errors.Unavailable("no READY replica of model 'tiny'", retry_after_s=0.5))
-        return router_pb2.RouteResponse(replica_id="r0", scheduler_address=self.address)
+        return router_pb2.RouteResponse(replica_id="r0", scheduler_address=self.address,
+                                        predicted_ttft_s=self.predicted_ttft_s)
 
     async def ListReplicas(self, request: Any, context: Any) -> router_pb2.ListReplicasResponse:
         return router_pb2.ListReplicasResponse(replicas=[router_pb2.Replica(
@@ -62,13 +67,13 @@ class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.S
         produced = 0
         status, reason = common_pb2.FINISHED_LENGTH, "length"
         try:
-            for index in range(min(request.sampling.max_tokens, len(OUTPUT))):
+            for index in range(min(request.sampling.max_tokens, len(self.output))):
                 if self.end_status is not None and index == 1:
                     status, reason = self.end_status, "error"
                     break
                 await asyncio.sleep(0.02)
                 await self.bus.publish_tokens(request.owner, [events_pb2.TokenDelta(
-                    request_id=request.request_id, index=index, token_ids=[OUTPUT[index]])])
+                    request_id=request.request_id, index=index, token_ids=[self.output[index]])])
                 produced += 1
         except asyncio.CancelledError:
             status, reason = common_pb2.CANCELLED, "cancelled"
@@ -101,7 +106,7 @@ Body = Callable[[str, FrontDoor, StandInReplica, Bus], Awaitable[None]]
 
 
 async def _serve(tmp_path: Path, redis_url: str, namespace: str, body: Body, consume: bool,
-                 door_config: FrontDoorConfig | None, max_message_bytes: int) -> None:
+                 door_config: FrontDoorConfig | None, max_message_bytes: int, config: ServiceConfig) -> None:
     redis = aioredis.from_url(redis_url)
     bus = Bus(redis, namespace)
     replica = StandInReplica(bus)
@@ -111,7 +116,7 @@ async def _serve(tmp_path: Path, redis_url: str, namespace: str, body: Body, con
     replica.address = f"127.0.0.1:{downstream.add_insecure_port('127.0.0.1:0')}"
     await downstream.start()
     model = load_model_spec(model_dir(tmp_path), "tiny")
-    door = FrontDoor(AdmissionCore(admission_config(CONFIG, model.max_model_len)), model, replica.address, OWNER,
+    door = FrontDoor(AdmissionCore(admission_config(config, model.max_model_len)), model, replica.address, OWNER,
                      config=door_config)
     server = build_server(door, max_message_bytes)
     target = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
@@ -135,8 +140,9 @@ async def _serve(tmp_path: Path, redis_url: str, namespace: str, body: Body, con
 
 
 def run(tmp_path: Path, redis_url: str, namespace: str, body: Body, consume: bool = True,
-        door_config: FrontDoorConfig | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
-    asyncio.run(_serve(tmp_path, redis_url, namespace, body, consume, door_config, max_message_bytes))
+        door_config: FrontDoorConfig | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        config: ServiceConfig = CONFIG) -> None:
+    asyncio.run(_serve(tmp_path, redis_url, namespace, body, consume, door_config, max_message_bytes, config))
 
 
 async def settle(condition: Callable[[], bool], timeout_s: float = 3.0) -> bool:
