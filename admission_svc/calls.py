@@ -55,6 +55,9 @@ class GenerateCall:
     """Adapter the replica must serve ("" = the base model)."""
     idempotency_key: str = ""
     """A retry with the same key attaches to the request the first call started ("" = none)."""
+    add_special_tokens: bool = True
+    """Tokenize `prompt` with the tokenizer's special tokens (BOS); False for a prompt rendered from a
+    chat template, which writes its own."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,8 @@ class Caller:
     """When the client stops waiting (time.time() clock); None = no deadline."""
     trace_context: Context | None = None
     """The client's trace context from the call's headers (None = start a new trace)."""
+    span_attributes: tuple[tuple[str, str], ...] = ()
+    """Attributes the transport adds to the request's span (the HTTP edge: `http.route`)."""
 
 
 @dataclass(frozen=True, slots=True)

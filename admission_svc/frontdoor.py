@@ -159,7 +159,7 @@ class FrontDoor:
     async def _admit(self, call: GenerateCall, tenant: str, ids: list[int], caller: Caller,
                      stamps: tuple[float, float | None]) -> Tracked:
         """Reserve, route and submit; undo the reservation if routing or submitting fails."""
-        record = self._reserve(call, tenant, ids, stamps, caller.trace_context)
+        record = self._reserve(call, tenant, ids, stamps, caller)
         try:
             await self._route_and_submit(record, call, ids, caller.deadline_unix_s)
         except BaseException as exc:
@@ -172,18 +172,19 @@ class FrontDoor:
         return record
 
     def _reserve(self, call: GenerateCall, tenant: str, ids: list[int], stamps: tuple[float, float | None],
-                 parent: Context | None) -> Tracked:
+                 caller: Caller) -> Tracked:
         """Admit (no await between the key lookup and here, so two retries cannot both start).
 
         `stamps`: when the call was received, and when its text was tokenized (None: it came as ids)."""
         (received, tokenized), request_id = stamps, uuid.uuid4().hex
-        span = self._tracer.start_span("admission.request", context=parent, kind=trace.SpanKind.SERVER,
+        span = self._tracer.start_span("admission.request", context=caller.trace_context, kind=trace.SpanKind.SERVER,
                                        start_time=_ns(received), attributes={
                                            telemetry.GEN_AI_REQUEST_MODEL: self.model.model_id,
                                            telemetry.GEN_AI_USAGE_INPUT_TOKENS: len(ids),
                                            "sluice.request_id": request_id, "sluice.tenant": tenant,
                                            "sluice.priority": call.priority,
-                                           "gen_ai.request.max_tokens": call.sampling.max_tokens})
+                                           "gen_ai.request.max_tokens": call.sampling.max_tokens,
+                                           **dict(caller.span_attributes)})
         span.add_event("received", timestamp=_ns(received))
         if tokenized is not None:
             span.add_event("tokenized", timestamp=_ns(tokenized))
