@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
@@ -25,11 +26,12 @@ def _sluice(*args: str) -> list[str]:
 
 
 def test_up_generate_and_ctrl_c(tmp_path: Path) -> None:
-    """`sluice up` prints its endpoint and key, `sluice generate` streams through it, and SIGINT stops every process."""
-    port = free_port()
+    """`sluice up` prints its endpoints and key, `sluice generate` and the printed curl line work through it, and SIGINT
+    stops every process."""
+    port, http_port = free_port(), free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     up = subprocess.Popen(_sluice("up", "--backend", "costmodel", "--model", "llama-3-8b", "--port", str(port),
-                                  "--run-dir", str(tmp_path)),
+                                  "--http-port", str(http_port), "--run-dir", str(tmp_path)),
                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = []
@@ -45,6 +47,11 @@ def test_up_generate_and_ctrl_c(tmp_path: Path) -> None:
         tried = subprocess.run(shlex.split(suggested.removeprefix("Try: ")), cwd=ROOT, env=env, capture_output=True,
                                text=True, timeout=60)
         assert tried.returncode == 0 and "finished" in tried.stderr, (suggested, tried.stderr)
+        assert f"OpenAI:   http://127.0.0.1:{http_port}/v1" in banner, banner
+        curl = next(line for line in lines if line.startswith("Or:  curl "))
+        answered = subprocess.run(shlex.split(curl.removeprefix("Or:  ")), capture_output=True, text=True, timeout=60)
+        completion = json.loads(answered.stdout)
+        assert completion["object"] == "text_completion" and completion["usage"]["completion_tokens"] == 16, completion
         done = subprocess.run(_sluice("generate", "hello", "--max-tokens", "5", "--target", f"127.0.0.1:{port}",
                                       "--ids"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
