@@ -25,7 +25,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import grpc
@@ -92,7 +92,7 @@ class FrontDoor:
         self.metrics.requests.labels(tenant, "attached").inc()
         return record
 
-    async def stream(self, record: Tracked) -> AsyncIterator[Output]:
+    async def stream(self, record: Tracked) -> AsyncGenerator[Output, None]:
         """Yield the request's tokens with their text, then a last Output carrying the completion.
 
         Raises the request's RequestEnded refusal when it ends without finishing. Closing the iterator
