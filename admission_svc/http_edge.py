@@ -217,7 +217,8 @@ class HttpEdge:
                     if output.completion is not None:
                         text += trimmer.flush()
                     if text:
-                        yield _event(openai_convert.chunk_body(parsed, model_id, record.request_id, text, first=first))
+                        yield _event(openai_convert.chunk_body(parsed, model_id, record.request_id, text, first=first,
+                                                               created_unix_s=output.created_unix_s))
                         first = False
                     if output.completion is not None:
                         yield _event(openai_convert.chunk_body(

@@ -7,7 +7,9 @@ generation_config.json, then from OpenAI's own defaults (`OPENAI_DEFAULTS`).
 
 What Sluice cannot do is refused by name rather than ignored: `n` other than 1, `logprobs`,
 `top_logprobs`, `echo`, `best_of` above 1, `suffix`, `logit_bias`, non-zero penalties, tools and
-non-text response formats (400 with the field). Extension fields: `priority`, `top_k`, `ignore_eos`.
+non-text response formats (400 with the field). Extension fields: `priority`, `top_k`, `ignore_eos`,
+and `sluice_token_times` (each streamed chunk then carries `sluice.created_unix_s`, when its first
+token was made, so a client can measure what the path adds per token).
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ class ParsedRequest:
     """stream_options.include_usage: a last chunk with `usage` and no choices."""
     stops: tuple[str, ...]
     """Stop strings, cut from the text as OpenAI does (the worker stops on them)."""
+    token_times: bool = False
+    """The `sluice_token_times` extension: chunks carry their first token's creation time."""
 
 
 def _bad(name: str, message: str) -> errors.InvalidArgument:
@@ -117,7 +121,7 @@ def _request(body: Mapping[str, Any], model: ModelSpec, chat: bool, max_tokens_f
                         sampling=sampling, priority=_number(body, "priority", int) or 0,
                         idempotency_key=idempotency_key, add_special_tokens=not chat)
     return ParsedRequest(call, chat, _flag(body, "stream"), bool(options.get("include_usage")),
-                         sampling.stop_strings)
+                         sampling.stop_strings, _flag(body, "sluice_token_times"))
 
 
 def completion_request(body: Mapping[str, Any], model: ModelSpec, idempotency_key: str = "") -> ParsedRequest:
@@ -240,14 +244,18 @@ def finish_reason(reason: str) -> str:
 
 def chunk_body(request: ParsedRequest, model_id: str, request_id: str, text: str | None,
                finish: str | None = None, first: bool = False, with_usage: dict[str, Any] | None = None,
-               ) -> dict[str, Any]:
-    """Return one streamed chunk: new text, or the finish reason, or (with_usage) the usage-only last chunk."""
+               created_unix_s: float = 0.0) -> dict[str, Any]:
+    """Return one streamed chunk: new text, or the finish reason, or (with_usage) the usage-only last chunk.
+
+    `created_unix_s`: when the chunk's first token was made (sent with the sluice_token_times extension)."""
     body: dict[str, Any] = {"id": response_id(request, request_id),
                             "object": "chat.completion.chunk" if request.chat else "text_completion",
                             "created": int(time.time()), "model": model_id,
                             "choices": [] if with_usage is not None else [_choice(request, text, finish, first)]}
     if request.include_usage:
         body["usage"] = with_usage
+    if request.token_times and created_unix_s:
+        body["sluice"] = {"created_unix_s": created_unix_s}
     return body
 
 
