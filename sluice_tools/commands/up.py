@@ -197,7 +197,7 @@ def _curl_line(stack: Stack, key: str) -> str:
 def _gibberish_note(stack: Stack) -> str:
     """Return a warning for models whose text is noise by design ("" for the others)."""
     if stack.config.backend == "costmodel":
-        return "\n     (the cost model returns made-up tokens; use --ids to see them)"
+        return "\n     (the cost model returns made-up tokens: random printable characters)"
     if stack.config.model == "tiny":
         return "\n     (the tiny preset has random weights: its text is gibberish by design)"
     return ""
