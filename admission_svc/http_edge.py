@@ -29,6 +29,7 @@ from typing import Any
 import uvicorn
 from prometheus_client import Counter
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -175,12 +176,16 @@ class HttpEdge:
                         parse: Callable[..., ParsedRequest]) -> Response:
         self.door.core.authenticate(_api_key(request))  # a bad key is 401 before the body is looked at
         parsed = parse(await self._body(request), self.door.model, request.headers.get("idempotency-key", ""))
-        record = await self.door.start(parsed.call, _caller(request, route))
+        caller = _caller(request, route)
+        record = await self.door.start(parsed.call, caller)
+        abandoned = BackgroundTask(self._cancel_if_abandoned, record, caller.api_key)
         if parsed.stream:
             return StreamingResponse(self._events(record, parsed), media_type="text/event-stream",
-                                     headers={"cache-control": "no-cache", "x-request-id": record.request_id})
+                                     headers={"cache-control": "no-cache", "x-request-id": record.request_id},
+                                     background=abandoned)
         outputs = await _unless_disconnected(request, self._collect(record))
         if outputs is None:  # the client went away: the stream was closed, so the request is cancelled
+            await abandoned()
             return Response(status_code=499)
         return JSONResponse(openai_convert.response_body(parsed, self.door.model.model_id, outputs),
                             headers={"x-request-id": record.request_id})
@@ -201,6 +206,15 @@ class HttpEdge:
         if not isinstance(body, dict):
             raise errors.InvalidArgument("request body must be a JSON object", reason="malformed_message")
         return body
+
+    async def _cancel_if_abandoned(self, record: Tracked, api_key: str | None) -> None:
+        """Cancel a request nobody follows that has not ended: the client left before its stream was
+        first read (closing a stream that did start cancels it already; a second Cancel is a no-op)."""
+        if record.completion is None and record.followers == 0:
+            try:
+                await self.door.cancel(record.request_id, api_key)
+            except (CoreError, errors.SluiceError) as exc:
+                log.warning("cancel of abandoned request %s failed: %s", record.request_id, exc)
 
     async def _collect(self, record: Tracked) -> list[Output]:
         async with contextlib.aclosing(self.door.stream(record)) as outputs:
