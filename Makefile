@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 PROTOS  := $(wildcard protos/sluice/v1/*.proto)
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup protos redis-tls test lint demo bench clean
+.PHONY: setup protos redis-tls test lint demo bench bench-openai bench-http clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -55,5 +55,20 @@ bench: setup
 	$(BIN)/python -m router_svc.bench $(BENCH_FLAGS)
 	$(BIN)/python -m worker_svc.bench $(BENCH_FLAGS)
 
+# A third-party benchmark (aiperf, unmodified) over the OpenAI HTTP API, beside `sluice bench` over gRPC at the
+# same load. aiperf's pins clash with the server's (prometheus-client), so it gets a venv of its own with the
+# pin of pyproject's `bench` extra. RATE, N, ISL, OSL tune the load (scripts/bench_openai.sh).
+BENCH_VENV ?= $(VENV)-bench
+$(BENCH_VENV)/bin/aiperf:
+	$(PY) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install -q aiperf==0.13.0
+
+bench-openai: setup $(BENCH_VENV)/bin/aiperf
+	AIPERF=$(BENCH_VENV)/bin/aiperf PYTHON=$(BIN)/python scripts/bench_openai.sh
+
+# What the HTTP edge adds per token compared with gRPC, both driven at once (p50/p99 side by side, JSON).
+bench-http: setup
+	PYTHONPATH=. $(BIN)/python scripts/bench_http_vs_grpc.py
+
 clean:
-	rm -rf $(VENV) sluice/v1 .pytest_cache
+	rm -rf $(VENV) $(BENCH_VENV) sluice/v1 .pytest_cache

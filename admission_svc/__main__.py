@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from admission_svc.core import AdmissionConfig, AdmissionCore
 from admission_svc.frontdoor import FrontDoor, FrontDoorConfig
+from admission_svc.http_edge import HttpServer, serve_http
 from admission_svc.server import DEFAULT_MAX_MESSAGE_BYTES, build_server
 from admission_svc.streams import token_reader_loop
 from sluice import serve, services, tls
@@ -58,6 +59,8 @@ class AdmissionOptions(serve.BusOptions):
     public_tls: bool = False
     """Serve the public endpoint over TLS with the admission certificate of --tls-dir (clients trust ca.pem;
     they authenticate with API keys, so no client certificate is asked for)."""
+    http_port: int | None = None
+    """Port of the OpenAI-compatible HTTP API on --host (0 picks a free one); None serves none."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,6 +147,7 @@ async def start(ctx: serve.ServiceContext, options: AdmissionOptions) -> serve.S
         raise serve.StartupError("--public-tls needs --tls-dir (the admission certificate to serve)")
     port = tls.listen(server, f"{options.host}:{options.port}", servicer.tls_files if options.public_tls else None,
                       public=True)
+    http = await _start_http(servicer, options)
     await server.start()
     stop = ctx.stop
     tasks = [
@@ -159,10 +163,24 @@ async def start(ctx: serve.ServiceContext, options: AdmissionOptions) -> serve.S
     async def drain() -> None:
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        await server.stop(grace=5.0)
+        await asyncio.gather(server.stop(grace=5.0), *([http.stop()] if http else []))
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    return serve.Started(port, drain=drain, detail=f" (owner {servicer.owner}, model {servicer.model.model_id})")
+    http_detail = f", OpenAI HTTP API on http://{options.host}:{http.port}/v1" if http else ""
+    return serve.Started(port, drain=drain, detail=f" (owner {servicer.owner}, model {servicer.model.model_id}"
+                                                    f"{http_detail})")
+
+
+async def _start_http(door: FrontDoor, options: AdmissionOptions) -> HttpServer | None:
+    """Start the OpenAI-compatible HTTP edge when --http-port is given; raises StartupError when the port is taken."""
+    if options.http_port is None:
+        return None
+    try:
+        http = await serve_http(door, options.host, options.http_port, options.max_message_bytes)
+    except OSError as exc:
+        raise serve.StartupError(f"cannot serve HTTP on {options.host}:{options.http_port}: {exc}") from exc
+    log.info("OpenAI-compatible HTTP API on http://%s:%d/v1", options.host, http.port)
+    return http
 
 
 def main(argv: Sequence[str] | None = None) -> int:

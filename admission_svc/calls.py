@@ -57,6 +57,9 @@ class GenerateCall:
     """A retry with the same key attaches to the request the first call started ("" = none)."""
     operation: str = "text_completion"
     """GenAI operation name (`gen_ai.operation.name`): "text_completion", or "chat" for a chat endpoint."""
+    add_special_tokens: bool = True
+    """Tokenize `prompt` with the tokenizer's special tokens (BOS); False for a prompt rendered from a
+    chat template, which writes its own."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,8 @@ class Caller:
     """When the client stops waiting (time.time() clock); None = no deadline."""
     trace_context: Context | None = None
     """The client's trace context from the call's headers (None = start a new trace)."""
+    span_attributes: tuple[tuple[str, str], ...] = ()
+    """Attributes the transport adds to the request's span (the HTTP edge: `http.route`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -122,7 +122,7 @@ class FrontDoor:
         self.metrics.requests.labels(tenant, "attached").inc()
         return record
 
-    async def stream(self, record: Tracked) -> AsyncIterator[Output]:
+    async def stream(self, record: Tracked) -> AsyncGenerator[Output, None]:
         """Yield the request's tokens with their text, then a last Output carrying the completion.
 
         Raises the request's RequestEnded refusal when it ends without finishing. Closing the iterator
@@ -201,6 +201,7 @@ class FrontDoor:
         `prompt`: the token ids, and the block hashes with the block size."""
         ids, blocks = prompt
         record = self._reserve(call, tenant, ids, blocks, stamps, caller.trace_context)
+        record.span.set_attributes(dict(caller.span_attributes))
         try:
             await self._route_and_submit(record, call, ids, blocks[0], caller.deadline_unix_s)
         except BaseException as exc:

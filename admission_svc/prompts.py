@@ -37,7 +37,7 @@ class PromptReader:
             raise errors.InvalidArgument("give either prompt or prompt_token_ids, not both",
                                          reason="invalid_request", field_name="prompt_token_ids")
         if not call.prompt_token_ids:
-            return await self._tokenize(call.prompt)
+            return await self._tokenize(call.prompt, call.add_special_tokens)
         ids, vocab = call.prompt_token_ids, self.model.vocab_size
         if len(ids) > self.model.max_model_len:  # before looking at every id
             raise InvalidRequest("prompt_token_ids", f"prompt_token_ids holds {len(ids)} ids; the model length "
@@ -48,16 +48,17 @@ class PromptReader:
                                          reason="invalid_request", field_name="prompt_token_ids")
         return list(ids)
 
-    async def _tokenize(self, text: str) -> list[int]:
+    async def _tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         size, limit = len(text.encode("utf-8", "surrogatepass")), self.config.max_prompt_bytes
         if size > limit:
             raise PromptTooLarge(size, limit)
         started = time.perf_counter()
+        # A rendered chat (add_special_tokens False) already holds the special tokens its template wrote.
         if size <= self.config.inline_tokenize_bytes:
-            ids = self.model.encode_prompt(text)
+            ids = self.model.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         else:
-            ids = await asyncio.get_running_loop().run_in_executor(
-                self._pool, functools.partial(self.model.encode_prompt, text, release_gil=True))
+            ids = await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(
+                self.model.tokenizer.encode_releasing_gil, text, add_special_tokens=add_special_tokens))
         self.metrics.tokenize.observe(time.perf_counter() - started)
         return ids
 

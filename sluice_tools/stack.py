@@ -67,6 +67,8 @@ class StackConfig:
     """Admission config (API keys, budgets); None = the default tenant and key."""
     admission_port: int = 0
     """Port of the public endpoint; 0 picks a free one."""
+    http_port: int | None = None
+    """Port of admission's OpenAI-compatible HTTP API; 0 picks a free one; None serves none."""
     host: str = "127.0.0.1"
     run_dir: Path | None = None
     """Where logs go; None makes a fresh temporary directory."""
@@ -129,6 +131,10 @@ class Stack:
         self.workers: list[Proc] = []
         self.schedulers: list[Proc] = []
         self.admission: Proc | None = None
+        self.model_id = ""
+        """The id the replicas registered under (what /v1/models lists)."""
+        self.http_address = ""
+        """host:port of the OpenAI-compatible HTTP API ("" when none is served)."""
         self.tls_dir: Path | None = write_local_pki(self.run_dir / "tls") if config.mtls or config.public_tls else None
         self._operator = TlsFiles.of(self.tls_dir, "operator") if self.tls_dir else None
 
@@ -145,6 +151,11 @@ class Stack:
     def endpoint(self) -> str:
         """The admission address clients connect to."""
         return self.admission.address if self.admission else ""
+
+    @property
+    def http_base_url(self) -> str:
+        """The OpenAI-compatible base URL (`http://host:port/v1`), "" when the stack serves no HTTP API."""
+        return f"http://{self.http_address}/v1" if self.http_address else ""
 
     @property
     def api_key(self) -> str:
@@ -194,7 +205,7 @@ class Stack:
                 *common, "--worker", worker.address, "--router", self.router.address,
                 "--replica-id", f"replica-{i}", *c.scheduler_args], env=bus_env))
         self._wait_healthy(self.schedulers, deadline)
-        model_id = self._wait_replicas_ready(deadline)
+        model_id = self.model_id = self._wait_replicas_ready(deadline)
         # Admission reads the tokenizer only and never generates a preset: resolve (generate) it here.
         tokenizer_model = str(resolve_model(c.model if c.backend == "torch" else "tiny"))
         admission_args = [*common, "--router", self.router.address, "--model", tokenizer_model,
@@ -204,6 +215,9 @@ class Stack:
             admission_args += ["--config", c.config_file]
         if c.public_tls:
             admission_args.append("--public-tls")
+        if c.http_port is not None:
+            self.http_address = f"{c.host}:{c.http_port or free_port()}"
+            admission_args += ["--http-port", self.http_address.rsplit(":", 1)[1]]
         self.admission = self._spawn("admission", "admission_svc", admission_args, port=c.admission_port,
                                      env=bus_env)
         self._wait_healthy([self.admission], deadline)
@@ -280,9 +294,11 @@ class Stack:
         lines = [f"  {'redis':<12} {redact_url(self.redis_url)}" + (" (embedded)" if self.redis is not None else "")]
         for proc in self.procs:
             pid = proc.popen.pid if proc.popen is not None else "?"
-            role = "  <- the endpoint clients call" if proc is self.admission else ""
+            role = "  <- the endpoint clients call (gRPC)" if proc is self.admission else ""
             metrics = f"  metrics {proc.metrics_url}" if proc.metrics_url else ""
             lines.append(f"  {proc.name:<12} {proc.address:<21} pid {pid}{metrics}{role}")
+            if proc is self.admission and self.http_address:
+                lines.append(f"  {'':<12} {self.http_address:<21} {'':<{len(f'pid {pid}')}}  <- OpenAI-compatible HTTP")
         return "\n".join(lines)
 
     def scheduler_stats(self) -> list[scheduler_pb2.SchedulerStats]:

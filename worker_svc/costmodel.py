@@ -39,6 +39,9 @@ from sluice.types import RoundPlan, RoundResult, SeqOutput
 from worker_svc.backend import BackendInfo
 from worker_svc.gpu_profiles import GpuProfile, ModelShape, gpu_profile, model_shape
 
+TEXT_TOKENS = range(32, 127)
+"""Ids of the made-up output tokens: printable ASCII bytes of the byte tokenizer (sluice.tokenizer)."""
+
 
 @dataclass(frozen=True, slots=True)
 class RoundShape:
@@ -261,7 +264,11 @@ class CostModel:
             base = self._bases[request_id] = zlib.crc32(request_id.encode())
             if len(self._bases) > 100_000:  # bounded: ids are cheap to recompute
                 self._bases.clear()
-        token = (base + output_index * 2654435761) % vocab
+        mixed = base + output_index * 2654435761
+        # Printable ASCII in the byte tokenizer that admission reads for a cost-model stack, so that
+        # the made-up tokens stream as text over the HTTP API (one character each) and a benchmark
+        # that counts tokens in the text counts what was generated.
+        token = TEXT_TOKENS.start + mixed % len(TEXT_TOKENS) if vocab > TEXT_TOKENS.stop else mixed % vocab
         return (token + 1) % vocab if token == eos else token
 
     def execute(self, plan: RoundPlan) -> RoundResult:

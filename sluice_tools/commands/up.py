@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import shutil
@@ -19,10 +20,11 @@ if TYPE_CHECKING:
 EXAMPLES = """\
 examples:
   sluice up                                   # 1 replica of the tiny torch model on 127.0.0.1:50051
-  sluice up --replicas 2 --port 0             # 2 replicas, admission on a free port
+  sluice up --replicas 2 --port 0 --http-port 0   # 2 replicas, admission on free ports
   sluice up --backend costmodel --model llama-3-8b --emulate-time   # GPU-like timing, no torch
 
-It prints the endpoint, an API key and a `sluice generate` command to try, then runs until Ctrl-C.
+It prints the gRPC endpoint, the OpenAI-compatible HTTP endpoint, an API key, and a `sluice generate`
+command and a curl command to try, then runs until Ctrl-C.
 """
 
 
@@ -45,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: $SLUICE_CONFIG, else one tenant with key sk-sluice-local)")
     parser.add_argument("--port", type=int, default=50051,
                         help="admission port, the public endpoint; 0 picks a free one (default: 50051)")
+    parser.add_argument("--http-port", type=int, default=8000,
+                        help="port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                             "/v1/models); 0 picks a free one; -1 serves none (default: 8000)")
     parser.add_argument("--host", default="127.0.0.1", help="address every service listens on (default: 127.0.0.1)")
     parser.add_argument("--run-dir", default=None, help="where each process logs (default: a new temp dir)")
     parser.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker (default: all that fit)")
@@ -74,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     config = StackConfig(replicas=args.replicas, backend=args.backend, model=args.model, redis_url=args.redis_url,
                          config_file=args.config, admission_port=args.port, host=args.host,
+                         http_port=None if args.http_port < 0 else args.http_port,
                          run_dir=Path(args.run_dir) if args.run_dir else None, num_blocks=args.num_blocks,
                          emulate_time=args.emulate_time, log_level=args.log_level, metrics=args.metrics,
                          mtls=args.mtls or args.public_tls, public_tls=args.public_tls)
@@ -116,15 +122,21 @@ def _check_args(args: argparse.Namespace) -> str:
     problem = _check_config(args.config) or _check_model(args) or _check_redis(args.redis_url)
     if problem:
         return problem
-    if args.port:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            # As gRPC does: a port whose last connections linger in TIME_WAIT is still free to listen on.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind((args.host, args.port))
-            except OSError as exc:
-                return (f"cannot listen on {args.host}:{args.port} ({exc.strerror}); is another `sluice up` "
-                        f"running? Pass --port 0 for a free port")
+    return _check_port(args.host, args.port, "--port") or _check_port(args.host, args.http_port, "--http-port")
+
+
+def _check_port(host: str, port: int, flag: str) -> str:
+    """Return why `port` cannot be listened on ("" when it can, or when it is 0 or negative: none fixed)."""
+    if port <= 0:
+        return ""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # As gRPC does: a port whose last connections linger in TIME_WAIT is still free to listen on.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return (f"cannot listen on {host}:{port} ({exc.strerror}); is another `sluice up` "
+                    f"running? Pass {flag} 0 for a free port")
     return ""
 
 
@@ -183,9 +195,20 @@ def _banner(stack: Stack, config_file: str | None) -> str:
         command += ["--tls-ca", stack.tls_ca]
     source = f" (from {config_file})" if config_file else ""
     security = _security_line(stack)
+    http = f"  OpenAI:   {stack.http_base_url}\n" if stack.http_base_url else ""
     return (f"Sluice is up: each service is its own process\n{stack.describe()}\n"
-            f"  endpoint: {stack.endpoint}\n  API key:  {key}{source}\n  logs:     {stack.run_dir}\n{security}"
-            f"Try: {shlex.join(command)}{_gibberish_note(stack)}\nCtrl-C to stop.")
+            f"  endpoint: {stack.endpoint}\n{http}  API key:  {key}{source}\n  logs:     {stack.run_dir}\n{security}"
+            f"Try: {shlex.join(command)}{_gibberish_note(stack)}\n{_curl_line(stack, key)}Ctrl-C to stop.")
+
+
+def _curl_line(stack: Stack, key: str) -> str:
+    """Return a curl command against the HTTP API that works as printed ("" when none is served)."""
+    if not stack.http_base_url:
+        return ""
+    body = json.dumps({"model": stack.model_id, "prompt": "Hello", "max_tokens": 16})
+    command = ["curl", "-sS", f"{stack.http_base_url}/completions", "-H", f"Authorization: Bearer {key}",
+               "-H", "Content-Type: application/json", "-d", body]
+    return f"Or:  {shlex.join(command)}\n"
 
 
 def _security_line(stack: Stack) -> str:
@@ -199,7 +222,7 @@ def _security_line(stack: Stack) -> str:
 def _gibberish_note(stack: Stack) -> str:
     """Return a warning for models whose text is noise by design ("" for the others)."""
     if stack.config.backend == "costmodel":
-        return "\n     (the cost model returns made-up tokens; use --ids to see them)"
+        return "\n     (the cost model returns made-up tokens: random printable characters)"
     if stack.config.model == "tiny":
         return "\n     (the tiny preset has random weights: its text is gibberish by design)"
     return ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
@@ -25,11 +26,12 @@ def _sluice(*args: str) -> list[str]:
 
 
 def test_up_generate_and_ctrl_c(tmp_path: Path) -> None:
-    """`sluice up` prints its endpoint and key, `sluice generate` streams through it, and SIGINT stops every process."""
-    port = free_port()
+    """`sluice up` prints its endpoints and key, `sluice generate` and the printed curl line work through it, and SIGINT
+    stops every process."""
+    port, http_port = free_port(), free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     up = subprocess.Popen(_sluice("up", "--backend", "costmodel", "--model", "llama-3-8b", "--port", str(port),
-                                  "--run-dir", str(tmp_path)),
+                                  "--http-port", str(http_port), "--run-dir", str(tmp_path)),
                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = []
@@ -47,6 +49,11 @@ def test_up_generate_and_ctrl_c(tmp_path: Path) -> None:
         tried = subprocess.run(shlex.split(suggested.removeprefix("Try: ")), cwd=ROOT, env=env, capture_output=True,
                                text=True, timeout=60)
         assert tried.returncode == 0 and "finished" in tried.stderr, (suggested, tried.stderr)
+        assert f"OpenAI:   http://127.0.0.1:{http_port}/v1" in banner, banner
+        curl = next(line for line in lines if line.startswith("Or:  curl "))
+        answered = subprocess.run(shlex.split(curl.removeprefix("Or:  ")), capture_output=True, text=True, timeout=60)
+        completion = json.loads(answered.stdout)
+        assert completion["object"] == "text_completion" and completion["usage"]["completion_tokens"] == 16, completion
         done = subprocess.run(_sluice("generate", "hello", "--max-tokens", "5", "--target", f"127.0.0.1:{port}",
                                       "--ids"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
@@ -63,20 +70,23 @@ def test_up_generate_and_ctrl_c(tmp_path: Path) -> None:
     assert leftover.stdout.strip() == ""
 
 
-def test_up_refuses_a_taken_port_before_starting_anything() -> None:
-    """`sluice up --port P` with P already listening exits 2 at once, naming the port and suggesting --port 0."""
+@pytest.mark.parametrize("flag", ["--port", "--http-port"])
+def test_up_refuses_a_taken_port_before_starting_anything(flag: str) -> None:
+    """`sluice up --port P` (or `--http-port P`) with P already listening exits 2 at once, naming the port and
+    suggesting `FLAG 0`."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = subprocess.run(_sluice("up", "--port", str(port)), cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                              capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and f"127.0.0.1:{port}" in done.stderr and "--port 0" in done.stderr, done.stderr
+        ports = {"--port": str(free_port()), "--http-port": str(free_port()), flag: str(port)}
+        done = subprocess.run(_sluice("up", *[a for item in ports.items() for a in item]), cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and f"127.0.0.1:{port}" in done.stderr and f"{flag} 0" in done.stderr, done.stderr
 
 
 def test_ctrl_c_while_starting_stops_what_started(tmp_path: Path) -> None:
     """SIGINT during `sluice up`'s start exits 130 at once, and every process started so far is gone."""
-    up = subprocess.Popen(_sluice("up", "--port", "0", "--run-dir", str(tmp_path)), cwd=ROOT,
+    up = subprocess.Popen(_sluice("up", "--port", "0", "--http-port", "0", "--run-dir", str(tmp_path)), cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 30

@@ -52,7 +52,7 @@ def test_embedded_redis_dies_with_a_sigkilled_parent() -> None:
 def test_every_child_of_a_sigkilled_sluice_up_exits(tmp_path: Path) -> None:
     """After `sluice up` is SIGKILLed, its Redis, router, worker, scheduler and admission processes all exit."""
     up = subprocess.Popen([sys.executable, "-m", "sluice_tools.cli", "up", "--backend", "costmodel", "--model", "llama-3-8b",
-                           "--port", str(free_port()), "--run-dir", str(tmp_path)],
+                           "--port", str(free_port()), "--http-port", "0", "--run-dir", str(tmp_path)],
                           cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert up.stdout is not None
     deadline = time.monotonic() + 90

@@ -69,7 +69,8 @@ def test_dockerfiles_expose_the_port_their_entrypoint_listens_on() -> None:
 
 
 def test_compose_commands_parse_and_dial_the_right_ports() -> None:
-    """Every compose service's command is accepted by its parser, and each address it dials names a service on its port."""
+    """Every compose service's command is accepted by its parser, each address it dials names a service on its port,
+    and admission publishes its gRPC and HTTP ports."""
     ports = {name: parse(service, spec.get("command", [])).port for name, service, spec in compose_services()}
     assert set(ports) == {"router", "worker-0", "scheduler-0", "admission"}
     for _name, service, spec in compose_services():
@@ -80,7 +81,9 @@ def test_compose_commands_parse_and_dial_the_right_ports() -> None:
                 host, port = address.rsplit(":", 1)
                 assert ports.get(host) == int(port), f"{service} --{flag} {address}: no such service and port"
     admission = next(spec for name, _, spec in compose_services() if name == "admission")
-    assert admission["ports"] == [f"{ports['admission']}:{ports['admission']}"]
+    http_port = parse("admission", admission.get("command", [])).http_port  # the OpenAI-compatible HTTP API
+    assert http_port is not None
+    assert admission["ports"] == [f"{ports['admission']}:{ports['admission']}", f"{http_port}:{http_port}"]
 
 
 def test_k8s_args_parse_and_match_container_ports() -> None:

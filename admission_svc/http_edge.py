@@ -1,0 +1,330 @@
+"""The admission service over HTTP: OpenAI's API (completions, chat completions, models) on the FrontDoor.
+
+The same front door as gRPC (admission_svc/frontdoor.py), so the same API keys, tenants, budgets,
+validation, routing, cancellation and spans; each route converts the JSON body
+(admission_svc/openai_convert.py), awaits `FrontDoor.start` (every refusal raised before a byte is
+sent) and streams `FrontDoor.stream` back as server-sent events or one JSON body. A client that
+goes away closes that stream, which cancels the request at its scheduler.
+
+Refusals are answered in OpenAI's error shape, `{"error": {"message", "type", "param", "code"}}`,
+with the HTTP status of `HTTP_STATUS` (the one table, keyed by the refusal's gRPC status name) and,
+for a refusal that carries a retry delay, `Retry-After` (whole seconds) and `retry-after-ms`.
+An error after the stream started is one `data: {"error": ...}` event before `data: [DONE]`.
+Served by uvicorn inside the admission process's event loop (`serve_http`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from prometheus_client import Counter
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from admission_svc import openai_convert
+from admission_svc.calls import Caller, Output, Tracked
+from admission_svc.frontdoor import FrontDoor
+from admission_svc.openai_convert import ParsedRequest, StopTrimmer
+from admission_svc.server import api_key_of
+from sluice import errors, telemetry
+from sluice.core_errors import CoreError
+
+log = logging.getLogger(__name__)
+
+# gRPC status name of a refusal -> (HTTP status, OpenAI error type). Anything else is 500 server_error.
+HTTP_STATUS: dict[str, tuple[int, str]] = {
+    "INVALID_ARGUMENT": (400, "invalid_request_error"),
+    "FAILED_PRECONDITION": (400, "invalid_request_error"),
+    "OUT_OF_RANGE": (400, "invalid_request_error"),
+    "UNAUTHENTICATED": (401, "authentication_error"),
+    "PERMISSION_DENIED": (403, "permission_error"),
+    "NOT_FOUND": (404, "not_found_error"),
+    "ALREADY_EXISTS": (409, "conflict_error"),
+    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
+    "CANCELLED": (499, "request_cancelled"),
+    "UNAVAILABLE": (503, "service_unavailable_error"),
+    "DEADLINE_EXCEEDED": (504, "timeout_error"),
+}
+SERVER_ERROR = (500, "server_error")
+
+
+@dataclass(frozen=True)
+class HttpError:
+    """A refusal as the HTTP edge answers it."""
+
+    status: int
+    body: dict[str, Any]
+    """{"error": {"message", "type", "param", "code"}}"""
+    retry_after_s: float | None = None
+
+    def headers(self) -> dict[str, str]:
+        """Return Retry-After (whole seconds, as HTTP wants) and retry-after-ms (read by OpenAI's clients)."""
+        if self.retry_after_s is None:
+            return {}
+        delay = max(self.retry_after_s, 0.0)
+        return {"retry-after": str(math.ceil(delay)), "retry-after-ms": str(int(delay * 1000))}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body, status_code=self.status, headers=self.headers())
+
+
+def http_error(exc: BaseException, chat: bool = False) -> HttpError:
+    """Return the HTTP answer to a refusal (a CoreError or SluiceError; anything else is a 500)."""
+    if isinstance(exc, CoreError):
+        status, reason, field, message, retry = exc.status, exc.reason_word, exc.field_name, exc.detail, \
+            exc.retry_after_s
+    elif isinstance(exc, errors.SluiceError):
+        status, reason, field, message, retry = exc.code.name, exc.reason, exc.field_name, exc.message, \
+            exc.retry_after_s
+    else:
+        status, reason, field, message, retry = "INTERNAL", "internal_error", "", "internal error", None
+    code, kind = HTTP_STATUS.get(status, SERVER_ERROR)
+    return HttpError(code, {"error": {"message": message, "type": kind, "param": _param(field, chat) or None,
+                                      "code": reason}}, retry)
+
+
+def _param(field: str, chat: bool) -> str:
+    """Return OpenAI's name of a field the front door named (sampling.max_tokens -> max_tokens)."""
+    field = field.removeprefix("sampling.")
+    if chat and field in ("prompt", "prompt_token_ids"):
+        return "messages"
+    return field
+
+
+class HttpEdge:
+    """The Starlette routes around one FrontDoor."""
+
+    def __init__(self, door: FrontDoor, max_body_bytes: int) -> None:
+        self.door = door
+        self.max_body_bytes = max_body_bytes
+        self.created = int(time.time())
+        self.requests = Counter("sluice_admission_http_requests", "HTTP requests by route and status",
+                                ["route", "status"], registry=door.metrics.registry)
+
+    def app(self) -> Starlette:
+        """Return the ASGI application."""
+        routes = [Route("/v1/models", self.models, methods=["GET"]),
+                  Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
+                  Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                  Route("/health", self.health, methods=["GET"])]
+        return Starlette(routes=routes, exception_handlers={HTTPException: self._http_exception})
+
+    # ---- routes --------------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        """200 while the process serves (readiness is gRPC health's, as for every service)."""
+        return JSONResponse({"status": "ok"})
+
+    async def models(self, request: Request) -> Response:
+        """GET /v1/models: the model this deployment serves (any valid key)."""
+        return await self._answer(request, "/v1/models", False, self._models)
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{id}: the model by its id or an alias; 404 for another."""
+        return await self._answer(request, "/v1/models/{model_id}", False, self._model)
+
+    async def completions(self, request: Request) -> Response:
+        """POST /v1/completions."""
+        return await self._answer(request, "/v1/completions", False, lambda r: self._generate(
+            r, "/v1/completions", openai_convert.completion_request))
+
+    async def chat_completions(self, request: Request) -> Response:
+        """POST /v1/chat/completions (messages rendered with the model's chat template)."""
+        return await self._answer(request, "/v1/chat/completions", True, lambda r: self._generate(
+            r, "/v1/chat/completions", openai_convert.chat_request))
+
+    # ---- behaviour -------------------------------------------------------------------------------
+    async def _answer(self, request: Request, route: str, chat: bool,
+                      handle: Callable[[Request], Awaitable[Response]]) -> Response:
+        """Run a route; a refusal becomes its OpenAI error response (the one place)."""
+        try:
+            response = await handle(request)
+        except Exception as exc:
+            if not isinstance(exc, CoreError | errors.SluiceError):
+                log.exception("%s failed", route)
+            response = http_error(exc, chat).response()
+        self.requests.labels(route, str(response.status_code)).inc()
+        return response
+
+    async def _models(self, request: Request) -> Response:
+        self.door.core.authenticate(_api_key(request))
+        return JSONResponse(openai_convert.models_body(self.door.model, self.created))
+
+    async def _model(self, request: Request) -> Response:
+        self.door.core.authenticate(_api_key(request))
+        name = request.path_params["model_id"]
+        if not self.door.model.accepts(name) or not name:
+            raise errors.NotFound(f"unknown model {name!r}; this deployment serves {self.door.model.model_id!r}",
+                                  reason="unknown_model", field_name="model")
+        return JSONResponse(openai_convert.model_card(self.door.model, self.created))
+
+    async def _generate(self, request: Request, route: str,
+                        parse: Callable[..., ParsedRequest]) -> Response:
+        self.door.core.authenticate(_api_key(request))  # a bad key is 401 before the body is looked at
+        parsed = parse(await self._body(request), self.door.model, request.headers.get("idempotency-key", ""))
+        caller = _caller(request, route)
+        record = await self.door.start(parsed.call, caller)
+        abandoned = BackgroundTask(self._cancel_if_abandoned, record, caller.api_key)
+        if parsed.stream:
+            return StreamingResponse(self._events(record, parsed), media_type="text/event-stream",
+                                     headers={"cache-control": "no-cache", "x-request-id": record.request_id},
+                                     background=abandoned)
+        outputs = await _unless_disconnected(request, self._collect(record))
+        if outputs is None:  # the client went away: the stream was closed, so the request is cancelled
+            await abandoned()
+            return Response(status_code=499)
+        return JSONResponse(openai_convert.response_body(parsed, self.door.model.model_id, outputs),
+                            headers={"x-request-id": record.request_id})
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        """Return the JSON object of the body; InvalidArgument when it is over the limit or not one."""
+        raw = bytearray()
+        async for piece in request.stream():
+            raw += piece
+            if len(raw) > self.max_body_bytes:
+                raise errors.InvalidArgument(f"request body is over max_message_bytes = {self.max_body_bytes} bytes",
+                                             reason="message_too_large", metadata={"limit": "max_message_bytes"})
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise errors.InvalidArgument(f"request body is not JSON: {exc}"[:200], reason="malformed_message") \
+                from None
+        if not isinstance(body, dict):
+            raise errors.InvalidArgument("request body must be a JSON object", reason="malformed_message")
+        return body
+
+    async def _cancel_if_abandoned(self, record: Tracked, api_key: str | None) -> None:
+        """Cancel a request nobody follows that has not ended: the client left before its stream was
+        first read (closing a stream that did start cancels it already; a second Cancel is a no-op)."""
+        if record.completion is None and record.followers == 0:
+            try:
+                await self.door.cancel(record.request_id, api_key)
+            except (CoreError, errors.SluiceError) as exc:
+                log.warning("cancel of abandoned request %s failed: %s", record.request_id, exc)
+
+    async def _collect(self, record: Tracked) -> list[Output]:
+        async with contextlib.aclosing(self.door.stream(record)) as outputs:
+            return [output async for output in outputs]
+
+    async def _events(self, record: Tracked, parsed: ParsedRequest) -> AsyncIterator[str]:
+        """Yield the server-sent events of a streamed request. Closing it (Starlette does when the client
+        disconnects) closes the front door's stream, which cancels the request."""
+        model_id, trimmer, first = self.door.model.model_id, StopTrimmer(parsed.stops), True
+        try:
+            async with contextlib.aclosing(self.door.stream(record)) as outputs:
+                async for output in outputs:
+                    text = trimmer.push(output.text)
+                    if output.completion is not None:
+                        text += trimmer.flush()
+                    if text:
+                        yield _event(openai_convert.chunk_body(parsed, model_id, record.request_id, text, first=first,
+                                                               created_unix_s=output.created_unix_s))
+                        first = False
+                    if output.completion is not None:
+                        yield _event(openai_convert.chunk_body(
+                            parsed, model_id, record.request_id, None if parsed.chat else "",
+                            openai_convert.finish_reason(output.completion.finish_reason), first=first))
+                        if parsed.include_usage:
+                            yield _event(openai_convert.chunk_body(parsed, model_id, record.request_id, None,
+                                                                   with_usage=openai_convert.usage(
+                                                                       output.completion.usage)))
+        except (CoreError, errors.SluiceError) as exc:
+            yield _event(http_error(exc, parsed.chat).body)
+        yield "data: [DONE]\n\n"
+
+    async def _http_exception(self, request: Request, exc: Exception) -> Response:
+        """Unknown paths and methods in OpenAI's error shape too."""
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        return JSONResponse({"error": {"message": f"{request.method} {request.url.path}: "
+                                                  f"{exc.detail if isinstance(exc, HTTPException) else exc}",
+                                       "type": "not_found_error" if status == 404 else "invalid_request_error",
+                                       "param": None, "code": "unknown_route" if status == 404 else str(status)}},
+                            status_code=status)
+
+
+def _event(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+def _api_key(request: Request) -> str | None:
+    header = request.headers.get("authorization")
+    return api_key_of([("authorization", header)]) if header is not None else None
+
+
+def _caller(request: Request, route: str) -> Caller:
+    """Return what the front door needs to know about an HTTP call: key, trace context (traceparent), route."""
+    return Caller(api_key=_api_key(request), trace_context=telemetry.extract_metadata(request.headers.items()),
+                  span_attributes=(("http.route", route), ("http.request.method", request.method)))
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[list[Output]]) -> list[Output] | None:
+    """Return work's result, or None when the client disconnects first (work is cancelled: its stream closes)."""
+    working = asyncio.ensure_future(work)
+    watching = asyncio.ensure_future(_disconnect(request))
+    await asyncio.wait([working, watching], return_when=asyncio.FIRST_COMPLETED)
+    watching.cancel()
+    if working.done():
+        return working.result()
+    working.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await working
+    return None
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class HttpServer:
+    """uvicorn serving the edge on a socket of its own, in the running event loop."""
+
+    def __init__(self, app: Starlette, host: str, port: int) -> None:
+        self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.socket.bind((host, port))  # OSError when taken: the caller reports it
+        self.socket.listen(2048)
+        self.socket.setblocking(False)
+        self.port: int = self.socket.getsockname()[1]
+        config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=5, timeout_keep_alive=30)
+        config.load()
+        self.server = uvicorn.Server(config)
+        self.server.lifespan = config.lifespan_class(config)
+        self._ticks: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Accept connections (uvicorn's own signal handling is not installed: the service has one)."""
+        await self.server.startup(sockets=[self.socket])
+        self._ticks = asyncio.create_task(self.server.main_loop())  # refreshes the Date header
+
+    async def stop(self) -> None:
+        """Stop accepting, let open responses finish (up to 5 s), close."""
+        self.server.should_exit = True
+        if self._ticks is not None:
+            await self._ticks
+        await self.server.shutdown(sockets=[self.socket])
+
+
+async def serve_http(door: FrontDoor, host: str, port: int, max_body_bytes: int) -> HttpServer:
+    """Return the started HTTP edge of `door` on host:port (0: a free port; its `.port` says which)."""
+    server = HttpServer(HttpEdge(door, max_body_bytes).app(), host, port)
+    await server.start()
+    return server
+
+
+__all__: Sequence[str] = ("HTTP_STATUS", "HttpEdge", "HttpServer", "http_error", "serve_http")

@@ -1,0 +1,133 @@
+"""OpenAI request bodies -> GenerateCalls, responses, stop-string cutting and the HTTP error table (no I/O)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from admission_svc import openai_convert
+from admission_svc.calls import Output
+from admission_svc.http_edge import HTTP_STATUS, http_error
+from sluice import core_errors, errors
+from sluice.model_spec import GenerationDefaults, ModelSpec, load_model_spec
+from sluice.v1 import common_pb2, events_pb2
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_preset: Path) -> ModelSpec:
+    """The tiny preset's spec (it has a chat template)."""
+    return load_model_spec(tiny_preset, "tiny")
+
+
+def test_omitted_values_come_from_generation_config_then_openai(spec: ModelSpec) -> None:
+    """A value the client omits is the model's generation_config default, else OpenAI's; a sent one wins."""
+    model = dataclasses.replace(spec, generation=GenerationDefaults(temperature=0.6, top_k=20, max_new_tokens=64))
+    sampling = openai_convert.completion_request({"model": "tiny", "prompt": "hi"}, model).call.sampling
+    assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.max_tokens) == (0.6, 1.0, 20, 64)
+    sent = {"model": "tiny", "prompt": "hi", "temperature": 0, "top_p": 0.5, "max_tokens": 3, "seed": 7,
+            "stop": "x", "top_k": 5, "ignore_eos": True, "priority": 2}
+    call = openai_convert.completion_request(sent, model).call
+    assert (call.sampling.temperature, call.sampling.top_p, call.sampling.max_tokens, call.sampling.seed) == \
+        (0.0, 0.5, 3, 7)
+    assert call.sampling.stop_strings == ("x",) and call.sampling.top_k == 5 and call.sampling.ignore_eos
+    assert call.priority == 2
+    plain = openai_convert.completion_request({"model": "tiny", "prompt": "hi"}, spec).call.sampling
+    assert (plain.temperature, plain.max_tokens) == (1.0, 16)
+
+
+def test_chat_is_rendered_with_the_template_and_max_completion_tokens_wins(spec: ModelSpec) -> None:
+    """A chat becomes the template's text without added special tokens; max_completion_tokens beats max_tokens."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "he"}, {"type": "text", "text": "llo"}]}]
+    parsed = openai_convert.chat_request({"model": "tiny", "messages": messages, "max_tokens": 9,
+                                          "max_completion_tokens": 5, "stream": True,
+                                          "stream_options": {"include_usage": True}}, spec)
+    assert parsed.call.prompt == spec.render_chat([{"role": "user", "content": "hello"}])
+    assert not parsed.call.add_special_tokens and parsed.call.sampling.max_tokens == 5
+    assert parsed.chat and parsed.stream and parsed.include_usage
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"prompt": "x", "n": 2}, "n"), ({"prompt": "x", "logprobs": 1}, "logprobs"), ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"), ({"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
+    ({"prompt": "x", "stream": "yes"}, "stream"), ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": 3}, "prompt"),
+    ({"prompt": "x", "stop": ["a", 1]}, "stop"), ({"prompt": "x", "user": 5}, "user"),
+    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"), ({"prompt": "x", "seed": True}, "seed")])
+def test_bad_completion_fields_are_invalid_argument_naming_them(spec: ModelSpec, body: dict[str, Any], field: str) -> None:
+    """Each unsupported or mistyped field is refused with InvalidArgument whose field is OpenAI's param name."""
+    with pytest.raises(errors.InvalidArgument) as info:
+        openai_convert.completion_request({"model": "tiny", **body}, spec)
+    assert info.value.field_name == field
+
+
+def test_prompt_forms_and_bad_chats(spec: ModelSpec) -> None:
+    """A prompt may be a string, [string], ids or [ids]; a chat needs messages with roles and text content."""
+    for prompt, expected in (("a", "a"), (["a"], "a")):
+        assert openai_convert.completion_request({"model": "", "prompt": prompt}, spec).call.prompt == expected
+    for prompt in ([1, 2], [[1, 2]]):
+        assert openai_convert.completion_request({"model": "", "prompt": prompt}, spec).call.prompt_token_ids == (1, 2)
+    for messages, field in (([], "messages"), ([{"content": "x"}], "messages[0]"),
+                            ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content")):
+        with pytest.raises(errors.InvalidArgument) as info:
+            openai_convert.chat_request({"model": "", "messages": messages}, spec)
+        assert info.value.field_name == field
+    with pytest.raises(errors.InvalidArgument) as info:
+        openai_convert.chat_request({"model": "", "messages": [{"role": "user", "content": "x"}],
+                                     "response_format": {"type": "json_object"}}, spec)
+    assert info.value.field_name == "response_format"
+
+
+def test_stop_trimmer_cuts_at_a_stop_split_across_pieces() -> None:
+    """Text stops before the first stop string even when it arrives split over pieces; a false start is released."""
+    trimmer = openai_convert.StopTrimmer(["END", "\n\n"])
+    shown = [trimmer.push(piece) for piece in ("ab", "cE", "N", "x E", "ND", "more")]
+    assert "".join(shown) == "abcENx " and trimmer.flush() == ""
+    partial = openai_convert.StopTrimmer(["END"])
+    assert partial.push("abE") == "ab" and partial.flush() == "E"
+    assert openai_convert.StopTrimmer([]).push("abc") == "abc"
+
+
+def test_whole_response_carries_trimmed_text_and_openai_usage(spec: ModelSpec) -> None:
+    """A finished request's body has the text up to the stop string, the finish reason and OpenAI's usage."""
+    parsed = openai_convert.chat_request({"model": "", "messages": [{"role": "user", "content": "x"}],
+                                          "stop": ["!"]}, spec)
+    completion = events_pb2.Completion(finish_reason="stop", usage=common_pb2.Usage(input_tokens=7, output_tokens=3,
+                                                                                     cached_tokens=4))
+    body = openai_convert.response_body(parsed, "tiny", [Output("r1", 0, (1,), "Hi"), Output("r1", 1, (2,), " you!"),
+                                                         Output("r1", 3, text="", completion=completion)])
+    assert body["id"] == "chatcmpl-r1" and body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hi you"}
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
+                             "prompt_tokens_details": {"cached_tokens": 4}}
+
+
+@pytest.mark.parametrize("refusal, status, kind", [
+    (core_errors.InvalidRequest("sampling.max_tokens", "too many"), 400, "invalid_request_error"),
+    (core_errors.UnknownApiKey("bad key"), 401, "authentication_error"),
+    (errors.NotFound("no model", reason="unknown_model", field_name="model"), 404, "not_found_error"),
+    (core_errors.OverBudget("tokens", 2.5, "over"), 429, "rate_limit_error"),
+    (core_errors.NoReplicaAvailable("none ready"), 503, "service_unavailable_error"),
+    (errors.Unavailable("down", retry_after_s=0.2), 503, "service_unavailable_error"),
+    (core_errors.RequestTimedOut("late"), 504, "timeout_error"),
+    (ValueError("a bug"), 500, "server_error")])
+def test_one_table_maps_refusals_to_http(refusal: Exception, status: int, kind: str) -> None:
+    """Core and gRPC refusals get their HTTP status, OpenAI type, param and Retry-After from the one table."""
+    answer = http_error(refusal)
+    assert answer.status == status and answer.body["error"]["type"] == kind
+    assert set(answer.body["error"]) == {"message", "type", "param", "code"}
+    if isinstance(refusal, core_errors.InvalidRequest):
+        assert answer.body["error"]["param"] == "max_tokens"
+    retry = getattr(refusal, "retry_after_s", None)
+    assert ("retry-after" in answer.headers()) == (retry is not None)
+    if retry is not None:
+        assert int(answer.headers()["retry-after"]) >= retry and int(answer.headers()["retry-after-ms"]) == int(retry * 1000)
+    assert http_error(refusal).body["error"]["message"] != "" and len(HTTP_STATUS) >= 10
+
+
+def test_chat_refusals_name_messages_not_prompt() -> None:
+    """A refusal about the prompt of a chat names `messages`, the field the client sent."""
+    assert http_error(core_errors.InvalidRequest("prompt", "empty"), chat=True).body["error"]["param"] == "messages"
+    assert http_error(core_errors.PromptTooLarge(10, 5), chat=True).body["error"]["param"] == "messages"
