@@ -57,6 +57,27 @@ def demo_requests(count: int, span_s: float) -> list[WorkloadRequest]:
     return out
 
 
+def _chat_over_http(stack: Stack) -> str:
+    """Send one chat through the OpenAI-compatible HTTP API (the model's chat template) and describe the answer."""
+    import json
+    import urllib.request
+
+    body = {"model": stack.model_id, "max_tokens": 12, "temperature": 0,
+            "messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello?"}]}
+    request = urllib.request.Request(f"{stack.http_base_url}/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Authorization": f"Bearer {TENANTS['alice']}",
+                                              "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            answer = json.loads(reply.read())
+    except OSError as exc:
+        return f"chat over HTTP failed: {exc}"
+    usage, choice = answer["usage"], answer["choices"][0]
+    return (f"chat over the OpenAI HTTP API ({stack.http_base_url}): {usage['prompt_tokens']} prompt tokens from the "
+            f"chat template, {usage['completion_tokens']} generated, finish_reason {choice['finish_reason']}: "
+            f"{choice['message']['content']!r}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; returns 0 when every request ended as expected, 1 otherwise."""
     args = parse_args(argv)
@@ -68,13 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Starting the stack: embedded Redis, router, {args.replicas} x (worker + scheduler) of the tiny torch "
           f"model (random weights: its text is gibberish), admission...", flush=True)
     stack = Stack(StackConfig(replicas=args.replicas, backend="torch", model="tiny", config_file=str(config_path),
-                              run_dir=out_dir / "logs"))
+                              run_dir=out_dir / "logs", mtls=True, http_port=0))
     requests = demo_requests(args.requests, args.arrival_span)
     with stack:
         print(f"ready in {time.monotonic() - started:.1f}s; each service is its own process:", flush=True)
         print(stack.describe(), flush=True)
         _print_workload(requests, args.arrival_span)
         outcomes = asyncio.run(drive(stack.endpoint, TENANTS, requests, max_concurrency=32, timeout=90.0))
+        chat = _chat_over_http(stack)
         stats = stack.scheduler_stats()
         print("stopping: draining the replicas, then stopping every process...", flush=True)
         stopping = time.monotonic()
@@ -91,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                           for s in stats}})
     print(format_table(summary, title=f"Sluice demo: {len(requests)} requests, {args.replicas} replicas"))
     _print_extras(summary, outcomes, requests)
+    print(chat)
     print(f"\nJSON report: {write_json(summary, out_dir / 'report.json')}\nlogs: {out_dir / 'logs'}")
     bad = [o for o, r in zip(outcomes, requests, strict=True)
            if o.status != ("cancelled" if r.cancel_after_s is not None else "ok")]
