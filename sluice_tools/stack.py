@@ -16,6 +16,11 @@ Shutdown is graceful: every replica is drained at the router (no new routes; new
 UNAVAILABLE), in-flight requests get up to `drain_timeout_s` to finish while their clients keep
 streaming, then admission stops, then schedulers (which cancel whatever is left), workers and the
 router get SIGTERM (SIGKILL after a timeout), Redis last.
+
+Supervision (`supervise()` one pass, or `start_supervising()` in a thread; sluice_tools/supervisor.py):
+a process that dies is restarted on the same address with exponential backoff, the embedded Redis
+on the same port with the same password. Replicas can be added and retired while the stack runs
+(`add_replica`, `retire_replica`: what `sluice up --autoscale` does, sluice_tools/autoscale.py).
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -42,6 +49,9 @@ from sluice.lifeline import lifeline_command
 from sluice.redis_server import EmbeddedRedis, free_port
 from sluice.v1 import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from worker_svc.models import resolve_model
+
+if TYPE_CHECKING:
+    from sluice_tools.supervisor import Supervisor
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -92,6 +102,17 @@ class Proc:
     log_path: Path
     address: str = ""
     popen: subprocess.Popen[bytes] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    """Its whole environment (secrets included: never printed)."""
+    replica_id: str = ""
+    """The replica it belongs to (workers and schedulers); "" for the others."""
+
+    def launch(self) -> None:
+        """Start (or start again) the process, appending to its log, in a new session."""
+        with self.log_path.open("ab") as log:
+            # A new session: a Ctrl-C in the terminal reaches only `sluice up`, which stops children in order.
+            self.popen = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                          env=self.env, cwd=str(REPO_ROOT), start_new_session=True)
 
     def log_tail(self, limit: int = 3000) -> str:
         """Return the end of the process's log."""
@@ -102,6 +123,17 @@ class Proc:
     def alive(self) -> bool:
         """True while the process runs."""
         return self.popen is not None and self.popen.poll() is None
+
+
+@dataclass
+class Replica:
+    """One worker + scheduler pair; the scheduler is started once its worker serves."""
+
+    replica_id: str
+    worker: Proc
+    scheduler: Proc | None = None
+    retiring: bool = False
+    """Being drained and stopped (a scale-down): not restarted, not counted."""
 
 
 class Stack:
@@ -118,6 +150,14 @@ class Stack:
         self.workers: list[Proc] = []
         self.schedulers: list[Proc] = []
         self.admission: Proc | None = None
+        self.replicas: dict[str, Replica] = {}
+        """Every replica started and not yet retired, by id (workers and schedulers are listed above too)."""
+        self._next_replica = 0
+        self.supervisor: Supervisor | None = None
+        """Set by `supervise`/`start_supervising`: restarts dead processes (None: nothing is restarted)."""
+        self._supervising: threading.Thread | None = None
+        self._halt = threading.Event()
+        self._released = threading.Event()
 
     @property
     def endpoint(self) -> str:
@@ -156,21 +196,10 @@ class Stack:
         bus_env = {"SLUICE_REDIS_URL": self.redis_url}
         self.router = self._spawn("router", "router_svc", [*common, "--router-id", f"router-{c.namespace}"],
                                   env=bus_env)
-        for i in range(c.replicas):
-            worker_args = ["--backend", c.backend, "--model", c.model, "--log-level", c.log_level]
-            if c.num_blocks is not None:
-                worker_args += ["--num-blocks", str(c.num_blocks)]
-            if c.emulate_time:
-                worker_args.append("--emulate-time")
-            # Replicas share the cores: one torch thread pool each of the whole machine oversubscribes it.
-            threads = str(max(1, (os.cpu_count() or 1) // c.replicas))
-            self.workers.append(self._spawn(f"worker-{i}", "worker_svc", worker_args,
-                                            env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)}))
+        replicas = [self._spawn_worker() for _ in range(c.replicas)]
         self._wait_healthy([self.router, *self.workers], deadline)
-        for i, worker in enumerate(self.workers):
-            self.schedulers.append(self._spawn(f"scheduler-{i}", "scheduler_svc", [
-                *common, "--worker", worker.address, "--router", self.router.address,
-                "--replica-id", f"replica-{i}", *c.scheduler_args], env=bus_env))
+        for replica in replicas:
+            self._spawn_scheduler(replica)
         self._wait_healthy(self.schedulers, deadline)
         model_id = self._wait_replicas_ready(deadline)
         # Admission reads the tokenizer only and never generates a preset: resolve (generate) it here.
@@ -184,6 +213,40 @@ class Stack:
                                      env=bus_env)
         self._wait_healthy([self.admission], deadline)
 
+    def _spawn_worker(self) -> Replica:
+        """Start the worker of a new replica (a fresh id); its scheduler follows once it serves."""
+        c = self.config
+        index = self._next_replica
+        self._next_replica += 1
+        worker_args = ["--backend", c.backend, "--model", c.model, "--log-level", c.log_level]
+        if c.num_blocks is not None:
+            worker_args += ["--num-blocks", str(c.num_blocks)]
+        if c.emulate_time:
+            worker_args.append("--emulate-time")
+        # Replicas share the cores: one torch thread pool each of the whole machine oversubscribes it.
+        threads = str(max(1, (os.cpu_count() or 1) // c.replicas))
+        worker = self._spawn(f"worker-{index}", "worker_svc", worker_args,
+                             env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)})
+        replica = Replica(f"replica-{index}", worker)
+        worker.replica_id = replica.replica_id
+        self.workers.append(worker)
+        self.replicas[replica.replica_id] = replica
+        return replica
+
+    def _spawn_scheduler(self, replica: Replica) -> Proc:
+        """Start the scheduler of a replica whose worker serves; it registers with the router itself."""
+        c = self.config
+        assert self.router is not None
+        index = replica.replica_id.removeprefix("replica-")
+        scheduler = self._spawn(f"scheduler-{index}", "scheduler_svc", [
+            "--namespace", c.namespace, "--log-level", c.log_level, "--worker", replica.worker.address,
+            "--router", self.router.address, "--replica-id", replica.replica_id, *c.scheduler_args],
+            env={"SLUICE_REDIS_URL": self.redis_url})
+        scheduler.replica_id = replica.replica_id
+        replica.scheduler = scheduler
+        self.schedulers.append(scheduler)
+        return scheduler
+
     def _spawn(self, name: str, module: str, args: list[str], port: int = 0,
                env: dict[str, str] | None = None) -> Proc:
         port = port or free_port()
@@ -195,10 +258,8 @@ class Stack:
         env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.update(dict(self.config.env))
-        with proc.log_path.open("ab") as log:
-            # A new session: a Ctrl-C in the terminal reaches only `sluice up`, which stops children in order.
-            proc.popen = subprocess.Popen(proc.args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                          env=env, cwd=str(REPO_ROOT), start_new_session=True)
+        proc.env = env
+        proc.launch()
         self.procs.append(proc)
         return proc
 
@@ -250,7 +311,7 @@ class Stack:
     def scheduler_stats(self) -> list[scheduler_pb2.SchedulerStats]:
         """Return every scheduler's Stats (KV blocks, queue, counters)."""
         out = []
-        for proc in self.schedulers:
+        for proc in [p for p in self.schedulers if p.alive()]:
             with grpc.insecure_channel(proc.address) as channel:
                 stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
                 out.append(stub.Stats(scheduler_pb2.StatsRequest(), timeout=5))
@@ -259,6 +320,7 @@ class Stack:
     # ---- stop ------------------------------------------------------------------------------------
     def stop(self, graceful: bool = True) -> None:
         """Stop everything (see the module docstring); safe to call twice."""
+        self._halt_supervision()
         if graceful:
             with contextlib.suppress(Exception):
                 self._drain()
@@ -270,6 +332,7 @@ class Stack:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+        self._release_supervision()
 
     def _drain(self) -> None:
         """Stop routing to every replica, let in-flight requests finish (clients keep their streams), then
@@ -277,9 +340,9 @@ class Stack:
         if self.router is not None and self.router.alive():
             with grpc.insecure_channel(self.router.address) as channel:
                 stub = router_pb2_grpc.RouterServiceStub(channel)
-                for i in range(len(self.schedulers)):
+                for replica_id in self.replicas:
                     with contextlib.suppress(grpc.RpcError):
-                        stub.Drain(router_pb2.DrainRequest(replica_id=f"replica-{i}"), timeout=5)
+                        stub.Drain(router_pb2.DrainRequest(replica_id=replica_id), timeout=5)
             deadline = time.monotonic() + self.config.drain_timeout_s
             while time.monotonic() < deadline:
                 if not [s for s in self.scheduler_stats() if s.running or s.waiting]:
@@ -287,6 +350,100 @@ class Stack:
                 time.sleep(0.1)
         if self.admission is not None:
             _terminate(self.admission, timeout_s=10.0)
+
+
+    # ---- supervision and a changing fleet (sluice_tools/supervisor.py, sluice_tools/autoscale.py) -----------
+    def supervise(self, now: float | None = None) -> None:
+        """One supervision pass: restart what died (when its backoff is due), move replicas along."""
+        from sluice_tools.supervisor import Supervisor
+
+        if self.supervisor is None:
+            self.supervisor = Supervisor(self)
+        self.supervisor.step(time.monotonic() if now is None else now)
+
+    def start_supervising(self, interval_s: float = 0.25) -> threading.Thread:
+        """Run `supervise` every `interval_s` in a thread until `stop` (which the thread outlives: processes it
+        restarts get their lifeline signal when the thread that started them ends, sluice.lifeline)."""
+        def loop() -> None:
+            while not self._halt.wait(interval_s):
+                try:
+                    self.supervise()
+                except Exception as exc:  # a bug here must not end the thread: its children would go with it
+                    print(f"supervisor: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            self._released.wait()
+
+        self._supervising = threading.Thread(target=loop, name="sluice-supervisor", daemon=True)
+        self._supervising.start()
+        return self._supervising
+
+    def _halt_supervision(self) -> None:
+        self._halt.set()
+        if self.supervisor is not None:
+            self.supervisor.halted = True
+
+    def _release_supervision(self) -> None:
+        self._released.set()
+        if self._supervising is not None and self._supervising is not threading.current_thread():
+            self._supervising.join(timeout=10)
+
+    def relaunch(self, proc: Proc) -> None:
+        """Start a dead process again with the same command, address and environment."""
+        if proc.alive():
+            raise StackError(f"{proc.name} is still running")
+        proc.launch()
+
+    def add_replica(self) -> str:
+        """Start a new replica (worker now, its scheduler once the worker serves, see `advance_replicas`);
+        return its id. It registers with the router and is routed to once READY."""
+        return self._spawn_worker().replica_id
+
+    def retire_replica(self, replica_id: str) -> None:
+        """Drain and stop a replica: the router stops routing to it, its scheduler gets SIGTERM (it finishes its
+        requests up to its drain timeout, then cancels the rest); its worker stops once the scheduler is gone.
+        Raises KeyError for an unknown replica."""
+        replica = self.replicas[replica_id]
+        replica.retiring = True
+        self.router_drain(replica_id)
+        if replica.scheduler is not None and replica.scheduler.alive() and replica.scheduler.popen is not None:
+            replica.scheduler.popen.send_signal(signal.SIGTERM)
+
+    def advance_replicas(self) -> list[str]:
+        """Move replicas along: start the scheduler of a new replica whose worker serves; forget a retired one
+        whose scheduler has exited (its worker stopped). Returns what happened, one line each."""
+        events = []
+        for replica in list(self.replicas.values()):
+            if replica.retiring:
+                if replica.scheduler is None or not replica.scheduler.alive():
+                    _terminate(replica.worker, timeout_s=10.0)
+                    self._forget(replica)
+                    events.append(f"{replica.replica_id} retired (scheduler and worker stopped)")
+            elif replica.scheduler is None and replica.worker.alive() and health_serving(replica.worker.address,
+                                                                                           timeout_s=0.2):
+                self._spawn_scheduler(replica)
+                events.append(f"{replica.replica_id}: worker serving, scheduler started")
+        return events
+
+    def _forget(self, replica: Replica) -> None:
+        del self.replicas[replica.replica_id]
+        gone = {id(replica.worker), id(replica.scheduler)}
+        self.workers = [p for p in self.workers if id(p) not in gone]
+        self.schedulers = [p for p in self.schedulers if id(p) not in gone]
+        self.procs = [p for p in self.procs if id(p) not in gone]
+
+    def router_drain(self, replica_id: str) -> None:
+        """Ask the router to stop routing to a replica (best effort: the router may be down)."""
+        if self.router is None:
+            return
+        with grpc.insecure_channel(self.router.address) as channel, contextlib.suppress(grpc.RpcError):
+            router_pb2_grpc.RouterServiceStub(channel).Drain(router_pb2.DrainRequest(replica_id=replica_id),
+                                                             timeout=2)
+
+    def list_replicas(self) -> list[router_pb2.Replica]:
+        """The router's registry (raises grpc.RpcError when the router does not answer)."""
+        assert self.router is not None
+        with grpc.insecure_channel(self.router.address) as channel:
+            return list(router_pb2_grpc.RouterServiceStub(channel).ListReplicas(
+                router_pb2.ListReplicasRequest(), timeout=2).replicas)
 
 
 def health_serving(address: str, service: str = "", timeout_s: float = 1.0) -> bool:

@@ -1,0 +1,197 @@
+"""End to end: under supervision a killed worker, scheduler or Redis is restarted and the stack serves again.
+
+Real processes (cost-model backend), `kill -9` as an operator's accident would be. Recovery times (kill to
+the first request that completes again) are printed as JSON lines, not asserted: figures, not tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from sluice import client as sdk
+from sluice import services
+from sluice_tools.stack import Stack, StackConfig, health_serving
+from sluice_tools.supervisor import RestartPolicy, Restarts, Supervisor
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+PROMPT = [5, 6, 7, 8] * 8
+
+
+def _config(run_dir: Path, replicas: int) -> StackConfig:
+    return StackConfig(replicas=replicas, backend="costmodel", model="llama-3-8b", run_dir=run_dir, emulate_time=True,
+                       start_timeout_s=60)
+
+
+def _complete(stack: Stack, max_tokens: int = 8, timeout_s: float = 5.0) -> str:
+    """One request start to end; return its final status (raises sdk.SluiceError)."""
+    with sdk.Client(stack.endpoint, api_key=stack.api_key) as client:
+        status = ""
+        for chunk in client.generate(PROMPT, max_tokens=max_tokens, ignore_eos=True, timeout=timeout_s):
+            status = chunk.status or status
+        return status
+
+
+def _until_served(stack: Stack, since: float, limit_s: float = 60.0) -> float:
+    """Send requests until one finishes; return the seconds from `since` (fails after `limit_s`)."""
+    last: Exception | None = None
+    while time.monotonic() - since < limit_s:
+        try:
+            if _complete(stack) == "FINISHED_LENGTH":
+                return time.monotonic() - since
+        except sdk.SluiceError as exc:
+            last = exc
+        time.sleep(0.05)
+    raise AssertionError(f"not serving {limit_s} s after the kill; last error: {last}")
+
+
+def _wait(condition: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def _kill9(pid: int) -> float:
+    os.kill(pid, signal.SIGKILL)
+    return time.monotonic()
+
+
+@pytest.fixture(scope="module")
+def supervised(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Two cost-model replicas under a supervisor thread, for the whole module."""
+    lines: list[str] = []
+    with Stack(_config(tmp_path_factory.mktemp("supervised"), replicas=2)) as stack:
+        stack.supervisor = Supervisor(stack, on_event=lines.append)
+        stack.start_supervising(0.1)
+        stack.events = lines  # type: ignore[attr-defined]
+        yield stack
+
+
+def test_killed_worker_is_restarted_while_the_other_replica_keeps_streaming(supervised: Stack) -> None:
+    """kill -9 of one replica's worker: it is restarted on its address, the stack serves new requests again, and a
+    stream on the other replica finishes untouched."""
+    stack = supervised
+    outcome: dict[str, object] = {}
+    first = threading.Event()
+
+    def stream() -> None:
+        with sdk.Client(stack.endpoint, api_key=stack.api_key) as client:
+            tokens = 0
+            for chunk in client.generate(PROMPT, max_tokens=1500, ignore_eos=True, timeout=60):
+                outcome.setdefault("request_id", chunk.request_id)
+                tokens += len(chunk.token_ids)
+                outcome["status"] = chunk.status
+                first.set()
+            outcome["tokens"] = tokens
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert first.wait(20)
+    with sdk.Client(stack.endpoint, api_key=stack.api_key) as client:
+        serving = client.get_request(str(outcome["request_id"])).replica_id
+    victim = next(w for w in stack.workers if w.replica_id != serving)
+    old_pid = victim.popen.pid  # type: ignore[union-attr]
+    killed = _kill9(old_pid)
+    recovery = _until_served(stack, killed)
+    assert _wait(lambda: victim.alive() and victim.popen.pid != old_pid, 30)  # type: ignore[union-attr]
+    thread.join(60)
+    assert outcome.get("status") == "FINISHED_LENGTH" and outcome.get("tokens") == 1500, outcome
+    assert _wait(lambda: stack.supervisor.restart_counts().get(victim.name) == 1, 10)  # type: ignore[union-attr]
+    assert any(f"{victim.name} died (killed by SIGKILL)" in line for line in stack.events)  # type: ignore[attr-defined]
+    print(json.dumps({"kill": "worker", "recovery_s": round(recovery, 3)}))
+
+
+def test_killed_scheduler_is_restarted_registers_again_and_serves(supervised: Stack) -> None:
+    """kill -9 of a scheduler: it is restarted, registers with the router again (READY after its worker serves),
+    and requests complete on both replicas again."""
+    stack = supervised
+    victim = stack.schedulers[0]
+    old_pid = victim.popen.pid  # type: ignore[union-attr]
+    killed = _kill9(old_pid)
+    recovery = _until_served(stack, killed)
+    assert _wait(lambda: victim.alive() and victim.popen.pid != old_pid, 30)  # type: ignore[union-attr]
+
+    def both_ready() -> bool:
+        from sluice.v1 import router_pb2
+
+        return sum(r.state == router_pb2.READY for r in stack.list_replicas()) == 2
+
+    assert _wait(both_ready, 30)
+    back = time.monotonic() - killed
+    served = set()
+    with sdk.Client(stack.endpoint, api_key=stack.api_key) as client:
+        for i in range(20):
+            request_id = ""  # distinct prompts: a shared prefix would draw every request to one replica
+            for chunk in client.generate([100 + i] * 32, max_tokens=4, ignore_eos=True, timeout=10):
+                request_id = chunk.request_id
+            served.add(client.get_request(request_id).replica_id)
+    assert served == {victim.replica_id, stack.schedulers[1].replica_id}
+    print(json.dumps({"kill": "scheduler", "recovery_s": round(recovery, 3), "replica_ready_s": round(back, 3)}))
+
+
+def test_killed_redis_is_restarted_on_its_port_and_password(supervised: Stack) -> None:
+    """kill -9 of the embedded Redis: it is restarted on the same port with the same password, the services
+    reconnect (their consumer groups recreated) and new requests complete."""
+    stack = supervised
+    assert stack.redis is not None
+    url, old_pid = stack.redis_url, stack.redis.pid
+    killed = _kill9(old_pid)  # type: ignore[arg-type]
+    recovery = _until_served(stack, killed)
+    assert stack.redis.pid != old_pid and stack.redis.url == url
+    for _ in range(5):
+        assert _complete(stack) == "FINISHED_LENGTH"
+    print(json.dumps({"kill": "redis", "recovery_s": round(recovery, 3)}))
+
+
+def test_while_redis_is_down_services_are_not_serving_and_requests_fail_fast(tmp_path: Path) -> None:
+    """With Redis killed and not yet restarted: router, schedulers and admission report NOT_SERVING, a request
+    ends UNAVAILABLE in well under its deadline; once the supervisor restarts Redis all serve again."""
+    with Stack(_config(tmp_path, replicas=1)) as stack:
+        stack.supervisor = Supervisor(stack, on_event=lambda line: None)
+        assert stack.redis is not None
+        killed = _kill9(stack.redis.pid)  # type: ignore[arg-type]
+        checks = [(stack.router.address, services.ROUTER), (stack.schedulers[0].address, services.SCHEDULER),  # type: ignore[union-attr]
+                  (stack.admission.address, services.ADMISSION)]  # type: ignore[union-attr]
+        assert _wait(lambda: not any(health_serving(a, s) for a, s in checks), 10)
+        began = time.monotonic()
+        with pytest.raises(sdk.SluiceError) as refused:
+            _complete(stack, timeout_s=30)
+        refused_after = time.monotonic() - began
+        assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "Redis" in refused.value.message
+        assert refused_after < 5
+        assert _wait(lambda: (stack.supervise(), stack.redis.running)[1], 10)  # type: ignore[union-attr]
+        assert _wait(lambda: all(health_serving(a, s) for a, s in checks), 10)
+        recovery = _until_served(stack, killed)
+        print(json.dumps({"kill": "redis (restart held back)", "unavailable_after_s": round(refused_after, 3),
+                          "recovery_s": round(recovery, 3)}))
+
+
+def test_a_process_that_keeps_dying_is_given_up_on() -> None:
+    """Backoff doubles per quick death up to its cap, resets after a stable run, and gives up past the limit."""
+    policy = RestartPolicy(initial_backoff_s=1.0, max_backoff_s=4.0, stable_after_s=30.0, max_restarts=3)
+    track = Restarts(policy)
+    assert track.died(100.0) == 101.0
+    track.restarted(101.0)
+    assert track.died(102.0) == 104.0
+    track.restarted(104.0)
+    assert track.died(105.0) == 109.0
+    track.restarted(109.0)
+    assert track.died(110.0) is None and track.gave_up
+    stable = Restarts(policy)
+    stable.died(0.0)
+    stable.restarted(1.0)
+    assert stable.died(40.0) == 41.0  # ran 39 s: the streak starts over
+    assert stable.total == 1
