@@ -20,7 +20,7 @@ import pytest
 from sluice import client as sdk
 from sluice import services
 from sluice_tools.stack import Stack, StackConfig, health_serving
-from sluice_tools.supervisor import RestartPolicy, Restarts, Supervisor
+from sluice_tools.supervisor import Supervisor
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -177,21 +177,3 @@ def test_while_redis_is_down_services_are_not_serving_and_requests_fail_fast(tmp
         recovery = _until_served(stack, killed)
         print(json.dumps({"kill": "redis (restart held back)", "unavailable_after_s": round(refused_after, 3),
                           "recovery_s": round(recovery, 3)}))
-
-
-def test_a_process_that_keeps_dying_is_given_up_on() -> None:
-    """Backoff doubles per quick death up to its cap, resets after a stable run, and gives up past the limit."""
-    policy = RestartPolicy(initial_backoff_s=1.0, max_backoff_s=4.0, stable_after_s=30.0, max_restarts=3)
-    track = Restarts(policy)
-    assert track.died(100.0) == 101.0
-    track.restarted(101.0)
-    assert track.died(102.0) == 104.0
-    track.restarted(104.0)
-    assert track.died(105.0) == 109.0
-    track.restarted(109.0)
-    assert track.died(110.0) is None and track.gave_up
-    stable = Restarts(policy)
-    stable.died(0.0)
-    stable.restarted(1.0)
-    assert stable.died(40.0) == 41.0  # ran 39 s: the streak starts over
-    assert stable.total == 1
