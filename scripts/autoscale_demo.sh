@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `sluice up --autoscale 1:3` under a rising then falling `sluice bench` load (cost model, modelled time).
 # Prints what `sluice up` said (scale events, READY sets, retirements) and each bench run's summary.
-# Usage: scripts/autoscale_demo.sh [OUT_DIR]   (about 2 minutes)
+# Usage: scripts/autoscale_demo.sh [OUT_DIR]   (about 3 minutes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-$(mktemp -d -t sluice-autoscale-XXXX)}
@@ -18,12 +18,13 @@ for _ in $(seq 120); do grep -q "Sluice is up" "$OUT/up.out" 2>/dev/null && brea
 grep -q "Sluice is up" "$OUT/up.out"
 
 bench() {  # NAME SPEC
-    "${SLUICE[@]}" bench "$2" --target "127.0.0.1:$PORT" --max-input-tokens 1500 --max-output-tokens 64 \
+    "${SLUICE[@]}" bench "$2" --target "127.0.0.1:$PORT" --max-input-tokens 2000 --max-output-tokens 64 \
         --timeout 60 --json "$OUT/$1.json" --name "$1" >"$OUT/$1.txt" 2>&1
     echo "== bench $1: $2"; tail -n 12 "$OUT/$1.txt"
 }
-bench rising "synthetic:ramp?rate=1&rate_end=30&n=500&input=lognormal:1000:0.5:1500&output=fixed:64"
-bench falling "synthetic:ramp?rate=30&rate_end=1&n=500&input=lognormal:1000:0.5:1500&output=fixed:64"
+# One cost-model H100 replica of llama-3-8b prefills about 30 requests/s of these prompts: the peak needs 3.
+bench rising "synthetic:ramp?rate=5&rate_end=70&n=1200&input=lognormal:1500:0.3:2000&output=fixed:64"
+bench falling "synthetic:ramp?rate=70&rate_end=1&n=1200&input=lognormal:1500:0.3:2000&output=fixed:64"
 sleep 40  # idle: the planner retires what the load no longer needs
 kill -INT $UP
 wait $UP || true
