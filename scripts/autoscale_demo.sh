@@ -18,17 +18,18 @@ for _ in $(seq 120); do grep -q "Sluice is up" "$OUT/up.out" 2>/dev/null && brea
 grep -q "Sluice is up" "$OUT/up.out"
 
 bench() {  # NAME SPEC
-    "${SLUICE[@]}" bench "$2" --target "127.0.0.1:$PORT" --max-input-tokens 2000 --max-output-tokens 64 \
+    "${SLUICE[@]}" bench "$2" --target "127.0.0.1:$PORT" --max-input-tokens 1900 --max-output-tokens 64 \
         --timeout 60 --json "$OUT/$1.json" --name "$1" >"$OUT/$1.txt" 2>&1
     echo "== bench $1: $2"; tail -n 12 "$OUT/$1.txt"
 }
 # One cost-model H100 replica of llama-3-8b prefills about 30 requests/s of these prompts: the peak needs 3.
-bench rising "synthetic:ramp?rate=5&rate_end=70&n=1200&input=lognormal:1500:0.3:2000&output=fixed:64"
-bench falling "synthetic:ramp?rate=70&rate_end=1&n=1200&input=lognormal:1500:0.3:2000&output=fixed:64"
+bench rising "synthetic:ramp?rate=5&rate_end=70&n=1200&input=lognormal:1500:0.3:1900&output=fixed:64"
+bench falling "synthetic:ramp?rate=70&rate_end=1&n=1200&input=lognormal:1500:0.3:1900&output=fixed:64"
 sleep 40  # idle: the planner retires what the load no longer needs
 kill -INT $UP
 wait $UP || true
 trap - EXIT
 echo "== sluice up (stderr)"
-grep -E "autoscale|retired|scheduler started|died|restart|stopped" "$OUT/up.err" || true
+grep -E "autoscale|retired|scheduler started|died|restart|stopped|serving again" "$OUT/up.err" || true
+for f in rising falling; do echo "== $f"; grep -E "^(requests|ok|rejected|timed out|cancelled|failed|throughput|TTFT p50|TTFT p99) " "$OUT/$f.txt" | sed "s/  */ /g"; done
 echo "outputs in $OUT"

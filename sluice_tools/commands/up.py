@@ -10,6 +10,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -100,12 +101,12 @@ def _supervise_until_stopped(stack: Stack, stop: threading.Event, autoscale: str
 
     Supervision runs in this, the main, thread: processes it restarts die with it (sluice.lifeline)."""
     from sluice_tools.autoscale import Autoscaler, local_planner_config, parse_bounds
+    from sluice_tools.supervisor import Supervisor
 
-    stack.supervise()
-    assert stack.supervisor is not None
+    stack.supervisor = Supervisor(stack, on_event=_print_event)
     if autoscale:
         low, high = parse_bounds(autoscale)
-        stack.supervisor.hooks.append(Autoscaler(stack, local_planner_config(low, high)).tick)
+        stack.supervisor.hooks.append(Autoscaler(stack, local_planner_config(low, high), on_event=_print_event).tick)
         print(f"autoscale: the planner keeps {low} to {high} replicas", file=sys.stderr, flush=True)
     code = 0
     while not stop.wait(0.25):
@@ -118,6 +119,11 @@ def _supervise_until_stopped(stack: Stack, stop: threading.Event, autoscale: str
     stack.stop(graceful=code == 0)
     print(f"stopped. {stack.supervisor.summary()}", file=sys.stderr)
     return code
+
+
+def _print_event(line: str) -> None:
+    """Print a supervision or scale event with the wall-clock time (stderr)."""
+    print(f"{time.strftime('%H:%M:%S')} {line}", file=sys.stderr, flush=True)
 
 
 def _check_autoscale(args: argparse.Namespace) -> str:
