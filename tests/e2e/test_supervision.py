@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import grpc
 import pytest
@@ -32,7 +33,14 @@ def _config(run_dir: Path, replicas: int) -> StackConfig:
                        start_timeout_s=60)
 
 
-def _complete(stack: Stack, max_tokens: int = 8, timeout_s: float = 5.0) -> str:
+class Target(NamedTuple):
+    """Where requests go: a Stack, or a `sluice up` started as a process."""
+
+    endpoint: str
+    api_key: str
+
+
+def _complete(stack: Stack | Target, max_tokens: int = 8, timeout_s: float = 5.0) -> str:
     """One request start to end; return its final status (raises sdk.SluiceError)."""
     with sdk.Client(stack.endpoint, api_key=stack.api_key) as client:
         status = ""
@@ -41,7 +49,7 @@ def _complete(stack: Stack, max_tokens: int = 8, timeout_s: float = 5.0) -> str:
         return status
 
 
-def _until_served(stack: Stack, since: float, limit_s: float = 60.0) -> float:
+def _until_served(stack: Stack | Target, since: float, limit_s: float = 60.0) -> float:
     """Send requests until one finishes; return the seconds from `since` (fails after `limit_s`)."""
     last: Exception | None = None
     while time.monotonic() - since < limit_s:
@@ -172,8 +180,45 @@ def test_while_redis_is_down_services_are_not_serving_and_requests_fail_fast(tmp
         assert refused.value.code == grpc.StatusCode.UNAVAILABLE
         assert "Redis" in refused.value.message
         assert refused_after < 5
-        assert _wait(lambda: (stack.supervise(), stack.redis.running)[1], 10)  # type: ignore[union-attr]
+        def restarted() -> bool:
+            stack.supervise()  # the first pass notes the death, a later one restarts it once the backoff is due
+            return stack.redis is not None and stack.redis.running
+
+        assert _wait(restarted, 10)
         assert _wait(lambda: all(health_serving(a, s) for a, s in checks), 10)
         recovery = _until_served(stack, killed)
         print(json.dumps({"kill": "redis (restart held back)", "unavailable_after_s": round(refused_after, 3),
                           "recovery_s": round(recovery, 3)}))
+
+
+def test_sluice_up_restarts_a_killed_worker_and_counts_it_on_stop(tmp_path: Path) -> None:
+    """`sluice up` (the CLI) survives kill -9 of its worker: it prints the death with its cause and the restart,
+    serves again, and on Ctrl-C exits 0 printing the restart count."""
+    import subprocess
+    import sys
+
+    from sluice.redis_server import free_port
+    from tests.processes import children, command_line
+
+    port = free_port()
+    up = subprocess.Popen([sys.executable, "-m", "sluice_tools.cli", "up", "--backend", "costmodel", "--model",
+                           "llama-3-8b", "--port", str(port), "--run-dir", str(tmp_path)],
+                          cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE,
+                          stderr=(tmp_path / "up.err").open("w"), text=True)
+    try:
+        assert up.stdout is not None
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and "Ctrl-C to stop" not in (line := up.stdout.readline()) and line:
+            pass
+        worker = next(pid for pid in children(up.pid) if "worker_svc" in command_line(pid))
+        killed = _kill9(worker)
+        recovery = _until_served(Target(f"127.0.0.1:{port}", "sk-sluice-local"), killed)
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+    err = (tmp_path / "up.err").read_text()
+    assert "worker-0 died (killed by SIGKILL); restarting in 0.5 s" in err and "restarted worker-0" in err, err
+    assert "restarts: worker-0 1" in err, err
+    print(json.dumps({"kill": "worker under sluice up", "recovery_s": round(recovery, 3)}))
