@@ -40,11 +40,12 @@ class Target(NamedTuple):
     api_key: str
 
 
-def _complete(stack: Stack | Target, max_tokens: int = 8, timeout_s: float = 5.0) -> str:
+def _complete(stack: Stack | Target, max_tokens: int = 8, timeout_s: float = 5.0, **options: object) -> str:
     """One request start to end; return its final status (raises sdk.SluiceError)."""
     with sdk.Client(stack.endpoint, api_key=stack.api_key) as client:
         status = ""
-        for chunk in client.generate(PROMPT, max_tokens=max_tokens, ignore_eos=True, timeout=timeout_s):
+        for chunk in client.generate(PROMPT, max_tokens=max_tokens, ignore_eos=True, timeout=timeout_s,
+                                     **options):  # type: ignore[arg-type]
             status = chunk.status or status
         return status
 
@@ -175,11 +176,16 @@ def test_while_redis_is_down_services_are_not_serving_and_requests_fail_fast(tmp
         assert _wait(lambda: not any(health_serving(a, s) for a, s in checks), 10)
         began = time.monotonic()
         with pytest.raises(sdk.SluiceError) as refused:
-            _complete(stack, timeout_s=30)
+            _complete(stack, timeout_s=30, idempotency_key="")  # no key: the SDK does not retry, one answer
         refused_after = time.monotonic() - began
         assert refused.value.code == grpc.StatusCode.UNAVAILABLE
         assert "Redis" in refused.value.message
-        assert refused_after < 5
+        assert refused_after < 2
+        began = time.monotonic()
+        with pytest.raises(sdk.SluiceError) as retried:
+            _complete(stack, timeout_s=30)  # the SDK's default: retried after the server's delay, then given up
+        retried_after = time.monotonic() - began
+        assert retried.value.code == grpc.StatusCode.UNAVAILABLE and retried_after < 10
         def restarted() -> bool:
             stack.supervise()  # the first pass notes the death, a later one restarts it once the backoff is due
             return stack.redis is not None and stack.redis.running
@@ -188,6 +194,7 @@ def test_while_redis_is_down_services_are_not_serving_and_requests_fail_fast(tmp
         assert _wait(lambda: all(health_serving(a, s) for a, s in checks), 10)
         recovery = _until_served(stack, killed)
         print(json.dumps({"kill": "redis (restart held back)", "unavailable_after_s": round(refused_after, 3),
+                          "unavailable_after_sdk_retries_s": round(retried_after, 3),
                           "recovery_s": round(recovery, 3)}))
 
 
