@@ -164,6 +164,24 @@ def test_killed_redis_is_restarted_on_its_port_and_password(supervised: Stack) -
     print(json.dumps({"kill": "redis", "recovery_s": round(recovery, 3)}))
 
 
+@pytest.mark.parametrize("name", ["router", "admission"])
+def test_killed_router_or_admission_is_restarted_and_serves(supervised: Stack, name: str) -> None:
+    """kill -9 of the router (the replicas register again with it) or of admission (clients reconnect to the
+    same address): restarted, and new requests complete."""
+    stack = supervised
+    victim = stack.router if name == "router" else stack.admission
+    assert victim is not None and victim.popen is not None
+    old_pid = victim.popen.pid
+    killed = _kill9(old_pid)
+    recovery = _until_served(stack, killed)
+    assert victim.alive() and victim.popen.pid != old_pid
+    if name == "router":
+        from sluice.v1 import router_pb2
+
+        assert _wait(lambda: sum(r.state == router_pb2.READY for r in stack.list_replicas()) == 2, 20)
+    print(json.dumps({"kill": name, "recovery_s": round(recovery, 3)}))
+
+
 def test_while_redis_is_down_services_are_not_serving_and_requests_fail_fast(tmp_path: Path) -> None:
     """With Redis killed and not yet restarted: router, schedulers and admission report NOT_SERVING, a request
     ends UNAVAILABLE in well under its deadline; once the supervisor restarts Redis all serve again."""
