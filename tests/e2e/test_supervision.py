@@ -164,6 +164,44 @@ def test_killed_redis_is_restarted_on_its_port_and_password(supervised: Stack) -
     print(json.dumps({"kill": "redis", "recovery_s": round(recovery, 3)}))
 
 
+def test_a_stream_running_while_redis_restarts_completes_with_every_token(supervised: Stack) -> None:
+    """Redis killed mid-stream and restarted by the supervisor: the scheduler holds the tokens until Redis is
+    back, admission's reader and completion consumer resume, and the client gets exactly the cost model's tokens."""
+    stack = supervised
+    assert stack.redis is not None
+    received: list[int] = []
+    outcome: dict[str, object] = {}
+    first = threading.Event()
+
+    def stream() -> None:
+        with sdk.Client(stack.endpoint, api_key=stack.api_key) as client:
+            try:
+                for chunk in client.generate([9, 8, 7] * 10, max_tokens=1200, ignore_eos=True, timeout=90):
+                    assert chunk.index == len(received)
+                    outcome["request_id"] = chunk.request_id
+                    received.extend(chunk.token_ids)
+                    outcome["status"] = chunk.status
+                    first.set()
+            except sdk.SluiceError as exc:
+                outcome["error"] = exc
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert first.wait(20)
+    assert stack.supervisor is not None
+    restarts = stack.supervisor.restart_counts().get("redis", 0)
+    _kill9(stack.redis.pid)  # type: ignore[arg-type]
+    at_kill = len(received)
+    thread.join(90)
+    assert at_kill < 1200 and stack.supervisor.restart_counts().get("redis", 0) == restarts + 1
+    assert "error" not in outcome, outcome
+    assert outcome.get("status") == "FINISHED_LENGTH" and len(received) == 1200, (outcome, len(received))
+    from worker_svc.costmodel import CostModel
+
+    model = CostModel("llama-3-8b", "h200")  # its tokens are a function of the request id and the index
+    assert received == [model.token_for(str(outcome["request_id"]), i) for i in range(1200)]
+
+
 @pytest.mark.parametrize("name", ["router", "admission"])
 def test_killed_router_or_admission_is_restarted_and_serves(supervised: Stack, name: str) -> None:
     """kill -9 of the router (the replicas register again with it) or of admission (clients reconnect to the
