@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from admission_svc.core import AdmissionConfig, AdmissionCore
 from admission_svc.frontdoor import FrontDoor, FrontDoorConfig
@@ -105,8 +107,14 @@ async def _consume_completions(bus: Bus, servicer: FrontDoor, stop: asyncio.Even
     incarnation = 0
     while not stop.is_set():
         try:
+            # "$" at first (older completions are other processes'); after a failure "0", which matters only
+            # when the group is gone with a restarted Redis: what its new stream holds came after the restart.
             await bus.consume("completions", group, f"{servicer.owner}-{incarnation}", servicer.on_completion,
-                              stop=stop, start_id="$", claim_idle_ms=2000)
+                              stop=stop, start_id="$" if incarnation == 0 else "0", claim_idle_ms=2000)
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            log.error("completion consumer lost Redis (%s); restarting", exc)  # no traceback every half second
+            incarnation += 1
+            await asyncio.sleep(0.5)
         except Exception:
             log.exception("completion consumer failed; restarting")
             incarnation += 1
@@ -168,7 +176,8 @@ async def start(ctx: serve.ServiceContext, options: AdmissionOptions) -> serve.S
 
     http_detail = f", OpenAI HTTP API on http://{options.host}:{http.port}/v1" if http else ""
     return serve.Started(port, drain=drain, detail=f" (owner {servicer.owner}, model {servicer.model.model_id}"
-                                                    f"{http_detail})")
+                                                    f"{http_detail})",
+                         health=health_servicer, health_names=("", SERVICE_NAME))
 
 
 async def _start_http(door: FrontDoor, options: AdmissionOptions) -> HttpServer | None:

@@ -19,6 +19,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from sluice.v1 import events_pb2
 
 log = logging.getLogger(__name__)
@@ -213,6 +216,10 @@ async def token_reader_loop(read_stream: ReadStream, stream_name: str, registry:
             entries = await read_stream(stream_name, last_id, count, block_ms)
         except asyncio.CancelledError:
             raise
+        except (ConnectionError, TimeoutError, RedisConnectionError, RedisTimeoutError) as exc:
+            log.error("reading %s failed (%s); retrying", stream_name, exc)  # Redis away: no traceback each time
+            await asyncio.sleep(0.2)
+            continue
         except Exception:
             log.exception("reading %s failed; retrying", stream_name)
             await asyncio.sleep(0.2)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from router_svc.core import RouterConfig, RouterCore, RoutingPolicy
-from router_svc.server import RouterRuntime, start_router_server
+from router_svc.server import SERVICE_NAME, RouterRuntime, start_router_server
 from sluice import serve
 from sluice.prom import RouterMetrics
 
@@ -76,7 +76,8 @@ async def start(ctx: serve.ServiceContext, options: RouterOptions) -> serve.Star
         await runtime.health.enter_graceful_shutdown()
         await server.stop(1.0)
 
-    return serve.Started(port, drain=drain, watched=[loop])
+    return serve.Started(port, drain=drain, watched=[loop], health=runtime.health,
+                         health_names=("", SERVICE_NAME))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

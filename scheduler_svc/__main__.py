@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from scheduler_svc.core.config import Policy, PreemptionMode, SchedulerConfig, VictimPolicy
-from scheduler_svc.server import start_replica
+from scheduler_svc.server import SERVICE_NAME, start_replica
 from sluice import serve
 from sluice.prom import SchedulerMetrics
 
@@ -98,14 +98,20 @@ async def start(ctx: serve.ServiceContext, options: SchedulerOptions) -> serve.S
             core_overrides=core_overrides(options), metrics=metrics, heartbeat_interval_s=options.heartbeat_interval,
             prefill_tokens_per_s=options.prefill_tokens_per_s, decode_round_s=options.decode_round_s,
             use_stream=not options.unary, publish_first_max_tokens=options.publish_first_max_tokens,
-            tls_files=serve.tls_files(options, "scheduler"))
+            tls_files=serve.tls_files(options, "scheduler"), bus_alive=_bus_alive(ctx))
     except (TimeoutError, ValueError) as exc:
         raise serve.StartupError(str(exc)) from exc
 
     async def drain() -> None:
         await replica.stop(options.drain_timeout)
 
-    return serve.Started(replica.port, drain=drain, watched=replica.tasks, label=f"scheduler {options.replica_id}")
+    return serve.Started(replica.port, drain=drain, watched=replica.tasks, label=f"scheduler {options.replica_id}",
+                         health=replica.health, health_names=("", SERVICE_NAME))
+
+
+def _bus_alive(ctx: serve.ServiceContext) -> Callable[[], bool]:
+    """Whether Redis answers, as the context's bus liveness probe last saw it."""
+    return lambda: ctx.bus_watch is None or ctx.bus_watch.alive
 
 
 def main(argv: Sequence[str] | None = None) -> int:

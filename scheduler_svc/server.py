@@ -12,6 +12,9 @@ Theory of operation
   (the router routes nothing here) and Submit answers UNAVAILABLE reason `worker_unavailable`; the
   driver's `worker_changed` makes the agent heartbeat at once on either change.
   The router being down delays nothing here: the agent keeps retrying.
+- Redis not answering (`bus_alive` False, from sluice.serve.BusWatch): Submit answers UNAVAILABLE
+  reason `bus_unavailable` (its tokens could not reach the client); gRPC health is NOT_SERVING.
+  What was already running keeps running: the publisher holds its tokens until Redis is back.
 - Drain (SIGTERM): stop accepting Submits (UNAVAILABLE), heartbeat DRAINING, let live requests finish
   for up to `drain_timeout_s`, cancel what is left, wait for their results, stop.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -60,8 +64,10 @@ SERVICE_NAME = services.SCHEDULER
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     """Thin servicer over the Driver."""
 
-    def __init__(self, driver: Driver) -> None:
+    def __init__(self, driver: Driver, bus_alive: Callable[[], bool] = lambda: True) -> None:
         self.driver = driver
+        self.bus_alive = bus_alive
+        """False while Redis does not answer (sluice.serve.BusWatch): tokens could not be delivered."""
 
     async def Submit(self, request: scheduler_pb2.SubmitRequest,  # noqa: N802 (gRPC method name)
                      context: grpc.aio.ServicerContext) -> scheduler_pb2.SubmitResponse:
@@ -71,6 +77,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         if not self.driver.worker_serving:
             raise errors.Unavailable(f"replica {self.driver.replica_id}: its worker is unavailable",
                                      reason="worker_unavailable", retry_after_s=self.driver.worker_retry_s)
+        if not self.bus_alive():
+            raise errors.Unavailable(f"replica {self.driver.replica_id}: Redis does not answer, so its tokens "
+                                     "could not reach the client", reason="bus_unavailable", retry_after_s=1.0)
         if not request.request_id:
             raise errors.InvalidArgument("request_id is required", field_name="request_id")
         position = self.driver.submit(request, extract_metadata(context.invocation_metadata()))
@@ -178,14 +187,15 @@ class ReplicaAgent:
 
 async def start_scheduler_server(driver: Driver, health: health_aio.HealthServicer, port: int = 0,
                                  host: str = "127.0.0.1",
-                                 tls_files: TlsFiles | None = None) -> tuple[grpc.aio.Server, int]:
+                                 tls_files: TlsFiles | None = None,
+                                 bus_alive: Callable[[], bool] = lambda: True) -> tuple[grpc.aio.Server, int]:
     """Start the scheduler's gRPC server with gRPC health SERVING (its worker is SERVING by then).
 
     Returns the server and its bound port. Raises RuntimeError if the port is taken.
     """
     authorize = tls.authorizer() if tls_files is not None else None
     server = grpc_server(SERVICE_NAME, interceptors=[errors.ErrorInterceptor(authorize=authorize)])
-    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(SchedulerServicer(driver), server)
+    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(SchedulerServicer(driver, bus_alive), server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     bound = tls.listen(server, f"{host}:{port}", tls_files)
     if bound == 0:
@@ -262,7 +272,8 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
                         heartbeat_interval_s: float = 1.0, prefill_tokens_per_s: float = 10_000.0,
                         decode_round_s: float = 0.01, use_stream: bool = True,
                         worker_timeout_s: float = 120.0, publish_first_max_tokens: int = 64,
-                        tls_files: TlsFiles | None = None) -> RunningReplica:
+                        tls_files: TlsFiles | None = None,
+                        bus_alive: Callable[[], bool] = lambda: True) -> RunningReplica:
     """Wait for the worker, build the core from its Info, serve, run the driver, register with the router.
 
     Raises TimeoutError (worker never SERVING), ValueError (bad core settings), RuntimeError (port taken).
@@ -276,7 +287,7 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
                     worker_health=health_pb2_grpc.HealthStub(worker_channel),
                     publish_first_max_tokens=publish_first_max_tokens)
     health = health_aio.HealthServicer()
-    server, bound = await start_scheduler_server(driver, health, port, host, tls_files)
+    server, bound = await start_scheduler_server(driver, health, port, host, tls_files, bus_alive)
     stop = asyncio.Event()
     tasks = [asyncio.create_task(driver.run(stop))]
     channels = [worker_channel]

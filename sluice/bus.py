@@ -17,6 +17,10 @@ Theory of operation
   therefore be idempotent. An entry whose handler fails `max_attempts` times in one consumer, or that
   has no payload, is moved to the stream `{stream}:dead` with the error and acknowledged, and logged:
   it is parked where an operator can see it, never dropped silently.
+- Redis restarts: redis-py reconnects per command, so loops that catch connection errors and retry
+  resume by themselves. A restarted Redis (no persistence) has lost the consumer groups: `consume`
+  meets NOGROUP and creates its group again from "0" (everything in the new stream is unseen).
+  `ping` is the liveness probe (`sluice.serve.BusWatch` turns gRPC health NOT_SERVING while it fails).
 - `read_stream` is a plain XREAD for the one token-reader loop of each admission process.
 
 Connecting (`redis_client`): `redis://` or `rediss://` (TLS; `?ssl_ca_certs=FILE` names the CA to verify
@@ -250,15 +254,36 @@ class Bus:
         next_claim = 0.0
         claim_every_s = max(claim_idle_ms / 4000.0, block_ms / 1000.0)
         while not stop.is_set():
-            if loop.time() >= next_claim:
-                await consumer_state.autoclaim(claim_idle_ms, count)
-                next_claim = loop.time() + claim_every_s
-            reply = await self.client.xreadgroup(group, consumer, {self.key(stream): ">"},
-                                                 count=count, block=block_ms)
+            try:
+                if loop.time() >= next_claim:
+                    await consumer_state.autoclaim(claim_idle_ms, count)
+                    next_claim = loop.time() + claim_every_s
+                reply = await self.client.xreadgroup(group, consumer, {self.key(stream): ">"},
+                                                     count=count, block=block_ms)
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                await self._regroup(stream, group)
+                continue
             await consumer_state.handle_entries(_entries_of(reply))
             if consumer_state.failures:
                 # Failed entries stay in our pending list: hand them to the handler again.
                 await consumer_state.drain_own_pending(count)
+
+    async def _regroup(self, stream: str, group: str) -> None:
+        """Create the group again after Redis lost it (a restarted Redis without persistence).
+
+        From "0": everything the stream holds now was written after the restart, so none of it was seen."""
+        log.warning("consumer group %s of %s is gone (Redis restarted?): creating it again", group,
+                    self.key(stream))
+        await self.ensure_group(stream, group, "0")
+
+    async def ping(self, timeout_s: float = 0.5) -> bool:
+        """Return True when Redis answers PING within `timeout_s` (a liveness probe; never raises)."""
+        try:
+            return bool(await asyncio.wait_for(self.client.ping(), timeout_s))
+        except Exception:  # any failure to answer (refused, reset, timeout, auth) means the bus is not usable
+            return False
 
     async def read_stream(self, stream: str, last_id: str, *, count: int = 512,
                           block_ms: int = 200) -> list[tuple[str, bytes, dict[str, str]]]:

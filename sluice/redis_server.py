@@ -229,6 +229,28 @@ class EmbeddedRedis:
         """True while the server process is alive."""
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def returncode(self) -> int | None:
+        """The exit status of a server that died (negative: the signal), None while it runs or before start."""
+        return self._proc.poll() if self._proc is not None else None
+
+    @property
+    def pid(self) -> int | None:
+        """The server's process id (None before start)."""
+        return self._proc.pid if self._proc is not None else None
+
+    def restart(self) -> str:
+        """Start a server that died again: same port, password and TLS settings (a supervisor's repair).
+
+        Its data is gone (no persistence): clients reconnect and recreate what they need. Returns the URL;
+        raises EmbeddedRedisError as `start` does, or when the server is still running.
+        """
+        if self.running:
+            raise EmbeddedRedisError(f"redis-server on port {self.port} is still running")
+        self._proc = None
+        self._workdir.mkdir(parents=True, exist_ok=True)
+        return self.start()
+
     def _log_tail(self, limit: int = 2000) -> str:
         with contextlib.suppress(OSError):
             return self.log_path.read_text(errors="replace")[-limit:]

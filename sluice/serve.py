@@ -16,6 +16,12 @@ Every `python -m <service>` is the same life, told once here:
    core's benchmark saw 13-23 ms full collections without it).
 4. It serves until SIGTERM or SIGINT, then awaits `Started.drain` (the graceful part), or until a
    watched task fails (a bug: exit 1, no drain), and finally closes `ctx.cleanup`.
+5. A service on the bus (`open_bus`) gets a `BusWatch`: a PING every second with a short timeout.
+   While Redis does not answer, `Started.health` reports NOT_SERVING for `Started.health_names`
+   (SERVING again when it answers), the change is logged, and `sluice_bus_up` (0/1) and
+   `sluice_bus_down_total` are set in the registry given to `expose_metrics`. The service's loops
+   reconnect by themselves (redis-py reconnects per command); `BusWatch.alive` lets a service refuse
+   work it could not deliver (the scheduler's Submit answers UNAVAILABLE reason `bus_unavailable`).
 """
 
 from __future__ import annotations
@@ -39,8 +45,8 @@ if TYPE_CHECKING:
 
     from sluice.bus import Bus
 
-__all__ = ["BusOptions", "ServiceContext", "ServiceOptions", "Started", "StartupError", "configure_logging",
-           "METRICS_LINE", "grpc_server", "load_options", "open_bus", "options_parser", "run_service"]
+__all__ = ["BusOptions", "BusWatch", "METRICS_LINE", "ServiceContext", "ServiceOptions", "Started", "StartupError",
+           "configure_logging", "grpc_server", "load_options", "open_bus", "options_parser", "run_service"]
 
 log = logging.getLogger("sluice.serve")
 METRICS_LINE = "metrics on "
@@ -101,12 +107,17 @@ class ServiceContext:
     """Closed last, whether start-up failed or not (Redis clients, servers...)."""
     metrics_url: str = ""
     """Where the metrics are served, once `expose_metrics` has bound a port ("" before, or without metrics)."""
+    bus_watch: BusWatch | None = None
+    """The liveness probe of the bus, set by `open_bus` (None for a service without one)."""
+    registry: CollectorRegistry | None = None
+    """The service's metrics registry, as given to `expose_metrics` (the bus gauges go there too)."""
 
     def expose_metrics(self, registry: CollectorRegistry) -> str:
         """Serve `registry` on `--metrics-port` when one was given (0: a free port); return its URL ("" without).
 
         The URL is logged and printed as `metrics on URL` (METRICS_LINE), which is how a supervisor learns the
         port it did not choose. Raises StartupError when the port is taken."""
+        self.registry = registry
         if self.options.metrics_port is None:
             return ""
         from sluice.prom import serve_metrics
@@ -137,6 +148,10 @@ class Started:
     """Who is listening, for the banner (default: the service name)."""
     detail: str = ""
     """Appended to the banner, e.g. " (owner ..., model ...)"."""
+    health: Any = None
+    """The service's gRPC HealthServicer (grpc_health aio): NOT_SERVING while the bus is down (BusWatch)."""
+    health_names: Sequence[str] = ("",)
+    """The health service names the bus state applies to ("" and the service's full name)."""
 
 
 Start = Callable[[ServiceContext], Awaitable[Started]]
@@ -162,6 +177,7 @@ async def open_bus(ctx: ServiceContext, options: BusOptions, *, ping: bool = Fal
         bus = Bus(client, options.namespace, kv_shards=options.kv_shards)
     except ValueError as exc:
         raise StartupError(str(exc)) from exc
+    ctx.bus_watch = ctx.bus_watch or BusWatch(bus)
     if ping:
         try:
             await client.ping()
@@ -238,7 +254,10 @@ async def _serve(name: str, options: ServiceOptions, start: Start) -> int:
         if not ctx.stop.is_set():
             log.info("%s serving; %d start-up objects frozen out of the garbage collector", name,
                      _freeze_startup_heap())
+        watching = _watch_bus(ctx, started)
         failed = await _wait_for_stop(ctx.stop, started.watched)
+        if watching is not None:
+            watching.cancel()
         if failed is not None:
             # The service's own loop died of a bug: answering calls that never get served would hide it.
             log.error("%s task failed; exiting", name, exc_info=failed)
@@ -247,6 +266,73 @@ async def _serve(name: str, options: ServiceOptions, start: Start) -> int:
         if started.drain is not None:
             await started.drain()
     return 0
+
+
+class BusWatch:
+    """Liveness of the bus: `alive` is False while Redis does not answer a PING (see step 5 above)."""
+
+    def __init__(self, bus: Bus, interval_s: float = 1.0, timeout_s: float = 0.5) -> None:
+        self.bus, self.interval_s, self.timeout_s = bus, interval_s, timeout_s
+        self.alive = True
+        """False from the first unanswered PING until one is answered again."""
+        self.listeners: list[Callable[[bool], Awaitable[None]]] = []
+        """Awaited with the new state on every change."""
+
+    async def probe(self) -> bool:
+        """PING once; on a change of state log it and tell the listeners; return the state."""
+        alive = await self.bus.ping(self.timeout_s)
+        if alive != self.alive:
+            self.alive = alive
+            if alive:
+                log.warning("Redis answers again: serving")
+            else:
+                log.error("Redis does not answer: NOT_SERVING until it does")
+            for listener in self.listeners:
+                await listener(alive)
+        return alive
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Probe every `interval_s` until `stop` is set."""
+        while not stop.is_set():
+            await self.probe()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.interval_s)
+
+
+def _watch_bus(ctx: ServiceContext, started: Started) -> asyncio.Task[None] | None:
+    """Start the bus liveness probe of a bus service; its health and metrics follow the bus (None: no bus)."""
+    watch = ctx.bus_watch
+    if watch is None:
+        return None
+    if started.health is not None:
+        health, names = started.health, tuple(started.health_names)
+
+        async def set_health(alive: bool) -> None:
+            from grpc_health.v1 import health_pb2
+
+            status = health_pb2.HealthCheckResponse.SERVING if alive else health_pb2.HealthCheckResponse.NOT_SERVING
+            for name in names:
+                await health.set(name, status)  # a no-op once the server is shutting down gracefully
+
+        watch.listeners.append(set_health)
+    if ctx.registry is not None:
+        watch.listeners.append(_bus_gauges(ctx.registry))
+    return asyncio.create_task(watch.run(ctx.stop))
+
+
+def _bus_gauges(registry: CollectorRegistry) -> Callable[[bool], Awaitable[None]]:
+    from prometheus_client import Counter, Gauge
+
+    up = Gauge("sluice_bus_up", "1 while Redis answers the liveness PING, 0 while it does not.", registry=registry)
+    downs = Counter("sluice_bus_down", "Times Redis stopped answering the liveness PING.", registry=registry)
+    up.set(1)
+
+    async def record(alive: bool) -> None:
+        up.set(1 if alive else 0)
+        if not alive:
+            downs.inc()
+
+    return record
 
 
 def _stop_on_signals() -> asyncio.Event:

@@ -16,6 +16,11 @@ Shutdown is graceful: every replica is drained at the router (no new routes; new
 UNAVAILABLE), in-flight requests get up to `drain_timeout_s` to finish while their clients keep
 streaming, then admission stops, then schedulers (which cancel whatever is left), workers and the
 router get SIGTERM (SIGKILL after a timeout), Redis last.
+
+Supervision (`supervise()` one pass, or `start_supervising()` in a thread; sluice_tools/supervisor.py):
+a process that dies is restarted on the same address with exponential backoff, the embedded Redis
+on the same port with the same password. Replicas can be added and retired while the stack runs
+(`add_replica`, `retire_replica`: what `sluice up --autoscale` does, sluice_tools/autoscale.py).
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -43,7 +50,11 @@ from sluice.redis_server import EmbeddedRedis, free_port
 from sluice.serve import METRICS_LINE
 from sluice.tls import TlsFiles, sync_channel, write_local_pki
 from sluice.v1 import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from sluice_tools.stack_fleet import StackFleet
 from worker_svc.models import resolve_model
+
+if TYPE_CHECKING:
+    from sluice_tools.supervisor import Supervisor
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -105,6 +116,17 @@ class Proc:
     popen: subprocess.Popen[bytes] | None = None
     metrics_url: str = ""
     """Its Prometheus endpoint, read from its log once it serves ("" without metrics)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Its whole environment (secrets included: never printed)."""
+    replica_id: str = ""
+    """The replica it belongs to (workers and schedulers); "" for the others."""
+
+    def launch(self) -> None:
+        """Start (or start again) the process, appending to its log, in a new session."""
+        with self.log_path.open("ab") as log:
+            # A new session: a Ctrl-C in the terminal reaches only `sluice up`, which stops children in order.
+            self.popen = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                          env=self.env, cwd=str(REPO_ROOT), start_new_session=True)
 
     def log_tail(self, limit: int = 3000) -> str:
         """Return the end of the process's log."""
@@ -117,7 +139,18 @@ class Proc:
         return self.popen is not None and self.popen.poll() is None
 
 
-class Stack:
+@dataclass
+class Replica:
+    """One worker + scheduler pair; the scheduler is started once its worker serves."""
+
+    replica_id: str
+    worker: Proc
+    scheduler: Proc | None = None
+    retiring: bool = False
+    """Being drained and stopped (a scale-down): not restarted, not counted."""
+
+
+class Stack(StackFleet):
     """Starts, watches and stops the processes of one deployment. A context manager."""
 
     def __init__(self, config: StackConfig) -> None:
@@ -131,6 +164,15 @@ class Stack:
         self.workers: list[Proc] = []
         self.schedulers: list[Proc] = []
         self.admission: Proc | None = None
+        self.replicas: dict[str, Replica] = {}
+        """Every replica started and not yet retired, by id (workers and schedulers are listed above too)."""
+        self._next_replica = 0
+        self.supervisor: Supervisor | None = None
+        """Set by `supervise`/`start_supervising`: restarts dead processes (None: nothing is restarted)."""
+        self._supervising: threading.Thread | None = None
+        self._halt = threading.Event()
+        self._released = threading.Event()
+        self._pass_lock = threading.Lock()
         self.model_id = ""
         """The id the replicas registered under (what /v1/models lists)."""
         self.http_address = ""
@@ -189,21 +231,10 @@ class Stack:
         bus_env = {"SLUICE_REDIS_URL": self.redis_url}
         self.router = self._spawn("router", "router_svc", [*common, "--router-id", f"router-{c.namespace}"],
                                   env=bus_env)
-        for i in range(c.replicas):
-            worker_args = ["--backend", c.backend, "--model", c.model, "--log-level", c.log_level]
-            if c.num_blocks is not None:
-                worker_args += ["--num-blocks", str(c.num_blocks)]
-            if c.emulate_time:
-                worker_args.append("--emulate-time")
-            # Replicas share the cores: one torch thread pool each of the whole machine oversubscribes it.
-            threads = str(max(1, (os.cpu_count() or 1) // c.replicas))
-            self.workers.append(self._spawn(f"worker-{i}", "worker_svc", worker_args,
-                                            env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)}))
+        replicas = [self._spawn_worker() for _ in range(c.replicas)]
         self._wait_healthy([self.router, *self.workers], deadline)
-        for i, worker in enumerate(self.workers):
-            self.schedulers.append(self._spawn(f"scheduler-{i}", "scheduler_svc", [
-                *common, "--worker", worker.address, "--router", self.router.address,
-                "--replica-id", f"replica-{i}", *c.scheduler_args], env=bus_env))
+        for replica in replicas:
+            self._spawn_scheduler(replica)
         self._wait_healthy(self.schedulers, deadline)
         model_id = self.model_id = self._wait_replicas_ready(deadline)
         # Admission reads the tokenizer only and never generates a preset: resolve (generate) it here.
@@ -222,6 +253,40 @@ class Stack:
                                      env=bus_env)
         self._wait_healthy([self.admission], deadline)
 
+    def _spawn_worker(self) -> Replica:
+        """Start the worker of a new replica (a fresh id); its scheduler follows once it serves."""
+        c = self.config
+        index = self._next_replica
+        self._next_replica += 1
+        worker_args = ["--backend", c.backend, "--model", c.model, "--log-level", c.log_level]
+        if c.num_blocks is not None:
+            worker_args += ["--num-blocks", str(c.num_blocks)]
+        if c.emulate_time:
+            worker_args.append("--emulate-time")
+        # Replicas share the cores: one torch thread pool each of the whole machine oversubscribes it.
+        threads = str(max(1, (os.cpu_count() or 1) // c.replicas))
+        worker = self._spawn(f"worker-{index}", "worker_svc", worker_args,
+                             env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)})
+        replica = Replica(f"replica-{index}", worker)
+        worker.replica_id = replica.replica_id
+        self.workers.append(worker)
+        self.replicas[replica.replica_id] = replica
+        return replica
+
+    def _spawn_scheduler(self, replica: Replica) -> Proc:
+        """Start the scheduler of a replica whose worker serves; it registers with the router itself."""
+        c = self.config
+        assert self.router is not None
+        index = replica.replica_id.removeprefix("replica-")
+        scheduler = self._spawn(f"scheduler-{index}", "scheduler_svc", [
+            "--namespace", c.namespace, "--log-level", c.log_level, "--worker", replica.worker.address,
+            "--router", self.router.address, "--replica-id", replica.replica_id, *c.scheduler_args],
+            env={"SLUICE_REDIS_URL": self.redis_url})
+        scheduler.replica_id = replica.replica_id
+        replica.scheduler = scheduler
+        self.schedulers.append(scheduler)
+        return scheduler
+
     def _spawn(self, name: str, module: str, args: list[str], port: int = 0,
                env: dict[str, str] | None = None) -> Proc:
         port = port or free_port()
@@ -237,14 +302,12 @@ class Stack:
         env.update(dict(self.config.env))
         if self.tls_dir is not None:
             env["SLUICE_TLS_DIR"] = str(self.tls_dir)
-        with proc.log_path.open("ab") as log:
-            # A new session: a Ctrl-C in the terminal reaches only `sluice up`, which stops children in order.
-            proc.popen = subprocess.Popen(proc.args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                          env=env, cwd=str(REPO_ROOT), start_new_session=True)
+        proc.env = env
+        proc.launch()
         self.procs.append(proc)
         return proc
 
-    def _health_files(self, proc: Proc) -> TlsFiles | None:
+    def health_files(self, proc: Proc) -> TlsFiles | None:
         """The credentials to ask `proc`'s health with: admission's public port is plaintext unless public_tls."""
         if proc is self.admission and not self.config.public_tls:
             return None
@@ -261,7 +324,7 @@ class Stack:
         pending = list(procs)
         while pending:
             self._check_alive(pending)
-            pending = [p for p in pending if not health_serving(p.address, files=self._health_files(p))]
+            pending = [p for p in pending if not health_serving(p.address, files=self.health_files(p))]
             for proc in procs:
                 if proc not in pending and self.config.metrics and not proc.metrics_url:
                     proc.metrics_url = _metrics_url_in_log(proc)
@@ -304,7 +367,7 @@ class Stack:
     def scheduler_stats(self) -> list[scheduler_pb2.SchedulerStats]:
         """Return every scheduler's Stats (KV blocks, queue, counters)."""
         out = []
-        for proc in self.schedulers:
+        for proc in [p for p in self.schedulers if p.alive()]:
             with self.channel(proc.address) as channel:
                 stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
                 out.append(stub.Stats(scheduler_pb2.StatsRequest(), timeout=5))
@@ -313,6 +376,7 @@ class Stack:
     # ---- stop ------------------------------------------------------------------------------------
     def stop(self, graceful: bool = True) -> None:
         """Stop everything (see the module docstring); safe to call twice."""
+        self._halt_supervision()
         if graceful:
             with contextlib.suppress(Exception):
                 self._drain()
@@ -324,6 +388,7 @@ class Stack:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+        self._release_supervision()
 
     def _drain(self) -> None:
         """Stop routing to every replica, let in-flight requests finish (clients keep their streams), then
@@ -331,9 +396,9 @@ class Stack:
         if self.router is not None and self.router.alive():
             with self.channel(self.router.address) as channel:
                 stub = router_pb2_grpc.RouterServiceStub(channel)
-                for i in range(len(self.schedulers)):
+                for replica_id in self.replicas:
                     with contextlib.suppress(grpc.RpcError):
-                        stub.Drain(router_pb2.DrainRequest(replica_id=f"replica-{i}"), timeout=5)
+                        stub.Drain(router_pb2.DrainRequest(replica_id=replica_id), timeout=5)
             deadline = time.monotonic() + self.config.drain_timeout_s
             while time.monotonic() < deadline:
                 if not [s for s in self.scheduler_stats() if s.running or s.waiting]:

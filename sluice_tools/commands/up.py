@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,9 +23,12 @@ examples:
   sluice up                                   # 1 replica of the tiny torch model on 127.0.0.1:50051
   sluice up --replicas 2 --port 0 --http-port 0   # 2 replicas, admission on free ports
   sluice up --backend costmodel --model llama-3-8b --emulate-time   # GPU-like timing, no torch
+  sluice up --backend costmodel --model llama-3-8b --emulate-time --autoscale 1:3   # the planner adds/retires replicas
 
 It prints the gRPC endpoint, the OpenAI-compatible HTTP endpoint, an API key, and a `sluice generate`
 command and a curl command to try, then runs until Ctrl-C.
+A process that dies is restarted (with backoff; the embedded Redis on the same port and password);
+restarts are printed as they happen and counted on stop.
 """
 
 
@@ -63,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
                         help="every service serves Prometheus metrics on a free port, printed with its address "
                              "(default: on)")
+    parser.add_argument("--autoscale", metavar="MIN:MAX", default=None,
+                        help="run the planner: start with MIN replicas, add and retire replicas within MIN..MAX "
+                             "from queues, prefill backlog and KV use (docs/planner.md); scale events are printed")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     args.config = str(Path(args.config).resolve()) if args.config else None
     if args.backend == "torch" and Path(args.model).exists():
         args.model = str(Path(args.model).resolve())
-    problem = _check_args(args)
+    problem = _check_args(args) or _check_autoscale(args)
     if problem:
         print(f"sluice up: {problem}", file=sys.stderr)
         return 2
@@ -101,16 +108,52 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(_banner(stack, args.config), flush=True)
-    while not stop.wait(1.0):
-        dead = [p.name for p in stack.procs if not p.alive()]
-        if dead:
-            print(f"process(es) exited: {', '.join(dead)}; stopping (see {stack.run_dir})", file=sys.stderr)
-            stack.stop(graceful=False)
-            return 1
+    return _supervise_until_stopped(stack, stop, args.autoscale)
+
+
+def _supervise_until_stopped(stack: Stack, stop: threading.Event, autoscale: str | None) -> int:
+    """Restart what dies (and run the planner with --autoscale) until Ctrl-C/SIGTERM; stop; return the exit code.
+
+    Supervision runs in this, the main, thread: processes it restarts die with it (sluice.lifeline)."""
+    from sluice_tools.autoscale import Autoscaler, local_planner_config, parse_bounds
+    from sluice_tools.supervisor import Supervisor
+
+    stack.supervisor = Supervisor(stack, on_event=_print_event)
+    if autoscale:
+        low, high = parse_bounds(autoscale)
+        stack.supervisor.hooks.append(Autoscaler(stack, local_planner_config(low, high), on_event=_print_event).tick)
+        print(f"autoscale: the planner keeps {low} to {high} replicas", file=sys.stderr, flush=True)
+    code = 0
+    while not stop.wait(0.25):
+        stack.supervise()
+        if stack.supervisor.failed:
+            print(f"stopping: {stack.supervisor.failed} (see {stack.run_dir})", file=sys.stderr, flush=True)
+            code = 1
+            break
     print("stopping: draining replicas...", file=sys.stderr, flush=True)
-    stack.stop()
-    print("stopped.", file=sys.stderr)
-    return 0
+    stack.stop(graceful=code == 0)
+    print(f"stopped. {stack.supervisor.summary()}", file=sys.stderr)
+    return code
+
+
+def _print_event(line: str) -> None:
+    """Print a supervision or scale event with the wall-clock time (stderr)."""
+    print(f"{time.strftime('%H:%M:%S')} {line}", file=sys.stderr, flush=True)
+
+
+def _check_autoscale(args: argparse.Namespace) -> str:
+    """Return what is wrong with --autoscale ("" when nothing); with it, start with MIN replicas (or --replicas
+    when that lies within MIN..MAX)."""
+    if not args.autoscale:
+        return ""
+    from sluice_tools.autoscale import parse_bounds
+
+    try:
+        low, high = parse_bounds(args.autoscale)
+    except ValueError as exc:
+        return str(exc)
+    args.replicas = min(max(args.replicas, low), high)
+    return ""
 
 
 def _check_args(args: argparse.Namespace) -> str:

@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     run = tmp_path_factory.mktemp("mtls")
     with Stack(StackConfig(backend="costmodel", model="llama-3-8b", mtls=True, public_tls=True,
-                           run_dir=run)).start() as running:
+                           run_dir=run)) as running:
         yield running
 
 

@@ -1,0 +1,175 @@
+"""`sluice up --autoscale MIN:MAX`: the planner (planner_svc) sizing the replicas of a local stack.
+
+Theory of operation
+- `StackLauncher` is the planner's `ReplicaLauncher` on this machine: `start_replica` starts a worker
+  with a fresh replica id (its scheduler follows once the worker serves; the scheduler registers with
+  the router, WARMING, and reports READY: only then is it routed to); `stop_replica` drains it: the
+  router stops routing to it at once, its scheduler gets SIGTERM, finishes its requests for up to its
+  drain timeout (`--drain-timeout`, 30 s by default) and cancels what is left (those requests end
+  CANCELLED), then exits; its worker is stopped after it. Both return at once: the supervisor's pass
+  (`Stack.advance_replicas`) moves replicas along.
+- `StackObservations` is the planner's `ObservationSource`: the router's registry (READY, WARMING,
+  DRAINING) and every scheduler's Stats (waiting = queue length, queued prefill tokens, waiting +
+  running = in flight, KV blocks used / total). The arrival rate is counted from Stats deltas:
+  requests that arrived on a replica between two observations = its change of (finished + cancelled
+  + timed out + waiting + running); a replica seen for the first time counts from zero. Admission's
+  own arrival counter is not read (its metrics port is not known here).
+  Not observed: request lengths and TTFT/TPOT (the demand and latency signals stay 0), cached prefix
+  blocks (the victim is chosen by in-flight requests and queue length).
+- `Autoscaler.tick(now)` runs `PlannerLoop.tick` every `period_s` and reports each scale event and
+  each change of the fleet's READY count as one line.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from planner_svc.config import PlannerConfig
+from planner_svc.connectors import LocalProcessConnector
+from planner_svc.core import Planner, ScaleDown, ScaleUp
+from planner_svc.driver import PlannerLoop
+from planner_svc.signals import Observation, ReplicaLoad
+from sluice.v1 import router_pb2, scheduler_pb2, scheduler_pb2_grpc
+from sluice_tools.stack import Stack
+
+__all__ = ["Autoscaler", "StackLauncher", "StackObservations", "local_planner_config", "parse_bounds", "quick_planner_config"]
+
+
+def parse_bounds(text: str) -> tuple[int, int]:
+    """Parse `MIN:MAX` (e.g. "1:3"); raises ValueError naming the problem."""
+    low, sep, high = text.partition(":")
+    if not sep or not low.strip().isdigit() or not high.strip().isdigit():
+        raise ValueError(f"--autoscale takes MIN:MAX, e.g. 1:3; got {text!r}")
+    lo, hi = int(low), int(high)
+    if not 1 <= lo <= hi:
+        raise ValueError(f"--autoscale needs 1 <= MIN <= MAX, got {lo}:{hi}")
+    return lo, hi
+
+
+def local_planner_config(min_replicas: int, max_replicas: int) -> PlannerConfig:
+    """The planner of `sluice up --autoscale`: local replicas start in seconds, not the minute and more of a
+    GPU replica (PlannerConfig's defaults), so the window, cooldown and load time are scaled down.
+
+    Scale-down waits for a nearly empty queue (0.15): the signals observed here are queues, which collapse
+    as soon as capacity suffices; at the default 0.5 a fleet that just absorbed a rising load shrinks while
+    the load still lasts (measured: 3 -> 1 replica at 30 req/s), then grows again."""
+    return PlannerConfig(min_replicas=min_replicas, max_replicas=max_replicas, window_s=10.0, min_observations=3,
+                         cooldown_s=15.0, load_time_s=3.0, warmup_s=1.0, queue_per_replica=4.0,
+                         scale_down_pressure=0.15, target_pressure=0.5)
+
+
+def quick_planner_config(min_replicas: int, max_replicas: int) -> PlannerConfig:
+    """A planner for tests on cost-model replicas that start in about a second: short window, cooldown and
+    load time, and a queue target low enough for a small test load to move it."""
+    return PlannerConfig(min_replicas=min_replicas, max_replicas=max_replicas, window_s=4.0, min_observations=3,
+                         cooldown_s=4.0, load_time_s=1.0, warmup_s=0.5, queue_per_replica=2.0)
+
+
+class StackLauncher:
+    """Starts and retires replicas of a running Stack (planner_svc.connectors.ReplicaLauncher)."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+
+    def start_replica(self) -> str:
+        return self.stack.add_replica()
+
+    def stop_replica(self, replica_id: str) -> None:
+        self.stack.retire_replica(replica_id)
+
+    def replica_ids(self) -> Sequence[str]:
+        return [rid for rid, replica in self.stack.replicas.items() if not replica.retiring]
+
+
+@dataclass
+class StackObservations:
+    """Observations of a running Stack for the planner (see the module docstring)."""
+
+    stack: Stack
+    last: Observation | None = None
+    """The newest observation."""
+    _arrived: dict[str, int] = field(default_factory=dict)
+    _last_at: float | None = None
+
+    def observe(self, now: float) -> Observation:
+        try:
+            listed = {r.replica_id: r.state for r in self.stack.list_replicas()}
+        except grpc.RpcError:
+            listed = {}
+        loads, arrivals = [], 0
+        for replica_id, replica in self.stack.replicas.items():
+            stats = self._stats(replica.scheduler.address) if replica.scheduler is not None else None
+            state = listed.get(replica_id)
+            loads.append(_load(replica_id, state, stats, replica.retiring))
+            if stats is not None:
+                seen = stats.finished + stats.cancelled + stats.timed_out + stats.waiting + stats.running
+                arrivals += max(0, seen - self._arrived.get(replica_id, 0))
+                self._arrived[replica_id] = seen
+        elapsed = now - self._last_at if self._last_at is not None else 0.0
+        self._last_at = now
+        self.last = Observation(at=now, arrival_rate=arrivals / elapsed if elapsed > 0 else 0.0,
+                                replicas=tuple(loads))
+        return self.last
+
+    def _stats(self, address: str) -> scheduler_pb2.SchedulerStats | None:
+        with self.stack.channel(address) as channel:
+            try:
+                return scheduler_pb2_grpc.SchedulerServiceStub(channel).Stats(scheduler_pb2.StatsRequest(),
+                                                                                timeout=1)
+            except grpc.RpcError:
+                return None
+
+
+def _load(replica_id: str, state: int | None, stats: scheduler_pb2.SchedulerStats | None,
+          retiring: bool) -> ReplicaLoad:
+    """One replica as the planner sees it: ready only when the router routes to it."""
+    draining = retiring or state == router_pb2.DRAINING
+    if stats is None:
+        return ReplicaLoad(replica_id, ready=False, draining=draining)
+    kv = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
+    return ReplicaLoad(replica_id, ready=state == router_pb2.READY, queue_length=stats.waiting,
+                       queued_prefill_tokens=stats.queued_prefill_tokens, in_flight=stats.waiting + stats.running,
+                       kv_used_fraction=kv, draining=draining)
+
+
+@dataclass
+class Autoscaler:
+    """The planner loop on a running Stack, ticked from the supervisor's pass every `period_s`."""
+
+    stack: Stack
+    config: PlannerConfig
+    period_s: float = 1.0
+    on_event: Callable[[str], None] = field(default=lambda line: print(line, file=sys.stderr, flush=True))
+    events: list[tuple[float, str, int]] = field(default_factory=list)
+    """(time, "scale_up"/"scale_down", replicas after) for each change."""
+
+    def __post_init__(self) -> None:
+        self.source = StackObservations(self.stack)
+        self.launcher = StackLauncher(self.stack)
+        self.loop = PlannerLoop(Planner(self.config), self.source, LocalProcessConnector(self.launcher))
+        self._next_at: float | None = None
+        self._ready: tuple[str, ...] = ()
+
+    def tick(self, now: float) -> None:
+        """Run the planner if its period is due; report changes of the fleet and of its READY replicas."""
+        if self._next_at is not None and now < self._next_at:
+            return
+        self._next_at = now + self.period_s
+        decision = self.loop.tick(now)
+        count = len(self.launcher.replica_ids())
+        if isinstance(decision, ScaleUp):
+            self.events.append((now, "scale_up", count))
+            self.on_event(f"autoscale: scale up by {decision.n} ({decision.signal} pressure "
+                          f"{decision.pressure:.2f}) -> {count} replicas")
+        elif isinstance(decision, ScaleDown):
+            self.events.append((now, "scale_down", count))
+            self.on_event(f"autoscale: scale down: draining {decision.replica_id} ({decision.signal} pressure "
+                          f"{decision.pressure:.2f}) -> {count} replicas")
+        ready = tuple(r.replica_id for r in self.source.last.replicas if r.serving) if self.source.last else ()
+        if ready != self._ready:
+            self._ready = ready
+            self.on_event(f"autoscale: READY replicas: {', '.join(ready) or 'none'}")

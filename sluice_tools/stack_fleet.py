@@ -1,0 +1,148 @@
+"""The changing part of a local stack: supervision and replicas added or retired while it runs.
+
+`StackFleet` is a mixin of `sluice_tools.stack.Stack` (kept apart so that the stack's start and stop stay
+readable): `supervise()` is one supervision pass (sluice_tools/supervisor.py), `start_supervising()` runs
+it in a thread; `add_replica` / `retire_replica` / `advance_replicas` are what the planner's launcher
+(sluice_tools/autoscale.py) calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, cast
+
+import grpc
+
+from sluice.v1 import router_pb2, router_pb2_grpc
+
+if TYPE_CHECKING:
+    from sluice.tls import TlsFiles
+    from sluice_tools.stack import Proc, Replica, Stack, StackConfig
+    from sluice_tools.supervisor import Supervisor
+
+
+class StackFleet:
+    """Supervision and replica changes of a running Stack (a mixin: the attributes are the Stack's)."""
+
+    config: StackConfig
+    router: Proc | None
+    workers: list[Proc]
+    schedulers: list[Proc]
+    procs: list[Proc]
+    replicas: dict[str, Replica]
+    supervisor: Supervisor | None
+    _supervising: threading.Thread | None
+    _halt: threading.Event
+    _released: threading.Event
+    _pass_lock: threading.Lock
+    _operator: TlsFiles | None
+
+    if TYPE_CHECKING:
+        def channel(self, address: str) -> grpc.Channel: ...
+
+    def _spawn_worker(self) -> Replica:
+        raise NotImplementedError
+
+    def _spawn_scheduler(self, replica: Replica) -> Proc:
+        raise NotImplementedError
+
+    def supervise(self, now: float | None = None) -> None:
+        """One supervision pass: restart what died (when its backoff is due), move replicas along."""
+        from sluice_tools.supervisor import Supervisor
+
+        with self._pass_lock:  # `stop` waits for a pass under way, then no pass runs any more
+            if self.supervisor is None:
+                self.supervisor = Supervisor(cast("Stack", self))
+            self.supervisor.step(time.monotonic() if now is None else now)
+
+    def start_supervising(self, interval_s: float = 0.25) -> threading.Thread:
+        """Run `supervise` every `interval_s` in a thread until `stop` (which the thread outlives: processes it
+        restarts get their lifeline signal when the thread that started them ends, sluice.lifeline)."""
+        def loop() -> None:
+            while not self._halt.wait(interval_s):
+                try:
+                    self.supervise()
+                except Exception as exc:  # a bug here must not end the thread: its children would go with it
+                    print(f"supervisor: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            self._released.wait()
+
+        self._supervising = threading.Thread(target=loop, name="sluice-supervisor", daemon=True)
+        self._supervising.start()
+        return self._supervising
+
+    def _halt_supervision(self) -> None:
+        self._halt.set()
+        with self._pass_lock:
+            if self.supervisor is not None:
+                self.supervisor.halted = True
+
+    def _release_supervision(self) -> None:
+        self._released.set()
+        if self._supervising is not None and self._supervising is not threading.current_thread():
+            self._supervising.join(timeout=10)
+
+    def relaunch(self, proc: Proc) -> None:
+        """Start a dead process again with the same command, address and environment."""
+        if proc.alive():
+            raise RuntimeError(f"{proc.name} is still running")
+        proc.launch()
+
+    def add_replica(self) -> str:
+        """Start a new replica (worker now, its scheduler once the worker serves, see `advance_replicas`);
+        return its id. It registers with the router and is routed to once READY."""
+        return self._spawn_worker().replica_id
+
+    def retire_replica(self, replica_id: str) -> None:
+        """Drain and stop a replica: the router stops routing to it, its scheduler gets SIGTERM (it finishes its
+        requests up to its drain timeout, then cancels the rest); its worker stops once the scheduler is gone.
+        Raises KeyError for an unknown replica."""
+        replica = self.replicas[replica_id]
+        replica.retiring = True
+        self.router_drain(replica_id)
+        if replica.scheduler is not None and replica.scheduler.alive() and replica.scheduler.popen is not None:
+            replica.scheduler.popen.send_signal(signal.SIGTERM)
+
+    def advance_replicas(self) -> list[str]:
+        """Move replicas along: start the scheduler of a new replica whose worker serves; forget a retired one
+        whose scheduler has exited (its worker stopped). Returns what happened, one line each."""
+        from sluice_tools.stack import _terminate, health_serving
+
+        events = []
+        for replica in list(self.replicas.values()):
+            if replica.retiring:
+                if replica.scheduler is None or not replica.scheduler.alive():
+                    _terminate(replica.worker, timeout_s=10.0)
+                    self._forget(replica)
+                    events.append(f"{replica.replica_id} retired (scheduler and worker stopped)")
+            elif replica.scheduler is None and replica.worker.alive() and health_serving(replica.worker.address,
+                                                                                           timeout_s=0.2,
+                                                                                           files=self._operator):
+                self._spawn_scheduler(replica)
+                events.append(f"{replica.replica_id}: worker serving, scheduler started")
+        return events
+
+    def _forget(self, replica: Replica) -> None:
+        del self.replicas[replica.replica_id]
+        gone = {id(replica.worker), id(replica.scheduler)}
+        self.workers = [p for p in self.workers if id(p) not in gone]
+        self.schedulers = [p for p in self.schedulers if id(p) not in gone]
+        self.procs = [p for p in self.procs if id(p) not in gone]
+
+    def router_drain(self, replica_id: str) -> None:
+        """Ask the router to stop routing to a replica (best effort: the router may be down)."""
+        if self.router is None:
+            return
+        with self.channel(self.router.address) as channel, contextlib.suppress(grpc.RpcError):
+            router_pb2_grpc.RouterServiceStub(channel).Drain(router_pb2.DrainRequest(replica_id=replica_id),
+                                                             timeout=2)
+
+    def list_replicas(self) -> list[router_pb2.Replica]:
+        """The router's registry (raises grpc.RpcError when the router does not answer)."""
+        assert self.router is not None
+        with self.channel(self.router.address) as channel:
+            return list(router_pb2_grpc.RouterServiceStub(channel).ListReplicas(
+                router_pb2.ListReplicasRequest(), timeout=2).replicas)
