@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 from google.protobuf import duration_pb2
+from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 
 from sluice.core_errors import CoreError
@@ -124,6 +125,30 @@ _HANDLER_KINDS = (
 )
 
 
+def _decoder(deserializer: Callable[[bytes], Any] | None, streaming: bool) -> Callable[[Any], Any]:
+    """Return a function that decodes a request (or wraps a request stream) and raises InvalidArgument."""
+    def decode_one(raw: Any) -> Any:
+        if deserializer is None:
+            return raw
+        try:
+            return deserializer(raw)
+        except DecodeError as exc:
+            raise InvalidArgument(f"malformed request message: {exc}"[:200], reason="MALFORMED_MESSAGE") from exc
+
+    async def decode_stream(raws: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        async for raw in raws:
+            yield decode_one(raw)
+
+    return decode_stream if streaming else decode_one
+
+
+def _decoding(behavior: Callable[..., Any], decode: Callable[[Any], Any]) -> Callable[..., Any]:
+    def decoded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return behavior(decode(request), context)
+
+    return decoded
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps SluiceError and the cores' CoreError refusals to statuses for every RPC."""
 
@@ -144,7 +169,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             behavior = getattr(handler, kind)
             if behavior is not None:
                 wrap = self._wrap_stream if streams else self._wrap_unary
-                return make_handler(wrap(behavior), request_deserializer=handler.request_deserializer,
+                decode = _decoder(handler.request_deserializer, handler.request_streaming)
+                # The request arrives undecoded and is decoded inside the wrapper, so that malformed
+                # bytes answer INVALID_ARGUMENT instead of grpc's UNKNOWN with a logged traceback.
+                return make_handler(wrap(_decoding(behavior, decode)), request_deserializer=None,
                                     response_serializer=handler.response_serializer)
         return handler
 
