@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 PROTOS  := $(wildcard protos/sluice/v1/*.proto)
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup protos test lint demo bench clean
+.PHONY: setup protos test lint demo bench fuzz clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -40,6 +40,12 @@ bench: setup
 	$(BIN)/python -m scheduler_svc.bench $(BENCH_FLAGS)
 	$(BIN)/python -m router_svc.bench $(BENCH_FLAGS)
 	$(BIN)/python -m worker_svc.bench $(BENCH_FLAGS)
+
+# The suite's fuzz tests (tests/fuzz) with many more examples: >= 10,000 messages per service.
+# Prints the status counts per service; FUZZ_EXAMPLES=N per RPC and kind of input (default 2000).
+FUZZ_EXAMPLES ?= 2000
+fuzz: setup
+	SLUICE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) SLUICE_FUZZ_REPORT=out/fuzz-report.json $(BIN)/python -m pytest -q -s --timeout 3600 tests/fuzz
 
 clean:
 	rm -rf $(VENV) sluice/v1 .pytest_cache

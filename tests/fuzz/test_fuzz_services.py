@@ -23,14 +23,14 @@ from pathlib import Path
 
 import grpc
 import pytest
+from fuzz_stack import MODEL, REPLICA_ID, Stack, start_stack
 from google.protobuf.descriptor import MethodDescriptor
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-
 from proto_strategies import messages, mutants, raw_bytes
-from fuzz_stack import MODEL, REPLICA_ID, Stack, start_stack
+
 from sluice.config import DEFAULT_API_KEY
 from sluice.v1 import (
     admission_pb2,
@@ -116,13 +116,15 @@ def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     report = {service: dict(sorted(counts.items())) for service, counts in STATUS_COUNTS.items()}
     print("\nfuzz status counts per service:", json.dumps(report, indent=1))
     if os.environ.get("SLUICE_FUZZ_REPORT"):
-        Path(os.environ["SLUICE_FUZZ_REPORT"]).write_text(json.dumps(report, indent=1))
+        path = Path(os.environ["SLUICE_FUZZ_REPORT"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=1))
 
 
 def _call(channel: grpc.Channel, rpc: Rpc, payloads: Sequence[bytes],
           metadata: Sequence[tuple[str, str]]) -> grpc.StatusCode:
     """Send `payloads` as the request(s) of `rpc` undecoded; return the final status (OK if it succeeded)."""
-    method, kinds = rpc.method, (rpc.method.client_streaming, rpc.method.server_streaming)
+    kinds = (rpc.method.client_streaming, rpc.method.server_streaming)
     common = {"request_serializer": None, "response_deserializer": None}
     try:
         if kinds == (False, False):
@@ -139,7 +141,6 @@ def _call(channel: grpc.Channel, rpc: Rpc, payloads: Sequence[bytes],
             channel.stream_unary(rpc.path, **common)(iter(payloads), timeout=CALL_TIMEOUT_S, metadata=metadata)
     except grpc.RpcError as exc:
         return exc.code()  # type: ignore[no-any-return]
-    assert method is not None
     return grpc.StatusCode.OK
 
 
