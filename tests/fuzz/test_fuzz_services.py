@@ -180,8 +180,11 @@ def _payloads(rpc: Rpc, one: st.SearchStrategy[bytes]) -> st.SearchStrategy[list
     return st.lists(one, min_size=1, max_size=3) if rpc.method.client_streaming else one.map(lambda p: [p])
 
 
-def _assert_still_serving(stack: Stack, rpc: Rpc) -> None:
-    """Every service's health is SERVING, no service task ended, and an ordinary request still works."""
+def _assert_still_serving(stack: Stack, rpc: Rpc, caplog: pytest.LogCaptureFixture) -> None:
+    """No traceback was logged, every service's health is SERVING, no service task ended, and an ordinary
+    request still works."""
+    tracebacks = [f"{r.name}: {r.getMessage()[:200]}" for r in caplog.records if r.exc_info]
+    assert tracebacks == [], f"fuzzing {rpc} logged tracebacks"
     assert stack.failed_tasks() == []
     for name in SERVICES:
         assert stack.health(name) == health_pb2.HealthCheckResponse.SERVING, f"{name} after fuzzing {rpc}"
@@ -213,7 +216,7 @@ def _ordinary_requests_work(stack: Stack) -> None:
 
 
 @pytest.mark.parametrize("rpc", RPCS, ids=str)
-def test_typed_messages_never_fail_internally(stack: Stack, rpc: Rpc) -> None:
+def test_typed_messages_never_fail_internally(stack: Stack, rpc: Rpc, caplog: pytest.LogCaptureFixture) -> None:
     """Random and mutated well-typed requests to this RPC get a deliberate status, never INTERNAL/UNKNOWN or a hang."""
     @FUZZ_SETTINGS
     @given(payloads=_payloads(rpc, _messages(rpc).map(lambda m: m.SerializeToString())), metadata=_metadata(rpc))
@@ -221,11 +224,11 @@ def test_typed_messages_never_fail_internally(stack: Stack, rpc: Rpc) -> None:
         _check_call(stack, rpc, payloads, metadata)
 
     fuzz()
-    _assert_still_serving(stack, rpc)
+    _assert_still_serving(stack, rpc, caplog)
 
 
 @pytest.mark.parametrize("rpc", RPCS, ids=str)
-def test_raw_bytes_never_fail_internally(stack: Stack, rpc: Rpc) -> None:
+def test_raw_bytes_never_fail_internally(stack: Stack, rpc: Rpc, caplog: pytest.LogCaptureFixture) -> None:
     """Arbitrary, truncated and garbage-suffixed bytes sent to this RPC's decoder never give INTERNAL/UNKNOWN or a hang."""
     @FUZZ_SETTINGS
     @given(payloads=_payloads(rpc, raw_bytes(rpc.request_class)), metadata=_metadata(rpc))
@@ -233,7 +236,7 @@ def test_raw_bytes_never_fail_internally(stack: Stack, rpc: Rpc) -> None:
         _check_call(stack, rpc, payloads, metadata)
 
     fuzz()
-    _assert_still_serving(stack, rpc)
+    _assert_still_serving(stack, rpc, caplog)
 
 
 def test_every_rpc_of_every_service_is_fuzzed() -> None:
