@@ -124,8 +124,9 @@ def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 
 def _call(channel: grpc.Channel, rpc: Rpc, payloads: Sequence[bytes],
-          metadata: Sequence[tuple[str, str]]) -> grpc.StatusCode:
-    """Send `payloads` as the request(s) of `rpc` undecoded; return the final status (OK if it succeeded)."""
+          metadata: Sequence[tuple[str, str]]) -> tuple[grpc.StatusCode, str]:
+    """Send `payloads` as the request(s) of `rpc` undecoded; return the final status (OK if it succeeded)
+    and its message."""
     kinds = (rpc.method.client_streaming, rpc.method.server_streaming)
     common = {"request_serializer": None, "response_deserializer": None}
     try:
@@ -142,8 +143,8 @@ def _call(channel: grpc.Channel, rpc: Rpc, payloads: Sequence[bytes],
         else:
             channel.stream_unary(rpc.path, **common)(iter(payloads), timeout=CALL_TIMEOUT_S, metadata=metadata)
     except grpc.RpcError as exc:
-        return exc.code()  # type: ignore[no-any-return]
-    return grpc.StatusCode.OK
+        return exc.code(), exc.details() or ""
+    return grpc.StatusCode.OK, ""
 
 
 def _read_some(responses: grpc.Future, limit: int = 3) -> None:
@@ -157,10 +158,12 @@ def _read_some(responses: grpc.Future, limit: int = 3) -> None:
 def _check_call(stack: Stack, rpc: Rpc, payloads: Sequence[bytes], metadata: Sequence[tuple[str, str]]) -> None:
     with grpc.insecure_channel(stack.targets[rpc.service]) as channel:
         began = time.monotonic()
-        code = _call(channel, rpc, payloads, metadata)
+        code, message = _call(channel, rpc, payloads, metadata)
         elapsed = time.monotonic() - began
     STATUS_COUNTS[rpc.service][code.name] += len(payloads)
-    assert code not in FORBIDDEN, f"{rpc} answered {code.name}"
+    assert code not in FORBIDDEN, f"{rpc} answered {code.name}: {message[:200]}"
+    # An error echoing a huge client value in its trailers reaches the client as this transport failure.
+    assert "metadata size exceeds" not in message, f"{rpc}: the error's trailers were too large: {message[:200]}"
     hung = code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED) and elapsed >= CALL_TIMEOUT_S * 0.9
     assert not hung, f"{rpc} ran into the client's {CALL_TIMEOUT_S} s deadline"
 
