@@ -115,12 +115,18 @@ def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     running = start_stack(redis_url, "fuzz" + os.urandom(4).hex(), Path(tmp_path_factory.mktemp("fuzz")))
     yield running
     running.stop()
+    print("\nfuzz status counts per service:", json.dumps(_write_report(), indent=1))
+
+
+def _write_report() -> dict[str, dict[str, int]]:
+    """Return the status counts so far; also write them to $SLUICE_FUZZ_REPORT when set (after every test,
+    so that a long run stopped half-way still leaves its counts)."""
     report = {service: dict(sorted(counts.items())) for service, counts in STATUS_COUNTS.items()}
-    print("\nfuzz status counts per service:", json.dumps(report, indent=1))
     if os.environ.get("SLUICE_FUZZ_REPORT"):
         path = Path(os.environ["SLUICE_FUZZ_REPORT"])
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(report, indent=1))
+    return report
 
 
 def _call(channel: grpc.Channel, rpc: Rpc, payloads: Sequence[bytes],
@@ -232,6 +238,7 @@ def test_typed_messages_never_fail_internally(stack: Stack, rpc: Rpc, caplog: py
         _check_call(stack, rpc, payloads, metadata)
 
     fuzz()
+    _write_report()
     _assert_still_serving(stack, rpc, caplog)
 
 
@@ -244,6 +251,7 @@ def test_raw_bytes_never_fail_internally(stack: Stack, rpc: Rpc, caplog: pytest.
         _check_call(stack, rpc, payloads, metadata)
 
     fuzz()
+    _write_report()
     _assert_still_serving(stack, rpc, caplog)
 
 
