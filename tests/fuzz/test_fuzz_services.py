@@ -83,6 +83,9 @@ TEMPLATES: dict[str, Message] = {
     "sluice.v1.WorkerService.ExecuteStream": worker_pb2.RoundPlan(round_id=1, seqs=[_SEQ]),
 }
 STATUS_COUNTS: dict[str, Counter[str]] = {name: Counter() for name in SERVICES}
+# Requests a fuzzed Submit queued: up to 2^31-1 tokens each, so a long run leaves the replica hours of work
+# ahead of the ordinary request that checks it still serves; they are cancelled before that check.
+ACCEPTED_SUBMITS: list[str] = []
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,8 @@ def _check_call(stack: Stack, rpc: Rpc, payloads: Sequence[bytes], metadata: Seq
         code, message = _call(channel, rpc, payloads, metadata)
         elapsed = time.monotonic() - began
     STATUS_COUNTS[rpc.service][code.name] += len(payloads)
+    if code == grpc.StatusCode.OK and str(rpc) == "scheduler.Submit":
+        ACCEPTED_SUBMITS.append(scheduler_pb2.SubmitRequest.FromString(payloads[0]).request_id)
     assert code not in FORBIDDEN, f"{rpc} answered {code.name}: {message[:200]}"
     # An error echoing a huge client value in its trailers reaches the client as this transport failure.
     assert "metadata size exceeds" not in message, f"{rpc}: the error's trailers were too large: {message[:200]}"
@@ -205,8 +210,22 @@ def _assert_still_serving(stack: Stack, rpc: Rpc, caplog: pytest.LogCaptureFixtu
     _ordinary_requests_work(stack)
 
 
+def _cancel_accepted_submits(stack: Stack) -> None:
+    from sluice.v1 import scheduler_pb2_grpc
+
+    with grpc.insecure_channel(stack.targets["scheduler"]) as channel:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        while ACCEPTED_SUBMITS:
+            try:
+                stub.Cancel(scheduler_pb2.CancelRequest(request_id=ACCEPTED_SUBMITS.pop()), timeout=CALL_TIMEOUT_S)
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.NOT_FOUND, exc  # finished (or cancelled) already
+
+
 def _ordinary_requests_work(stack: Stack) -> None:
     from sluice.v1 import admission_pb2_grpc, worker_pb2_grpc
+
+    _cancel_accepted_submits(stack)
 
     with grpc.insecure_channel(stack.targets["worker"]) as channel:
         result = worker_pb2_grpc.WorkerServiceStub(channel).Execute(TEMPLATES["sluice.v1.WorkerService.Execute"],
