@@ -1,8 +1,9 @@
 """A whole Sluice stack in this process, on loopback, for the fuzz tests to attack.
 
-Worker (cost model of llama-3-8b, emulated time), router, one scheduler replica and admission are each started by
-their own `python -m` entry's `start(ctx, options)`, the code a real process runs, on one event loop
-in a background thread, against the session's real Redis. The tests talk to them from the main
+Worker (cost model of llama-3-8b, emulated time), router, one scheduler replica and admission are each
+started by their own `python -m` entry's `start(ctx, options)`, the code a real process runs, each on
+its own event loop in a background thread (so that one service's stall does not stall the others, as
+with separate processes), against the session's real Redis. The tests talk to them from the main
 thread with ordinary synchronous gRPC channels, so a hung servicer shows up as a client deadline.
 """
 
@@ -29,24 +30,28 @@ from sluice.v1 import router_pb2, router_pb2_grpc
 
 T = TypeVar("T")
 REPLICA_ID = "replica-under-fuzz-7f3a"  # a name no strategy produces, so fuzzed Drain/Register miss it
-HEARTBEAT_TIMEOUT_S = 2.0
+HEARTBEAT_TIMEOUT_S = 3.0
 # A real model's shape: its emulated rounds take GPU-like time, so an unbounded plan becomes a hang.
 MODEL = "llama-3-8b"  # fuzz-registered replicas that never beat again are GONE after this
 
 
 @dataclass
 class Stack:
-    """The running services: their gRPC targets, their watched tasks and how to stop them."""
+    """The running services (each on its own event loop and thread), their gRPC targets and watched tasks."""
 
-    loop: asyncio.AbstractEventLoop
-    thread: threading.Thread
+    loops: dict[str, tuple[asyncio.AbstractEventLoop, threading.Thread]] = field(default_factory=dict)
     targets: dict[str, str] = field(default_factory=dict)
     started: dict[str, serve.Started] = field(default_factory=dict)
     contexts: dict[str, serve.ServiceContext] = field(default_factory=dict)
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
-        """Run `coro` on the stack's loop and return its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+    def run(self, name: str, coro: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
+        """Run `coro` on the loop of service `name` (started on first use) and return its result."""
+        if name not in self.loops:
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(target=loop.run_forever, name=f"fuzz-{name}", daemon=True)
+            thread.start()
+            self.loops[name] = (loop, thread)
+        return asyncio.run_coroutine_threadsafe(coro, self.loops[name][0]).result(timeout_s)
 
     def failed_tasks(self) -> list[str]:
         """Return a description of each watched task of each service that has ended (a crash)."""
@@ -60,21 +65,22 @@ class Stack:
         return int(reply.status)
 
     def stop(self) -> None:
-        """Signal every service to stop, drain it, close what it opened, and end the loop's thread."""
-        async def shutdown() -> None:
-            for name in ("admission", "scheduler", "router", "worker"):
-                ctx, started = self.contexts.get(name), self.started.get(name)
-                if ctx is None:
-                    continue
-                ctx.stop.set()
-                if started is not None and started.drain is not None:
-                    await asyncio.wait_for(started.drain(), 30)
-                await ctx.cleanup.aclose()
+        """Signal every service to stop, drain it, close what it opened, and end its loop's thread."""
+        async def shutdown(name: str) -> None:
+            ctx, started = self.contexts[name], self.started.get(name)
+            ctx.stop.set()
+            if started is not None and started.drain is not None:
+                await asyncio.wait_for(started.drain(), 30)
+            await ctx.cleanup.aclose()
+
         try:
-            self.run(shutdown(), 90)
+            for name in ("admission", "scheduler", "router", "worker"):
+                if name in self.contexts:
+                    self.run(name, shutdown(name), 60)
         finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(10)
+            for loop, thread in self.loops.values():
+                loop.call_soon_threadsafe(loop.stop)
+                thread.join(10)
 
 
 def _model_dir(root: Path) -> Path:
@@ -87,14 +93,17 @@ def _model_dir(root: Path) -> Path:
     return directory
 
 
-async def _start(stack: Stack, name: str, options: serve.ServiceOptions, start: Any) -> str:
-    ctx = serve.ServiceContext(options, asyncio.Event())
-    stack.contexts[name] = ctx
-    started = await start(ctx, options)
-    stack.started[name] = started
-    if started.ready is not None and not await started.ready():
-        raise RuntimeError(f"{name} did not become ready")
-    stack.targets[name] = f"127.0.0.1:{started.port}"
+def _start(stack: Stack, name: str, options: serve.ServiceOptions, start: Any) -> str:
+    async def begin() -> str:
+        ctx = serve.ServiceContext(options, asyncio.Event())
+        stack.contexts[name] = ctx
+        started = await start(ctx, options)
+        stack.started[name] = started
+        if started.ready is not None and not await started.ready():
+            raise RuntimeError(f"{name} did not become ready")
+        return f"127.0.0.1:{started.port}"
+
+    stack.targets[name] = stack.run(name, begin(), 120)
     return stack.targets[name]
 
 
@@ -109,29 +118,27 @@ async def _replica_ready(router: str) -> None:
     raise RuntimeError("the scheduler replica never became READY at the router")
 
 
-async def _start_all(stack: Stack, redis_url: str, namespace: str, root: Path) -> None:
+def _start_all(stack: Stack, redis_url: str, namespace: str, root: Path) -> None:
     bus = {"redis_url": redis_url, "namespace": namespace}
-    worker = await _start(stack, "worker", worker_main.WorkerOptions(
+    worker = _start(stack, "worker", worker_main.WorkerOptions(
         backend="costmodel", model=MODEL, emulate_time=True), worker_main.start)
-    router = await _start(stack, "router", router_main.RouterOptions(
+    router = _start(stack, "router", router_main.RouterOptions(
         heartbeat_timeout=HEARTBEAT_TIMEOUT_S, **bus), router_main.start)
-    await _start(stack, "scheduler", scheduler_main.SchedulerOptions(
+    _start(stack, "scheduler", scheduler_main.SchedulerOptions(
         replica_id=REPLICA_ID, worker=worker, router=router, heartbeat_interval=0.2, drain_timeout=2.0, **bus),
         scheduler_main.start)
-    await _replica_ready(router)
-    await _start(stack, "admission", admission_main.AdmissionOptions(
+    asyncio.run(_replica_ready(router))
+    _start(stack, "admission", admission_main.AdmissionOptions(
         router=router, model=str(_model_dir(root)), model_id=MODEL, owner=f"fuzz-{namespace}", **bus),
         admission_main.start)
 
 
 def start_stack(redis_url: str, namespace: str, root: Path) -> Stack:
-    """Start worker, router, scheduler and admission on a background loop; return them once all serve."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="fuzz-stack", daemon=True)
-    thread.start()
-    stack = Stack(loop, thread)
+    """Start worker, router, scheduler and admission, each on its own loop thread (as separate processes
+    would not share a loop); return them once all serve."""
+    stack = Stack()
     try:
-        stack.run(_start_all(stack, redis_url, namespace, root), 120)
+        _start_all(stack, redis_url, namespace, root)
     except BaseException:
         stack.stop()
         raise

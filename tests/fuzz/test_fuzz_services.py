@@ -25,7 +25,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from fuzz_stack import MODEL, REPLICA_ID, Stack, start_stack
+from fuzz_stack import HEARTBEAT_TIMEOUT_S, MODEL, REPLICA_ID, Stack, start_stack
 from google.protobuf.descriptor import MethodDescriptor
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
@@ -244,7 +244,7 @@ def _ordinary_requests_work(stack: Stack) -> None:
             return
         except grpc.RpcError as exc:
             last = exc
-            time.sleep(2.5)
+            time.sleep(HEARTBEAT_TIMEOUT_S + 0.5)
     raise AssertionError(f"an ordinary Generate fails after fuzzing: {last}")
 
 
