@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 PROTOS  := $(wildcard protos/sluice/v1/*.proto)
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup protos redis-tls test lint demo bench bench-openai bench-http clean
+.PHONY: setup protos redis-tls test lint demo bench bench-openai bench-http fuzz clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -69,6 +69,12 @@ bench-openai: setup $(BENCH_VENV)/bin/aiperf
 # What the HTTP edge adds per token compared with gRPC, both driven at once (p50/p99 side by side, JSON).
 bench-http: setup
 	PYTHONPATH=. $(BIN)/python scripts/bench_http_vs_grpc.py
+
+# The suite's fuzz tests (tests/fuzz) with many more examples: >= 10,000 messages per service.
+# Prints the status counts per service; FUZZ_EXAMPLES=N per RPC and kind of input (default 2000).
+FUZZ_EXAMPLES ?= 2000
+fuzz: setup
+	SLUICE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) SLUICE_FUZZ_REPORT=out/fuzz-report.json $(BIN)/python -m pytest -q -s --timeout 3600 tests/fuzz
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) sluice/v1 .pytest_cache

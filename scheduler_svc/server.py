@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -61,6 +62,21 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = services.SCHEDULER
 
 
+def _check_submission(request: scheduler_pb2.SubmitRequest, vocab_size: int) -> None:
+    """Raise InvalidArgument for what the worker would refuse in a plan (worker_svc/validation.py): a refused
+    plan looks like a lost worker to the driver, so one such request would take the replica out of rotation."""
+    ids = request.prompt_token_ids
+    if vocab_size and ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        bad = next(i for i in ids if not 0 <= i < vocab_size)
+        raise errors.InvalidArgument(f"prompt token id {bad} is outside 0..{vocab_size - 1}",
+                                     field_name="prompt_token_ids")
+    sampling = request.sampling
+    if not (math.isfinite(sampling.temperature) and sampling.temperature >= 0) or sampling.top_k < 0 \
+            or math.isinf(sampling.top_p):
+        raise errors.InvalidArgument(f"sampling: temperature {sampling.temperature} (finite, >= 0), top_k "
+                                     f"{sampling.top_k} (>= 0), top_p {sampling.top_p} (finite)", field_name="sampling")
+
+
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     """Thin servicer over the Driver."""
 
@@ -82,6 +98,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                                      "could not reach the client", reason="bus_unavailable", retry_after_s=1.0)
         if not request.request_id:
             raise errors.InvalidArgument("request_id is required", field_name="request_id")
+        _check_submission(request, self.driver.vocab_size)
         position = self.driver.submit(request, extract_metadata(context.invocation_metadata()))
         return scheduler_pb2.SubmitResponse(queue_position=position)
 
@@ -285,7 +302,7 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
     driver = Driver(core, worker_pb2_grpc.WorkerServiceStub(worker_channel), bus, replica_id=replica_id,
                     model_id=info.model_id, eos_token_id=info.eos_token_id, metrics=metrics, use_stream=use_stream,
                     worker_health=health_pb2_grpc.HealthStub(worker_channel),
-                    publish_first_max_tokens=publish_first_max_tokens)
+                    publish_first_max_tokens=publish_first_max_tokens, vocab_size=info.vocab_size)
     health = health_aio.HealthServicer()
     server, bound = await start_scheduler_server(driver, health, port, host, tls_files, bus_alive)
     stop = asyncio.Event()

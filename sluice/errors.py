@@ -26,6 +26,19 @@ DETAILS_KEY = "grpc-status-details-bin"
 ERROR_DOMAIN = "sluice"
 
 
+MAX_MESSAGE_CHARS = 240
+
+
+def clip(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """Return `text` cut to `limit` characters, saying how long it was.
+
+    A client's value echoed whole (a 64 KiB request id) made the trailers exceed gRPC's 16 KiB metadata
+    limit, and the client saw RESOURCE_EXHAUSTED instead of the error; the message travels twice (the
+    status line and its details) and non-ASCII text triples when percent-encoded, hence the margin.
+    """
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 class SluiceError(Exception):
     """An error with a gRPC status code; `reason` is a stable machine-readable word."""
 
@@ -48,13 +61,15 @@ class SluiceError(Exception):
         self.retry_after_s = retry_after_s
 
     def to_status(self) -> status_pb2.Status:
-        """Return the google.rpc.Status carrying this error's details."""
-        status = status_pb2.Status(code=self.code.value[0], message=self.message)
-        info = error_details_pb2.ErrorInfo(reason=self.reason, domain=ERROR_DOMAIN, metadata=self.metadata)
+        """Return the google.rpc.Status carrying this error's details (long texts clipped, see `clip`)."""
+        message = clip(self.message)
+        status = status_pb2.Status(code=self.code.value[0], message=message)
+        metadata = {clip(k, 64): clip(v, 128) for k, v in self.metadata.items()}
+        info = error_details_pb2.ErrorInfo(reason=clip(self.reason, 64), domain=ERROR_DOMAIN, metadata=metadata)
         status.details.add().Pack(info)
         if self.field_name:
             bad = error_details_pb2.BadRequest()
-            bad.field_violations.add(field=self.field_name, description=self.message)
+            bad.field_violations.add(field=clip(self.field_name, 128), description=message)
             status.details.add().Pack(bad)
         if self.retry_after_s is not None:
             delay = duration_pb2.Duration()
@@ -111,7 +126,7 @@ async def abort(context: grpc.aio.ServicerContext, error: SluiceError) -> None:
     """Abort the RPC with `error`'s code, message and details (raises, as context.abort does)."""
     status = error.to_status()
     await context.abort(
-        error.code, error.message, trailing_metadata=((DETAILS_KEY, status.SerializeToString()),)
+        error.code, status.message, trailing_metadata=((DETAILS_KEY, status.SerializeToString()),)
     )
 
 

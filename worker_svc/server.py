@@ -5,6 +5,8 @@ Theory of operation
   so the event loop stays free for RPCs and health checks, and rounds never overlap on the device.
 - Health is NOT_SERVING until the backend is loaded and one warm-up round has run, then SERVING;
   Execute and Info answer UNAVAILABLE until then.
+- A plan that does not fit the worker (positions past the model length, token or block ids out of
+  range, more tokens than KV slots...) is refused with INVALID_ARGUMENT before it runs.
 - A backend exception fails the round as a whole: the result carries `error` (the scheduler fails the
   round's requests); the service keeps serving.
 - `emulate_time`: a backend whose `elapsed_s` is modelled (the cost model) is made to take that long,
@@ -36,6 +38,7 @@ from sluice.tls import TlsFiles
 from sluice.types import RoundPlan, RoundResult, SamplingParams, ScheduledSeq
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.backend import Backend, BackendInfo
+from worker_svc.validation import validate_plan
 
 __all__ = ["SERVICE_NAME", "WorkerRuntime", "WorkerServicer", "start_worker_server"]
 
@@ -88,10 +91,12 @@ class WorkerRuntime:
     async def execute(self, plan: RoundPlan, rpc: str = "Execute") -> RoundResult:
         """Run one round and return its result (`error` set when the backend raised).
 
-        Raises Unavailable until the warm-up round has run.
+        Raises Unavailable until the warm-up round has run, InvalidArgument for a plan that does not
+        fit this worker (worker_svc/validation.py), before it takes the device.
         """
-        if not self.ready.is_set():
+        if not self.ready.is_set() or self._info is None:
             raise Unavailable("the worker is not ready (loading or warming up)", reason="WORKER_LOADING")
+        validate_plan(plan, self._info)
         self.metrics.rounds.labels(rpc).inc()
         return await self._run(plan)
 

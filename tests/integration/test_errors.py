@@ -10,7 +10,7 @@ import pytest
 from admission_svc.core import InvalidRequest, OverBudget
 from router_svc.core import IllegalReplicaTransition, NoReplicaAvailable, ReplicaInput, ReplicaState
 from sluice.core_errors import RequestRejected
-from sluice.errors import ErrorInterceptor, details_of
+from sluice.errors import ErrorInterceptor, NotFound, details_of
 from sluice.types import RejectReason
 from sluice.v1 import admission_pb2, admission_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -81,3 +81,34 @@ def test_core_errors_become_statuses_with_details() -> None:
     assert out["bug"].code() is grpc.StatusCode.UNKNOWN
     stream = details_of(out["stream"])
     assert stream.code is grpc.StatusCode.RESOURCE_EXHAUSTED and stream.retry_after_s == pytest.approx(2.5)
+
+
+class EchoesHugeValues(scheduler_pb2_grpc.SchedulerServiceServicer):
+    """Cancel refuses with a message, field and metadata that echo the (huge) request id whole."""
+
+    async def Cancel(self, request, context):  # noqa: N802 - gRPC method name
+        raise NotFound(f"request {request.request_id!r} is not known", field_name=request.request_id,
+                       metadata={"request_id": request.request_id})
+
+
+def test_errors_echoing_huge_values_still_reach_the_client() -> None:
+    """A 64 KiB value echoed in an error is clipped on the wire: the client gets NOT_FOUND with a short message
+    saying how long the text was, not RESOURCE_EXHAUSTED from trailers over gRPC's metadata limit."""
+    async def body() -> grpc.aio.AioRpcError:
+        server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+        scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(EchoesHugeValues(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await scheduler_pb2_grpc.SchedulerServiceStub(channel).Cancel(
+                        scheduler_pb2.CancelRequest(request_id="é" * 65536))
+                return err.value
+        finally:
+            await server.stop(None)
+
+    details = details_of(asyncio.run(body()))
+    assert details.code is grpc.StatusCode.NOT_FOUND
+    assert len(details.message) < 300 and details.message.endswith("characters)")
+    assert len(details.metadata["request_id"]) < 200 and len(details.field_name) < 200

@@ -1,0 +1,81 @@
+"""A real worker refuses plans that do not fit it, and malformed bytes, with INVALID_ARGUMENT before running them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from sluice import convert
+from sluice.errors import details_of
+from sluice.types import RoundPlan, SamplingParams, ScheduledSeq
+from sluice.v1 import worker_pb2, worker_pb2_grpc
+from worker_svc.costmodel import CostModel
+from worker_svc.server import WorkerRuntime, start_worker_server
+
+
+def _seq(request_id: str = "a", start: int = 0, tokens: tuple[int, ...] = (1, 2, 3),
+         blocks: tuple[int, ...] = (0,)) -> ScheduledSeq:
+    return ScheduledSeq(request_id, 0, tokens, start, blocks, SamplingParams(max_tokens=4), True, 0)
+
+
+async def _refusal(stub: worker_pb2_grpc.WorkerServiceStub, plan: RoundPlan) -> tuple[grpc.StatusCode, str, float]:
+    began = time.monotonic()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Execute(convert.plan_to_proto(plan), timeout=10)
+    details = details_of(err.value)
+    return details.code, details.field_name, time.monotonic() - began
+
+
+def test_plans_past_the_workers_limits_are_refused_at_once() -> None:
+    """An emulated llama-3-8b worker refuses start_position 2^31-1 (hours of modelled time), bad ids and blocks
+    with INVALID_ARGUMENT naming the field, within a second, and still runs the next valid round."""
+    async def body() -> None:
+        worker = await start_worker_server(WorkerRuntime(lambda: CostModel("llama-3-8b", "h200"),
+                                                         num_blocks=64, emulate_time=True))
+        await asyncio.wait_for(worker.loading, 30)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+            stub = worker_pb2_grpc.WorkerServiceStub(channel)
+            cases = {
+                "seqs[0].start_position": RoundPlan(1, (_seq(start=2**31 - 1),)),
+                "seqs[1].token_ids": RoundPlan(2, (_seq(), _seq("b", tokens=(10**9,)))),
+                "seqs[0].block_table": RoundPlan(3, (_seq(start=40, blocks=(0,)),)),
+                "seqs[1].request_id": RoundPlan(4, (_seq(), _seq())),
+                "seqs": RoundPlan(5, tuple(_seq(f"r{i}", tokens=(1,) * 200, blocks=tuple(range(13)))
+                                           for i in range(6))),
+            }
+            for field_name, plan in cases.items():
+                code, named, elapsed = await _refusal(stub, plan)
+                assert (code, named) == (grpc.StatusCode.INVALID_ARGUMENT, field_name)
+                assert elapsed < 1.0
+            ok = await stub.Execute(convert.plan_to_proto(RoundPlan(9, (_seq(),))), timeout=10)
+            assert not ok.error and len(ok.outputs) == 1
+        await worker.stop()
+    asyncio.run(body())
+
+
+def test_malformed_bytes_are_invalid_argument_on_unary_and_stream_calls() -> None:
+    """Bytes that are no RoundPlan answer INVALID_ARGUMENT (reason malformed_message), not UNKNOWN, on
+    Execute and on ExecuteStream, and the worker serves a valid plan afterwards."""
+    async def body() -> None:
+        worker = await start_worker_server(WorkerRuntime(lambda: CostModel("tiny", "h200")))
+        await asyncio.wait_for(worker.loading, 30)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+            raw = {"request_serializer": None, "response_deserializer": None}
+            for call in (channel.unary_unary("/sluice.v1.WorkerService/Execute", **raw)(b"\x0a\xff\xff", timeout=5),
+                         channel.stream_stream("/sluice.v1.WorkerService/ExecuteStream", **raw)(
+                             iter([b"\x80"]), timeout=5).read()):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call
+                details = details_of(err.value)
+                assert (details.code, details.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "malformed_message")
+                assert "RoundPlan" in details.message
+            ok = await worker_pb2_grpc.WorkerServiceStub(channel).Execute(
+                convert.plan_to_proto(RoundPlan(1, (_seq(),))), timeout=5)
+            assert not ok.error
+            info = await worker_pb2_grpc.WorkerServiceStub(channel).Info(worker_pb2.InfoRequest(), timeout=5)
+            assert info.model_id == "tiny"
+        await worker.stop()
+    asyncio.run(body())

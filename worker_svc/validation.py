@@ -1,0 +1,79 @@
+"""A round plan checked against the worker's own limits before any of it runs.
+
+The scheduler only ever sends plans that fit; anything else reaching the port is a bug or an
+attacker. Without these checks a plan with `start_position` 2^31-1 makes an emulated-time cost model
+sleep for hours (and a real engine index out of its KV cache), holding the one device lock every
+other round waits on. Rules, each refused with INVALID_ARGUMENT naming the field:
+
+- positions: 0 <= start_position and start_position + len(token_ids) <= max_model_len;
+- tokens: every token id (and recent output id) in [0, vocab_size);
+- KV: the block table covers the positions it is meant to cover, with device blocks in
+  [0, num_blocks); a round computes at most num_blocks * block_size tokens (one KV slot each);
+- swaps: device blocks in [0, num_blocks), host blocks in [0, num_host_blocks);
+- identity: a request appears at most once in a round;
+- sampling: temperature finite and >= 0, top_p finite, top_k >= 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from sluice.errors import InvalidArgument
+from sluice.types import BackendInfo, BlockCopy, RoundPlan, ScheduledSeq
+
+__all__ = ["validate_plan"]
+
+
+def validate_plan(plan: RoundPlan, info: BackendInfo) -> None:
+    """Return None when `plan` fits the worker described by `info`; raises InvalidArgument naming what does not."""
+    _check_swaps("swap_out", plan.swap_out, info.num_blocks, info.num_host_blocks)
+    _check_swaps("swap_in", plan.swap_in, info.num_host_blocks, info.num_blocks)
+    seen: set[str] = set()
+    total_tokens = 0
+    for index, seq in enumerate(plan.seqs):
+        if seq.request_id in seen:
+            raise InvalidArgument(f"request {seq.request_id[:64]!r} appears twice in round {plan.round_id}",
+                                  field_name=f"seqs[{index}].request_id")
+        seen.add(seq.request_id)
+        _check_seq(index, seq, info)
+        total_tokens += len(seq.token_ids)
+    slots = info.num_blocks * info.block_size
+    if total_tokens > slots:
+        raise InvalidArgument(f"round {plan.round_id} computes {total_tokens} tokens, more than the "
+                              f"{slots} KV slots of this worker", field_name="seqs")
+
+
+def _check_seq(index: int, seq: ScheduledSeq, info: BackendInfo) -> None:
+    name = f"seqs[{index}]"
+    end = seq.start_position + len(seq.token_ids)
+    if seq.start_position < 0 or end > info.max_model_len:
+        raise InvalidArgument(f"{name} covers positions {seq.start_position}..{end}, outside the model's "
+                              f"0..{info.max_model_len}", field_name=f"{name}.start_position")
+    _check_ids(f"{name}.token_ids", seq.token_ids, info.vocab_size)
+    _check_ids(f"{name}.recent_output_ids", seq.recent_output_ids, info.vocab_size)
+    needed = -(-end // info.block_size)
+    if len(seq.block_table) < needed:
+        raise InvalidArgument(f"{name} needs {needed} blocks for positions up to {end}, its block table has "
+                              f"{len(seq.block_table)}", field_name=f"{name}.block_table")
+    _check_ids(f"{name}.block_table", seq.block_table[:needed], info.num_blocks, what="device block")
+    sampling = seq.sampling
+    if not (math.isfinite(sampling.temperature) and sampling.temperature >= 0):
+        raise InvalidArgument(f"{name}: temperature must be finite and >= 0, got {sampling.temperature}",
+                              field_name=f"{name}.sampling.temperature")
+    if not math.isfinite(sampling.top_p) or sampling.top_k < 0:
+        raise InvalidArgument(f"{name}: top_p must be finite and top_k >= 0, got {sampling.top_p} and "
+                              f"{sampling.top_k}", field_name=f"{name}.sampling")
+
+
+def _check_ids(name: str, ids: Sequence[int], limit: int, what: str = "token id") -> None:
+    if ids and (min(ids) < 0 or max(ids) >= limit):
+        bad = next(i for i in ids if not 0 <= i < limit)
+        raise InvalidArgument(f"{name}: {what} {bad} is outside 0..{limit - 1}", field_name=name)
+
+
+def _check_swaps(name: str, copies: Sequence[BlockCopy], src_limit: int, dst_limit: int) -> None:
+    for index, copy in enumerate(copies):
+        if not (0 <= copy.src < src_limit and 0 <= copy.dst < dst_limit):
+            raise InvalidArgument(f"{name}[{index}] copies block {copy.src} to {copy.dst}; the limits are "
+                                  f"{src_limit} and {dst_limit}", field_name=f"{name}[{index}]")
