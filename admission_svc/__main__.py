@@ -55,6 +55,10 @@ class AdmissionOptions(serve.BusOptions):
     """A text prompt over this many bytes is INVALID_ARGUMENT, untokenized."""
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     """A request message over this many bytes is INVALID_ARGUMENT, unparsed (at least max_prompt_bytes)."""
+    migration_limit: int = FrontDoorConfig.migration_limit
+    """Moves to another replica a request may make before it ends FAILED (0: no migration)."""
+    stall_timeout_s: float = FrontDoorConfig.stall_timeout_s
+    """Seconds without a new token after which a request's replica is checked for loss."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,7 +127,8 @@ def build_servicer(ctx: serve.ServiceContext, options: AdmissionOptions) -> Fron
     metrics = AdmissionMetrics()
     ctx.expose_metrics(metrics.registry)
     owner = options.owner or f"admission-{socket.gethostname()}-{options.port}"
-    config = FrontDoorConfig(max_prompt_bytes=options.max_prompt_bytes, resume_window_s=options.resume_window_s)
+    config = FrontDoorConfig(max_prompt_bytes=options.max_prompt_bytes, resume_window_s=options.resume_window_s,
+                             migration_limit=options.migration_limit, stall_timeout_s=options.stall_timeout_s)
     return FrontDoor(core, model, options.router, owner, metrics, config)
 
 
@@ -144,6 +149,7 @@ async def start(ctx: serve.ServiceContext, options: AdmissionOptions) -> serve.S
             bus.tokens_stream(servicer.owner), servicer.registry, stop)),
         asyncio.create_task(_consume_completions(bus, servicer, stop)),
         asyncio.create_task(_housekeeping(servicer, stop)),
+        asyncio.create_task(servicer.migrator.watch(stop)),
     ]
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -94,7 +94,8 @@ async def start(ctx: serve.ServiceContext, options: SchedulerOptions) -> serve.S
             port=options.port, host=options.host, advertise_host=options.advertise_host,
             core_overrides=core_overrides(options), metrics=metrics, heartbeat_interval_s=options.heartbeat_interval,
             prefill_tokens_per_s=options.prefill_tokens_per_s, decode_round_s=options.decode_round_s,
-            use_stream=not options.unary, publish_first_max_tokens=options.publish_first_max_tokens)
+            use_stream=not options.unary, publish_first_max_tokens=options.publish_first_max_tokens,
+            drain_timeout_s=options.drain_timeout)
     except (TimeoutError, ValueError) as exc:
         raise serve.StartupError(str(exc)) from exc
 

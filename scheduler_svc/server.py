@@ -12,8 +12,12 @@ Theory of operation
   (the router routes nothing here) and Submit answers UNAVAILABLE reason `worker_unavailable`; the
   driver's `worker_changed` makes the agent heartbeat at once on either change.
   The router being down delays nothing here: the agent keeps retrying.
-- Drain (SIGTERM): stop accepting Submits (UNAVAILABLE), heartbeat DRAINING, let live requests finish
-  for up to `drain_timeout_s`, cancel what is left, wait for their results, stop.
+- Drain (SIGTERM, or the router answering a heartbeat with DRAINING after its Drain RPC): stop accepting
+  Submits (UNAVAILABLE, reason `draining`), heartbeat DRAINING, let live requests finish for up to
+  `drain_timeout_s`, then cancel what is left: admission takes a cancel it did not ask for as the
+  hand-off to migration (admission_svc/migration.py) and moves those requests to other replicas. Once
+  their results are published the agent heartbeats GONE (the router removes the replica) and stops
+  heartbeating: the agent task ends, so the process stops (exit 0). A drain runs once, whoever starts it.
 """
 
 from __future__ import annotations
@@ -106,6 +110,9 @@ class ReplicaAgent:
     heartbeat_interval_s: float = 1.0
     state: ReplicaState = ReplicaState.WARMING
     """What the agent says of the replica; reported UNHEALTHY instead while the worker is down."""
+    drain_timeout_s: float = 30.0
+    """How long a drain the router asked for lets live requests finish before handing the rest over."""
+    _drain_task: asyncio.Task[None] | None = None
 
     def heartbeat_request(self) -> router_pb2.HeartbeatRequest:
         """Return the next heartbeat: the reported state and the load, built by the one glue (sluice.glue)."""
@@ -125,7 +132,7 @@ class ReplicaAgent:
         try:
             reply = await self.router.Heartbeat(request, timeout=5)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.NOT_FOUND:
+            if exc.code() != grpc.StatusCode.NOT_FOUND or self.state is ReplicaState.GONE:
                 raise
             await self.register()
             reply = await self.router.Heartbeat(request, timeout=5)
@@ -145,9 +152,14 @@ class ReplicaAgent:
                     self.state = ReplicaState.READY
                 if self.driver.worker_serving:
                     await self.driver.probe_worker()  # an idle replica notices a dead worker too
-                await self.heartbeat()
+                if await self.heartbeat() == router_pb2.DRAINING and self.state is not ReplicaState.DRAINING:
+                    log.info("the router drains %s", self.replica.replica_id)
+                    await self.drain(self.drain_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 log.warning("router unreachable (%s): retrying", exc.details())
+            if self.state is ReplicaState.GONE:
+                log.info("%s retired: the agent stops", self.replica.replica_id)
+                return
             waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(changed.wait())]
             if not ready.is_set():
                 waiters.append(asyncio.ensure_future(ready.wait()))
@@ -156,7 +168,14 @@ class ReplicaAgent:
                 waiter.cancel()
 
     async def drain(self, drain_timeout_s: float) -> None:
-        """Tell the router DRAINING, stop accepting, finish or cancel live requests (see module docstring)."""
+        """Drain once (see the module docstring); a second call waits for the first."""
+        if self._drain_task is None:
+            self._drain_task = asyncio.get_running_loop().create_task(self._drain(drain_timeout_s))
+        await asyncio.shield(self._drain_task)
+
+    async def _drain(self, drain_timeout_s: float) -> None:
+        """Tell the router DRAINING, stop accepting, finish or hand off live requests, retire."""
+        started = asyncio.get_running_loop().time()
         self.driver.accepting = False
         self.state = ReplicaState.DRAINING
         with contextlib.suppress(grpc.aio.AioRpcError):
@@ -166,13 +185,20 @@ class ReplicaAgent:
         while self.driver.live_request_ids() and loop.time() < deadline:
             await asyncio.sleep(0.05)
         left = self.driver.live_request_ids()
+        metrics = self.driver.metrics
         if left:
-            log.warning("drain timeout: cancelling %d requests", len(left))
+            log.warning("drain timeout: handing %d requests to migration", len(left))
+            metrics.handed_off.inc(len(left))
         for request_id in left:
             self.driver.cancel(request_id)
         while self.driver.live_request_ids() and loop.time() < deadline + 10:
             await asyncio.sleep(0.05)
         await self.driver.flush()
+        metrics.drains.labels("handed_off" if left else "finished").inc()
+        metrics.drain_duration.observe(loop.time() - started)
+        self.state = ReplicaState.GONE
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self.heartbeat()  # the router removes the replica now, not at its heartbeat timeout
 
 
 async def start_scheduler_server(driver: Driver, health: health_aio.HealthServicer, port: int = 0,
@@ -258,7 +284,8 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
                         core_overrides: dict[str, object] | None = None, metrics: SchedulerMetrics | None = None,
                         heartbeat_interval_s: float = 1.0, prefill_tokens_per_s: float = 10_000.0,
                         decode_round_s: float = 0.01, use_stream: bool = True,
-                        worker_timeout_s: float = 120.0, publish_first_max_tokens: int = 64) -> RunningReplica:
+                        worker_timeout_s: float = 120.0, publish_first_max_tokens: int = 64,
+                        drain_timeout_s: float = 30.0) -> RunningReplica:
     """Wait for the worker, build the core from its Info, serve, run the driver, register with the router.
 
     Raises TimeoutError (worker never SERVING), ValueError (bad core settings), RuntimeError (port taken).
@@ -286,7 +313,7 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
             max_num_batched_tokens=core.config.max_num_batched_tokens, prefill_tokens_per_s=prefill_tokens_per_s,
             decode_round_s=decode_round_s)
         agent = ReplicaAgent(driver, router_pb2_grpc.RouterServiceStub(router_channel), replica,
-                             heartbeat_interval_s)
+                             heartbeat_interval_s, drain_timeout_s=drain_timeout_s)
         ready = asyncio.Event()
         ready.set()  # the worker is SERVING: wait_for_worker returned
         tasks.append(asyncio.create_task(agent.run(ready, stop)))

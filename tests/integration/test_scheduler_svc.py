@@ -353,7 +353,7 @@ def test_a_lost_worker_reruns_its_round_makes_the_replica_unhealthy_and_the_queu
             assert [(c.request_id, c.status) for c in done] == [
                 ("interrupted", common_pb2.FINISHED_LENGTH), ("queued", common_pb2.FINISHED_LENGTH)]
             model = CostModel("llama-3-8b", "h200")
-            assert await _output_tokens(r.bus, "interrupted") == [model.token_for("interrupted", i) for i in range(200)]
+            assert await _output_tokens(r.bus, "interrupted") == [model.token_for("interrupted", 40 + i) for i in range(200)]
             assert done[0].usage.preemptions == 1
             assert "all_cleared" in await _kv_event_kinds(r.bus)
             await _wait_for(lambda: state(router_pb2.READY))
@@ -497,7 +497,7 @@ def test_a_killed_worker_process_restarted_on_its_port_lets_the_interrupted_requ
             assert [(c.request_id, c.status) for c in done] == [
                 ("interrupted", common_pb2.FINISHED_LENGTH), ("queued", common_pb2.FINISHED_LENGTH)]
             model = CostModel("llama-3-8b", "h200")
-            assert await _output_tokens(bus, "interrupted") == [model.token_for("interrupted", i) for i in range(300)]
+            assert await _output_tokens(bus, "interrupted") == [model.token_for("interrupted", 40 + i) for i in range(300)]
             assert done[0].usage.preemptions == 1 and done[0].usage.output_tokens == 300
         finally:
             await replica.stop(drain_timeout_s=2)
