@@ -380,7 +380,7 @@ class Simulator:
         now, records, times = self.now, self.records, self._token_times
         for request_id, index, _token in events.tokens:
             times[request_id].append(now)
-            if index == 0:
+            if index == 0 and records[request_id].first_token_s is None:  # a migrated attempt starts at 0 again
                 records[request_id].first_token_s = now
                 self.admission.mark_started(request_id, now)
         for event in events.lifecycle:

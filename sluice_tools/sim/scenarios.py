@@ -393,6 +393,16 @@ SCENARIOS: dict[str, Callable[[], list[Check]]] = {
 }
 
 
+def _add_fleet_scenarios() -> None:
+    # Imported here: fleet_scenarios builds on this module's Check (a module-level import would be circular).
+    from sluice_tools.sim.fleet_scenarios import FLEET_SCENARIOS
+
+    SCENARIOS.update(FLEET_SCENARIOS)
+
+
+_add_fleet_scenarios()
+
+
 def run_scenarios(name: str, out: Callable[[str], None] = print) -> bool:
     """Run one scenario (or "all"), print every check; return True only if all hold.
 
