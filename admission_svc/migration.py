@@ -4,8 +4,8 @@ Rules
 -----
 * Admission owns each request's fate until its terminal status; the loss of its replica is not one.
 * Causes (`MigrationCause`):
-  HANDED_OFF      the replica ended it CANCELLED without admission asking: a drain past its timeout
-                  hands what is left to migration (scheduler_svc ReplicaAgent.drain).
+  HANDED_OFF      the replica ended it CANCELLED with detail DRAIN_HANDOFF (sluice.types): a drain
+                  past its timeout hands what is left to migration (scheduler_svc ReplicaAgent.drain).
   REPLICA_GONE    it stalled and the router no longer lists its replica (heartbeats lost, retired).
   WORKER_DOWN     it stalled and the router says its replica is UNHEALTHY (the worker is down).
   SCHEDULER_GONE  it stalled and its scheduler does not answer a health check (process dead).
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sluice.types import ATTEMPT_SEPARATOR
+from sluice.types import ATTEMPT_SEPARATOR, DRAIN_HANDOFF
 from sluice.v1 import common_pb2, events_pb2, router_pb2, scheduler_pb2
 
 if TYPE_CHECKING:
@@ -94,8 +94,9 @@ def decide(stalled: Iterable[Stalled], replica_states: Mapping[str, int] | None,
 
 
 def handed_off(record: Tracked, completion: events_pb2.Completion) -> bool:
-    """True when the replica cancelled a request admission did not ask to cancel (a drain handing it over)."""
-    return completion.status == common_pb2.CANCELLED and not record.timestamps.cancel_requested
+    """True when a draining replica handed the request over (and admission did not ask to cancel it)."""
+    return (completion.status == common_pb2.CANCELLED and completion.detail == DRAIN_HANDOFF
+            and not record.timestamps.cancel_requested)
 
 
 class Migrator:

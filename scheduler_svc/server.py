@@ -14,8 +14,8 @@ Theory of operation
   The router being down delays nothing here: the agent keeps retrying.
 - Drain (SIGTERM, or the router answering a heartbeat with DRAINING after its Drain RPC): stop accepting
   Submits (UNAVAILABLE, reason `draining`), heartbeat DRAINING, let live requests finish for up to
-  `drain_timeout_s`, then cancel what is left: admission takes a cancel it did not ask for as the
-  hand-off to migration (admission_svc/migration.py) and moves those requests to other replicas. Once
+  `drain_timeout_s`, then cancel what is left with detail `DRAIN_HANDOFF`: admission takes that
+  cancel as the hand-off to migration (admission_svc/migration.py) and moves those requests to other replicas. Once
   their results are published the agent heartbeats GONE (the router removes the replica) and stops
   heartbeating: the agent task ends, so the process stops (exit 0). A drain runs once, whoever starts it.
 """
@@ -40,7 +40,7 @@ from sluice.bus import Bus
 from sluice.prom import SchedulerMetrics
 from sluice.serve import grpc_server
 from sluice.telemetry import extract_metadata
-from sluice.types import ReplicaState
+from sluice.types import DRAIN_HANDOFF, ReplicaState
 from sluice.v1 import (
     router_pb2,
     router_pb2_grpc,
@@ -190,7 +190,7 @@ class ReplicaAgent:
             log.warning("drain timeout: handing %d requests to migration", len(left))
             metrics.handed_off.inc(len(left))
         for request_id in left:
-            self.driver.cancel(request_id)
+            self.driver.cancel(request_id, DRAIN_HANDOFF)
         while self.driver.live_request_ids() and loop.time() < deadline + 10:
             await asyncio.sleep(0.05)
         await self.driver.flush()

@@ -18,9 +18,9 @@ from typing import Any
 
 from planner_svc.config import PlannerConfig
 from sluice_tools.metrics import RequestRecord, summarize
+from sluice_tools.sim.checks import Check, check, check_that
 from sluice_tools.sim.config import SimConfig
 from sluice_tools.sim.fleet import FleetConfig, FleetSimulator, rate_profile_workload
-from sluice_tools.sim.scenarios import Check, check, check_that
 from sluice_tools.workload import WorkloadRequest
 
 __all__ = ["FLEET_SCENARIOS", "compare_at_equal_resources", "equal_resources_table", "fleet_config", "sim_config"]
