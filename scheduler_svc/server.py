@@ -35,7 +35,7 @@ from scheduler_svc.collector import tune_collector
 from scheduler_svc.core import SchedulerCore
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.driver import Driver
-from sluice import convert, errors, glue, services
+from sluice import convert, errors, glue, services, telemetry
 from sluice.bus import Bus
 from sluice.prom import SchedulerMetrics
 from sluice.serve import grpc_server
@@ -176,6 +176,8 @@ class ReplicaAgent:
     async def _drain(self, drain_timeout_s: float) -> None:
         """Tell the router DRAINING, stop accepting, finish or hand off live requests, retire."""
         started = asyncio.get_running_loop().time()
+        span = telemetry.get_tracer("sluice.scheduler").start_span("replica.drain", attributes={
+            "sluice.replica_id": self.replica.replica_id, "sluice.drain_timeout_s": drain_timeout_s})
         self.driver.accepting = False
         self.state = ReplicaState.DRAINING
         with contextlib.suppress(grpc.aio.AioRpcError):
@@ -196,6 +198,8 @@ class ReplicaAgent:
         await self.driver.flush()
         metrics.drains.labels("handed_off" if left else "finished").inc()
         metrics.drain_duration.observe(loop.time() - started)
+        span.add_event("drained", attributes={"sluice.handed_off": len(left), "sluice.drain_s": loop.time() - started})
+        span.end()
         self.state = ReplicaState.GONE
         with contextlib.suppress(grpc.aio.AioRpcError):
             await self.heartbeat()  # the router removes the replica now, not at its heartbeat timeout

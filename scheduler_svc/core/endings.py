@@ -33,7 +33,7 @@ _FINISH_REASON = {
 class Endings:
     """Ends requests of one core: cancel, expire, finish, fail, and deferred releases."""
 
-    __slots__ = ("_table", "_backlog", "_pool", "_host", "_outbox", "_deadlines")
+    __slots__ = ("_table", "_backlog", "_pool", "_host", "_outbox", "_deadlines", "_deferred_detail")
 
     def __init__(
         self,

@@ -214,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
         print(format_compare(summaries))
     for name, summary in summaries.items():
         if "fleet" in summary:
-            print(format_fleet(summary["fleet"], name))
+            print(format_fleet(summary["fleet"], name))  # type: ignore[arg-type]
     if args.json:
         payload = {"workload": workload.describe(), "runs": summaries}
         print(f"wrote {write_json(payload, args.json)}", file=sys.stderr)

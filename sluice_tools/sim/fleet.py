@@ -345,7 +345,8 @@ def rate_profile_workload(rate_at: Callable[[float], float], duration_s: float, 
 
     rng = random.Random(seed)
     peak = peak_rate or max(rate_at(float(t)) for t in range(int(duration_s) + 1)) or 1.0
-    requests, t = [], 0.0
+    requests: list[WorkloadRequest] = []
+    t = 0.0
     while True:
         t += rng.expovariate(peak)
         if t >= duration_s:

@@ -82,7 +82,7 @@ def fleet_ramp() -> list[Check]:
     ups = [e["t"] for e in simulator.report.scale_events if e["kind"] == "scale_up"]
     _, static = _run(requests, 1, fleet_config(1, 1, autoscale=False))
     breach = _first_breach(static, SIM.slo_ttft_s)
-    attained = summarize(records, SIM.slo_ttft_s, SIM.slo_tpot_s)["slo_attainment"]
+    attained = float(summarize(records, SIM.slo_ttft_s, SIM.slo_tpot_s)["slo_attainment"])  # type: ignore[arg-type]
     return [
         check_that("one static replica breaks the TTFT SLO", breach, breach is not None, "a time"),
         check_that("first scale-up (s) before that breach", ups[0] if ups else None,
@@ -93,8 +93,7 @@ def fleet_ramp() -> list[Check]:
 
 
 def fleet_decline() -> list[Check]:
-    """Load falls from 22 to 2 req/s on 3 replicas: the planner drains and retires replicas (long answers
-    outlive the drain timeout and are handed over), and nothing is lost."""
+    """Load falls from 22 to 2 req/s on 3 replicas: replicas drain (long answers handed over) and retire; none lost."""
     requests = rate_profile_workload(lambda t: max(2.0, 22.0 - 20.0 * t / 40.0), 90, input_tokens=PROMPT,
                                      output_tokens=ANSWER * 4, seed=5)
     simulator, records = _run(requests, 3, fleet_config(1, 3))
@@ -144,7 +143,8 @@ def day_workload(duration_s: float = 600.0, low: float = 1.0, high: float = 16.0
 
 def compare_at_equal_resources(requests: list[WorkloadRequest], fleet: FleetConfig,
                                sim: SimConfig = SIM) -> list[dict[str, Any]]:
-    """Run the autoscaled fleet, then static fleets of its min, its max and its GPU-second-equal size.
+    """Run the autoscaled fleet, then static fleets of its min, its max and its GPU-second-equal size (the
+    autoscaled GPU-seconds over the run's span, rarely whole: both neighbours are run, bracketing it).
 
     Returns one row per fleet: name, replicas, GPU-seconds, SLO attainment, TTFT p90, requests ok."""
     planner = fleet.planner
@@ -152,16 +152,17 @@ def compare_at_equal_resources(requests: list[WorkloadRequest], fleet: FleetConf
     auto = FleetSimulator(replace(sim, replicas=planner.min_replicas), requests, fleet)
     rows.append(_row(f"autoscaled {planner.min_replicas}:{planner.max_replicas}", auto, auto.run(), sim))
     span = max(auto.end_s, 1e-9)
-    equal = max(1, round(auto.report.gpu_seconds / span))
-    for size in sorted({planner.min_replicas or 1, planner.max_replicas, equal}):
+    equal = auto.report.gpu_seconds / span
+    bracket = {max(1, math.floor(equal)), max(1, math.ceil(equal))}
+    for size in sorted({planner.min_replicas or 1, planner.max_replicas, *bracket}):
         static = FleetSimulator(replace(sim, replicas=size), requests, replace(fleet, autoscale=False))
-        label = f"static {size}" + (" (GPU-s equal)" if size == equal else "")
+        label = f"static {size}" + (f" (GPU-s equal is {equal:.2f})" if size in bracket else "")
         rows.append(_row(label, static, static.run(), sim))
     return rows
 
 
 def _row(name: str, simulator: FleetSimulator, records: list[RequestRecord], sim: SimConfig) -> dict[str, Any]:
-    summary = summarize(records, sim.slo_ttft_s, sim.slo_tpot_s)
+    summary: dict[str, Any] = summarize(records, sim.slo_ttft_s, sim.slo_tpot_s)
     return {"fleet": name, "peak_replicas": simulator.report.peak_replicas,
             "gpu_seconds": round(simulator.report.gpu_seconds), "slo_attainment": round(float(summary["slo_attainment"]), 3),
             "ttft_p90_s": summary["ttft_s"].get("p90"), "ok": sum(1 for r in records if r.status == "ok"),
