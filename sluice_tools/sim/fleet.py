@@ -132,8 +132,9 @@ class FleetSimulator(Simulator):
         if self.fleet.crash_at_s is not None:
             self.push(self.fleet.crash_at_s, _CRASH, self.fleet.crash_replica)
         records = super().run()
-        end = max(self.end_s, self.now if self._next_arrival else 0.0)
-        self.report.gpu_seconds = sum(self._ended_at.get(rid, end) - start for rid, start in self._started_at.items())
+        end = self.end_s  # the run's span, as the summary's simulated_s
+        self.report.gpu_seconds = sum(max(0.0, min(self._ended_at.get(rid, end), end) - start)
+                                      for rid, start in self._started_at.items())
         return records
 
     def _handlers(self) -> dict[int, Callable[[Any], None]]:
