@@ -16,8 +16,10 @@ Theory of operation
   Submits (UNAVAILABLE, reason `draining`), heartbeat DRAINING, let live requests finish for up to
   `drain_timeout_s`, then cancel what is left with detail `DRAIN_HANDOFF`: admission takes that
   cancel as the hand-off to migration (admission_svc/migration.py) and moves those requests to other replicas. Once
-  their results are published the agent heartbeats GONE (the router removes the replica) and stops
-  heartbeating: the agent task ends, so the process stops (exit 0). A drain runs once, whoever starts it.
+  their results are published the agent heartbeats GONE (the router removes the replica), stops
+  heartbeating and sets `retired`: health turns NOT_SERVING and the process may be stopped (SIGTERM
+  then exits 0 at once). It does not exit by itself, so that whoever asked for the drain (the planner's
+  launcher, a supervisor) decides, and no restart policy mistakes it for a crash. A drain runs once.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -112,6 +114,8 @@ class ReplicaAgent:
     """What the agent says of the replica; reported UNHEALTHY instead while the worker is down."""
     drain_timeout_s: float = 30.0
     """How long a drain the router asked for lets live requests finish before handing the rest over."""
+    retired: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once drained and removed from the router: nothing runs here any more."""
     _drain_task: asyncio.Task[None] | None = None
 
     def heartbeat_request(self) -> router_pb2.HeartbeatRequest:
@@ -152,13 +156,14 @@ class ReplicaAgent:
                     self.state = ReplicaState.READY
                 if self.driver.worker_serving:
                     await self.driver.probe_worker()  # an idle replica notices a dead worker too
-                if await self.heartbeat() == router_pb2.DRAINING and self.state is not ReplicaState.DRAINING:
+                if await self.heartbeat() == router_pb2.DRAINING and self._drain_task is None:
                     log.info("the router drains %s", self.replica.replica_id)
-                    await self.drain(self.drain_timeout_s)
+                    self.start_drain(self.drain_timeout_s)  # heartbeats go on (DRAINING) while it drains
             except grpc.aio.AioRpcError as exc:
                 log.warning("router unreachable (%s): retrying", exc.details())
             if self.state is ReplicaState.GONE:
-                log.info("%s retired: the agent stops", self.replica.replica_id)
+                log.info("%s retired: no more heartbeats; it may be stopped", self.replica.replica_id)
+                await stop.wait()
                 return
             waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(changed.wait())]
             if not ready.is_set():
@@ -167,11 +172,17 @@ class ReplicaAgent:
             for waiter in waiters:
                 waiter.cancel()
 
-    async def drain(self, drain_timeout_s: float) -> None:
-        """Drain once (see the module docstring); a second call waits for the first."""
+    def start_drain(self, drain_timeout_s: float) -> asyncio.Task[None]:
+        """Start the drain once (see the module docstring): no Submit is accepted from now on; returns its task."""
         if self._drain_task is None:
+            self.driver.accepting = False
+            self.state = ReplicaState.DRAINING
             self._drain_task = asyncio.get_running_loop().create_task(self._drain(drain_timeout_s))
-        await asyncio.shield(self._drain_task)
+        return self._drain_task
+
+    async def drain(self, drain_timeout_s: float) -> None:
+        """Drain once and wait for it; a second call waits for the first."""
+        await asyncio.shield(self.start_drain(drain_timeout_s))
 
     async def _drain(self, drain_timeout_s: float) -> None:
         """Tell the router DRAINING, stop accepting, finish or hand off live requests, retire."""
@@ -203,6 +214,7 @@ class ReplicaAgent:
         self.state = ReplicaState.GONE
         with contextlib.suppress(grpc.aio.AioRpcError):
             await self.heartbeat()  # the router removes the replica now, not at its heartbeat timeout
+        self.retired.set()
 
 
 async def start_scheduler_server(driver: Driver, health: health_aio.HealthServicer, port: int = 0,
@@ -283,6 +295,19 @@ class RunningReplica:
             await channel.close()
 
 
+async def _not_serving_when_retired(agent: ReplicaAgent, health: health_aio.HealthServicer,
+                                    stop: asyncio.Event) -> None:
+    """Turn health NOT_SERVING once the agent has retired the replica (or return at `stop`)."""
+    waiters = [asyncio.ensure_future(agent.retired.wait()), asyncio.ensure_future(stop.wait())]
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for waiter in waiters:
+        waiter.cancel()
+    if agent.retired.is_set():
+        for name in ("", SERVICE_NAME):
+            await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await stop.wait()  # a watched task: ending now would stop the process
+
+
 async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, router_address: str = "",
                         port: int = 0, host: str = "127.0.0.1", advertise_host: str = "127.0.0.1",
                         core_overrides: dict[str, object] | None = None, metrics: SchedulerMetrics | None = None,
@@ -321,4 +346,5 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
         ready = asyncio.Event()
         ready.set()  # the worker is SERVING: wait_for_worker returned
         tasks.append(asyncio.create_task(agent.run(ready, stop)))
+        tasks.append(asyncio.create_task(_not_serving_when_retired(agent, health, stop)))
     return RunningReplica(server, bound, driver, agent, stop, tasks, channels, health)
