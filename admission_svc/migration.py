@@ -8,7 +8,7 @@ Rules
                   past its timeout hands what is left to migration (scheduler_svc ReplicaAgent.drain).
   REPLICA_GONE    it stalled and the router no longer lists its replica (heartbeats lost, retired).
   WORKER_DOWN     it stalled and the router says its replica is UNHEALTHY (the worker is down).
-  SCHEDULER_GONE  it stalled and its scheduler does not answer a health check (process dead).
+  SCHEDULER_GONE  it stalled and its scheduler refuses a health check (UNAVAILABLE: process dead).
   "Stalled" is no new token for `stall_timeout_s`; a request queued behind others on a healthy replica
   stalls too, and stays, because its replica is listed, healthy and answering.
 * A move submits a new *attempt* `{request_id}#{n}`: the prompt is the original prompt plus the tokens
@@ -154,7 +154,9 @@ class Migrator:
         try:
             await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
         except grpc.aio.AioRpcError as exc:
-            return exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            # Only a refused connection is a dead process; a slow answer (a busy or stopped one) is left
+            # to the router's heartbeat timeout, so that load alone never moves a request.
+            return exc.code() != grpc.StatusCode.UNAVAILABLE
         return True
 
     # ---- the move -------------------------------------------------------------------------------
