@@ -380,18 +380,6 @@ class FrontDoor:
         self.registry.on_completion(completion)
         self.publish_budgets()
 
-    def end_locally(self, record: Tracked, status: common_pb2.RequestStatus, detail: str,
-                    finish_reason: str = "error") -> None:
-        """End a request admission gives up on (a lost replica it may not or cannot leave) with `status`."""
-        completion = events_pb2.Completion(
-            request_id=record.request_id, tenant=record.tenant, replica_id=record.replica_id, status=status,
-            finish_reason=finish_reason, detail=detail, owner=self.owner,
-            usage=common_pb2.Usage(input_tokens=record.input_tokens, output_tokens=len(record.stream.tokens)))
-        completion.timestamps.CopyFrom(record.timestamps)
-        completion.timestamps.finished = time.time()
-        log.warning("request %s ended %s: %s", record.request_id, common_pb2.RequestStatus.Name(status), detail)
-        self.complete(record.request_id, record, completion)
-
     def publish_budgets(self) -> None:
         """Set the budget gauges from the core's ledger (what is reserved now)."""
         stats = self.core.stats(time.monotonic())

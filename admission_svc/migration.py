@@ -174,17 +174,17 @@ class Migrator:
         door, stream, placement = self.door, record.stream, record.placement
         streamed = len(stream.tokens)
         if placement is None or stream.missing_tokens:
-            door.end_locally(record, common_pb2.FAILED, f"replica lost ({cause.value}) and the stream has a gap")
+            self.end_locally(record, common_pb2.FAILED, f"replica lost ({cause.value}) and the stream has a gap")
             return
         if record.migrations >= door.config.migration_limit:
             door.metrics.migration_failures.labels("migration_limit").inc()
-            door.end_locally(record, common_pb2.FAILED, f"migration_limit: replica lost ({cause.value}) after "
+            self.end_locally(record, common_pb2.FAILED, f"migration_limit: replica lost ({cause.value}) after "
                                                         f"{record.migrations} migrations")
             return
         sampling = placement.call.sampling
         left = sampling.max_tokens - streamed
         if left <= 0:
-            door.end_locally(record, common_pb2.FINISHED_LENGTH, "", finish_reason="length")
+            self.end_locally(record, common_pb2.FINISHED_LENGTH, "", finish_reason="length")
             return
         old_address, old_attempt, old_replica = record.scheduler_address, record.attempt_id, record.replica_id
         record.migrations += 1
@@ -201,7 +201,7 @@ class Migrator:
         ids = list(placement.prompt_ids) + stream.tokens[:streamed]
         if not await self._place(record, call, ids, placement.deadline_unix_s):
             door.metrics.migration_failures.labels("no_replica").inc()
-            door.end_locally(record, common_pb2.FAILED, f"replica lost ({cause.value}) and no replica took the "
+            self.end_locally(record, common_pb2.FAILED, f"replica lost ({cause.value}) and no replica took the "
                                                         f"request within {door.config.migration_retry_s} s")
             return
         log.info("request %s migrated (%s) %s -> %s after %d tokens", record.request_id, cause.value, old_replica,
@@ -230,6 +230,19 @@ class Migrator:
         with contextlib.suppress(grpc.aio.AioRpcError):
             await self.door.scheduler(address).Cancel(scheduler_pb2.CancelRequest(request_id=old_attempt),
                                                       timeout=1.0)
+
+    def end_locally(self, record: Tracked, status: common_pb2.RequestStatus, detail: str,
+                    finish_reason: str = "error") -> None:
+        """End a request admission gives up on (a lost replica it may not or cannot leave) with `status`;
+        the reservation is released through FrontDoor.complete, as for any completion."""
+        completion = events_pb2.Completion(
+            request_id=record.request_id, tenant=record.tenant, replica_id=record.replica_id, status=status,
+            finish_reason=finish_reason, detail=detail, owner=self.door.owner,
+            usage=common_pb2.Usage(input_tokens=record.input_tokens, output_tokens=len(record.stream.tokens)))
+        completion.timestamps.CopyFrom(record.timestamps)
+        completion.timestamps.finished = time.time()
+        log.warning("request %s ended %s: %s", record.request_id, common_pb2.RequestStatus.Name(status), detail)
+        self.door.complete(record.request_id, record, completion)
 
     def whole(self, record: Tracked, completion: events_pb2.Completion) -> events_pb2.Completion:
         """Return the attempt's completion as the request's: its id, its input, every output token counted."""
