@@ -63,6 +63,10 @@ class AdmissionOptions(serve.BusOptions):
     they authenticate with API keys, so no client certificate is asked for)."""
     http_port: int | None = None
     """Port of the OpenAI-compatible HTTP API on --host (0 picks a free one); None serves none."""
+    migration_limit: int = FrontDoorConfig.migration_limit
+    """Moves to another replica a request may make before it ends FAILED (0: no migration)."""
+    stall_timeout_s: float = FrontDoorConfig.stall_timeout_s
+    """Seconds without a new token after which a request's replica is checked for loss."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,7 +142,8 @@ def build_servicer(ctx: serve.ServiceContext, options: AdmissionOptions) -> Fron
     metrics = AdmissionMetrics()
     ctx.expose_metrics(metrics.registry)
     owner = options.owner or f"admission-{socket.gethostname()}-{options.port}"
-    config = FrontDoorConfig(max_prompt_bytes=options.max_prompt_bytes, resume_window_s=options.resume_window_s)
+    config = FrontDoorConfig(max_prompt_bytes=options.max_prompt_bytes, resume_window_s=options.resume_window_s,
+                             migration_limit=options.migration_limit, stall_timeout_s=options.stall_timeout_s)
     return FrontDoor(core, model, options.router, owner, metrics, config, serve.tls_files(options, "admission"))
 
 
@@ -164,6 +169,7 @@ async def start(ctx: serve.ServiceContext, options: AdmissionOptions) -> serve.S
             bus.tokens_stream(servicer.owner), servicer.registry, stop)),
         asyncio.create_task(_consume_completions(bus, servicer, stop)),
         asyncio.create_task(_housekeeping(servicer, stop)),
+        asyncio.create_task(servicer.migrator.watch(stop)),
     ]
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

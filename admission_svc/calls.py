@@ -35,6 +35,16 @@ class FrontDoorConfig:
     """Seconds a finished stream is kept for an idempotent retry to replay."""
     default_block_size: int = 16
     """Block size for prompt hashes when the router lists no replica of the model."""
+    migration_limit: int = 3
+    """Moves to another replica one request may make (as Dynamo's --migration-limit); one more ends it
+    FAILED with reason `migration_limit`. 0 turns migration off: a lost replica's requests end FAILED."""
+    watch_interval_s: float = 0.5
+    """How often the watchdog looks for requests whose replica is gone, draining away or unhealthy."""
+    stall_timeout_s: float = 2.0
+    """A request with no new token for this long has its replica checked (router state, scheduler health)."""
+    migration_retry_s: float = 20.0
+    """How long a migrating request keeps trying to be placed (the router may still list the dead
+    replica until its heartbeat times out) before it ends FAILED."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +70,15 @@ class GenerateCall:
     add_special_tokens: bool = True
     """Tokenize `prompt` with the tokenizer's special tokens (BOS); False for a prompt rendered from a
     chat template, which writes its own."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What admission needs to place a request again (migration): the call, its prompt, its deadline."""
+
+    call: GenerateCall
+    prompt_ids: tuple[int, ...]
+    deadline_unix_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -114,3 +133,11 @@ class Tracked:
     """Retry delay of the refusal that kept it from being placed (a REJECTED request)."""
     operation: str = "text_completion"
     """GenAI operation name of the call that started it (span name and metric label)."""
+    placement: Placement | None = None
+    """How it was placed (set once submitted): what a migration re-submits."""
+    attempt_id: str = ""
+    """Downstream id of the current attempt ("" until placed; the request id for the first)."""
+    migrations: int = 0
+    """Times it moved to another replica."""
+    migrating: bool = False
+    """A move is under way (the watchdog and a hand-off must not start a second)."""

@@ -18,6 +18,8 @@ with the GIL released (admission_svc/prompts.py), so one client's long prompt do
 reservation is released exactly once: on the completion, or at once when routing or submitting fails.
 With `ttft_slo_s` set, a request the router predicts would wait past the SLO is refused after routing
 and before submitting (RESOURCE_EXHAUSTED + RetryInfo of the predicted excess), instead of admitted to wait.
+A request whose replica is lost or drained away moves to another (admission_svc/migration.py) and its
+stream continues; `complete` is the one way a request ends, whether a completion came or admission ended it.
 Other tenants' requests are NOT_FOUND to `cancel` and `lookup`, so no tenant can probe which ids exist.
 """
 
@@ -36,8 +38,9 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from admission_svc import convert
-from admission_svc.calls import Caller, FrontDoorConfig, GenerateCall, Output, Tracked
+from admission_svc.calls import Caller, FrontDoorConfig, GenerateCall, Output, Placement, Tracked
 from admission_svc.core import AdmissionCore
+from admission_svc.migration import MigrationCause, Migrator, handed_off
 from admission_svc.prompts import PromptReader
 from admission_svc.streams import RequestStream, StreamRegistry
 from sluice import core_errors, errors, telemetry, tls
@@ -101,6 +104,7 @@ class FrontDoor:
         refuses or fails to submit gets a REJECTED terminal record there, so the router forgets it."""
         self.metrics.reserved_output_tokens.set_function(lambda: self.core.stats(time.monotonic()).reserved_output_tokens)
         self.metrics.reserved_kv_blocks.set_function(lambda: self.core.stats(time.monotonic()).reserved_kv_blocks)
+        self.migrator = Migrator(self)
 
     # ---- what transports call -------------------------------------------------------------------
     async def start(self, call: GenerateCall, caller: Caller) -> Tracked:
@@ -146,7 +150,7 @@ class FrontDoor:
             record.followers -= 1
             if not finished and record.completion is None and record.followers == 0:
                 # The last client went away or its deadline passed: stop the work nobody waits for.
-                self._spawn(self._cancel_downstream(record, "disconnect"))
+                self.spawn(self.cancel_downstream(record, "disconnect"))
 
     def lookup(self, request_id: str, api_key: str | None) -> Tracked:
         """Return one of the caller's requests; raises NotFound for unknown and other tenants' ids alike."""
@@ -161,7 +165,7 @@ class FrontDoor:
         record = self.lookup(request_id, api_key)
         if record.completion is not None:
             return record.completion.status
-        return await self._cancel_downstream(record, "client")
+        return await self.cancel_downstream(record, "client")
 
     # ---- admission --------------------------------------------------------------------------------
     def _attach(self, tenant: str, key: str) -> Tracked | None:
@@ -203,7 +207,8 @@ class FrontDoor:
         record = self._reserve(call, tenant, ids, blocks, stamps, caller.trace_context)
         record.span.set_attributes(dict(caller.span_attributes))
         try:
-            await self._route_and_submit(record, call, ids, blocks[0], caller.deadline_unix_s)
+            await self.route_and_submit(record, call, ids, caller.deadline_unix_s, blocks[0])
+            record.placement = Placement(call, tuple(ids), caller.deadline_unix_s)
         except BaseException as exc:
             error = convert.error_from_downstream(exc, "could not place the request") \
                 if isinstance(exc, grpc.aio.AioRpcError) else exc
@@ -245,6 +250,7 @@ class FrontDoor:
         record = Tracked(request_id, tenant, len(ids), self.registry.open(request_id), span, received,
                          operation=call.operation)
         record.timestamps.received, record.timestamps.admitted = received, now
+        record.attempt_id = request_id
         self.records[request_id] = record
         self.metrics.active.inc()
         return record
@@ -262,12 +268,20 @@ class FrontDoor:
         self._block_size = (time.monotonic(), size)
         return size
 
-    async def _route_and_submit(self, record: Tracked, call: GenerateCall, ids: list[int], hashes: list[int],
-                                deadline_unix_s: float | None) -> None:
+    async def route_and_submit(self, record: Tracked, call: GenerateCall, ids: list[int],
+                               deadline_unix_s: float | None, hashes: list[int] | None = None) -> None:
+        """Route the record's current attempt and submit it there. Raises grpc.aio.AioRpcError.
+
+        `hashes`: the prompt's block chain, computed at admission (a first attempt, which the TTFT check
+        applies to); None for a migrated attempt, whose prompt (with the tokens already streamed) is
+        hashed here and which is never refused: it was admitted already."""
+        first_attempt = hashes is not None
+        if hashes is None:
+            hashes, _ = await self._prompt_blocks(call, ids, record.tenant)
         metadata = tuple(telemetry.inject_metadata(trace.set_span_in_context(record.span)))
         timeout = self.config.downstream_timeout_s
         route = await self.router.Route(router_pb2.RouteRequest(
-            request_id=record.request_id, model=self.model.model_id, adapter_version=call.adapter_version,
+            request_id=record.attempt_id, model=self.model.model_id, adapter_version=call.adapter_version,
             block_hashes=hashes, prompt_tokens=len(ids), max_tokens=call.sampling.max_tokens),
             metadata=metadata, timeout=timeout)
         record.timestamps.routed = time.time()
@@ -275,11 +289,12 @@ class FrontDoor:
         record.span.add_event("routed", timestamp=_ns(record.timestamps.routed), attributes={
             "sluice.replica_id": route.replica_id, "sluice.cached_blocks": route.cached_blocks,
             "sluice.predicted_ttft_s": route.predicted_ttft_s})
-        self._check_ttft(record, route.predicted_ttft_s)
-        submit = convert.submit_request(record.request_id, record.tenant, ids, call, self.owner, deadline_unix_s or 0.0,
+        if first_attempt:
+            self._check_ttft(record, route.predicted_ttft_s)
+        submit = convert.submit_request(record.attempt_id, record.tenant, ids, call, self.owner, deadline_unix_s or 0.0,
                                         self.model, record.timestamps,
                                         self.core.tenant_weight(record.tenant), self.core.cache_salt(record.tenant))
-        await self._scheduler(route.scheduler_address).Submit(submit, metadata=metadata, timeout=timeout)
+        await self.scheduler(route.scheduler_address).Submit(submit, metadata=metadata, timeout=timeout)
         record.status = common_pb2.WAITING
         record.span.add_event("submitted")
 
@@ -307,7 +322,7 @@ class FrontDoor:
             detail=str(exc)[:200], owner=self.owner, replica_id=record.replica_id)
         record.stream.set_completion(completion)
         if record.replica_id and self.publish_completion is not None:
-            self._spawn(self.publish_completion(completion))
+            self.spawn(self.publish_completion(completion))
         record.stream.complete_if_ready()
         record.span.add_event("rejected", attributes={"reason": type(exc).__name__})
         telemetry.end_request_span(record.span, "REJECTED", str(exc)[:200])
@@ -321,11 +336,17 @@ class FrontDoor:
         return core_errors.ended_error(status, f"request {record.request_id} {status} after {outputs} output tokens"
                                                f"{detail}", record.retry_after_s)
 
-    def _scheduler(self, address: str) -> scheduler_pb2_grpc.SchedulerServiceStub:
+    def scheduler(self, address: str) -> scheduler_pb2_grpc.SchedulerServiceStub:
+        """Return the stub of the scheduler at `address` (one channel per address)."""
+        self.scheduler_channel(address)
+        return self._schedulers[address][1]
+
+    def scheduler_channel(self, address: str) -> grpc.aio.Channel:
+        """Return the channel to the scheduler at `address`, opening it once."""
         if address not in self._schedulers:
             channel = tls.aio_channel(address, self.tls_files)
             self._schedulers[address] = (channel, scheduler_pb2_grpc.SchedulerServiceStub(channel))
-        return self._schedulers[address][1]
+        return self._schedulers[address][0]
 
     # ---- stream stages (StreamListener): they happen whether or not a client follows ------------
     def first_token(self, stream: RequestStream) -> None:
@@ -358,7 +379,7 @@ class FrontDoor:
             self.metrics.missing_tokens.inc(stream.missing_tokens)
             self._end_span(record, record.completion)
 
-    async def _cancel_downstream(self, record: Tracked, cause: str) -> common_pb2.RequestStatus:
+    async def cancel_downstream(self, record: Tracked, cause: str) -> common_pb2.RequestStatus:
         """Ask the request's scheduler to cancel it; returns the status it reports."""
         if not record.timestamps.cancel_requested:
             record.timestamps.cancel_requested = time.time()
@@ -368,8 +389,8 @@ class FrontDoor:
             return record.status
         metadata = tuple(telemetry.inject_metadata(trace.set_span_in_context(record.span)))
         try:
-            response = await self._scheduler(record.scheduler_address).Cancel(
-                scheduler_pb2.CancelRequest(request_id=record.request_id), metadata=metadata,
+            response = await self.scheduler(record.scheduler_address).Cancel(
+                scheduler_pb2.CancelRequest(request_id=record.attempt_id or record.request_id), metadata=metadata,
                 timeout=self.config.downstream_timeout_s)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
@@ -377,7 +398,8 @@ class FrontDoor:
             raise convert.error_from_downstream(exc, "cancel failed at the scheduler") from None
         return response.status
 
-    def _spawn(self, coroutine: Any) -> None:
+    def spawn(self, coroutine: Any) -> None:
+        """Run `coroutine` in the background (close waits for it; a failure is logged)."""
         task = asyncio.get_running_loop().create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
@@ -396,18 +418,37 @@ class FrontDoor:
         completion = events_pb2.Completion.FromString(payload)
         if completion.owner and completion.owner != self.owner:
             return
+        request_id = self.migrator.attempts.get(completion.request_id, completion.request_id)
+        record = self.records.get(request_id)
+        if record is not None:
+            if record.attempt_id and completion.request_id != record.attempt_id:
+                return  # an attempt the request has moved away from
+            if record.completion is None and handed_off(record, completion):
+                self.spawn(self.migrator.migrate(record, MigrationCause.HANDED_OFF))
+                return
+            completion = self.migrator.whole(record, completion)
+        self.complete(request_id, record, completion)
+
+    def complete(self, request_id: str, record: Tracked | None, completion: events_pb2.Completion) -> None:
+        """End a request: release its reservation (exactly once), record and deliver its completion."""
         finished = completion.status in (common_pb2.FINISHED_STOP, common_pb2.FINISHED_LENGTH)
         outputs = completion.usage.output_tokens if finished else None
-        released = self.core.release(completion.request_id, time.monotonic(), outputs)
+        released = self.core.release(request_id, time.monotonic(), outputs)
         if released is not None and outputs is not None:
             self.metrics.reclaimed_output_tokens.inc(max(released.reserved_output_tokens - outputs, 0))
-        record = self.records.get(completion.request_id)
         if record is not None and record.completion is None:
             if released is not None:
                 self.metrics.active.dec()
             record.completion, record.status = completion, completion.status
         # Last: the stream may be complete now, which ends the span (it reads record.completion).
         self.registry.on_completion(completion)
+        self.publish_budgets()
+
+    def publish_budgets(self) -> None:
+        """Set the budget gauges from the core's ledger (what is reserved now)."""
+        stats = self.core.stats(time.monotonic())
+        for budget in ("active", "queued", "pending_input_tokens", "reserved_output_tokens"):
+            self.metrics.budget_in_use.labels(budget).set(getattr(stats, budget))
 
     def _end_span(self, record: Tracked, completion: events_pb2.Completion) -> None:
         now = time.time()
@@ -439,6 +480,9 @@ class FrontDoor:
         limit = time.time() - keep_s
         for request_id in [rid for rid, r in self.records.items() if r.completion and r.timestamps.finished < limit]:
             del self.records[request_id]
+        attempts = self.migrator.attempts
+        for attempt in [a for a, rid in attempts.items() if rid not in self.records]:
+            del attempts[attempt]
 
     async def close(self) -> None:
         """Close downstream channels, wait for background cancels, stop the tokenizer threads."""

@@ -8,6 +8,11 @@ next expected index and drops what it has already seen. The completion can overt
 deltas (different streams), so a stream is finished only when it holds the completion *and*
 `usage.output_tokens` tokens (or after a grace period, counted as missing tokens, never silently).
 A finished stream stays for `resume_window_s` so an idempotent retry can replay it.
+
+Migration. A request moved to another replica runs there as a new *attempt* (its own downstream id,
+`attempt_id`), whose output index 0 is the request's output index `offset` (the tokens streamed before
+the move). `retarget` switches a stream to its new attempt at once, so a late delta of the old attempt
+is dropped (counted as stale) and the client's indices simply continue.
 """
 
 from __future__ import annotations
@@ -66,6 +71,12 @@ class RequestStream:
     duplicates: int = 0
     completion_at: float = 0.0
     """time.monotonic() when the completion arrived."""
+    attempt_id: str = ""
+    """Downstream id whose deltas this stream takes ("" = `request_id`, the first attempt)."""
+    offset: int = 0
+    """Output index of the current attempt's token 0 (tokens streamed before the last migration)."""
+    progress_at: float = field(default_factory=time.monotonic)
+    """time.monotonic() of the last new token (or of the start/migration): the stall watchdog reads it."""
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def add_tokens(self, index: int, token_ids: list[int], emitted_unix_s: float) -> None:
@@ -85,6 +96,7 @@ class RequestStream:
         self.duplicates += min(skip, len(token_ids))
         fresh = token_ids[skip:]
         if fresh:
+            self.progress_at = time.monotonic()
             first = not self.tokens
             self.tokens.extend(fresh)
             self.token_emitted.extend([emitted_unix_s] * len(fresh))
@@ -158,6 +170,15 @@ class StreamRegistry:
         self.grace_s = grace_s
         """How long a completion waits for tokens it counts that have not arrived."""
         self.unknown_deltas = 0
+        self.stale_deltas = 0
+        """Deltas of an attempt the request has moved away from (dropped)."""
+        self._attempts: dict[str, RequestStream] = {}
+
+    def retarget(self, stream: RequestStream, attempt_id: str, offset: int) -> None:
+        """Make `attempt_id` the stream's current attempt, its token 0 at output index `offset`."""
+        self._attempts[attempt_id] = stream
+        stream.attempt_id, stream.offset = attempt_id, offset
+        stream.progress_at = time.monotonic()
 
     def open(self, request_id: str) -> RequestStream:
         """Return the stream of `request_id`, creating it (before Submit, so no token is missed)."""
@@ -172,11 +193,15 @@ class StreamRegistry:
 
     def on_delta(self, delta: events_pb2.TokenDelta, emitted_unix_s: float) -> None:
         """Dispatch one TokenDelta to its request (unknown requests are counted, not kept)."""
-        stream = self._streams.get(delta.request_id)
+        attempt = delta.request_id
+        stream = self._streams.get(attempt) or self._attempts.get(attempt)
         if stream is None:
             self.unknown_deltas += 1
             return
-        stream.add_tokens(delta.index, list(delta.token_ids), emitted_unix_s)
+        if (stream.attempt_id or stream.request_id) != attempt:
+            self.stale_deltas += 1
+            return
+        stream.add_tokens(stream.offset + delta.index, list(delta.token_ids), emitted_unix_s)
         stream.complete_if_ready()
 
     def on_completion(self, completion: events_pb2.Completion) -> None:
@@ -195,7 +220,8 @@ class StreamRegistry:
                 stream.complete_if_ready(force=True)
         old = [rid for rid, s in self._streams.items() if s.done and now - s.finished_at > self.resume_window_s]
         for request_id in old:
-            del self._streams[request_id]
+            stream = self._streams.pop(request_id)
+            self._attempts.pop(stream.attempt_id, None)
         return len(old)
 
 

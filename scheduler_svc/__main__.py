@@ -98,7 +98,8 @@ async def start(ctx: serve.ServiceContext, options: SchedulerOptions) -> serve.S
             core_overrides=core_overrides(options), metrics=metrics, heartbeat_interval_s=options.heartbeat_interval,
             prefill_tokens_per_s=options.prefill_tokens_per_s, decode_round_s=options.decode_round_s,
             use_stream=not options.unary, publish_first_max_tokens=options.publish_first_max_tokens,
-            tls_files=serve.tls_files(options, "scheduler"), bus_alive=_bus_alive(ctx))
+            tls_files=serve.tls_files(options, "scheduler"), bus_alive=_bus_alive(ctx),
+            drain_timeout_s=options.drain_timeout)
     except (TimeoutError, ValueError) as exc:
         raise serve.StartupError(str(exc)) from exc
 

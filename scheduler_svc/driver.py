@@ -119,10 +119,10 @@ class Driver:
         self._wake.set()
         return self.core.num_waiting
 
-    def cancel(self, request_id: str) -> RequestStatus | None:
+    def cancel(self, request_id: str, detail: str = "") -> RequestStatus | None:
         """Cancel a request; return its status afterwards (None for an id the core does not know)."""
         now = self.clock()
-        status = self.core.cancel(request_id, now)
+        status = self.core.cancel(request_id, now, detail)
         self.reporter.handle(self.core.take_events(), now)
         self._wake.set()
         return status

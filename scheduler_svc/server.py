@@ -12,11 +12,17 @@ Theory of operation
   (the router routes nothing here) and Submit answers UNAVAILABLE reason `worker_unavailable`; the
   driver's `worker_changed` makes the agent heartbeat at once on either change.
   The router being down delays nothing here: the agent keeps retrying.
+- Drain (SIGTERM, or the router answering a heartbeat with DRAINING after its Drain RPC): stop accepting
+  Submits (UNAVAILABLE, reason `draining`), heartbeat DRAINING, let live requests finish for up to
+  `drain_timeout_s`, then cancel what is left with detail `DRAIN_HANDOFF`: admission takes that
+  cancel as the hand-off to migration (admission_svc/migration.py) and moves those requests to other replicas. Once
+  their results are published the agent heartbeats GONE (the router removes the replica), stops
+  heartbeating and sets `retired`: health turns NOT_SERVING and the process may be stopped (SIGTERM
+  then exits 0 at once). It does not exit by itself, so that whoever asked for the drain (the planner's
+  launcher, a supervisor) decides, and no restart policy mistakes it for a crash. A drain runs once.
 - Redis not answering (`bus_alive` False, from sluice.serve.BusWatch): Submit answers UNAVAILABLE
   reason `bus_unavailable` (its tokens could not reach the client); gRPC health is NOT_SERVING.
   What was already running keeps running: the publisher holds its tokens until Redis is back.
-- Drain (SIGTERM): stop accepting Submits (UNAVAILABLE), heartbeat DRAINING, let live requests finish
-  for up to `drain_timeout_s`, cancel what is left, wait for their results, stop.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -36,13 +42,13 @@ from scheduler_svc.collector import tune_collector
 from scheduler_svc.core import SchedulerCore
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.driver import Driver
-from sluice import convert, errors, glue, services, tls
+from sluice import convert, errors, glue, services, telemetry, tls
 from sluice.bus import Bus
 from sluice.prom import SchedulerMetrics
 from sluice.serve import grpc_server
 from sluice.telemetry import extract_metadata
 from sluice.tls import TlsFiles
-from sluice.types import ReplicaState
+from sluice.types import DRAIN_HANDOFF, ReplicaState
 from sluice.v1 import (
     router_pb2,
     router_pb2_grpc,
@@ -133,6 +139,11 @@ class ReplicaAgent:
     heartbeat_interval_s: float = 1.0
     state: ReplicaState = ReplicaState.WARMING
     """What the agent says of the replica; reported UNHEALTHY instead while the worker is down."""
+    drain_timeout_s: float = 30.0
+    """How long a drain the router asked for lets live requests finish before handing the rest over."""
+    retired: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once drained and removed from the router: nothing runs here any more."""
+    _drain_task: asyncio.Task[None] | None = None
 
     def heartbeat_request(self) -> router_pb2.HeartbeatRequest:
         """Return the next heartbeat: the reported state and the load, built by the one glue (sluice.glue)."""
@@ -152,7 +163,7 @@ class ReplicaAgent:
         try:
             reply = await self.router.Heartbeat(request, timeout=5)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.NOT_FOUND:
+            if exc.code() != grpc.StatusCode.NOT_FOUND or self.state is ReplicaState.GONE:
                 raise
             await self.register()
             reply = await self.router.Heartbeat(request, timeout=5)
@@ -172,9 +183,15 @@ class ReplicaAgent:
                     self.state = ReplicaState.READY
                 if self.driver.worker_serving:
                     await self.driver.probe_worker()  # an idle replica notices a dead worker too
-                await self.heartbeat()
+                if await self.heartbeat() == router_pb2.DRAINING and self._drain_task is None:
+                    log.info("the router drains %s", self.replica.replica_id)
+                    self.start_drain(self.drain_timeout_s)  # heartbeats go on (DRAINING) while it drains
             except grpc.aio.AioRpcError as exc:
                 log.warning("router unreachable (%s): retrying", exc.details())
+            if self.state is ReplicaState.GONE:
+                log.info("%s retired: no more heartbeats; it may be stopped", self.replica.replica_id)
+                await stop.wait()
+                return
             waiters = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(changed.wait())]
             if not ready.is_set():
                 waiters.append(asyncio.ensure_future(ready.wait()))
@@ -182,8 +199,23 @@ class ReplicaAgent:
             for waiter in waiters:
                 waiter.cancel()
 
+    def start_drain(self, drain_timeout_s: float) -> asyncio.Task[None]:
+        """Start the drain once (see the module docstring): no Submit is accepted from now on; returns its task."""
+        if self._drain_task is None:
+            self.driver.accepting = False
+            self.state = ReplicaState.DRAINING
+            self._drain_task = asyncio.get_running_loop().create_task(self._drain(drain_timeout_s))
+        return self._drain_task
+
     async def drain(self, drain_timeout_s: float) -> None:
-        """Tell the router DRAINING, stop accepting, finish or cancel live requests (see module docstring)."""
+        """Drain once and wait for it; a second call waits for the first."""
+        await asyncio.shield(self.start_drain(drain_timeout_s))
+
+    async def _drain(self, drain_timeout_s: float) -> None:
+        """Tell the router DRAINING, stop accepting, finish or hand off live requests, retire."""
+        started = asyncio.get_running_loop().time()
+        span = telemetry.get_tracer("sluice.scheduler").start_span("replica.drain", attributes={
+            "sluice.replica_id": self.replica.replica_id, "sluice.drain_timeout_s": drain_timeout_s})
         self.driver.accepting = False
         self.state = ReplicaState.DRAINING
         with contextlib.suppress(grpc.aio.AioRpcError):
@@ -193,13 +225,23 @@ class ReplicaAgent:
         while self.driver.live_request_ids() and loop.time() < deadline:
             await asyncio.sleep(0.05)
         left = self.driver.live_request_ids()
+        metrics = self.driver.metrics
         if left:
-            log.warning("drain timeout: cancelling %d requests", len(left))
+            log.warning("drain timeout: handing %d requests to migration", len(left))
+            metrics.handed_off.inc(len(left))
         for request_id in left:
-            self.driver.cancel(request_id)
+            self.driver.cancel(request_id, DRAIN_HANDOFF)
         while self.driver.live_request_ids() and loop.time() < deadline + 10:
             await asyncio.sleep(0.05)
         await self.driver.flush()
+        metrics.drains.labels("handed_off" if left else "finished").inc()
+        metrics.drain_duration.observe(loop.time() - started)
+        span.add_event("drained", attributes={"sluice.handed_off": len(left), "sluice.drain_s": loop.time() - started})
+        span.end()
+        self.state = ReplicaState.GONE
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self.heartbeat()  # the router removes the replica now, not at its heartbeat timeout
+        self.retired.set()
 
 
 async def start_scheduler_server(driver: Driver, health: health_aio.HealthServicer, port: int = 0,
@@ -283,6 +325,19 @@ class RunningReplica:
             await channel.close()
 
 
+async def _not_serving_when_retired(agent: ReplicaAgent, health: health_aio.HealthServicer,
+                                    stop: asyncio.Event) -> None:
+    """Turn health NOT_SERVING once the agent has retired the replica (or return at `stop`)."""
+    waiters = [asyncio.ensure_future(agent.retired.wait()), asyncio.ensure_future(stop.wait())]
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for waiter in waiters:
+        waiter.cancel()
+    if agent.retired.is_set():
+        for name in ("", SERVICE_NAME):
+            await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await stop.wait()  # a watched task: ending now would stop the process
+
+
 async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, router_address: str = "",
                         port: int = 0, host: str = "127.0.0.1", advertise_host: str = "127.0.0.1",
                         core_overrides: dict[str, object] | None = None, metrics: SchedulerMetrics | None = None,
@@ -290,7 +345,8 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
                         decode_round_s: float = 0.01, use_stream: bool = True,
                         worker_timeout_s: float = 120.0, publish_first_max_tokens: int = 64,
                         tls_files: TlsFiles | None = None,
-                        bus_alive: Callable[[], bool] = lambda: True) -> RunningReplica:
+                        bus_alive: Callable[[], bool] = lambda: True,
+                        drain_timeout_s: float = 30.0) -> RunningReplica:
     """Wait for the worker, build the core from its Info, serve, run the driver, register with the router.
 
     Raises TimeoutError (worker never SERVING), ValueError (bad core settings), RuntimeError (port taken).
@@ -318,8 +374,9 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
             max_num_batched_tokens=core.config.max_num_batched_tokens, prefill_tokens_per_s=prefill_tokens_per_s,
             decode_round_s=decode_round_s)
         agent = ReplicaAgent(driver, router_pb2_grpc.RouterServiceStub(router_channel), replica,
-                             heartbeat_interval_s)
+                             heartbeat_interval_s, drain_timeout_s=drain_timeout_s)
         ready = asyncio.Event()
         ready.set()  # the worker is SERVING: wait_for_worker returned
         tasks.append(asyncio.create_task(agent.run(ready, stop)))
+        tasks.append(asyncio.create_task(_not_serving_when_retired(agent, health, stop)))
     return RunningReplica(server, bound, driver, agent, stop, tasks, channels, health)

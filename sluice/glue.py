@@ -14,7 +14,8 @@ Theory of operation
   `heartbeat_report` puts them together.
 * `reconcile(current, reported)` is the router's reaction to a reported state, kept as a table
   (`HEARTBEAT_INPUTS`): READY warms a WARMING or UNHEALTHY replica, UNHEALTHY faults a WARMING or
-  READY one, DRAINING drains any that is not draining yet; every other pair changes nothing.
+  READY one, DRAINING drains any that is not draining yet, GONE retires a DRAINING one (a drained
+  replica's last heartbeat: it leaves the table); every other pair changes nothing.
   `apply_heartbeat` applies it to a router and records the load.
 
 Pure: no clock, no I/O.
@@ -106,6 +107,7 @@ HEARTBEAT_INPUTS: dict[tuple[ReplicaState, ReplicaState], ReplicaInput] = {
     (ReplicaState.WARMING, ReplicaState.DRAINING): ReplicaInput.DRAIN,
     (ReplicaState.READY, ReplicaState.DRAINING): ReplicaInput.DRAIN,
     (ReplicaState.UNHEALTHY, ReplicaState.DRAINING): ReplicaInput.DRAIN,
+    (ReplicaState.DRAINING, ReplicaState.GONE): ReplicaInput.REMOVE,
 }
 """(state the router holds, state the heartbeat reports) -> the input the router applies."""
 
@@ -138,6 +140,6 @@ def apply_heartbeat(router: LoadView, report: HeartbeatReport, now: float) -> tu
     """
     before = router.state_of(report.replica_id)
     event = reconcile(before, report.state)
-    if event is not None:
-        router.transition(report.replica_id, event, now)
+    if event is not None and router.transition(report.replica_id, event, now) is ReplicaState.GONE:
+        return before, ReplicaState.GONE  # retired: removed from the table, no load to record
     return before, router.heartbeat(report.replica_id, report.load, now)

@@ -117,6 +117,13 @@ class SchedulerMetrics:
         self.rejections = Counter("sluice_rejections", "Submissions rejected, by reason.", ["reason"],
                                   registry=r)
         self.cancellations = Counter("sluice_cancellations", "Requests cancelled.", registry=r)
+        self.drains = Counter("sluice_replica_drains", "Drains of this replica, by how they ended: "
+                              "finished (nothing left) or handed_off (the rest given to migration).", ["outcome"],
+                              registry=r)
+        self.drain_duration = Histogram("sluice_replica_drain_seconds", "Drain start to retirement.",
+                                        buckets=REQUEST_DURATION_BUCKETS, registry=r)
+        self.handed_off = Counter("sluice_replica_handed_off_requests",
+                                  "Requests a drain past its timeout handed to migration.", registry=r)
         self.timeouts = Counter("sluice_timeouts", "Requests timed out.", registry=r)
         self.finished = Counter("sluice_requests_finished", "Requests in a terminal state, by finish reason.",
                                 ["finish_reason"], registry=r)
@@ -270,6 +277,15 @@ class AdmissionMetrics:
         self.predicted_ttft = Histogram("sluice_admission_predicted_ttft_seconds",
                                         "The router's predicted time to first token of each routed request.",
                                         buckets=TTFT_BUCKETS, registry=r)
+        self.migrations = Counter("sluice_admission_migrations",
+                                  "Requests moved to another replica, by cause (admission_svc/migration.py).",
+                                  ["cause"], registry=r)
+        self.migration_failures = Counter("sluice_admission_migration_failures",
+                                          "Requests ended FAILED instead of moving, by reason.", ["reason"],
+                                          registry=r)
+        self.budget_in_use = Gauge("sluice_admission_budget_in_use",
+                                   "Admission ledger now: active, queued, pending_input_tokens, reserved_output_tokens.",
+                                   ["budget"], registry=r)
         self.gen_ai = _GenAiFamilies(r)
 
     def gen_ai_request(self, operation: str, model: str, outcome: RequestOutcome) -> None:

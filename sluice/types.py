@@ -11,6 +11,18 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+ATTEMPT_SEPARATOR = "#"
+"""A migrated request runs on its new replica as attempt `{request_id}#{n}` (admission_svc/migration.py)."""
+
+
+DRAIN_HANDOFF = "drain timeout: handed to migration"
+"""Detail of the CANCELLED completion a drained replica ends a request with that it hands to migration."""
+
+
+def origin_request_id(downstream_id: str) -> str:
+    """Return the id of the request an attempt continues (the id itself for a first attempt)."""
+    return downstream_id.split(ATTEMPT_SEPARATOR, 1)[0]
+
 
 class RequestStatus(enum.Enum):
     """Lifecycle states of a request (DESIGN.md); the transition table is in `state.py`."""

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from sluice.slots import slot_constructor
-from sluice.types import RoundPlan, RoundResult, SeqOutput
+from sluice.types import RoundPlan, RoundResult, SeqOutput, origin_request_id
 from worker_svc.backend import BackendInfo
 from worker_svc.gpu_profiles import GpuProfile, ModelShape, gpu_profile, model_shape
 
@@ -254,17 +254,22 @@ class CostModel:
         """Return the modelled seconds the plan takes on this GPU."""
         return self.shape_time(shape_of(plan))
 
-    def token_for(self, request_id: str, output_index: int) -> int:
-        """Return the deterministic token for a request's output index (EOS only at `eos_after`)."""
+    def token_for(self, request_id: str, position: int, output_index: int = 0) -> int:
+        """Return the deterministic token sampled at sequence `position` (prompt length + output index).
+
+        It depends only on the request's lineage (`origin_request_id`: a migrated attempt's id names the
+        request it continues) and the position, so an attempt whose prompt is the original prompt plus
+        the k tokens streamed so far continues with exactly the tokens the original would have had.
+        EOS only at output index `eos_after` (counted per attempt)."""
         vocab, eos = self.shape.vocab_size, self.shape.eos_token_id
         if self.eos_after is not None and output_index >= self.eos_after:
             return eos
         base = self._bases.get(request_id)
         if base is None:
-            base = self._bases[request_id] = zlib.crc32(request_id.encode())
+            base = self._bases[request_id] = zlib.crc32(origin_request_id(request_id).encode())
             if len(self._bases) > 100_000:  # bounded: ids are cheap to recompute
                 self._bases.clear()
-        mixed = base + output_index * 2654435761
+        mixed = base + position * 2654435761
         # Printable ASCII in the byte tokenizer that admission reads for a cost-model stack, so that
         # the made-up tokens stream as text over the HTTP API (one character each) and a benchmark
         # that counts tokens in the text counts what was generated.
@@ -287,7 +292,8 @@ class CostModel:
             if seq.sample:
                 sampled += 1
                 outputs.append(
-                    _new_output(seq.request_id, seq.epoch, (token_for(seq.request_id, seq.output_index),), False)
+                    _new_output(seq.request_id, seq.epoch, (token_for(seq.request_id, start + n, seq.output_index),),
+                                False)
                 )
             else:
                 outputs.append(_new_output(seq.request_id, seq.epoch, (), False))

@@ -33,7 +33,7 @@ _FINISH_REASON = {
 class Endings:
     """Ends requests of one core: cancel, expire, finish, fail, and deferred releases."""
 
-    __slots__ = ("_table", "_backlog", "_pool", "_host", "_outbox", "_deadlines")
+    __slots__ = ("_table", "_backlog", "_pool", "_host", "_outbox", "_deadlines", "_deferred_detail")
 
     def __init__(
         self,
@@ -50,12 +50,15 @@ class Endings:
         self._host = host
         self._outbox = outbox
         self._deadlines = deadlines
+        self._deferred_detail: dict[str, str] = {}
+        """Detail of a cancel that waits for its round (CANCELLING), for the Finished record."""
 
-    def cancel(self, request_id: str, now: float) -> RequestStatus | None:
+    def cancel(self, request_id: str, now: float, detail: str = "") -> RequestStatus | None:
         """Cancel a request and return its status afterwards (None for an unknown id).
 
         Waiting or idle requests end at once; one read by an in-flight round is CANCELLING
         until that round's result arrives. Cancelling again, or a finished request, changes nothing.
+        `detail` goes into its Finished record (a drain's hand-off says so there).
         """
         request = self._table.live.get(request_id)
         if request is None:
@@ -63,7 +66,7 @@ class Endings:
         if request.status is RequestStatus.CANCELLING:
             return request.status
         self._outbox.event(request, Stage.CANCEL_REQUESTED, now)
-        return self._terminate(request, Input.CANCEL, Input.CANCEL_DEFERRED, now)
+        return self._terminate(request, Input.CANCEL, Input.CANCEL_DEFERRED, now, detail)
 
     def expire(self, now: float) -> list[str]:
         """Time out every request whose queue or total deadline is <= now; return their ids."""
@@ -73,7 +76,8 @@ class Endings:
             expired.append(request.request_id)
         return expired
 
-    def _terminate(self, request: Request, now_input: Input, deferred: Input, now: float) -> RequestStatus:
+    def _terminate(self, request: Request, now_input: Input, deferred: Input, now: float,
+                   detail: str = "") -> RequestStatus:
         table = self._table
         if request.in_flight_round is not None:
             table.running.pop(request.request_id, None)
@@ -83,18 +87,21 @@ class Endings:
             is_cancel = deferred is Input.CANCEL_DEFERRED
             request.release_input = Input.RELEASE_CANCELLED if is_cancel else Input.RELEASE_TIMED_OUT
             table.cancelling[request.request_id] = request
+            if detail:
+                self._deferred_detail[request.request_id] = detail
             return request.status
         if request.status is RequestStatus.WAITING:
             self._backlog.dequeue(request)
         else:
             table.running.pop(request.request_id, None)
-        self.end(request, now_input, now)
+        self.end(request, now_input, now, detail)
         return request.status
 
     def release_deferred(self, request: Request, now: float) -> None:
         """End a CANCELLING request now that no round reads it."""
         del self._table.cancelling[request.request_id]
-        self.end(request, request.release_input, now)  # type: ignore[arg-type]
+        detail = self._deferred_detail.pop(request.request_id, "")
+        self.end(request, request.release_input, now, detail)  # type: ignore[arg-type]
 
     def end_running(self, request: Request, event: Input, now: float, detail: str = "") -> None:
         """End a RUNNING request with `event` (STOP, LENGTH or FAIL)."""

@@ -191,13 +191,14 @@ class SchedulerCore:
         return self.take_events()
 
     # ---- terminations ----------------------------------------------------------------------
-    def cancel(self, request_id: str, now: float) -> RequestStatus | None:
+    def cancel(self, request_id: str, now: float, detail: str = "") -> RequestStatus | None:
         """Cancel a request and return its status afterwards (None for an unknown id).
 
         Waiting or idle requests end at once; one read by an in-flight round is CANCELLING
         until that round's result arrives. Cancelling again, or a finished request, changes nothing.
+        `detail` goes into its Finished record.
         """
-        return self.endings.cancel(request_id, now)
+        return self.endings.cancel(request_id, now, detail)
 
     def expire(self, now: float) -> list[str]:
         """Time out every request whose queue or total deadline is <= now; return their ids."""

@@ -12,6 +12,12 @@ blocks `num-blocks=N` (a memory-tight deployment), and admission's early
 refusal `early-refusal` (refuse a request whose predicted TTFT exceeds the report's TTFT SLO) or
 `ttft-slo-ms=N` (a TTFT limit of its own). Words not given come from the other flags. `--scenario NAME|all` runs the self-checking scenarios instead and
 exits 0 only if every check holds.
+
+`--autoscale MIN:MAX` lets the planner (planner_svc) size the fleet from MIN replicas, with replica
+load, warm-up, drain and migration modelled (sluice_tools/sim/fleet.py states the assumed figures); the
+report adds GPU-seconds, scale events, time to ready and drain durations. With `--equal-resources` it
+instead compares, on a day-shaped workload (rate rising and falling), the autoscaled fleet with static
+fleets of MIN, MAX and the GPU-second-equal size (sluice_tools/sim/fleet_scenarios.py; times / 5).
 """
 
 from __future__ import annotations
@@ -92,6 +98,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity", action="store_true",
                         help="find each configuration's capacity: the highest rate (by rate scale) at which "
                              "--capacity-goal of requests meet both SLO targets")
+    parser.add_argument("--autoscale", metavar="MIN:MAX",
+                        help="let the planner size the fleet between MIN and MAX replicas (starts at MIN)")
+    parser.add_argument("--equal-resources", action="store_true",
+                        help="with --autoscale: autoscaled vs static MIN, MAX and GPU-second-equal fleets on a "
+                             "day-shaped workload (no WORKLOAD needed)")
     parser.add_argument("--capacity-goal", type=float, default=0.9, help="SLO attainment to hold (default 0.9)")
 
 
@@ -199,6 +210,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.scenario:
             return 0 if run_scenarios(args.scenario) else 1
+        fleet = parse_autoscale(args.autoscale) if args.autoscale else None
+        if args.equal_resources:
+            return _run_equal_resources(fleet, args.json)
         if not args.workload:
             raise ValueError("give a WORKLOAD or --scenario NAME")
         workload = load_workload(
@@ -221,12 +235,17 @@ def run(args: argparse.Namespace) -> int:
     results = {}
     for name, config in configs.items():
         print(f"simulating {name} ...", file=sys.stderr)
-        results[name] = simulate(config, workload.requests, include_series=bool(args.json or args.plots))
+        if fleet is not None:
+            config = replace(config, replicas=max(1, fleet.planner.min_replicas))
+        results[name] = simulate(config, workload.requests, include_series=bool(args.json or args.plots), fleet=fleet)
     summaries = {name: result.summary for name, result in results.items()}
     if len(results) == 1:
         print(format_table(next(iter(summaries.values())), title=next(iter(summaries))))
     else:
         print(format_compare(summaries))
+    for name, summary in summaries.items():
+        if "fleet" in summary:
+            print(format_fleet(summary["fleet"], name))  # type: ignore[arg-type]
     if args.json:
         payload = {"workload": workload.describe(), "runs": summaries}
         print(f"wrote {write_json(payload, args.json)}", file=sys.stderr)
@@ -235,6 +254,55 @@ def run(args: argparse.Namespace) -> int:
             {n: r.records for n, r in results.items()}, {n: r.series for n, r in results.items()}, args.plots
         )
         print(f"wrote {len(files)} plots into {args.plots}", file=sys.stderr)
+    return 0
+
+
+def parse_autoscale(text: str) -> Any:
+    """Return the FleetConfig of `--autoscale MIN:MAX` (the planner's default times); raises ValueError."""
+    from planner_svc.config import PlannerConfig
+    from sluice_tools.sim.fleet import FleetConfig
+
+    low, sep, high = text.partition(":")
+    try:
+        bounds = (int(low), int(high))
+    except ValueError:
+        bounds = (-1, -1)
+    if not sep or not 1 <= bounds[0] <= bounds[1]:
+        raise ValueError(f"--autoscale {text!r}: need MIN:MAX with 1 <= MIN <= MAX, e.g. 1:4")
+    return FleetConfig(planner=PlannerConfig(min_replicas=bounds[0], max_replicas=bounds[1]))
+
+
+def format_fleet(fleet: dict[str, Any], name: str) -> str:
+    """Return the fleet section of a summary as a few lines."""
+    ready = fleet["time_to_ready_s"]
+    drains = fleet["drain_s"]
+    lines = [f"fleet ({name}): {fleet['gpu_seconds']:.0f} GPU-seconds, peak {fleet['peak_replicas']} replicas, "
+             f"{fleet['scale_ups']} scale-ups, {fleet['scale_downs']} scale-downs",
+             f"  time to ready: {', '.join(f'{t:.0f} s' for t in ready) or '-'}; "
+             f"drains: {', '.join(f'{d:.1f} s' for d in drains) or '-'}; migrations: {fleet['migrations'] or 0}"]
+    lines += [f"  t={e['t']:>8.1f} s {e['kind']:<10} {e['what']:<12} {e['signal']} {e['pressure']}"
+              for e in fleet["scale_events"]]
+    return "\n".join(lines)
+
+
+def _run_equal_resources(fleet: Any, json_path: str | None) -> int:
+    """Print autoscaled vs static fleets at equal resources on the day-shaped workload."""
+    from sluice_tools.report import write_json
+    from sluice_tools.sim.fleet_scenarios import (
+        compare_at_equal_resources,
+        day_workload,
+        equal_resources_table,
+        fleet_config,
+    )
+
+    if fleet is None:
+        raise ValueError("--equal-resources needs --autoscale MIN:MAX")
+    requests = day_workload()
+    print(f"day-shaped workload: {len(requests)} requests over 600 s (1 -> 16 -> 1 req/s)", file=sys.stderr)
+    rows = compare_at_equal_resources(requests, fleet_config(fleet.planner.min_replicas, fleet.planner.max_replicas))
+    print(equal_resources_table(rows))
+    if json_path:
+        print(f"wrote {write_json({'equal_resources': rows}, json_path)}", file=sys.stderr)
     return 0
 
 

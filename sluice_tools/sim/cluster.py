@@ -390,7 +390,7 @@ class Simulator:
         now, records, times, grow = self.now, self.records, self._token_times, self._growth_signal
         for request_id, index, _token in events.tokens:
             times[request_id].append(now)
-            if index == 0:
+            if index == 0 and records[request_id].first_token_s is None:  # a migrated attempt starts at 0 again
                 records[request_id].first_token_s = now
                 self.admission.mark_started(request_id, now)
             if grow is not None:

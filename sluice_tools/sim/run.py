@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from sluice_tools.metrics import FairnessWeights, RequestRecord, summarize
 from sluice_tools.sim.cluster import Simulator
 from sluice_tools.sim.config import SimConfig
+from sluice_tools.sim.fleet import FleetConfig, FleetSimulator
 from sluice_tools.workload import WorkloadRequest
 
 
@@ -22,14 +23,17 @@ class SimResult:
 
 
 def simulate(
-    config: SimConfig, requests: Sequence[WorkloadRequest], *, include_series: bool = True
+    config: SimConfig, requests: Sequence[WorkloadRequest], *, include_series: bool = True,
+    fleet: FleetConfig | None = None,
 ) -> SimResult:
     """Run `requests` through a simulated deployment and return its result.
 
     The summary carries a "sim" section: simulated seconds, wall seconds, their ratio, rounds.
+    With `fleet`, the planner sizes the fleet (sluice_tools/sim/fleet.py) and the summary has a "fleet"
+    section (GPU-seconds, scale events, time to ready, drain durations, migrations).
     Raises ValueError for an unknown model, GPU or a configuration the cores refuse.
     """
-    simulator = Simulator(config, requests)
+    simulator = Simulator(config, requests) if fleet is None else FleetSimulator(config, requests, fleet)
     records = simulator.run()
     simulated_s = simulator.end_s
     fairness = FairnessWeights(tenant_weights=dict(config.tenant_weights))
@@ -68,4 +72,6 @@ def simulate(
         "overcommitted_growths": stats.overcommitted_growths,
         "reclaimed_output_tokens": stats.reclaimed_output_tokens,
     }
+    if isinstance(simulator, FleetSimulator):
+        summary["fleet"] = simulator.report.to_dict()
     return SimResult(config, records, simulator.series, summary)

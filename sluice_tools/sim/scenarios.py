@@ -11,10 +11,9 @@ time, except in seed-fcfs-vs-priority, whose premise fixes the job times (8, 2 a
 
 from __future__ import annotations
 
-import enum
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from router_svc.core import ReplicaLoad, ReplicaSpec, RouteQuery, RouterConfig, RouterCore, RoutingPolicy
@@ -30,38 +29,12 @@ from sluice.types import (
     SamplingParams,
 )
 from sluice_tools.metrics import summarize
+from sluice_tools.sim.checks import Check, check, check_that
 from sluice_tools.sim.config import SCHEDULER, SimConfig, with_budgets
+from sluice_tools.sim.fleet_scenarios import FLEET_SCENARIOS
 from sluice_tools.sim.run import simulate
 from sluice_tools.workload import WorkloadRequest, load_workload
 from worker_svc.costmodel import CostModel
-
-
-@dataclass(frozen=True)
-class Check:
-    """One verified statement with the value that was measured."""
-
-    name: str
-    measured: object
-    expected: str
-    ok: bool
-
-    def line(self) -> str:
-        """Return the check as one printable line."""
-        measured = self.measured.value if isinstance(self.measured, enum.Enum) else self.measured
-        return (
-            f"  [{'PASS' if self.ok else 'FAIL'}] {self.name}: measured {measured} (expected {self.expected})"
-        )
-
-
-def check(name: str, measured: object, expected: object) -> Check:
-    """Return a check that `measured` equals `expected`."""
-    shown = expected.value if isinstance(expected, enum.Enum) else expected
-    return Check(name, measured, str(shown), measured == expected)
-
-
-def check_that(name: str, measured: object, holds: bool, expected: str) -> Check:
-    """Return a check of an arbitrary condition, described in words."""
-    return Check(name, measured, expected, bool(holds))
 
 
 class _Stepper:
@@ -390,6 +363,7 @@ SCENARIOS: dict[str, Callable[[], list[Check]]] = {
     "seed-late-callback": seed_late_callback,
     "seed-overload": seed_overload,
     "seed-priority-starvation": seed_priority_starvation,
+    **FLEET_SCENARIOS,
 }
 
 

@@ -46,6 +46,8 @@ class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.S
         """The time to first token the stand-in router predicts for every request."""
         self.output = OUTPUT
         """What each request generates (one token per 20 ms) when it runs to its max_tokens."""
+        self.end_detail = "the replica gave up"
+        """The detail of such an end."""
 
     async def Route(self, request: Any, context: Any) -> router_pb2.RouteResponse:
         if not self.ready:
@@ -79,7 +81,7 @@ class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.S
             status, reason = common_pb2.CANCELLED, "cancelled"
         await self.bus.publish_completion(events_pb2.Completion(
             request_id=request.request_id, tenant=request.tenant, status=status, finish_reason=reason,
-            owner=request.owner, detail="the replica gave up" if self.end_status is not None else "",
+            owner=request.owner, detail=self.end_detail if self.end_status is not None else "",
             usage=common_pb2.Usage(input_tokens=len(request.prompt_token_ids),
                                                         output_tokens=produced)))
 

@@ -227,8 +227,9 @@ def test_replica_span_continues_the_submit_trace(redis_url: str, namespace: str,
 
 
 def test_replica_registers_turns_ready_and_drains_at_the_router(redis_url: str, namespace: str) -> None:
-    """A replica registers with the worker's capacity and becomes READY; on drain its gRPC health turns from
-    SERVING to NOT_SERVING and it is DRAINING at the router."""
+    """A replica registers with the worker's capacity and becomes READY; a Drain at the router makes it DRAINING
+    there, reaches the replica in its heartbeat reply, and the replica retires: removed from the router, its
+    gRPC health turned from SERVING to NOT_SERVING."""
     async def body() -> None:
         client = aioredis.Redis.from_url(redis_url)
         runtime = RouterRuntime(RouterCore(), Bus(client, namespace), "router-t")
@@ -254,10 +255,22 @@ def test_replica_registers_turns_ready_and_drains_at_the_router(redis_url: str, 
             health = health_pb2_grpc.HealthStub(r.channel)
             check = health_pb2.HealthCheckRequest(service="sluice.v1.SchedulerService")
             assert (await health.Check(check)).status == health_pb2.HealthCheckResponse.SERVING
-            await r.replica.health.enter_graceful_shutdown()
-            await r.replica.agent.drain(1.0)  # type: ignore[union-attr]
+            drained = await router_stub.Drain(router_pb2.DrainRequest(replica_id="r1"))
+            assert drained.state == router_pb2.DRAINING
             assert await states() == {"r1": (router_pb2.DRAINING, 48)}
+            # The heartbeat reply carries DRAINING to the replica: it drains (nothing in flight) and retires.
+            for _ in range(100):
+                if not await states():
+                    break
+                await asyncio.sleep(0.05)
+            assert await states() == {}
+            assert r.replica.agent is not None and r.replica.agent.retired.is_set()
+            for _ in range(50):
+                if (await health.Check(check)).status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    break
+                await asyncio.sleep(0.02)
             assert (await health.Check(check)).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            await r.replica.agent.drain(1.0)  # a second drain (SIGTERM's) finds it done
         stop.set()
         await loop_task
         await channel.close()
@@ -354,7 +367,7 @@ def test_a_lost_worker_reruns_its_round_makes_the_replica_unhealthy_and_the_queu
             assert [(c.request_id, c.status) for c in done] == [
                 ("interrupted", common_pb2.FINISHED_LENGTH), ("queued", common_pb2.FINISHED_LENGTH)]
             model = CostModel("llama-3-8b", "h200")
-            assert await _output_tokens(r.bus, "interrupted") == [model.token_for("interrupted", i) for i in range(200)]
+            assert await _output_tokens(r.bus, "interrupted") == [model.token_for("interrupted", 40 + i) for i in range(200)]
             assert done[0].usage.preemptions == 1
             assert "all_blocks_cleared" in await _kv_event_kinds(r.bus)
             await _wait_for(lambda: state(router_pb2.READY))
@@ -498,7 +511,7 @@ def test_a_killed_worker_process_restarted_on_its_port_lets_the_interrupted_requ
             assert [(c.request_id, c.status) for c in done] == [
                 ("interrupted", common_pb2.FINISHED_LENGTH), ("queued", common_pb2.FINISHED_LENGTH)]
             model = CostModel("llama-3-8b", "h200")
-            assert await _output_tokens(bus, "interrupted") == [model.token_for("interrupted", i) for i in range(300)]
+            assert await _output_tokens(bus, "interrupted") == [model.token_for("interrupted", 40 + i) for i in range(300)]
             assert done[0].usage.preemptions == 1 and done[0].usage.output_tokens == 300
         finally:
             await replica.stop(drain_timeout_s=2)

@@ -93,14 +93,25 @@ def test_70b_needs_tensor_parallel() -> None:
 
 
 def test_tokens_deterministic_below_vocab_and_never_eos() -> None:
-    """Tokens depend only on (request, index), stay below the vocab and avoid EOS unless asked."""
+    """Tokens depend only on (request, position), stay below the vocab and avoid EOS unless asked (at output index eos_after)."""
     model = CostModel("tiny", "h100")
     info = model.info()
     tokens = [model.token_for("req-1", i) for i in range(2000)]
     assert tokens == [CostModel("tiny", "h100").token_for("req-1", i) for i in range(2000)]
     assert all(0 <= t < info.vocab_size for t in tokens)
     assert info.eos_token_id not in tokens
-    assert CostModel("tiny", "h100", eos_after=3).token_for("r", 3) == info.eos_token_id
+    assert CostModel("tiny", "h100", eos_after=3).token_for("r", 43, output_index=3) == info.eos_token_id
+
+
+def test_a_migrated_attempt_continues_the_tokens_of_its_request() -> None:
+    """An attempt `r#1` whose prompt is the original plus k streamed tokens samples the original's tokens from k on."""
+    model = CostModel("tiny", "h100")
+    prompt = list(range(1, 21))
+    whole = [model.token_for("r", len(prompt) + i) for i in range(50)]
+    streamed = whole[:17]
+    continued = [model.token_for("r#1", len(prompt) + len(streamed) + j) for j in range(50 - 17)]
+    assert streamed + continued == whole
+    assert model.token_for("other", 30) != model.token_for("r", 30) or model.token_for("other", 31) != whole[11]
 
 
 def test_execute_returns_tokens_for_sampling_seqs_and_modelled_time() -> None:

@@ -69,8 +69,8 @@ def test_a_replica_whose_worker_is_down_reports_unhealthy_unless_it_drains() -> 
 
 def test_every_held_and_reported_state_pair_reconciles_by_the_table() -> None:
     """Walk every (held, reported) pair: READY warms WARMING/UNHEALTHY, UNHEALTHY faults WARMING/READY,
-    DRAINING drains whatever does not drain yet; every other pair, an unknown replica and an unspecified
-    report change nothing."""
+    DRAINING drains whatever does not drain yet, GONE retires a DRAINING one; every other pair, an unknown
+    replica and an unspecified report change nothing."""
     expected = {
         (ReplicaState.WARMING, ReplicaState.READY): ReplicaInput.WARMED,
         (ReplicaState.UNHEALTHY, ReplicaState.READY): ReplicaInput.WARMED,
@@ -79,6 +79,7 @@ def test_every_held_and_reported_state_pair_reconciles_by_the_table() -> None:
         (ReplicaState.WARMING, ReplicaState.DRAINING): ReplicaInput.DRAIN,
         (ReplicaState.READY, ReplicaState.DRAINING): ReplicaInput.DRAIN,
         (ReplicaState.UNHEALTHY, ReplicaState.DRAINING): ReplicaInput.DRAIN,
+        (ReplicaState.DRAINING, ReplicaState.GONE): ReplicaInput.REMOVE,
     }
     assert expected == glue.HEARTBEAT_INPUTS
     for held, reported in itertools.product(ReplicaState, ReplicaState):
@@ -109,6 +110,21 @@ def test_apply_heartbeat_moves_the_replica_and_records_its_load() -> None:
     assert (view.load, view.last_heartbeat) == (load, float(len(steps) - 1))
     with pytest.raises(UnknownReplica):
         glue.apply_heartbeat(router, HeartbeatReport("nobody", ReplicaState.READY, load), now=9.0)
+
+
+def test_a_drained_replica_reporting_gone_leaves_the_table() -> None:
+    """A DRAINING replica's GONE heartbeat retires it: apply_heartbeat says GONE and the router forgets it,
+    while a READY one reporting GONE stays as it is (only a drain ends in retirement)."""
+    router = RouterCore()
+    router.register(ReplicaSpec("r", "m"), now=0.0)
+    router.register(ReplicaSpec("s", "m"), now=0.0)
+    glue.apply_heartbeat(router, HeartbeatReport("r", ReplicaState.DRAINING, ReplicaLoad()), now=1.0)
+    assert glue.apply_heartbeat(router, HeartbeatReport("r", ReplicaState.GONE, ReplicaLoad()), now=2.0) == (
+        ReplicaState.DRAINING, ReplicaState.GONE)
+    assert router.state_of("r") is None
+    glue.apply_heartbeat(router, HeartbeatReport("s", ReplicaState.READY, ReplicaLoad()), now=1.0)
+    assert glue.apply_heartbeat(router, HeartbeatReport("s", ReplicaState.GONE, ReplicaLoad()), now=2.0) == (
+        ReplicaState.READY, ReplicaState.READY)
 
 
 def test_a_heartbeat_report_survives_the_wire() -> None:

@@ -1,0 +1,256 @@
+"""Migration: a request whose replica goes away moves to another, with no token lost or repeated.
+
+Rules
+-----
+* Admission owns each request's fate until its terminal status; the loss of its replica is not one.
+* Causes (`MigrationCause`):
+  HANDED_OFF      the replica ended it CANCELLED with detail DRAIN_HANDOFF (sluice.types): a drain
+                  past its timeout hands what is left to migration (scheduler_svc ReplicaAgent.drain).
+  REPLICA_GONE    it stalled and the router no longer lists its replica (heartbeats lost, retired).
+  WORKER_DOWN     it stalled and the router says its replica is UNHEALTHY (the worker is down).
+  SCHEDULER_GONE  it stalled and its scheduler refuses a health check (UNAVAILABLE: process dead).
+  "Stalled" is no new token for `stall_timeout_s`; a request queued behind others on a healthy replica
+  stalls too, and stays, because its replica is listed, healthy and answering.
+* A move submits a new *attempt* `{request_id}#{n}`: the prompt is the original prompt plus the tokens
+  streamed so far (recomputed on the new replica), max_tokens what is left. The stream is retargeted
+  before anything is awaited, so a late token of the old attempt is dropped and the new attempt's
+  token 0 is output index `streamed`; the old attempt is cancelled at its scheduler, best effort.
+* A request moves at most `migration_limit` times; one more loss ends it FAILED (`migration_limit`),
+  as does not finding a replica within `migration_retry_s`, or a stream with a token gap (nothing
+  exact to recompute from). Every end goes through FrontDoor.complete, which releases the reservation
+  exactly once.
+
+`decide` is the watchdog's rule, pure: the stalled requests and what the router and the probes say in,
+(request id, cause) pairs out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import enum
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from sluice.types import ATTEMPT_SEPARATOR, DRAIN_HANDOFF
+from sluice.v1 import common_pb2, events_pb2, router_pb2, scheduler_pb2
+
+if TYPE_CHECKING:
+    from admission_svc.calls import Tracked
+    from admission_svc.frontdoor import FrontDoor
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MigrationCause", "Migrator", "Stalled", "attempt_id", "decide"]
+
+
+class MigrationCause(enum.Enum):
+    """Why a request moves (the `cause` label of the migration metric and span event)."""
+
+    HANDED_OFF = "handed_off"
+    REPLICA_GONE = "replica_gone"
+    WORKER_DOWN = "worker_down"
+    SCHEDULER_GONE = "scheduler_gone"
+
+
+@dataclass(frozen=True)
+class Stalled:
+    """A placed, live request with no new token for at least the stall timeout."""
+
+    request_id: str
+    replica_id: str
+    scheduler_address: str
+
+
+def attempt_id(request_id: str, migrations: int) -> str:
+    """Return the downstream id of a request's attempt after `migrations` moves (the first: the id itself)."""
+    return request_id if migrations == 0 else f"{request_id}{ATTEMPT_SEPARATOR}{migrations}"
+
+
+def decide(stalled: Iterable[Stalled], replica_states: Mapping[str, int] | None,
+           scheduler_up: Mapping[str, bool]) -> list[tuple[str, MigrationCause]]:
+    """Return the stalled requests to move and why.
+
+    `replica_states`: the router's listing (replica id -> router_pb2.ReplicaState), None when the
+    router did not answer (then only the probes decide). `scheduler_up`: health probe per address.
+    """
+    moves = []
+    for request in stalled:
+        state = None if replica_states is None else replica_states.get(request.replica_id, router_pb2.GONE)
+        if state == router_pb2.GONE:
+            moves.append((request.request_id, MigrationCause.REPLICA_GONE))
+        elif state == router_pb2.UNHEALTHY:
+            moves.append((request.request_id, MigrationCause.WORKER_DOWN))
+        elif not scheduler_up.get(request.scheduler_address, True):
+            moves.append((request.request_id, MigrationCause.SCHEDULER_GONE))
+    return moves
+
+
+def handed_off(record: Tracked, completion: events_pb2.Completion) -> bool:
+    """True when a draining replica handed the request over (and admission did not ask to cancel it)."""
+    return (completion.status == common_pb2.CANCELLED and completion.detail == DRAIN_HANDOFF
+            and not record.timestamps.cancel_requested)
+
+
+class Migrator:
+    """The front door's watchdog and mover (see the module docstring)."""
+
+    def __init__(self, door: FrontDoor) -> None:
+        self.door = door
+        self.attempts: dict[str, str] = {}
+        """Attempt id -> request id, for every attempt after the first."""
+
+    # ---- the watchdog ---------------------------------------------------------------------------
+    async def watch(self, stop: asyncio.Event) -> None:
+        """Check stalled requests every `watch_interval_s` until `stop`; errors are logged, not fatal."""
+        interval = self.door.config.watch_interval_s
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval)
+            try:
+                await self.tick()
+            except Exception:
+                log.exception("migration watchdog tick failed")
+            self.door.publish_budgets()
+
+    def stalled(self, now: float) -> list[Stalled]:
+        """Return the placed, live requests without a new token for `stall_timeout_s`."""
+        limit = now - self.door.config.stall_timeout_s
+        return [Stalled(r.request_id, r.replica_id, r.scheduler_address) for r in self.door.records.values()
+                if r.completion is None and not r.ended and not r.migrating and r.placement is not None
+                and r.scheduler_address and r.stream.progress_at <= limit]
+
+    async def tick(self) -> None:
+        """Find the stalled requests whose replica is lost and start their moves."""
+        stalled = self.stalled(time.monotonic())
+        if not stalled:
+            return
+        states = await self._replica_states()
+        probes = {}
+        for address in sorted({s.scheduler_address for s in stalled}):
+            probes[address] = await self._probe(address)
+        for request_id, cause in decide(stalled, states, probes):
+            record = self.door.records.get(request_id)
+            if record is not None:
+                self.door.spawn(self.migrate(record, cause))
+
+    async def _replica_states(self) -> dict[str, int] | None:
+        try:
+            listed = await self.door.router.ListReplicas(router_pb2.ListReplicasRequest(),
+                                                         timeout=self.door.config.downstream_timeout_s)
+        except grpc.aio.AioRpcError:
+            return None
+        return {r.replica_id: r.state for r in listed.replicas}
+
+    async def _probe(self, address: str) -> bool:
+        channel = self.door.scheduler_channel(address)
+        try:
+            await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        except grpc.aio.AioRpcError as exc:
+            # Only a refused connection is a dead process; a slow answer (a busy or stopped one) is left
+            # to the router's heartbeat timeout, so that load alone never moves a request.
+            return exc.code() != grpc.StatusCode.UNAVAILABLE
+        return True
+
+    # ---- the move -------------------------------------------------------------------------------
+    async def migrate(self, record: Tracked, cause: MigrationCause) -> None:
+        """Move the request to another replica, or end it FAILED when it may not or cannot move."""
+        if record.migrating or record.completion is not None or record.ended:
+            return
+        record.migrating = True
+        try:
+            await self._move(record, cause)
+        finally:
+            record.migrating = False
+
+    async def _move(self, record: Tracked, cause: MigrationCause) -> None:
+        door, stream, placement = self.door, record.stream, record.placement
+        streamed = len(stream.tokens)
+        if placement is None or stream.missing_tokens:
+            self.end_locally(record, common_pb2.FAILED, f"replica lost ({cause.value}) and the stream has a gap")
+            return
+        if record.migrations >= door.config.migration_limit:
+            door.metrics.migration_failures.labels("migration_limit").inc()
+            self.end_locally(record, common_pb2.FAILED, f"migration_limit: replica lost ({cause.value}) after "
+                                                        f"{record.migrations} migrations")
+            return
+        sampling = placement.call.sampling
+        left = sampling.max_tokens - streamed
+        if left <= 0:
+            self.end_locally(record, common_pb2.FINISHED_LENGTH, "", finish_reason="length")
+            return
+        old_address, old_attempt, old_replica = record.scheduler_address, record.attempt_id, record.replica_id
+        record.migrations += 1
+        new_attempt = attempt_id(record.request_id, record.migrations)
+        self.attempts[new_attempt] = record.request_id
+        door.registry.retarget(stream, new_attempt, streamed)
+        record.attempt_id = new_attempt
+        door.spawn(self._cancel_old(old_address, old_attempt))
+        door.metrics.migrations.labels(cause.value).inc()
+        record.span.add_event("migrated", attributes={
+            "cause": cause.value, "sluice.from_replica_id": old_replica, "sluice.tokens_kept": streamed,
+            "sluice.migration": record.migrations})
+        call = dataclasses.replace(placement.call, sampling=dataclasses.replace(sampling, max_tokens=left))
+        ids = list(placement.prompt_ids) + stream.tokens[:streamed]
+        if not await self._place(record, call, ids, placement.deadline_unix_s):
+            door.metrics.migration_failures.labels("no_replica").inc()
+            self.end_locally(record, common_pb2.FAILED, f"replica lost ({cause.value}) and no replica took the "
+                                                        f"request within {door.config.migration_retry_s} s")
+            return
+        log.info("request %s migrated (%s) %s -> %s after %d tokens", record.request_id, cause.value, old_replica,
+                 record.replica_id, streamed)
+        if record.timestamps.cancel_requested:  # the client cancelled while it moved
+            door.spawn(door.cancel_downstream(record, "client"))
+
+    async def _place(self, record: Tracked, call: object, ids: list[int], deadline_unix_s: float | None) -> bool:
+        """Route and submit the new attempt, retrying while no replica takes it; returns whether one did."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.door.config.migration_retry_s
+        pause = 0.1
+        while True:
+            try:
+                await self.door.route_and_submit(record, call, ids, deadline_unix_s)  # type: ignore[arg-type]
+                return True
+            except grpc.aio.AioRpcError as exc:
+                log.info("request %s: placing its migration failed (%s); retrying", record.request_id,
+                         exc.code().name)
+            if loop.time() + pause > give_up or record.completion is not None:
+                return False
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 1.0)
+
+    async def _cancel_old(self, address: str, old_attempt: str) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self.door.scheduler(address).Cancel(scheduler_pb2.CancelRequest(request_id=old_attempt),
+                                                      timeout=1.0)
+
+    def end_locally(self, record: Tracked, status: common_pb2.RequestStatus, detail: str,
+                    finish_reason: str = "error") -> None:
+        """End a request admission gives up on (a lost replica it may not or cannot leave) with `status`;
+        the reservation is released through FrontDoor.complete, as for any completion."""
+        completion = events_pb2.Completion(
+            request_id=record.request_id, tenant=record.tenant, replica_id=record.replica_id, status=status,
+            finish_reason=finish_reason, detail=detail, owner=self.door.owner,
+            usage=common_pb2.Usage(input_tokens=record.input_tokens, output_tokens=len(record.stream.tokens)))
+        completion.timestamps.CopyFrom(record.timestamps)
+        completion.timestamps.finished = time.time()
+        log.warning("request %s ended %s: %s", record.request_id, common_pb2.RequestStatus.Name(status), detail)
+        self.door.complete(record.request_id, record, completion)
+
+    def whole(self, record: Tracked, completion: events_pb2.Completion) -> events_pb2.Completion:
+        """Return the attempt's completion as the request's: its id, its input, every output token counted."""
+        if record.stream.offset == 0 and completion.request_id == record.request_id:
+            return completion
+        whole = events_pb2.Completion()
+        whole.CopyFrom(completion)
+        whole.request_id = record.request_id
+        whole.usage.input_tokens = record.input_tokens
+        whole.usage.output_tokens = record.stream.offset + completion.usage.output_tokens
+        return whole

@@ -1,0 +1,197 @@
+"""End to end: requests of a killed or drained replica move to the other one and finish with exactly their tokens.
+
+Each test starts a real 2-replica stack (cost-model workers, emulated round times), streams long requests,
+then kills a process with SIGKILL (no restart: supervision is not what these tests rely on) or drains a
+replica through the router's Drain RPC. The cost model's token at a position depends only on the request
+and the position (worker_svc/costmodel.py), so the tokens an untouched run gives are known exactly:
+`CostModel.token_for(request_id, prompt_len + i)`; the first test checks that against a real untouched run.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+
+from sluice import client as sdk
+from sluice.v1 import router_pb2, router_pb2_grpc
+from sluice_tools.stack import Proc, Stack, StackConfig, health_serving
+from worker_svc.costmodel import CostModel
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+MODEL = "llama-3-8b"
+MAX_TOKENS = 400
+STREAMS = 8
+BUDGETS = ("active", "queued", "pending_input_tokens", "reserved_output_tokens")
+
+
+@dataclass
+class Streamed:
+    """What one client saw."""
+
+    prompt: list[int]
+    request_id: str = ""
+    tokens: list[int] = field(default_factory=list)
+    status: str = ""
+    output_tokens: int = -1
+    error: BaseException | None = None
+    index_errors: int = 0
+
+
+def _expected(request_id: str, prompt: list[int], count: int) -> list[int]:
+    model = CostModel(MODEL)
+    return [model.token_for(request_id, len(prompt) + i) for i in range(count)]
+
+
+def _stream(endpoint: str, key: str, out: Streamed) -> None:
+    with sdk.Client(endpoint, api_key=key) as client:
+        try:
+            for chunk in client.generate(out.prompt, max_tokens=MAX_TOKENS, ignore_eos=True, timeout=120):
+                out.request_id = chunk.request_id
+                if chunk.finished:
+                    out.status = chunk.status
+                    out.output_tokens = chunk.usage.output_tokens if chunk.usage else -1
+                    continue
+                out.index_errors += chunk.index != len(out.tokens)
+                out.tokens.extend(chunk.token_ids)
+        except sdk.SluiceError as exc:
+            out.error = exc
+
+
+def _start(tmp_path: Path, *scheduler_args: str) -> Stack:
+    """Return the (unstarted: `with` starts it) 2-replica stack."""
+    return Stack(StackConfig(replicas=2, backend="costmodel", model=MODEL, emulate_time=True, run_dir=tmp_path,
+                             scheduler_args=scheduler_args))
+
+
+def _launch(stack: Stack, min_tokens: int = 40) -> tuple[list[Streamed], list[threading.Thread]]:
+    """Start STREAMS long requests (distinct prompts) and return once each has streamed `min_tokens`."""
+    outs = [Streamed([1 + (i * 7 + j) % 200 for j in range(24 + i)]) for i in range(STREAMS)]
+    threads = [threading.Thread(target=_stream, args=(stack.endpoint, stack.api_key, out)) for out in outs]
+    for thread in threads:
+        thread.start()
+    give_up = time.monotonic() + 60
+    while not all(len(o.tokens) >= min_tokens or o.error for o in outs):
+        assert time.monotonic() < give_up, [len(o.tokens) for o in outs]
+        time.sleep(0.01)
+    return outs, threads
+
+
+def _finish(outs: list[Streamed], threads: list[threading.Thread]) -> float:
+    """Join the clients; return when the last one ended."""
+    for thread in threads:
+        thread.join(150)
+    return time.monotonic()
+
+
+def _assert_exact(outs: list[Streamed]) -> None:
+    for out in outs:
+        assert out.error is None, out.error
+        assert (out.status, out.output_tokens, out.index_errors) == ("FINISHED_LENGTH", MAX_TOKENS, 0)
+        assert out.tokens == _expected(out.request_id, out.prompt, MAX_TOKENS)
+
+
+def _metrics(proc: Proc) -> dict[str, float]:
+    with urllib.request.urlopen(proc.metrics_url, timeout=5) as reply:  # noqa: S310 (loopback URL from the stack)
+        text = reply.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+def _assert_budgets_return_to_zero(stack: Stack) -> dict[str, float]:
+    assert stack.admission is not None
+    give_up = time.monotonic() + 5
+    while True:
+        values = _metrics(stack.admission)
+        used = {b: values.get(f'sluice_admission_budget_in_use{{budget="{b}"}}') for b in BUDGETS}
+        if all(v == 0.0 for v in used.values()) or time.monotonic() > give_up:
+            break
+        time.sleep(0.2)
+    assert used == dict.fromkeys(BUDGETS, 0.0)
+    assert values["sluice_admission_active_requests"] == 0.0
+    return values
+
+
+def _migrations(values: dict[str, float], cause: str) -> float:
+    return values.get(f'sluice_admission_migrations_total{{cause="{cause}"}}', 0.0)
+
+
+def _replicas(stack: Stack) -> dict[str, int]:
+    assert stack.router is not None
+    with grpc.insecure_channel(stack.router.address) as channel:
+        listed = router_pb2_grpc.RouterServiceStub(channel).ListReplicas(router_pb2.ListReplicasRequest(), timeout=5)
+    return {r.replica_id: r.state for r in listed.replicas}
+
+
+def test_untouched_streams_give_the_cost_models_tokens(tmp_path: Path) -> None:
+    """Without a fault every stream gets exactly token_for(request, position), the reference the other tests use."""
+    with _start(tmp_path) as stack:
+        outs, threads = _launch(stack)
+        _finish(outs, threads)
+        _assert_exact(outs)
+        values = _assert_budgets_return_to_zero(stack)
+        assert sum(v for k, v in values.items() if k.startswith("sluice_admission_migrations_total")) == 0
+
+
+@pytest.mark.parametrize("victims,cause", [
+    (("scheduler",), "scheduler_gone"),
+    (("worker",), "worker_down"),
+    (("scheduler", "worker"), "scheduler_gone"),
+])
+def test_a_killed_replica_process_loses_no_request_and_no_token(tmp_path: Path, victims: tuple[str, ...],
+                                                                 cause: str) -> None:
+    """kill -9 of replica-0's scheduler, worker or both mid-stream: every request finishes with exactly the
+    untouched run's tokens (indices continuous), those on replica-0 moved, and admission's budgets are zero after."""
+    with _start(tmp_path) as stack:
+        outs, threads = _launch(stack)
+        killed = time.monotonic()
+        for victim in victims:
+            proc = stack.schedulers[0] if victim == "scheduler" else stack.workers[0]
+            assert proc.popen is not None
+            proc.popen.kill()
+        ended = _finish(outs, threads)
+        _assert_exact(outs)
+        values = _assert_budgets_return_to_zero(stack)
+        assert _migrations(values, cause) >= 1
+        print(f"\nkill {'+'.join(victims)}: {int(_migrations(values, cause))} of {STREAMS} requests migrated "
+              f"({cause}); all {STREAMS} exact; last stream ended {ended - killed:.1f} s after the kill")
+
+
+def test_a_drained_replica_hands_its_requests_over_and_retires(tmp_path: Path) -> None:
+    """Drain replica-0 at the router with long requests in flight (drain timeout 1 s): it hands the rest to
+    migration, leaves the router's table and turns NOT_SERVING (retired; a SIGTERM then stops it at once, exit 0);
+    every request is exact."""
+    with _start(tmp_path, "--drain-timeout", "1") as stack:
+        outs, threads = _launch(stack)
+        assert stack.router is not None
+        with grpc.insecure_channel(stack.router.address) as channel:
+            reply = router_pb2_grpc.RouterServiceStub(channel).Drain(router_pb2.DrainRequest(replica_id="replica-0"),
+                                                                     timeout=5)
+        assert reply.state == router_pb2.DRAINING
+        drained = time.monotonic()
+        _finish(outs, threads)
+        _assert_exact(outs)
+        values = _assert_budgets_return_to_zero(stack)
+        assert _migrations(values, "handed_off") >= 1
+        give_up = time.monotonic() + 20
+        while health_serving(stack.schedulers[0].address) and time.monotonic() < give_up:
+            time.sleep(0.1)
+        retired = time.monotonic() - drained
+        assert not health_serving(stack.schedulers[0].address)
+        assert "replica-0" not in _replicas(stack) and _replicas(stack)["replica-1"] == router_pb2.READY
+        popen = stack.schedulers[0].popen
+        assert popen is not None
+        popen.terminate()
+        assert popen.wait(10) == 0
+        print(f"\ndrain: {int(_migrations(values, 'handed_off'))} of {STREAMS} requests handed off; "
+              f"replica retired {retired:.1f} s after Drain")
