@@ -7,7 +7,8 @@ Score (policy SCORE) = predicted time to first token on that replica (`predict_t
 Measured rates (heartbeats) win over the ones the replica registered with. The minimum wins;
 replicas within `tie_tolerance_s` of it are tie-broken at random (seeded), so routers with the
 same stale view do not all herd onto one replica. The baselines (ROUND_ROBIN, RANDOM,
-LEAST_LOADED, PREFIX_ONLY) are there to be compared with it.
+LEAST_LOADED, PREFIX_ONLY) and the competitors a user would pick instead (DYNAMO_KV, LLM_D, in
+router_svc.competitors) are there to be compared with it.
 
 `make_policy` builds one from its enum member or name; an unknown name raises ValueError listing
 the known ones. Pure: no clock, no I/O.
@@ -39,6 +40,15 @@ class RoutingPolicy(enum.Enum):
     """Fewest waiting + running + routed-in-flight requests."""
     PREFIX_ONLY = "prefix_only"
     """Longest cached prefix, ties to the least loaded (ignores queues: the herding baseline)."""
+    DYNAMO_KV = "dynamo_kv"
+    """NVIDIA Dynamo's KV router cost (router_svc.competitors.DynamoKv), its default weight and temperature."""
+    LLM_D = "llm_d"
+    """llm-d's default weighted scorers (router_svc.competitors.LlmD): prefix 3, queue 2, KV utilisation 2."""
+
+    @property
+    def uses_prefix(self) -> bool:
+        """Return True when the policy reads the prefix index (the caller must hash prompts)."""
+        return self not in (RoutingPolicy.ROUND_ROBIN, RoutingPolicy.RANDOM, RoutingPolicy.LEAST_LOADED)
 
     @classmethod
     def parse(cls, name: str) -> RoutingPolicy:
@@ -160,6 +170,8 @@ def make_policy(policy: RoutingPolicy | str, *, cached: CachedBlocks, rng: rando
     `cached` gives a replica's cached prefix, `rng` breaks ties and drives RANDOM. Raises ValueError
     naming the known policies when `policy` is unknown.
     """
+    from router_svc.competitors import DynamoKv, LlmD  # they build on this module's interface
+
     if not isinstance(policy, RoutingPolicy):
         policy = RoutingPolicy.parse(policy)
     factories: dict[RoutingPolicy, Callable[[], ReplicaPolicy]] = {
@@ -168,5 +180,7 @@ def make_policy(policy: RoutingPolicy | str, *, cached: CachedBlocks, rng: rando
         RoutingPolicy.RANDOM: lambda: RandomChoice(rng),
         RoutingPolicy.LEAST_LOADED: LeastLoaded,
         RoutingPolicy.PREFIX_ONLY: lambda: PrefixOnly(cached),
+        RoutingPolicy.DYNAMO_KV: lambda: DynamoKv(cached, rng),
+        RoutingPolicy.LLM_D: lambda: LlmD(cached, rng),
     }
     return factories[policy]()

@@ -48,7 +48,8 @@ class SchedulerConfig:
     max_kv_read_tokens: int | None = None
     """Optional cap on context tokens read by one round (bounds inter-token latency)."""
     max_waiting: int = 4096
-    """Bounded waiting queue: a submission beyond it is rejected with QUEUE_FULL."""
+    """Bounded waiting queue: a submission is rejected with QUEUE_FULL when the queue plus the running and
+    swapped-out requests (which a preemption sends back to it) reach this, so the queue never exceeds it."""
     policy: Policy = Policy.FCFS
     """Order of the waiting queue."""
     aging_rate: float = 1.0

@@ -119,7 +119,7 @@ class Simulator:
         self._next_arrival = 0
         self._token_times: dict[str, array] = {}
         self._placement: dict[str, _Replica] = {}
-        self._hash_prompts = config.router.policy in (RoutingPolicy.SCORE, RoutingPolicy.PREFIX_ONLY)
+        self._hash_prompts = config.router.policy.uses_prefix
         self._salt = salt_of(config.model)
         self.rounds = 0
         self.dropped_results = 0
