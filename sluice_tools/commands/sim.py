@@ -4,7 +4,7 @@
 them side by side. An item is `+`-joined words: a queue policy (fcfs, priority, fair, edf), a
 router (score, round_robin, random, least_loaded, prefix_only), a preemption mode (recompute,
 swap), `vllm-default` (vLLM V1's round budgets: 8192 tokens, 1024 seqs, no per-request chunk
-cap), or a setting for that item only: the admission budgets `max-queued=N` / `max-active=N`
+cap), `budget=slo` (round budgets derived from the TPOT target and the cost model), or a setting for that item only: the admission budgets `max-queued=N` / `max-active=N`
 (as `--max-queued` / `--max-active`) or the score router's `prefill-weight=W`. Words not given
 come from the other flags. `--scenario NAME|all` runs the self-checking scenarios instead and
 exits 0 only if every check holds.
@@ -25,6 +25,7 @@ from sluice_tools.sim.config import (
     parse_enum,
     vllm_default,
     with_budgets,
+    with_slo_budget,
     with_tenant_weights,
 )
 from worker_svc.costmodel import load_coefficients
@@ -56,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--budgets", default="sluice", choices=("sluice", "vllm-default"), help="round budgets"
     )
     parser.add_argument("--max-batched-tokens", type=int, help="query tokens per round")
+    parser.add_argument("--round-budget", default="fixed", choices=("fixed", "slo"),
+                        help="slo: derive the round's token and KV-read budgets from --slo-tpot-ms and the cost "
+                             "model (sluice.round_budget), after the other round flags")
     parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--max-prefill-chunk", type=int)
     parser.add_argument("--max-model-len", type=int, help="default: 8192 for Llama 3")
@@ -107,6 +111,8 @@ def base_config(args: argparse.Namespace, tenant_weights: dict[str, float]) -> S
     rounds = {"max_num_batched_tokens": args.max_batched_tokens, "max_num_seqs": args.max_num_seqs,
               "max_prefill_chunk": args.max_prefill_chunk}
     config = replace(config, scheduler=replace(config.scheduler, **{k: v for k, v in rounds.items() if v is not None}))
+    if args.round_budget == "slo":
+        config = with_slo_budget(config)
     budgets = {"max_active_requests": args.max_active, "max_queue_length": args.max_queued}
     return with_budgets(config, **{k: v for k, v in budgets.items() if v is not None})
 
@@ -115,7 +121,9 @@ def parse_compare_item(item: str, base: SimConfig) -> SimConfig:
     """Return `base` changed by one `--compare` item; raises ValueError naming an unknown word."""
     config = base
     for word in filter(None, item.strip().split("+")):
-        if "=" in word:
+        if word == "budget=slo":
+            config = with_slo_budget(config)
+        elif "=" in word:
             config = _setting_word(item, word, config)
         elif word == "vllm-default":
             config = vllm_default(config)
@@ -128,7 +136,7 @@ def parse_compare_item(item: str, base: SimConfig) -> SimConfig:
         else:
             known = [p.value for e in (Policy, RoutingPolicy, PreemptionMode) for p in e]  # type: ignore[attr-defined]
             raise ValueError(
-                f"--compare item {item!r}: unknown word {word!r}; known: vllm-default, "
+                f"--compare item {item!r}: unknown word {word!r}; known: vllm-default, budget=slo, "
                 f"{', '.join(known)}, {'=N, '.join(_SETTING_WORDS)}=N"
             )
     return config
