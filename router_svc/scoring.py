@@ -11,12 +11,15 @@ LEAST_LOADED, PREFIX_ONLY) and the competitors a user would pick instead (DYNAMO
 router_svc.competitors) are there to be compared with it.
 
 `make_policy` builds one from its enum member or name; an unknown name raises ValueError listing
-the known ones. Pure: no clock, no I/O.
+the known ones. SCORE's `load_bound` (above 1) first drops the replicas whose request count is at
+the bounded-loads cap (`within_load_bound`), so a hot prefix spills over instead of herding.
+Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -27,7 +30,7 @@ from router_svc.prefix_index import ReplicaCache
 
 __all__ = [
     "LeastLoaded", "PrefixOnly", "RandomChoice", "ReplicaPolicy", "RoundRobin", "RouteDecision", "RouteQuery",
-    "RoutingPolicy", "Score", "load_key", "make_policy", "predict_ttft",
+    "RoutingPolicy", "Score", "load_key", "make_policy", "predict_ttft", "within_load_bound",
 ]
 
 
@@ -112,15 +115,30 @@ class ReplicaPolicy(ABC):
         """Return one of `ready` (non-empty, sorted by id) for `query`."""
 
 
+def within_load_bound(ready: list[Replica], bound: float) -> list[Replica]:
+    """Return the replicas whose request count is below ceil(bound * (total + 1) / n) (bounded loads).
+
+    Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam, SODA 2018): no replica
+    takes more than `bound` times the mean, so a hot prefix spills over instead of herding. With the
+    counts of `load_key`; never empty (the least loaded is always below the cap).
+    """
+    counts = [load_key(r)[0] for r in ready]
+    cap = math.ceil(bound * (sum(counts) + 1) / len(ready))
+    return [r for r, count in zip(ready, counts, strict=True) if count + 1 <= cap]
+
+
 class Score(ReplicaPolicy):
     def __init__(self, cached: CachedBlocks, rng: random.Random, tie_tolerance_s: float,
-                 prefill_weight: float) -> None:
+                 prefill_weight: float, load_bound: float = 0.0) -> None:
         self.cached = cached
         self.rng = rng
         self.tie_tolerance_s = tie_tolerance_s
         self.extra_prefill_weight = prefill_weight - 1.0
+        self.load_bound = load_bound
 
     def choose(self, ready: list[Replica], query: RouteQuery, now: float) -> Replica:
+        if self.load_bound >= 1.0 and len(ready) > 1:
+            ready = within_load_bound(ready, self.load_bound)
         cached, hashes, extra = self.cached, query.block_hashes, self.extra_prefill_weight
         if extra:
             scores = [ttft + extra * prefill for ttft, _, prefill in
@@ -164,7 +182,8 @@ class PrefixOnly(ReplicaPolicy):
 
 
 def make_policy(policy: RoutingPolicy | str, *, cached: CachedBlocks, rng: random.Random,
-                tie_tolerance_s: float = 0.001, prefill_weight: float = 1.0) -> ReplicaPolicy:
+                tie_tolerance_s: float = 0.001, prefill_weight: float = 1.0,
+                load_bound: float = 0.0) -> ReplicaPolicy:
     """Return a routing policy for `policy` (an enum member or its value).
 
     `cached` gives a replica's cached prefix, `rng` breaks ties and drives RANDOM. Raises ValueError
@@ -175,7 +194,7 @@ def make_policy(policy: RoutingPolicy | str, *, cached: CachedBlocks, rng: rando
     if not isinstance(policy, RoutingPolicy):
         policy = RoutingPolicy.parse(policy)
     factories: dict[RoutingPolicy, Callable[[], ReplicaPolicy]] = {
-        RoutingPolicy.SCORE: lambda: Score(cached, rng, tie_tolerance_s, prefill_weight),
+        RoutingPolicy.SCORE: lambda: Score(cached, rng, tie_tolerance_s, prefill_weight, load_bound),
         RoutingPolicy.ROUND_ROBIN: RoundRobin,
         RoutingPolicy.RANDOM: lambda: RandomChoice(rng),
         RoutingPolicy.LEAST_LOADED: LeastLoaded,

@@ -13,6 +13,7 @@ class Policy(enum.Enum):
     PRIORITY = "priority"
     FAIR = "fair"
     EDF = "edf"
+    SRPF = "srpf"
 
 
 class PreemptionMode(enum.Enum):
@@ -54,6 +55,8 @@ class SchedulerConfig:
     """Order of the waiting queue."""
     aging_rate: float = 1.0
     """Priority points a waiting request gains per second (priority policy)."""
+    srpf_tokens_per_s: float = 4096.0
+    """Least remaining prefill first (srpf): prefill tokens that weigh as much as one second of waiting."""
     fair_input_weight: float = 1.0
     """Weighted fair share: cost of one input (prefill) token."""
     fair_output_weight: float = 2.0

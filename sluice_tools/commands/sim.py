@@ -5,7 +5,7 @@ them side by side. An item is `+`-joined words: a queue policy (fcfs, priority, 
 router (score, round_robin, random, least_loaded, prefix_only), a preemption mode (recompute,
 swap), `vllm-default` (vLLM V1's round budgets: 8192 tokens, 1024 seqs, no per-request chunk
 cap), `budget=slo` (round budgets derived from the TPOT target and the cost model), or a setting for that item only: the admission budgets `max-queued=N` / `max-active=N`
-(as `--max-queued` / `--max-active`) or the score router's `prefill-weight=W`. Words not given
+(as `--max-queued` / `--max-active`) or the score router's `prefill-weight=W` / `load-bound=C`. Words not given
 come from the other flags. `--scenario NAME|all` runs the self-checking scenarios instead and
 exits 0 only if every check holds.
 """
@@ -146,7 +146,9 @@ _SETTING_WORDS: dict[str, tuple[str, type]] = {
     "max-queued": ("max_queue_length", int),
     "max-active": ("max_active_requests", int),
     "prefill-weight": ("prefill_weight", float),
+    "load-bound": ("load_bound", float),
 }
+_ROUTER_FIELDS = ("prefill_weight", "load_bound")
 
 
 def _setting_word(item: str, word: str, config: SimConfig) -> SimConfig:
@@ -161,8 +163,8 @@ def _setting_word(item: str, word: str, config: SimConfig) -> SimConfig:
         number = 0
     if number <= 0:
         raise ValueError(f"--compare item {item!r}: {key} needs a positive {kind.__name__}, got {value!r}")
-    if field == "prefill_weight":
-        return replace(config, router=replace(config.router, prefill_weight=number))
+    if field in _ROUTER_FIELDS:
+        return replace(config, router=replace(config.router, **{field: number}))
     return with_budgets(config, **{field: number})
 
 

@@ -83,3 +83,16 @@ def test_competitors_are_named_policies_that_read_the_prefix_index() -> None:
     """`dynamo_kv` and `llm_d` parse as routing policies and ask callers to hash prompts; round robin does not."""
     assert RoutingPolicy.parse("dynamo_kv") is RoutingPolicy.DYNAMO_KV and RoutingPolicy.parse("llm_d").uses_prefix
     assert not RoutingPolicy.ROUND_ROBIN.uses_prefix and RoutingPolicy.SCORE.uses_prefix
+
+
+def test_bounded_load_score_spills_a_hot_prefix_over_instead_of_herding() -> None:
+    """A holds the whole prompt and is fastest by predicted TTFT, but with 3 requests routed there and none
+    elsewhere (cap ceil(1.25 x 4 / 2) = 3) the bound makes B the only candidate; without the bound A wins."""
+    for bound, expected in ((0.0, "A"), (1.25, "B")):
+        router = RouterCore(RouterConfig(policy=RoutingPolicy.SCORE, load_bound=bound, prediction_ttl_s=10.0))
+        for rid in ("A", "B"):
+            router.register(ReplicaSpec(rid, "m", num_blocks=100, block_size=16), now=0.0)
+            router.mark_ready(rid, now=0.0)
+        assert router.apply_kv_events("A", [KvEvent(1, KvEventKind.STORED, tuple(CHAIN))], now=0.0)
+        router.fleet.get("A").inflight.update({"x": 0, "y": 0, "z": 0})
+        assert router.route(query(), now=0.0).replica_id == expected
