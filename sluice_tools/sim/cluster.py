@@ -35,7 +35,6 @@ from router_svc.core import (
     RouteDecision,
     RouteQuery,
     RouterCore,
-    RoutingPolicy,
 )
 from scheduler_svc.core import SchedulerCore
 from sluice import glue
