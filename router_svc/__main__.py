@@ -26,7 +26,7 @@ class RouterOptions(serve.BusOptions):
     router_id: str = "router"
     """Stable id naming this router's consumer groups, so that a restart resumes them."""
     policy: str = _CORE.policy.value
-    """Routing policy: score, round_robin, random, least_loaded or prefix_only (RoutingPolicy)."""
+    """Routing policy: score, round_robin, random, least_loaded, prefix_only, dynamo_kv or llm_d (RoutingPolicy)."""
     heartbeat_timeout: float = _CORE.heartbeat_timeout_s
     """Seconds of replica silence before it is GONE."""
     prediction_ttl: float = _CORE.prediction_ttl_s
@@ -36,6 +36,9 @@ class RouterOptions(serve.BusOptions):
     prefill_weight: float = _CORE.prefill_weight
     """Score policy: weight of a request's own uncached prefill when comparing replicas (>1 values cache hits
     more; the simulator's Mooncake comparison in docs/simulator.md found 4 better for long shared prompts)."""
+    load_bound: float = _CORE.load_bound
+    """Score policy: at 1 or above, skip replicas holding load_bound x the mean outstanding requests (bounded
+    loads); 0 turns the bound off."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,7 +58,7 @@ def router_config(options: RouterOptions) -> RouterConfig:
     try:
         return RouterConfig(policy=RoutingPolicy.parse(options.policy), prediction_ttl_s=options.prediction_ttl,
                             heartbeat_timeout_s=options.heartbeat_timeout, seed=options.seed,
-                            prefill_weight=options.prefill_weight)
+                            prefill_weight=options.prefill_weight, load_bound=options.load_bound)
     except ValueError as exc:
         raise serve.StartupError(str(exc)) from exc
 

@@ -55,6 +55,9 @@ class RouterConfig:
     """SCORE only: weight of the request's own uncached prefill when replicas are compared (the
     reported prediction is unweighted). Above 1 it charges a request for the work it adds to the
     replica, which every request routed there after it waits for: cache hits count for more."""
+    load_bound: float = 0.0
+    """SCORE only: at 1 or above, a replica whose outstanding requests reach ceil(load_bound x (fleet
+    total + 1) / replicas) is not a candidate (consistent hashing with bounded loads); 0: no bound."""
 
 
 class RouterCore:
@@ -67,7 +70,8 @@ class RouterCore:
         self.policy = make_policy(self.config.policy, cached=self.index.cached,
                                   rng=random.Random(self.config.seed),
                                   tie_tolerance_s=self.config.tie_tolerance_s,
-                                  prefill_weight=self.config.prefill_weight)
+                                  prefill_weight=self.config.prefill_weight,
+                                  load_bound=self.config.load_bound)
         self.routed = 0
 
     # ---- fleet ----------------------------------------------------------------------------

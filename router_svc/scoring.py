@@ -7,15 +7,19 @@ Score (policy SCORE) = predicted time to first token on that replica (`predict_t
 Measured rates (heartbeats) win over the ones the replica registered with. The minimum wins;
 replicas within `tie_tolerance_s` of it are tie-broken at random (seeded), so routers with the
 same stale view do not all herd onto one replica. The baselines (ROUND_ROBIN, RANDOM,
-LEAST_LOADED, PREFIX_ONLY) are there to be compared with it.
+LEAST_LOADED, PREFIX_ONLY) and the competitors a user would pick instead (DYNAMO_KV, LLM_D, in
+router_svc.competitors) are there to be compared with it.
 
 `make_policy` builds one from its enum member or name; an unknown name raises ValueError listing
-the known ones. Pure: no clock, no I/O.
+the known ones. SCORE's `load_bound` (above 1) first drops the replicas whose request count is at
+the bounded-loads cap (`within_load_bound`), so a hot prefix spills over instead of herding.
+Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -26,7 +30,7 @@ from router_svc.prefix_index import ReplicaCache
 
 __all__ = [
     "LeastLoaded", "PrefixOnly", "RandomChoice", "ReplicaPolicy", "RoundRobin", "RouteDecision", "RouteQuery",
-    "RoutingPolicy", "Score", "load_key", "make_policy", "predict_ttft",
+    "RoutingPolicy", "Score", "load_key", "make_policy", "predict_ttft", "within_load_bound",
 ]
 
 
@@ -39,6 +43,15 @@ class RoutingPolicy(enum.Enum):
     """Fewest waiting + running + routed-in-flight requests."""
     PREFIX_ONLY = "prefix_only"
     """Longest cached prefix, ties to the least loaded (ignores queues: the herding baseline)."""
+    DYNAMO_KV = "dynamo_kv"
+    """NVIDIA Dynamo's KV router cost (router_svc.competitors.DynamoKv), its default weight and temperature."""
+    LLM_D = "llm_d"
+    """llm-d's default weighted scorers (router_svc.competitors.LlmD): prefix 3, queue 2, KV utilisation 2."""
+
+    @property
+    def uses_prefix(self) -> bool:
+        """Return True when the policy reads the prefix index (the caller must hash prompts)."""
+        return self not in (RoutingPolicy.ROUND_ROBIN, RoutingPolicy.RANDOM, RoutingPolicy.LEAST_LOADED)
 
     @classmethod
     def parse(cls, name: str) -> RoutingPolicy:
@@ -102,15 +115,30 @@ class ReplicaPolicy(ABC):
         """Return one of `ready` (non-empty, sorted by id) for `query`."""
 
 
+def within_load_bound(ready: list[Replica], bound: float) -> list[Replica]:
+    """Return the replicas whose request count is below ceil(bound * (total + 1) / n) (bounded loads).
+
+    Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam, SODA 2018): no replica
+    takes more than `bound` times the mean, so a hot prefix spills over instead of herding. With the
+    counts of `load_key`; never empty (the least loaded is always below the cap).
+    """
+    counts = [load_key(r)[0] for r in ready]
+    cap = math.ceil(bound * (sum(counts) + 1) / len(ready))
+    return [r for r, count in zip(ready, counts, strict=True) if count + 1 <= cap]
+
+
 class Score(ReplicaPolicy):
     def __init__(self, cached: CachedBlocks, rng: random.Random, tie_tolerance_s: float,
-                 prefill_weight: float) -> None:
+                 prefill_weight: float, load_bound: float = 0.0) -> None:
         self.cached = cached
         self.rng = rng
         self.tie_tolerance_s = tie_tolerance_s
         self.extra_prefill_weight = prefill_weight - 1.0
+        self.load_bound = load_bound
 
     def choose(self, ready: list[Replica], query: RouteQuery, now: float) -> Replica:
+        if self.load_bound >= 1.0 and len(ready) > 1:
+            ready = within_load_bound(ready, self.load_bound)
         cached, hashes, extra = self.cached, query.block_hashes, self.extra_prefill_weight
         if extra:
             scores = [ttft + extra * prefill for ttft, _, prefill in
@@ -154,19 +182,24 @@ class PrefixOnly(ReplicaPolicy):
 
 
 def make_policy(policy: RoutingPolicy | str, *, cached: CachedBlocks, rng: random.Random,
-                tie_tolerance_s: float = 0.001, prefill_weight: float = 1.0) -> ReplicaPolicy:
+                tie_tolerance_s: float = 0.001, prefill_weight: float = 1.0,
+                load_bound: float = 0.0) -> ReplicaPolicy:
     """Return a routing policy for `policy` (an enum member or its value).
 
     `cached` gives a replica's cached prefix, `rng` breaks ties and drives RANDOM. Raises ValueError
     naming the known policies when `policy` is unknown.
     """
+    from router_svc.competitors import DynamoKv, LlmD  # they build on this module's interface
+
     if not isinstance(policy, RoutingPolicy):
         policy = RoutingPolicy.parse(policy)
     factories: dict[RoutingPolicy, Callable[[], ReplicaPolicy]] = {
-        RoutingPolicy.SCORE: lambda: Score(cached, rng, tie_tolerance_s, prefill_weight),
+        RoutingPolicy.SCORE: lambda: Score(cached, rng, tie_tolerance_s, prefill_weight, load_bound),
         RoutingPolicy.ROUND_ROBIN: RoundRobin,
         RoutingPolicy.RANDOM: lambda: RandomChoice(rng),
         RoutingPolicy.LEAST_LOADED: LeastLoaded,
         RoutingPolicy.PREFIX_ONLY: lambda: PrefixOnly(cached),
+        RoutingPolicy.DYNAMO_KV: lambda: DynamoKv(cached, rng),
+        RoutingPolicy.LLM_D: lambda: LlmD(cached, rng),
     }
     return factories[policy]()

@@ -11,6 +11,7 @@ from scheduler_svc.core.config import Policy, PreemptionMode, SchedulerConfig, V
 from scheduler_svc.server import SERVICE_NAME, start_replica
 from sluice import serve
 from sluice.prom import SchedulerMetrics
+from sluice.round_budget import derive_round_budget, linear_round_time
 
 _CORE = SchedulerConfig(num_blocks=1)
 """The core's defaults, which the flags share (num_blocks comes from the worker)."""
@@ -44,6 +45,10 @@ class SchedulerOptions(serve.BusOptions):
     """Prompt tokens of one sequence in one round at most (chunked prefill)."""
     max_kv_read_tokens: int | None = _CORE.max_kv_read_tokens
     """KV tokens one round may read at most (bounds inter-token latency); None: no limit."""
+    tpot_slo_ms: float = 0.0
+    """Above 0: derive the round's token budget from this TPOT target and the registered rates
+    (--prefill-tokens-per-s, --decode-round-s; sluice.round_budget.linear_round_time) at start,
+    instead of --max-num-batched-tokens."""
     max_waiting: int = _CORE.max_waiting
     """Waiting requests at most; more are refused with QUEUE_FULL."""
     no_prefix_caching: bool = not _CORE.enable_prefix_caching
@@ -76,10 +81,19 @@ def parse_args(argv: Sequence[str] | None = None) -> SchedulerOptions:
 
 
 def core_overrides(options: SchedulerOptions) -> dict[str, object]:
-    """Return the SchedulerConfig fields the flags set (the rest come from the worker's Info)."""
+    """Return the SchedulerConfig fields the flags set (the rest come from the worker's Info).
+
+    With --tpot-slo-ms the token budget is derived from the target and the rates the replica registers
+    with (the router predicts with the same ones); raises ValueError when the target cannot be met.
+    """
+    tokens = options.max_num_batched_tokens
+    if options.tpot_slo_ms > 0:
+        model = linear_round_time(options.prefill_tokens_per_s, options.decode_round_s)
+        tokens = derive_round_budget(options.tpot_slo_ms / 1000.0, model, max_num_seqs=options.max_num_seqs,
+                                     context_tokens=0).max_num_batched_tokens
     return {
         "policy": options.policy, "preemption_mode": options.preemption, "victim_policy": options.victim_policy,
-        "max_num_batched_tokens": options.max_num_batched_tokens, "max_num_seqs": options.max_num_seqs,
+        "max_num_batched_tokens": tokens, "max_num_seqs": options.max_num_seqs,
         "max_prefill_chunk": options.max_prefill_chunk, "max_kv_read_tokens": options.max_kv_read_tokens,
         "max_waiting": options.max_waiting, "enable_prefix_caching": not options.no_prefix_caching,
         "kv_event_token_ids": options.kv_event_token_ids,

@@ -80,9 +80,14 @@ class RoundRates:
 
 
 def replica_load(stats: CoreStats, rates: RoundRates) -> ReplicaLoad:
-    """Return the load a heartbeat reports: the scheduler core's queues and free blocks, the measured rates."""
+    """Return the load a heartbeat reports: the scheduler core's queues and free blocks, the measured rates.
+
+    Free blocks are the allocatable ones: free plus cached-but-unreferenced (evictable on demand),
+    so a replica whose memory holds a warm prefix cache does not look full to the router.
+    """
     return ReplicaLoad(waiting=stats.waiting, running=stats.running,
-                       queued_prefill_tokens=stats.queued_prefill_tokens, kv_blocks_free=stats.kv_blocks_free,
+                       queued_prefill_tokens=stats.queued_prefill_tokens,
+                       kv_blocks_free=stats.kv_blocks_free + stats.kv_blocks_cached,
                        prefill_tokens_per_s=rates.prefill_tokens_per_s, decode_round_s=rates.decode_round_s)
 
 

@@ -30,8 +30,9 @@ class Backlog:
 
     def enqueue(self, request: Request, cached_tokens: int = 0) -> None:
         """Queue `request`; its pending prefill is what is not computed, less `cached_tokens`."""
-        self.queue.push(request)
+        # Pending first: a queue may order by it (SRPF).
         self.set_pending(request, len(request.tokens) - request.num_computed - cached_tokens)
+        self.queue.push(request)
 
     def dequeue(self, request: Request, served: bool = False) -> None:
         """Take `request` out of the queue; `served` when it is the head being scheduled.

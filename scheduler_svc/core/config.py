@@ -13,6 +13,7 @@ class Policy(enum.Enum):
     PRIORITY = "priority"
     FAIR = "fair"
     EDF = "edf"
+    SRPF = "srpf"
 
 
 class PreemptionMode(enum.Enum):
@@ -48,11 +49,14 @@ class SchedulerConfig:
     max_kv_read_tokens: int | None = None
     """Optional cap on context tokens read by one round (bounds inter-token latency)."""
     max_waiting: int = 4096
-    """Bounded waiting queue: a submission beyond it is rejected with QUEUE_FULL."""
+    """Bounded waiting queue: a submission is rejected with QUEUE_FULL when the queue plus the running and
+    swapped-out requests (which a preemption sends back to it) reach this, so the queue never exceeds it."""
     policy: Policy = Policy.FCFS
     """Order of the waiting queue."""
     aging_rate: float = 1.0
     """Priority points a waiting request gains per second (priority policy)."""
+    srpf_tokens_per_s: float = 4096.0
+    """Least remaining prefill first (srpf): prefill tokens that weigh as much as one second of waiting."""
     fair_input_weight: float = 1.0
     """Weighted fair share: cost of one input (prefill) token."""
     fair_output_weight: float = 2.0

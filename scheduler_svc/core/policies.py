@@ -10,6 +10,12 @@ requests the difference of effective priorities does not depend on `now`, so the
 static key priority - aging_rate * arrival. A request R that arrived at t is overtaken only by a
 request of priority p_R + delta arriving before t + delta / aging_rate: later arrivals rank below.
 
+SRPF (least remaining prefill first, aged): key arrival + pending prefill / srpf_tokens_per_s, the
+pending prefill being what is left to compute when the request is queued (less what the prefix cache
+held). A request with P tokens to prefill is overtaken only by requests arriving less than
+P / srpf_tokens_per_s after it, so nothing starves; a preempted request (already scheduled once)
+counts no prefill and goes back by its arrival, ahead of everything that came later.
+
 FAIR: each tenant has a virtual token counter, charged (input tokens * fair_input_weight + output
 tokens * fair_output_weight) / tenant weight through `on_service`; the next request comes from the
 backlogged tenant with the smallest counter (FCFS within a tenant). A tenant that becomes
@@ -142,6 +148,20 @@ class EdfQueue(_HeapQueue):
         return (deadline, request.arrival_time, request.arrival_seq)
 
 
+class SrpfQueue(_HeapQueue):
+    """Least remaining prefill first, aged by arrival (static key, see the module docstring)."""
+
+    def __init__(self, tokens_per_s: float) -> None:
+        super().__init__()
+        if not tokens_per_s > 0:
+            raise ValueError(f"srpf_tokens_per_s must be > 0, got {tokens_per_s}")
+        self.tokens_per_s = tokens_per_s
+
+    def _key(self, request: Request) -> tuple:
+        pending = request.pending_prefill if request.first_scheduled_time is None else 0
+        return (request.arrival_time + pending / self.tokens_per_s, request.arrival_seq)
+
+
 class FairQueue(WaitingQueue):
     """Weighted fair share across tenants by virtual token counters (FCFS within a tenant)."""
 
@@ -251,6 +271,7 @@ def make_queue(policy: Policy | str, config: SchedulerConfig) -> WaitingQueue:
             config.fair_input_weight, config.fair_output_weight, dict(config.tenant_weights)
         ),
         Policy.EDF: lambda: EdfQueue(),
+        Policy.SRPF: lambda: SrpfQueue(config.srpf_tokens_per_s),
     }
     factory = factories.get(policy)
     if factory is None:

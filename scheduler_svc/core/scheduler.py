@@ -129,8 +129,13 @@ class SchedulerCore:
                 f"prompt {prompt_len} + max_tokens {max_tokens} = {total} > max_kv_read_tokens "
                 f"{config.max_kv_read_tokens}: its decodes could never run",
             )
-        if len(self.backlog) >= config.max_waiting:
-            raise reject(RejectReason.QUEUE_FULL, f"{len(self.backlog)} waiting, max_waiting {config.max_waiting}")
+        # A preemption sends a running (or swapped-out) request back to the queue without asking, so the
+        # bound counts them as well: the queue then never holds more than max_waiting, whatever is preempted.
+        table = self.requests
+        claims = len(self.backlog) + len(table.running) + len(table.swapping)
+        if claims >= config.max_waiting:
+            raise reject(RejectReason.QUEUE_FULL, f"{len(self.backlog)} waiting + {claims - len(self.backlog)} "
+                         f"that a preemption may requeue, max_waiting {config.max_waiting}")
 
     def _cached_prefix_tokens(self, request: Request) -> int:
         """Return the prompt tokens the prefix cache holds now (an estimate until it is admitted).

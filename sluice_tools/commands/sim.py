@@ -5,7 +5,7 @@ them side by side. An item is `+`-joined words: a queue policy (fcfs, priority, 
 router (score, round_robin, random, least_loaded, prefix_only), a preemption mode (recompute,
 swap), `vllm-default` (vLLM V1's round budgets: 8192 tokens, 1024 seqs, no per-request chunk
 cap), or a setting for that item only: the admission budgets `max-queued=N` / `max-active=N`
-(as `--max-queued` / `--max-active`) or the score router's `prefill-weight=W`; admission's
+(as `--max-queued` / `--max-active`) or the score router's `prefill-weight=W` / `load-bound=C`; `budget=slo` (round budgets derived from the TPOT target and the cost model); admission's
 reservation policy `reserve=conservative|predicted`, its budgets `max-kv-blocks=N` and
 `max-reserved-output=N`, the max_tokens clients ask for `client-max-tokens=N`, the replicas' KV
 blocks `num-blocks=N` (a memory-tight deployment), and admission's early
@@ -37,6 +37,7 @@ from sluice_tools.sim.config import (
     vllm_default,
     with_admission,
     with_budgets,
+    with_slo_budget,
     with_tenant_weights,
 )
 from worker_svc.costmodel import load_coefficients
@@ -68,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--budgets", default="sluice", choices=("sluice", "vllm-default"), help="round budgets"
     )
     parser.add_argument("--max-batched-tokens", type=int, help="query tokens per round")
+    parser.add_argument("--round-budget", default="fixed", choices=("fixed", "slo"),
+                        help="slo: derive the round's token and KV-read budgets from --slo-tpot-ms and the cost "
+                             "model (sluice.round_budget), after the other round flags")
     parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--max-prefill-chunk", type=int)
     parser.add_argument("--max-model-len", type=int, help="default: 8192 for Llama 3")
@@ -134,6 +138,8 @@ def base_config(args: argparse.Namespace, tenant_weights: dict[str, float]) -> S
     rounds = {"max_num_batched_tokens": args.max_batched_tokens, "max_num_seqs": args.max_num_seqs,
               "max_prefill_chunk": args.max_prefill_chunk}
     config = replace(config, scheduler=replace(config.scheduler, **{k: v for k, v in rounds.items() if v is not None}))
+    if args.round_budget == "slo":
+        config = with_slo_budget(config)
     budgets = {"max_active_requests": args.max_active, "max_queue_length": args.max_queued,
                "max_reserved_kv_blocks": args.max_kv_blocks, "max_reserved_output_tokens": args.max_reserved_output}
     return with_budgets(config, **{k: v for k, v in budgets.items() if v is not None})
@@ -143,7 +149,9 @@ def parse_compare_item(item: str, base: SimConfig) -> SimConfig:
     """Return `base` changed by one `--compare` item; raises ValueError naming an unknown word."""
     config = base
     for word in filter(None, item.strip().split("+")):
-        if word.startswith("reserve="):
+        if word == "budget=slo":
+            config = with_slo_budget(config)
+        elif word.startswith("reserve="):
             config = with_admission(config, reservation=parse_enum(ReservationPolicy, word.partition("=")[2]))
         elif word == "early-refusal":
             config = with_admission(config, ttft_slo_s=config.slo_ttft_s)
@@ -160,7 +168,7 @@ def parse_compare_item(item: str, base: SimConfig) -> SimConfig:
         else:
             known = [p.value for e in (Policy, RoutingPolicy, PreemptionMode) for p in e]  # type: ignore[attr-defined]
             raise ValueError(
-                f"--compare item {item!r}: unknown word {word!r}; known: vllm-default, early-refusal, "
+                f"--compare item {item!r}: unknown word {word!r}; known: vllm-default, budget=slo, early-refusal, "
                 f"reserve={'|'.join(p.value for p in ReservationPolicy)}, "
                 f"{', '.join(known)}, {'=N, '.join(_SETTING_WORDS)}=N"
             )
@@ -176,7 +184,9 @@ _SETTING_WORDS: dict[str, tuple[str, type]] = {
     "client-max-tokens": ("client_max_tokens", int),
     "num-blocks": ("num_blocks", int),
     "ttft-slo-ms": ("ttft_slo_s", float),
+    "load-bound": ("load_bound", float),
 }
+_ROUTER_FIELDS = ("prefill_weight", "load_bound")
 
 
 def _setting_word(item: str, word: str, config: SimConfig) -> SimConfig:
@@ -191,8 +201,8 @@ def _setting_word(item: str, word: str, config: SimConfig) -> SimConfig:
         number = 0
     if number <= 0:
         raise ValueError(f"--compare item {item!r}: {key} needs a positive {kind.__name__}, got {value!r}")
-    if field == "prefill_weight":
-        return replace(config, router=replace(config.router, prefill_weight=number))
+    if field in _ROUTER_FIELDS:
+        return replace(config, router=replace(config.router, **{field: number}))
     if field in ("client_max_tokens", "num_blocks"):
         return replace(config, **{field: number})
     if field == "ttft_slo_s":

@@ -36,7 +36,6 @@ from router_svc.core import (
     RouteDecision,
     RouteQuery,
     RouterCore,
-    RoutingPolicy,
 )
 from scheduler_svc.core import SchedulerCore
 from sluice import glue
@@ -121,7 +120,7 @@ class Simulator:
         self._next_arrival = 0
         self._token_times: dict[str, array] = {}
         self._placement: dict[str, _Replica] = {}
-        self._hash_prompts = config.router.policy in (RoutingPolicy.SCORE, RoutingPolicy.PREFIX_ONLY)
+        self._hash_prompts = config.router.policy.uses_prefix
         self._salt = salt_of(config.model)
         # admission: the front door's calls into the core (client max_tokens, KV hashes, TTFT refusal, growth)
         self.front_door = SimAdmission(self.admission, config.model, config.client_max_tokens, self.max_model_len,

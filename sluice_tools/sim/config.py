@@ -129,6 +129,25 @@ def vllm_default(config: SimConfig) -> SimConfig:
     ))
 
 
+def with_slo_budget(config: SimConfig) -> SimConfig:
+    """Return `config` whose round budgets are derived from its TPOT target and the cost model of its model
+    and GPU (sluice.round_budget), instead of fixed numbers."""
+    from sluice.round_budget import derive_round_budget
+    from worker_svc.costmodel import CostModel, RoundShape
+
+    cost = CostModel(config.model, config.gpu, block_size=config.scheduler.block_size,
+                     coefficients=config.cost_coefficients)
+
+    def round_time(query: int, pairs: int, read: int, sampled: int) -> float:
+        return cost.shape_time(RoundShape(query, pairs, read, query, sampled))
+
+    max_model_len = config.max_model_len or DEFAULT_MAX_MODEL_LEN.get(config.model, cost.max_model_len)
+    budget = derive_round_budget(config.slo_tpot_s, round_time, max_num_seqs=config.scheduler.max_num_seqs,
+                                 min_kv_read=max_model_len)
+    return replace(config, scheduler=replace(config.scheduler, max_num_batched_tokens=budget.max_num_batched_tokens,
+                                             max_kv_read_tokens=budget.max_kv_read_tokens))
+
+
 def parse_enum(kind: type[E], name: str) -> E:
     """Return the member of an Enum with value `name`; raises ValueError listing the known values."""
     try:

@@ -82,7 +82,8 @@ def step(core: SchedulerCore, now: float, executor: FakeExecutor | None = None) 
 
 
 def check_invariants(core: SchedulerCore) -> None:
-    """Assert the core's ledgers agree: blocks, references, pins, host blocks, request places."""
+    """Assert the core's ledgers agree: blocks, references, pins, host blocks, request places, the queue bound."""
+    assert core.num_waiting <= core.config.max_waiting, "preemptions pushed the queue past its bound"
     pool = core.pool
     assert pool.num_free + pool.num_used + pool.num_cached == pool.num_blocks
     free, cached = pool.free_block_ids(), pool.cached_block_ids()

@@ -81,3 +81,39 @@ def test_fair_serves_smallest_counter_and_lifts_a_waking_tenant() -> None:
     queue.push(_req("i1", 0.0, tenant="idle"))
     assert queue.counters["idle"] == pytest.approx(50.0), "lifted to the smallest active counter"
     assert queue.pop().request_id == "g1"
+
+
+def test_srpf_orders_by_remaining_prefill_aged_by_arrival() -> None:
+    """At 1,000 tokens/s a 4,000-token prefill arriving at 0 (key 4) goes after a 500-token one arriving at 1
+    (key 1.5) but before a 100-token one arriving at 5 (key 5.1); a preempted request (already scheduled) counts
+    no prefill and keeps its arrival (key 2)."""
+    queue = make_queue(Policy.SRPF, SchedulerConfig(num_blocks=1, srpf_tokens_per_s=1000.0))
+    requests = {"long": (0.0, 4000), "short": (1.0, 500), "later": (5.0, 100), "resumed": (2.0, 3000)}
+    for rid, (arrival, pending) in requests.items():
+        request = _req(rid, arrival)
+        request.pending_prefill = pending
+        if rid == "resumed":
+            request.first_scheduled_time = 2.5
+        queue.push(request)
+    assert _drain(queue) == ["short", "resumed", "long", "later"]
+
+
+def test_srpf_queue_of_a_core_uses_the_pending_prefill_left_by_the_prefix_cache() -> None:
+    """Through a core: the queue key is set after the pending prefill (less the cached prefix) is known, so a
+    long prompt whose prefix is cached overtakes a shorter uncached one that arrived at the same time."""
+    from core_factories import FakeExecutor, make_core, make_request, step
+
+    core = make_core(num_blocks=64, block_size=4, policy=Policy.SRPF, max_num_seqs=1, max_num_batched_tokens=64,
+                     max_prefill_chunk=64, max_model_len=256)
+    warm = tuple(range(1000, 1040))
+    core.submit(make_request("warm", prompt=warm, max_tokens=1, arrival=0.0), 0.0)
+    executor, now = FakeExecutor(), 1.0
+    while core.has_unfinished():
+        step(core, now, executor)
+        now += 1.0
+    core.submit(make_request("blocker", 8, max_tokens=3, arrival=now), now)
+    step(core, now, executor)  # the blocker runs; the next two wait behind max_num_seqs 1
+    core.submit(make_request("fresh", 30, max_tokens=1, arrival=now), now)  # 30 tokens to prefill
+    core.submit(make_request("cached", prompt=(*warm, 1, 2, 3, 4), max_tokens=1, arrival=now), now)  # 4 to prefill
+    order = [r.request_id for r in core.backlog.queue.live()]
+    assert order == ["cached", "fresh"]

@@ -131,3 +131,23 @@ def test_failed_swap_out_round_falls_back_to_recompute() -> None:
     (event,) = [e for e in core.take_events().lifecycle if e.stage is Stage.RESUMED]
     assert not resumed.swap_in and dict(event.detail)["mode"] == "recompute", "no swap-in of untrusted copies"
     check_invariants(core)
+
+
+def test_preempted_requests_never_push_the_waiting_queue_past_its_bound() -> None:
+    """With max_waiting 2 and a client submitting before every round, the queue holds at most 2 requests even
+    when recompute preemptions send running requests back to it (submissions are refused instead)."""
+    from sluice.core_errors import RequestRejected
+
+    core = make_core(num_blocks=7, block_size=4, max_waiting=2)
+    executor, now, refused, most = FakeExecutor(), 1.0, 0, 0
+    for i in range(40):
+        try:
+            core.submit(make_request(f"r{i}", 8, max_tokens=10, arrival=now), now)
+        except RequestRejected:
+            refused += 1
+        step(core, now, executor)
+        check_invariants(core)
+        most = max(most, core.num_waiting)
+        now += 1.0
+    assert core.stats().preemptions > 0 and refused > 0
+    assert most <= 2

@@ -56,6 +56,13 @@ def test_the_load_report_is_the_cores_queues_and_the_measured_rates() -> None:
     assert glue.replica_load(stats, rates) == ReplicaLoad(3, 2, 900, 77, 10_000.0, 0.02)
 
 
+def test_the_load_report_counts_evictable_cached_blocks_as_free() -> None:
+    """A replica whose 100 blocks are 10 used, 20 free and 70 cached (unreferenced, evictable) reports 90
+    free: the prefix cache is not load."""
+    stats = make_stats(kv_blocks_total=100, kv_blocks_used=10, kv_blocks_free=20, kv_blocks_cached=70)
+    assert glue.replica_load(stats, RoundRates()).kv_blocks_free == 90
+
+
 def test_a_replica_whose_worker_is_down_reports_unhealthy_unless_it_drains() -> None:
     """reported_state turns WARMING and READY into UNHEALTHY while the worker is down and leaves every other
     state (and every state of a serving worker) as it is."""

@@ -1,0 +1,54 @@
+"""Round budgets sized from the TPOT target (sluice.round_budget) and where they are used."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_svc.__main__ import core_overrides, parse_args
+from sluice.round_budget import derive_round_budget, linear_round_time
+from sluice_tools.commands.sim import parse_compare_item
+from sluice_tools.sim.config import SimConfig
+from worker_svc.costmodel import CostModel, RoundShape
+
+
+def test_linear_model_budget_is_the_prefill_tokens_that_fit_beside_one_decode_round() -> None:
+    """At 10,000 prefill tokens/s and 10 ms decode rounds, a 50 ms target with 0.9 headroom leaves 35 ms:
+    350 tokens, 320 in 64-token granules; the linear model has no KV term, so no KV-read cap."""
+    budget = derive_round_budget(0.05, linear_round_time(10_000.0, 0.010), context_tokens=0)
+    assert (budget.max_num_batched_tokens, budget.max_kv_read_tokens) == (320, None)
+    assert budget.target_s == pytest.approx(0.045)
+
+
+def test_cost_model_budget_is_the_largest_round_within_the_target() -> None:
+    """For Llama-3-8B on one H200 and a 50 ms TPOT target, the derived budgets' rounds take <= 45 ms and one
+    granule more takes longer (both limits are the largest that fit); a tighter target gives a smaller budget."""
+    cost = CostModel("llama-3-8b", "h200")
+
+    def round_time(query: int, pairs: int, read: int, sampled: int) -> float:
+        return cost.shape_time(RoundShape(query, pairs, read, query, sampled))
+
+    budget = derive_round_budget(0.05, round_time, max_num_seqs=256, context_tokens=2048)
+    b, r = budget.max_num_batched_tokens, budget.max_kv_read_tokens
+    assert r is not None and 0 < b < 16384
+    assert round_time(b, b * 2048 + b * (b + 1) // 2, 0, 256) <= 0.045
+    assert round_time(b + 64, (b + 64) * 2048 + (b + 64) * (b + 65) // 2, 0, 256) > 0.045
+    assert round_time(256, r, r, 256) <= 0.045 < round_time(256, r + 64, r + 64, 256)
+    assert derive_round_budget(0.03, round_time).max_num_batched_tokens < b
+
+
+def test_an_unmeetable_target_is_refused() -> None:
+    """A target below one decode round cannot be met by any budget: ValueError, not a silent tiny budget."""
+    with pytest.raises(ValueError, match="cannot be met"):
+        derive_round_budget(0.005, linear_round_time(10_000.0, 0.010))
+
+
+def test_sim_budget_slo_word_and_scheduler_flag_use_the_derivation() -> None:
+    """`budget=slo` in --compare replaces the fixed 2,048-token budget by the derived one for the run's TPOT
+    target; the scheduler's --tpot-slo-ms derives its token budget from the registered rates."""
+    config = parse_compare_item("fcfs+budget=slo", SimConfig(slo_tpot_s=0.05))
+    assert config.scheduler.max_num_batched_tokens not in (2048, 0)
+    assert config.scheduler.max_kv_read_tokens is not None
+    options = parse_args(["--replica-id", "r", "--worker", "w:1", "--tpot-slo-ms", "50",
+                          "--prefill-tokens-per-s", "10000", "--decode-round-s", "0.01"])
+    assert core_overrides(options)["max_num_batched_tokens"] == 320
+    assert core_overrides(parse_args(["--replica-id", "r", "--worker", "w:1"]))["max_num_batched_tokens"] == 2048
