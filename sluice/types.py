@@ -87,6 +87,11 @@ class NewRequest:
     """The tenant's fair-share weight as admission's configuration sets it (None: the scheduler's own)."""
 
 
+PENDING_TOKEN = -1
+"""A token id in a plan placed ahead (overlap scheduling): the token the worker sampled for the same
+request and epoch in the round before; the scheduler has not seen it yet."""
+
+
 @dataclass(frozen=True, slots=True)
 class ScheduledSeq:
     """One sequence's work in a round.

@@ -7,6 +7,9 @@ A round is built in phases:
   2. `_schedule_waiting`: waiting and resumed requests in policy order, within what is left of the
      query-token, sequence and KV-read budgets, stopping at the first head that does not fit
      (head-of-line blocking is the policies' semantics). Skipped in a round that had to preempt.
+  With `overlap` (the round is planned while the previous one executes), a running request that the
+  previous round samples is placed once more, ahead: one decode of the token that round will sample
+  (`PENDING_TOKEN`, filled in by the worker), as if it produced exactly one token (`_place_ahead`).
   3. `_seal`: the plan, its budget report and the in-flight record (kept by `RoundOutcomes`).
 Cost grows with the round's work: nothing scans the waiting queue, and a decode touches its block
 table only when it crosses a block boundary.
@@ -27,7 +30,7 @@ from scheduler_svc.core.round import DECODE, RoundBuilder, new_round_budget, new
 from scheduler_svc.core.state import Input, apply
 from scheduler_svc.core.table import RequestTable
 from scheduler_svc.core.victims import make_victim_rule
-from sluice.types import BlockCopy, RequestStatus, RoundPlan, Stage
+from sluice.types import PENDING_TOKEN, BlockCopy, RequestStatus, RoundPlan, Stage
 
 
 class Batcher:
@@ -60,11 +63,12 @@ class Batcher:
         self._outbox = outbox
         self._outcomes = outcomes
 
-    def schedule(self, now: float) -> RoundPlan:
+    def schedule(self, now: float, overlap: bool = False) -> RoundPlan:
         """Build the next round; return its plan (possibly empty: `plan.is_empty`).
 
-        Requests in a round that is still in flight are skipped. A non-empty plan must be
-        answered with `on_round_result` carrying its `round_id`.
+        Requests in a round that is still in flight are skipped, unless `overlap` places them ahead
+        (see the module docstring). A non-empty plan must be answered with `on_round_result`
+        carrying its `round_id`, in plan order when rounds overlap.
         """
         round_id = self.next_round_id
         self.next_round_id += 1
@@ -72,12 +76,12 @@ class Batcher:
         # The phase calls are skipped when they have nothing to look at: most rounds of a lightly
         # loaded replica carry a few decodes and no queue, and the calls are most of their cost.
         if self._table.running:
-            self._schedule_running(rnd, now)
+            self._schedule_running(rnd, now, overlap)
         if len(self._backlog) and not rnd.preempted:
             self._schedule_waiting(rnd, now)
         return self._seal(rnd, now)
 
-    def _schedule_running(self, rnd: RoundBuilder, now: float) -> None:
+    def _schedule_running(self, rnd: RoundBuilder, now: float, overlap: bool = False) -> None:
         """Place running requests in start order; plain decodes take an inlined fast path.
 
         A plain decode (one known token beyond the computed prefix, no block boundary, no stop
@@ -91,6 +95,10 @@ class Batcher:
         tokens_left, seqs_left, kv_left, decodes = rnd.tokens_left, rnd.seqs_left, rnd.kv_left, 0
         for request in list(self._table.running.values()):
             if request.in_flight_round is not None or request.status is not running_status:
+                if overlap and seqs_left and tokens_left and request.in_flight_prev is None:
+                    rnd.tokens_left, rnd.seqs_left, rnd.kv_left = tokens_left, seqs_left, kv_left
+                    if self._place_ahead(request, rnd):
+                        tokens_left, seqs_left, kv_left, decodes = tokens_left - 1, seqs_left - 1, rnd.kv_left, decodes + 1
                 continue
             if not seqs_left or not tokens_left:
                 break
@@ -133,6 +141,40 @@ class Batcher:
         rnd.tokens_left, rnd.seqs_left, rnd.kv_left = tokens_left, seqs_left, kv_left
         rnd.decode_tokens += decodes
 
+    def _place_ahead(self, request: Request, rnd: RoundBuilder) -> bool:
+        """Place a decode of the token that `request`'s in-flight round samples; return whether it was placed.
+
+        Only a running request whose one in-flight round samples its last known token, with no stop
+        strings (the worker needs the output tail) and not at its last token, is placed ahead; its block
+        for the new position comes from the pool without preempting anyone (else it waits a round).
+        Its KV read budget is taken from `rnd.kv_left`; the caller counts the token and the sequence.
+        """
+        if request.status is not RequestStatus.RUNNING or request.stop_tail:
+            return False
+        start = len(request.tokens)
+        if start + 1 - request.num_prompt >= request.max_tokens or rnd.kv_left <= start:
+            return False
+        record = self._outcomes.in_flight.get(request.in_flight_round)  # type: ignore[arg-type]
+        if record is None:
+            return False
+        num, sample = record.entry(request)
+        if not sample or request.num_computed + num != start:
+            return False
+        if len(request.block_ids) * self._block_size <= start:
+            blocks = self._pool.allocate(1)
+            if blocks is None:
+                return False
+            request.block_ids.extend(blocks)
+            request.block_table = tuple(request.block_ids)
+        rnd.seqs.append(new_scheduled_seq(request.request_id, request.epoch, (PENDING_TOKEN,), start,
+                                          request.block_table, request.sampling, True,
+                                          start + 1 - request.num_prompt, ()))
+        rnd.entries.append(request)
+        request.in_flight_prev = request.in_flight_round
+        request.in_flight_round = rnd.round_id
+        rnd.kv_left -= start + 1
+        return True
+
     def _grow(self, request: Request, end: int, rnd: RoundBuilder, now: float) -> bool:
         """Give `request` blocks up to position `end`, preempting others; False if it was preempted."""
         need = -(-end // self._block_size) - len(request.block_ids)
@@ -156,7 +198,7 @@ class Batcher:
         candidates = (
             request
             for request in self._table.running.values()
-            if request.in_flight_round in (None, round_id) and request is not needy
+            if request.in_flight_round in (None, round_id) and request.in_flight_prev is None and request is not needy
         )
         return self._victims.choose(needy, candidates)
 
