@@ -58,6 +58,8 @@ class SchedulerOptions(serve.BusOptions):
     """Seconds to finish work on SIGTERM."""
     unary: bool = False
     """One Execute call per round instead of ExecuteStream."""
+    no_pipeline: bool = False
+    """Run rounds serially (plan, execute, apply) instead of planning round N+1 while round N executes."""
     publish_first_max_tokens: int = 64
     """Rounds with at most this many tokens publish before the next round starts; larger ones
     publish while it runs (overlap pays once conversion costs more than the wait it adds)."""
@@ -94,7 +96,8 @@ async def start(ctx: serve.ServiceContext, options: SchedulerOptions) -> serve.S
             port=options.port, host=options.host, advertise_host=options.advertise_host,
             core_overrides=core_overrides(options), metrics=metrics, heartbeat_interval_s=options.heartbeat_interval,
             prefill_tokens_per_s=options.prefill_tokens_per_s, decode_round_s=options.decode_round_s,
-            use_stream=not options.unary, publish_first_max_tokens=options.publish_first_max_tokens)
+            use_stream=not options.unary, publish_first_max_tokens=options.publish_first_max_tokens,
+            pipeline=not options.no_pipeline)
     except (TimeoutError, ValueError) as exc:
         raise serve.StartupError(str(exc)) from exc
 

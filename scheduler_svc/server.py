@@ -258,7 +258,8 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
                         core_overrides: dict[str, object] | None = None, metrics: SchedulerMetrics | None = None,
                         heartbeat_interval_s: float = 1.0, prefill_tokens_per_s: float = 10_000.0,
                         decode_round_s: float = 0.01, use_stream: bool = True,
-                        worker_timeout_s: float = 120.0, publish_first_max_tokens: int = 64) -> RunningReplica:
+                        worker_timeout_s: float = 120.0, publish_first_max_tokens: int = 64,
+                        pipeline: bool = True) -> RunningReplica:
     """Wait for the worker, build the core from its Info, serve, run the driver, register with the router.
 
     Raises TimeoutError (worker never SERVING), ValueError (bad core settings), RuntimeError (port taken).
@@ -270,7 +271,7 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
     driver = Driver(core, worker_pb2_grpc.WorkerServiceStub(worker_channel), bus, replica_id=replica_id,
                     model_id=info.model_id, eos_token_id=info.eos_token_id, metrics=metrics, use_stream=use_stream,
                     worker_health=health_pb2_grpc.HealthStub(worker_channel),
-                    publish_first_max_tokens=publish_first_max_tokens)
+                    publish_first_max_tokens=publish_first_max_tokens, pipeline=pipeline)
     health = health_aio.HealthServicer()
     server, bound = await start_scheduler_server(driver, health, port, host)
     stop = asyncio.Event()

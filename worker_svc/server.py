@@ -7,6 +7,11 @@ Theory of operation
   Execute and Info answer UNAVAILABLE until then.
 - A backend exception fails the round as a whole: the result carries `error` (the scheduler fails the
   round's requests); the service keeps serving.
+- Rounds placed ahead (the scheduler plans round N+1 while N executes): a sequence whose token is
+  `PENDING_TOKEN` decodes the token this worker sampled for the same request and epoch in the round
+  before; the runtime fills it in from the previous round's outputs before the backend sees the plan.
+- `sluice_worker_idle_seconds`: the gap between one round's end and the next one's start (the device
+  waiting for the control plane; with pipelined rounds the next plan is already queued).
 - `emulate_time`: a backend whose `elapsed_s` is modelled (the cost model) is made to take that long,
   so that load tests on a CPU see GPU-like round times.
 - Tracing: a round that carries trace contexts (`RoundPlan.traces`: the sampled requests it serves, as
@@ -32,7 +37,7 @@ from sluice import convert, services, telemetry
 from sluice.errors import ErrorInterceptor, Unavailable
 from sluice.prom import WorkerMetrics
 from sluice.serve import grpc_server
-from sluice.types import RoundPlan, RoundResult, SamplingParams, ScheduledSeq
+from sluice.types import PENDING_TOKEN, RoundPlan, RoundResult, SamplingParams, ScheduledSeq
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.backend import Backend, BackendInfo
 
@@ -58,6 +63,9 @@ class WorkerRuntime:
         self._info: BackendInfo | None = None
         self._lock = asyncio.Lock()
         self.ready = asyncio.Event()
+        self._sampled: dict[str, tuple[int, int]] = {}
+        """(epoch, token) each request sampled in the last round: what a pending token stands for."""
+        self._last_end: float | None = None
 
     async def start(self) -> BackendInfo:
         """Load the backend and run a warm-up round; return its info. Raises what loading or warm-up raises."""
@@ -100,8 +108,10 @@ class WorkerRuntime:
         loop = asyncio.get_running_loop()
         async with self._lock:  # one device: rounds run strictly one after another
             start = time.perf_counter()
+            if self._last_end is not None:
+                self.metrics.idle.observe(start - self._last_end)
             try:
-                result = await loop.run_in_executor(self._executor, backend.execute, plan)
+                result = await loop.run_in_executor(self._executor, self._execute, backend, plan)
             except Exception as exc:
                 log.exception("round %d failed", plan.round_id)
                 self.metrics.round_errors.inc()
@@ -111,8 +121,19 @@ class WorkerRuntime:
                 remaining = result.elapsed_s - (time.perf_counter() - start)
                 if remaining > 0:
                     await asyncio.sleep(remaining)
+            self._last_end = time.perf_counter()
         self.metrics.execute_duration.observe(result.elapsed_s)
         self._count_tokens(plan)
+        return result
+
+    def _execute(self, backend: Backend, plan: RoundPlan) -> RoundResult:
+        """Fill in pending tokens from the previous round's samples, run the round, remember its samples.
+        Runs in the backend thread. Raises LookupError for a pending token the last round did not sample."""
+        sampled = self._sampled
+        if any(seq.token_ids == (PENDING_TOKEN,) for seq in plan.seqs):
+            plan = dataclasses.replace(plan, seqs=tuple(_filled(seq, sampled) for seq in plan.seqs))
+        result = backend.execute(plan)
+        self._sampled = {out.request_id: (out.epoch, out.token_ids[-1]) for out in result.outputs if out.token_ids}
         return result
 
     def _count_tokens(self, plan: RoundPlan) -> None:
@@ -124,6 +145,17 @@ class WorkerRuntime:
     def close(self) -> None:
         """Stop the backend thread (after the round in flight)."""
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _filled(seq: ScheduledSeq, sampled: dict[str, tuple[int, int]]) -> ScheduledSeq:
+    """Return `seq` with its pending token replaced by the token sampled for it in the round before."""
+    if seq.token_ids != (PENDING_TOKEN,):
+        return seq
+    epoch, token = sampled.get(seq.request_id, (None, None))
+    if epoch != seq.epoch or token is None:
+        raise LookupError(f"request {seq.request_id}: a pending token, but the round before sampled none for "
+                          f"epoch {seq.epoch}")
+    return dataclasses.replace(seq, token_ids=(token,))
 
 
 def _warmup_plan(info: BackendInfo) -> RoundPlan:
