@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -171,10 +172,13 @@ class Driver:
                 if in_flight is None:
                     await self._wait_for_work(stop)
                     continue
-            elif not await self.link.send(plan, lambda: reporter.handle(scheduled, now), reporter.round_traces(plan)):
+            elif not await self.link.send(plan, functools.partial(reporter.handle, scheduled, now),
+                                          reporter.round_traces(plan)):
                 self._lost((in_flight or (plan, now))[0].round_id)
                 in_flight = None
                 continue
+            if in_flight is not None and not plan.is_empty:
+                self.metrics.rounds_ahead.inc()
             if in_flight is not None and not await self._answer(*in_flight):
                 in_flight = None
                 continue

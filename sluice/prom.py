@@ -124,6 +124,8 @@ class SchedulerMetrics:
         self.dropped_results = Counter("sluice_dropped_results", "Late or stale round results dropped.",
                                        registry=r)
         self.rounds = Counter("sluice_rounds", "Rounds executed.", registry=r)
+        self.rounds_ahead = Counter("sluice_rounds_ahead", "Rounds planned and sent while the one before "
+                                    "still executed (the pipelined loop).", registry=r)
         self.round_errors = Counter("sluice_round_errors", "Rounds the worker reported as failed.", registry=r)
         self.vllm = _VllmFamilies(r)
         self.bind_model(self.model_name)

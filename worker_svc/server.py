@@ -37,7 +37,8 @@ from sluice import convert, services, telemetry
 from sluice.errors import ErrorInterceptor, Unavailable
 from sluice.prom import WorkerMetrics
 from sluice.serve import grpc_server
-from sluice.types import PENDING_TOKEN, RoundPlan, RoundResult, SamplingParams, ScheduledSeq
+from sluice.slots import slot_constructor
+from sluice.types import PENDING_TOKEN, RoundPlan, RoundResult, SamplingParams, ScheduledSeq, SeqOutput
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.backend import Backend, BackendInfo
 
@@ -63,8 +64,8 @@ class WorkerRuntime:
         self._info: BackendInfo | None = None
         self._lock = asyncio.Lock()
         self.ready = asyncio.Event()
-        self._sampled: dict[str, tuple[int, int]] = {}
-        """(epoch, token) each request sampled in the last round: what a pending token stands for."""
+        self._last_outputs: tuple[SeqOutput, ...] = ()
+        """The last round's outputs: what its pending tokens stand for (indexed only when a plan has one)."""
         self._last_end: float | None = None
 
     async def start(self) -> BackendInfo:
@@ -117,10 +118,6 @@ class WorkerRuntime:
                 self.metrics.round_errors.inc()
                 return RoundResult(plan.round_id, (), time.perf_counter() - start,
                                    error=f"{type(exc).__name__}: {exc}")
-            if self._emulate_time:
-                remaining = result.elapsed_s - (time.perf_counter() - start)
-                if remaining > 0:
-                    await asyncio.sleep(remaining)
             self._last_end = time.perf_counter()
         self.metrics.execute_duration.observe(result.elapsed_s)
         self._count_tokens(plan)
@@ -129,11 +126,16 @@ class WorkerRuntime:
     def _execute(self, backend: Backend, plan: RoundPlan) -> RoundResult:
         """Fill in pending tokens from the previous round's samples, run the round, remember its samples.
         Runs in the backend thread. Raises LookupError for a pending token the last round did not sample."""
-        sampled = self._sampled
-        if any(seq.token_ids == (PENDING_TOKEN,) for seq in plan.seqs):
-            plan = dataclasses.replace(plan, seqs=tuple(_filled(seq, sampled) for seq in plan.seqs))
+        pending = _PENDING
+        if any(seq.token_ids == pending for seq in plan.seqs):
+            sampled = {out.request_id: out for out in self._last_outputs}
+            plan = dataclasses.replace(plan, seqs=tuple(_filled(seq, sampled) if seq.token_ids == pending else seq
+                                                        for seq in plan.seqs))
+        start = time.perf_counter()
         result = backend.execute(plan)
-        self._sampled = {out.request_id: (out.epoch, out.token_ids[-1]) for out in result.outputs if out.token_ids}
+        if self._emulate_time:
+            _wait_until(start + result.elapsed_s)
+        self._last_outputs = result.outputs
         return result
 
     def _count_tokens(self, plan: RoundPlan) -> None:
@@ -147,15 +149,31 @@ class WorkerRuntime:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
 
-def _filled(seq: ScheduledSeq, sampled: dict[str, tuple[int, int]]) -> ScheduledSeq:
-    """Return `seq` with its pending token replaced by the token sampled for it in the round before."""
-    if seq.token_ids != (PENDING_TOKEN,):
-        return seq
-    epoch, token = sampled.get(seq.request_id, (None, None))
-    if epoch != seq.epoch or token is None:
+def _wait_until(deadline: float, spin_s: float = 0.001) -> None:
+    """Block the backend thread until `deadline` (perf_counter): sleep, then spin the last `spin_s`.
+
+    Why: an emulated round must take its modelled time and no more; asyncio.sleep and a plain sleep
+    overshoot by up to milliseconds on a busy host, which read as control-plane time."""
+    remaining = deadline - time.perf_counter()
+    if remaining > spin_s:
+        time.sleep(remaining - spin_s)
+    while time.perf_counter() < deadline:
+        pass
+
+
+_PENDING = (PENDING_TOKEN,)
+_new_seq = slot_constructor(ScheduledSeq)
+
+
+def _filled(seq: ScheduledSeq, sampled: dict[str, SeqOutput]) -> ScheduledSeq:
+    """Return `seq` with its pending token replaced by the token sampled for it in the round before.
+    Raises LookupError when that round sampled none for the request's epoch."""
+    out = sampled.get(seq.request_id)
+    if out is None or out.epoch != seq.epoch or not out.token_ids:
         raise LookupError(f"request {seq.request_id}: a pending token, but the round before sampled none for "
                           f"epoch {seq.epoch}")
-    return dataclasses.replace(seq, token_ids=(token,))
+    return _new_seq(seq.request_id, seq.epoch, out.token_ids[-1:], seq.start_position, seq.block_table,
+                    seq.sampling, seq.sample, seq.output_index, seq.recent_output_ids)
 
 
 def _warmup_plan(info: BackendInfo) -> RoundPlan:

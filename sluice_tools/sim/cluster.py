@@ -8,8 +8,12 @@ cost model. Everything that decides anything is the cores' code, unchanged:
 - arrival: `AdmissionCore.validate` + `admit` (bounded budgets, explicit rejections), then
   `RouterCore.route`, then `SchedulerCore.submit` on the chosen replica;
 - a replica with no round in flight calls `schedule(now)`; a non-empty plan is executed by the
-  cost model, whose modelled time puts the round's result on the heap at now + t; the result goes
-  to `on_round_result` and the replica schedules again;
+  cost model, whose modelled time puts the round's result on the heap at now + gap + t; the result
+  goes to `on_round_result` and the replica schedules again. `round_gap_s` is the device's idle time
+  between rounds that the live loop leaves (the worker's `sluice_worker_idle_seconds`);
+- pipelining, as the live driver does by default (`SimConfig.pipeline`): when a round starts, the
+  next one is planned at once with `schedule(now, overlap=True)` and starts when the first one's
+  result has been applied, so arrivals during a round wait for the round after next, as they do live;
 - the core's events are delivered as a service would: tokens and terminal records to the request
   records, `Finished` to `AdmissionCore.release` and `RouterCore.on_request_done`, KV events to
   `RouterCore.apply_kv_events` (a gap asks for `kv_snapshot`);
@@ -61,7 +65,7 @@ _STATUS = {
 
 
 class _Replica:
-    __slots__ = ("index", "replica_id", "core", "busy", "deadline_at", "reported_idle", "state", "rates")
+    __slots__ = ("index", "replica_id", "core", "busy", "deadline_at", "reported_idle", "state", "rates", "ahead")
 
     def __init__(self, index: int, replica_id: str, core: SchedulerCore) -> None:
         self.index = index
@@ -75,6 +79,8 @@ class _Replica:
         """What its heartbeats report (the scheduler's ReplicaAgent.state)."""
         self.rates = glue.RoundRates()
         """Measured from its rounds' modelled times, as the scheduler's driver measures wall times."""
+        self.ahead: RoundPlan | None = None
+        """The round planned while the one in flight executes (pipelining)."""
 
 
 class Simulator:
@@ -121,6 +127,8 @@ class Simulator:
         self._placement: dict[str, _Replica] = {}
         self._hash_prompts = config.router.policy in (RoutingPolicy.SCORE, RoutingPolicy.PREFIX_ONLY)
         self._salt = salt_of(config.model)
+        self._pipeline = config.pipeline
+        self._gap = config.round_gap_s
         self.rounds = 0
         self.dropped_results = 0
         self.kv_snapshots = 0
@@ -289,19 +297,33 @@ class Simulator:
         plan = replica.core.schedule(now)
         if plan.is_empty:
             return
+        self._start(replica, plan)
+
+    def _start(self, replica: _Replica, plan: RoundPlan) -> None:
+        """Execute `plan` now (its result after the gap and its modelled time); plan the next one ahead."""
+        now = self.now
         result = self.cost.execute(plan)
         replica.busy = True
         self.rounds += 1
         # push() inlined: this runs once per simulated round
         self._seq += 1
-        heapq.heappush(self._heap, (now + result.elapsed_s, self._seq, _ROUND_DONE, (replica, plan, result)))
+        heapq.heappush(self._heap, (now + self._gap + result.elapsed_s, self._seq, _ROUND_DONE,
+                                    (replica, plan, result)))
+        if self._pipeline:
+            ahead = replica.core.schedule(now, overlap=True)
+            replica.ahead = None if ahead.is_empty else ahead
 
     def _on_round_done(self, payload: tuple[_Replica, RoundPlan, Any]) -> None:
         replica, plan, result = payload
         replica.busy = False
         replica.rates.observe(plan, result.elapsed_s)
         self._absorb(replica, replica.core.on_round_result(result, self.now))
-        self._kick(replica)
+        ahead = replica.ahead
+        if ahead is not None:
+            replica.ahead = None
+            self._start(replica, ahead)
+        else:
+            self._kick(replica)
 
     def _on_cancel(self, request_id: str) -> None:
         replica = self._placement.get(request_id)

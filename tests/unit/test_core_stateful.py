@@ -19,7 +19,16 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from scheduler_svc.core import SchedulerCore
 from scheduler_svc.core.config import Policy, PreemptionMode, SchedulerConfig
 from sluice.core_errors import RequestRejected
-from sluice.types import PENDING_TOKEN, CoreEvents, NewRequest, RoundPlan, RoundResult, SamplingParams, SeqOutput, Stage
+from sluice.types import (
+    PENDING_TOKEN,
+    CoreEvents,
+    NewRequest,
+    RoundPlan,
+    RoundResult,
+    SamplingParams,
+    SeqOutput,
+    Stage,
+)
 
 EOS = token_for("", 5)
 SHARED_PREFIX = tuple(range(500, 508))
