@@ -54,6 +54,7 @@ bench: setup
 	$(BIN)/python -m scheduler_svc.bench $(BENCH_FLAGS)
 	$(BIN)/python -m router_svc.bench $(BENCH_FLAGS)
 	$(BIN)/python -m worker_svc.bench $(BENCH_FLAGS)
+	$(BIN)/python -m sluice_tools.fidelity all
 
 clean:
 	rm -rf $(VENV) sluice/v1 .pytest_cache

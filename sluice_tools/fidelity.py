@@ -3,7 +3,8 @@
 The same workload (Poisson arrivals, 512-token prompts, 128-token outputs, seed 7) runs through a spawned
 stack (costmodel backend, Llama-3-8B, H200 emulated time) and through `sluice sim` with the same settings.
 `table` prints TTFT p50/p99, TPOT p50/p99 and throughput of both and their difference at three loads on 1
-and 2 replicas; `batch` prints live TPOT/TTFT against the model (the simulator with no control-plane gap)
+and 2 replicas, with the simulator's control-plane delays (round gap, submit and token delays) fitted on
+the first row (1 replica, low load) and then held fixed; `batch` prints live TPOT/TTFT against the model (the simulator with no control-plane gap)
 at batch 1, 32 and 256 with the pipelined and the serial loop, and the worker's idle gap between rounds.
 Every row is also printed as one JSON line.
 
@@ -15,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
-from sluice_tools.commands.bench import drive, records_of
+from sluice_tools.commands.bench import drive, path_latency, records_of
 from sluice_tools.metrics import summarize
 from sluice_tools.sim.config import SimConfig
 from sluice_tools.sim.run import simulate
@@ -75,32 +77,61 @@ def live(requests: list[Any], replicas: int, pipeline: bool,
         gaps = idle_gaps([w.metrics_url for w in stack.workers])
     finally:
         stack.stop()
-    return figures(summarize(records_of(requests, outcomes), 10.0, 1.0)), gaps
+    out = figures(summarize(records_of(requests, outcomes), 10.0, 1.0))
+    out["path_p50"] = 1e3 * (path_latency(outcomes)["p50"] or 0.0)
+    return out, gaps
 
 
-def simulated(requests: list[Any], replicas: int, pipeline: bool, gap_s: float) -> dict[str, float]:
+@dataclasses.dataclass(frozen=True)
+class Delays:
+    """What the live stack adds to the modelled rounds, as the simulator models it (seconds)."""
+
+    round_gap_s: float = 0.0
+    """Device idle between rounds."""
+    submit_delay_s: float = 0.0
+    """Arrival to the replica's submit."""
+    token_delay_s: float = 0.0
+    """Round to client, per token."""
+
+
+def simulated(requests: list[Any], replicas: int, pipeline: bool, delays: Delays = Delays()) -> dict[str, float]:
     """Run `requests` through the simulator with the live settings; return its figures."""
-    config = SimConfig(replicas=replicas, model=MODEL, pipeline=pipeline, round_gap_s=gap_s, heartbeat_interval_s=1.0)
+    config = SimConfig(replicas=replicas, model=MODEL, pipeline=pipeline, heartbeat_interval_s=1.0,
+                       **dataclasses.asdict(delays))
     return figures(simulate(config, requests, include_series=False).summary)
+
+
+def fit(requests: list[Any], real: dict[str, float]) -> Delays:
+    """Fit the simulator's delays to one live run on one replica at low load: the round gap from TPOT, the
+    token delay from the client's path latency, the submit delay from what is left of TTFT."""
+    bare = simulated(requests, 1, True)
+    gap = max(0.0, real["tpot_p50"] - bare["tpot_p50"]) / 1e3
+    token = real["path_p50"] / 1e3
+    gapped = simulated(requests, 1, True, Delays(gap, 0.0, token))
+    return Delays(gap, max(0.0, real["ttft_p50"] - gapped["ttft_p50"]) / 1e3, token)
 
 
 def _diff(a: float, b: float) -> str:
     return f"{100 * (a - b) / b:+.0f}%" if b else "-"
 
 
-def table(rates: Sequence[float], fleet: Sequence[int], n: int, gap_s: float) -> None:
-    """Print sim vs live at each load and fleet size."""
+def table(rates: Sequence[float], fleet: Sequence[int], n: int) -> None:
+    """Print sim vs live at each load and fleet size; the simulator's delays are fitted on the first row."""
     keys = ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "throughput")
-    print(f"{'replicas':>8} {'rate':>6} " + " ".join(f"{k + ' live/sim':>22}" for k in keys))
+    delays: Delays | None = None
     for replicas in fleet:
         for rate in rates:
             requests = workload(rate * replicas, max(n, int(12 * rate * replicas)))
             real, gaps = live(requests, replicas, True)
-            sim = simulated(requests, replicas, True, gap_s)
+            if delays is None:
+                delays = fit(requests, real)
+                print(f"fitted on {replicas} replica(s) at {rate * replicas:g} req/s: {delays}")
+                print(f"{'replicas':>8} {'rate':>6} " + " ".join(f"{k + ' live/sim':>22}" for k in keys))
+            sim = simulated(requests, replicas, True, delays)
             cells = " ".join(f"{real[k]:>8.2f}/{sim[k]:<7.2f}{_diff(sim[k], real[k]):>6}" for k in keys)
             print(f"{replicas:>8} {rate * replicas:>6g} {cells}", flush=True)
             print(json.dumps({"replicas": replicas, "rate": rate * replicas, "live": real, "sim": sim,
-                              "idle_gaps": gaps}), flush=True)
+                              "sim_bare": simulated(requests, replicas, True), "idle_gaps": gaps}), flush=True)
 
 
 def modelled(size: int, prompt: int = 512, output: int = 128) -> dict[str, float]:
@@ -137,14 +168,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rates", default="2,8,20", help="req/s per replica: low, medium, near saturation")
     parser.add_argument("--replicas", default="1,2")
     parser.add_argument("--n", type=int, default=60, help="requests per run at least (12 s of arrivals otherwise)")
-    parser.add_argument("--gap-ms", type=float, default=0.0, help="the simulator's round gap")
     parser.add_argument("--batches", default="1,32,256")
     args = parser.parse_args(argv)
     if args.what in ("batch", "all"):
         batch([int(b) for b in args.batches.split(",")])
     if args.what in ("table", "all"):
-        table([float(r) for r in args.rates.split(",")], [int(r) for r in args.replicas.split(",")], args.n,
-              args.gap_ms / 1e3)
+        table([float(r) for r in args.rates.split(",")], [int(r) for r in args.replicas.split(",")], args.n)
     return 0
 
 

@@ -158,7 +158,7 @@ def _wait_until(deadline: float, spin_s: float = 0.001) -> None:
     if remaining > spin_s:
         time.sleep(remaining - spin_s)
     while time.perf_counter() < deadline:
-        pass
+        time.sleep(0)  # lets the event loop thread have the GIL while this one spins
 
 
 _PENDING = (PENDING_TOKEN,)

@@ -32,6 +32,8 @@ from scheduler_svc.core.table import RequestTable
 from scheduler_svc.core.victims import make_victim_rule
 from sluice.types import PENDING_TOKEN, BlockCopy, RequestStatus, RoundPlan, Stage
 
+PENDING = (PENDING_TOKEN,)
+
 
 class Batcher:
     """Builds each round of one core from its parts; `schedule(now)` returns the plan."""
@@ -95,10 +97,30 @@ class Batcher:
         tokens_left, seqs_left, kv_left, decodes = rnd.tokens_left, rnd.seqs_left, rnd.kv_left, 0
         for request in list(self._table.running.values()):
             if request.in_flight_round is not None or request.status is not running_status:
-                if overlap and seqs_left and tokens_left and request.in_flight_prev is None:
-                    rnd.tokens_left, rnd.seqs_left, rnd.kv_left = tokens_left, seqs_left, kv_left
-                    if self._place_ahead(request, rnd):
-                        tokens_left, seqs_left, kv_left, decodes = tokens_left - 1, seqs_left - 1, rnd.kv_left, decodes + 1
+                if not overlap or request.in_flight_prev is not None or not seqs_left or not tokens_left:
+                    continue
+                tokens = request.tokens
+                start = len(tokens)
+                if (
+                    request.num_computed + 1 == start  # in flight: a one-token chunk that samples (a decode)
+                    and request.status is running_status
+                    and not request.stop_tail
+                    and start + 1 - request.num_prompt < request.max_tokens
+                    and len(request.block_ids) * block_size > start
+                    and kv_left > start
+                ):
+                    # _place_ahead's common case, inlined like the plain decodes below.
+                    seqs.append(new_scheduled_seq(request.request_id, request.epoch, PENDING, start,
+                                                  request.block_table, request.sampling, True,
+                                                  start + 1 - request.num_prompt, ()))
+                    entries.append(request)
+                    request.in_flight_prev = request.in_flight_round
+                    request.in_flight_round = round_id
+                    tokens_left, seqs_left, kv_left, decodes = tokens_left - 1, seqs_left - 1, kv_left - start - 1, decodes + 1
+                    continue
+                rnd.tokens_left, rnd.seqs_left, rnd.kv_left = tokens_left, seqs_left, kv_left
+                if self._place_ahead(request, rnd):
+                    tokens_left, seqs_left, kv_left, decodes = tokens_left - 1, seqs_left - 1, rnd.kv_left, decodes + 1
                 continue
             if not seqs_left or not tokens_left:
                 break
@@ -166,7 +188,7 @@ class Batcher:
                 return False
             request.block_ids.extend(blocks)
             request.block_table = tuple(request.block_ids)
-        rnd.seqs.append(new_scheduled_seq(request.request_id, request.epoch, (PENDING_TOKEN,), start,
+        rnd.seqs.append(new_scheduled_seq(request.request_id, request.epoch, PENDING, start,
                                           request.block_table, request.sampling, True,
                                           start + 1 - request.num_prompt, ()))
         rnd.entries.append(request)

@@ -11,6 +11,9 @@ cost model. Everything that decides anything is the cores' code, unchanged:
   cost model, whose modelled time puts the round's result on the heap at now + gap + t; the result
   goes to `on_round_result` and the replica schedules again. `round_gap_s` is the device's idle time
   between rounds that the live loop leaves (the worker's `sluice_worker_idle_seconds`);
+- `submit_delay_s` and `token_delay_s`: what the live stack adds outside the rounds, on the way in
+  (admission, routing, the Submit RPC) and out (Redis stream, admission, the client); the fidelity
+  benchmark (`sluice_tools.fidelity`) fits them, with `round_gap_s`, on one live run;
 - pipelining, as the live driver does by default (`SimConfig.pipeline`): when a round starts, the
   next one is planned at once with `schedule(now, overlap=True)` and starts when the first one's
   result has been applied, so arrivals during a round wait for the round after next, as they do live;
@@ -52,7 +55,7 @@ from sluice_tools.workload import WorkloadRequest
 from worker_svc.costmodel import CostModel, RoundShape
 
 # Event kinds, in no particular order (the heap orders by time, then creation).
-_ARRIVAL, _ROUND_DONE, _CANCEL, _DEADLINE, _HEARTBEAT, _SAMPLE, _READY, _RETRY = range(8)
+_ARRIVAL, _ROUND_DONE, _CANCEL, _DEADLINE, _HEARTBEAT, _SAMPLE, _READY, _RETRY, _SUBMIT = range(9)
 
 _STATUS = {
     RequestStatus.FINISHED_STOP: "ok",
@@ -129,6 +132,7 @@ class Simulator:
         self._salt = salt_of(config.model)
         self._pipeline = config.pipeline
         self._gap = config.round_gap_s
+        self._token_delay = config.token_delay_s
         self.rounds = 0
         self.dropped_results = 0
         self.kv_snapshots = 0
@@ -188,6 +192,7 @@ class Simulator:
             _SAMPLE: self._on_sample,
             _READY: self._on_ready,
             _RETRY: self._on_retry,
+            _SUBMIT: self._on_submit,
         }
 
     def _busy(self) -> bool:
@@ -253,7 +258,13 @@ class Simulator:
             self._reject(request, record, f"unavailable: {error}", max(self.config.warmup_s - now, 0.1))
             return
         replica = self.replicas[int(decision.replica_id.rsplit("-", 1)[1])]
+        if self.config.submit_delay_s > 0:
+            self.push(now + self.config.submit_delay_s, _SUBMIT, (replica, request, record, prompt))
+            return
         self._submit(replica, request, record, prompt)
+
+    def _on_submit(self, payload: tuple[_Replica, WorkloadRequest, RequestRecord, tuple[int, ...]]) -> None:
+        self._submit(*payload)
 
     def _submit(
         self, replica: _Replica, request: WorkloadRequest, record: RequestRecord, prompt: tuple[int, ...]
@@ -399,7 +410,7 @@ class Simulator:
 
     # ---- what the cores said ----------------------------------------------------------------
     def _absorb(self, replica: _Replica, events: CoreEvents) -> None:
-        now, records, times = self.now, self.records, self._token_times
+        now, records, times = self.now + self._token_delay, self.records, self._token_times
         for request_id, index, _token in events.tokens:
             times[request_id].append(now)
             if index == 0:
@@ -421,7 +432,7 @@ class Simulator:
         record = self.records[rid]
         usage = finished.usage
         record.status = _STATUS[finished.status]
-        record.finish_s = finished.finish_time
+        record.finish_s = finished.finish_time + self._token_delay
         record.output_tokens = usage.output_tokens
         record.cached_tokens = usage.cached_tokens
         record.preemptions = usage.preemptions
