@@ -29,6 +29,7 @@ cost model. Everything that decides anything is the cores' code, unchanged:
 
 from __future__ import annotations
 
+import gc
 import heapq
 import time
 from array import array
@@ -44,6 +45,7 @@ from router_svc.core import (
     RouterCore,
     RoutingPolicy,
 )
+from scheduler_svc.collector import tune_collector
 from scheduler_svc.core import SchedulerCore
 from sluice import glue
 from sluice.core_errors import RequestRejected
@@ -163,7 +165,19 @@ class Simulator:
 
     # ---- the run ----------------------------------------------------------------------------
     def run(self) -> list[RequestRecord]:
-        """Play every request to a terminal state; return the records in arrival order."""
+        """Play every request to a terminal state; return the records in arrival order.
+
+        The garbage collector is tuned as in the scheduler (`scheduler_svc.collector`), for the rounds of
+        every replica in flight at once (two each when pipelined), and restored afterwards."""
+        thresholds = gc.get_threshold()
+        in_flight = len(self.replicas) * (2 if self._pipeline else 1)
+        tune_collector(self.config.scheduler.max_num_seqs * in_flight)
+        try:
+            return self._run()
+        finally:
+            gc.set_threshold(*thresholds)
+
+    def _run(self) -> list[RequestRecord]:
         started = time.perf_counter()
         for replica in self.replicas:
             self._register(replica)
