@@ -135,13 +135,17 @@ class CoreMachine(RuleBasedStateMachine):
     @rule(index=st.integers(0, 3))
     def lose(self, index: int) -> None:
         """The worker dies with a round in flight: its requests are re-run (or fail past the retry bound)."""
-        plan = self.pending.pop(index % len(self.pending))
+        plan = self.pending[index % len(self.pending)]
         events = self.core.on_round_lost(plan.round_id, self.now)
         assert not events.tokens, "a lost round produces no tokens"
         lost = [e for e in events.lifecycle if e.stage is Stage.PREEMPTED]
         assert all(dict(e.detail) == {"mode": "recompute", "cause": "worker_lost"} for e in lost)
         self._absorb(events)
-        self.answered.append(plan)  # a late answer for it must be dropped
+        # The worker runs rounds in order: the later in-flight rounds are lost with it.
+        assert all(r < plan.round_id for r in self.core.outcomes.in_flight)
+        gone = [p for p in self.pending if p.round_id >= plan.round_id]
+        self.pending = [p for p in self.pending if p.round_id < plan.round_id]
+        self.answered.extend(gone)  # a late answer for them must be dropped
 
     @rule()
     def worker_restarted(self) -> None:
