@@ -145,14 +145,15 @@ def modelled(size: int, prompt: int = 512, output: int = 128) -> dict[str, float
 
 def batch(sizes: Sequence[int]) -> None:
     """Print live TPOT/TTFT against the model at each batch size (closed loop of `size` clients, 3 requests
-    each), pipelined and serial."""
+    each; TTFT then includes the wait for a client and means something at batch 1 only), pipelined and serial."""
     print(f"{'batch':>6} {'model tpot':>10} {'pipelined':>10} {'serial':>10} {'model ttft':>10} {'pipelined':>10} "
           f"{'serial':>10}  idle gaps (pipelined | serial)")
     for size in sizes:
-        requests = workload(100_000.0, 3 * size if size > 1 else 12)
+        # Batch 1: one request at a time, 1 s apart (its TTFT is the prefill's); larger: `size` clients.
+        requests = workload(1.0, 12) if size == 1 else workload(100_000.0, 3 * size)
         model = modelled(size)
-        piped, piped_gaps = live(requests, 1, True, size)
-        serial, serial_gaps = live(requests, 1, False, size)
+        piped, piped_gaps = live(requests, 1, True, size if size > 1 else 1024)
+        serial, serial_gaps = live(requests, 1, False, size if size > 1 else 1024)
         print(f"{size:>6} {model['tpot_p50']:>10.2f} {piped['tpot_p50']:>10.2f} {serial['tpot_p50']:>10.2f} "
               f"{model['ttft_p50']:>10.2f} {piped['ttft_p50']:>10.2f} {serial['ttft_p50']:>10.2f}  "
               f"{piped_gaps} | {serial_gaps}", flush=True)
