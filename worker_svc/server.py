@@ -7,6 +7,8 @@ Theory of operation
   Execute and Info answer UNAVAILABLE until then.
 - A backend exception fails the round as a whole: the result carries `error` (the scheduler fails the
   round's requests); the service keeps serving.
+- ExecuteStream reads and converts plans as they arrive and writes each result after the next queued
+  round has started: rounds queued by the pipelined scheduler run back to back.
 - Rounds placed ahead (the scheduler plans round N+1 while N executes): a sequence whose token is
   `PENDING_TOKEN` decodes the token this worker sampled for the same request and epoch in the round
   before; the runtime fills it in from the previous round's outputs before the backend sees the plan.
@@ -197,13 +199,43 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def ExecuteStream(self, request_iterator: AsyncIterator[worker_pb2.RoundPlan],  # noqa: N802
                             context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.RoundResult]:
-        async for plan in request_iterator:
-            yield await self._round(plan, "ExecuteStream")
+        """Rounds in order. Plans are read and converted as they arrive, and a result is converted and written
+        once the next queued round has started, so queued rounds run back to back on the device."""
+        plans: asyncio.Queue[tuple[worker_pb2.RoundPlan, RoundPlan] | None] = asyncio.Queue()
+        results: asyncio.Queue[RoundResult | Exception | None] = asyncio.Queue()
+
+        async def read() -> None:
+            try:
+                async for wire in request_iterator:
+                    plans.put_nowait((wire, convert.plan_from_proto(wire)))
+            finally:
+                plans.put_nowait(None)
+
+        async def run() -> None:
+            try:
+                while (item := await plans.get()) is not None:
+                    results.put_nowait(await self._execute(*item, "ExecuteStream"))
+                results.put_nowait(None)
+            except Exception as exc:  # Unavailable before warm-up, a broken plan: the stream ends with it
+                results.put_nowait(exc)
+
+        tasks = (asyncio.create_task(read()), asyncio.create_task(run()))
+        try:
+            while (answer := await results.get()) is not None:
+                if isinstance(answer, Exception):
+                    raise answer
+                yield convert.result_to_proto(answer)
+        finally:
+            for task in tasks:
+                task.cancel()
 
     async def _round(self, wire: worker_pb2.RoundPlan, rpc: str) -> worker_pb2.RoundResult:
-        plan = convert.plan_from_proto(wire)
+        return convert.result_to_proto(await self._execute(wire, convert.plan_from_proto(wire), rpc))
+
+    async def _execute(self, wire: worker_pb2.RoundPlan, plan: RoundPlan, rpc: str) -> RoundResult:
+        """Run one converted plan; a plan that carries trace contexts gets a `worker.round` span."""
         if not wire.traces:
-            return convert.result_to_proto(await self.runtime.execute(plan, rpc))
+            return await self.runtime.execute(plan, rpc)
         links = [link for t in wire.traces
                  if (link := telemetry.link_to(t.traceparent, t.tracestate, **{"sluice.request_id": t.request_id}))]
         with tracer.start_as_current_span("worker.round", kind=trace.SpanKind.SERVER, links=links, attributes={
@@ -212,7 +244,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             span.set_attribute("sluice.elapsed_s", result.elapsed_s)
             if result.error:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, result.error))
-        return convert.result_to_proto(result)
+        return result
 
     async def Info(self, request: worker_pb2.InfoRequest,  # noqa: N802
                    context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
