@@ -9,7 +9,7 @@ A round is built in phases:
      (head-of-line blocking is the policies' semantics). Skipped in a round that had to preempt.
   With `overlap` (the round is planned while the previous one executes), a running request that the
   previous round samples is placed once more, ahead: one decode of the token that round will sample
-  (`PENDING_TOKEN`, filled in by the worker), as if it produced exactly one token (`_place_ahead`).
+  (`PENDING_TOKEN`, filled in by the worker), as if it produced exactly one token (`ahead.place_ahead`).
   3. `_seal`: the plan, its budget report and the in-flight record (kept by `RoundOutcomes`).
 Cost grows with the round's work: nothing scans the waiting queue, and a decode touches its block
 table only when it crosses a block boundary.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from array import array
 
+from scheduler_svc.core.ahead import PENDING, place_ahead
 from scheduler_svc.core.backlog import Backlog
 from scheduler_svc.core.block_pool import BlockPool
 from scheduler_svc.core.config import PreemptionMode, SchedulerConfig
@@ -30,9 +31,7 @@ from scheduler_svc.core.round import DECODE, RoundBuilder, new_round_budget, new
 from scheduler_svc.core.state import Input, apply
 from scheduler_svc.core.table import RequestTable
 from scheduler_svc.core.victims import make_victim_rule
-from sluice.types import PENDING_TOKEN, BlockCopy, RequestStatus, RoundPlan, Stage
-
-PENDING = (PENDING_TOKEN,)
+from sluice.types import BlockCopy, RequestStatus, RoundPlan, Stage
 
 
 class Batcher:
@@ -119,7 +118,7 @@ class Batcher:
                     tokens_left, seqs_left, kv_left, decodes = tokens_left - 1, seqs_left - 1, kv_left - start - 1, decodes + 1
                     continue
                 rnd.tokens_left, rnd.seqs_left, rnd.kv_left = tokens_left, seqs_left, kv_left
-                if self._place_ahead(request, rnd):
+                if place_ahead(request, rnd, self._outcomes.in_flight, self._pool, block_size):
                     tokens_left, seqs_left, kv_left, decodes = tokens_left - 1, seqs_left - 1, rnd.kv_left, decodes + 1
                 continue
             if not seqs_left or not tokens_left:
@@ -162,40 +161,6 @@ class Batcher:
             tokens_left, seqs_left, kv_left = rnd.tokens_left, rnd.seqs_left, rnd.kv_left
         rnd.tokens_left, rnd.seqs_left, rnd.kv_left = tokens_left, seqs_left, kv_left
         rnd.decode_tokens += decodes
-
-    def _place_ahead(self, request: Request, rnd: RoundBuilder) -> bool:
-        """Place a decode of the token that `request`'s in-flight round samples; return whether it was placed.
-
-        Only a running request whose one in-flight round samples its last known token, with no stop
-        strings (the worker needs the output tail) and not at its last token, is placed ahead; its block
-        for the new position comes from the pool without preempting anyone (else it waits a round).
-        Its KV read budget is taken from `rnd.kv_left`; the caller counts the token and the sequence.
-        """
-        if request.status is not RequestStatus.RUNNING or request.stop_tail:
-            return False
-        start = len(request.tokens)
-        if start + 1 - request.num_prompt >= request.max_tokens or rnd.kv_left <= start:
-            return False
-        record = self._outcomes.in_flight.get(request.in_flight_round)  # type: ignore[arg-type]
-        if record is None:
-            return False
-        num, sample = record.entry(request)
-        if not sample or request.num_computed + num != start:
-            return False
-        if len(request.block_ids) * self._block_size <= start:
-            blocks = self._pool.allocate(1)
-            if blocks is None:
-                return False
-            request.block_ids.extend(blocks)
-            request.block_table = tuple(request.block_ids)
-        rnd.seqs.append(new_scheduled_seq(request.request_id, request.epoch, PENDING, start,
-                                          request.block_table, request.sampling, True,
-                                          start + 1 - request.num_prompt, ()))
-        rnd.entries.append(request)
-        request.in_flight_prev = request.in_flight_round
-        request.in_flight_round = rnd.round_id
-        rnd.kv_left -= start + 1
-        return True
 
     def _grow(self, request: Request, end: int, rnd: RoundBuilder, now: float) -> bool:
         """Give `request` blocks up to position `end`, preempting others; False if it was preempted."""
