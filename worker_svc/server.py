@@ -12,8 +12,8 @@ Theory of operation
 - Rounds placed ahead (the scheduler plans round N+1 while N executes): a sequence whose token is
   `PENDING_TOKEN` decodes the token this worker sampled for the same request and epoch in the round
   before; the runtime fills it in from the previous round's outputs before the backend sees the plan.
-- `sluice_worker_idle_seconds`: the gap between one round's end and the next one's start (the device
-  waiting for the control plane; with pipelined rounds the next plan is already queued).
+- `sluice_worker_idle_seconds`: the gap between one round's end and the next one's start, both in the
+  backend thread (the device waiting: for the control plane, or for the event loop's hand-over).
 - `emulate_time`: a backend whose `elapsed_s` is modelled (the cost model) is made to take that long,
   so that load tests on a CPU see GPU-like round times.
 - Tracing: a round that carries trace contexts (`RoundPlan.traces`: the sampled requests it serves, as
@@ -69,6 +69,7 @@ class WorkerRuntime:
         self._last_outputs: tuple[SeqOutput, ...] = ()
         """The last round's outputs: what its pending tokens stand for (indexed only when a plan has one)."""
         self._last_end: float | None = None
+        """When the backend thread finished the last round (the device's idle time starts there)."""
 
     async def start(self) -> BackendInfo:
         """Load the backend and run a warm-up round; return its info. Raises what loading or warm-up raises."""
@@ -111,8 +112,6 @@ class WorkerRuntime:
         loop = asyncio.get_running_loop()
         async with self._lock:  # one device: rounds run strictly one after another
             start = time.perf_counter()
-            if self._last_end is not None:
-                self.metrics.idle.observe(start - self._last_end)
             try:
                 result = await loop.run_in_executor(self._executor, self._execute, backend, plan)
             except Exception as exc:
@@ -120,7 +119,6 @@ class WorkerRuntime:
                 self.metrics.round_errors.inc()
                 return RoundResult(plan.round_id, (), time.perf_counter() - start,
                                    error=f"{type(exc).__name__}: {exc}")
-            self._last_end = time.perf_counter()
         self.metrics.execute_duration.observe(result.elapsed_s)
         self._count_tokens(plan)
         return result
@@ -128,15 +126,20 @@ class WorkerRuntime:
     def _execute(self, backend: Backend, plan: RoundPlan) -> RoundResult:
         """Fill in pending tokens from the previous round's samples, run the round, remember its samples.
         Runs in the backend thread. Raises LookupError for a pending token the last round did not sample."""
+        if self._last_end is not None:
+            self.metrics.idle.observe(time.perf_counter() - self._last_end)
         pending = _PENDING
         if any(seq.token_ids == pending for seq in plan.seqs):
             sampled = {out.request_id: out for out in self._last_outputs}
             plan = dataclasses.replace(plan, seqs=tuple(_filled(seq, sampled) if seq.token_ids == pending else seq
                                                         for seq in plan.seqs))
         start = time.perf_counter()
-        result = backend.execute(plan)
-        if self._emulate_time:
-            _wait_until(start + result.elapsed_s)
+        try:
+            result = backend.execute(plan)
+            if self._emulate_time:
+                _wait_until(start + result.elapsed_s)
+        finally:
+            self._last_end = time.perf_counter()
         self._last_outputs = result.outputs
         return result
 
