@@ -61,8 +61,9 @@ class SchedulerOptions(serve.BusOptions):
     no_pipeline: bool = False
     """Run rounds serially (plan, execute, apply) instead of planning round N+1 while round N executes."""
     publish_first_max_tokens: int = 64
-    """Rounds with at most this many tokens publish before the next round starts; larger ones
-    publish while it runs (overlap pays once conversion costs more than the wait it adds)."""
+    """Serial loop: rounds with at most this many tokens publish before the next round starts; larger ones
+    publish while it runs (overlap pays once conversion costs more than the wait it adds). The pipelined
+    loop queues every round's tokens at once (the next round is already on the worker)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
