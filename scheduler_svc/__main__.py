@@ -65,9 +65,12 @@ class SchedulerOptions(serve.BusOptions):
     """Seconds to finish work on SIGTERM."""
     unary: bool = False
     """One Execute call per round instead of ExecuteStream."""
+    no_pipeline: bool = False
+    """Run rounds serially (plan, execute, apply) instead of planning round N+1 while round N executes."""
     publish_first_max_tokens: int = 64
-    """Rounds with at most this many tokens publish before the next round starts; larger ones
-    publish while it runs (overlap pays once conversion costs more than the wait it adds)."""
+    """Serial loop: rounds with at most this many tokens publish before the next round starts; larger ones
+    publish while it runs (overlap pays once conversion costs more than the wait it adds). The pipelined
+    loop queues every round's tokens at once (the next round is already on the worker)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,7 +116,7 @@ async def start(ctx: serve.ServiceContext, options: SchedulerOptions) -> serve.S
             prefill_tokens_per_s=options.prefill_tokens_per_s, decode_round_s=options.decode_round_s,
             use_stream=not options.unary, publish_first_max_tokens=options.publish_first_max_tokens,
             tls_files=serve.tls_files(options, "scheduler"), bus_alive=_bus_alive(ctx),
-            drain_timeout_s=options.drain_timeout)
+            drain_timeout_s=options.drain_timeout, pipeline=not options.no_pipeline)
     except (TimeoutError, ValueError) as exc:
         raise serve.StartupError(str(exc)) from exc
 

@@ -4,6 +4,12 @@ Theory of operation
 - The loop: wait for work -> `core.schedule(now)` -> the worker executes the plan (`WorkerLink`, one
   long-lived ExecuteStream) -> `core.on_round_result(result, now)` -> hand the events over -> repeat.
   The clock is `time.time()`, read here only; the core gets it as `now`.
+- Pipelined (the default; `pipeline=False` or the unary link give the serial loop): round N+1 is planned
+  while round N executes (`core.schedule(now, overlap=True)`: each running decode is assumed to produce
+  one token, and the plan is corrected when the result arrives) and written on the stream before N's
+  answer is read, so the worker finds the next plan queued when a round ends. Two rounds at most are in
+  flight; answers come back in order. After N's answer its tokens are queued to the publisher at once and
+  the rest of its events are handed over once the next plan is on its way (off the critical path).
 - Events are handed to the `Reporter`: bookkeeping (span events, metrics, lifecycle timestamps) at
   once, publications to Redis (token deltas per owner, completions, KV event batches) queued to the
   `Publisher`, so round N's events go out while round N+1 executes, in order.
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -57,7 +64,7 @@ class Driver:
                  replica_id: str, model_id: str, eos_token_id: int, metrics: SchedulerMetrics | None = None,
                  clock: Callable[[], float] = time.time, use_stream: bool = True,
                  worker_retry_s: float = 0.5, worker_health: health_pb2_grpc.HealthStub | None = None,
-                 publish_first_max_tokens: int = 64, vocab_size: int = 0) -> None:
+                 publish_first_max_tokens: int = 64, vocab_size: int = 0, pipeline: bool = True) -> None:
         self.core = core
         self.vocab_size = vocab_size
         """The worker's vocabulary size, for Submit's token id check; 0: unknown, not checked."""
@@ -74,6 +81,9 @@ class Driver:
         self.publish_first_max_tokens = publish_first_max_tokens
         """A round with at most this many tokens publishes them before the next round is planned; a bigger
         one sends the next plan first (its tokens wait ~ a plan conversion, the worker does not)."""
+        self.pipeline = pipeline and use_stream
+        """Plan round N+1 while round N executes (needs the round stream)."""
+        self._last_done = 0.0
         self._wake = asyncio.Event()
         self.link = WorkerLink(worker, metrics=self.metrics, health=worker_health, use_stream=use_stream,
                                on_change=self._wake.set)
@@ -136,28 +146,90 @@ class Driver:
         """Schedule rounds until `stop` is set; then flush every queued publication and return."""
         publisher = asyncio.create_task(self.publisher.run())
         try:
-            while not stop.is_set():
-                if not self.link.serving:
-                    self.reporter.flush_deferred()
-                    self.link.drop_stream()
-                    await self._await_worker(stop)
-                    continue
-                now = self.clock()
-                deadline = self.core.next_deadline()
-                if deadline is not None and deadline <= now:
-                    self.core.expire(now)
-                plan = self.core.schedule(now)
-                scheduled = self.core.take_events()
-                if plan.is_empty:
-                    self.reporter.handle(scheduled, now)
-                    await self._wait_for_work(stop)
-                    continue
-                await self._round(plan, now, scheduled)
+            await (self._run_pipelined(stop) if self.pipeline else self._run_serial(stop))
         finally:
             self.link.drop_stream()
             self.reporter.flush_deferred()
             await self.publisher.close()
             await publisher
+
+    async def _run_pipelined(self, stop: asyncio.Event) -> None:
+        """The pipelined loop: plan and send round N+1, then read round N's answer (see the module docstring)."""
+        reporter = self.reporter
+        in_flight: tuple[RoundPlan, float] | None = None
+        while not stop.is_set():
+            if not self.link.serving:
+                reporter.flush_deferred()
+                self.link.drop_stream()
+                await self._await_worker(stop)
+                continue
+            now = self.clock()
+            deadline = self.core.next_deadline()
+            if deadline is not None and deadline <= now:
+                self.core.expire(now)
+            plan = self.core.schedule(now, overlap=in_flight is not None)
+            scheduled = self.core.take_events()
+            if plan.is_empty:
+                reporter.handle(scheduled, now)
+                if in_flight is None:
+                    await self._wait_for_work(stop)
+                    continue
+            elif not await self.link.send(plan, functools.partial(reporter.handle, scheduled, now),
+                                          reporter.round_traces(plan)):
+                self._lost((in_flight or (plan, now))[0].round_id)
+                in_flight = None
+                continue
+            if in_flight is not None and not plan.is_empty:
+                self.metrics.rounds_ahead.inc()
+            if in_flight is not None and not await self._answer(*in_flight):
+                in_flight = None
+                continue
+            in_flight = None if plan.is_empty else (plan, now)
+
+    async def _answer(self, plan: RoundPlan, sent_at: float) -> bool:
+        """Read round `plan`'s answer and apply it; False when the round was lost with the worker."""
+        result = await self.link.receive(plan.round_id)
+        done = self.clock()
+        elapsed = done - max(sent_at, self._last_done)  # the round's own time, not the one queued before it
+        self._last_done = done
+        self.metrics.round_duration.observe(elapsed)
+        if result is None:
+            self._lost(plan.round_id)
+            return False
+        events = self.core.on_round_result(result, done)
+        if not result.error:
+            self.rates.observe(plan, elapsed)
+            # The tokens go out at once (the publisher runs while the next answer is awaited); the rest is
+            # handed over once the next plan is on its way.
+            self.reporter.queue_tokens(events, done)
+        self.reporter.defer(events, done)
+        return True
+
+    def _lost(self, round_id: int) -> None:
+        """The worker went away with round `round_id` (and any later one) in flight: re-queue their requests."""
+        now = self.clock()
+        self.reporter.handle(self.core.on_round_lost(round_id, now), now)
+        self.link.set_serving(False, self.core.num_waiting)
+
+    async def _run_serial(self, stop: asyncio.Event) -> None:
+        """The serial loop: plan, execute, apply, one round at a time."""
+        while not stop.is_set():
+            if not self.link.serving:
+                self.reporter.flush_deferred()
+                self.link.drop_stream()
+                await self._await_worker(stop)
+                continue
+            now = self.clock()
+            deadline = self.core.next_deadline()
+            if deadline is not None and deadline <= now:
+                self.core.expire(now)
+            plan = self.core.schedule(now)
+            scheduled = self.core.take_events()
+            if plan.is_empty:
+                self.reporter.handle(scheduled, now)
+                await self._wait_for_work(stop)
+                continue
+            await self._round(plan, now, scheduled)
 
     async def _round(self, plan: RoundPlan, now: float, scheduled: CoreEvents) -> None:
         """Execute one round and hand its events over."""

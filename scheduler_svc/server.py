@@ -346,7 +346,7 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
                         worker_timeout_s: float = 120.0, publish_first_max_tokens: int = 64,
                         tls_files: TlsFiles | None = None,
                         bus_alive: Callable[[], bool] = lambda: True,
-                        drain_timeout_s: float = 30.0) -> RunningReplica:
+                        drain_timeout_s: float = 30.0, pipeline: bool = True) -> RunningReplica:
     """Wait for the worker, build the core from its Info, serve, run the driver, register with the router.
 
     Raises TimeoutError (worker never SERVING), ValueError (bad core settings), RuntimeError (port taken).
@@ -358,7 +358,8 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
     driver = Driver(core, worker_pb2_grpc.WorkerServiceStub(worker_channel), bus, replica_id=replica_id,
                     model_id=info.model_id, eos_token_id=info.eos_token_id, metrics=metrics, use_stream=use_stream,
                     worker_health=health_pb2_grpc.HealthStub(worker_channel),
-                    publish_first_max_tokens=publish_first_max_tokens, vocab_size=info.vocab_size)
+                    publish_first_max_tokens=publish_first_max_tokens, vocab_size=info.vocab_size,
+                    pipeline=pipeline)
     health = health_aio.HealthServicer()
     server, bound = await start_scheduler_server(driver, health, port, host, tls_files, bus_alive)
     stop = asyncio.Event()

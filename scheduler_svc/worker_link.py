@@ -2,6 +2,8 @@
 
 - `execute` sends a plan and returns the worker's result, or None when the call broke (stream
   closed, UNAVAILABLE): the round is then lost with the worker, and the stream is dropped.
+- Pipelined rounds: `send` writes a plan on the stream without waiting and `receive` reads the oldest
+  answer; the stream keeps them in order, so the worker finds round N+1 queued when N ends.
 - `serving` is False while the worker is unreachable; every change sets `changed` (the agent
   heartbeats at once) and calls `on_change` (the loop wakes up). `probe` asks the worker's gRPC
   health (else Info) and marks it down when it does not answer; the loop marks it up again.
@@ -78,6 +80,46 @@ class WorkerLink:
         if not serving:
             self.set_serving(False)
         return serving
+
+    async def send(self, plan: RoundPlan, sent: Callable[[], None],
+                   traces: Sequence[worker_pb2.RequestTrace] = ()) -> bool:
+        """Write `plan` on the round stream (opened if needed) without waiting for its answer; call `sent()`
+        exactly once; return False when the stream broke (the stream is dropped)."""
+        if self._stream is None:
+            self._stream = self.stub.ExecuteStream()
+        wire = convert.plan_to_proto(plan)
+        if traces:
+            wire.traces.extend(traces)
+        try:
+            await self._stream.write(wire)
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError) as exc:
+            log.error("round %d: could not send the plan, the round is lost: %s", plan.round_id, exc)
+            sent()
+            self.drop_stream()
+            return False
+        sent()
+        return True
+
+    async def receive(self, round_id: int) -> RoundResult | None:
+        """Read the answer of the oldest round sent (`round_id`); None when the stream broke (dropped)."""
+        stream = self._stream
+        try:
+            if stream is None:
+                raise ConnectionError("no round stream")
+            reply = await stream.read()
+            if reply is grpc.aio.EOF:
+                raise ConnectionError("the worker closed the round stream")
+            result = convert.result_from_proto(reply)
+        except (grpc.aio.AioRpcError, ConnectionError) as exc:
+            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            log.error("round %d: worker call failed, the round is lost: %s", round_id, detail)
+            self.drop_stream()
+            return None
+        if result.round_id != round_id:
+            log.error("round %d: the worker answered round %d instead", round_id, result.round_id)
+        if result.error:
+            self.metrics.round_errors.inc()
+        return result
 
     async def execute(self, plan: RoundPlan, sent: Callable[[], None],
                       traces: Sequence[worker_pb2.RequestTrace] = ()) -> RoundResult | None:

@@ -61,12 +61,16 @@ class RoundRates:
 
     def observe(self, plan: RoundPlan, wall_s: float) -> None:
         """Fold one successful round (its plan and its wall seconds) into the averages."""
-        prefill_tokens = decodes = 0
-        for seq in plan.seqs:
-            if seq.sample and seq.output_index > 0 and len(seq.token_ids) == 1:
-                decodes += 1
-            else:
-                prefill_tokens += len(seq.token_ids)
+        budget = plan.budget
+        if budget is not None:  # the core's count: the same split, without a walk over the sequences
+            prefill_tokens, decodes = budget.num_prefill_tokens, budget.num_decode_tokens
+        else:
+            prefill_tokens = decodes = 0
+            for seq in plan.seqs:
+                if seq.sample and seq.output_index > 0 and len(seq.token_ids) == 1:
+                    decodes += 1
+                else:
+                    prefill_tokens += len(seq.token_ids)
         if prefill_tokens == 0:
             if decodes:
                 self.decode_round_s = self._average(self.decode_round_s, wall_s)

@@ -39,6 +39,7 @@ TOKEN_USAGE_BUCKETS = tuple(float(4 ** i) for i in range(14))
 # Tokenizing one prompt: microseconds for a chat turn, about a second for a 1 MiB prompt.
 TOKENIZE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 # Rounds of a CPU engine or a modelled GPU: from sub-millisecond to seconds.
+IDLE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.05, 0.25, 1.0)
 ROUND_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 VLLM_FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "timeout": "abort",
@@ -130,6 +131,8 @@ class SchedulerMetrics:
         self.dropped_results = Counter("sluice_dropped_results", "Late or stale round results dropped.",
                                        registry=r)
         self.rounds = Counter("sluice_rounds", "Rounds executed.", registry=r)
+        self.rounds_ahead = Counter("sluice_rounds_ahead", "Rounds planned and sent while the one before "
+                                    "still executed (the pipelined loop).", registry=r)
         self.round_errors = Counter("sluice_round_errors", "Rounds the worker reported as failed.", registry=r)
         self.vllm = _VllmFamilies(r)
         self.bind_model(self.model_name)
@@ -215,6 +218,10 @@ class WorkerMetrics:
                                     registry=r)
         self.tokens = Counter("sluice_worker_tokens", "Query tokens computed, by kind.", ["kind"], registry=r)
         self.serving = Gauge("sluice_worker_serving", "1 once weights are loaded and warm-up ran.", registry=r)
+        self.idle = Histogram("sluice_worker_idle_seconds",
+                              "Device idle between the end of one round and the start of the next "
+                              "(the control plane's gap; long ones are a replica without work).",
+                              buckets=IDLE_BUCKETS, registry=r)
 
 
 @dataclass

@@ -101,6 +101,11 @@ class NewRequest:
     """The tenant's prefix-cache salt ("": cached prefixes are shared with every tenant of the model)."""
 
 
+PENDING_TOKEN = -1
+"""A token id in a plan placed ahead (overlap scheduling): the token the worker sampled for the same
+request and epoch in the round before; the scheduler has not seen it yet."""
+
+
 @dataclass(frozen=True, slots=True)
 class ScheduledSeq:
     """One sequence's work in a round.

@@ -9,6 +9,13 @@ Theory of operation
   range, more tokens than KV slots...) is refused with INVALID_ARGUMENT before it runs.
 - A backend exception fails the round as a whole: the result carries `error` (the scheduler fails the
   round's requests); the service keeps serving.
+- ExecuteStream reads and converts plans as they arrive and writes each result after the next queued
+  round has started: rounds queued by the pipelined scheduler run back to back.
+- Rounds placed ahead (the scheduler plans round N+1 while N executes): a sequence whose token is
+  `PENDING_TOKEN` decodes the token this worker sampled for the same request and epoch in the round
+  before; the runtime fills it in from the previous round's outputs before the backend sees the plan.
+- `sluice_worker_idle_seconds`: the gap between one round's end and the next one's start, both in the
+  backend thread (the device waiting: for the control plane, or for the event loop's hand-over).
 - `emulate_time`: a backend whose `elapsed_s` is modelled (the cost model) is made to take that long,
   so that load tests on a CPU see GPU-like round times.
 - Tracing: a round that carries trace contexts (`RoundPlan.traces`: the sampled requests it serves, as
@@ -34,8 +41,9 @@ from sluice import convert, services, telemetry, tls
 from sluice.errors import ErrorInterceptor, Unavailable
 from sluice.prom import WorkerMetrics
 from sluice.serve import grpc_server
+from sluice.slots import slot_constructor
 from sluice.tls import TlsFiles
-from sluice.types import RoundPlan, RoundResult, SamplingParams, ScheduledSeq
+from sluice.types import PENDING_TOKEN, RoundPlan, RoundResult, SamplingParams, ScheduledSeq, SeqOutput
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.backend import Backend, BackendInfo
 from worker_svc.validation import validate_plan
@@ -62,6 +70,10 @@ class WorkerRuntime:
         self._info: BackendInfo | None = None
         self._lock = asyncio.Lock()
         self.ready = asyncio.Event()
+        self._last_outputs: tuple[SeqOutput, ...] = ()
+        """The last round's outputs: what its pending tokens stand for (indexed only when a plan has one)."""
+        self._last_end: float | None = None
+        """When the backend thread finished the last round (the device's idle time starts there)."""
 
     async def start(self) -> BackendInfo:
         """Load the backend and run a warm-up round; return its info. Raises what loading or warm-up raises."""
@@ -107,18 +119,34 @@ class WorkerRuntime:
         async with self._lock:  # one device: rounds run strictly one after another
             start = time.perf_counter()
             try:
-                result = await loop.run_in_executor(self._executor, backend.execute, plan)
+                result = await loop.run_in_executor(self._executor, self._execute, backend, plan)
             except Exception as exc:
                 log.exception("round %d failed", plan.round_id)
                 self.metrics.round_errors.inc()
                 return RoundResult(plan.round_id, (), time.perf_counter() - start,
                                    error=f"{type(exc).__name__}: {exc}")
-            if self._emulate_time:
-                remaining = result.elapsed_s - (time.perf_counter() - start)
-                if remaining > 0:
-                    await asyncio.sleep(remaining)
         self.metrics.execute_duration.observe(result.elapsed_s)
         self._count_tokens(plan)
+        return result
+
+    def _execute(self, backend: Backend, plan: RoundPlan) -> RoundResult:
+        """Fill in pending tokens from the previous round's samples, run the round, remember its samples.
+        Runs in the backend thread. Raises LookupError for a pending token the last round did not sample."""
+        if self._last_end is not None:
+            self.metrics.idle.observe(time.perf_counter() - self._last_end)
+        pending = _PENDING
+        if any(seq.token_ids == pending for seq in plan.seqs):
+            sampled = {out.request_id: out for out in self._last_outputs}
+            plan = dataclasses.replace(plan, seqs=tuple(_filled(seq, sampled) if seq.token_ids == pending else seq
+                                                        for seq in plan.seqs))
+        start = time.perf_counter()
+        try:
+            result = backend.execute(plan)
+            if self._emulate_time:
+                _wait_until(start + result.elapsed_s)
+        finally:
+            self._last_end = time.perf_counter()
+        self._last_outputs = result.outputs
         return result
 
     def _count_tokens(self, plan: RoundPlan) -> None:
@@ -130,6 +158,33 @@ class WorkerRuntime:
     def close(self) -> None:
         """Stop the backend thread (after the round in flight)."""
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _wait_until(deadline: float, spin_s: float = 0.001) -> None:
+    """Block the backend thread until `deadline` (perf_counter): sleep, then spin the last `spin_s`.
+
+    Why: an emulated round must take its modelled time and no more; asyncio.sleep and a plain sleep
+    overshoot by up to milliseconds on a busy host, which read as control-plane time."""
+    remaining = deadline - time.perf_counter()
+    if remaining > spin_s:
+        time.sleep(remaining - spin_s)
+    while time.perf_counter() < deadline:
+        time.sleep(0)  # lets the event loop thread have the GIL while this one spins
+
+
+_PENDING = (PENDING_TOKEN,)
+_new_seq = slot_constructor(ScheduledSeq)
+
+
+def _filled(seq: ScheduledSeq, sampled: dict[str, SeqOutput]) -> ScheduledSeq:
+    """Return `seq` with its pending token replaced by the token sampled for it in the round before.
+    Raises LookupError when that round sampled none for the request's epoch."""
+    out = sampled.get(seq.request_id)
+    if out is None or out.epoch != seq.epoch or not out.token_ids:
+        raise LookupError(f"request {seq.request_id}: a pending token, but the round before sampled none for "
+                          f"epoch {seq.epoch}")
+    return _new_seq(seq.request_id, seq.epoch, out.token_ids[-1:], seq.start_position, seq.block_table,
+                    seq.sampling, seq.sample, seq.output_index, seq.recent_output_ids)
 
 
 def _warmup_plan(info: BackendInfo) -> RoundPlan:
@@ -153,13 +208,45 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def ExecuteStream(self, request_iterator: AsyncIterator[worker_pb2.RoundPlan],  # noqa: N802
                             context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.RoundResult]:
-        async for plan in request_iterator:
-            yield await self._round(plan, "ExecuteStream")
+        """Rounds in order. Plans are read and converted as they arrive, and a result is converted and written
+        once the next queued round has started, so queued rounds run back to back on the device."""
+        plans: asyncio.Queue[tuple[worker_pb2.RoundPlan, RoundPlan] | None] = asyncio.Queue()
+        results: asyncio.Queue[RoundResult | Exception | None] = asyncio.Queue()
+
+        async def read() -> None:
+            try:
+                async for wire in request_iterator:
+                    plans.put_nowait((wire, convert.plan_from_proto(wire)))
+            except Exception as exc:  # a message that does not parse: the stream ends with its refusal
+                results.put_nowait(exc)
+            finally:
+                plans.put_nowait(None)
+
+        async def run() -> None:
+            try:
+                while (item := await plans.get()) is not None:
+                    results.put_nowait(await self._execute(*item, "ExecuteStream"))
+                results.put_nowait(None)
+            except Exception as exc:  # Unavailable before warm-up, a broken plan: the stream ends with it
+                results.put_nowait(exc)
+
+        tasks = (asyncio.create_task(read()), asyncio.create_task(run()))
+        try:
+            while (answer := await results.get()) is not None:
+                if isinstance(answer, Exception):
+                    raise answer
+                yield convert.result_to_proto(answer)
+        finally:
+            for task in tasks:
+                task.cancel()
 
     async def _round(self, wire: worker_pb2.RoundPlan, rpc: str) -> worker_pb2.RoundResult:
-        plan = convert.plan_from_proto(wire)
+        return convert.result_to_proto(await self._execute(wire, convert.plan_from_proto(wire), rpc))
+
+    async def _execute(self, wire: worker_pb2.RoundPlan, plan: RoundPlan, rpc: str) -> RoundResult:
+        """Run one converted plan; a plan that carries trace contexts gets a `worker.round` span."""
         if not wire.traces:
-            return convert.result_to_proto(await self.runtime.execute(plan, rpc))
+            return await self.runtime.execute(plan, rpc)
         links = [link for t in wire.traces
                  if (link := telemetry.link_to(t.traceparent, t.tracestate, **{"sluice.request_id": t.request_id}))]
         with tracer.start_as_current_span("worker.round", kind=trace.SpanKind.SERVER, links=links, attributes={
@@ -168,7 +255,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             span.set_attribute("sluice.elapsed_s", result.elapsed_s)
             if result.error:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, result.error))
-        return convert.result_to_proto(result)
+        return result
 
     async def Info(self, request: worker_pb2.InfoRequest,  # noqa: N802
                    context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:

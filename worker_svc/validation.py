@@ -6,7 +6,8 @@ sleep for hours (and a real engine index out of its KV cache), holding the one d
 other round waits on. Rules, each refused with INVALID_ARGUMENT naming the field:
 
 - positions: 0 <= start_position and start_position + len(token_ids) <= max_model_len;
-- tokens: every token id (and recent output id) in [0, vocab_size);
+- tokens: every token id (and recent output id) in [0, vocab_size), except the one PENDING_TOKEN of a
+  pipelined decode (filled in from the previous round's sample);
 - KV: the block table covers the positions it is meant to cover, with device blocks in
   [0, num_blocks); a round computes at most num_blocks * block_size tokens (one KV slot each);
 - swaps: device blocks in [0, num_blocks), host blocks in [0, num_host_blocks);
@@ -20,7 +21,9 @@ import math
 from collections.abc import Sequence
 
 from sluice.errors import InvalidArgument
-from sluice.types import BackendInfo, BlockCopy, RoundPlan, ScheduledSeq
+from sluice.types import PENDING_TOKEN, BackendInfo, BlockCopy, RoundPlan, ScheduledSeq
+
+_PENDING = (PENDING_TOKEN,)
 
 __all__ = ["validate_plan"]
 
@@ -50,8 +53,9 @@ def _check_seq(index: int, seq: ScheduledSeq, info: BackendInfo) -> None:
     if seq.start_position < 0 or end > info.max_model_len:
         raise InvalidArgument(f"{name} covers positions {seq.start_position}..{end}, outside the model's "
                               f"0..{info.max_model_len}", field_name=f"{name}.start_position")
-    _check_ids(f"{name}.token_ids", seq.token_ids, info.vocab_size)
-    _check_ids(f"{name}.recent_output_ids", seq.recent_output_ids, info.vocab_size)
+    if seq.token_ids != _PENDING:  # a pipelined decode: the token this worker sampled last round
+        _check_ids(f"{name}.token_ids", seq.token_ids, info.vocab_size)
+    _check_ids(f"{name}.recent_output_ids", [t for t in seq.recent_output_ids if t != PENDING_TOKEN], info.vocab_size)
     needed = -(-end // info.block_size)
     if len(seq.block_table) < needed:
         raise InvalidArgument(f"{name} needs {needed} blocks for positions up to {end}, its block table has "

@@ -7,6 +7,9 @@ A round is built in phases:
   2. `_schedule_waiting`: waiting and resumed requests in policy order, within what is left of the
      query-token, sequence and KV-read budgets, stopping at the first head that does not fit
      (head-of-line blocking is the policies' semantics). Skipped in a round that had to preempt.
+  With `overlap` (the round is planned while the previous one executes), a running request that the
+  previous round samples is placed once more, ahead: one decode of the token that round will sample
+  (`PENDING_TOKEN`, filled in by the worker), as if it produced exactly one token (`ahead.place_ahead`).
   3. `_seal`: the plan, its budget report and the in-flight record (kept by `RoundOutcomes`).
 Cost grows with the round's work: nothing scans the waiting queue, and a decode touches its block
 table only when it crosses a block boundary.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 from array import array
 
+from scheduler_svc.core.ahead import PENDING, place_ahead
 from scheduler_svc.core.backlog import Backlog
 from scheduler_svc.core.block_pool import BlockPool
 from scheduler_svc.core.config import PreemptionMode, SchedulerConfig
@@ -58,11 +62,12 @@ class Batcher:
         self._outbox = outbox
         self._outcomes = outcomes
 
-    def schedule(self, now: float) -> RoundPlan:
+    def schedule(self, now: float, overlap: bool = False) -> RoundPlan:
         """Build the next round; return its plan (possibly empty: `plan.is_empty`).
 
-        Requests in a round that is still in flight are skipped. A non-empty plan must be
-        answered with `on_round_result` carrying its `round_id`.
+        Requests in a round that is still in flight are skipped, unless `overlap` places them ahead
+        (see the module docstring). A non-empty plan must be answered with `on_round_result`
+        carrying its `round_id`, in plan order when rounds overlap.
         """
         round_id = self.next_round_id
         self.next_round_id += 1
@@ -70,12 +75,12 @@ class Batcher:
         # The phase calls are skipped when they have nothing to look at: most rounds of a lightly
         # loaded replica carry a few decodes and no queue, and the calls are most of their cost.
         if self._table.running:
-            self._schedule_running(rnd, now)
+            self._schedule_running(rnd, now, overlap)
         if len(self._backlog) and not rnd.preempted:
             self._schedule_waiting(rnd, now)
         return self._seal(rnd, now)
 
-    def _schedule_running(self, rnd: RoundBuilder, now: float) -> None:
+    def _schedule_running(self, rnd: RoundBuilder, now: float, overlap: bool = False) -> None:
         """Place running requests in start order; plain decodes take an inlined fast path.
 
         A plain decode (one known token beyond the computed prefix, no block boundary, no stop
@@ -89,6 +94,30 @@ class Batcher:
         tokens_left, seqs_left, kv_left, decodes = rnd.tokens_left, rnd.seqs_left, rnd.kv_left, 0
         for request in list(self._table.running.values()):
             if request.in_flight_round is not None or request.status is not running_status:
+                if not overlap or request.in_flight_prev is not None or not seqs_left or not tokens_left:
+                    continue
+                tokens = request.tokens
+                start = len(tokens)
+                if (
+                    request.num_computed + 1 == start  # in flight: a one-token chunk that samples (a decode)
+                    and request.status is running_status
+                    and not request.stop_tail
+                    and start + 1 - request.num_prompt < request.max_tokens
+                    and len(request.block_ids) * block_size > start
+                    and kv_left > start
+                ):
+                    # _place_ahead's common case, inlined like the plain decodes below.
+                    seqs.append(new_scheduled_seq(request.request_id, request.epoch, PENDING, start,
+                                                  request.block_table, request.sampling, True,
+                                                  start + 1 - request.num_prompt, ()))
+                    entries.append(request)
+                    request.in_flight_prev = request.in_flight_round
+                    request.in_flight_round = round_id
+                    tokens_left, seqs_left, kv_left, decodes = tokens_left - 1, seqs_left - 1, kv_left - start - 1, decodes + 1
+                    continue
+                rnd.tokens_left, rnd.seqs_left, rnd.kv_left = tokens_left, seqs_left, kv_left
+                if place_ahead(request, rnd, self._outcomes.in_flight, self._pool, block_size):
+                    tokens_left, seqs_left, kv_left, decodes = tokens_left - 1, seqs_left - 1, rnd.kv_left, decodes + 1
                 continue
             if not seqs_left or not tokens_left:
                 break
@@ -154,7 +183,7 @@ class Batcher:
         candidates = (
             request
             for request in self._table.running.values()
-            if request.in_flight_round in (None, round_id) and request is not needy
+            if request.in_flight_round in (None, round_id) and request.in_flight_prev is None and request is not needy
         )
         return self._victims.choose(needy, candidates)
 

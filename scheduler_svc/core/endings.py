@@ -4,6 +4,8 @@ A request that no in-flight round reads ends at once: its blocks return to the p
 copies to the host blocks. One that a round still reads (or whose swap-out copy is in flight)
 waits in CANCELLING with its `release_input`; the round's result (or its loss) releases it.
 Every end emits one Finished record, a FINISHED event and, when it held blocks, KV_RELEASED.
+A request that ends while a round placed ahead still reads it (overlap scheduling: a stop token in
+the round before) ends at once, but its blocks stay pinned (`held_blocks`) until that round answers.
 """
 
 from __future__ import annotations
@@ -143,6 +145,9 @@ class Endings:
     def _release_blocks(self, request: Request) -> bool:
         released = bool(request.block_ids or request.host_blocks)
         if request.block_ids:
+            if request.in_flight_round is not None:  # still read by a round placed ahead
+                self._pool.pin(request.block_ids)
+                request.held_blocks = request.block_ids
             self._pool.free(reversed(request.block_ids))
             request.block_ids = array("q")
             request.block_table = ()

@@ -6,6 +6,13 @@ request, not per block: a request placed in a round gets `in_flight_round` set, 
 stay referenced until that round's result arrives, even if the request was cancelled or timed out
 meanwhile (it waits in CANCELLING and `Endings` releases it here). A swap-out victim's device
 blocks are pinned in the pool for the same duration.
+
+Two rounds in flight (overlap scheduling): a request placed ahead is read by two rounds
+(`in_flight_prev`, then `in_flight_round`); it is released only when the later one answers. A
+request that ends while the later round still reads it (a stop token, a failure) keeps its blocks
+pinned (`held_blocks`) until then, and that round's output for it is dropped and counted. Results
+must arrive in plan order; a lost round takes every later in-flight round with it (the worker runs
+them in order, so none of them ran either).
 """
 
 from __future__ import annotations
@@ -53,6 +60,25 @@ class RoundOutcomes:
         self._max_lost_rounds = config.max_lost_rounds
         self._event_token_ids = config.kv_event_token_ids
 
+    # ---- readers ---------------------------------------------------------------------------
+    @staticmethod
+    def _unread(request: Request, round_id: int) -> bool:
+        """Round `round_id` no longer reads `request`; return True when no in-flight round does."""
+        if request.in_flight_prev == round_id:
+            request.in_flight_prev = None
+            return False
+        if request.in_flight_round == round_id:
+            request.in_flight_round = None
+        return request.in_flight_round is None
+
+    def _release_unread(self, request: Request, now: float) -> None:
+        """A request that is not running and no round reads any more: release what waited for the round."""
+        if request.status is RequestStatus.CANCELLING:
+            self._endings.release_deferred(request, now)
+        elif request.held_blocks:
+            self._pool.unpin(reversed(request.held_blocks))
+            request.held_blocks = ()
+
     # ---- results ---------------------------------------------------------------------------
     def on_round_result(self, result: RoundResult, now: float) -> None:
         """Apply a worker's result for a planned round.
@@ -86,14 +112,19 @@ class RoundOutcomes:
         chunks = record.chunks
         for request in record.entries:
             num_tokens, sample = chunks.get(request, DECODE) if chunks is not None else DECODE
-            request.in_flight_round = None
+            if request.in_flight_prev is None:
+                request.in_flight_round = None
+                unread = True
+            else:
+                unread = self._unread(request, record.round_id)
             if request.lost_rounds:
                 request.lost_rounds = 0
             out = pop(request.request_id, None)
             if request.status is not running:
                 if out is not None and out.token_ids:
                     drop(1)
-                self._endings.release_deferred(request, now)
+                if unread:
+                    self._release_unread(request, now)
                 continue
             computed = request.num_computed = request.num_computed + num_tokens
             if caching and computed // block_size > request.num_registered:
@@ -199,25 +230,31 @@ class RoundOutcomes:
     def _fail_round(self, record: InFlightRound, error: str, now: float) -> None:
         """A round that failed as a whole fails every request it carried (exactly once)."""
         for request in record.entries:
-            request.in_flight_round = None
+            unread = self._unread(request, record.round_id)
             if request.status is RequestStatus.RUNNING:
                 self._endings.end_running(request, Input.FAIL, now, f"round {record.round_id} failed: {error}")
-            else:
-                self._endings.release_deferred(request, now)
+            elif unread:
+                self._release_unread(request, now)
         self._finish_swaps(record, now, copied=False)
         self._host.release(record.host_release)
 
     # ---- a worker lost ---------------------------------------------------------------------
     def on_round_lost(self, round_id: int, now: float) -> None:
-        """The worker went away with round `round_id` in flight (see SchedulerCore.on_round_lost)."""
-        record = self.in_flight.pop(round_id, None)
-        if record is None:
+        """The worker went away with round `round_id` in flight (see SchedulerCore.on_round_lost); every
+        later in-flight round is lost with it."""
+        if round_id not in self.in_flight:
             return
-        limit = self._max_lost_rounds
+        for later in sorted(r for r in self.in_flight if r >= round_id):
+            self._lose(self.in_flight.pop(later), now)
+        self.forget_worker_kv(now)
+
+    def _lose(self, record: InFlightRound, now: float) -> None:
+        round_id, limit = record.round_id, self._max_lost_rounds
         for request in record.entries:
-            request.in_flight_round = None
+            if not self._unread(request, round_id):
+                continue  # a later round reads it too: that round's loss handles it
             if request.status is not RequestStatus.RUNNING:
-                self._endings.release_deferred(request, now)
+                self._release_unread(request, now)
                 continue
             request.lost_rounds += 1
             if request.lost_rounds > limit:
@@ -228,7 +265,6 @@ class RoundOutcomes:
                 self._requeue_lost(request, now)
         self._finish_swaps(record, now, copied=False)
         self._host.release(record.host_release)
-        self.forget_worker_kv(now)
 
     def forget_worker_kv(self, now: float) -> None:
         """The worker's KV went with it, not only the lost round's: running requests that no in-flight

@@ -19,6 +19,7 @@ class Request:
     # touches 1024 of these).
     __slots__ = (
         "in_flight_round",
+        "in_flight_prev",
         "status",
         "num_computed",
         "tokens",
@@ -44,6 +45,7 @@ class Request:
         "salt",
         "host_blocks",
         "swap_pinned",
+        "held_blocks",
         "recompute_debt",
         "release_input",
         "arrival_seq",
@@ -87,10 +89,16 @@ class Request:
         self.status = RequestStatus.WAITING
         self.epoch = 0
         self.in_flight_round: int | None = None
+        """The latest in-flight round that reads this request (None when none does)."""
+        self.in_flight_prev: int | None = None
+        """An earlier in-flight round that reads it too: set while it is placed ahead (overlap scheduling)
+        in the round after the one whose token it waits for; cleared when that round answers."""
         self.host_blocks: Sequence[int] = ()
         """Host blocks holding this request's swapped-out KV (empty unless swapped out)."""
         self.swap_pinned: Sequence[int] = ()
         """Device blocks pinned until this request's swap-out copy is done."""
+        self.held_blocks: Sequence[int] = ()
+        """Device blocks of an ended request pinned until the in-flight round that still reads it answers."""
         self.recompute_debt = 0
         """Tokens computed before the last recompute preemption (not yet counted as recomputed)."""
         self.lost_rounds = 0

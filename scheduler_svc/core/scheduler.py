@@ -149,13 +149,18 @@ class SchedulerCore:
         return len(self.pool.lookup(block_hashes_upto(request, (len(request.tokens) - 1) // size, size, request.salt))) * size
 
     # ---- the step cycle --------------------------------------------------------------------
-    def schedule(self, now: float) -> RoundPlan:
+    def schedule(self, now: float, overlap: bool = False) -> RoundPlan:
         """Build the next round; return its plan (possibly empty: `plan.is_empty`).
 
-        Requests in a round that is still in flight are skipped. A non-empty plan must be
-        answered with `on_round_result` carrying its `round_id`.
+        Requests in a round that is still in flight are skipped. With `overlap` (the round is planned
+        while the previous one executes), a running request whose in-flight round samples its last
+        known token is placed once more, ahead: a decode of `PENDING_TOKEN` (the worker fills in the
+        token it sampled for it), as if that round produced exactly one token; if it produces a stop
+        instead, the request ends at once and the later round's output for it is dropped. At most two
+        rounds read a request. A non-empty plan must be answered with `on_round_result` carrying its
+        `round_id`; with overlap, in plan order.
         """
-        return self.batcher.schedule(now)
+        return self.batcher.schedule(now, overlap)
 
     def on_round_result(self, result: RoundResult, now: float) -> CoreEvents:
         """Apply a worker's result for a planned round and return the drained outbox.

@@ -86,6 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="admission refuses early a request whose predicted TTFT exceeds this")
     parser.add_argument("--retries", type=int, default=0, help="client retries after a refusal")
     parser.add_argument("--heartbeat-ms", type=float, default=50.0, help="router load-view refresh period")
+    parser.add_argument("--no-pipeline", action="store_true", help="serial rounds, as the scheduler's --no-pipeline")
+    parser.add_argument("--round-gap-ms", type=float, default=0.0, help="device idle between rounds (live control plane)")
+    parser.add_argument("--submit-delay-ms", type=float, default=0.0, help="arrival to the replica's submit (live path)")
+    parser.add_argument("--token-delay-ms", type=float, default=0.0, help="round to client per token (live path)")
     parser.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=50.0)
     parser.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate")
@@ -124,6 +128,10 @@ def base_config(args: argparse.Namespace, tenant_weights: dict[str, float]) -> S
         max_model_len=args.max_model_len,
         max_retries=args.retries,
         heartbeat_interval_s=args.heartbeat_ms / 1000.0,
+        pipeline=not args.no_pipeline,
+        round_gap_s=args.round_gap_ms / 1000.0,
+        submit_delay_s=args.submit_delay_ms / 1000.0,
+        token_delay_s=args.token_delay_ms / 1000.0,
         warmup_s=args.warmup_s,
         slo_ttft_s=args.slo_ttft_ms / 1000.0,
         slo_tpot_s=args.slo_tpot_ms / 1000.0,

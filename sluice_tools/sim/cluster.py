@@ -9,8 +9,15 @@ cost model. Everything that decides anything is the cores' code, unchanged:
   `RouterCore.route`, then admission's early TTFT refusal, then `SchedulerCore.submit` on the chosen
   replica (the front door's calls into the admission core are in sluice_tools/sim/admission.py);
 - a replica with no round in flight calls `schedule(now)`; a non-empty plan is executed by the
-  cost model, whose modelled time puts the round's result on the heap at now + t; the result goes
-  to `on_round_result` and the replica schedules again;
+  cost model, whose modelled time puts the round's result on the heap at now + gap + t; the result
+  goes to `on_round_result` and the replica schedules again. `round_gap_s` is the device's idle time
+  between rounds that the live loop leaves (the worker's `sluice_worker_idle_seconds`);
+- `submit_delay_s` and `token_delay_s`: what the live stack adds outside the rounds, on the way in
+  (admission, routing, the Submit RPC) and out (Redis stream, admission, the client); the fidelity
+  benchmark (`sluice_tools.fidelity`) fits them, with `round_gap_s`, on one live run;
+- pipelining, as the live driver does by default (`SimConfig.pipeline`): when a round starts, the
+  next one is planned at once with `schedule(now, overlap=True)` and starts when the first one's
+  result has been applied, so arrivals during a round wait for the round after next, as they do live;
 - the core's events are delivered as a service would: tokens and terminal records to the request
   records, `Finished` to `AdmissionCore.release` and `RouterCore.on_request_done`, KV events to
   `RouterCore.apply_kv_events` (a gap asks for `kv_snapshot`);
@@ -23,6 +30,7 @@ cost model. Everything that decides anything is the cores' code, unchanged:
 
 from __future__ import annotations
 
+import gc
 import heapq
 import time
 from array import array
@@ -37,6 +45,7 @@ from router_svc.core import (
     RouteQuery,
     RouterCore,
 )
+from scheduler_svc.collector import tune_collector
 from scheduler_svc.core import SchedulerCore
 from sluice import glue
 from sluice.core_errors import RequestRejected
@@ -49,7 +58,7 @@ from sluice_tools.workload import WorkloadRequest
 from worker_svc.costmodel import CostModel, RoundShape
 
 # Event kinds, in no particular order (the heap orders by time, then creation).
-_ARRIVAL, _ROUND_DONE, _CANCEL, _DEADLINE, _HEARTBEAT, _SAMPLE, _READY, _RETRY = range(8)
+_ARRIVAL, _ROUND_DONE, _CANCEL, _DEADLINE, _HEARTBEAT, _SAMPLE, _READY, _RETRY, _SUBMIT = range(9)
 
 _STATUS = {
     RequestStatus.FINISHED_STOP: "ok",
@@ -62,7 +71,7 @@ _STATUS = {
 
 
 class _Replica:
-    __slots__ = ("index", "replica_id", "core", "busy", "deadline_at", "reported_idle", "state", "rates")
+    __slots__ = ("index", "replica_id", "core", "busy", "deadline_at", "reported_idle", "state", "rates", "ahead")
 
     def __init__(self, index: int, replica_id: str, core: SchedulerCore) -> None:
         self.index = index
@@ -76,6 +85,8 @@ class _Replica:
         """What its heartbeats report (the scheduler's ReplicaAgent.state)."""
         self.rates = glue.RoundRates()
         """Measured from its rounds' modelled times, as the scheduler's driver measures wall times."""
+        self.ahead: RoundPlan | None = None
+        """The round planned while the one in flight executes (pipelining)."""
 
 
 class Simulator:
@@ -126,6 +137,9 @@ class Simulator:
         self.front_door = SimAdmission(self.admission, config.model, config.client_max_tokens, self.max_model_len,
                                        config.scheduler.block_size, self._salt, self.vocab_size)
         self._growth_signal = self.front_door.on_token if self.front_door.grows else None
+        self._pipeline = config.pipeline
+        self._gap = config.round_gap_s
+        self._token_delay = config.token_delay_s
         self.rounds = 0
         self.dropped_results = 0
         self.kv_snapshots = 0
@@ -156,7 +170,19 @@ class Simulator:
 
     # ---- the run ----------------------------------------------------------------------------
     def run(self) -> list[RequestRecord]:
-        """Play every request to a terminal state; return the records in arrival order."""
+        """Play every request to a terminal state; return the records in arrival order.
+
+        The garbage collector is tuned as in the scheduler (`scheduler_svc.collector`), for the rounds of
+        every replica in flight at once (two each when pipelined), and restored afterwards."""
+        thresholds = gc.get_threshold()
+        in_flight = len(self.replicas) * (2 if self._pipeline else 1)
+        tune_collector(self.config.scheduler.max_num_seqs * in_flight)
+        try:
+            return self._run()
+        finally:
+            gc.set_threshold(*thresholds)
+
+    def _run(self) -> list[RequestRecord]:
         started = time.perf_counter()
         for replica in self.replicas:
             self._register(replica)
@@ -185,6 +211,7 @@ class Simulator:
             _SAMPLE: self._on_sample,
             _READY: self._on_ready,
             _RETRY: self._on_retry,
+            _SUBMIT: self._on_submit,
         }
 
     def _busy(self) -> bool:
@@ -254,7 +281,13 @@ class Simulator:
             self.router.on_request_done(replica.replica_id, rid, now)
             self._reject(request, record, f"over budget {refusal.budget}", refusal.retry_after_s)
             return
+        if self.config.submit_delay_s > 0:
+            self.push(now + self.config.submit_delay_s, _SUBMIT, (replica, request, record, prompt))
+            return
         self._submit(replica, request, record, prompt)
+
+    def _on_submit(self, payload: tuple[_Replica, WorkloadRequest, RequestRecord, tuple[int, ...]]) -> None:
+        self._submit(*payload)
 
     def _submit(
         self, replica: _Replica, request: WorkloadRequest, record: RequestRecord, prompt: tuple[int, ...]
@@ -298,19 +331,33 @@ class Simulator:
         plan = replica.core.schedule(now)
         if plan.is_empty:
             return
+        self._start(replica, plan)
+
+    def _start(self, replica: _Replica, plan: RoundPlan) -> None:
+        """Execute `plan` now (its result after the gap and its modelled time); plan the next one ahead."""
+        now = self.now
         result = self.cost.execute(plan)
         replica.busy = True
         self.rounds += 1
         # push() inlined: this runs once per simulated round
         self._seq += 1
-        heapq.heappush(self._heap, (now + result.elapsed_s, self._seq, _ROUND_DONE, (replica, plan, result)))
+        heapq.heappush(self._heap, (now + self._gap + result.elapsed_s, self._seq, _ROUND_DONE,
+                                    (replica, plan, result)))
+        if self._pipeline:
+            ahead = replica.core.schedule(now, overlap=True)
+            replica.ahead = None if ahead.is_empty else ahead
 
     def _on_round_done(self, payload: tuple[_Replica, RoundPlan, Any]) -> None:
         replica, plan, result = payload
         replica.busy = False
         replica.rates.observe(plan, result.elapsed_s)
         self._absorb(replica, replica.core.on_round_result(result, self.now))
-        self._kick(replica)
+        ahead = replica.ahead
+        if ahead is not None:
+            replica.ahead = None
+            self._start(replica, ahead)
+        else:
+            self._kick(replica)
 
     def _on_cancel(self, request_id: str) -> None:
         replica = self._placement.get(request_id)
@@ -386,7 +433,8 @@ class Simulator:
 
     # ---- what the cores said ----------------------------------------------------------------
     def _absorb(self, replica: _Replica, events: CoreEvents) -> None:
-        now, records, times, grow = self.now, self.records, self._token_times, self._growth_signal
+        now, records, times = self.now + self._token_delay, self.records, self._token_times
+        grow = self._growth_signal
         for request_id, index, _token in events.tokens:
             times[request_id].append(now)
             if index == 0 and records[request_id].first_token_s is None:  # a migrated attempt starts at 0 again
@@ -410,7 +458,7 @@ class Simulator:
         record = self.records[rid]
         usage = finished.usage
         record.status = _STATUS[finished.status]
-        record.finish_s = finished.finish_time
+        record.finish_s = finished.finish_time + self._token_delay
         record.output_tokens = usage.output_tokens
         record.cached_tokens = usage.cached_tokens
         record.preemptions = usage.preemptions

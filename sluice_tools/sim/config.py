@@ -58,6 +58,14 @@ class SimConfig:
     """Override the KV blocks the cost model derives from GPU memory (scenarios use tiny pools)."""
     max_retries: int = 0
     """Client retries after an over-budget or no-replica refusal (after the advised delay)."""
+    pipeline: bool = True
+    """Plan each round while the one before executes, as the live scheduler does (`--no-pipeline` there)."""
+    round_gap_s: float = 0.0
+    """Device idle between rounds that the live control plane leaves (its `sluice_worker_idle_seconds`)."""
+    submit_delay_s: float = 0.0
+    """Arrival at admission to the replica core's submit in the live stack (tokenize, route, Submit RPC)."""
+    token_delay_s: float = 0.0
+    """A token's way from the replica's round to the client in the live stack (Redis stream, admission)."""
     heartbeat_interval_s: float = 0.05
     """How often the router's load view is refreshed from the replicas' stats."""
     sample_interval_s: float = 1.0

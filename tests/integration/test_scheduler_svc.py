@@ -40,15 +40,15 @@ class Replica:
 
 @contextlib.asynccontextmanager
 async def _replica(redis_url: str, namespace: str, *, num_blocks: int = 64, emulate_time: bool = False,
-                   router_address: str = "", core_overrides: dict[str, object] | None = None
-                   ) -> AsyncIterator[Replica]:
+                   router_address: str = "", core_overrides: dict[str, object] | None = None,
+                   pipeline: bool = True) -> AsyncIterator[Replica]:
     """A cost-model worker and a scheduler replica "r1" in front of it, publishing on a real Redis."""
     worker = await start_worker_server(WorkerRuntime(lambda: CostModel("llama-3-8b", "h200"),
                                                      num_blocks=num_blocks, emulate_time=emulate_time))
     client = aioredis.Redis.from_url(redis_url)
     bus = Bus(client, namespace)
     replica = await start_replica(replica_id="r1", worker_address=f"127.0.0.1:{worker.port}", bus=bus,
-                                  router_address=router_address, heartbeat_interval_s=0.1,
+                                  router_address=router_address, heartbeat_interval_s=0.1, pipeline=pipeline,
                                   core_overrides={"max_model_len": 4096, **(core_overrides or {})})
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{replica.port}")
     try:
@@ -118,6 +118,27 @@ def test_submit_streams_tokens_and_a_complete_completion(redis_url: str, namespa
             ts = done.timestamps
             assert (ts.received, ts.admitted, ts.routed) == (1.0, 2.0, 3.0)
             assert 0 < ts.enqueued <= ts.first_scheduled <= ts.first_token <= ts.finished <= ts.kv_released
+    asyncio.run(body())
+
+
+def test_pipelined_and_serial_loops_stream_the_same_tokens(redis_url: str, namespace: str) -> None:
+    """The pipelined loop (rounds planned ahead on pending tokens) streams exactly the serial loop's tokens and
+    completions, and rounds were really planned ahead (sluice_rounds_ahead); the serial loop plans none."""
+    async def run(pipeline: bool, space: str) -> tuple[dict[str, list[int]], int]:
+        async with _replica(redis_url, space, pipeline=pipeline) as r:
+            for i in range(4):
+                await r.stub.Submit(_submit(f"p{i}", prompt_len=20 + i, max_tokens=6 + i))
+            done = await _completions(r.bus, 4)
+            assert sorted(c.status for c in done) == [common_pb2.FINISHED_LENGTH] * 4
+            tokens = {f"p{i}": await _output_tokens(r.bus, f"p{i}") for i in range(4)}
+            ahead = r.replica.driver.metrics.rounds_ahead._value.get()
+        return tokens, int(ahead)
+
+    async def body() -> None:
+        piped, ahead = await run(True, namespace + "-p")
+        serial, none_ahead = await run(False, namespace + "-s")
+        assert piped == serial and all(len(piped[f"p{i}"]) == 6 + i for i in range(4))
+        assert ahead > 0 and none_ahead == 0
     asyncio.run(body())
 
 

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sluice import convert
 from sluice.errors import details_of
-from sluice.types import RoundPlan, RoundResult, SamplingParams, ScheduledSeq
+from sluice.types import PENDING_TOKEN, RoundPlan, RoundResult, SamplingParams, ScheduledSeq
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.costmodel import CostModel
 from worker_svc.server import SERVICE_NAME, RunningWorker, WorkerRuntime, start_worker_server
@@ -210,6 +210,48 @@ def test_torch_tiny_engine_serves_on_cuda(tmp_path) -> None:  # type: ignore[no-
         plan = RoundPlan(1, (ScheduledSeq("g", 0, tuple(range(3, 23)), 0, (0, 1), SamplingParams(), True, 0),))
         result = await stub.Execute(convert.plan_to_proto(plan))
         assert not result.error and len(result.outputs[0].token_ids) == 1
+        await channel.close()
+        await worker.stop()
+    asyncio.run(body())
+
+
+class _Recording:
+    """The cost model, keeping the plans it was given (to see what the runtime handed the backend)."""
+
+    def __init__(self) -> None:
+        self.model = CostModel("llama-3-8b", "h200")
+        self.plans: list[RoundPlan] = []
+
+    def info(self):  # type: ignore[no-untyped-def]
+        return self.model.info()
+
+    def execute(self, plan: RoundPlan) -> RoundResult:
+        self.plans.append(plan)
+        return self.model.execute(plan)
+
+
+def test_pipelined_rounds_get_their_pending_tokens_and_the_idle_gap_is_measured() -> None:
+    """Two plans queued on the stream: the second's pending token becomes the token the first sampled, and
+    the gap between the rounds is observed by sluice_worker_idle_seconds; a pending token nobody sampled fails
+    its round."""
+    async def body() -> None:
+        backend = _Recording()
+        runtime = WorkerRuntime(lambda: backend)
+        worker, channel = await _started(runtime)
+        call = worker_pb2_grpc.WorkerServiceStub(channel).ExecuteStream()
+        ahead = ScheduledSeq("r0", 0, (PENDING_TOKEN,), 6, (0,), SamplingParams(max_tokens=8), True, 2)
+        await call.write(convert.plan_to_proto(_plan(1, 1)))
+        await call.write(convert.plan_to_proto(RoundPlan(2, (ahead,))))
+        first = convert.result_from_proto(await call.read())
+        second = convert.result_from_proto(await call.read())
+        assert not first.error and not second.error
+        assert backend.plans[-1].seqs[0].token_ids == first.outputs[0].token_ids
+        orphan = ScheduledSeq("nobody", 0, (PENDING_TOKEN,), 6, (1,), SamplingParams(max_tokens=8), True, 2)
+        await call.write(convert.plan_to_proto(RoundPlan(3, (orphan,))))
+        assert "pending token" in convert.result_from_proto(await call.read()).error
+        await call.done_writing()
+        idle = runtime.metrics.registry.get_sample_value("sluice_worker_idle_seconds_count")
+        assert idle is not None and idle >= 3  # warm-up, 1, 2, 3: a gap before each round after the first
         await channel.close()
         await worker.stop()
     asyncio.run(body())

@@ -93,6 +93,11 @@ def check_invariants(core: SchedulerCore) -> None:
     for request in core.requests.live.values():
         expected.update(request.block_ids)
         expected.update(request.swap_pinned)
+    # Ended requests that a round placed ahead still reads keep their blocks pinned until it answers.
+    held = {id(r): r for record in core.outcomes.in_flight.values() for r in record.entries if r.held_blocks}
+    for request in held.values():
+        assert request.status.is_terminal and request.in_flight_round in core.outcomes.in_flight
+        expected.update(request.held_blocks)
     for block in range(pool.num_blocks):
         assert pool.refcount(block) >= 0
         assert pool.refcount(block) == expected[block], f"block {block}: refcount vs holders"
@@ -101,6 +106,8 @@ def check_invariants(core: SchedulerCore) -> None:
     pinned = Counter[int]()
     for request in core.requests.live.values():
         pinned.update(request.swap_pinned)
+    for request in held.values():
+        pinned.update(request.held_blocks)
     assert all(pool.pin_count(b) == pinned[b] for b in range(pool.num_blocks))
     _check_places(core)
     _check_host(core)

@@ -1,0 +1,182 @@
+"""Live stack vs the simulator, and the pipelined loop vs the serial one (`make bench`; a benchmark, minutes).
+
+The same workload (Poisson arrivals, 512-token prompts, 128-token outputs, seed 7) runs through a spawned
+stack (costmodel backend, Llama-3-8B, H200 emulated time) and through `sluice sim` with the same settings.
+`table` prints TTFT p50/p99, TPOT p50/p99 and throughput of both and their difference at three loads on 1
+and 2 replicas, with the simulator's control-plane delays (round gap, submit and token delays) fitted on
+the first row (1 replica, low load) and then held fixed; `batch` prints live TPOT/TTFT against the model (the simulator with no control-plane gap)
+at batch 1, 32 and 256 with the pipelined and the serial loop, and the worker's idle gap between rounds.
+Every row is also printed as one JSON line.
+
+  python -m sluice_tools.fidelity table [--rates 2,8,20] [--replicas 1,2] [--n 200]
+  python -m sluice_tools.fidelity batch [--batches 1,32,256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import sys
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+from sluice_tools.commands.bench import drive, path_latency, records_of
+from sluice_tools.metrics import summarize
+from sluice_tools.sim.config import SimConfig
+from sluice_tools.sim.run import simulate
+from sluice_tools.stack import Stack, StackConfig
+from sluice_tools.workload import load_workload
+from worker_svc.costmodel import CostModel, RoundShape
+
+MODEL = "llama-3-8b"
+SEED = 7
+
+
+def workload(rate: float, n: int, output: int = 128) -> list[Any]:
+    """Return the requests of the fidelity workload at `rate` req/s."""
+    spec = f"synthetic:poisson?rate={rate}&n={n}&input=fixed:512&output=fixed:{output}"
+    return list(load_workload(spec, seed=SEED).requests)
+
+
+def figures(summary: dict[str, Any]) -> dict[str, float]:
+    """Return TTFT/TPOT p50/p99 (ms) and throughput (req/s) of a summary."""
+    ttft, tpot = summary["ttft_s"], summary["tpot_s"]
+    return {"ttft_p50": 1e3 * (ttft["p50"] or 0), "ttft_p99": 1e3 * (ttft["p99"] or 0),
+            "tpot_p50": 1e3 * (tpot["p50"] or 0), "tpot_p99": 1e3 * (tpot["p99"] or 0),
+            "throughput": float(summary["throughput_rps"])}
+
+
+def idle_gaps(urls: Sequence[str]) -> dict[str, float]:
+    """Return the workers' idle-gap histogram as the share of gaps at or below each bucket bound (ms)."""
+    counts: dict[float, float] = {}
+    for url in urls:
+        if not url:
+            continue
+        with urllib.request.urlopen(url, timeout=5) as reply:  # noqa: S310 (a loopback URL we started)
+            for line in reply.read().decode().splitlines():
+                if line.startswith("sluice_worker_idle_seconds_bucket"):
+                    bound = line.split('le="', 1)[1].split('"', 1)[0]
+                    key = float("inf") if bound == "+Inf" else float(bound)
+                    counts[key] = counts.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    total = counts.get(float("inf"), 0.0) or 1.0
+    return {f"le_{1e3 * b:g}ms": round(c / total, 3) for b, c in sorted(counts.items()) if b <= 0.002}
+
+
+def live(requests: list[Any], replicas: int, pipeline: bool,
+         concurrency: int = 1024) -> tuple[dict[str, float], dict[str, float]]:
+    """Run `requests` through a spawned stack (at most `concurrency` at once); return (figures, idle gaps)."""
+    args = () if pipeline else ("--no-pipeline",)
+    stack = Stack(StackConfig(replicas=replicas, backend="costmodel", model=MODEL, emulate_time=True,
+                              scheduler_args=args, log_level="WARNING")).start()
+    try:
+        outcomes = asyncio.run(drive(stack.endpoint, stack.api_key, requests, max_concurrency=concurrency,
+                                     timeout=300.0, progress=False))
+        gaps = idle_gaps([w.metrics_url for w in stack.workers])
+    finally:
+        stack.stop()
+    out = figures(summarize(records_of(requests, outcomes), 10.0, 1.0))
+    out["path_p50"] = 1e3 * (path_latency(outcomes)["p50"] or 0.0)
+    return out, gaps
+
+
+@dataclasses.dataclass(frozen=True)
+class Delays:
+    """What the live stack adds to the modelled rounds, as the simulator models it (seconds)."""
+
+    round_gap_s: float = 0.0
+    """Device idle between rounds."""
+    submit_delay_s: float = 0.0
+    """Arrival to the replica's submit."""
+    token_delay_s: float = 0.0
+    """Round to client, per token."""
+
+
+def simulated(requests: list[Any], replicas: int, pipeline: bool, delays: Delays = Delays()) -> dict[str, float]:
+    """Run `requests` through the simulator with the live settings; return its figures."""
+    config = SimConfig(replicas=replicas, model=MODEL, pipeline=pipeline, heartbeat_interval_s=1.0,
+                       **dataclasses.asdict(delays))
+    return figures(simulate(config, requests, include_series=False).summary)
+
+
+def fit(requests: list[Any], real: dict[str, float]) -> Delays:
+    """Fit the simulator's delays to one live run on one replica at low load: the round gap from TPOT, the
+    token delay from the client's path latency, the submit delay from what is left of TTFT."""
+    bare = simulated(requests, 1, True)
+    gap = max(0.0, real["tpot_p50"] - bare["tpot_p50"]) / 1e3
+    token = real["path_p50"] / 1e3
+    gapped = simulated(requests, 1, True, Delays(gap, 0.0, token))
+    return Delays(gap, max(0.0, real["ttft_p50"] - gapped["ttft_p50"]) / 1e3, token)
+
+
+def _diff(a: float, b: float) -> str:
+    return f"{100 * (a - b) / b:+.0f}%" if b else "-"
+
+
+def table(rates: Sequence[float], fleet: Sequence[int], n: int) -> None:
+    """Print sim vs live at each load and fleet size; the simulator's delays are fitted on the first row."""
+    keys = ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "throughput")
+    delays: Delays | None = None
+    for replicas in fleet:
+        for rate in rates:
+            requests = workload(rate * replicas, max(n, int(12 * rate * replicas)))
+            real, gaps = live(requests, replicas, True)
+            if delays is None:
+                delays = fit(requests, real)
+                print(f"fitted on {replicas} replica(s) at {rate * replicas:g} req/s: {delays}")
+                print(f"{'replicas':>8} {'rate':>6} " + " ".join(f"{k + ' live/sim':>22}" for k in keys))
+            sim = simulated(requests, replicas, True, delays)
+            cells = " ".join(f"{real[k]:>8.2f}/{sim[k]:<7.2f}{_diff(sim[k], real[k]):>6}" for k in keys)
+            print(f"{replicas:>8} {rate * replicas:>6g} {cells}", flush=True)
+            print(json.dumps({"replicas": replicas, "rate": rate * replicas, "live": real, "sim": sim,
+                              "sim_bare": simulated(requests, replicas, True), "idle_gaps": gaps}), flush=True)
+
+
+def modelled(size: int, prompt: int = 512, output: int = 128) -> dict[str, float]:
+    """Return the cost model's decode step at batch `size` (mean context) and its prefill of one prompt (ms)."""
+    cost = CostModel(MODEL, "h200")
+    context = prompt + output // 2
+    step = cost.shape_time(RoundShape(size, size * context, size * context, size, size))
+    prefill = cost.shape_time(RoundShape(prompt, prompt * (prompt + 1) // 2, prompt, prompt, 1))
+    return {"tpot_p50": 1e3 * step, "ttft_p50": 1e3 * prefill}
+
+
+def batch(sizes: Sequence[int]) -> None:
+    """Print live TPOT/TTFT against the model at each batch size (closed loop of `size` clients, 3 requests
+    each; TTFT then includes the wait for a client and means something at batch 1 only), pipelined and serial."""
+    print(f"{'batch':>6} {'model tpot':>10} {'pipelined':>10} {'serial':>10} {'model ttft':>10} {'pipelined':>10} "
+          f"{'serial':>10}  idle gaps (pipelined | serial)")
+    for size in sizes:
+        # Batch 1: one request at a time, 1 s apart (its TTFT is the prefill's); larger: `size` clients.
+        requests = workload(1.0, 12) if size == 1 else workload(100_000.0, 3 * size)
+        model = modelled(size)
+        piped, piped_gaps = live(requests, 1, True, size if size > 1 else 1024)
+        serial, serial_gaps = live(requests, 1, False, size if size > 1 else 1024)
+        print(f"{size:>6} {model['tpot_p50']:>10.2f} {piped['tpot_p50']:>10.2f} {serial['tpot_p50']:>10.2f} "
+              f"{model['ttft_p50']:>10.2f} {piped['ttft_p50']:>10.2f} {serial['ttft_p50']:>10.2f}  "
+              f"{piped_gaps} | {serial_gaps}", flush=True)
+        print(json.dumps({"batch": size, "model": model, "pipelined": piped, "serial": serial,
+                          "idle_pipelined": piped_gaps, "idle_serial": serial_gaps}), flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point (see the module docstring)."""
+    parser = argparse.ArgumentParser(prog="python -m sluice_tools.fidelity", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["table", "batch", "all"])
+    parser.add_argument("--rates", default="2,8,20", help="req/s per replica: low, medium, near saturation")
+    parser.add_argument("--replicas", default="1,2")
+    parser.add_argument("--n", type=int, default=60, help="requests per run at least (12 s of arrivals otherwise)")
+    parser.add_argument("--batches", default="1,32,256")
+    args = parser.parse_args(argv)
+    if args.what in ("batch", "all"):
+        batch([int(b) for b in args.batches.split(",")])
+    if args.what in ("table", "all"):
+        table([float(r) for r in args.rates.split(",")], [int(r) for r in args.replicas.split(",")], args.n)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
