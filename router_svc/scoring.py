@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from router_svc.fleet import Replica
 from router_svc.prefix_index import ReplicaCache
+from sluice.choices import enum_member
 
 __all__ = [
     "LeastLoaded", "PrefixOnly", "RandomChoice", "ReplicaPolicy", "RoundRobin", "RouteDecision", "RouteQuery",
@@ -56,11 +57,7 @@ class RoutingPolicy(enum.Enum):
     @classmethod
     def parse(cls, name: str) -> RoutingPolicy:
         """Return the policy named `name`; raises ValueError listing the known names."""
-        try:
-            return cls(name)
-        except ValueError:
-            known = ", ".join(p.value for p in cls)
-            raise ValueError(f"unknown routing policy {name!r}; known: {known}") from None
+        return enum_member(cls, name, "routing policy")
 
 
 @dataclass(frozen=True)

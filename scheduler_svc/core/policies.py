@@ -32,6 +32,7 @@ from abc import ABC, abstractmethod
 
 from scheduler_svc.core.config import Policy, SchedulerConfig
 from scheduler_svc.core.request import Request
+from sluice.choices import enum_member
 
 
 class WaitingQueue(ABC):
@@ -258,12 +259,7 @@ def make_queue(policy: Policy | str, config: SchedulerConfig) -> WaitingQueue:
 
     Raises ValueError naming the known policies when `policy` is unknown.
     """
-    known = ", ".join(p.value for p in Policy)
-    if isinstance(policy, str):
-        try:
-            policy = Policy(policy.lower())
-        except ValueError:
-            raise ValueError(f"unknown policy {policy!r}; known: {known}") from None
+    policy = enum_member(Policy, policy, "policy")
     factories = {
         Policy.FCFS: lambda: FcfsQueue(),
         Policy.PRIORITY: lambda: PriorityQueue(config.aging_rate),
@@ -273,7 +269,4 @@ def make_queue(policy: Policy | str, config: SchedulerConfig) -> WaitingQueue:
         Policy.EDF: lambda: EdfQueue(),
         Policy.SRPF: lambda: SrpfQueue(config.srpf_tokens_per_s),
     }
-    factory = factories.get(policy)
-    if factory is None:
-        raise ValueError(f"unknown policy {policy!r}; known: {known}")
-    return factory()
+    return factories[policy]()

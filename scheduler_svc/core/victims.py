@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 from scheduler_svc.core.config import VictimPolicy
 from scheduler_svc.core.request import Request
+from sluice.choices import enum_member
 
 
 class VictimRule(ABC):
@@ -53,17 +54,9 @@ def make_victim_rule(policy: VictimPolicy | str) -> VictimRule:
 
     Raises ValueError naming the known policies when `policy` is unknown.
     """
-    known = ", ".join(p.value for p in VictimPolicy)
-    if isinstance(policy, str):
-        try:
-            policy = VictimPolicy(policy.lower())
-        except ValueError:
-            raise ValueError(f"unknown victim policy {policy!r}; known: {known}") from None
+    policy = enum_member(VictimPolicy, policy, "victim policy")
     factories = {
         VictimPolicy.LOWEST_PRIORITY: LowestPriorityFirst,
         VictimPolicy.LATEST_ARRIVAL: LatestArrivalFirst,
     }
-    factory = factories.get(policy)
-    if factory is None:
-        raise ValueError(f"unknown victim policy {policy!r}; known: {known}")
-    return factory()
+    return factories[policy]()

@@ -10,6 +10,7 @@ from typing import TypeVar
 from admission_svc.core import AdmissionConfig
 from router_svc.core import RouterConfig
 from scheduler_svc.core.config import PreemptionMode, SchedulerConfig
+from sluice.choices import enum_member
 from sluice.config import Budgets, ReservationPolicy, TenantConfig
 from worker_svc.costmodel import CostCoefficients
 
@@ -158,8 +159,4 @@ def with_slo_budget(config: SimConfig) -> SimConfig:
 
 def parse_enum(kind: type[E], name: str) -> E:
     """Return the member of an Enum with value `name`; raises ValueError listing the known values."""
-    try:
-        return kind(name)
-    except ValueError:
-        known = ", ".join(str(member.value) for member in kind)
-        raise ValueError(f"unknown {kind.__name__} {name!r}; known: {known}") from None
+    return enum_member(kind, name, kind.__name__)
