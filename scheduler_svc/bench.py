@@ -100,7 +100,7 @@ def build_core(running: int, waiting: int, rounds: int, pairs: list[tuple[int, i
         max_num_batched_tokens=max(16384, sum(len(r.prompt_token_ids) for r in active)),
         max_num_seqs=running,
         max_prefill_chunk=MAX_MODEL_LEN,
-        max_waiting=waiting + 1,
+        max_waiting=waiting + running + 1,  # the bound counts what a preemption may requeue
         max_model_len=MAX_MODEL_LEN,
         enable_prefix_caching=True,
     )

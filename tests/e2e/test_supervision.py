@@ -198,8 +198,9 @@ def test_a_stream_running_while_redis_restarts_completes_with_every_token(superv
     assert outcome.get("status") == "FINISHED_LENGTH" and len(received) == 1200, (outcome, len(received))
     from worker_svc.costmodel import CostModel
 
-    model = CostModel("llama-3-8b", "h200")  # its tokens are a function of the request id and the index
-    assert received == [model.token_for(str(outcome["request_id"]), i) for i in range(1200)]
+    model = CostModel("llama-3-8b", "h200")  # its tokens are a function of the request id and the position
+    prompt_len = 30  # the [9, 8, 7] * 10 prompt, sent as token ids
+    assert received == [model.token_for(str(outcome["request_id"]), prompt_len + i, i) for i in range(1200)]
 
 
 @pytest.mark.parametrize("name", ["router", "admission"])
