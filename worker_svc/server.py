@@ -235,6 +235,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             while (answer := await results.get()) is not None:
                 if isinstance(answer, Exception):
                     raise answer
+                if context.done():  # the scheduler closed the stream: nobody reads this result
+                    return
                 yield convert.result_to_proto(answer)
         finally:
             for task in tasks:

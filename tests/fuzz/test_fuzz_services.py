@@ -196,13 +196,20 @@ def _payloads(rpc: Rpc, one: st.SearchStrategy[bytes]) -> st.SearchStrategy[list
     return st.lists(one, min_size=1, max_size=3) if rpc.method.client_streaming else one.map(lambda p: [p])
 
 
+def _closed_stream_write(record: logging.LogRecord) -> bool:
+    return record.name == "grpc._cython.cygrpc" and "ExecuteBatchError raised in core" in record.getMessage()
+
+
 def _assert_still_serving(stack: Stack, rpc: Rpc, caplog: pytest.LogCaptureFixture) -> None:
     """No error or traceback was logged, every service's health is SERVING, no service task ended, and an ordinary
     request still works."""
     # A traceback is a crash someone caught; an ERROR is a service hurt (e.g. a round lost with its worker).
-    # The router's are exempt: it reports, as it should, each fuzz-registered replica it cannot reach.
+    # The router's are exempt: it reports, as it should, each fuzz-registered replica it cannot reach. So is
+    # grpc core's ExecuteBatchError: its own log of a result written to a stream the fuzz client already
+    # closed (the pipelined ExecuteStream answers a round after the client's deadline), not a Sluice error.
     errors = [f"{r.name}: {r.getMessage()[:120]!r}" for r in caplog.records
-              if r.exc_info or (r.levelno >= logging.ERROR and not r.name.startswith("router_svc"))]
+              if r.exc_info or (r.levelno >= logging.ERROR and not r.name.startswith("router_svc")
+                                and not _closed_stream_write(r))]
     assert errors == [], f"fuzzing {rpc} logged errors"
     assert stack.failed_tasks() == []
     for name in SERVICES:

@@ -32,7 +32,7 @@ def test_every_message_type_round_trips(cls: type[Message]) -> None:
 
 
 def _seen(strategy: SearchStrategy[Message], checks: dict[str, Callable[[Message], bool]],
-          examples: int = 800) -> set[str]:
+          examples: int = 2500) -> set[str]:
     """Return the names of the checks that some example of `strategy` (without shrinking) passes."""
     seen: set[str] = set()
 
