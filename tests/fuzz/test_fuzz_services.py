@@ -208,8 +208,8 @@ def _assert_still_serving(stack: Stack, rpc: Rpc, caplog: pytest.LogCaptureFixtu
     # grpc core's ExecuteBatchError: its own log of a result written to a stream the fuzz client already
     # closed (the pipelined ExecuteStream answers a round after the client's deadline), not a Sluice error.
     errors = [f"{r.name}: {r.getMessage()[:120]!r}" for r in caplog.records
-              if r.exc_info or (r.levelno >= logging.ERROR and not r.name.startswith("router_svc")
-                                and not _closed_stream_write(r))]
+              if not _closed_stream_write(r)
+              and (r.exc_info or (r.levelno >= logging.ERROR and not r.name.startswith("router_svc")))]
     assert errors == [], f"fuzzing {rpc} logged errors"
     assert stack.failed_tasks() == []
     for name in SERVICES:
