@@ -111,10 +111,15 @@ def aio_channel(target: str, files: TlsFiles | None, options: Iterable[tuple[str
     return grpc.aio.secure_channel(target, channel_credentials(files), options=list(options))
 
 
-def sync_channel(target: str, files: TlsFiles | None) -> Any:
-    """Return a blocking grpc channel to `target` (the tooling's health and stats checks)."""
+def sync_channel(target: str, files: TlsFiles | None, *, ca: str | Path | None = None) -> Any:
+    """Return a blocking grpc channel to `target` (the tooling's health and stats checks).
+
+    `files`: mutual TLS as that party. Without files, `ca` (a PEM file) makes it server-only TLS trusting
+    that CA: a client of admission's public TLS endpoint, which asks for no certificate. Neither: plaintext."""
     import grpc
 
+    if files is None and ca is not None:
+        return grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=Path(ca).read_bytes()))
     if files is None:
         return grpc.insecure_channel(target)
     return grpc.secure_channel(target, channel_credentials(files))

@@ -89,6 +89,8 @@ class StackConfig:
     """KV blocks per worker (None: the backend's default)."""
     scheduler_args: tuple[str, ...] = ()
     """Extra flags for every scheduler (policy, budgets...)."""
+    router_args: tuple[str, ...] = ()
+    """Extra flags for the router (e.g. `--policy round_robin`)."""
     emulate_time: bool = False
     """Cost model: make rounds take their modelled time."""
     env: tuple[tuple[str, str], ...] = ()
@@ -229,7 +231,8 @@ class Stack(StackFleet):
             self.redis_url = self.redis.start()
         common = ["--namespace", c.namespace, "--log-level", c.log_level]
         bus_env = {"SLUICE_REDIS_URL": self.redis_url}
-        self.router = self._spawn("router", "router_svc", [*common, "--router-id", f"router-{c.namespace}"],
+        self.router = self._spawn("router", "router_svc", [*common, "--router-id", f"router-{c.namespace}",
+                                                               *c.router_args],
                                   env=bus_env)
         replicas = [self._spawn_worker() for _ in range(c.replicas)]
         self._wait_healthy([self.router, *self.workers], deadline)

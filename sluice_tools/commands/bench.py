@@ -6,6 +6,10 @@ counts from its arrival). Every request goes through the AsyncClient; per reques
 arrival, first token, each token's arrival, finish and status, and summarise with the same code
 as `sluice sim` (sluice_tools.metrics / sluice_tools.report).
 
+`--capacity` searches the highest rate (by rate scale of the same workload) at which `--capacity-goal`
+of requests meet both SLO targets, probe by probe against the stack (sluice_tools/live_capacity.py);
+with `--spawn --compare round_robin,score` each configuration gets a stack of its own.
+
 Latency the path adds per token: every GenerateChunk carries `created_unix_s`, the time the
 scheduler stamped on the token (or, when it does not stamp, the time Redis appended its delta,
 millisecond resolution); the client's receive time minus that is the worker -> scheduler ->
@@ -43,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--emulate-time", action="store_true",
                         help="with --spawn --backend costmodel: each round takes its modelled GPU time")
     parser.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY", "sk-sluice-local"))
+    parser.add_argument("--tls-ca", default=os.environ.get("SLUICE_TLS_CA"),
+                        help="CA certificate (PEM) of a TLS admission endpoint (default: $SLUICE_TLS_CA, else plaintext)")
     parser.add_argument("--max-concurrency", type=int, default=64)
     parser.add_argument("--rate-scale", type=float, default=1.0, help="arrival rate multiplier")
     parser.add_argument("--max-requests", type=int, default=None)
@@ -55,11 +61,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=120.0, help="per-request deadline (s)")
     parser.add_argument("--slo-ttft", type=float, default=DEFAULT_SLO_TTFT_S, help="TTFT target (s)")
     parser.add_argument("--slo-tpot", type=float, default=DEFAULT_SLO_TPOT_S, help="TPOT target (s)")
+    parser.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT target in ms (as sluice sim; wins)")
+    parser.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT target in ms (as sluice sim; wins)")
     parser.add_argument("--json", default=None, help="write the summary here")
     parser.add_argument("--plots", default=None, help="write latency CDF plots into this directory")
     parser.add_argument("--compare", nargs="+", default=[], metavar="JSON",
-                        help="earlier runs' --json files to overlay on the plots (one line per run)")
+                        help="earlier runs' --json files to overlay on the plots (one line per run); with "
+                             "--capacity --spawn: configurations, e.g. round_robin,score (one stack each)")
     parser.add_argument("--name", default=None, help="this run's name in plots and --compare (default: the setup)")
+    from sluice_tools.live_capacity import add_capacity_arguments
+
+    add_capacity_arguments(parser)
 
 
 @dataclasses.dataclass
@@ -177,10 +189,11 @@ async def _progress(outcomes: list[Outcome], total: int, done: asyncio.Event) ->
 
 async def drive(target: str, api_key: str | Mapping[str, str], requests: Sequence[Any], *,
                 max_concurrency: int = 64, vocab_size: int = 256, timeout: float = 120.0,
-                progress: bool = True) -> list[Outcome]:
+                progress: bool = True, tls_ca: str | None = None) -> list[Outcome]:
     """Replay `requests` open-loop against `target`; returns one Outcome per request, in order.
 
     `api_key` is one key for every request, or a map tenant -> key (each request uses its tenant's).
+    `tls_ca`: the CA (PEM file) of a TLS endpoint; None speaks plaintext.
     """
     from sluice.client import AsyncClient, RetryPolicy
 
@@ -190,7 +203,7 @@ async def drive(target: str, api_key: str | Mapping[str, str], requests: Sequenc
     outcomes = [Outcome(arrival_s=t0 + r.arrival_s) for r in requests]
     done = asyncio.Event()
     # No retries: a rejection is part of what a benchmark measures.
-    clients = {tenant: AsyncClient(target, api_key=key, retry=RetryPolicy(max_attempts=1))
+    clients = {tenant: AsyncClient(target, api_key=key, retry=RetryPolicy(max_attempts=1), tls_ca=tls_ca)
                for tenant, key in keys.items()}
     # The load generator's own full collections (25-55 ms over the workload and imports, measured with
     # gc.callbacks) would be charged to the path latency: keep what exists now out of the collector.
@@ -253,6 +266,12 @@ def run(args: argparse.Namespace) -> int:
     except WorkloadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    args.slo_ttft = args.slo_ttft if args.slo_ttft_ms is None else args.slo_ttft_ms / 1000.0
+    args.slo_tpot = args.slo_tpot if args.slo_tpot_ms is None else args.slo_tpot_ms / 1000.0
+    if args.capacity:
+        from sluice_tools.live_capacity import run_capacity
+
+        return run_capacity(args, workload)
     requests = fit_lengths(workload.requests, args.length_scale, args.max_input_tokens, args.max_output_tokens)
     stack = None
     if args.spawn:
@@ -263,13 +282,14 @@ def run(args: argparse.Namespace) -> int:
         target, api_key = stack.endpoint, stack.api_key
     else:
         target, api_key = args.target or "localhost:50051", args.api_key
-        problem = _unreachable(target)
+        problem = _unreachable(target, tls_ca=args.tls_ca)
         if problem:
             print(f"sluice bench: error: {problem}", file=sys.stderr)
             return 2
     try:
         outcomes = asyncio.run(drive(target, api_key, requests, max_concurrency=args.max_concurrency,
-                                     vocab_size=args.vocab_size, timeout=args.timeout))
+                                     vocab_size=args.vocab_size, timeout=args.timeout,
+                                     tls_ca=None if stack is not None else args.tls_ca))
     finally:
         if stack is not None:
             stack.stop()
@@ -315,12 +335,16 @@ def _earlier_runs(paths: Sequence[str]) -> dict[str, list[Any]]:
     return runs
 
 
-def _unreachable(target: str, timeout_s: float = 5.0) -> str:
-    """Return why admission at `target` cannot be benchmarked ("" when its health check says SERVING)."""
+def _unreachable(target: str, timeout_s: float = 5.0, tls_ca: str | None = None) -> str:
+    """Return why admission at `target` cannot be benchmarked ("" when its health check says SERVING).
+
+    `tls_ca`: the endpoint speaks TLS with a certificate from this CA (PEM file); None: plaintext."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(target) as channel:
+    from sluice.tls import sync_channel
+
+    with sync_channel(target, None, ca=tls_ca) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
         except grpc.RpcError as exc:
