@@ -327,7 +327,8 @@ def _report(args: argparse.Namespace, workload: Workload, requests: Sequence[Wor
         }
         print(f"JSON: {write_json(payload, args.json)}")
     if args.plots:
-        print(f"plot: {write_capacity_plot(results, args.plots, title=f'{workload.name} (live)')}")
+        name = workload.name if len(workload.name) <= 60 else workload.name[:57] + "..."  # fits the chart
+        print(f"plot: {write_capacity_plot(results, args.plots, title=f'{name} (live)')}")
     if not any(run.counts.get("ok") for _, runs in searched.values() for run in runs):
         print("sluice bench: error: no request of any probe succeeded (see the statuses above)", file=sys.stderr)
         return 1
