@@ -115,14 +115,19 @@ class Proc:
     address: str = ""
     popen: subprocess.Popen[bytes] | None = None
     metrics_url: str = ""
-    """Its Prometheus endpoint, read from its log once it serves ("" without metrics)."""
+    """Its Prometheus endpoint, read from its log once it serves ("" without metrics, and from each launch
+    until the new incarnation prints its own: under --metrics-port 0 a restart binds another port)."""
     env: dict[str, str] = field(default_factory=dict)
     """Its whole environment (secrets included: never printed)."""
     replica_id: str = ""
     """The replica it belongs to (workers and schedulers); "" for the others."""
+    log_start: int = 0
+    """Size of its log when the running incarnation was launched (what that one printed starts there)."""
 
     def launch(self) -> None:
         """Start (or start again) the process, appending to its log, in a new session."""
+        self.log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
+        self.metrics_url = ""  # the previous incarnation's endpoint is gone with it
         with self.log_path.open("ab") as log:
             # A new session: a Ctrl-C in the terminal reaches only `sluice up`, which stops children in order.
             self.popen = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -137,6 +142,15 @@ class Proc:
     def alive(self) -> bool:
         """True while the process runs."""
         return self.popen is not None and self.popen.poll() is None
+
+    def printed_metrics_url(self) -> str:
+        """Return the metrics URL the running incarnation printed (sluice.serve METRICS_LINE); "" until it has."""
+        with contextlib.suppress(OSError), self.log_path.open("rb") as log:
+            log.seek(self.log_start)
+            for line in reversed(log.read().decode(errors="replace").splitlines()):
+                if line.startswith(METRICS_LINE):
+                    return line[len(METRICS_LINE):].strip()
+        return ""
 
 
 @dataclass
@@ -327,7 +341,7 @@ class Stack(StackFleet):
             pending = [p for p in pending if not health_serving(p.address, files=self.health_files(p))]
             for proc in procs:
                 if proc not in pending and self.config.metrics and not proc.metrics_url:
-                    proc.metrics_url = _metrics_url_in_log(proc)
+                    proc.metrics_url = proc.printed_metrics_url()
             if pending and time.monotonic() > deadline:
                 names = ", ".join(p.name for p in pending)
                 raise StackError(f"not SERVING within {self.config.start_timeout_s}s: {names}; last log:\n"
@@ -417,15 +431,6 @@ def health_serving(address: str, service: str = "", timeout_s: float = 1.0, file
         except grpc.RpcError:
             return False
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
-
-
-def _metrics_url_in_log(proc: Proc) -> str:
-    """Return the metrics URL the process printed at start-up (the last one in its log; "" if none)."""
-    with contextlib.suppress(OSError):
-        for line in reversed(proc.log_path.read_text(errors="replace").splitlines()):
-            if line.startswith(METRICS_LINE):
-                return line[len(METRICS_LINE):].strip()
-    return ""
 
 
 def _terminate(proc: Proc, timeout_s: float) -> None:

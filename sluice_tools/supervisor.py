@@ -19,6 +19,9 @@ Theory of operation
   restarts; its registration after the restart makes it WARMING, then READY, again).
 - Recovery: once restarted, a process is "recovering" until its gRPC health says SERVING (Redis: it
   answers PING); then the time from its death is logged.
+- Metrics endpoints: a launch clears the process's `metrics_url` (under `--metrics-port 0` the new
+  incarnation binds another port); each pass reads the URL the running one printed, until it has one,
+  and tells a restarted process's new URL (also the URL of a replica added while the stack runs).
 - `restart_counts()` and `summary()` give the restarts per process (printed by `sluice up` on stop).
 
 The backoff bookkeeping (`Restarts`) is pure: times are arguments.
@@ -139,6 +142,7 @@ class Supervisor:
     def _check(self, proc: Proc, now: float) -> None:
         track = self._track(proc.name)
         if proc.alive():
+            self._refresh_metrics_url(proc, track)
             if track.recovering and self._serving(proc):
                 track.recovering = False
                 self.on_event(f"{proc.name} serving again, {now - (track.died_at or now):.1f} s after it died")
@@ -155,6 +159,13 @@ class Supervisor:
             track.restarted(now)
             pid = proc.popen.pid if proc.popen else "?"
             self.on_event(f"restarted {proc.name} (pid {pid}, restart {track.total})")
+
+    def _refresh_metrics_url(self, proc: Proc, track: Restarts) -> None:
+        if proc.metrics_url or not self.stack.config.metrics:
+            return
+        proc.metrics_url = proc.printed_metrics_url()
+        if proc.metrics_url and track.total:
+            self.on_event(f"{proc.name} metrics now on {proc.metrics_url}")
 
     def _check_redis(self, now: float) -> None:
         redis = self.stack.redis

@@ -221,6 +221,29 @@ def test_killed_router_or_admission_is_restarted_and_serves(supervised: Stack, n
     print(json.dumps({"kill": name, "recovery_s": round(recovery, 3)}))
 
 
+def test_a_restarted_process_reports_the_metrics_url_it_bound_again(supervised: Stack) -> None:
+    """kill -9 of admission (metrics on port 0): after the restart its `metrics_url` is the URL the new
+    incarnation printed, which answers with Sluice metrics, and the supervisor says so; the old one is gone."""
+    import urllib.request
+
+    from sluice.serve import METRICS_LINE
+
+    stack = supervised
+    victim = stack.admission
+    assert victim is not None and victim.popen is not None and victim.metrics_url
+    old_url, old_pid = victim.metrics_url, victim.popen.pid
+    killed = _kill9(old_pid)
+    _until_served(stack, killed)
+    assert _wait(lambda: bool(victim.metrics_url) and victim.popen.pid != old_pid, 20)  # type: ignore[union-attr]
+    printed = [line[len(METRICS_LINE):].strip() for line in victim.log_path.read_text().splitlines()
+               if line.startswith(METRICS_LINE)]
+    assert printed[-1] == victim.metrics_url and old_url in printed[:-1]
+    with urllib.request.urlopen(victim.metrics_url, timeout=5) as reply:  # noqa: S310 (loopback URL from the stack)
+        assert "sluice_admission_requests_total" in reply.read().decode()
+    assert any(line == f"admission metrics now on {victim.metrics_url}" for line in stack.events)  # type: ignore[attr-defined]
+    print(json.dumps({"kill": "admission", "metrics_url_before": old_url, "after": victim.metrics_url}))
+
+
 def test_while_redis_is_down_services_are_not_serving_and_requests_fail_fast(tmp_path: Path) -> None:
     """With Redis killed and not yet restarted: router, schedulers and admission report NOT_SERVING, a request
     ends UNAVAILABLE in well under its deadline; once the supervisor restarts Redis all serve again."""
