@@ -357,10 +357,19 @@ class FrontDoor:
         self.scheduler_channel(address)
         return self._schedulers[address][1]
 
+    def forget_scheduler(self, address: str) -> None:
+        """Drop the channel to a scheduler that could not be reached: the next call dials it afresh, instead of
+        failing at once while the old channel backs off from a restart (grpc's reconnect backoff)."""
+        entry = self._schedulers.pop(address, None)
+        if entry is not None:
+            self.spawn(entry[0].close(grace=1.0))
+
     def scheduler_channel(self, address: str) -> grpc.aio.Channel:
         """Return the channel to the scheduler at `address`, opening it once."""
         if address not in self._schedulers:
-            channel = tls.aio_channel(address, self.tls_files)
+            # Its own connection (not grpc's shared subchannel): a channel opened after `forget_scheduler`
+            # dials at once instead of inheriting the old one's reconnect backoff.
+            channel = tls.aio_channel(address, self.tls_files, (("grpc.use_local_subchannel_pool", 1),))
             self._schedulers[address] = (channel, scheduler_pb2_grpc.SchedulerServiceStub(channel))
         return self._schedulers[address][0]
 

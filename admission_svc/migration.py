@@ -236,9 +236,9 @@ class Migrator:
             await asyncio.sleep(pause)
             pause = min(pause * 2, 1.0)
 
-    def _next_attempt(self, record: Tracked, offset: int) -> None:
+    def _next_attempt(self, record: Tracked, offset: int, cancel_old: bool = True) -> None:
         """Make `{request_id}#{n}` the record's current attempt, its token 0 at output index `offset`; cancel
-        the old attempt at its scheduler (best effort, in the background)."""
+        the old attempt at its scheduler (best effort, in the background) unless `cancel_old` is False."""
         old_address, old_attempt = record.scheduler_address, record.attempt_id
         record.migrations += 1
         new_attempt = attempt_id(record.request_id, record.migrations)
@@ -246,7 +246,8 @@ class Migrator:
         # Retargeted before anything is awaited: a late token of the old attempt is dropped from here on.
         self.door.registry.retarget(record.stream, new_attempt, offset)
         record.attempt_id = new_attempt
-        self.door.spawn(self._cancel_old(old_address, old_attempt))
+        if cancel_old:
+            self.door.spawn(self._cancel_old(old_address, old_attempt))
 
     # ---- re-routing an unreachable Submit -------------------------------------------------------
     async def reroute(self, record: Tracked, exc: grpc.aio.AioRpcError) -> bool:
@@ -257,8 +258,13 @@ class Migrator:
                 or record.completion is not None):
             return False
         replica_id, address, old_attempt = record.replica_id, record.scheduler_address, record.attempt_id
-        self._next_attempt(record, record.stream.offset)
+        # UNAVAILABLE without the scheduler's own status details: no connection, so nothing reached it to
+        # cancel, and the channel is dropped (the next call dials afresh, not after grpc's reconnect backoff).
+        unconnected = exc.code() == grpc.StatusCode.UNAVAILABLE and not exc.trailing_metadata()
+        self._next_attempt(record, record.stream.offset, cancel_old=not unconnected)
         self.forget_attempt(record, old_attempt, replica_id, f"rerouted: Submit {exc.code().name}")
+        if unconnected:
+            door.forget_scheduler(address)
         door.metrics.reroutes.labels(exc.code().name).inc()
         record.span.add_event("rerouted", attributes={
             "sluice.from_replica_id": replica_id, "sluice.code": exc.code().name,

@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 tracer = get_tracer("sluice.router")
 
 SERVICE_NAME = services.ROUTER
+OWN_CONNECTION = (("grpc.use_local_subchannel_pool", 1),)
+"""Channel option: connections not shared with other channels, so that a new channel dials afresh."""
 
 
 class RouterRuntime:
@@ -137,7 +139,7 @@ class RouterRuntime:
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = tls.aio_channel(address, self.tls_files)
+            channel = self._channels[address] = tls.aio_channel(address, self.tls_files, OWN_CONNECTION)
         return channel
 
     # ---- failure reports ------------------------------------------------------------------
@@ -148,15 +150,25 @@ class RouterRuntime:
         if listed is None or listed.spec.address != address:
             self.metrics.unreachable_reports.labels("unknown").inc()
             return listed.state if listed is not None else ReplicaState.GONE
-        try:
-            await health_pb2_grpc.HealthStub(self._channel(address)).Check(
-                health_pb2.HealthCheckRequest(), timeout=self.probe_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                self.metrics.unreachable_reports.labels("confirmed").inc()
-                return self._take_out(replica_id, address, f"{detail}; probe {exc.code().name}")
+        # A fresh channel with its own connection: a cached one (or grpc's shared subchannel) may still be
+        # backing off from the scheduler's restart and would fail at once although the scheduler is back.
+        async with tls.aio_channel(address, self.tls_files, OWN_CONNECTION) as channel:
+            try:
+                await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                                timeout=self.probe_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    self.metrics.unreachable_reports.labels("confirmed").inc()
+                    await self._drop_channel(address)
+                    return self._take_out(replica_id, address, f"{detail}; probe {exc.code().name}")
         self.metrics.unreachable_reports.labels("refuted").inc()
         return self.core.state_of(replica_id) or ReplicaState.GONE
+
+    async def _drop_channel(self, address: str) -> None:
+        """Forget the cached channel to an unreachable scheduler: a restarted one is then dialled afresh."""
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            await channel.close()
 
     def _take_out(self, replica_id: str, address: str, why: str) -> ReplicaState:
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import grpc
 import pytest
 from admission_harness import OUTPUT, StandInReplica, run, settle
 
@@ -11,7 +12,7 @@ from admission_svc.frontdoor import FrontDoor, FrontDoorConfig
 from sluice import client as sdk
 from sluice.bus import Bus
 from sluice.types import DRAIN_HANDOFF
-from sluice.v1 import common_pb2, events_pb2
+from sluice.v1 import common_pb2, events_pb2, scheduler_pb2_grpc
 
 NO_RETRY = sdk.RetryPolicy(max_attempts=1)
 
@@ -98,3 +99,27 @@ def test_re_routes_stop_at_the_migration_limit_and_the_request_is_refused_unavai
         assert await settle(lambda: door.core.stats(0).active == 0) and door.core.released == 1
 
     run(tmp_path, redis_url, namespace, body, door_config=FrontDoorConfig(migration_limit=2))
+
+
+def test_a_scheduler_back_on_its_address_takes_the_next_submit_at_once(tmp_path: Path, redis_url: str,
+                                                                       namespace: str) -> None:
+    """After a Submit to a dead scheduler was re-routed, the scheduler comes back on its address: the next
+    request routed there is submitted there (admission dials afresh instead of waiting out the failed
+    connection's reconnect backoff), with no second re-route."""
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
+        replica.dead_routes = 1
+        async with sdk.AsyncClient(target, api_key="k-acme", retry=NO_RETRY) as client:
+            await client.generate_text("hi", max_tokens=2)
+            revived = grpc.aio.server()
+            scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(replica, revived)
+            revived.add_insecure_port(replica.dead_address)
+            await revived.start()
+            try:
+                replica.dead_routes = 1
+                generation = await client.generate_text("hi", max_tokens=2)
+            finally:
+                await revived.stop(None)
+        assert generation.request_id in [s.request_id for s in replica.submitted]
+        assert len(replica.reports) == 1 and door.metrics.reroutes.labels("UNAVAILABLE")._value.get() == 1
+
+    run(tmp_path, redis_url, namespace, body)

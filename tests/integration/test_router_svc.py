@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 import redis.asyncio as aioredis
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from router_svc.core import RouterConfig, RouterCore
 from router_svc.server import RouterRuntime, start_router_server
@@ -341,4 +341,29 @@ def test_report_unreachable_takes_out_a_dead_scheduler_and_nothing_else(redis_ur
             assert await _heartbeat(h, "D", router_pb2.READY) == router_pb2.READY    # alive after all: back
             outcomes = h.runtime.metrics.unreachable_reports
             assert [outcomes.labels(o)._value.get() for o in ("confirmed", "refuted", "unknown")] == [1, 1, 2]
+    asyncio.run(body())
+
+
+def test_a_scheduler_back_on_its_address_is_not_taken_out_by_a_later_report(redis_url: str, namespace: str) -> None:
+    """After a confirmed report, the scheduler comes back on the same address: a new report is refuted at once
+    (each probe dials afresh; a channel still backing off from the first failure would confirm it again)."""
+    async def body() -> None:
+        async with _router(redis_url, namespace, replicas=()) as h:
+            dead = _closed_port_address()
+            await h.stub.RegisterReplica(router_pb2.RegisterReplicaRequest(replica=router_pb2.Replica(
+                replica_id="D", model="m", scheduler_address=dead, block_size=16, num_blocks=1000)))
+            await _heartbeat(h, "D", router_pb2.READY)
+            request = router_pb2.ReportUnreachableRequest(replica_id="D", scheduler_address=dead)
+            assert (await h.stub.ReportUnreachable(request)).state == router_pb2.UNHEALTHY
+            server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+            server.add_insecure_port(dead)
+            await server.start()
+            try:
+                assert await _heartbeat(h, "D", router_pb2.READY) == router_pb2.READY
+                assert (await h.stub.ReportUnreachable(request)).state == router_pb2.READY
+            finally:
+                await server.stop(None)
+            outcomes = h.runtime.metrics.unreachable_reports
+            assert [outcomes.labels(o)._value.get() for o in ("confirmed", "refuted")] == [1, 1]
     asyncio.run(body())
