@@ -9,7 +9,7 @@ Theory of operation
   `max_restarts` times in a row that quickly is given up on: reported plainly, not restarted again.
   Without Redis, the router or admission the stack cannot serve (`failed` says why; `sluice up`
   exits 1); without a replica it runs on the others, degraded.
-- A restart uses the same command, address and environment (`Stack.relaunch`), the embedded Redis the
+- A restart uses the same command, address and environment (`StackFleet.relaunch`), the embedded Redis the
   same port and password (`EmbeddedRedis.restart`). Services find each other again by themselves:
   a scheduler re-registers with a restarted router (heartbeat NOT_FOUND), a restarted scheduler
   registers (WARMING) and reports READY only once its worker serves (the worker serves only after
@@ -131,7 +131,7 @@ class Supervisor:
             replica = self.stack.replicas.get(proc.replica_id) if proc.replica_id else None
             if replica is None or not replica.retiring:
                 self._check(proc, now)
-        for line in self.stack.advance_replicas():
+        for line in self.stack.fleet.advance_replicas():
             self.on_event(line)
         for hook in self.hooks:
             hook(now)
@@ -152,10 +152,10 @@ class Supervisor:
         if track.due_at is None:
             self._died(proc.name, describe_exit(proc.popen.poll() if proc.popen else None), track, now)
             if proc.name.startswith("scheduler-") and proc.replica_id:
-                self.stack.router_drain(proc.replica_id)  # no routes to it while it restarts
+                self.stack.fleet.router_drain(proc.replica_id)  # no routes to it while it restarts
             return
         if now >= track.due_at:
-            self.stack.relaunch(proc)
+            self.stack.fleet.relaunch(proc)
             track.restarted(now)
             pid = proc.popen.pid if proc.popen else "?"
             self.on_event(f"restarted {proc.name} (pid {pid}, restart {track.total})")
