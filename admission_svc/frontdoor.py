@@ -274,29 +274,44 @@ class FrontDoor:
 
         `hashes`: the prompt's block chain, computed at admission (a first attempt, which the TTFT check
         applies to); None for a migrated attempt, whose prompt (with the tokens already streamed) is
-        hashed here and which is never refused: it was admitted already."""
+        hashed here and which is never refused: it was admitted already. A Submit that cannot reach its
+        scheduler is routed again as a new attempt (Migrator.reroute), within the migration limit."""
         first_attempt = hashes is not None
         if hashes is None:
             hashes, _ = await self._prompt_blocks(call, ids, record.tenant)
         metadata = tuple(telemetry.inject_metadata(trace.set_span_in_context(record.span)))
-        timeout = self.config.downstream_timeout_s
+        while True:
+            route = await self._route(record, call, ids, hashes, metadata)
+            if first_attempt:
+                self._check_ttft(record, route.predicted_ttft_s)
+            submit = convert.submit_request(record.attempt_id, record.tenant, ids, call, self.owner,
+                                            deadline_unix_s or 0.0, self.model, record.timestamps,
+                                            self.core.tenant_weight(record.tenant), self.core.cache_salt(record.tenant))
+            try:
+                await self.scheduler(route.scheduler_address).Submit(submit, metadata=metadata,
+                                                                     timeout=self.config.downstream_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                # An unreachable scheduler (dead, before the router noticed): route again, elsewhere.
+                if await self.migrator.reroute(record, exc):
+                    continue
+                raise
+            break
+        record.status = common_pb2.WAITING
+        record.span.add_event("submitted")
+
+    async def _route(self, record: Tracked, call: GenerateCall, ids: list[int], hashes: list[int],
+                     metadata: tuple[tuple[str, str], ...]) -> router_pb2.RouteResponse:
+        """Ask the router for the record's current attempt; record where it goes. Raises grpc.aio.AioRpcError."""
         route = await self.router.Route(router_pb2.RouteRequest(
             request_id=record.attempt_id, model=self.model.model_id, adapter_version=call.adapter_version,
             block_hashes=hashes, prompt_tokens=len(ids), max_tokens=call.sampling.max_tokens),
-            metadata=metadata, timeout=timeout)
+            metadata=metadata, timeout=self.config.downstream_timeout_s)
         record.timestamps.routed = time.time()
         record.replica_id, record.scheduler_address = route.replica_id, route.scheduler_address
         record.span.add_event("routed", timestamp=_ns(record.timestamps.routed), attributes={
             "sluice.replica_id": route.replica_id, "sluice.cached_blocks": route.cached_blocks,
             "sluice.predicted_ttft_s": route.predicted_ttft_s})
-        if first_attempt:
-            self._check_ttft(record, route.predicted_ttft_s)
-        submit = convert.submit_request(record.attempt_id, record.tenant, ids, call, self.owner, deadline_unix_s or 0.0,
-                                        self.model, record.timestamps,
-                                        self.core.tenant_weight(record.tenant), self.core.cache_salt(record.tenant))
-        await self.scheduler(route.scheduler_address).Submit(submit, metadata=metadata, timeout=timeout)
-        record.status = common_pb2.WAITING
-        record.span.add_event("submitted")
+        return route
 
     def _check_ttft(self, record: Tracked, predicted_ttft_s: float) -> None:
         """Refuse early (the core decides) a routed request that would wait past the TTFT SLO."""
@@ -321,8 +336,9 @@ class FrontDoor:
             request_id=record.request_id, tenant=record.tenant, status=common_pb2.REJECTED, finish_reason="rejected",
             detail=str(exc)[:200], owner=self.owner, replica_id=record.replica_id)
         record.stream.set_completion(completion)
-        if record.replica_id and self.publish_completion is not None:
-            self.spawn(self.publish_completion(completion))
+        if record.replica_id:
+            self.migrator.forget_attempt(record, record.attempt_id or record.request_id, record.replica_id,
+                                         str(exc)[:200])
         record.stream.complete_if_ready()
         record.span.add_event("rejected", attributes={"reason": type(exc).__name__})
         telemetry.end_request_span(record.span, "REJECTED", str(exc)[:200])
@@ -341,10 +357,19 @@ class FrontDoor:
         self.scheduler_channel(address)
         return self._schedulers[address][1]
 
+    def forget_scheduler(self, address: str) -> None:
+        """Drop the channel to a scheduler that could not be reached: the next call dials it afresh, instead of
+        failing at once while the old channel backs off from a restart (grpc's reconnect backoff)."""
+        entry = self._schedulers.pop(address, None)
+        if entry is not None:
+            self.spawn(entry[0].close(grace=1.0))
+
     def scheduler_channel(self, address: str) -> grpc.aio.Channel:
         """Return the channel to the scheduler at `address`, opening it once."""
         if address not in self._schedulers:
-            channel = tls.aio_channel(address, self.tls_files)
+            # Its own connection (not grpc's shared subchannel): a channel opened after `forget_scheduler`
+            # dials at once instead of inheriting the old one's reconnect backoff.
+            channel = tls.aio_channel(address, self.tls_files, (("grpc.use_local_subchannel_pool", 1),))
             self._schedulers[address] = (channel, scheduler_pb2_grpc.SchedulerServiceStub(channel))
         return self._schedulers[address][0]
 

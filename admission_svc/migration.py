@@ -7,15 +7,24 @@ Rules
   HANDED_OFF      the replica ended it CANCELLED with detail DRAIN_HANDOFF (sluice.types): a drain
                   past its timeout hands what is left to migration (scheduler_svc ReplicaAgent.drain).
   REPLICA_GONE    it stalled and the router no longer lists its replica (heartbeats lost, retired).
-  WORKER_DOWN     it stalled and the router says its replica is UNHEALTHY (the worker is down).
   SCHEDULER_GONE  it stalled and its scheduler refuses a health check (UNAVAILABLE: process dead).
+  WORKER_DOWN     it stalled and the router says its replica is UNHEALTHY (the worker is down, or a
+                  ReportUnreachable took it out while its scheduler still answers).
   "Stalled" is no new token for `stall_timeout_s`; a request queued behind others on a healthy replica
   stalls too, and stays, because its replica is listed, healthy and answering.
 * A move submits a new *attempt* `{request_id}#{n}`: the prompt is the original prompt plus the tokens
   streamed so far (recomputed on the new replica), max_tokens what is left. The stream is retargeted
   before anything is awaited, so a late token of the old attempt is dropped and the new attempt's
   token 0 is output index `streamed`; the old attempt is cancelled at its scheduler, best effort.
-* A request moves at most `migration_limit` times; one more loss ends it FAILED (`migration_limit`),
+* Re-routing: a Submit that cannot reach its scheduler (UNAVAILABLE: refused connection, or a refusal
+  such as draining; DEADLINE_EXCEEDED: no answer) is placed again at once (`Migrator.reroute`), as a new
+  attempt: the router is told (ReportUnreachable: it probes and takes a dead scheduler out of routing,
+  instead of routing to it until its heartbeats time out), the abandoned attempt gets a REJECTED
+  completion (the router forgets it) and a best-effort Cancel, and the request is routed again. This
+  covers the ~10 s after a scheduler dies, before the router drops it; metric
+  `sluice_admission_reroutes_total{code}`, span event "rerouted".
+* A request moves (migrations and re-routes together) at most `migration_limit` times; one more loss
+  ends it FAILED (`migration_limit`) or, not yet placed, refuses it with the Submit's status,
   as does not finding a replica within `migration_retry_s`, or a stream with a token gap (nothing
   exact to recompute from). Every end goes through FrontDoor.complete, which releases the reservation
   exactly once.
@@ -48,7 +57,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MigrationCause", "Migrator", "Stalled", "attempt_id", "decide"]
+__all__ = ["REROUTE_CODES", "MigrationCause", "Migrator", "Stalled", "attempt_id", "decide"]
+
+REROUTE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+"""Submit failures after which admission routes the request again: the scheduler did not take it
+(UNAVAILABLE) or did not answer (DEADLINE_EXCEEDED; if it took it after all, the old attempt is cancelled
+there and its late tokens are dropped, since the new attempt has a new id)."""
 
 
 class MigrationCause(enum.Enum):
@@ -79,17 +93,18 @@ def decide(stalled: Iterable[Stalled], replica_states: Mapping[str, int] | None,
     """Return the stalled requests to move and why.
 
     `replica_states`: the router's listing (replica id -> router_pb2.ReplicaState), None when the
-    router did not answer (then only the probes decide). `scheduler_up`: health probe per address.
+    router did not answer (then only the probes decide). `scheduler_up`: health probe per address; a
+    failed probe names the cause SCHEDULER_GONE even when a report made the replica UNHEALTHY.
     """
     moves = []
     for request in stalled:
         state = None if replica_states is None else replica_states.get(request.replica_id, router_pb2.GONE)
         if state == router_pb2.GONE:
             moves.append((request.request_id, MigrationCause.REPLICA_GONE))
-        elif state == router_pb2.UNHEALTHY:
-            moves.append((request.request_id, MigrationCause.WORKER_DOWN))
         elif not scheduler_up.get(request.scheduler_address, True):
             moves.append((request.request_id, MigrationCause.SCHEDULER_GONE))
+        elif state == router_pb2.UNHEALTHY:
+            moves.append((request.request_id, MigrationCause.WORKER_DOWN))
     return moves
 
 
@@ -186,13 +201,8 @@ class Migrator:
         if left <= 0:
             self.end_locally(record, common_pb2.FINISHED_LENGTH, "", finish_reason="length")
             return
-        old_address, old_attempt, old_replica = record.scheduler_address, record.attempt_id, record.replica_id
-        record.migrations += 1
-        new_attempt = attempt_id(record.request_id, record.migrations)
-        self.attempts[new_attempt] = record.request_id
-        door.registry.retarget(stream, new_attempt, streamed)
-        record.attempt_id = new_attempt
-        door.spawn(self._cancel_old(old_address, old_attempt))
+        old_replica = record.replica_id
+        self._next_attempt(record, streamed)
         door.metrics.migrations.labels(cause.value).inc()
         record.span.add_event("migrated", attributes={
             "cause": cause.value, "sluice.from_replica_id": old_replica, "sluice.tokens_kept": streamed,
@@ -225,6 +235,56 @@ class Migrator:
                 return False
             await asyncio.sleep(pause)
             pause = min(pause * 2, 1.0)
+
+    def _next_attempt(self, record: Tracked, offset: int, cancel_old: bool = True) -> None:
+        """Make `{request_id}#{n}` the record's current attempt, its token 0 at output index `offset`; cancel
+        the old attempt at its scheduler (best effort, in the background) unless `cancel_old` is False."""
+        old_address, old_attempt = record.scheduler_address, record.attempt_id
+        record.migrations += 1
+        new_attempt = attempt_id(record.request_id, record.migrations)
+        self.attempts[new_attempt] = record.request_id
+        # Retargeted before anything is awaited: a late token of the old attempt is dropped from here on.
+        self.door.registry.retarget(record.stream, new_attempt, offset)
+        record.attempt_id = new_attempt
+        if cancel_old:
+            self.door.spawn(self._cancel_old(old_address, old_attempt))
+
+    # ---- re-routing an unreachable Submit -------------------------------------------------------
+    async def reroute(self, record: Tracked, exc: grpc.aio.AioRpcError) -> bool:
+        """After the record's Submit failed with `exc`: when the scheduler was unreachable and the request
+        may move again, report it to the router and switch to a new attempt; returns whether to route again."""
+        door = self.door
+        if (exc.code() not in REROUTE_CODES or record.migrations >= door.config.migration_limit
+                or record.completion is not None):
+            return False
+        replica_id, address, old_attempt = record.replica_id, record.scheduler_address, record.attempt_id
+        # UNAVAILABLE without the scheduler's own status details: no connection, so nothing reached it to
+        # cancel, and the channel is dropped (the next call dials afresh, not after grpc's reconnect backoff).
+        unconnected = exc.code() == grpc.StatusCode.UNAVAILABLE and not exc.trailing_metadata()
+        self._next_attempt(record, record.stream.offset, cancel_old=not unconnected)
+        self.forget_attempt(record, old_attempt, replica_id, f"rerouted: Submit {exc.code().name}")
+        if unconnected:
+            door.forget_scheduler(address)
+        door.metrics.reroutes.labels(exc.code().name).inc()
+        record.span.add_event("rerouted", attributes={
+            "sluice.from_replica_id": replica_id, "sluice.code": exc.code().name,
+            "sluice.migration": record.migrations})
+        log.info("request %s: Submit to %s at %s failed (%s: %s); routing it again", record.request_id,
+                 replica_id, address, exc.code().name, exc.details())
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await door.router.ReportUnreachable(router_pb2.ReportUnreachableRequest(
+                replica_id=replica_id, scheduler_address=address, detail=f"{exc.code().name}: {exc.details()}"),
+                timeout=door.config.downstream_timeout_s)
+        return True
+
+    def forget_attempt(self, record: Tracked, attempt: str, replica_id: str, detail: str) -> None:
+        """Publish a REJECTED completion of an attempt that was routed but never placed, so that the router
+        stops counting it on `replica_id` (admission's own handler ignores it: not the current attempt)."""
+        if self.door.publish_completion is None:
+            return
+        self.door.spawn(self.door.publish_completion(events_pb2.Completion(
+            request_id=attempt, tenant=record.tenant, status=common_pb2.REJECTED, finish_reason="rejected",
+            detail=detail, owner=self.door.owner, replica_id=replica_id)))
 
     async def _cancel_old(self, address: str, old_attempt: str) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError):

@@ -14,6 +14,11 @@ Theory of operation
   the snapshot (the core skips events at or below the snapshot's id), so nothing is lost in between.
 - The `completions` stream (same group name) tells the core which routed requests are done.
 - Every `expiry_interval_s`, replicas with stale heartbeats become GONE and are purged.
+- ReportUnreachable (admission could not reach a replica's scheduler): the router probes that scheduler's
+  gRPC health itself; a probe that fails UNAVAILABLE or DEADLINE_EXCEEDED confirms it and the replica
+  turns UNHEALTHY (no traffic) until it heartbeats READY again or times out. So a dead scheduler leaves
+  routing at the first failed Submit, not `heartbeat_timeout_s` later, and one caller's bad network
+  cannot take a live replica out (its probe answers: refuted).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from router_svc.core import RouterCore
 from sluice import convert as shared_convert
 from sluice import errors, glue, services, tls
 from sluice.bus import Bus
+from sluice.core_errors import IllegalReplicaTransition, UnknownReplica
 from sluice.prom import RouterMetrics
 from sluice.serve import grpc_server
 from sluice.telemetry import extract_metadata, get_tracer
@@ -51,6 +57,8 @@ log = logging.getLogger(__name__)
 tracer = get_tracer("sluice.router")
 
 SERVICE_NAME = services.ROUTER
+OWN_CONNECTION = (("grpc.use_local_subchannel_pool", 1),)
+"""Channel option: connections not shared with other channels, so that a new channel dials afresh."""
 
 
 class RouterRuntime:
@@ -58,7 +66,8 @@ class RouterRuntime:
 
     def __init__(self, core: RouterCore, bus: Bus, router_id: str = "router", *,
                  metrics: RouterMetrics | None = None, clock: Callable[[], float] = time.time,
-                 snapshot_timeout_s: float = 5.0, tls_files: TlsFiles | None = None) -> None:
+                 snapshot_timeout_s: float = 5.0, tls_files: TlsFiles | None = None,
+                 probe_timeout_s: float = 1.0) -> None:
         self.core = core
         self.tls_files = tls_files
         """Credentials of the router's calls to schedulers (KvSnapshot); None: plaintext."""
@@ -67,6 +76,8 @@ class RouterRuntime:
         self.metrics = metrics or RouterMetrics()
         self.clock = clock
         self.snapshot_timeout_s = snapshot_timeout_s
+        self.probe_timeout_s = probe_timeout_s
+        """Timeout of the health probe that checks a ReportUnreachable."""
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._buffers: dict[str, list[KvEvent]] = {}  # replica id -> events held while its snapshot loads
         self._fetches: set[asyncio.Task[None]] = set()
@@ -128,8 +139,46 @@ class RouterRuntime:
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = tls.aio_channel(address, self.tls_files)
+            channel = self._channels[address] = tls.aio_channel(address, self.tls_files, OWN_CONNECTION)
         return channel
+
+    # ---- failure reports ------------------------------------------------------------------
+    async def check_unreachable(self, replica_id: str, address: str, detail: str = "") -> ReplicaState:
+        """Probe the scheduler a caller could not reach; take its replica out of routing when the probe fails
+        too. Returns the replica's state after (GONE: not known, or known at another address)."""
+        listed = next((v for v in self.core.replicas() if v.spec.replica_id == replica_id), None)
+        if listed is None or listed.spec.address != address:
+            self.metrics.unreachable_reports.labels("unknown").inc()
+            return listed.state if listed is not None else ReplicaState.GONE
+        # A fresh channel with its own connection: a cached one (or grpc's shared subchannel) may still be
+        # backing off from the scheduler's restart and would fail at once although the scheduler is back.
+        async with tls.aio_channel(address, self.tls_files, OWN_CONNECTION) as channel:
+            try:
+                await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                                timeout=self.probe_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    self.metrics.unreachable_reports.labels("confirmed").inc()
+                    await self._drop_channel(address)
+                    return self._take_out(replica_id, address, f"{detail}; probe {exc.code().name}")
+        self.metrics.unreachable_reports.labels("refuted").inc()
+        return self.core.state_of(replica_id) or ReplicaState.GONE
+
+    async def _drop_channel(self, address: str) -> None:
+        """Forget the cached channel to an unreachable scheduler: a restarted one is then dialled afresh."""
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            await channel.close()
+
+    def _take_out(self, replica_id: str, address: str, why: str) -> ReplicaState:
+        try:
+            state = self.core.mark_unhealthy(replica_id, self.clock())
+        except (UnknownReplica, IllegalReplicaTransition):
+            return self.core.state_of(replica_id) or ReplicaState.GONE
+        log.warning("replica %s: its scheduler at %s is unreachable (%s): %s, no traffic", replica_id, address,
+                    why, state.value)
+        self._update_gauges()
+        return state
 
     # ---- stream handlers ------------------------------------------------------------------
     async def on_kv_entry(self, entry_id: str, payload: bytes, context: Context) -> None:
@@ -253,6 +302,12 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     async def ListReplicas(self, request: router_pb2.ListReplicasRequest,  # noqa: N802
                            context: grpc.aio.ServicerContext) -> router_pb2.ListReplicasResponse:
         return router_pb2.ListReplicasResponse(replicas=[convert.replica_to_proto(v) for v in self.core.replicas()])
+
+    async def ReportUnreachable(self, request: router_pb2.ReportUnreachableRequest,  # noqa: N802
+                                context: grpc.aio.ServicerContext) -> router_pb2.ReportUnreachableResponse:
+        state = await self.runtime.check_unreachable(request.replica_id, request.scheduler_address,
+                                                     request.detail[:200])
+        return router_pb2.ReportUnreachableResponse(state=shared_convert.replica_state_to_proto(state))
 
 
 async def start_router_server(runtime: RouterRuntime, port: int = 0, host: str = "127.0.0.1",

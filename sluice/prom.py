@@ -242,6 +242,10 @@ class RouterMetrics:
         self.snapshots = Counter("sluice_router_snapshots", "KV snapshots fetched, by outcome.", ["outcome"],
                                  registry=r)
         self.replicas = Gauge("sluice_router_replicas", "Replicas known, by state.", ["state"], registry=r)
+        self.unreachable_reports = Counter("sluice_router_unreachable_reports",
+                                           "ReportUnreachable calls, by outcome (confirmed: probe failed, replica "
+                                           "UNHEALTHY; refuted: it answered; unknown: not that replica).",
+                                           ["outcome"], registry=r)
 
 
 @dataclass
@@ -287,6 +291,9 @@ class AdmissionMetrics:
         self.migrations = Counter("sluice_admission_migrations",
                                   "Requests moved to another replica, by cause (admission_svc/migration.py).",
                                   ["cause"], registry=r)
+        self.reroutes = Counter("sluice_admission_reroutes",
+                                "Submits that could not reach the routed scheduler and were routed again, by the "
+                                "failed call's status code (admission_svc/migration.py).", ["code"], registry=r)
         self.migration_failures = Counter("sluice_admission_migration_failures",
                                           "Requests ended FAILED instead of moving, by reason.", ["reason"],
                                           registry=r)

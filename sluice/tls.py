@@ -41,6 +41,7 @@ CALLERS: Mapping[str, frozenset[str]] = {
     "/sluice.v1.RouterService/Heartbeat": frozenset({"scheduler"}),
     "/sluice.v1.RouterService/Drain": frozenset({"planner", "operator"}),
     "/sluice.v1.RouterService/ListReplicas": frozenset({"admission", "planner", "operator", "scheduler"}),
+    "/sluice.v1.RouterService/ReportUnreachable": frozenset({"admission"}),
     # scheduler
     "/sluice.v1.SchedulerService/Submit": frozenset({"admission"}),
     "/sluice.v1.SchedulerService/Cancel": frozenset({"admission"}),

@@ -7,7 +7,7 @@ Theory of operation
   router stops routing to it at once, its scheduler gets SIGTERM, finishes its requests for up to its
   drain timeout (`--drain-timeout`, 30 s by default) and cancels what is left (those requests end
   CANCELLED), then exits; its worker is stopped after it. Both return at once: the supervisor's pass
-  (`Stack.advance_replicas`) moves replicas along.
+  (`StackFleet.advance_replicas`) moves replicas along.
 - `StackObservations` is the planner's `ObservationSource`: the router's registry (READY, WARMING,
   DRAINING) and every scheduler's Stats (waiting = queue length, queued prefill tokens, waiting +
   running = in flight, KV blocks used / total). The arrival rate is counted from Stats deltas:
@@ -76,10 +76,10 @@ class StackLauncher:
         self.stack = stack
 
     def start_replica(self) -> str:
-        return self.stack.add_replica()
+        return self.stack.fleet.add_replica()
 
     def stop_replica(self, replica_id: str) -> None:
-        self.stack.retire_replica(replica_id)
+        self.stack.fleet.retire_replica(replica_id)
 
     def replica_ids(self) -> Sequence[str]:
         return [rid for rid, replica in self.stack.replicas.items() if not replica.retiring]
@@ -97,7 +97,7 @@ class StackObservations:
 
     def observe(self, now: float) -> Observation:
         try:
-            listed = {r.replica_id: r.state for r in self.stack.list_replicas()}
+            listed = {r.replica_id: r.state for r in self.stack.fleet.list_replicas()}
         except grpc.RpcError:
             listed = {}
         loads, arrivals = [], 0

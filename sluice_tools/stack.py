@@ -17,10 +17,11 @@ UNAVAILABLE), in-flight requests get up to `drain_timeout_s` to finish while the
 streaming, then admission stops, then schedulers (which cancel whatever is left), workers and the
 router get SIGTERM (SIGKILL after a timeout), Redis last.
 
-Supervision (`supervise()` one pass, or `start_supervising()` in a thread; sluice_tools/supervisor.py):
-a process that dies is restarted on the same address with exponential backoff, the embedded Redis
-on the same port with the same password. Replicas can be added and retired while the stack runs
-(`add_replica`, `retire_replica`: what `sluice up --autoscale` does, sluice_tools/autoscale.py).
+Supervision and replica changes belong to its collaborator `stack.fleet` (sluice_tools/stack_fleet.py:
+`supervise()` one pass, or `start_supervising()` in a thread; sluice_tools/supervisor.py): a process
+that dies is restarted on the same address with exponential backoff, the embedded Redis on the same
+port with the same password. Replicas can be added and retired while the stack runs (`fleet.add_replica`,
+`fleet.retire_replica`: what `sluice up --autoscale` does, sluice_tools/autoscale.py).
 """
 
 from __future__ import annotations
@@ -32,13 +33,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -52,9 +51,6 @@ from sluice.tls import TlsFiles, sync_channel, write_local_pki
 from sluice.v1 import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from sluice_tools.stack_fleet import StackFleet
 from worker_svc.models import resolve_model
-
-if TYPE_CHECKING:
-    from sluice_tools.supervisor import Supervisor
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -117,14 +113,19 @@ class Proc:
     address: str = ""
     popen: subprocess.Popen[bytes] | None = None
     metrics_url: str = ""
-    """Its Prometheus endpoint, read from its log once it serves ("" without metrics)."""
+    """Its Prometheus endpoint, read from its log once it serves ("" without metrics, and from each launch
+    until the new incarnation prints its own: under --metrics-port 0 a restart binds another port)."""
     env: dict[str, str] = field(default_factory=dict)
     """Its whole environment (secrets included: never printed)."""
     replica_id: str = ""
     """The replica it belongs to (workers and schedulers); "" for the others."""
+    log_start: int = 0
+    """Size of its log when the running incarnation was launched (what that one printed starts there)."""
 
     def launch(self) -> None:
         """Start (or start again) the process, appending to its log, in a new session."""
+        self.log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
+        self.metrics_url = ""  # the previous incarnation's endpoint is gone with it
         with self.log_path.open("ab") as log:
             # A new session: a Ctrl-C in the terminal reaches only `sluice up`, which stops children in order.
             self.popen = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -140,6 +141,15 @@ class Proc:
         """True while the process runs."""
         return self.popen is not None and self.popen.poll() is None
 
+    def printed_metrics_url(self) -> str:
+        """Return the metrics URL the running incarnation printed (sluice.serve METRICS_LINE); "" until it has."""
+        with contextlib.suppress(OSError), self.log_path.open("rb") as log:
+            log.seek(self.log_start)
+            for line in reversed(log.read().decode(errors="replace").splitlines()):
+                if line.startswith(METRICS_LINE):
+                    return line[len(METRICS_LINE):].strip()
+        return ""
+
 
 @dataclass
 class Replica:
@@ -152,7 +162,7 @@ class Replica:
     """Being drained and stopped (a scale-down): not restarted, not counted."""
 
 
-class Stack(StackFleet):
+class Stack:
     """Starts, watches and stops the processes of one deployment. A context manager."""
 
     def __init__(self, config: StackConfig) -> None:
@@ -169,18 +179,15 @@ class Stack(StackFleet):
         self.replicas: dict[str, Replica] = {}
         """Every replica started and not yet retired, by id (workers and schedulers are listed above too)."""
         self._next_replica = 0
-        self.supervisor: Supervisor | None = None
-        """Set by `supervise`/`start_supervising`: restarts dead processes (None: nothing is restarted)."""
-        self._supervising: threading.Thread | None = None
-        self._halt = threading.Event()
-        self._released = threading.Event()
-        self._pass_lock = threading.Lock()
+        self.fleet = StackFleet(self)
+        """Supervision (restarts) and replicas added or retired while the stack runs."""
         self.model_id = ""
         """The id the replicas registered under (what /v1/models lists)."""
         self.http_address = ""
         """host:port of the OpenAI-compatible HTTP API ("" when none is served)."""
         self.tls_dir: Path | None = write_local_pki(self.run_dir / "tls") if config.mtls or config.public_tls else None
-        self._operator = TlsFiles.of(self.tls_dir, "operator") if self.tls_dir else None
+        self.operator = TlsFiles.of(self.tls_dir, "operator") if self.tls_dir else None
+        """The `operator` credentials the stack's own checks use (None without mTLS)."""
 
     @property
     def tls_ca(self) -> str | None:
@@ -189,7 +196,7 @@ class Stack(StackFleet):
 
     def channel(self, address: str) -> grpc.Channel:
         """Return a blocking channel to a service of this stack (mutual TLS as `operator` when on)."""
-        return sync_channel(address, self._operator)
+        return sync_channel(address, self.operator)
 
     @property
     def endpoint(self) -> str:
@@ -234,10 +241,10 @@ class Stack(StackFleet):
         self.router = self._spawn("router", "router_svc", [*common, "--router-id", f"router-{c.namespace}",
                                                                *c.router_args],
                                   env=bus_env)
-        replicas = [self._spawn_worker() for _ in range(c.replicas)]
+        replicas = [self.spawn_worker() for _ in range(c.replicas)]
         self._wait_healthy([self.router, *self.workers], deadline)
         for replica in replicas:
-            self._spawn_scheduler(replica)
+            self.spawn_scheduler(replica)
         self._wait_healthy(self.schedulers, deadline)
         model_id = self.model_id = self._wait_replicas_ready(deadline)
         # Admission reads the tokenizer only and never generates a preset: resolve (generate) it here.
@@ -256,7 +263,7 @@ class Stack(StackFleet):
                                      env=bus_env)
         self._wait_healthy([self.admission], deadline)
 
-    def _spawn_worker(self) -> Replica:
+    def spawn_worker(self) -> Replica:
         """Start the worker of a new replica (a fresh id); its scheduler follows once it serves."""
         c = self.config
         index = self._next_replica
@@ -276,7 +283,7 @@ class Stack(StackFleet):
         self.replicas[replica.replica_id] = replica
         return replica
 
-    def _spawn_scheduler(self, replica: Replica) -> Proc:
+    def spawn_scheduler(self, replica: Replica) -> Proc:
         """Start the scheduler of a replica whose worker serves; it registers with the router itself."""
         c = self.config
         assert self.router is not None
@@ -314,7 +321,7 @@ class Stack(StackFleet):
         """The credentials to ask `proc`'s health with: admission's public port is plaintext unless public_tls."""
         if proc is self.admission and not self.config.public_tls:
             return None
-        return self._operator
+        return self.operator
 
     def _check_alive(self, procs: list[Proc]) -> None:
         for proc in procs:
@@ -330,7 +337,7 @@ class Stack(StackFleet):
             pending = [p for p in pending if not health_serving(p.address, files=self.health_files(p))]
             for proc in procs:
                 if proc not in pending and self.config.metrics and not proc.metrics_url:
-                    proc.metrics_url = _metrics_url_in_log(proc)
+                    proc.metrics_url = proc.printed_metrics_url()
             if pending and time.monotonic() > deadline:
                 names = ", ".join(p.name for p in pending)
                 raise StackError(f"not SERVING within {self.config.start_timeout_s}s: {names}; last log:\n"
@@ -379,7 +386,7 @@ class Stack(StackFleet):
     # ---- stop ------------------------------------------------------------------------------------
     def stop(self, graceful: bool = True) -> None:
         """Stop everything (see the module docstring); safe to call twice."""
-        self._halt_supervision()
+        self.fleet.halt_supervision()
         if graceful:
             with contextlib.suppress(Exception):
                 self._drain()
@@ -391,7 +398,7 @@ class Stack(StackFleet):
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
-        self._release_supervision()
+        self.fleet.release_supervision()
 
     def _drain(self) -> None:
         """Stop routing to every replica, let in-flight requests finish (clients keep their streams), then
@@ -420,15 +427,6 @@ def health_serving(address: str, service: str = "", timeout_s: float = 1.0, file
         except grpc.RpcError:
             return False
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
-
-
-def _metrics_url_in_log(proc: Proc) -> str:
-    """Return the metrics URL the process printed at start-up (the last one in its log; "" if none)."""
-    with contextlib.suppress(OSError):
-        for line in reversed(proc.log_path.read_text(errors="replace").splitlines()):
-            if line.startswith(METRICS_LINE):
-                return line[len(METRICS_LINE):].strip()
-    return ""
 
 
 def _terminate(proc: Proc, timeout_s: float) -> None:

@@ -1,9 +1,11 @@
 """The changing part of a local stack: supervision and replicas added or retired while it runs.
 
-`StackFleet` is a mixin of `sluice_tools.stack.Stack` (kept apart so that the stack's start and stop stay
-readable): `supervise()` is one supervision pass (sluice_tools/supervisor.py), `start_supervising()` runs
-it in a thread; `add_replica` / `retire_replica` / `advance_replicas` are what the planner's launcher
-(sluice_tools/autoscale.py) calls.
+`StackFleet` is a collaborator of `sluice_tools.stack.Stack`, which holds one as `stack.fleet` (kept apart
+so that the stack's start and stop stay readable): `supervise()` is one supervision pass
+(sluice_tools/supervisor.py), `start_supervising()` runs it in a thread; `add_replica` / `retire_replica`
+/ `advance_replicas` are what the planner's launcher (sluice_tools/autoscale.py) calls. It owns the
+supervision state (the `Supervisor`, its thread and the events that stop it); the processes and
+replicas stay the stack's.
 """
 
 from __future__ import annotations
@@ -13,42 +15,29 @@ import signal
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import grpc
 
 from sluice.v1 import router_pb2, router_pb2_grpc
 
 if TYPE_CHECKING:
-    from sluice.tls import TlsFiles
-    from sluice_tools.stack import Proc, Replica, Stack, StackConfig
+    from sluice_tools.stack import Proc, Replica, Stack
     from sluice_tools.supervisor import Supervisor
 
 
 class StackFleet:
-    """Supervision and replica changes of a running Stack (a mixin: the attributes are the Stack's)."""
+    """Supervision and replica changes of a running Stack (see the module docstring)."""
 
-    config: StackConfig
-    router: Proc | None
-    workers: list[Proc]
-    schedulers: list[Proc]
-    procs: list[Proc]
-    replicas: dict[str, Replica]
-    supervisor: Supervisor | None
-    _supervising: threading.Thread | None
-    _halt: threading.Event
-    _released: threading.Event
-    _pass_lock: threading.Lock
-    _operator: TlsFiles | None
-
-    if TYPE_CHECKING:
-        def channel(self, address: str) -> grpc.Channel: ...
-
-    def _spawn_worker(self) -> Replica:
-        raise NotImplementedError
-
-    def _spawn_scheduler(self, replica: Replica) -> Proc:
-        raise NotImplementedError
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.supervisor: Supervisor | None = None
+        """Set by `supervise`/`start_supervising` (or by the caller, to choose its events and hooks): restarts
+        dead processes (None: nothing is restarted)."""
+        self._supervising: threading.Thread | None = None
+        self._halt = threading.Event()
+        self._released = threading.Event()
+        self._pass_lock = threading.Lock()
 
     def supervise(self, now: float | None = None) -> None:
         """One supervision pass: restart what died (when its backoff is due), move replicas along."""
@@ -56,7 +45,7 @@ class StackFleet:
 
         with self._pass_lock:  # `stop` waits for a pass under way, then no pass runs any more
             if self.supervisor is None:
-                self.supervisor = Supervisor(cast("Stack", self))
+                self.supervisor = Supervisor(self.stack)
             self.supervisor.step(time.monotonic() if now is None else now)
 
     def start_supervising(self, interval_s: float = 0.25) -> threading.Thread:
@@ -74,13 +63,15 @@ class StackFleet:
         self._supervising.start()
         return self._supervising
 
-    def _halt_supervision(self) -> None:
+    def halt_supervision(self) -> None:
+        """Stop supervising: a pass under way finishes, then no pass runs any more (the stack is stopping)."""
         self._halt.set()
         with self._pass_lock:
             if self.supervisor is not None:
                 self.supervisor.halted = True
 
-    def _release_supervision(self) -> None:
+    def release_supervision(self) -> None:
+        """Let the supervision thread end (once the stack has stopped what it started) and wait for it."""
         self._released.set()
         if self._supervising is not None and self._supervising is not threading.current_thread():
             self._supervising.join(timeout=10)
@@ -94,13 +85,13 @@ class StackFleet:
     def add_replica(self) -> str:
         """Start a new replica (worker now, its scheduler once the worker serves, see `advance_replicas`);
         return its id. It registers with the router and is routed to once READY."""
-        return self._spawn_worker().replica_id
+        return self.stack.spawn_worker().replica_id
 
     def retire_replica(self, replica_id: str) -> None:
         """Drain and stop a replica: the router stops routing to it, its scheduler gets SIGTERM (it finishes its
         requests up to its drain timeout, then cancels the rest); its worker stops once the scheduler is gone.
         Raises KeyError for an unknown replica."""
-        replica = self.replicas[replica_id]
+        replica = self.stack.replicas[replica_id]
         replica.retiring = True
         self.router_drain(replica_id)
         if replica.scheduler is not None and replica.scheduler.alive() and replica.scheduler.popen is not None:
@@ -112,7 +103,7 @@ class StackFleet:
         from sluice_tools.stack import _terminate, health_serving
 
         events = []
-        for replica in list(self.replicas.values()):
+        for replica in list(self.stack.replicas.values()):
             if replica.retiring:
                 if replica.scheduler is None or not replica.scheduler.alive():
                     _terminate(replica.worker, timeout_s=10.0)
@@ -120,29 +111,32 @@ class StackFleet:
                     events.append(f"{replica.replica_id} retired (scheduler and worker stopped)")
             elif replica.scheduler is None and replica.worker.alive() and health_serving(replica.worker.address,
                                                                                            timeout_s=0.2,
-                                                                                           files=self._operator):
-                self._spawn_scheduler(replica)
+                                                                                           files=self.stack.operator):
+                self.stack.spawn_scheduler(replica)
                 events.append(f"{replica.replica_id}: worker serving, scheduler started")
         return events
 
     def _forget(self, replica: Replica) -> None:
-        del self.replicas[replica.replica_id]
+        stack = self.stack
+        del stack.replicas[replica.replica_id]
         gone = {id(replica.worker), id(replica.scheduler)}
-        self.workers = [p for p in self.workers if id(p) not in gone]
-        self.schedulers = [p for p in self.schedulers if id(p) not in gone]
-        self.procs = [p for p in self.procs if id(p) not in gone]
+        stack.workers = [p for p in stack.workers if id(p) not in gone]
+        stack.schedulers = [p for p in stack.schedulers if id(p) not in gone]
+        stack.procs = [p for p in stack.procs if id(p) not in gone]
 
     def router_drain(self, replica_id: str) -> None:
         """Ask the router to stop routing to a replica (best effort: the router may be down)."""
-        if self.router is None:
+        router = self.stack.router
+        if router is None:
             return
-        with self.channel(self.router.address) as channel, contextlib.suppress(grpc.RpcError):
+        with self.stack.channel(router.address) as channel, contextlib.suppress(grpc.RpcError):
             router_pb2_grpc.RouterServiceStub(channel).Drain(router_pb2.DrainRequest(replica_id=replica_id),
                                                              timeout=2)
 
     def list_replicas(self) -> list[router_pb2.Replica]:
         """The router's registry (raises grpc.RpcError when the router does not answer)."""
-        assert self.router is not None
-        with self.channel(self.router.address) as channel:
+        router = self.stack.router
+        assert router is not None
+        with self.stack.channel(router.address) as channel:
             return list(router_pb2_grpc.RouterServiceStub(channel).ListReplicas(
                 router_pb2.ListReplicasRequest(), timeout=2).replicas)

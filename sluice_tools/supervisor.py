@@ -9,7 +9,7 @@ Theory of operation
   `max_restarts` times in a row that quickly is given up on: reported plainly, not restarted again.
   Without Redis, the router or admission the stack cannot serve (`failed` says why; `sluice up`
   exits 1); without a replica it runs on the others, degraded.
-- A restart uses the same command, address and environment (`Stack.relaunch`), the embedded Redis the
+- A restart uses the same command, address and environment (`StackFleet.relaunch`), the embedded Redis the
   same port and password (`EmbeddedRedis.restart`). Services find each other again by themselves:
   a scheduler re-registers with a restarted router (heartbeat NOT_FOUND), a restarted scheduler
   registers (WARMING) and reports READY only once its worker serves (the worker serves only after
@@ -19,6 +19,9 @@ Theory of operation
   restarts; its registration after the restart makes it WARMING, then READY, again).
 - Recovery: once restarted, a process is "recovering" until its gRPC health says SERVING (Redis: it
   answers PING); then the time from its death is logged.
+- Metrics endpoints: a launch clears the process's `metrics_url` (under `--metrics-port 0` the new
+  incarnation binds another port); each pass reads the URL the running one printed, until it has one,
+  and tells a restarted process's new URL (also the URL of a replica added while the stack runs).
 - `restart_counts()` and `summary()` give the restarts per process (printed by `sluice up` on stop).
 
 The backoff bookkeeping (`Restarts`) is pure: times are arguments.
@@ -128,7 +131,7 @@ class Supervisor:
             replica = self.stack.replicas.get(proc.replica_id) if proc.replica_id else None
             if replica is None or not replica.retiring:
                 self._check(proc, now)
-        for line in self.stack.advance_replicas():
+        for line in self.stack.fleet.advance_replicas():
             self.on_event(line)
         for hook in self.hooks:
             hook(now)
@@ -139,6 +142,7 @@ class Supervisor:
     def _check(self, proc: Proc, now: float) -> None:
         track = self._track(proc.name)
         if proc.alive():
+            self._refresh_metrics_url(proc, track)
             if track.recovering and self._serving(proc):
                 track.recovering = False
                 self.on_event(f"{proc.name} serving again, {now - (track.died_at or now):.1f} s after it died")
@@ -148,13 +152,20 @@ class Supervisor:
         if track.due_at is None:
             self._died(proc.name, describe_exit(proc.popen.poll() if proc.popen else None), track, now)
             if proc.name.startswith("scheduler-") and proc.replica_id:
-                self.stack.router_drain(proc.replica_id)  # no routes to it while it restarts
+                self.stack.fleet.router_drain(proc.replica_id)  # no routes to it while it restarts
             return
         if now >= track.due_at:
-            self.stack.relaunch(proc)
+            self.stack.fleet.relaunch(proc)
             track.restarted(now)
             pid = proc.popen.pid if proc.popen else "?"
             self.on_event(f"restarted {proc.name} (pid {pid}, restart {track.total})")
+
+    def _refresh_metrics_url(self, proc: Proc, track: Restarts) -> None:
+        if proc.metrics_url or not self.stack.config.metrics:
+            return
+        proc.metrics_url = proc.printed_metrics_url()
+        if proc.metrics_url and track.total:
+            self.on_event(f"{proc.name} metrics now on {proc.metrics_url}")
 
     def _check_redis(self, now: float) -> None:
         redis = self.stack.redis

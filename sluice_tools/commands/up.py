@@ -118,21 +118,21 @@ def _supervise_until_stopped(stack: Stack, stop: threading.Event, autoscale: str
     from sluice_tools.autoscale import Autoscaler, local_planner_config, parse_bounds
     from sluice_tools.supervisor import Supervisor
 
-    stack.supervisor = Supervisor(stack, on_event=_print_event)
+    stack.fleet.supervisor = Supervisor(stack, on_event=_print_event)
     if autoscale:
         low, high = parse_bounds(autoscale)
-        stack.supervisor.hooks.append(Autoscaler(stack, local_planner_config(low, high), on_event=_print_event).tick)
+        stack.fleet.supervisor.hooks.append(Autoscaler(stack, local_planner_config(low, high), on_event=_print_event).tick)
         print(f"autoscale: the planner keeps {low} to {high} replicas", file=sys.stderr, flush=True)
     code = 0
     while not stop.wait(0.25):
-        stack.supervise()
-        if stack.supervisor.failed:
-            print(f"stopping: {stack.supervisor.failed} (see {stack.run_dir})", file=sys.stderr, flush=True)
+        stack.fleet.supervise()
+        if stack.fleet.supervisor.failed:
+            print(f"stopping: {stack.fleet.supervisor.failed} (see {stack.run_dir})", file=sys.stderr, flush=True)
             code = 1
             break
     print("stopping: draining replicas...", file=sys.stderr, flush=True)
     stack.stop(graceful=code == 0)
-    print(f"stopped. {stack.supervisor.summary()}", file=sys.stderr)
+    print(f"stopped. {stack.fleet.supervisor.summary()}", file=sys.stderr)
     return code
 
 

@@ -68,10 +68,10 @@ def test_rising_then_falling_load_adds_and_retires_replicas(tmp_path: Path) -> N
     config = StackConfig(replicas=1, backend="costmodel", model="llama-3-8b", emulate_time=True, run_dir=tmp_path,
                          scheduler_args=("--max-num-seqs", "2"), start_timeout_s=60)
     with Stack(config) as stack:
-        stack.supervisor = Supervisor(stack, on_event=lines.append)
+        stack.fleet.supervisor = Supervisor(stack, on_event=lines.append)
         autoscaler = Autoscaler(stack, quick_planner_config(1, 3), period_s=0.5, on_event=lines.append)
-        stack.supervisor.hooks.append(autoscaler.tick)
-        stack.start_supervising(0.1)
+        stack.fleet.supervisor.hooks.append(autoscaler.tick)
+        stack.fleet.start_supervising(0.1)
         with Load(stack) as load:
             for level in (2, 6, 12):  # rising
                 load.level = level

@@ -195,3 +195,50 @@ def test_a_drained_replica_hands_its_requests_over_and_retires(tmp_path: Path) -
         assert popen.wait(10) == 0
         print(f"\ndrain: {int(_migrations(values, 'handed_off'))} of {STREAMS} requests handed off; "
               f"replica retired {retired:.1f} s after Drain")
+
+
+def _refused_or_finished(endpoint: str, key: str, out: Streamed, max_tokens: int) -> None:
+    """Run one request without client retries (an UNAVAILABLE must reach the test, not be retried away)."""
+    with sdk.Client(endpoint, api_key=key, retry=sdk.RetryPolicy(max_attempts=1)) as client:
+        try:
+            for chunk in client.generate(out.prompt, max_tokens=max_tokens, ignore_eos=True, timeout=60):
+                out.request_id = chunk.request_id
+                if chunk.finished:
+                    out.status = chunk.status
+                    out.output_tokens = chunk.usage.output_tokens if chunk.usage else -1
+                    continue
+                out.index_errors += chunk.index != len(out.tokens)
+                out.tokens.extend(chunk.token_ids)
+        except sdk.SluiceError as exc:
+            out.error = exc
+
+
+def test_requests_admitted_right_after_a_scheduler_dies_are_routed_to_the_survivor(tmp_path: Path) -> None:
+    """kill -9 of replica-0's scheduler, then at once (long before the router's heartbeat timeout drops it)
+    requests: a Submit refused by the dead scheduler is routed again, every request finishes with exactly its
+    tokens, none is refused UNAVAILABLE; the re-routes are counted, the router took replica-0 out of routing
+    (UNHEALTHY) on admission's report, and admission's budgets are zero after."""
+    max_tokens, count = 40, 8
+    with _start(tmp_path) as stack:
+        assert stack.schedulers[0].popen is not None
+        stack.schedulers[0].popen.kill()
+        stack.schedulers[0].popen.wait(5)
+        killed = time.monotonic()
+        outs = [Streamed([1 + (i * 11 + j) % 200 for j in range(20 + i)]) for i in range(count)]
+        threads = [threading.Thread(target=_refused_or_finished, args=(stack.endpoint, stack.api_key, out, max_tokens))
+                   for out in outs]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(90)
+        ended = time.monotonic() - killed
+        assert [o.error for o in outs] == [None] * count
+        for out in outs:
+            assert (out.status, out.output_tokens, out.index_errors) == ("FINISHED_LENGTH", max_tokens, 0)
+            assert out.tokens == _expected(out.request_id, out.prompt, max_tokens)
+        values = _assert_budgets_return_to_zero(stack)
+        reroutes = values.get('sluice_admission_reroutes_total{code="UNAVAILABLE"}', 0.0)
+        assert reroutes >= 1
+        assert _replicas(stack)["replica-0"] == router_pb2.UNHEALTHY
+        print(f"\nscheduler killed, {count} requests sent at once: {int(reroutes)} re-routed, all exact, "
+              f"none UNAVAILABLE; last ended {ended:.1f} s after the kill")

@@ -82,8 +82,8 @@ def supervised(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """Two cost-model replicas under a supervisor thread, for the whole module."""
     lines: list[str] = []
     with Stack(_config(tmp_path_factory.mktemp("supervised"), replicas=2)) as stack:
-        stack.supervisor = Supervisor(stack, on_event=lines.append)
-        stack.start_supervising(0.1)
+        stack.fleet.supervisor = Supervisor(stack, on_event=lines.append)
+        stack.fleet.start_supervising(0.1)
         stack.events = lines  # type: ignore[attr-defined]
         yield stack
 
@@ -117,7 +117,7 @@ def test_killed_worker_is_restarted_while_the_other_replica_keeps_streaming(supe
     assert _wait(lambda: victim.alive() and victim.popen.pid != old_pid, 30)  # type: ignore[union-attr]
     thread.join(60)
     assert outcome.get("status") == "FINISHED_LENGTH" and outcome.get("tokens") == 1500, outcome
-    assert _wait(lambda: stack.supervisor.restart_counts().get(victim.name) == 1, 10)  # type: ignore[union-attr]
+    assert _wait(lambda: stack.fleet.supervisor.restart_counts().get(victim.name) == 1, 10)  # type: ignore[union-attr]
     assert any(f"{victim.name} died (killed by SIGKILL)" in line for line in stack.events)  # type: ignore[attr-defined]
     print(json.dumps({"kill": "worker", "recovery_s": round(recovery, 3)}))
 
@@ -135,7 +135,7 @@ def test_killed_scheduler_is_restarted_registers_again_and_serves(supervised: St
     def both_ready() -> bool:
         from sluice.v1 import router_pb2
 
-        return sum(r.state == router_pb2.READY for r in stack.list_replicas()) == 2
+        return sum(r.state == router_pb2.READY for r in stack.fleet.list_replicas()) == 2
 
     assert _wait(both_ready, 30)
     back = time.monotonic() - killed
@@ -188,12 +188,12 @@ def test_a_stream_running_while_redis_restarts_completes_with_every_token(superv
     thread = threading.Thread(target=stream)
     thread.start()
     assert first.wait(20)
-    assert stack.supervisor is not None
-    restarts = stack.supervisor.restart_counts().get("redis", 0)
+    assert stack.fleet.supervisor is not None
+    restarts = stack.fleet.supervisor.restart_counts().get("redis", 0)
     _kill9(stack.redis.pid)  # type: ignore[arg-type]
     at_kill = len(received)
     thread.join(90)
-    assert at_kill < 1200 and stack.supervisor.restart_counts().get("redis", 0) == restarts + 1
+    assert at_kill < 1200 and stack.fleet.supervisor.restart_counts().get("redis", 0) == restarts + 1
     assert "error" not in outcome, outcome
     assert outcome.get("status") == "FINISHED_LENGTH" and len(received) == 1200, (outcome, len(received))
     from worker_svc.costmodel import CostModel
@@ -217,15 +217,38 @@ def test_killed_router_or_admission_is_restarted_and_serves(supervised: Stack, n
     if name == "router":
         from sluice.v1 import router_pb2
 
-        assert _wait(lambda: sum(r.state == router_pb2.READY for r in stack.list_replicas()) == 2, 20)
+        assert _wait(lambda: sum(r.state == router_pb2.READY for r in stack.fleet.list_replicas()) == 2, 20)
     print(json.dumps({"kill": name, "recovery_s": round(recovery, 3)}))
+
+
+def test_a_restarted_process_reports_the_metrics_url_it_bound_again(supervised: Stack) -> None:
+    """kill -9 of admission (metrics on port 0): after the restart its `metrics_url` is the URL the new
+    incarnation printed, which answers with Sluice metrics, and the supervisor says so; the old one is gone."""
+    import urllib.request
+
+    from sluice.serve import METRICS_LINE
+
+    stack = supervised
+    victim = stack.admission
+    assert victim is not None and victim.popen is not None and victim.metrics_url
+    old_url, old_pid = victim.metrics_url, victim.popen.pid
+    killed = _kill9(old_pid)
+    _until_served(stack, killed)
+    assert _wait(lambda: bool(victim.metrics_url) and victim.popen.pid != old_pid, 20)  # type: ignore[union-attr]
+    printed = [line[len(METRICS_LINE):].strip() for line in victim.log_path.read_text().splitlines()
+               if line.startswith(METRICS_LINE)]
+    assert printed[-1] == victim.metrics_url and old_url in printed[:-1]
+    with urllib.request.urlopen(victim.metrics_url, timeout=5) as reply:  # noqa: S310 (loopback URL from the stack)
+        assert "sluice_admission_requests_total" in reply.read().decode()
+    assert any(line == f"admission metrics now on {victim.metrics_url}" for line in stack.events)  # type: ignore[attr-defined]
+    print(json.dumps({"kill": "admission", "metrics_url_before": old_url, "after": victim.metrics_url}))
 
 
 def test_while_redis_is_down_services_are_not_serving_and_requests_fail_fast(tmp_path: Path) -> None:
     """With Redis killed and not yet restarted: router, schedulers and admission report NOT_SERVING, a request
     ends UNAVAILABLE in well under its deadline; once the supervisor restarts Redis all serve again."""
     with Stack(_config(tmp_path, replicas=1)) as stack:
-        stack.supervisor = Supervisor(stack, on_event=lambda line: None)
+        stack.fleet.supervisor = Supervisor(stack, on_event=lambda line: None)
         assert stack.redis is not None
         killed = _kill9(stack.redis.pid)  # type: ignore[arg-type]
         checks = [(stack.router.address, services.ROUTER), (stack.schedulers[0].address, services.SCHEDULER),  # type: ignore[union-attr]
@@ -244,7 +267,7 @@ def test_while_redis_is_down_services_are_not_serving_and_requests_fail_fast(tmp
         retried_after = time.monotonic() - began
         assert retried.value.code == grpc.StatusCode.UNAVAILABLE and retried_after < 10
         def restarted() -> bool:
-            stack.supervise()  # the first pass notes the death, a later one restarts it once the backoff is due
+            stack.fleet.supervise()  # the first pass notes the death, a later one restarts it once the backoff is due
             return stack.redis is not None and stack.redis.running
 
         assert _wait(restarted, 10)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -48,13 +49,26 @@ class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.S
         """What each request generates (one token per 20 ms) when it runs to its max_tokens."""
         self.end_detail = "the replica gave up"
         """The detail of such an end."""
+        self.dead_routes = 0
+        """Route answers this many more calls with replica "r-dead" at `dead_address`, where nothing listens."""
+        self.dead_address = ""
+        self.reports: list[router_pb2.ReportUnreachableRequest] = []
+        """ReportUnreachable calls received."""
 
     async def Route(self, request: Any, context: Any) -> router_pb2.RouteResponse:
         if not self.ready:
             await asyncio.sleep(0.2)  # long enough for an idempotent retry to attach meanwhile
             await errors.abort(context, errors.Unavailable("no READY replica of model 'tiny'", retry_after_s=0.5))
+        if self.dead_routes > 0:
+            self.dead_routes -= 1
+            return router_pb2.RouteResponse(replica_id="r-dead", scheduler_address=self.dead_address)
         return router_pb2.RouteResponse(replica_id="r0", scheduler_address=self.address,
                                         predicted_ttft_s=self.predicted_ttft_s)
+
+    async def ReportUnreachable(self, request: router_pb2.ReportUnreachableRequest,
+                                context: Any) -> router_pb2.ReportUnreachableResponse:
+        self.reports.append(request)
+        return router_pb2.ReportUnreachableResponse(state=router_pb2.UNHEALTHY)
 
     async def ListReplicas(self, request: Any, context: Any) -> router_pb2.ListReplicasResponse:
         return router_pb2.ListReplicasResponse(replicas=[router_pb2.Replica(
@@ -116,6 +130,9 @@ async def _serve(tmp_path: Path, redis_url: str, namespace: str, body: Body, con
     router_pb2_grpc.add_RouterServiceServicer_to_server(replica, downstream)
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(replica, downstream)
     replica.address = f"127.0.0.1:{downstream.add_insecure_port('127.0.0.1:0')}"
+    with socket.socket() as closed:  # a port bound once and closed: a dead scheduler's address
+        closed.bind(("127.0.0.1", 0))
+        replica.dead_address = f"127.0.0.1:{closed.getsockname()[1]}"
     await downstream.start()
     model = load_model_spec(model_dir(tmp_path), "tiny")
     door = FrontDoor(AdmissionCore(admission_config(config, model.max_model_len)), model, replica.address, OWNER,

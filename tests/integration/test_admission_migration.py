@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import grpc
 import pytest
 from admission_harness import OUTPUT, StandInReplica, run, settle
 
@@ -11,7 +12,7 @@ from admission_svc.frontdoor import FrontDoor, FrontDoorConfig
 from sluice import client as sdk
 from sluice.bus import Bus
 from sluice.types import DRAIN_HANDOFF
-from sluice.v1 import common_pb2
+from sluice.v1 import common_pb2, events_pb2, scheduler_pb2_grpc
 
 NO_RETRY = sdk.RetryPolicy(max_attempts=1)
 
@@ -53,5 +54,72 @@ def test_a_replica_cancel_without_the_hand_off_detail_ends_the_request(tmp_path:
                 await client.generate_text("hi", max_tokens=5)
         assert len(replica.submitted) == 1
         assert door.metrics.migrations.labels("handed_off")._value.get() == 0
+
+    run(tmp_path, redis_url, namespace, body)
+
+
+def test_a_submit_to_a_dead_scheduler_is_routed_again_and_finishes(tmp_path: Path, redis_url: str, namespace: str,
+                                                                   span_exporter) -> None:  # type: ignore[no-untyped-def]
+    """The router names a scheduler whose port refuses connections: admission reports it (ReportUnreachable),
+    publishes a REJECTED completion of the abandoned attempt for the router, routes attempt `id#1` again and
+    the client gets every token; the re-route is counted and is a span event."""
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
+        door.publish_completion = bus.publish_completion
+        replica.dead_routes = 1
+        async with sdk.AsyncClient(target, api_key="k-acme", retry=NO_RETRY) as client:
+            generation = await client.generate_text("hi", max_tokens=5)
+        assert generation.finish_reason == "length" and generation.usage.output_tokens == 5
+        request_id = generation.request_id
+        assert [s.request_id for s in replica.submitted] == [f"{request_id}#1"]
+        assert [(r.replica_id, r.scheduler_address) for r in replica.reports] == [("r-dead", replica.dead_address)]
+        assert door.metrics.reroutes.labels("UNAVAILABLE")._value.get() == 1
+        entries = await bus.read_stream("completions", "0", count=100)
+        rejected = [c for c in (events_pb2.Completion.FromString(p) for _, p, _ in entries)
+                    if c.status == common_pb2.REJECTED]
+        assert [(c.request_id, c.replica_id) for c in rejected] == [(request_id, "r-dead")]
+        assert await settle(lambda: door.core.stats(0).active == 0) and door.core.released == 1
+        root = next(s for s in span_exporter.get_finished_spans() if s.attributes.get("sluice.request_id") == request_id)
+        rerouted = [e for e in root.events if e.name == "rerouted"]
+        assert [e.attributes["sluice.from_replica_id"] for e in rerouted] == ["r-dead"]
+
+    run(tmp_path, redis_url, namespace, body)
+
+
+def test_re_routes_stop_at_the_migration_limit_and_the_request_is_refused_unavailable(
+        tmp_path: Path, redis_url: str, namespace: str) -> None:
+    """With every route naming a dead scheduler, admission routes again migration_limit times, then refuses the
+    request UNAVAILABLE and releases its reservation once; nothing reached a scheduler."""
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
+        replica.dead_routes = 10
+        async with sdk.AsyncClient(target, api_key="k-acme", retry=NO_RETRY) as client:
+            with pytest.raises(sdk.Unavailable):
+                await client.generate_text("hi", max_tokens=5)
+        assert len(replica.reports) == 2 and replica.dead_routes == 7 and not replica.submitted
+        assert door.metrics.reroutes.labels("UNAVAILABLE")._value.get() == 2
+        assert await settle(lambda: door.core.stats(0).active == 0) and door.core.released == 1
+
+    run(tmp_path, redis_url, namespace, body, door_config=FrontDoorConfig(migration_limit=2))
+
+
+def test_a_scheduler_back_on_its_address_takes_the_next_submit_at_once(tmp_path: Path, redis_url: str,
+                                                                       namespace: str) -> None:
+    """After a Submit to a dead scheduler was re-routed, the scheduler comes back on its address: the next
+    request routed there is submitted there (admission dials afresh instead of waiting out the failed
+    connection's reconnect backoff), with no second re-route."""
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
+        replica.dead_routes = 1
+        async with sdk.AsyncClient(target, api_key="k-acme", retry=NO_RETRY) as client:
+            await client.generate_text("hi", max_tokens=2)
+            revived = grpc.aio.server()
+            scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(replica, revived)
+            revived.add_insecure_port(replica.dead_address)
+            await revived.start()
+            try:
+                replica.dead_routes = 1
+                generation = await client.generate_text("hi", max_tokens=2)
+            finally:
+                await revived.stop(None)
+        assert generation.request_id in [s.request_id for s in replica.submitted]
+        assert len(replica.reports) == 1 and door.metrics.reroutes.labels("UNAVAILABLE")._value.get() == 1
 
     run(tmp_path, redis_url, namespace, body)

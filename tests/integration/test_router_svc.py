@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 import redis.asyncio as aioredis
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from router_svc.core import RouterConfig, RouterCore
 from router_svc.server import RouterRuntime, start_router_server
@@ -305,4 +305,65 @@ def test_route_records_a_routed_span_in_the_callers_trace(redis_url: str, namesp
             assert routed[0].context.trace_id == parent.get_span_context().trace_id
             assert routed[0].parent.span_id == parent.get_span_context().span_id
             assert routed[0].attributes["sluice.replica_id"] == "A"
+    asyncio.run(body())
+
+
+def _closed_port_address() -> str:
+    """Return a loopback address nothing listens on (a port bound once, then closed)."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_report_unreachable_takes_out_a_dead_scheduler_and_nothing_else(redis_url: str, namespace: str) -> None:
+    """A ReportUnreachable whose probe is refused makes the replica UNHEALTHY at once (traffic goes to the
+    other) until it heartbeats READY; a report about a scheduler that answers, about another address or
+    about an unknown replica changes nothing; each outcome is counted."""
+    async def body() -> None:
+        async with _router(redis_url, namespace, replicas=("A",)) as h:
+            await _register(h, "A")
+            dead = _closed_port_address()
+            await h.stub.RegisterReplica(router_pb2.RegisterReplicaRequest(replica=router_pb2.Replica(
+                replica_id="D", model="m", scheduler_address=dead, block_size=16, num_blocks=1000)))
+            await _heartbeat(h, "D", router_pb2.READY)
+
+            def report(replica_id: str, address: str):  # type: ignore[no-untyped-def]
+                return h.stub.ReportUnreachable(router_pb2.ReportUnreachableRequest(
+                    replica_id=replica_id, scheduler_address=address, detail="UNAVAILABLE: refused"))
+
+            assert (await report("A", h.sources["A"][1])).state == router_pb2.READY      # it answers: refuted
+            assert (await report("D", "127.0.0.1:1")).state == router_pb2.READY          # not D's address
+            assert (await report("X", dead)).state == router_pb2.GONE                    # unknown replica
+            assert (await report("D", dead)).state == router_pb2.UNHEALTHY               # probe refused too
+            routed = {(await _route(h, f"r{i}", hashes=[i])).replica_id for i in range(8)}
+            assert routed == {"A"}
+            assert await _heartbeat(h, "D", router_pb2.READY) == router_pb2.READY    # alive after all: back
+            outcomes = h.runtime.metrics.unreachable_reports
+            assert [outcomes.labels(o)._value.get() for o in ("confirmed", "refuted", "unknown")] == [1, 1, 2]
+    asyncio.run(body())
+
+
+def test_a_scheduler_back_on_its_address_is_not_taken_out_by_a_later_report(redis_url: str, namespace: str) -> None:
+    """After a confirmed report, the scheduler comes back on the same address: a new report is refuted at once
+    (each probe dials afresh; a channel still backing off from the first failure would confirm it again)."""
+    async def body() -> None:
+        async with _router(redis_url, namespace, replicas=()) as h:
+            dead = _closed_port_address()
+            await h.stub.RegisterReplica(router_pb2.RegisterReplicaRequest(replica=router_pb2.Replica(
+                replica_id="D", model="m", scheduler_address=dead, block_size=16, num_blocks=1000)))
+            await _heartbeat(h, "D", router_pb2.READY)
+            request = router_pb2.ReportUnreachableRequest(replica_id="D", scheduler_address=dead)
+            assert (await h.stub.ReportUnreachable(request)).state == router_pb2.UNHEALTHY
+            server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+            server.add_insecure_port(dead)
+            await server.start()
+            try:
+                assert await _heartbeat(h, "D", router_pb2.READY) == router_pb2.READY
+                assert (await h.stub.ReportUnreachable(request)).state == router_pb2.READY
+            finally:
+                await server.stop(None)
+            outcomes = h.runtime.metrics.unreachable_reports
+            assert [outcomes.labels(o)._value.get() for o in ("confirmed", "refuted")] == [1, 1]
     asyncio.run(body())

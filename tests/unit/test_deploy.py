@@ -59,6 +59,16 @@ def k8s_containers() -> Iterator[tuple[str, dict]]:  # type: ignore[type-arg]
                         yield found.group(1), container
 
 
+def probed_port(service: str, probe: dict) -> int | None:  # type: ignore[type-arg]
+    """Return the port a probe asks: the kubelet's gRPC probe, or sluice.healthcheck with the service's own role."""
+    if "grpc" in probe or "tcpSocket" in probe:
+        return int((probe.get("grpc") or probe["tcpSocket"])["port"])
+    command = probe.get("exec", {}).get("command", [])
+    if command[:3] != ["python", "-m", "sluice.healthcheck"] or command[4:] != ["--role", service]:
+        return None
+    return int(command[3])
+
+
 def test_dockerfiles_expose_the_port_their_entrypoint_listens_on() -> None:
     """Each Dockerfile EXPOSEs the --port its ENTRYPOINT passes, and binds every interface."""
     required = {"scheduler": ["--replica-id", "r", "--worker", "w:1"]}
@@ -93,8 +103,7 @@ def test_k8s_args_parse_and_match_container_ports() -> None:
         args = parse(service, container.get("args", []))
         grpc_ports = [p["containerPort"] for p in container.get("ports", []) if p.get("name") == "grpc"]
         assert grpc_ports == [args.port], f"{container['name']}: containerPort {grpc_ports} vs --port {args.port}"
-        probe = container.get("readinessProbe", {})
-        probed = (probe.get("grpc") or probe.get("tcpSocket") or {}).get("port")
+        probed = probed_port(service, container.get("readinessProbe", {}))
         assert probed == args.port, f"{container['name']} probes port {probed}, listens on {args.port}"
         seen.add(service)
     assert seen == set(PARSERS)
@@ -130,13 +139,13 @@ def test_grafana_provisions_the_dashboard_and_a_prometheus_datasource() -> None:
 
 
 def test_k8s_probes_resources_and_metrics_ports_match_each_containers_flags() -> None:
-    """Every Sluice container is probed over gRPC on its --port, has CPU/memory requests and limits, and names its --metrics-port *metrics."""
+    """Every Sluice container is probed over gRPC (the kubelet's, or sluice.healthcheck over mTLS) on its --port, has CPU/memory requests and limits, and names its --metrics-port *metrics."""
     for service, container in k8s_containers():
         args = parse(service, container.get("args", []))
         for kind in ("readinessProbe", "livenessProbe"):
-            assert container[kind]["grpc"]["port"] == args.port, f"{container['name']} {kind}"
+            assert probed_port(service, container[kind]) == args.port, f"{container['name']} {kind}"
         if "startupProbe" in container:
-            assert container["startupProbe"]["grpc"]["port"] == args.port, container["name"]
+            assert probed_port(service, container["startupProbe"]) == args.port, container["name"]
         for level in ("requests", "limits"):
             assert {"cpu", "memory"} <= set(container["resources"][level]), f"{container['name']} {level}"
         metrics = [p["containerPort"] for p in container["ports"] if p["name"].endswith("metrics")]

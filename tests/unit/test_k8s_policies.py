@@ -132,7 +132,8 @@ def test_secrets_reach_processes_by_env_or_file_never_on_a_command_line() -> Non
         assert set(refs) <= set(secrets), container["name"]
     volumes = [v["secret"]["secretName"] for d in docs if d["kind"] == "Deployment"
                for v in d["spec"]["template"]["spec"].get("volumes", []) if "secret" in v]
-    assert set(volumes) <= set(secrets) and {"sluice-tls-router", "sluice-tls-replica", "sluice-tls-admission"} <= set(volumes)
+    assert set(volumes) <= set(secrets) and {"sluice-tls-router", "sluice-tls-scheduler", "sluice-tls-worker",
+                                                "sluice-tls-admission"} <= set(volumes)
 
 
 def test_every_redis_client_gets_the_password_and_redis_requires_it() -> None:

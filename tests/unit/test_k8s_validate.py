@@ -82,7 +82,7 @@ def _missing_selector(d: dict[str, Any]) -> None:
 
 
 def _bad_probe(d: dict[str, Any]) -> None:
-    d["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["grpc"]["port"] = "grpc"
+    d["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["exec"]["command"] = "python -m sluice.healthcheck"
 
 
 def _misspelled_kind(d: dict[str, Any]) -> None:

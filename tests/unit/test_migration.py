@@ -25,6 +25,15 @@ def test_decide_moves_a_stalled_request_only_when_its_replica_is_lost() -> None:
     assert decide([], states, {}) == []
 
 
+def test_decide_names_a_dead_scheduler_even_when_a_report_made_its_replica_unhealthy() -> None:
+    """A replica that ReportUnreachable made UNHEALTHY (its scheduler died) moves its requests as SCHEDULER_GONE
+    when the probe is refused too, and as WORKER_DOWN while its scheduler answers."""
+    stalled = [Stalled("dead", "r-1", "a"), Stalled("sick", "r-2", "b")]
+    states = {"r-1": router_pb2.UNHEALTHY, "r-2": router_pb2.UNHEALTHY}
+    assert decide(stalled, states, {"a": False, "b": True}) == [
+        ("dead", MigrationCause.SCHEDULER_GONE), ("sick", MigrationCause.WORKER_DOWN)]
+
+
 def test_attempt_ids_name_the_request_they_continue() -> None:
     """Attempt 0 is the request id itself; attempt n is `id#n`, whose origin is the id."""
     assert attempt_id("req", 0) == "req" and attempt_id("req", 2) == "req#2"
