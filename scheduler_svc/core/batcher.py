@@ -76,7 +76,7 @@ class Batcher:
         # loaded replica carry a few decodes and no queue, and the calls are most of their cost.
         if self._table.running:
             self._schedule_running(rnd, now, overlap)
-        if len(self._backlog) and not rnd.preempted:
+        if self._backlog.queue.length and not rnd.preempted:  # len(backlog), without two calls
             self._schedule_waiting(rnd, now)
         return self._seal(rnd, now)
 
@@ -103,7 +103,7 @@ class Batcher:
                     and request.status is running_status
                     and not request.stop_tail
                     and start + 1 - request.num_prompt < request.max_tokens
-                    and len(request.block_ids) * block_size > start
+                    and len(request.block_table) * block_size > start  # block_table is tuple(block_ids)
                     and kv_left > start
                 ):
                     # _place_ahead's common case, inlined like the plain decodes below.
@@ -113,7 +113,10 @@ class Batcher:
                     entries.append(request)
                     request.in_flight_prev = request.in_flight_round
                     request.in_flight_round = round_id
-                    tokens_left, seqs_left, kv_left, decodes = tokens_left - 1, seqs_left - 1, kv_left - start - 1, decodes + 1
+                    tokens_left -= 1
+                    seqs_left -= 1
+                    kv_left -= start + 1
+                    decodes += 1
                     continue
                 rnd.tokens_left, rnd.seqs_left, rnd.kv_left = tokens_left, seqs_left, kv_left
                 if place_ahead(request, rnd, self._outcomes.in_flight, self._pool, block_size):
@@ -126,7 +129,7 @@ class Batcher:
             if (
                 len(tokens) - start == 1
                 and start >= request.num_prompt
-                and len(request.block_ids) * block_size > start
+                and len(request.block_table) * block_size > start
                 and not request.stop_tail
                 and not request.pending_prefill
             ):
@@ -136,7 +139,7 @@ class Batcher:
                     new_scheduled_seq(
                         request.request_id,
                         request.epoch,
-                        (tokens[start],),
+                        request.last_token_ids,  # (tokens[start],): the last token is an output token
                         start,
                         request.block_table,
                         request.sampling,
@@ -147,7 +150,11 @@ class Batcher:
                 )
                 entries.append(request)
                 request.in_flight_round = round_id
-                tokens_left, seqs_left, kv_left, decodes = tokens_left - 1, seqs_left - 1, kv_left - start - 1, decodes + 1
+                # Separate statements: a four-name tuple assignment builds and unpacks a tuple.
+                tokens_left -= 1
+                seqs_left -= 1
+                kv_left -= start + 1
+                decodes += 1
                 continue
             rnd.tokens_left, rnd.seqs_left, rnd.kv_left = tokens_left, seqs_left, kv_left
             rnd.decode_tokens, decodes = rnd.decode_tokens + decodes, 0
