@@ -7,7 +7,8 @@ stores; assigning `__class__` afterwards (CPython allows it between classes of i
 turns the shell into the frozen class. The result is the same object a `cls(...)` call builds
 (same type, fields, equality and hash, still frozen) at about half of `slot_constructor`'s cost:
 the core builds one ScheduledSeq per sequence per round, and a plan, a budget and KV events per
-round. Falls back to `slot_constructor` for a class whose layout a shell cannot match.
+round. Falls back to `slot_constructor` for a class whose layout a shell cannot match, and to the
+class itself when it has a `__post_init__`.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ def retyping_constructor(cls: type) -> Callable[..., Any]:
     instance (identical to `cls(...)`) through a shell class of the same layout."""
     names = tuple(f.name for f in dataclasses.fields(cls))
     slots = cls.__dict__.get("__slots__")
-    if (not names or slots is None or set(slots) != set(names) or cls.__bases__ != (object,)
-            or hasattr(cls, "__post_init__")):
+    if hasattr(cls, "__post_init__"):
+        return cls  # its checks must run
+    if not names or slots is None or set(slots) != set(names) or cls.__bases__ != (object,):
         return slot_constructor(cls)
     shell = type(f"_{cls.__name__}Shell", (), {"__slots__": tuple(slots)})
     namespace: dict[str, Any] = {"_new": object.__new__, "_shell": shell, "_cls": cls}
