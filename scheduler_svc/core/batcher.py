@@ -20,16 +20,12 @@ from __future__ import annotations
 from array import array
 
 from scheduler_svc.core.ahead import PENDING, place_ahead
-from scheduler_svc.core.backlog import Backlog
-from scheduler_svc.core.block_pool import BlockPool
-from scheduler_svc.core.config import PreemptionMode, SchedulerConfig
-from scheduler_svc.core.host_blocks import HostBlocks
-from scheduler_svc.core.outbox import Outbox
+from scheduler_svc.core.config import PreemptionMode
 from scheduler_svc.core.outcomes import RoundOutcomes
+from scheduler_svc.core.parts import CoreParts
 from scheduler_svc.core.request import Request, block_hashes_upto
 from scheduler_svc.core.round import DECODE, RoundBuilder, new_round_budget, new_round_plan, new_scheduled_seq
 from scheduler_svc.core.state import Input, apply
-from scheduler_svc.core.table import RequestTable
 from scheduler_svc.core.victims import make_victim_rule
 from sluice.types import BlockCopy, RequestStatus, RoundPlan, Stage
 
@@ -40,26 +36,17 @@ class Batcher:
     __slots__ = ("next_round_id", "_config", "_block_size", "_swap", "_victims", "_table",
                  "_backlog", "_pool", "_host", "_outbox", "_outcomes")
 
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        table: RequestTable,
-        backlog: Backlog,
-        pool: BlockPool,
-        host: HostBlocks,
-        outbox: Outbox,
-        outcomes: RoundOutcomes,
-    ) -> None:
+    def __init__(self, parts: CoreParts, outcomes: RoundOutcomes) -> None:
         self.next_round_id = 1
-        self._config = config
+        config = self._config = parts.config
         self._block_size = config.block_size
         self._swap = config.preemption_mode is PreemptionMode.SWAP
         self._victims = make_victim_rule(config.victim_policy)
-        self._table = table
-        self._backlog = backlog
-        self._pool = pool
-        self._host = host
-        self._outbox = outbox
+        self._table = parts.table
+        self._backlog = parts.backlog
+        self._pool = parts.pool
+        self._host = parts.host
+        self._outbox = parts.outbox
         self._outcomes = outcomes
 
     def schedule(self, now: float, overlap: bool = False) -> RoundPlan:

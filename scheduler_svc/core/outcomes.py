@@ -21,16 +21,10 @@ from array import array
 from collections.abc import Iterable
 from operator import attrgetter
 
-from scheduler_svc.core.backlog import Backlog
-from scheduler_svc.core.block_pool import BlockPool
-from scheduler_svc.core.config import SchedulerConfig
-from scheduler_svc.core.endings import Endings
-from scheduler_svc.core.host_blocks import HostBlocks
-from scheduler_svc.core.outbox import Outbox
+from scheduler_svc.core.parts import CoreParts
 from scheduler_svc.core.request import Request, block_hashes_upto
 from scheduler_svc.core.round import DECODE, InFlightRound
 from scheduler_svc.core.state import Input, apply
-from scheduler_svc.core.table import RequestTable
 from sluice.types import RequestStatus, RoundResult, SeqOutput, Stage
 
 _REQUEST_ID = attrgetter("request_id")
@@ -42,24 +36,16 @@ class RoundOutcomes:
     __slots__ = ("in_flight", "_table", "_backlog", "_pool", "_host", "_outbox", "_endings",
                  "_block_size", "_max_lost_rounds", "_event_token_ids")
 
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        table: RequestTable,
-        backlog: Backlog,
-        pool: BlockPool,
-        host: HostBlocks,
-        outbox: Outbox,
-        endings: Endings,
-    ) -> None:
+    def __init__(self, parts: CoreParts) -> None:
         self.in_flight: dict[int, InFlightRound] = {}
         """Record of each planned round by id until its result arrives or it is lost."""
-        self._table = table
-        self._backlog = backlog
-        self._pool = pool
-        self._host = host
-        self._outbox = outbox
-        self._endings = endings
+        config = parts.config
+        self._table = parts.table
+        self._backlog = parts.backlog
+        self._pool = parts.pool
+        self._host = parts.host
+        self._outbox = parts.outbox
+        self._endings = parts.endings
         self._block_size = config.block_size
         self._max_lost_rounds = config.max_lost_rounds
         self._event_token_ids = config.kv_event_token_ids

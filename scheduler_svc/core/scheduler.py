@@ -10,6 +10,7 @@
   outcomes   RoundOutcomes  in-flight rounds and what their results or losses do (outcomes.py)
   batcher    Batcher        builds each round; its victim rule picks whom to preempt (batcher.py, victims.py)
 
+The round builder and the outcome keeper get the parts they share as one `CoreParts` (parts.py).
 The core owns the parts, checks submissions, and is the one API the services and the simulator
 call: `submit`, `schedule`, `on_round_result`, `on_round_lost`, `on_worker_restarted`, `cancel`,
 `expire`, `next_deadline`, `take_events`, `stats`. Time is always an argument.
@@ -28,6 +29,7 @@ from scheduler_svc.core.endings import Endings
 from scheduler_svc.core.host_blocks import HostBlocks
 from scheduler_svc.core.outbox import Outbox
 from scheduler_svc.core.outcomes import RoundOutcomes
+from scheduler_svc.core.parts import CoreParts
 from scheduler_svc.core.policies import make_queue
 from scheduler_svc.core.request import Request, block_hashes_upto
 from scheduler_svc.core.retype import retyping_constructor
@@ -69,10 +71,9 @@ class SchedulerCore:
         self.host = HostBlocks(config.num_host_blocks, self.pool)
         self.outbox = Outbox()
         self.endings = Endings(self.requests, self.backlog, self.pool, self.host, self.outbox, self.deadlines)
-        self.outcomes = RoundOutcomes(config, self.requests, self.backlog, self.pool, self.host,
-                                      self.outbox, self.endings)
-        self.batcher = Batcher(config, self.requests, self.backlog, self.pool, self.host,
-                               self.outbox, self.outcomes)
+        parts = CoreParts(config, self.requests, self.backlog, self.pool, self.host, self.outbox, self.endings)
+        self.outcomes = RoundOutcomes(parts)
+        self.batcher = Batcher(parts, self.outcomes)
 
     # ---- submission ------------------------------------------------------------------------
     def submit(self, request: NewRequest, now: float) -> None:
