@@ -10,7 +10,9 @@ Small cases (1, 2 and 4 running) measure the fixed cost of a round, which domina
 loaded replica and the simulator. The collector runs as in the scheduler service: the start-up
 heap frozen (as sluice.serve does) and the thresholds of `scheduler_svc.collector` for each case's
 max_num_seqs (`--python-gc` keeps CPython's defaults instead); each case reports its full
-collections, its cost per running request and p99 / median. Prints JSON to stdout; `--profile`
+collections, its cost per running request and p99 / median, and the same rounds pipelined (each
+planned while the one before is in flight, as the service and the simulator run them: every request
+is placed ahead). Prints JSON to stdout; `--profile`
 adds the top cProfile entries of the largest case and of the 2-running case to stderr. The setup
 uses only the core's public API, so this file also measures older checkouts side by side.
 """
@@ -118,11 +120,13 @@ def build_core(running: int, waiting: int, rounds: int, pairs: list[tuple[int, i
     return core
 
 
-def measure(core: SchedulerCore, rounds: int) -> dict[str, float]:
+def measure(core: SchedulerCore, rounds: int, pipelined: bool = False) -> dict[str, float]:
     """Time `rounds` decode-only rounds; return median/p99 of schedule, result and both (µs).
 
     Also counts the garbage collector's full (generation 2) collections during the rounds and the
     longest one: they walk every object of the process and are what the p99 mostly is.
+    `pipelined`: each round is planned ahead while the one before is in flight (`overlap=True`,
+    what the scheduler service and the simulator do by default), so every request is placed ahead.
     """
     sched_ns, result_ns, total_ns = [], [], []
     clock = time.process_time_ns
@@ -138,17 +142,21 @@ def measure(core: SchedulerCore, rounds: int) -> dict[str, float]:
 
     gc.collect()
     gc.callbacks.append(on_gc)
+    ahead = core.schedule(0.5) if pipelined else None
     try:
         for i in range(rounds):
             now = 1.0 + i * 0.01
             t0 = clock()
-            plan = core.schedule(now)
+            plan = core.schedule(now, overlap=True) if pipelined else core.schedule(now)
             t1 = clock()
+            if ahead is not None:  # answer the round in flight; the one just planned is next
+                ahead, plan = plan, ahead
             result = _answer(plan)
             t2 = clock()
             core.on_round_result(result, now)
             t3 = clock()
             assert plan.budget is not None and plan.budget.num_prefill_tokens == 0, "decode-only rounds"
+            assert len(plan.seqs) == core.config.max_num_seqs, "every running request in every round"
             sched_ns.append(t1 - t0)
             result_ns.append(t3 - t2)
             total_ns.append(t1 - t0 + t3 - t2)
@@ -199,6 +207,7 @@ def run(quick: bool, profile: bool, python_gc: bool = False) -> dict[str, object
     gc.freeze()
     cases: list[dict[str, object]] = []
     per_running: list[float] = []
+    per_running_ahead: list[float] = []
     for running, waiting in CASES:
         core = build_core(running, waiting, rounds, pairs, seed=running)
         thresholds = _collector(running, python_gc)
@@ -217,6 +226,16 @@ def run(quick: bool, profile: bool, python_gc: bool = False) -> dict[str, object
             }
         )
         per_running.append(figures["median_us"] / running)
+        del core
+        core = build_core(running, waiting, rounds, pairs, seed=running)
+        _collector(running, python_gc)
+        ahead = measure(core, rounds, pipelined=True)
+        cases[-1].update({
+            "pipelined_median_us": round(ahead["median_us"], 1),
+            "pipelined_p99_us": round(ahead["p99_us"], 1),
+            "pipelined_per_running_us": round(ahead["median_us"] / running, 3),
+        })
+        per_running_ahead.append(ahead["median_us"] / running)
         del core
     small = []
     for running, waiting in SMALL_CASES:
@@ -246,6 +265,7 @@ def run(quick: bool, profile: bool, python_gc: bool = False) -> dict[str, object
         "reference_loop_us": round(reference, 1),
         "collector": "Python defaults" if python_gc else "as the scheduler service sets it (scheduler_svc.collector)",
         "per_running_1024_over_64": round(per_running[-1] / per_running[0], 3),
+        "pipelined_per_running_1024_over_64": round(per_running_ahead[-1] / per_running_ahead[0], 3),
         "cases": cases,
         "small_rounds": small,
         "queue_independence_64_running": independence,

@@ -20,16 +20,12 @@ from __future__ import annotations
 from array import array
 
 from scheduler_svc.core.ahead import PENDING, place_ahead
-from scheduler_svc.core.backlog import Backlog
-from scheduler_svc.core.block_pool import BlockPool
-from scheduler_svc.core.config import PreemptionMode, SchedulerConfig
-from scheduler_svc.core.host_blocks import HostBlocks
-from scheduler_svc.core.outbox import Outbox
+from scheduler_svc.core.config import PreemptionMode
 from scheduler_svc.core.outcomes import RoundOutcomes
+from scheduler_svc.core.parts import CoreParts
 from scheduler_svc.core.request import Request, block_hashes_upto
 from scheduler_svc.core.round import DECODE, RoundBuilder, new_round_budget, new_round_plan, new_scheduled_seq
 from scheduler_svc.core.state import Input, apply
-from scheduler_svc.core.table import RequestTable
 from scheduler_svc.core.victims import make_victim_rule
 from sluice.types import BlockCopy, RequestStatus, RoundPlan, Stage
 
@@ -40,26 +36,17 @@ class Batcher:
     __slots__ = ("next_round_id", "_config", "_block_size", "_swap", "_victims", "_table",
                  "_backlog", "_pool", "_host", "_outbox", "_outcomes")
 
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        table: RequestTable,
-        backlog: Backlog,
-        pool: BlockPool,
-        host: HostBlocks,
-        outbox: Outbox,
-        outcomes: RoundOutcomes,
-    ) -> None:
+    def __init__(self, parts: CoreParts, outcomes: RoundOutcomes) -> None:
         self.next_round_id = 1
-        self._config = config
+        config = self._config = parts.config
         self._block_size = config.block_size
         self._swap = config.preemption_mode is PreemptionMode.SWAP
         self._victims = make_victim_rule(config.victim_policy)
-        self._table = table
-        self._backlog = backlog
-        self._pool = pool
-        self._host = host
-        self._outbox = outbox
+        self._table = parts.table
+        self._backlog = parts.backlog
+        self._pool = parts.pool
+        self._host = parts.host
+        self._outbox = parts.outbox
         self._outcomes = outcomes
 
     def schedule(self, now: float, overlap: bool = False) -> RoundPlan:
@@ -76,7 +63,7 @@ class Batcher:
         # loaded replica carry a few decodes and no queue, and the calls are most of their cost.
         if self._table.running:
             self._schedule_running(rnd, now, overlap)
-        if len(self._backlog) and not rnd.preempted:
+        if self._backlog.queue.length and not rnd.preempted:  # len(backlog), without two calls
             self._schedule_waiting(rnd, now)
         return self._seal(rnd, now)
 
@@ -103,7 +90,7 @@ class Batcher:
                     and request.status is running_status
                     and not request.stop_tail
                     and start + 1 - request.num_prompt < request.max_tokens
-                    and len(request.block_ids) * block_size > start
+                    and len(request.block_table) * block_size > start  # block_table is tuple(block_ids)
                     and kv_left > start
                 ):
                     # _place_ahead's common case, inlined like the plain decodes below.
@@ -113,7 +100,10 @@ class Batcher:
                     entries.append(request)
                     request.in_flight_prev = request.in_flight_round
                     request.in_flight_round = round_id
-                    tokens_left, seqs_left, kv_left, decodes = tokens_left - 1, seqs_left - 1, kv_left - start - 1, decodes + 1
+                    tokens_left -= 1
+                    seqs_left -= 1
+                    kv_left -= start + 1
+                    decodes += 1
                     continue
                 rnd.tokens_left, rnd.seqs_left, rnd.kv_left = tokens_left, seqs_left, kv_left
                 if place_ahead(request, rnd, self._outcomes.in_flight, self._pool, block_size):
@@ -126,7 +116,7 @@ class Batcher:
             if (
                 len(tokens) - start == 1
                 and start >= request.num_prompt
-                and len(request.block_ids) * block_size > start
+                and len(request.block_table) * block_size > start
                 and not request.stop_tail
                 and not request.pending_prefill
             ):
@@ -136,7 +126,7 @@ class Batcher:
                     new_scheduled_seq(
                         request.request_id,
                         request.epoch,
-                        (tokens[start],),
+                        request.last_token_ids,  # (tokens[start],): the last token is an output token
                         start,
                         request.block_table,
                         request.sampling,
@@ -147,7 +137,11 @@ class Batcher:
                 )
                 entries.append(request)
                 request.in_flight_round = round_id
-                tokens_left, seqs_left, kv_left, decodes = tokens_left - 1, seqs_left - 1, kv_left - start - 1, decodes + 1
+                # Separate statements: a four-name tuple assignment builds and unpacks a tuple.
+                tokens_left -= 1
+                seqs_left -= 1
+                kv_left -= start + 1
+                decodes += 1
                 continue
             rnd.tokens_left, rnd.seqs_left, rnd.kv_left = tokens_left, seqs_left, kv_left
             rnd.decode_tokens, decodes = rnd.decode_tokens + decodes, 0

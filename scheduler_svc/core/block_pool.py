@@ -24,7 +24,11 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from scheduler_svc.core.retype import retyping_constructor
 from sluice.types import KvEvent, KvEventKind, KvMedium
+
+_new_kv_event = retyping_constructor(KvEvent)
+"""KvEvent's constructor, positional (a STORED event per registered block: see retype.py)."""
 
 
 class BlockPoolError(Exception):
@@ -231,7 +235,7 @@ class BlockPool:
     def _emit(self, kind: KvEventKind, hashes: tuple[int, ...], parent_hash: int = 0,
               token_ids: tuple[int, ...] = (), medium: KvMedium = KvMedium.GPU) -> None:
         self.last_event_id += 1
-        self._events.append(KvEvent(self.last_event_id, kind, hashes, parent_hash, token_ids, medium))
+        self._events.append(_new_kv_event(self.last_event_id, kind, hashes, parent_hash, token_ids, medium))
 
     def emit_host(self, kind: KvEventKind, hashes: Sequence[int], parent_hash: int = 0) -> None:
         """Emit a STORED or REMOVED event for host (CPU) copies of blocks; nothing for no hashes.

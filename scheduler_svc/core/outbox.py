@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from scheduler_svc.core.request import Request
+from scheduler_svc.core.retype import retyping_constructor
 from sluice.types import CoreEvents, LifecycleEvent, Stage
+
+_new_lifecycle_event = retyping_constructor(LifecycleEvent)
+"""LifecycleEvent's constructor, positional (see retype.py)."""
 
 
 class Outbox:
@@ -38,7 +42,7 @@ class Outbox:
         self, request: Request, stage: Stage, now: float, detail: tuple[tuple[str, int | str], ...] = ()
     ) -> None:
         """Record a lifecycle stage of `request` at `now`."""
-        self.events.lifecycle.append(LifecycleEvent(request.request_id, stage, now, detail))
+        self.events.lifecycle.append(_new_lifecycle_event(request.request_id, stage, now, detail))
 
     def drop(self, count: int) -> None:
         """Count `count` dropped results (in this batch and in total)."""

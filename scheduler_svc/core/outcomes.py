@@ -18,18 +18,16 @@ them in order, so none of them ran either).
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterable
+from operator import attrgetter
 
-from scheduler_svc.core.backlog import Backlog
-from scheduler_svc.core.block_pool import BlockPool
-from scheduler_svc.core.config import SchedulerConfig
-from scheduler_svc.core.endings import Endings
-from scheduler_svc.core.host_blocks import HostBlocks
-from scheduler_svc.core.outbox import Outbox
+from scheduler_svc.core.parts import CoreParts
 from scheduler_svc.core.request import Request, block_hashes_upto
 from scheduler_svc.core.round import DECODE, InFlightRound
 from scheduler_svc.core.state import Input, apply
-from scheduler_svc.core.table import RequestTable
 from sluice.types import RequestStatus, RoundResult, SeqOutput, Stage
+
+_REQUEST_ID = attrgetter("request_id")
 
 
 class RoundOutcomes:
@@ -38,24 +36,16 @@ class RoundOutcomes:
     __slots__ = ("in_flight", "_table", "_backlog", "_pool", "_host", "_outbox", "_endings",
                  "_block_size", "_max_lost_rounds", "_event_token_ids")
 
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        table: RequestTable,
-        backlog: Backlog,
-        pool: BlockPool,
-        host: HostBlocks,
-        outbox: Outbox,
-        endings: Endings,
-    ) -> None:
+    def __init__(self, parts: CoreParts) -> None:
         self.in_flight: dict[int, InFlightRound] = {}
         """Record of each planned round by id until its result arrives or it is lost."""
-        self._table = table
-        self._backlog = backlog
-        self._pool = pool
-        self._host = host
-        self._outbox = outbox
-        self._endings = endings
+        config = parts.config
+        self._table = parts.table
+        self._backlog = parts.backlog
+        self._pool = parts.pool
+        self._host = parts.host
+        self._outbox = parts.outbox
+        self._endings = parts.endings
         self._block_size = config.block_size
         self._max_lost_rounds = config.max_lost_rounds
         self._event_token_ids = config.kv_event_token_ids
@@ -98,10 +88,14 @@ class RoundOutcomes:
                 self._finish_swaps(record, now)
 
     def _apply_outputs(self, record: InFlightRound, outputs: tuple[SeqOutput, ...], now: float) -> None:
-        by_id = {out.request_id: out for out in outputs}
-        if len(by_id) != len(outputs):
-            by_id = self._newest_outputs(outputs)
-        pop = by_id.pop
+        entries = record.entries
+        # The worker answers one output per sequence in plan order: then the outputs pair up by
+        # position (one C-level comparison of the id lists, no map); else they are matched by id.
+        if len(outputs) == len(entries) and list(map(_REQUEST_ID, outputs)) == list(map(_REQUEST_ID, entries)):
+            pairs: Iterable[tuple[Request, SeqOutput | None]] = zip(entries, outputs, strict=True)
+            unmatched = 0
+        else:
+            pairs, unmatched = self._match_outputs(entries, outputs)
         outbox = self._outbox
         drop = outbox.drop
         emit = outbox.events.tokens.append
@@ -110,16 +104,21 @@ class RoundOutcomes:
         account = self._backlog.account
         running = RequestStatus.RUNNING
         chunks = record.chunks
-        for request in record.entries:
+        round_id = record.round_id
+        for request, out in pairs:
             num_tokens, sample = chunks.get(request, DECODE) if chunks is not None else DECODE
-            if request.in_flight_prev is None:
+            # _unread's two common cases inlined: read by this round only, or placed ahead in the next.
+            prev = request.in_flight_prev
+            if prev is None:
                 request.in_flight_round = None
                 unread = True
+            elif prev == round_id:
+                request.in_flight_prev = None
+                unread = False
             else:
-                unread = self._unread(request, record.round_id)
+                unread = self._unread(request, round_id)
             if request.lost_rounds:
                 request.lost_rounds = 0
-            out = pop(request.request_id, None)
             if request.status is not running:
                 if out is not None and out.token_ids:
                     drop(1)
@@ -135,7 +134,7 @@ class RoundOutcomes:
             elif out is None or out.epoch != request.epoch or not out.token_ids:
                 if out is not None:
                     drop(1)
-                detail = f"round {record.round_id} returned no token for epoch {request.epoch}"
+                detail = f"round {round_id} returned no token for epoch {request.epoch}"
                 self._endings.end_running(request, Input.FAIL, now, detail)
             else:
                 token_ids = out.token_ids
@@ -143,23 +142,38 @@ class RoundOutcomes:
                 tokens = request.tokens
                 index = len(tokens) - request.num_prompt
                 tokens.append(token)
+                request.last_token_ids = token_ids
                 emit((request.request_id, index, token))
                 # One test for the common case; the rare ones (first token, finish, fair-share
-                # accounting, extra tokens) are sorted out in _after_token.
+                # accounting, extra tokens, token ids not in a tuple) are sorted out in _after_token.
                 if (
                     index == 0
                     or index + 1 >= request.max_tokens
                     or token == request.eos_token_id
                     or out.stop_string_hit
                     or len(token_ids) != 1
+                    or token_ids.__class__ is not tuple
                     or account is not None
                     or (request.stop_token_ids and token in request.stop_token_ids)
                 ):
                     self._after_token(request, out, index, token, now)
-        if by_id:
-            drop(len(by_id))
+        if unmatched:
+            drop(unmatched)
         if record.host_release:
             self._host.release(record.host_release)
+
+    def _match_outputs(
+        self, entries: list[Request], outputs: tuple[SeqOutput, ...]
+    ) -> tuple[list[tuple[Request, SeqOutput | None]], int]:
+        """Return (each entry with its output by id, or None; how many outputs match no entry).
+
+        Of outputs repeating an id, the newest epoch is kept (the others are counted as dropped).
+        """
+        by_id = {out.request_id: out for out in outputs}
+        if len(by_id) != len(outputs):
+            by_id = self._newest_outputs(outputs)
+        pop = by_id.pop
+        return [(request, pop(request.request_id, None)) for request in entries], len(by_id)
 
     def _newest_outputs(self, outputs: tuple[SeqOutput, ...]) -> dict[str, SeqOutput]:
         """Keep one output per request (the newest epoch); count the others as dropped."""
@@ -177,6 +191,8 @@ class RoundOutcomes:
         """Everything but the append for output token `index`: first token, accounting, finishing."""
         if len(out.token_ids) > 1:
             self._outbox.drop(len(out.token_ids) - 1)
+        if len(out.token_ids) != 1 or out.token_ids.__class__ is not tuple:
+            request.last_token_ids = (token,)  # only the first token was taken
         if index == 0:
             request.first_token_time = now
             self._outbox.event(request, Stage.FIRST_TOKEN, now)

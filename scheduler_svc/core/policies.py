@@ -43,15 +43,16 @@ class WaitingQueue(ABC):
 
     def __init__(self) -> None:
         self._next_seq = 0
-        self._len = 0
+        self.length = 0
+        """How many requests are queued: `len(queue)` without the call (read it, never write it)."""
 
     def __len__(self) -> int:
-        return self._len
+        return self.length
 
     def _new_seq(self, request: Request) -> int:
         self._next_seq += 1
         request.queue_seq = self._next_seq
-        self._len += 1
+        self.length += 1
         return self._next_seq
 
     @abstractmethod
@@ -75,7 +76,7 @@ class WaitingQueue(ABC):
         if request.queue_seq < 0:
             return False
         request.queue_seq = -1
-        self._len -= 1
+        self.length -= 1
         return True
 
     def on_service(self, tenant: str, input_tokens: int, output_tokens: int) -> None:  # noqa: B027

@@ -23,6 +23,7 @@ class Request:
         "status",
         "num_computed",
         "tokens",
+        "last_token_ids",
         "num_prompt",
         "block_ids",
         "block_table",
@@ -75,6 +76,9 @@ class Request:
         # Raises OverflowError/TypeError for ids that are not 64-bit integers.
         self.tokens = array("q", new.prompt_token_ids)
         self.num_prompt = len(self.tokens)
+        self.last_token_ids: tuple[int, ...] = ()
+        """The last output token as a 1-tuple, `(tokens[-1],)` once there is one: the worker's own tuple,
+        reused as the next decode's token_ids (one tuple and one int fewer per decode per round)."""
         self.num_computed = 0
         self.pending_prefill = 0
         """Prefill tokens not yet scheduled that this request adds to the core's pending-prefill count."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.request import Request
-from sluice.slots import slot_constructor
+from scheduler_svc.core.retype import retyping_constructor
 from sluice.types import BlockCopy, RoundBudget, RoundPlan, ScheduledSeq
 
 DECODE = (1, True)
@@ -35,10 +35,10 @@ class InFlightRound:
         return self.chunks.get(request, DECODE) if self.chunks is not None else DECODE
 
 
-# Built once per sequence per round (and once per round): see slots.py for why not the __init__.
-new_scheduled_seq = slot_constructor(ScheduledSeq)
-new_round_budget = slot_constructor(RoundBudget)
-new_round_plan = slot_constructor(RoundPlan)
+# Built once per sequence per round (and once per round): see retype.py for why not the __init__.
+new_scheduled_seq = retyping_constructor(ScheduledSeq)
+new_round_budget = retyping_constructor(RoundBudget)
+new_round_plan = retyping_constructor(RoundPlan)
 
 
 class RoundBuilder(InFlightRound):

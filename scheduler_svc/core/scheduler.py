@@ -10,6 +10,7 @@
   outcomes   RoundOutcomes  in-flight rounds and what their results or losses do (outcomes.py)
   batcher    Batcher        builds each round; its victim rule picks whom to preempt (batcher.py, victims.py)
 
+The round builder and the outcome keeper get the parts they share as one `CoreParts` (parts.py).
 The core owns the parts, checks submissions, and is the one API the services and the simulator
 call: `submit`, `schedule`, `on_round_result`, `on_round_lost`, `on_worker_restarted`, `cancel`,
 `expire`, `next_deadline`, `take_events`, `stats`. Time is always an argument.
@@ -28,8 +29,10 @@ from scheduler_svc.core.endings import Endings
 from scheduler_svc.core.host_blocks import HostBlocks
 from scheduler_svc.core.outbox import Outbox
 from scheduler_svc.core.outcomes import RoundOutcomes
+from scheduler_svc.core.parts import CoreParts
 from scheduler_svc.core.policies import make_queue
 from scheduler_svc.core.request import Request, block_hashes_upto
+from scheduler_svc.core.retype import retyping_constructor
 from scheduler_svc.core.table import RequestTable
 from sluice.core_errors import RequestRejected
 from sluice.hashing import salt_of
@@ -43,6 +46,10 @@ from sluice.types import (
     RoundResult,
     Stage,
 )
+
+# Built once per round (events) and per heartbeat or sample (stats): see retype.py.
+_new_core_events = retyping_constructor(CoreEvents)
+_new_core_stats = retyping_constructor(CoreStats)
 
 
 class SchedulerCore:
@@ -64,10 +71,9 @@ class SchedulerCore:
         self.host = HostBlocks(config.num_host_blocks, self.pool)
         self.outbox = Outbox()
         self.endings = Endings(self.requests, self.backlog, self.pool, self.host, self.outbox, self.deadlines)
-        self.outcomes = RoundOutcomes(config, self.requests, self.backlog, self.pool, self.host,
-                                      self.outbox, self.endings)
-        self.batcher = Batcher(config, self.requests, self.backlog, self.pool, self.host,
-                               self.outbox, self.outcomes)
+        parts = CoreParts(config, self.requests, self.backlog, self.pool, self.host, self.outbox, self.endings)
+        self.outcomes = RoundOutcomes(parts)
+        self.batcher = Batcher(parts, self.outcomes)
 
     # ---- submission ------------------------------------------------------------------------
     def submit(self, request: NewRequest, now: float) -> None:
@@ -223,33 +229,35 @@ class SchedulerCore:
         """Return everything that happened since the last call and start a new outbox."""
         outbox = self.outbox
         # Outbox.take's two lines, inlined: this runs once per round.
-        events, outbox.events = outbox.events, CoreEvents()
+        events, outbox.events = outbox.events, _new_core_events([], [], [], [], 0)
         if self.pool.has_events:
             events.kv_events.extend(self.pool.take_events())
         return events
 
     def stats(self) -> CoreStats:
         """Return counters and ledger sizes (O(1))."""
-        pool, outbox, requests = self.pool, self.outbox, self.requests
-        return CoreStats(
-            waiting=len(self.backlog),
-            running=len(requests.running),
-            kv_blocks_total=pool.num_blocks,
-            kv_blocks_used=pool.num_used,
-            kv_blocks_free=pool.num_free,
-            kv_blocks_cached=pool.num_cached,
-            host_blocks_total=self.host.total,
-            host_blocks_used=self.host.num_used,
-            preemptions=outbox.preemptions,
-            recomputed_tokens=outbox.recomputed_tokens,
-            dropped_results=outbox.dropped_total,
-            rounds=outbox.rounds,
-            queued_prefill_tokens=self.backlog.queued_prefill_tokens,
-            finished=requests.count(RequestStatus.FINISHED_STOP, RequestStatus.FINISHED_LENGTH),
-            cancelled=requests.count(RequestStatus.CANCELLED),
-            timed_out=requests.count(RequestStatus.TIMED_OUT),
-            prefix_hit_tokens=outbox.prefix_hit_tokens,
-            prefix_query_tokens=outbox.prefix_query_tokens,
+        pool, outbox, requests, host = self.pool, self.outbox, self.requests, self.host
+        ended = requests.ended_counts
+        free, cached = pool.num_free, pool.num_cached
+        return _new_core_stats(
+            len(self.backlog),
+            len(requests.running),
+            pool.num_blocks,
+            pool.num_blocks - free - cached,
+            free,
+            cached,
+            host.total,
+            host.num_used,
+            outbox.preemptions,
+            outbox.recomputed_tokens,
+            outbox.dropped_total,
+            outbox.rounds,
+            self.backlog.queued_prefill_tokens,
+            ended.get(RequestStatus.FINISHED_STOP, 0) + ended.get(RequestStatus.FINISHED_LENGTH, 0),
+            ended.get(RequestStatus.CANCELLED, 0),
+            ended.get(RequestStatus.TIMED_OUT, 0),
+            outbox.prefix_hit_tokens,
+            outbox.prefix_query_tokens,
         )
 
     def kv_snapshot(self) -> tuple[int, tuple[int, ...]]:

@@ -60,6 +60,11 @@ class RequestTable:
         """Return the remembered terminal status of an ended request, or None."""
         return self._terminal.get(request_id)
 
+    @property
+    def ended_counts(self) -> dict[RequestStatus, int]:
+        """Return how many requests ended with each terminal status (absent: none); do not modify."""
+        return self._counts
+
     def count(self, *statuses: RequestStatus) -> int:
         """Return how many requests ended with any of `statuses`."""
         return sum(self._counts.get(status, 0) for status in statuses)

@@ -112,6 +112,16 @@ def check_invariants(core: SchedulerCore) -> None:
     _check_places(core)
     _check_host(core)
     _check_pending_prefill(core)
+    _check_round_caches(core)
+
+
+def _check_round_caches(core: SchedulerCore) -> None:
+    """What the round builder reads instead of recomputing agrees with what it stands for."""
+    for request in core.requests.live.values():
+        assert request.block_table == tuple(request.block_ids), f"{request}: block_table"
+        if len(request.tokens) > request.num_prompt:
+            assert request.last_token_ids == (request.tokens[-1],), f"{request}: last_token_ids"
+    assert core.backlog.queue.length == len(core.backlog.queue.live())
 
 
 def _check_pending_prefill(core: SchedulerCore) -> None:

@@ -41,3 +41,14 @@ def test_bench_cores_decode_only_after_setup_with_the_waiting_queue_untouched() 
     assert (core.num_running, core.num_waiting) == (8, 16)
     figures = bench.measure(core, 5)  # asserts that every measured round is decode-only
     assert figures["median_us"] > 0 and core.num_running == 8 and core.num_waiting == 16
+
+
+def test_bench_pipelined_rounds_place_every_running_request_ahead() -> None:
+    """Pipelined, each measured round carries every running request, placed ahead of the round in flight."""
+    pairs, _ = bench.load_lengths()
+    core = bench.build_core(8, 16, 40, pairs, seed=8)
+    before = core.stats().rounds
+    figures = bench.measure(core, 40, pipelined=True)  # asserts decode-only rounds of all 8 requests
+    assert figures["median_us"] > 0 and core.num_running == 8 and core.num_waiting == 16
+    assert core.stats().rounds == before + 41  # the one planned first, then one per measured round
+    assert len(core.outcomes.in_flight) == 1  # the last one planned is still in flight
