@@ -191,9 +191,9 @@ class Simulator:
         self.push(0.0, _SAMPLE)
         self._push_next_arrival()
         handlers = self._handlers()
-        heap = self._heap
+        heap, pop = self._heap, heapq.heappop
         while heap:
-            when, _, kind, payload = heapq.heappop(heap)
+            when, _, kind, payload = pop(heap)
             self.now = when
             handlers[kind](payload)
         self._finish_stragglers()
