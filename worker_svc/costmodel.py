@@ -299,7 +299,7 @@ class CostModel:
         # One pass computes both the shape (as shape_of does) and the outputs: this runs once per
         # simulated round, millions of times per trace, mostly with one or two decodes. The token is
         # `token_for`'s, computed inline for a text vocabulary without `eos_after` (the simulator's case).
-        outputs = []
+        outputs: list[SeqOutput] = []
         append = outputs.append
         query = pairs = read = sampled = 0
         bases = self._bases
