@@ -433,7 +433,7 @@ class Simulator:
 
     # ---- what the cores said ----------------------------------------------------------------
     def _absorb(self, replica: _Replica, events: CoreEvents) -> None:
-        # Once per round: most rounds carry a token or two and nothing else, so each list is tested first.
+        # Once per round: most rounds carry a token or two and nothing else.
         now = self.now + self._token_delay
         tokens = events.tokens
         if tokens:
@@ -445,19 +445,16 @@ class Simulator:
                     self.admission.mark_started(request_id, now)
                 if grow is not None:
                     grow(request_id, index, now)  # admission: the growth signal
-        if events.lifecycle:
-            for event in events.lifecycle:
-                if event.stage is Stage.FIRST_SCHEDULED:
-                    self.records[event.request_id].first_scheduled_s = event.time
-        if events.finished:
-            for finished in events.finished:
-                self._finish(replica, finished)
+        for event in events.lifecycle:
+            if event.stage is Stage.FIRST_SCHEDULED:
+                self.records[event.request_id].first_scheduled_s = event.time
+        for finished in events.finished:
+            self._finish(replica, finished)
         if events.kv_events and not self.router.apply_kv_events(replica.replica_id, events.kv_events, now):
             last_event_id, hashes = replica.core.kv_snapshot()
             self.router.apply_snapshot(replica.replica_id, last_event_id, hashes, now)
             self.kv_snapshots += 1
-        if events.dropped_results:
-            self.dropped_results += events.dropped_results
+        self.dropped_results += events.dropped_results
 
     def _finish(self, replica: _Replica, finished: Any) -> None:
         rid, now = finished.request_id, self.now
