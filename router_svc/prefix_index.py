@@ -76,25 +76,23 @@ class PrefixIndex:
     def apply_events(self, cache: ReplicaCache, events: Sequence[KvEvent]) -> bool:
         """Apply a replica's KV events in order; return False on an event-id gap (nothing after it applied)."""
         for event in events:
-            if event.event_id <= cache.last_event_id:
+            event_id = event.event_id
+            if event_id <= cache.last_event_id:
                 continue
-            if event.event_id != cache.last_event_id + 1:
+            if event_id != cache.last_event_id + 1:
                 self.gaps += 1
                 return False
-            self._apply_event(cache, event)
-            cache.last_event_id = event.event_id
+            kind = event.kind
+            if event.medium is KvMedium.GPU or kind is KvEventKind.ALL_CLEARED:
+                # Host copies of a swapped-out request are skipped: no other request can hit them (ids still count).
+                if kind is KvEventKind.STORED:
+                    self._add(cache, event.block_hashes)
+                elif kind is KvEventKind.REMOVED:
+                    self._remove(cache, event.block_hashes)
+                else:
+                    self.purge(cache)
+            cache.last_event_id = event_id
         return True
-
-    def _apply_event(self, cache: ReplicaCache, event: KvEvent) -> None:
-        if event.medium is not KvMedium.GPU and event.kind is not KvEventKind.ALL_CLEARED:
-            return  # host copies of a swapped-out request: no other request can hit them (ids still count)
-        if event.kind is KvEventKind.STORED:
-            self._add(cache, event.block_hashes)
-        elif event.kind is KvEventKind.REMOVED:
-            for block_hash in event.block_hashes:
-                self._unindex(cache, block_hash)
-        else:
-            self.purge(cache)
 
     def apply_snapshot(self, cache: ReplicaCache, last_event_id: int, hashes: Iterable[int]) -> None:
         """Replace what is known of the replica's cache with a snapshot taken at `last_event_id`."""
@@ -103,23 +101,29 @@ class PrefixIndex:
         cache.last_event_id = last_event_id
 
     def _add(self, cache: ReplicaCache, hashes: Iterable[int]) -> None:
-        rid = cache.replica_id
+        # Plain loops with the lookups hoisted: a simulated trace stores and removes millions of blocks.
+        rid, held, holders = cache.replica_id, cache.hashes, self._holders
         for block_hash in hashes:
-            cache.hashes.add(block_hash)
-            self._holders.setdefault(block_hash, set()).add(rid)
+            held.add(block_hash)
+            holding = holders.get(block_hash)
+            if holding is None:
+                holders[block_hash] = {rid}
+            else:
+                holding.add(rid)
 
-    def _unindex(self, cache: ReplicaCache, block_hash: int) -> None:
-        cache.hashes.discard(block_hash)
-        holders = self._holders.get(block_hash)
-        if holders is not None:
-            holders.discard(cache.replica_id)
-            if not holders:
-                del self._holders[block_hash]
+    def _remove(self, cache: ReplicaCache, hashes: Iterable[int]) -> None:
+        rid, held, holders = cache.replica_id, cache.hashes, self._holders
+        for block_hash in hashes:
+            held.discard(block_hash)
+            holding = holders.get(block_hash)
+            if holding is not None:
+                holding.discard(rid)
+                if not holding:
+                    del holders[block_hash]
 
     def purge(self, cache: ReplicaCache) -> None:
         """Forget everything the replica holds or is predicted to hold."""
-        for block_hash in list(cache.hashes):
-            self._unindex(cache, block_hash)
+        self._remove(cache, list(cache.hashes))
         cache.predicted.clear()
 
     # ---- lookups --------------------------------------------------------------------------

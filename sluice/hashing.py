@@ -78,11 +78,27 @@ def _digest(keyed: Any, parent: bytes, packed_tokens: bytes | memoryview) -> byt
     return digest if digest != _ZERO else _ONE
 
 
+_last_block_key: tuple[Any, ...] = (None, None, 0, None)
+"""(salt, its keyed state, block length, its packer) of the last `block_hash` call. One tuple, replaced
+whole (threads see one consistent entry); one salt and block size is nearly every call of a replica,
+so two tests replace two cache lookups that hash a 256-bit salt."""
+
+
+def _block_key(salt: int, count: int) -> tuple[Any, ...]:
+    global _last_block_key
+    _last_block_key = (salt, _keyed(salt), count, _packer(count))
+    return _last_block_key
+
+
 def block_hash(parent: int, salt: int, tokens: Sequence[int]) -> int:
     """Return the hash of one full block given its parent's hash (NO_PARENT for the first)."""
     # Inlined (no _digest call): the scheduler core calls this each time one of its requests fills a block.
-    state = _keyed(salt).copy()
-    state.update(parent.to_bytes(8, "little") + _packer(len(tokens))(*tokens))
+    key = _last_block_key
+    count = len(tokens)
+    if salt is not key[0] or count != key[2]:
+        key = _block_key(salt, count)
+    state = key[1].copy()
+    state.update(parent.to_bytes(8, "little") + key[3](*tokens))
     return int.from_bytes(state.digest(), "little") or 1
 
 

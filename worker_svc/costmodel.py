@@ -136,6 +136,9 @@ def load_coefficients(path: str | Path) -> CostCoefficients:
         raise ValueError(f"{path}: {exc}") from None
 
 
+_TOKEN_STRIDE = 2654435761
+"""Multiplier of the position in a made-up token (Knuth's multiplicative hash constant)."""
+
 # One SeqOutput per simulated sequence, one RoundResult per simulated round.
 _new_output = slot_constructor(SeqOutput)
 _new_result = slot_constructor(RoundResult)
@@ -182,6 +185,7 @@ class CostModel:
         self.num_host_blocks = int(host_kv_bytes // (block_size * self.kv_bytes_per_token))
         self.max_model_len = max_model_len or self.shape.max_position
         self._bases: dict[str, int] = {}
+        self._inline_tokens = self._tokens_are_plain_text()
         self._set_rates()
 
     def _blocks_for(self, tp: int) -> int:
@@ -193,6 +197,12 @@ class CostModel:
             if self._blocks_for(tp) >= 1024:
                 return tp
         return 8
+
+    def _tokens_are_plain_text(self) -> bool:
+        """True when `token_for` reduces to the printable-ASCII formula: no `eos_after`, a vocabulary
+        beyond the text ids and an EOS outside them (so the EOS remap never applies)."""
+        vocab, eos = self.shape.vocab_size, self.shape.eos_token_id
+        return self.eos_after is None and vocab > TEXT_TOKENS.stop and eos not in TEXT_TOKENS
 
     def _set_rates(self) -> None:
         c, tp = self.coefficients, self.tensor_parallel
@@ -261,15 +271,23 @@ class CostModel:
         request it continues) and the position, so an attempt whose prompt is the original prompt plus
         the k tokens streamed so far continues with exactly the tokens the original would have had.
         EOS only at output index `eos_after` (counted per attempt)."""
-        vocab, eos = self.shape.vocab_size, self.shape.eos_token_id
         if self.eos_after is not None and output_index >= self.eos_after:
-            return eos
+            return self.shape.eos_token_id
         base = self._bases.get(request_id)
         if base is None:
-            base = self._bases[request_id] = zlib.crc32(origin_request_id(request_id).encode())
-            if len(self._bases) > 100_000:  # bounded: ids are cheap to recompute
-                self._bases.clear()
-        mixed = base + position * 2654435761
+            base = self._base_of(request_id)
+        return self._token_at(base, position)
+
+    def _base_of(self, request_id: str) -> int:
+        """Return (and remember) the lineage's token base; bounded: ids are cheap to recompute."""
+        if len(self._bases) >= 100_000:
+            self._bases.clear()
+        base = self._bases[request_id] = zlib.crc32(origin_request_id(request_id).encode())
+        return base
+
+    def _token_at(self, base: int, position: int) -> int:
+        vocab, eos = self.shape.vocab_size, self.shape.eos_token_id
+        mixed = base + position * _TOKEN_STRIDE
         # Printable ASCII in the byte tokenizer that admission reads for a cost-model stack, so that
         # the made-up tokens stream as text over the HTTP API (one character each) and a benchmark
         # that counts tokens in the text counts what was generated.
@@ -279,26 +297,36 @@ class CostModel:
     def execute(self, plan: RoundPlan) -> RoundResult:
         """Return the round's tokens (one per sampling seq) with `elapsed_s` = modelled time."""
         # One pass computes both the shape (as shape_of does) and the outputs: this runs once per
-        # simulated round, millions of times per trace.
-        outputs = []
+        # simulated round, millions of times per trace, mostly with one or two decodes. The token is
+        # `token_for`'s, computed inline for a text vocabulary without `eos_after` (the simulator's case).
+        outputs: list[SeqOutput] = []
+        append = outputs.append
         query = pairs = read = sampled = 0
-        token_for = self.token_for
+        bases = self._bases
+        inline = self._inline_tokens
+        text_start, text_len, stride = TEXT_TOKENS.start, len(TEXT_TOKENS), _TOKEN_STRIDE
         for seq in plan.seqs:
             n = len(seq.token_ids)
             start = seq.start_position
             query += n
             pairs += n * start + n * (n + 1) // 2
             read += start + n
+            request_id = seq.request_id
             if seq.sample:
                 sampled += 1
-                outputs.append(
-                    _new_output(seq.request_id, seq.epoch, (token_for(seq.request_id, start + n, seq.output_index),),
-                                False)
-                )
+                if inline:
+                    base = bases.get(request_id)
+                    if base is None:
+                        base = self._base_of(request_id)
+                    token = text_start + (base + (start + n) * stride) % text_len
+                else:
+                    token = self.token_for(request_id, start + n, seq.output_index)
+                append(_new_output(request_id, seq.epoch, (token,), False))
             else:
-                outputs.append(_new_output(seq.request_id, seq.epoch, (), False))
-        swapped = len(plan.swap_out) + len(plan.swap_in)
-        elapsed = self._time(query, pairs, read, sampled) + swapped * self._swap_s_per_block
+                append(_new_output(request_id, seq.epoch, (), False))
+        elapsed = self._time(query, pairs, read, sampled)
+        if plan.swap_out or plan.swap_in:
+            elapsed += (len(plan.swap_out) + len(plan.swap_in)) * self._swap_s_per_block
         return _new_result(plan.round_id, tuple(outputs), elapsed, "")
 
     def with_coefficients(self, coefficients: CostCoefficients) -> CostModel:

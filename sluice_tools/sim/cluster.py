@@ -191,9 +191,9 @@ class Simulator:
         self.push(0.0, _SAMPLE)
         self._push_next_arrival()
         handlers = self._handlers()
-        heap = self._heap
+        heap, pop = self._heap, heapq.heappop
         while heap:
-            when, _, kind, payload = heapq.heappop(heap)
+            when, _, kind, payload = pop(heap)
             self.now = when
             handlers[kind](payload)
         self._finish_stragglers()
@@ -433,18 +433,21 @@ class Simulator:
 
     # ---- what the cores said ----------------------------------------------------------------
     def _absorb(self, replica: _Replica, events: CoreEvents) -> None:
-        now, records, times = self.now + self._token_delay, self.records, self._token_times
-        grow = self._growth_signal
-        for request_id, index, _token in events.tokens:
-            times[request_id].append(now)
-            if index == 0 and records[request_id].first_token_s is None:  # a migrated attempt starts at 0 again
-                records[request_id].first_token_s = now
-                self.admission.mark_started(request_id, now)
-            if grow is not None:
-                grow(request_id, index, now)  # admission: the growth signal
+        # Once per round: most rounds carry a token or two and nothing else.
+        now = self.now + self._token_delay
+        tokens = events.tokens
+        if tokens:
+            records, times, grow = self.records, self._token_times, self._growth_signal
+            for request_id, index, _token in tokens:
+                times[request_id].append(now)
+                if index == 0 and records[request_id].first_token_s is None:  # a migrated attempt starts at 0 again
+                    records[request_id].first_token_s = now
+                    self.admission.mark_started(request_id, now)
+                if grow is not None:
+                    grow(request_id, index, now)  # admission: the growth signal
         for event in events.lifecycle:
             if event.stage is Stage.FIRST_SCHEDULED:
-                records[event.request_id].first_scheduled_s = event.time
+                self.records[event.request_id].first_scheduled_s = event.time
         for finished in events.finished:
             self._finish(replica, finished)
         if events.kv_events and not self.router.apply_kv_events(replica.replica_id, events.kv_events, now):

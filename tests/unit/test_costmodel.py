@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import zlib
+from dataclasses import replace
+
 import pytest
 
 from sluice.types import BlockCopy, RoundPlan, SamplingParams, ScheduledSeq
@@ -122,6 +125,38 @@ def test_execute_returns_tokens_for_sampling_seqs_and_modelled_time() -> None:
     assert result.round_id == 4
     assert len(result.outputs[0].token_ids) == 1 and result.outputs[1].token_ids == ()
     assert result.elapsed_s == pytest.approx(CostModel("llama-3-8b", "h200").round_time(plan))
+
+
+def _reference_token(model: CostModel, request_id: str, position: int) -> int:
+    """The made-up token's formula as documented in `token_for` (crc32 of the lineage, position stride)."""
+    vocab, eos = model.shape.vocab_size, model.shape.eos_token_id
+    mixed = zlib.crc32(request_id.split("#", 1)[0].encode()) + position * 2654435761
+    token = 32 + mixed % 95 if vocab > 127 else mixed % vocab
+    return (token + 1) % vocab if token == eos else token
+
+
+@pytest.mark.parametrize("name", ["llama-3-8b", "tiny", "small-100m", "eos-in-text", "eos-after"])
+def test_execute_samples_token_for_and_times_exactly_round_time(name: str) -> None:
+    """execute()'s inlined tokens equal token_for's (and the documented formula), its time round_time's, for
+    every model kind: a text vocabulary, an EOS among the text ids (remapped), and eos_after."""
+    if name == "eos-in-text":
+        model = CostModel(replace(model_shape("tiny"), eos_token_id=40), "h100")
+    elif name == "eos-after":
+        model = CostModel("tiny", "h100", eos_after=2)
+    else:
+        model = CostModel(name, "h100")
+    seqs = tuple(decode(f"r{i}#{i % 2}", 17 * i + 3, index=i % 4) for i in range(40)) + (
+        prefill("p", 64, start=32), prefill("q", 16, sample=False))
+    plan = RoundPlan(9, seqs, swap_in=(BlockCopy(1, 2),))
+    result = model.execute(plan)
+    reference = CostModel(model.shape, "h100", eos_after=model.eos_after)
+    for seq, out in zip(plan.seqs, result.outputs, strict=True):
+        position = seq.start_position + len(seq.token_ids)
+        expected = (reference.token_for(seq.request_id, position, seq.output_index),) if seq.sample else ()
+        assert (out.request_id, out.epoch, out.token_ids) == (seq.request_id, seq.epoch, expected)
+        if seq.sample and model.eos_after is None:
+            assert out.token_ids == (_reference_token(model, seq.request_id, position),)
+    assert result.elapsed_s == reference.round_time(plan)
 
 
 def test_swap_costs_host_link_time() -> None:
