@@ -85,8 +85,8 @@ class RouterCore:
     def transition(self, replica_id: str, event: ReplicaInput, now: float) -> ReplicaState:
         """Apply `event` to the replica (GONE purges it). Raises UnknownReplica / IllegalReplicaTransition."""
         replica = self.fleet.get(replica_id)
-        if event is ReplicaInput.WARMED or event is ReplicaInput.FAULT:
-            replica.last_heartbeat = now  # the replica spoke
+        if event is ReplicaInput.WARMED:
+            replica.last_heartbeat = now  # the replica spoke (a FAULT may be someone else's report)
         state = self.fleet.apply(replica, event)
         if state is ReplicaState.GONE:
             self.index.purge(replica.cache)
@@ -98,7 +98,8 @@ class RouterCore:
 
     def mark_unhealthy(self, replica_id: str, now: float) -> ReplicaState:
         """The replica's worker is down: no traffic until `mark_ready`. Raises UnknownReplica /
-        IllegalReplicaTransition."""
+        IllegalReplicaTransition. Its heartbeat clock is left alone: the report may come from a peer that
+        could not reach it, so a dead replica still expires one timeout after it last spoke."""
         return self.transition(replica_id, ReplicaInput.FAULT, now)
 
     def drain(self, replica_id: str, now: float) -> ReplicaState:

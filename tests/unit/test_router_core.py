@@ -228,3 +228,13 @@ def test_make_policy_builds_each_policy_and_refuses_an_unknown_name() -> None:
         built[RoutingPolicy.LEAST_LOADED])
     with pytest.raises(ValueError, match="prefix_only"):
         make_policy("fastest", cached=index.cached, rng=random.Random(0))
+
+
+def test_a_peers_unreachable_report_does_not_refresh_the_heartbeat_clock() -> None:
+    """A replica taken out by mark_unhealthy still expires one timeout after its last heartbeat, not after the report."""
+    router = make_router("a", "b", heartbeat_timeout_s=10.0)
+    router.heartbeat("a", ReplicaLoad(), now=1.0)
+    router.heartbeat("b", ReplicaLoad(), now=9.0)
+    assert router.mark_unhealthy("a", now=9.0) is ReplicaState.UNHEALTHY
+    assert router.expire(now=12.0) == ["a"]
+    assert router.state_of("b") is ReplicaState.READY
