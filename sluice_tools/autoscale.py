@@ -13,11 +13,19 @@ Theory of operation
   running = in flight, KV blocks used / total). The arrival rate is counted from Stats deltas:
   requests that arrived on a replica between two observations = its change of (finished + cancelled
   + timed out + waiting + running); a replica seen for the first time counts from zero. Admission's
-  own arrival counter is not read (its metrics port is not known here).
-  Not observed: request lengths and TTFT/TPOT (the demand and latency signals stay 0), cached prefix
-  blocks (the victim is chosen by in-flight requests and queue length).
+  own arrival counter is not read.
+- Latency and lengths come from the services' `/metrics` pages (`sluice_tools.scrape`), as growth since
+  the previous observation: observed TTFT and TPOT are the means of admission's histograms, predicted
+  TTFT the mean of admission's routed prediction; the mean prompt and output lengths are the
+  schedulers' prompt and generated tokens per first token (requests entering service) in the
+  interval: the lengths in steady state, a rate-weighted estimate while load changes. An interval with no new sample leaves the value None (no pressure). With `--no-metrics`
+  these stay None and the demand and latency signals 0.
+  Not observed: cached prefix blocks (the victim is chosen by in-flight requests and queue length).
 - `Autoscaler.tick(now)` runs `PlannerLoop.tick` every `period_s` and reports each scale event and
   each change of the fleet's READY count as one line.
+- `Autoscaler.serve_metrics()` serves the planner's metrics (`PlannerMetrics`: decisions, pressure by
+  signal, current/desired replicas, the next retirement) on a loopback port; `sluice up --autoscale`
+  prints the URL with the other services' (the Grafana row "Fleet: planner, drains, migration").
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -33,7 +42,9 @@ from planner_svc.connectors import LocalProcessConnector
 from planner_svc.core import Planner, ScaleDown, ScaleUp
 from planner_svc.driver import PlannerLoop
 from planner_svc.signals import Observation, ReplicaLoad
+from sluice.prom import serve_metrics
 from sluice.v1 import router_pb2, scheduler_pb2, scheduler_pb2_grpc
+from sluice_tools.scrape import Scraper
 from sluice_tools.stack import Stack
 
 __all__ = ["Autoscaler", "StackLauncher", "StackObservations", "local_planner_config", "parse_bounds", "quick_planner_config"]
@@ -95,6 +106,12 @@ class StackObservations:
     _arrived: dict[str, int] = field(default_factory=dict)
     _last_at: float | None = None
 
+    def __post_init__(self) -> None:
+        admission = self.stack.admission
+        self._admission = Scraper(lambda: [admission.metrics_url] if admission is not None else [], ADMISSION_SERIES)
+        self._schedulers = Scraper(lambda: [r.scheduler.metrics_url for r in self.stack.replicas.values()
+                                            if r.scheduler is not None], SCHEDULER_SERIES)
+
     def observe(self, now: float) -> Observation:
         try:
             listed = {r.replica_id: r.state for r in self.stack.fleet.list_replicas()}
@@ -112,8 +129,17 @@ class StackObservations:
         elapsed = now - self._last_at if self._last_at is not None else 0.0
         self._last_at = now
         self.last = Observation(at=now, arrival_rate=arrivals / elapsed if elapsed > 0 else 0.0,
-                                replicas=tuple(loads))
+                                replicas=tuple(loads), **self._latency_and_lengths())
         return self.last
+
+    def _latency_and_lengths(self) -> dict[str, Any]:
+        """The Observation fields read from the services' metrics since the previous observation."""
+        a, s = self._admission.delta(), self._schedulers.delta()
+        return {"ttft_observed_s": _ratio(a, "sluice_admission_time_to_first_token_seconds"),
+                "tpot_observed_s": _ratio(a, "sluice_admission_time_per_output_token_seconds"),
+                "ttft_predicted_s": _ratio(a, "sluice_admission_predicted_ttft_seconds"),
+                "mean_input_tokens": _per(s, "vllm:prompt_tokens_total", "vllm:time_to_first_token_seconds_count"),
+                "mean_output_tokens": _per(s, "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count")}
 
     def _stats(self, address: str) -> scheduler_pb2.SchedulerStats | None:
         with self.stack.channel(address) as channel:
@@ -122,6 +148,26 @@ class StackObservations:
                                                                                 timeout=1)
             except grpc.RpcError:
                 return None
+
+
+ADMISSION_SERIES = tuple(f"{name}_{part}" for name in ("sluice_admission_time_to_first_token_seconds",
+                                                       "sluice_admission_time_per_output_token_seconds",
+                                                       "sluice_admission_predicted_ttft_seconds")
+                         for part in ("sum", "count"))
+SCHEDULER_SERIES = ("vllm:prompt_tokens_total", "vllm:time_to_first_token_seconds_count",
+                    "vllm:generation_tokens_total")
+
+
+def _ratio(delta: dict[str, float], histogram: str) -> float | None:
+    """Mean of a histogram's new samples, or None when it got none."""
+    count = delta.get(f"{histogram}_count", 0.0)
+    return delta.get(f"{histogram}_sum", 0.0) / count if count > 0 else None
+
+
+def _per(delta: dict[str, float], total: str, count: str) -> float:
+    """`total`'s growth per unit of `count`'s growth (0 when `count` did not grow)."""
+    n = delta.get(count, 0.0)
+    return delta.get(total, 0.0) / n if n > 0 else 0.0
 
 
 def _load(replica_id: str, state: int | None, stats: scheduler_pb2.SchedulerStats | None,
@@ -153,6 +199,11 @@ class Autoscaler:
         self.loop = PlannerLoop(Planner(self.config), self.source, LocalProcessConnector(self.launcher))
         self._next_at: float | None = None
         self._ready: tuple[str, ...] = ()
+
+    def serve_metrics(self, port: int = 0, addr: str = "127.0.0.1") -> str:
+        """Serve the planner's metrics over HTTP (a daemon thread); return the URL."""
+        bound = serve_metrics(self.loop.metrics.registry, port, addr)
+        return f"http://{addr}:{bound}/metrics"
 
     def tick(self, now: float) -> None:
         """Run the planner if its period is due; report changes of the fleet and of its READY replicas."""

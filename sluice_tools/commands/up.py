@@ -121,8 +121,11 @@ def _supervise_until_stopped(stack: Stack, stop: threading.Event, autoscale: str
     stack.fleet.supervisor = Supervisor(stack, on_event=_print_event)
     if autoscale:
         low, high = parse_bounds(autoscale)
-        stack.fleet.supervisor.hooks.append(Autoscaler(stack, local_planner_config(low, high), on_event=_print_event).tick)
+        autoscaler = Autoscaler(stack, local_planner_config(low, high), on_event=_print_event)
+        stack.fleet.supervisor.hooks.append(autoscaler.tick)
         print(f"autoscale: the planner keeps {low} to {high} replicas", file=sys.stderr, flush=True)
+        if stack.config.metrics:
+            print(f"autoscale: planner metrics {autoscaler.serve_metrics()}", file=sys.stderr, flush=True)
     code = 0
     while not stop.wait(0.25):
         stack.fleet.supervise()

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,7 @@ def test_rising_then_falling_load_adds_and_retires_replicas(tmp_path: Path) -> N
         stack.fleet.supervisor = Supervisor(stack, on_event=lines.append)
         autoscaler = Autoscaler(stack, quick_planner_config(1, 3), period_s=0.5, on_event=lines.append)
         stack.fleet.supervisor.hooks.append(autoscaler.tick)
+        metrics_url = autoscaler.serve_metrics()
         stack.fleet.start_supervising(0.1)
         with Load(stack) as load:
             for level in (2, 6, 12):  # rising
@@ -78,16 +80,36 @@ def test_rising_then_falling_load_adds_and_retires_replicas(tmp_path: Path) -> N
                 time.sleep(4)
             up = [e for e in autoscaler.events if e[1] == "scale_up"]
             assert up, lines
+            seen = autoscaler.source.last
+            assert seen is not None and seen.ttft_observed_s is not None and seen.tpot_observed_s is not None, seen
+            assert seen.mean_input_tokens == pytest.approx(32, abs=1), seen  # [i + 1, n % 97 + 1] * 16
+            assert seen.mean_output_tokens > 0, seen
             assert _wait(lambda: any("READY replicas: replica-0, replica-1" in line for line in lines), 20), lines
             load.level = 0  # falling
             assert _wait(lambda: any(e[1] == "scale_down" for e in autoscaler.events)
                          and len(stack.replicas) == 1, 40), lines
         assert any("retired" in line for line in lines), lines
+        scraped = _scrape(metrics_url)
+        assert scraped.get('sluice_planner_decisions_total{kind="scale_up"', 0) >= len(up), scraped
+        assert scraped.get('sluice_planner_decisions_total{kind="scale_down"', 0) >= 1, scraped
+        assert scraped.get("sluice_planner_current_replicas") is not None, scraped
         assert load.outcomes and all(status != "NO_STATUS" for status in load.outcomes)
         finished = sum(status == "FINISHED_LENGTH" for status in load.outcomes)
         assert finished / len(load.outcomes) > 0.95, sorted(set(load.outcomes))
         print("\n".join(lines))
         print(f"requests: {len(load.outcomes)}, finished {finished}, others {sorted(set(load.outcomes))}")
+
+
+def _scrape(url: str) -> dict[str, float]:
+    """Return the planner's samples, keyed by name (labels cut after the first one), summed over the rest."""
+    samples: dict[str, float] = {}
+    with urllib.request.urlopen(url, timeout=5) as reply:  # noqa: S310 (our own loopback endpoint)
+        for line in reply.read().decode().splitlines():
+            if line.startswith("sluice_planner"):
+                name, _, value = line.rpartition(" ")
+                key = name.split(",")[0]
+                samples[key] = samples.get(key, 0.0) + float(value)
+    return samples
 
 
 def test_autoscale_bounds_are_checked_before_anything_starts() -> None:
