@@ -5,7 +5,8 @@ them side by side. An item is `+`-joined words: a queue policy (fcfs, priority, 
 router (score, round_robin, random, least_loaded, prefix_only), a preemption mode (recompute,
 swap), `vllm-default` (vLLM V1's round budgets: 8192 tokens, 1024 seqs, no per-request chunk
 cap), or a setting for that item only: the admission budgets `max-queued=N` / `max-active=N`
-(as `--max-queued` / `--max-active`) or the score router's `prefill-weight=W` / `load-bound=C`; `budget=slo` (round budgets derived from the TPOT target and the cost model); admission's
+(as `--max-queued` / `--max-active`) or the score router's `prefill-weight=W` / `load-bound=C`, the replicas' per-request prefill chunk cap
+`prefill-chunk=N` (tokens of one prompt per round); `budget=slo` (round budgets derived from the TPOT target and the cost model); admission's
 reservation policy `reserve=conservative|predicted`, its budgets `max-kv-blocks=N` and
 `max-reserved-output=N`, the max_tokens clients ask for `client-max-tokens=N`, the replicas' KV
 blocks `num-blocks=N` (a memory-tight deployment), and admission's early
@@ -193,7 +194,9 @@ _SETTING_WORDS: dict[str, tuple[str, type]] = {
     "num-blocks": ("num_blocks", int),
     "ttft-slo-ms": ("ttft_slo_s", float),
     "load-bound": ("load_bound", float),
+    "prefill-chunk": ("max_prefill_chunk", int),
 }
+_SCHEDULER_FIELDS = ("max_prefill_chunk",)
 _ROUTER_FIELDS = ("prefill_weight", "load_bound")
 
 
@@ -211,6 +214,8 @@ def _setting_word(item: str, word: str, config: SimConfig) -> SimConfig:
         raise ValueError(f"--compare item {item!r}: {key} needs a positive {kind.__name__}, got {value!r}")
     if field in _ROUTER_FIELDS:
         return replace(config, router=replace(config.router, **{field: number}))
+    if field in _SCHEDULER_FIELDS:
+        return replace(config, scheduler=replace(config.scheduler, **{field: number}))
     if field in ("client_max_tokens", "num_blocks"):
         return replace(config, **{field: number})
     if field == "ttft_slo_s":
