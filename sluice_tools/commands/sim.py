@@ -6,7 +6,8 @@ router (score, round_robin, random, least_loaded, prefix_only), a preemption mod
 swap), `vllm-default` (vLLM V1's round budgets: 8192 tokens, 1024 seqs, no per-request chunk
 cap), or a setting for that item only: the admission budgets `max-queued=N` / `max-active=N`
 (as `--max-queued` / `--max-active`) or the score router's `prefill-weight=W` / `load-bound=C`, the replicas' per-request prefill chunk cap
-`prefill-chunk=N` (tokens of one prompt per round); `budget=slo` (round budgets derived from the TPOT target and the cost model); admission's
+`prefill-chunk=N` (tokens of one prompt per round) and SRPF's aging `srpf-rate=N` (prefill tokens per second of
+waiting that equal one token less to prefill); `budget=slo` (round budgets derived from the TPOT target and the cost model); admission's
 reservation policy `reserve=conservative|predicted`, its budgets `max-kv-blocks=N` and
 `max-reserved-output=N`, the max_tokens clients ask for `client-max-tokens=N`, the replicas' KV
 blocks `num-blocks=N` (a memory-tight deployment), and admission's early
@@ -195,8 +196,9 @@ _SETTING_WORDS: dict[str, tuple[str, type]] = {
     "ttft-slo-ms": ("ttft_slo_s", float),
     "load-bound": ("load_bound", float),
     "prefill-chunk": ("max_prefill_chunk", int),
+    "srpf-rate": ("srpf_tokens_per_s", float),
 }
-_SCHEDULER_FIELDS = ("max_prefill_chunk",)
+_SCHEDULER_FIELDS = ("max_prefill_chunk", "srpf_tokens_per_s")
 _ROUTER_FIELDS = ("prefill_weight", "load_bound")
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from sluice_tools.commands.sim import parse_compare_item
 from sluice_tools.sim import SimConfig, simulate
 from sluice_tools.workload import load_workload
@@ -23,3 +25,12 @@ def test_prefill_chunk_word_sets_that_items_chunk_cap_and_shortens_pipelined_pre
     spec = "synthetic:poisson?rate=20&n=12&input=fixed:2000&output=fixed:100"
     narrow_ttft, wide_ttft = mean_ttft(base, spec), mean_ttft(wide, spec)
     assert wide_ttft < 0.8 * narrow_ttft, (narrow_ttft, wide_ttft)
+
+
+def test_srpf_rate_word_sets_that_items_aging_and_refuses_a_non_positive_rate() -> None:
+    """`srpf-rate=N` sets the SRPF aging rate of that item only; zero is a usage error naming the word."""
+    base = SimConfig()
+    aged = parse_compare_item("srpf+score+srpf-rate=16384", base)
+    assert aged.scheduler.srpf_tokens_per_s == 16384 and base.scheduler.srpf_tokens_per_s == 4096
+    with pytest.raises(ValueError, match="srpf-rate needs a positive float"):
+        parse_compare_item("srpf+srpf-rate=0", base)
