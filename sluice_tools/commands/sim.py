@@ -352,13 +352,24 @@ def _run_capacity(args: argparse.Namespace, workload: Any, configs: dict[str, Si
         results[name] = find_capacity(probe, search)
     ideal = ideal_prefix_hit_rate(workload.requests)
     print(format_capacity(results, ideal_prefix_hit_rate=ideal))
-    payload = {"workload": workload.describe(), "ideal_prefix_hit_rate": ideal,
+    bounds = _compute_bounds(next(iter(configs.values())), workload.requests)
+    print(f"compute bound: {bounds['ideal_cache']:.2f} req/s with one infinite prefix cache, "
+          f"{bounds['no_cache']:.2f} without (every replica busy on FLOPs alone)")
+    payload = {"workload": workload.describe(), "ideal_prefix_hit_rate": ideal, "compute_bound_rps": bounds,
                "capacity": {name: result.to_dict() for name, result in results.items()}}
     if args.json:
         print(f"wrote {write_json(payload, args.json)}", file=sys.stderr)
     if args.plots:
         print(f"wrote {write_capacity_plot(results, args.plots, title=workload.name)}", file=sys.stderr)
     return 0
+
+
+def _compute_bounds(config: SimConfig, requests: Any) -> dict[str, float]:
+    """Return the workload's compute-bound rates (sluice_tools.sim.bound) with and without an ideal cache."""
+    from sluice_tools.sim.bound import compute_bound_rps
+
+    return {"ideal_cache": compute_bound_rps(config, requests),
+            "no_cache": compute_bound_rps(config, requests, ideal_cache=False)}
 
 
 def probe_of(summary: dict[str, Any], scale: float, rate_rps: float) -> Any:
