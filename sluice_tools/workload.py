@@ -293,14 +293,15 @@ SYNTHETIC_MIXES: dict[str, dict[str, object]] = {
         "system_len": 1024, "conversations": 64, "new_conv_frac": 0.3,
     },
     "chat-real": {
-        "arrival": "gamma", "cv": 2.0, "input": "lognormal:800:1.2:8000", "output": "lognormal:250:0.8:1000",
-        "system_len": 256, "conversations": 128, "new_conv_frac": 0.6,
+        "arrival": "gamma", "cv": 2.0, "input": "lognormal:800:1.2:4000", "output": "lognormal:250:0.8:800",
+        "system_len": 256, "conversations": 128, "new_conv_frac": 0.5, "history_cap": 3000,
     },
 }
 """Named synthetic chat mixes (`mix=NAME`). chat-high-reuse: a 1,024-token system prompt and 70 % follow-up
 turns (one infinite cache hits ~78 % of prompt tokens, above real traffic). chat-real: a 256-token system
-prompt, 40 % follow-ups, longer-tailed turns (~38 % ideal hit rate, near the ~37 % of real conversation
-traffic); both bursty (gamma, cv 2)."""
+prompt, 50 % follow-ups, longer-tailed turns, conversations closed past 3,000 history tokens (~37 % ideal hit
+rate, as real conversation traffic; prompt + output never above 8,056 tokens, so Llama 3's 8,192 admits every
+request); both bursty (gamma, cv 2)."""
 SYNTHETIC_KEYS = {
     "arrival": "poisson | gamma | ramp",
     "rate": "requests per second (ramp: at the start)",

@@ -193,6 +193,7 @@ def test_named_chat_mixes_set_their_reuse_and_explicit_keys_win() -> None:
     real = load_workload("synthetic:?mix=chat-real&rate=20&n=1000").requests
     assert 0.33 < ideal_prefix_hit_rate(real) < 0.42 < 0.7 < ideal_prefix_hit_rate(high)
     assert all(r.prompt_token_ids(1000)[:256] == real[0].prompt_token_ids(1000)[:256] for r in real[:50])
+    assert max(r.input_length + r.output_length for r in real) <= 8192, "Llama 3 admits every chat-real request"
     poisson = load_workload("synthetic:poisson?mix=chat-real&rate=20&n=1000&system_len=512").requests
     gaps = np.diff([r.arrival_s for r in poisson])
     assert 0.8 < gaps.std() / gaps.mean() < 1.2, "the spec's arrival kind wins over the mix's gamma"
