@@ -5,7 +5,9 @@ them side by side. An item is `+`-joined words: a queue policy (fcfs, priority, 
 router (score, round_robin, random, least_loaded, prefix_only), a preemption mode (recompute,
 swap), `vllm-default` (vLLM V1's round budgets: 8192 tokens, 1024 seqs, no per-request chunk
 cap), or a setting for that item only: the admission budgets `max-queued=N` / `max-active=N`
-(as `--max-queued` / `--max-active`) or the score router's `prefill-weight=W` / `load-bound=C`; `budget=slo` (round budgets derived from the TPOT target and the cost model); admission's
+(as `--max-queued` / `--max-active`) or the score router's `prefill-weight=W` / `load-bound=C`, the replicas' per-request prefill chunk cap
+`prefill-chunk=N` (tokens of one prompt per round) and SRPF's aging `srpf-rate=N` (prefill tokens per second of
+waiting that equal one token less to prefill); `budget=slo` (round budgets derived from the TPOT target and the cost model); admission's
 reservation policy `reserve=conservative|predicted`, its budgets `max-kv-blocks=N` and
 `max-reserved-output=N`, the max_tokens clients ask for `client-max-tokens=N`, the replicas' KV
 blocks `num-blocks=N` (a memory-tight deployment), and admission's early
@@ -193,7 +195,10 @@ _SETTING_WORDS: dict[str, tuple[str, type]] = {
     "num-blocks": ("num_blocks", int),
     "ttft-slo-ms": ("ttft_slo_s", float),
     "load-bound": ("load_bound", float),
+    "prefill-chunk": ("max_prefill_chunk", int),
+    "srpf-rate": ("srpf_tokens_per_s", float),
 }
+_SCHEDULER_FIELDS = ("max_prefill_chunk", "srpf_tokens_per_s")
 _ROUTER_FIELDS = ("prefill_weight", "load_bound")
 
 
@@ -211,6 +216,8 @@ def _setting_word(item: str, word: str, config: SimConfig) -> SimConfig:
         raise ValueError(f"--compare item {item!r}: {key} needs a positive {kind.__name__}, got {value!r}")
     if field in _ROUTER_FIELDS:
         return replace(config, router=replace(config.router, **{field: number}))
+    if field in _SCHEDULER_FIELDS:
+        return replace(config, scheduler=replace(config.scheduler, **{field: number}))
     if field in ("client_max_tokens", "num_blocks"):
         return replace(config, **{field: number})
     if field == "ttft_slo_s":
@@ -345,13 +352,24 @@ def _run_capacity(args: argparse.Namespace, workload: Any, configs: dict[str, Si
         results[name] = find_capacity(probe, search)
     ideal = ideal_prefix_hit_rate(workload.requests)
     print(format_capacity(results, ideal_prefix_hit_rate=ideal))
-    payload = {"workload": workload.describe(), "ideal_prefix_hit_rate": ideal,
+    bounds = _compute_bounds(next(iter(configs.values())), workload.requests)
+    print(f"compute bound: {bounds['ideal_cache']:.2f} req/s with one infinite prefix cache, "
+          f"{bounds['no_cache']:.2f} without (every replica busy on FLOPs alone)")
+    payload = {"workload": workload.describe(), "ideal_prefix_hit_rate": ideal, "compute_bound_rps": bounds,
                "capacity": {name: result.to_dict() for name, result in results.items()}}
     if args.json:
         print(f"wrote {write_json(payload, args.json)}", file=sys.stderr)
     if args.plots:
         print(f"wrote {write_capacity_plot(results, args.plots, title=workload.name)}", file=sys.stderr)
     return 0
+
+
+def _compute_bounds(config: SimConfig, requests: Any) -> dict[str, float]:
+    """Return the workload's compute-bound rates (sluice_tools.sim.bound) with and without an ideal cache."""
+    from sluice_tools.sim.bound import compute_bound_rps
+
+    return {"ideal_cache": compute_bound_rps(config, requests),
+            "no_cache": compute_bound_rps(config, requests, ideal_cache=False)}
 
 
 def probe_of(summary: dict[str, Any], scale: float, rate_rps: float) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from sluice.hashing import hash_chain, salt_of
@@ -178,3 +179,24 @@ def test_conversation_keys_are_typed() -> None:
 
     with pytest.raises(WorkloadError, match="conversations='many'"):
         load_workload("synthetic:poisson?conversations=many", seed=0)
+
+
+def test_named_chat_mixes_set_their_reuse_and_explicit_keys_win() -> None:
+    """`mix=chat-high-reuse` is the capacity table's mix exactly, `mix=chat-real` reuses like real chat (~37 %),
+    keys given with a mix override it, and an unknown mix is refused naming the known ones."""
+    from sluice_tools.workload import WorkloadError, ideal_prefix_hit_rate, load_workload
+
+    explicit = ("synthetic:gamma?rate=40&cv=2&n=500&input=lognormal:300:1.0:4000&output=lognormal:150:0.8:1000"
+                "&system_len=1024&conversations=64&new_conv_frac=0.3")
+    high = load_workload("synthetic:?mix=chat-high-reuse&rate=40&n=500").requests
+    assert high == load_workload(explicit).requests
+    real = load_workload("synthetic:?mix=chat-real&rate=20&n=1000").requests
+    assert 0.33 < ideal_prefix_hit_rate(real) < 0.42 < 0.7 < ideal_prefix_hit_rate(high)
+    assert all(r.prompt_token_ids(1000)[:256] == real[0].prompt_token_ids(1000)[:256] for r in real[:50])
+    assert max(r.input_length + r.output_length for r in real) <= 8192, "Llama 3 admits every chat-real request"
+    poisson = load_workload("synthetic:poisson?mix=chat-real&rate=20&n=1000&system_len=512").requests
+    gaps = np.diff([r.arrival_s for r in poisson])
+    assert 0.8 < gaps.std() / gaps.mean() < 1.2, "the spec's arrival kind wins over the mix's gamma"
+    assert min(r.input_length for r in poisson) >= 512
+    with pytest.raises(WorkloadError, match="chat-real"):
+        load_workload("synthetic:?mix=chat-fake")

@@ -1,0 +1,52 @@
+"""The compute bound of a capacity: the arrival rate at which every replica would be busy on FLOPs alone.
+
+No router, order or round budget can serve a workload faster than its FLOPs allow: each request costs its
+prefill (the part one infinite prefix cache would not hold: `ideal_prefix_hit_rate`'s leading blocks) and one
+query token per further output token, each attending to its whole context, at the cost model's FLOP rate
+(peak x compute efficiency x tensor parallel). Memory-bound rounds, round overheads and idle replicas only
+slow it further, so `compute_bound_rps` is an upper bound on steady-state capacity; a capacity search on a
+short window can still exceed it, since the window ends while the backlog is being drained within the SLO.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sluice_tools.sim.config import SimConfig
+from sluice_tools.workload import WorkloadRequest
+from worker_svc.costmodel import CostModel, RoundShape
+
+
+def request_shape(request: WorkloadRequest, cached_tokens: int) -> RoundShape:
+    """Return the summed shape of every round a request takes part in: its prefill past `cached_tokens`,
+    then one query token per output after the first (each reading its whole context)."""
+    n, out = request.input_length, request.output_length
+    cached = min(cached_tokens, n - 1)
+    fresh = n - cached
+    pairs = fresh * cached + fresh * (fresh + 1) // 2
+    decodes = out - 1
+    pairs += decodes * (n + 1) + decodes * (decodes - 1) // 2  # output k attends to n + k positions
+    query = fresh + decodes
+    return RoundShape(query, pairs, cached + n * decodes, query, out)
+
+
+def compute_bound_rps(config: SimConfig, requests: Sequence[WorkloadRequest], *, ideal_cache: bool = True) -> float:
+    """Return the rate (req/s) at which `config.replicas` replicas would be busy on the requests' FLOPs alone.
+
+    With `ideal_cache`, what one infinite prefix cache would hold is not computed (the most any router
+    saves); without it every prompt token is."""
+    cost = CostModel(config.model, config.gpu, block_size=config.scheduler.block_size,
+                     coefficients=config.cost_coefficients, max_model_len=config.max_model_len)
+    flops_per_s = cost.gpu.peak_flops * cost.tensor_parallel * cost.coefficients.compute_efficiency
+    seen: set[int] = set()
+    flops = 0.0
+    for request in sorted(requests, key=lambda r: r.arrival_s):
+        cached = 0
+        if ideal_cache:
+            for block in request.hash_ids:
+                if block not in seen:
+                    break
+                cached += request.hash_block_tokens
+            seen.update(request.hash_ids)
+        flops += cost.flops_and_bytes(request_shape(request, cached))[0]
+    return config.replicas * len(requests) * flops_per_s / flops if flops else float("inf")
