@@ -2,6 +2,9 @@
 
 - `execute` sends a plan and returns the worker's result, or None when the call broke (stream
   closed, UNAVAILABLE): the round is then lost with the worker, and the stream is dropped.
+- A plan the worker refuses (INVALID_ARGUMENT: it does not fit the worker) is not a lost worker: on the
+  stream the worker answers it with a failed round (`error`), and a unary refusal is turned into one here,
+  so the core fails that round's requests and the replica keeps serving.
 - Pipelined rounds: `send` writes a plan on the stream without waiting and `receive` reads the oldest
   answer; the stream keeps them in order, so the worker finds round N+1 queued when N ends.
 - `serving` is False while the worker is unreachable; every change sets `changed` (the agent
@@ -138,7 +141,14 @@ class WorkerLink:
             if stream is None:
                 call = self.stub.Execute(wire)
                 pending.pop()()
-                reply = await call
+                try:
+                    reply = await call
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() is not grpc.StatusCode.INVALID_ARGUMENT:
+                        raise
+                    log.error("round %d: the worker refused the plan: %s", plan.round_id, exc.details())
+                    self.metrics.round_errors.inc()
+                    return RoundResult(plan.round_id, (), 0.0, error=f"INVALID_ARGUMENT: {exc.details()}")
             else:
                 await stream.write(wire)
                 pending.pop()()

@@ -6,7 +6,10 @@ Theory of operation
 - Health is NOT_SERVING until the backend is loaded and one warm-up round has run, then SERVING;
   Execute and Info answer UNAVAILABLE until then.
 - A plan that does not fit the worker (positions past the model length, token or block ids out of
-  range, more tokens than KV slots...) is refused with INVALID_ARGUMENT before it runs.
+  range, more tokens than KV slots...) is refused before it runs: Execute answers INVALID_ARGUMENT; on
+  ExecuteStream the round's result carries `error` ("INVALID_ARGUMENT ...": the scheduler fails that round's
+  requests) and the stream goes on, so one bad plan never reads as a lost worker. A pipelined round queued
+  behind a refused one drops its pending decodes of the refused round's requests (they failed with it).
 - A backend exception fails the round as a whole: the result carries `error` (the scheduler fails the
   round's requests); the service keeps serving.
 - ExecuteStream reads and converts plans as they arrive and writes each result after the next queued
@@ -38,7 +41,7 @@ from grpc_health.v1.health import aio as health_aio
 from opentelemetry import trace
 
 from sluice import convert, services, telemetry, tls
-from sluice.errors import ErrorInterceptor, Unavailable
+from sluice.errors import ErrorInterceptor, InvalidArgument, Unavailable
 from sluice.prom import WorkerMetrics
 from sluice.serve import grpc_server
 from sluice.slots import slot_constructor
@@ -74,6 +77,8 @@ class WorkerRuntime:
         """The last round's outputs: what its pending tokens stand for (indexed only when a plan has one)."""
         self._last_end: float | None = None
         """When the backend thread finished the last round (the device's idle time starts there)."""
+        self._refused: frozenset[str] = frozenset()
+        """Requests of the last round, when it was refused: the next round's pending decodes of them are dropped."""
 
     async def start(self) -> BackendInfo:
         """Load the backend and run a warm-up round; return its info. Raises what loading or warm-up raises."""
@@ -112,6 +117,16 @@ class WorkerRuntime:
         self.metrics.rounds.labels(rpc).inc()
         return await self._run(plan)
 
+    def refuse(self, plan: RoundPlan, exc: InvalidArgument) -> RoundResult:
+        """Answer a plan `validate_plan` refused with a failed round (the scheduler fails its requests) instead of
+        ending the stream; the next round's pending decodes of its requests are dropped (nothing was sampled)."""
+        log.warning("round %d refused: %s (%s)", plan.round_id, exc, exc.field_name)
+        self.metrics.round_errors.inc()
+        self._refused = frozenset(seq.request_id for seq in plan.seqs)
+        self._last_outputs = ()
+        field = f" ({exc.field_name})" if exc.field_name else ""
+        return RoundResult(plan.round_id, (), 0.0, error=f"INVALID_ARGUMENT{field}: {exc}")
+
     async def _run(self, plan: RoundPlan) -> RoundResult:
         backend = self._backend
         assert backend is not None
@@ -134,11 +149,15 @@ class WorkerRuntime:
         Runs in the backend thread. Raises LookupError for a pending token the last round did not sample."""
         if self._last_end is not None:
             self.metrics.idle.observe(time.perf_counter() - self._last_end)
-        pending = _PENDING
+        pending, refused = _PENDING, self._refused
+        self._refused = frozenset()
         if any(seq.token_ids == pending for seq in plan.seqs):
             sampled = {out.request_id: out for out in self._last_outputs}
             plan = dataclasses.replace(plan, seqs=tuple(_filled(seq, sampled) if seq.token_ids == pending else seq
-                                                        for seq in plan.seqs))
+                                                        for seq in plan.seqs
+                                                        if seq.token_ids != pending or seq.request_id not in refused))
+            if not plan.seqs and not plan.swap_out and not plan.swap_in:
+                return RoundResult(plan.round_id, ())  # every sequence was a pending decode of a refused round
         start = time.perf_counter()
         try:
             result = backend.execute(plan)
@@ -160,11 +179,13 @@ class WorkerRuntime:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
 
-def _wait_until(deadline: float, spin_s: float = 0.001) -> None:
+def _wait_until(deadline: float, spin_s: float = 0.00025) -> None:
     """Block the backend thread until `deadline` (perf_counter): sleep, then spin the last `spin_s`.
 
     Why: an emulated round must take its modelled time and no more; asyncio.sleep and a plain sleep
-    overshoot by up to milliseconds on a busy host, which read as control-plane time."""
+    overshoot by up to milliseconds on a busy host, which read as control-plane time. The spin costs CPU
+    the rest of the stack shares (1 ms of it was a quarter of the worker's CPU per round at batch 1);
+    0.25 ms covers a plain sleep's usual overshoot (p50 85 us, p90 107 us on the shared 2-core VM)."""
     remaining = deadline - time.perf_counter()
     if remaining > spin_s:
         time.sleep(remaining - spin_s)
@@ -225,7 +246,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         async def run() -> None:
             try:
                 while (item := await plans.get()) is not None:
-                    results.put_nowait(await self._execute(*item, "ExecuteStream"))
+                    try:
+                        result = await self._execute(*item, "ExecuteStream")
+                    except InvalidArgument as exc:  # this plan only: its round fails, the stream goes on
+                        result = self.runtime.refuse(item[1], exc)
+                    results.put_nowait(result)
                 results.put_nowait(None)
             except Exception as exc:  # Unavailable before warm-up, a broken plan: the stream ends with it
                 results.put_nowait(exc)
