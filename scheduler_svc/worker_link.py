@@ -24,6 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sluice import convert, services
+from sluice.plan_encoder import PlanEncoder
 from sluice.prom import SchedulerMetrics
 from sluice.types import RoundPlan, RoundResult
 from sluice.v1 import worker_pb2, worker_pb2_grpc
@@ -49,6 +50,8 @@ class WorkerLink:
         self.changed = asyncio.Event()
         """Set whenever `serving` changes."""
         self._stream: grpc.aio.StreamStreamCall | None = None
+        self._encoder = PlanEncoder()
+        """Builds each plan's wire form from the round before's (sluice/plan_encoder.py)."""
 
     def set_serving(self, serving: bool, waiting: int = 0) -> None:
         """Record whether the worker serves; a change sets `changed` and calls `on_change`."""
@@ -90,7 +93,7 @@ class WorkerLink:
         exactly once; return False when the stream broke (the stream is dropped)."""
         if self._stream is None:
             self._stream = self.stub.ExecuteStream()
-        wire = convert.plan_to_proto(plan)
+        wire = self._encoder.encode(plan)
         if traces:
             wire.traces.extend(traces)
         try:
@@ -133,7 +136,7 @@ class WorkerLink:
         if self.use_stream and self._stream is None:
             self._stream = self.stub.ExecuteStream()
         stream = self._stream
-        wire = convert.plan_to_proto(plan)
+        wire = self._encoder.encode(plan)
         if traces:
             wire.traces.extend(traces)
         pending = [sent]  # called exactly once, even when the call breaks before the plan went out

@@ -84,7 +84,7 @@ def run(size: int, pipeline: bool, profile_dir: str | None) -> dict[str, Any]:
         procs = pids(stack)
         before = {name: cpu_s(pid) for name, pid in procs.items()}
         client_before, wall = self_cpu_s(), time.perf_counter()
-        spies = profile(procs, profile_dir, 60) if profile_dir else []
+        spies = profile({**procs, "client": os.getpid()}, profile_dir, 60) if profile_dir else []
         outcomes = asyncio.run(drive(stack.endpoint, stack.api_key, requests,
                                      max_concurrency=size if size > 1 else 1024, timeout=300.0, progress=False))
         after = {name: cpu_s(pid) for name, pid in procs.items()}
