@@ -73,7 +73,7 @@ def plan_from_proto(msg: worker_pb2.RoundPlan) -> RoundPlan:
     # Per round, once per sequence (256 and more): hence the positional constructor and `tuple(x[:])` (a repeated
     # field's slice is a list built in C, about half the cost of iterating the field into a tuple).
     cache: dict[bytes, SamplingParams] = {}
-    seqs = []
+    seqs: list[ScheduledSeq] = []
     append = seqs.append
     new = _new_seq
     for s in msg.seqs:
