@@ -32,8 +32,9 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -111,19 +112,54 @@ class WorkerRuntime:
         Raises Unavailable until the warm-up round has run, InvalidArgument for a plan that does not
         fit this worker (worker_svc/validation.py), before it takes the device.
         """
+        self.validate(plan)
+        self.metrics.rounds.labels(rpc).inc()
+        return await self._run(plan)
+
+    def validate(self, plan: RoundPlan) -> None:
+        """Raise Unavailable until the warm-up round has run, InvalidArgument for a plan that does not fit."""
         if not self.ready.is_set() or self._info is None:
             raise Unavailable("the worker is not ready (loading or warming up)", reason="WORKER_LOADING")
         validate_plan(plan, self._info)
+
+    def queue(self, plan: RoundPlan, rpc: str = "ExecuteStream") -> asyncio.Future[RoundResult]:
+        """Queue a validated plan on the backend thread at once, behind any round queued before it; return the
+        future of its result (an exception the backend raised is the future's). The thread starts it the moment
+        the round before ends, with no hop through the event loop: the device's idle gap is the thread's own."""
         self.metrics.rounds.labels(rpc).inc()
-        return await self._run(plan)
+        assert self._backend is not None
+        return asyncio.get_running_loop().run_in_executor(self._executor, self._execute, self._backend, plan)
+
+    def queue_refusal(self, plan: RoundPlan, exc: InvalidArgument) -> RoundResult:
+        """`refuse`, in order on the backend thread (rounds queued before it still read the outputs they need)."""
+        self._executor.submit(self._refused_round, plan)
+        return self._refusal(plan, exc)
+
+    async def finished(self, plan: RoundPlan, future: asyncio.Future[RoundResult]) -> RoundResult:
+        """Await a queued round and account for it like `execute` (a backend exception fails the round)."""
+        try:
+            result = await future
+        except Exception as exc:
+            log.exception("round %d failed", plan.round_id)
+            self.metrics.round_errors.inc()
+            return RoundResult(plan.round_id, (), 0.0, error=f"{type(exc).__name__}: {exc}")
+        self.metrics.execute_duration.observe(result.elapsed_s)
+        self._count_tokens(plan)
+        return result
 
     def refuse(self, plan: RoundPlan, exc: InvalidArgument) -> RoundResult:
         """Answer a plan `validate_plan` refused with a failed round (the scheduler fails its requests) instead of
         ending the stream; the next round's pending decodes of its requests are dropped (nothing was sampled)."""
-        log.warning("round %d refused: %s (%s)", plan.round_id, exc, exc.field_name)
-        self.metrics.round_errors.inc()
+        self._refused_round(plan)
+        return self._refusal(plan, exc)
+
+    def _refused_round(self, plan: RoundPlan) -> None:
         self._refused = frozenset(seq.request_id for seq in plan.seqs)
         self._last_outputs = ()
+
+    def _refusal(self, plan: RoundPlan, exc: InvalidArgument) -> RoundResult:
+        log.warning("round %d refused: %s (%s)", plan.round_id, exc, exc.field_name)
+        self.metrics.round_errors.inc()
         field = f" ({exc.field_name})" if exc.field_name else ""
         return RoundResult(plan.round_id, (), 0.0, error=f"INVALID_ARGUMENT{field}: {exc}")
 
@@ -229,56 +265,67 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def ExecuteStream(self, request_iterator: AsyncIterator[worker_pb2.RoundPlan],  # noqa: N802
                             context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.RoundResult]:
-        """Rounds in order. Plans are read and converted as they arrive, and a result is converted and written
-        once the next queued round has started, so queued rounds run back to back on the device."""
-        plans: asyncio.Queue[tuple[worker_pb2.RoundPlan, RoundPlan] | None] = asyncio.Queue()
-        results: asyncio.Queue[RoundResult | Exception | None] = asyncio.Queue()
+        """Rounds in order. Each plan is converted, validated and queued on the backend thread as it arrives, so a
+        round queued by the pipelined scheduler starts the moment the one before ends (in that thread, with no hop
+        through the event loop); results are converted and written in order as they come."""
+        queued: asyncio.Queue[tuple[worker_pb2.RoundPlan, RoundPlan, asyncio.Future[RoundResult] | RoundResult]
+                              | Exception | None] = asyncio.Queue()
+        runtime = self.runtime
 
         async def read() -> None:
             try:
                 async for wire in request_iterator:
-                    plans.put_nowait((wire, convert.plan_from_proto(wire)))
-            except Exception as exc:  # a message that does not parse: the stream ends with its refusal
-                results.put_nowait(exc)
-            finally:
-                plans.put_nowait(None)
-
-        async def run() -> None:
-            try:
-                while (item := await plans.get()) is not None:
+                    plan = convert.plan_from_proto(wire)
                     try:
-                        result = await self._execute(*item, "ExecuteStream")
+                        runtime.validate(plan)
                     except InvalidArgument as exc:  # this plan only: its round fails, the stream goes on
-                        result = self.runtime.refuse(item[1], exc)
-                    results.put_nowait(result)
-                results.put_nowait(None)
-            except Exception as exc:  # Unavailable before warm-up, a broken plan: the stream ends with it
-                results.put_nowait(exc)
+                        queued.put_nowait((wire, plan, runtime.queue_refusal(plan, exc)))
+                        continue
+                    queued.put_nowait((wire, plan, runtime.queue(plan)))
+            except Exception as exc:  # a message that does not parse, Unavailable before warm-up: the stream ends
+                queued.put_nowait(exc)
+            finally:
+                queued.put_nowait(None)
 
-        tasks = (asyncio.create_task(read()), asyncio.create_task(run()))
+        reader = asyncio.create_task(read())
         try:
-            while (answer := await results.get()) is not None:
-                if isinstance(answer, Exception):
-                    raise answer
+            while (item := await queued.get()) is not None:
+                if isinstance(item, Exception):
+                    raise item
+                wire, plan, pending = item
+                result = pending if isinstance(pending, RoundResult) else await self._finished(wire, plan, pending)
                 if context.done():  # the scheduler closed the stream: nobody reads this result
                     return
-                yield convert.result_to_proto(answer)
+                yield convert.result_to_proto(result)
         finally:
-            for task in tasks:
-                task.cancel()
+            reader.cancel()
+            while not queued.empty():  # rounds of a closed stream that have not started do not run
+                left = queued.get_nowait()
+                if isinstance(left, tuple) and isinstance(left[2], asyncio.Future):
+                    left[2].cancel()
 
     async def _round(self, wire: worker_pb2.RoundPlan, rpc: str) -> worker_pb2.RoundResult:
         return convert.result_to_proto(await self._execute(wire, convert.plan_from_proto(wire), rpc))
 
     async def _execute(self, wire: worker_pb2.RoundPlan, plan: RoundPlan, rpc: str) -> RoundResult:
         """Run one converted plan; a plan that carries trace contexts gets a `worker.round` span."""
+        return await self._traced(wire, plan, rpc, self.runtime.execute(plan, rpc))
+
+    async def _finished(self, wire: worker_pb2.RoundPlan, plan: RoundPlan,
+                        future: asyncio.Future[RoundResult]) -> RoundResult:
+        """Await a round queued on the stream (its span, if any, starts when its answer is awaited: the round
+        before it has been answered)."""
+        return await self._traced(wire, plan, "ExecuteStream", self.runtime.finished(plan, future))
+
+    async def _traced(self, wire: worker_pb2.RoundPlan, plan: RoundPlan, rpc: str,
+                      running: Coroutine[Any, Any, RoundResult]) -> RoundResult:
         if not wire.traces:
-            return await self.runtime.execute(plan, rpc)
+            return await running
         links = [link for t in wire.traces
                  if (link := telemetry.link_to(t.traceparent, t.tracestate, **{"sluice.request_id": t.request_id}))]
         with tracer.start_as_current_span("worker.round", kind=trace.SpanKind.SERVER, links=links, attributes={
                 "sluice.round_id": plan.round_id, "sluice.seqs": len(plan.seqs), "rpc.method": rpc}) as span:
-            result = await self.runtime.execute(plan, rpc)
+            result = await running
             span.set_attribute("sluice.elapsed_s", result.elapsed_s)
             if result.error:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, result.error))
