@@ -12,13 +12,16 @@ Theory of operation
   behind a refused one drops its pending decodes of the refused round's requests (they failed with it).
 - A backend exception fails the round as a whole: the result carries `error` (the scheduler fails the
   round's requests); the service keeps serving.
-- ExecuteStream reads and converts plans as they arrive and writes each result after the next queued
-  round has started: rounds queued by the pipelined scheduler run back to back.
+- ExecuteStream converts and validates each plan as it arrives and queues it on the backend thread at
+  once (`WorkerRuntime.queue`): the thread starts a queued round the moment the one before ends, without
+  a hop through the event loop, so rounds queued by the pipelined scheduler run back to back; results are
+  written in order. Rounds of a closed stream that have not started are cancelled.
 - Rounds placed ahead (the scheduler plans round N+1 while N executes): a sequence whose token is
   `PENDING_TOKEN` decodes the token this worker sampled for the same request and epoch in the round
   before; the runtime fills it in from the previous round's outputs before the backend sees the plan.
 - `sluice_worker_idle_seconds`: the gap between one round's end and the next one's start, both in the
-  backend thread (the device waiting: for the control plane, or for the event loop's hand-over).
+  backend thread (the device waiting for the control plane; with a round queued, only the thread's own
+  pending-token fill-in).
 - `emulate_time`: a backend whose `elapsed_s` is modelled (the cost model) is made to take that long,
   so that load tests on a CPU see GPU-like round times.
 - Tracing: a round that carries trace contexts (`RoundPlan.traces`: the sampled requests it serves, as
