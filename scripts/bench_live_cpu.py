@@ -24,6 +24,7 @@ import resource
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from typing import Any
 
@@ -60,8 +61,9 @@ def pids(stack: Stack) -> dict[str, int]:
 
 
 def profile(procs: dict[str, int], out_dir: str, seconds: int) -> list[subprocess.Popen[bytes]]:
-    """Start py-spy on the heavy processes for `seconds` (speedscope-less: a flat top-functions text)."""
-    spy = shutil.which("py-spy") or os.path.join(os.path.dirname(os.sys.executable), "py-spy")
+    """Start py-spy (not a dependency: `pip install py-spy==0.4.1`) on each process but Redis for `seconds`;
+    it writes collapsed stacks (`-f raw`), one file per process."""
+    spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
     os.makedirs(out_dir, exist_ok=True)
     started = []
     for name, pid in procs.items():
