@@ -165,7 +165,7 @@ async def start(ctx: serve.ServiceContext, options: AdmissionOptions) -> serve.S
     stop = ctx.stop
     tasks = [
         asyncio.create_task(token_reader_loop(
-            lambda s, last, count, block: bus.read_stream(s, last, count=count, block_ms=block),
+            lambda s, last, count, block: bus.read_tokens(s, last, count=count, block_ms=block),
             bus.tokens_stream(servicer.owner), servicer.registry, stop)),
         asyncio.create_task(_consume_completions(bus, servicer, stop)),
         asyncio.create_task(_housekeeping(servicer, stop)),

@@ -1,8 +1,9 @@
 """Token streams of one admission process: one reader loop, per-request queues, a resume window.
 
-Theory of operation. Schedulers publish TokenDelta entries on `tokens:{owner}` (one stream per
-admission process) and a Completion per request on `completions`. One reader loop per process
-reads the token stream and hands each delta to the request's `RequestStream`; a request's tokens
+Theory of operation. Schedulers publish token deltas on `tokens:{owner}` (one stream per admission
+process; one entry per scheduler publication, a TokenDeltaBatch holding every request's delta of that
+round, or an older single TokenDelta) and a Completion per request on `completions`. One reader loop per
+process reads the token stream and hands each delta to the request's `RequestStream`; a request's tokens
 come from one scheduler in order, but a retried publish may repeat them, so each stream keeps the
 next expected index and drops what it has already seen. The completion can overtake the last
 deltas (different streams), so a stream is finished only when it holds the completion *and*
@@ -225,12 +226,13 @@ class StreamRegistry:
         return len(old)
 
 
-ReadStream = Callable[[str, str, int, int], Awaitable[list[tuple[Any, bytes, dict[Any, Any]]]]]
+ReadTokens = Callable[[str, str, int, int], Awaitable[list[tuple[Any, list[events_pb2.TokenDelta]]]]]
+"""(stream, last id, count, block ms) -> the entries after last id as (entry id, its deltas): `Bus.read_tokens`."""
 
 
-async def token_reader_loop(read_stream: ReadStream, stream_name: str, registry: StreamRegistry,
+async def token_reader_loop(read_tokens: ReadTokens, stream_name: str, registry: StreamRegistry,
                             stop: asyncio.Event, block_ms: int = 200, count: int = 512) -> None:
-    """Read `stream_name` from now on and dispatch every TokenDelta until `stop` is set.
+    """Read `stream_name` from now on and dispatch every token delta until `stop` is set.
 
     Reading starts at this process's start time (an explicit id, not "$", so nothing published
     between two reads is missed): a process owns only requests it submitted after it started.
@@ -239,7 +241,7 @@ async def token_reader_loop(read_stream: ReadStream, stream_name: str, registry:
     last_id = f"{int(time.time() * 1000)}-0"
     while not stop.is_set():
         try:
-            entries = await read_stream(stream_name, last_id, count, block_ms)
+            entries = await read_tokens(stream_name, last_id, count, block_ms)
         except asyncio.CancelledError:
             raise
         except (ConnectionError, TimeoutError, RedisConnectionError, RedisTimeoutError) as exc:
@@ -250,7 +252,8 @@ async def token_reader_loop(read_stream: ReadStream, stream_name: str, registry:
             log.exception("reading %s failed; retrying", stream_name)
             await asyncio.sleep(0.2)
             continue
-        for entry_id, payload, _fields in entries:
+        on_delta = registry.on_delta
+        for entry_id, deltas in entries:
             last_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-            delta = events_pb2.TokenDelta.FromString(payload)
-            registry.on_delta(delta, delta.created_unix_s or entry_time_s(entry_id))
+            for delta in deltas:
+                on_delta(delta, delta.created_unix_s or entry_time_s(entry_id))

@@ -2,7 +2,8 @@
 
 Batches are queued by the loop (`put`) and go out from one task (`run`), so round N's events are
 published while round N+1 executes. Whatever queued up while a publication was in flight goes out
-merged, one call per owner: under load the queue drains in a few round trips instead of growing.
+merged: each owner's token deltas as one TokenDeltaBatch, one Redis entry (one XADD) per owner, however
+many requests and rounds it holds, so under load the queue drains in a few round trips instead of growing.
 A Redis failure is retried until it succeeds, resuming where it failed: events are delayed, never
 dropped, and never reordered.
 """
@@ -27,7 +28,8 @@ log = logging.getLogger(__name__)
 class Outgoing:
     """One batch of Redis publications, in the order they must go out."""
 
-    tokens: dict[str, tuple[list[events_pb2.TokenDelta], list[dict[str, str]]]] = field(default_factory=dict)
+    tokens: dict[str, events_pb2.TokenDeltaBatch] = field(default_factory=dict)
+    """Token deltas per owner (admission process), in order."""
     completions: list[tuple[events_pb2.Completion, Context]] = field(default_factory=list)
     kv: events_pb2.KvEventBatch | None = None
 
@@ -38,10 +40,12 @@ def merge(batches: list[Outgoing]) -> Outgoing:
         return batches[0]
     merged = Outgoing()
     for batch in batches:
-        for owner, (deltas, fields) in batch.tokens.items():
-            have_deltas, have_fields = merged.tokens.setdefault(owner, ([], []))
-            have_deltas += deltas
-            have_fields += fields
+        for owner, deltas in batch.tokens.items():
+            have = merged.tokens.get(owner)
+            if have is None:
+                merged.tokens[owner] = deltas
+            else:
+                have.deltas.extend(deltas.deltas)
         merged.completions += batch.completions
         if batch.kv is not None:
             if merged.kv is None:
@@ -97,9 +101,9 @@ class Publisher:
     async def _publish(self, out: Outgoing) -> None:
         """Publish a batch; what went out is removed from it, so a retry resumes where it failed."""
         while out.tokens:
-            owner, (deltas, fields) = next(iter(out.tokens.items()))
-            if owner:
-                await self.bus.publish_tokens(owner, deltas, trace_fields=fields)
+            owner, deltas = next(iter(out.tokens.items()))
+            if owner and deltas.deltas:
+                await self.bus.publish_token_batch(owner, deltas)
             del out.tokens[owner]
         # Tokens before completions: an owner never sees a request end before its last tokens.
         while out.completions:

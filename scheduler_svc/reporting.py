@@ -164,18 +164,28 @@ class Reporter:
         tracked.span.add_event(name, attributes=attributes, timestamp=int(event.time * 1e9))
 
     def _on_tokens(self, events: CoreEvents, now: float, out: Outgoing) -> None:
+        """Queue the events' tokens as one TokenDeltaBatch per owner (one Redis entry each); observe each
+        request's inter-token latency."""
         self.metrics.generation_tokens.inc(len(events.tokens))
-        for delta in convert.token_deltas(events.tokens, now):
-            tracked = self._tracked.get(delta.request_id)
+        tracked_of = self._tracked.get
+        itl = self.metrics.itl.observe
+
+        def owner_of(request_id: str) -> str | None:
+            tracked = tracked_of(request_id)
             if tracked is None:  # the core never reports tokens of a request it did not get from us
-                log.error("tokens for untracked request %s", delta.request_id)
-                continue
+                log.error("tokens for untracked request %s", request_id)
+                return None
             if tracked.last_token_time is not None:
-                self.metrics.itl.observe(now - tracked.last_token_time)
+                itl(now - tracked.last_token_time)
             tracked.last_token_time = now
-            deltas, fields = out.tokens.setdefault(tracked.owner, ([], []))
-            deltas.append(delta)
-            fields.append(tracked.trace_fields)
+            return tracked.owner
+
+        for owner, batch in convert.token_delta_batches(events.tokens, now, owner_of).items():
+            have = out.tokens.get(owner)
+            if have is None:
+                out.tokens[owner] = batch
+            else:
+                have.deltas.extend(batch.deltas)
 
     def _on_finished(self, finished: Finished, out: Outgoing) -> None:
         tracked = self._tracked.pop(finished.request_id, None)

@@ -2,6 +2,9 @@
 
 - `execute` sends a plan and returns the worker's result, or None when the call broke (stream
   closed, UNAVAILABLE): the round is then lost with the worker, and the stream is dropped.
+- A plan the worker refuses (INVALID_ARGUMENT: it does not fit the worker) is not a lost worker: on the
+  stream the worker answers it with a failed round (`error`), and a unary refusal is turned into one here,
+  so the core fails that round's requests and the replica keeps serving.
 - Pipelined rounds: `send` writes a plan on the stream without waiting and `receive` reads the oldest
   answer; the stream keeps them in order, so the worker finds round N+1 queued when N ends.
 - `serving` is False while the worker is unreachable; every change sets `changed` (the agent
@@ -21,6 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sluice import convert, services
+from sluice.plan_encoder import PlanEncoder
 from sluice.prom import SchedulerMetrics
 from sluice.types import RoundPlan, RoundResult
 from sluice.v1 import worker_pb2, worker_pb2_grpc
@@ -46,6 +50,8 @@ class WorkerLink:
         self.changed = asyncio.Event()
         """Set whenever `serving` changes."""
         self._stream: grpc.aio.StreamStreamCall | None = None
+        self._encoder = PlanEncoder()
+        """Builds each plan's wire form from the round before's (sluice/plan_encoder.py)."""
 
     def set_serving(self, serving: bool, waiting: int = 0) -> None:
         """Record whether the worker serves; a change sets `changed` and calls `on_change`."""
@@ -87,7 +93,7 @@ class WorkerLink:
         exactly once; return False when the stream broke (the stream is dropped)."""
         if self._stream is None:
             self._stream = self.stub.ExecuteStream()
-        wire = convert.plan_to_proto(plan)
+        wire = self._encoder.encode(plan)
         if traces:
             wire.traces.extend(traces)
         try:
@@ -130,7 +136,7 @@ class WorkerLink:
         if self.use_stream and self._stream is None:
             self._stream = self.stub.ExecuteStream()
         stream = self._stream
-        wire = convert.plan_to_proto(plan)
+        wire = self._encoder.encode(plan)
         if traces:
             wire.traces.extend(traces)
         pending = [sent]  # called exactly once, even when the call breaks before the plan went out
@@ -138,7 +144,14 @@ class WorkerLink:
             if stream is None:
                 call = self.stub.Execute(wire)
                 pending.pop()()
-                reply = await call
+                try:
+                    reply = await call
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() is not grpc.StatusCode.INVALID_ARGUMENT:
+                        raise
+                    log.error("round %d: the worker refused the plan: %s", plan.round_id, exc.details())
+                    self.metrics.round_errors.inc()
+                    return RoundResult(plan.round_id, (), 0.0, error=f"INVALID_ARGUMENT: {exc.details()}")
             else:
                 await stream.write(wire)
                 pending.pop()()

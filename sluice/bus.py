@@ -9,7 +9,9 @@ Theory of operation
   router runs one consumer per shard: XREADGROUP on several keys in one call needs them in one slot),
   `completions` (terminal records), `tokens:<owner>` (token deltas for one admission process).
 - Every entry has the protobuf bytes in field `p` and, when a span is active, the W3C trace context in
-  fields `traceparent`/`tracestate`.
+  fields `traceparent`/`tracestate`. Exception: a `tokens:<owner>` entry written by `publish_token_batch`
+  holds a TokenDeltaBatch (every delta of one publication for that owner) in field `d`, and no trace
+  context (the requests' traces are on their Completions); `read_tokens` reads both kinds.
 - Publishing trims each stream approximately (`XADD MAXLEN ~ maxlen`): cheap, and never below `maxlen`.
 - `consume` gives at-least-once delivery to a consumer group: XREADGROUP, the handler is awaited, XACK
   after it returns. Entries a consumer read but never acknowledged (it died, or its handler raised) are
@@ -50,12 +52,16 @@ from redis.exceptions import ResponseError
 from sluice.telemetry import TRACE_FIELDS, extract_fields, inject_fields
 from sluice.v1 import events_pb2
 
-__all__ = ["Bus", "DEFAULT_KV_SHARDS", "Handler", "PAYLOAD_FIELD", "PASSWORD_FILE_ENV", "RedisClient", "redact_url",
-           "redis_client", "split_cluster_url"]
+__all__ = ["Bus", "DEFAULT_KV_SHARDS", "Handler", "PAYLOAD_FIELD", "PASSWORD_FILE_ENV", "RedisClient",
+           "TOKEN_BATCH_FIELD", "redact_url", "redis_client", "split_cluster_url", "token_deltas_of"]
 
 log = logging.getLogger(__name__)
 
 PAYLOAD_FIELD = "p"
+TOKEN_BATCH_FIELD = "d"
+"""The field of a `tokens:<owner>` entry that holds a TokenDeltaBatch (instead of one TokenDelta in `p`)."""
+_PAYLOAD_KEY = PAYLOAD_FIELD.encode()
+_BATCH_KEY = TOKEN_BATCH_FIELD.encode()
 PASSWORD_FILE_ENV = "SLUICE_REDIS_PASSWORD_FILE"
 DEFAULT_KV_SHARDS = 4
 """KV event streams per namespace: enough to spread over a small cluster, few enough for one router's loops."""
@@ -103,6 +109,17 @@ def _trace_fields(fields: dict[Any, Any]) -> dict[str, str]:
         if k in TRACE_FIELDS:
             out[k] = _str(value)
     return out
+
+
+def token_deltas_of(fields: Mapping[Any, Any]) -> list[events_pb2.TokenDelta]:
+    """Return the token deltas of one `tokens:<owner>` entry's fields, in order: the deltas of a TokenDeltaBatch
+    (field `d`) or the one TokenDelta (field `p`); [] for an entry with neither. Raises DecodeError when the
+    bytes do not parse."""
+    batch = fields.get(_BATCH_KEY, fields.get(TOKEN_BATCH_FIELD))
+    if batch is not None:
+        return list(events_pb2.TokenDeltaBatch.FromString(bytes(batch)).deltas)
+    payload = fields.get(_PAYLOAD_KEY, fields.get(PAYLOAD_FIELD))
+    return [] if payload is None else [events_pb2.TokenDelta.FromString(bytes(payload))]
 
 
 def redact_url(url: str) -> str:
@@ -226,6 +243,21 @@ class Bus:
             for name, value in extra.items():
                 args += (name, value)
         await self._xadd_many(keys=[self.key(self.tokens_stream(owner))], args=args)
+
+    async def publish_token_batch(self, owner: str, batch: events_pb2.TokenDeltaBatch | bytes) -> str:
+        """Publish every delta of `batch` (a TokenDeltaBatch or its bytes) to `tokens:{owner}` as one entry (field
+        `d`, no trace context); return the entry id. One XADD, whatever the number of requests."""
+        payload = batch if isinstance(batch, bytes) else batch.SerializeToString()
+        entry_id = await self.client.xadd(self.key(self.tokens_stream(owner)), {TOKEN_BATCH_FIELD: payload},
+                                          maxlen=self.maxlen, approximate=True)
+        return _str(entry_id)
+
+    async def read_tokens(self, stream: str, last_id: str, *, count: int = 512,
+                          block_ms: int = 200) -> list[tuple[str, list[events_pb2.TokenDelta]]]:
+        """Return the entries of token stream `stream` after `last_id` as (entry id, its deltas in order), both
+        entry kinds (`token_deltas_of`); [] after block_ms. Raises DecodeError for an entry that does not parse."""
+        reply: Any = await self.client.xread({self.key(stream): last_id}, count=count, block=block_ms)
+        return [(_str(entry_id), token_deltas_of(fields or {})) for entry_id, fields in _entries_of(reply)]
 
     async def ensure_group(self, stream: str, group: str, start_id: str = "0") -> None:
         """Create consumer group `group` on `stream` (and the stream) unless it exists.

@@ -9,8 +9,9 @@ these for everything shared.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from sluice.slots import slot_constructor
 from sluice.types import (
     BackendInfo,
     BlockCopy,
@@ -64,21 +65,26 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     return msg
 
 
+_new_seq = slot_constructor(ScheduledSeq)
+
+
 def plan_from_proto(msg: worker_pb2.RoundPlan) -> RoundPlan:
     """Return the core RoundPlan of a wire plan (the budget is not on the wire: None)."""
+    # Per round, once per sequence (256 and more): hence the positional constructor and `tuple(x[:])` (a repeated
+    # field's slice is a list built in C, about half the cost of iterating the field into a tuple).
     cache: dict[bytes, SamplingParams] = {}
-    seqs = []
+    seqs: list[ScheduledSeq] = []
+    append = seqs.append
+    new = _new_seq
     for s in msg.seqs:
         # Many seqs of one batch share sampling settings; parse each distinct one once.
         key = s.sampling.SerializeToString()
         sampling = cache.get(key)
         if sampling is None:
             sampling = cache[key] = sampling_from_proto(s.sampling)
-        seqs.append(ScheduledSeq(
-            request_id=s.request_id, epoch=s.epoch, token_ids=tuple(s.token_ids),
-            start_position=s.start_position, block_table=tuple(s.block_table), sampling=sampling,
-            sample=s.sample, output_index=s.output_index, recent_output_ids=tuple(s.recent_output_ids),
-        ))
+        recent = s.recent_output_ids
+        append(new(s.request_id, s.epoch, tuple(s.token_ids[:]), s.start_position, tuple(s.block_table[:]), sampling,
+                   s.sample, s.output_index, tuple(recent[:]) if recent else ()))
     return RoundPlan(
         round_id=msg.round_id, seqs=tuple(seqs),
         swap_out=tuple(BlockCopy(c.src, c.dst) for c in msg.swap_out),
@@ -90,39 +96,40 @@ def plan_to_proto(plan: RoundPlan) -> worker_pb2.RoundPlan:
     """Return the wire form of a core RoundPlan (its budget is local to the scheduler and not sent)."""
     # Requests of a batch mostly share equal (frozen, hashable) sampling settings: convert each once.
     cache: dict[SamplingParams, common_pb2.SamplingParams] = {}
-    seqs = []
+    msg = worker_pb2.RoundPlan(
+        round_id=plan.round_id,
+        swap_out=[worker_pb2.BlockCopy(src=c.src, dst=c.dst) for c in plan.swap_out],
+        swap_in=[worker_pb2.BlockCopy(src=c.src, dst=c.dst) for c in plan.swap_in],
+    )
+    add = msg.seqs.add  # built in place: a list of messages passed to the constructor would be copied again
     for s in plan.seqs:
         sampling = cache.get(s.sampling)
         if sampling is None:
             sampling = cache[s.sampling] = sampling_to_proto(s.sampling)
-        seqs.append(worker_pb2.ScheduledSeq(
-            request_id=s.request_id, epoch=s.epoch, token_ids=s.token_ids, start_position=s.start_position,
+        add(request_id=s.request_id, epoch=s.epoch, token_ids=s.token_ids, start_position=s.start_position,
             block_table=s.block_table, sampling=sampling, sample=s.sample, output_index=s.output_index,
-            recent_output_ids=s.recent_output_ids,
-        ))
-    return worker_pb2.RoundPlan(
-        round_id=plan.round_id, seqs=seqs,
-        swap_out=[worker_pb2.BlockCopy(src=c.src, dst=c.dst) for c in plan.swap_out],
-        swap_in=[worker_pb2.BlockCopy(src=c.src, dst=c.dst) for c in plan.swap_in],
-    )
+            recent_output_ids=s.recent_output_ids)
+    return msg
 
 
 def result_to_proto(result: RoundResult) -> worker_pb2.RoundResult:
     """Return the wire form of a core RoundResult."""
-    return worker_pb2.RoundResult(
-        round_id=result.round_id,
-        outputs=[worker_pb2.SeqOutput(request_id=o.request_id, epoch=o.epoch, token_ids=o.token_ids,
-                                      stop_string_hit=o.stop_string_hit) for o in result.outputs],
-        elapsed_s=result.elapsed_s, error=result.error,
-    )
+    msg = worker_pb2.RoundResult(round_id=result.round_id, elapsed_s=result.elapsed_s, error=result.error)
+    add = msg.outputs.add
+    for o in result.outputs:
+        add(request_id=o.request_id, epoch=o.epoch, token_ids=o.token_ids, stop_string_hit=o.stop_string_hit)
+    return msg
+
+
+_new_output = slot_constructor(SeqOutput)
 
 
 def result_from_proto(msg: worker_pb2.RoundResult) -> RoundResult:
     """Return the core RoundResult of a wire result."""
+    new = _new_output
     return RoundResult(
         round_id=msg.round_id,
-        outputs=tuple(SeqOutput(o.request_id, o.epoch, tuple(o.token_ids), o.stop_string_hit)
-                      for o in msg.outputs),
+        outputs=tuple([new(o.request_id, o.epoch, tuple(o.token_ids[:]), o.stop_string_hit) for o in msg.outputs]),
         elapsed_s=msg.elapsed_s, error=msg.error,
     )
 
@@ -259,19 +266,29 @@ def completion_to_proto(finished: Finished, *, replica_id: str, owner: str,
     )
 
 
-def token_deltas(tokens: Sequence[tuple[str, int, int]], created_unix_s: float) -> list[events_pb2.TokenDelta]:
-    """Group the core's (request id, output index, token) triples into one delta per run of consecutive
-    tokens of a request, in order."""
-    deltas: list[events_pb2.TokenDelta] = []
+def token_delta_batches(tokens: Sequence[tuple[str, int, int]], created_unix_s: float,
+                        owner_of: Callable[[str], str | None]) -> dict[str, events_pb2.TokenDeltaBatch]:
+    """Group the core's (request id, output index, token) triples into one delta per run of consecutive tokens
+    of a request, in order, in one TokenDeltaBatch per owner. `owner_of(request_id)` is called once per delta
+    (None: the delta is left out)."""
+    batches: dict[str, events_pb2.TokenDeltaBatch] = {}
     last: events_pb2.TokenDelta | None = None
+    last_id, next_index = "", -1
     for request_id, index, token in tokens:
-        if last is not None and last.request_id == request_id and last.index + len(last.token_ids) == index:
+        if last is not None and request_id == last_id and index == next_index:
             last.token_ids.append(token)
+            next_index += 1
             continue
-        last = events_pb2.TokenDelta(request_id=request_id, index=index, token_ids=[token],
-                                     created_unix_s=created_unix_s)
-        deltas.append(last)
-    return deltas
+        owner = owner_of(request_id)
+        if owner is None:
+            last = None
+            continue
+        batch = batches.get(owner)
+        if batch is None:
+            batch = batches[owner] = events_pb2.TokenDeltaBatch()
+        last = batch.deltas.add(request_id=request_id, index=index, token_ids=(token,), created_unix_s=created_unix_s)
+        last_id, next_index = request_id, index + 1
+    return batches
 
 
 def kv_events_from_proto(batch: events_pb2.KvEventBatch) -> list[KvEvent]:

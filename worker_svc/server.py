@@ -6,16 +6,22 @@ Theory of operation
 - Health is NOT_SERVING until the backend is loaded and one warm-up round has run, then SERVING;
   Execute and Info answer UNAVAILABLE until then.
 - A plan that does not fit the worker (positions past the model length, token or block ids out of
-  range, more tokens than KV slots...) is refused with INVALID_ARGUMENT before it runs.
+  range, more tokens than KV slots...) is refused before it runs: Execute answers INVALID_ARGUMENT; on
+  ExecuteStream the round's result carries `error` ("INVALID_ARGUMENT ...": the scheduler fails that round's
+  requests) and the stream goes on, so one bad plan never reads as a lost worker. A pipelined round queued
+  behind a refused one drops its pending decodes of the refused round's requests (they failed with it).
 - A backend exception fails the round as a whole: the result carries `error` (the scheduler fails the
   round's requests); the service keeps serving.
-- ExecuteStream reads and converts plans as they arrive and writes each result after the next queued
-  round has started: rounds queued by the pipelined scheduler run back to back.
+- ExecuteStream converts and validates each plan as it arrives and queues it on the backend thread at
+  once (`WorkerRuntime.queue`): the thread starts a queued round the moment the one before ends, without
+  a hop through the event loop, so rounds queued by the pipelined scheduler run back to back; results are
+  written in order. Rounds of a closed stream that have not started are cancelled.
 - Rounds placed ahead (the scheduler plans round N+1 while N executes): a sequence whose token is
   `PENDING_TOKEN` decodes the token this worker sampled for the same request and epoch in the round
   before; the runtime fills it in from the previous round's outputs before the backend sees the plan.
 - `sluice_worker_idle_seconds`: the gap between one round's end and the next one's start, both in the
-  backend thread (the device waiting: for the control plane, or for the event loop's hand-over).
+  backend thread (the device waiting for the control plane; with a round queued, only the thread's own
+  pending-token fill-in).
 - `emulate_time`: a backend whose `elapsed_s` is modelled (the cost model) is made to take that long,
   so that load tests on a CPU see GPU-like round times.
 - Tracing: a round that carries trace contexts (`RoundPlan.traces`: the sampled requests it serves, as
@@ -29,8 +35,9 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -38,7 +45,7 @@ from grpc_health.v1.health import aio as health_aio
 from opentelemetry import trace
 
 from sluice import convert, services, telemetry, tls
-from sluice.errors import ErrorInterceptor, Unavailable
+from sluice.errors import ErrorInterceptor, InvalidArgument, Unavailable
 from sluice.prom import WorkerMetrics
 from sluice.serve import grpc_server
 from sluice.slots import slot_constructor
@@ -74,6 +81,8 @@ class WorkerRuntime:
         """The last round's outputs: what its pending tokens stand for (indexed only when a plan has one)."""
         self._last_end: float | None = None
         """When the backend thread finished the last round (the device's idle time starts there)."""
+        self._refused: frozenset[str] = frozenset()
+        """Requests of the last round, when it was refused: the next round's pending decodes of them are dropped."""
 
     async def start(self) -> BackendInfo:
         """Load the backend and run a warm-up round; return its info. Raises what loading or warm-up raises."""
@@ -106,11 +115,56 @@ class WorkerRuntime:
         Raises Unavailable until the warm-up round has run, InvalidArgument for a plan that does not
         fit this worker (worker_svc/validation.py), before it takes the device.
         """
+        self.validate(plan)
+        self.metrics.rounds.labels(rpc).inc()
+        return await self._run(plan)
+
+    def validate(self, plan: RoundPlan) -> None:
+        """Raise Unavailable until the warm-up round has run, InvalidArgument for a plan that does not fit."""
         if not self.ready.is_set() or self._info is None:
             raise Unavailable("the worker is not ready (loading or warming up)", reason="WORKER_LOADING")
         validate_plan(plan, self._info)
+
+    def queue(self, plan: RoundPlan, rpc: str = "ExecuteStream") -> asyncio.Future[RoundResult]:
+        """Queue a validated plan on the backend thread at once, behind any round queued before it; return the
+        future of its result (an exception the backend raised is the future's). The thread starts it the moment
+        the round before ends, with no hop through the event loop: the device's idle gap is the thread's own."""
         self.metrics.rounds.labels(rpc).inc()
-        return await self._run(plan)
+        assert self._backend is not None
+        return asyncio.get_running_loop().run_in_executor(self._executor, self._execute, self._backend, plan)
+
+    def queue_refusal(self, plan: RoundPlan, exc: InvalidArgument) -> RoundResult:
+        """`refuse`, in order on the backend thread (rounds queued before it still read the outputs they need)."""
+        self._executor.submit(self._refused_round, plan)
+        return self._refusal(plan, exc)
+
+    async def finished(self, plan: RoundPlan, future: asyncio.Future[RoundResult]) -> RoundResult:
+        """Await a queued round and account for it like `execute` (a backend exception fails the round)."""
+        try:
+            result = await future
+        except Exception as exc:
+            log.exception("round %d failed", plan.round_id)
+            self.metrics.round_errors.inc()
+            return RoundResult(plan.round_id, (), 0.0, error=f"{type(exc).__name__}: {exc}")
+        self.metrics.execute_duration.observe(result.elapsed_s)
+        self._count_tokens(plan)
+        return result
+
+    def refuse(self, plan: RoundPlan, exc: InvalidArgument) -> RoundResult:
+        """Answer a plan `validate_plan` refused with a failed round (the scheduler fails its requests) instead of
+        ending the stream; the next round's pending decodes of its requests are dropped (nothing was sampled)."""
+        self._refused_round(plan)
+        return self._refusal(plan, exc)
+
+    def _refused_round(self, plan: RoundPlan) -> None:
+        self._refused = frozenset(seq.request_id for seq in plan.seqs)
+        self._last_outputs = ()
+
+    def _refusal(self, plan: RoundPlan, exc: InvalidArgument) -> RoundResult:
+        log.warning("round %d refused: %s (%s)", plan.round_id, exc, exc.field_name)
+        self.metrics.round_errors.inc()
+        field = f" ({exc.field_name})" if exc.field_name else ""
+        return RoundResult(plan.round_id, (), 0.0, error=f"INVALID_ARGUMENT{field}: {exc}")
 
     async def _run(self, plan: RoundPlan) -> RoundResult:
         backend = self._backend
@@ -134,11 +188,15 @@ class WorkerRuntime:
         Runs in the backend thread. Raises LookupError for a pending token the last round did not sample."""
         if self._last_end is not None:
             self.metrics.idle.observe(time.perf_counter() - self._last_end)
-        pending = _PENDING
+        pending, refused = _PENDING, self._refused
+        self._refused = frozenset()
         if any(seq.token_ids == pending for seq in plan.seqs):
             sampled = {out.request_id: out for out in self._last_outputs}
             plan = dataclasses.replace(plan, seqs=tuple(_filled(seq, sampled) if seq.token_ids == pending else seq
-                                                        for seq in plan.seqs))
+                                                        for seq in plan.seqs
+                                                        if seq.token_ids != pending or seq.request_id not in refused))
+            if not plan.seqs and not plan.swap_out and not plan.swap_in:
+                return RoundResult(plan.round_id, ())  # every sequence was a pending decode of a refused round
         start = time.perf_counter()
         try:
             result = backend.execute(plan)
@@ -160,11 +218,13 @@ class WorkerRuntime:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
 
-def _wait_until(deadline: float, spin_s: float = 0.001) -> None:
+def _wait_until(deadline: float, spin_s: float = 0.00025) -> None:
     """Block the backend thread until `deadline` (perf_counter): sleep, then spin the last `spin_s`.
 
     Why: an emulated round must take its modelled time and no more; asyncio.sleep and a plain sleep
-    overshoot by up to milliseconds on a busy host, which read as control-plane time."""
+    overshoot by up to milliseconds on a busy host, which read as control-plane time. The spin costs CPU
+    the rest of the stack shares (1 ms of it was a quarter of the worker's CPU per round at batch 1);
+    0.25 ms covers a plain sleep's usual overshoot (p50 85 us, p90 107 us on the shared 2-core VM)."""
     remaining = deadline - time.perf_counter()
     if remaining > spin_s:
         time.sleep(remaining - spin_s)
@@ -208,52 +268,67 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def ExecuteStream(self, request_iterator: AsyncIterator[worker_pb2.RoundPlan],  # noqa: N802
                             context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.RoundResult]:
-        """Rounds in order. Plans are read and converted as they arrive, and a result is converted and written
-        once the next queued round has started, so queued rounds run back to back on the device."""
-        plans: asyncio.Queue[tuple[worker_pb2.RoundPlan, RoundPlan] | None] = asyncio.Queue()
-        results: asyncio.Queue[RoundResult | Exception | None] = asyncio.Queue()
+        """Rounds in order. Each plan is converted, validated and queued on the backend thread as it arrives, so a
+        round queued by the pipelined scheduler starts the moment the one before ends (in that thread, with no hop
+        through the event loop); results are converted and written in order as they come."""
+        queued: asyncio.Queue[tuple[worker_pb2.RoundPlan, RoundPlan, asyncio.Future[RoundResult] | RoundResult]
+                              | Exception | None] = asyncio.Queue()
+        runtime = self.runtime
 
         async def read() -> None:
             try:
                 async for wire in request_iterator:
-                    plans.put_nowait((wire, convert.plan_from_proto(wire)))
-            except Exception as exc:  # a message that does not parse: the stream ends with its refusal
-                results.put_nowait(exc)
+                    plan = convert.plan_from_proto(wire)
+                    try:
+                        runtime.validate(plan)
+                    except InvalidArgument as exc:  # this plan only: its round fails, the stream goes on
+                        queued.put_nowait((wire, plan, runtime.queue_refusal(plan, exc)))
+                        continue
+                    queued.put_nowait((wire, plan, runtime.queue(plan)))
+            except Exception as exc:  # a message that does not parse, Unavailable before warm-up: the stream ends
+                queued.put_nowait(exc)
             finally:
-                plans.put_nowait(None)
+                queued.put_nowait(None)
 
-        async def run() -> None:
-            try:
-                while (item := await plans.get()) is not None:
-                    results.put_nowait(await self._execute(*item, "ExecuteStream"))
-                results.put_nowait(None)
-            except Exception as exc:  # Unavailable before warm-up, a broken plan: the stream ends with it
-                results.put_nowait(exc)
-
-        tasks = (asyncio.create_task(read()), asyncio.create_task(run()))
+        reader = asyncio.create_task(read())
         try:
-            while (answer := await results.get()) is not None:
-                if isinstance(answer, Exception):
-                    raise answer
+            while (item := await queued.get()) is not None:
+                if isinstance(item, Exception):
+                    raise item
+                wire, plan, pending = item
+                result = pending if isinstance(pending, RoundResult) else await self._finished(wire, plan, pending)
                 if context.done():  # the scheduler closed the stream: nobody reads this result
                     return
-                yield convert.result_to_proto(answer)
+                yield convert.result_to_proto(result)
         finally:
-            for task in tasks:
-                task.cancel()
+            reader.cancel()
+            while not queued.empty():  # rounds of a closed stream that have not started do not run
+                left = queued.get_nowait()
+                if isinstance(left, tuple) and isinstance(left[2], asyncio.Future):
+                    left[2].cancel()
 
     async def _round(self, wire: worker_pb2.RoundPlan, rpc: str) -> worker_pb2.RoundResult:
         return convert.result_to_proto(await self._execute(wire, convert.plan_from_proto(wire), rpc))
 
     async def _execute(self, wire: worker_pb2.RoundPlan, plan: RoundPlan, rpc: str) -> RoundResult:
         """Run one converted plan; a plan that carries trace contexts gets a `worker.round` span."""
+        return await self._traced(wire, plan, rpc, self.runtime.execute(plan, rpc))
+
+    async def _finished(self, wire: worker_pb2.RoundPlan, plan: RoundPlan,
+                        future: asyncio.Future[RoundResult]) -> RoundResult:
+        """Await a round queued on the stream (its span, if any, starts when its answer is awaited: the round
+        before it has been answered)."""
+        return await self._traced(wire, plan, "ExecuteStream", self.runtime.finished(plan, future))
+
+    async def _traced(self, wire: worker_pb2.RoundPlan, plan: RoundPlan, rpc: str,
+                      running: Coroutine[Any, Any, RoundResult]) -> RoundResult:
         if not wire.traces:
-            return await self.runtime.execute(plan, rpc)
+            return await running
         links = [link for t in wire.traces
                  if (link := telemetry.link_to(t.traceparent, t.tracestate, **{"sluice.request_id": t.request_id}))]
         with tracer.start_as_current_span("worker.round", kind=trace.SpanKind.SERVER, links=links, attributes={
                 "sluice.round_id": plan.round_id, "sluice.seqs": len(plan.seqs), "rpc.method": rpc}) as span:
-            result = await self.runtime.execute(plan, rpc)
+            result = await running
             span.set_attribute("sluice.elapsed_s", result.elapsed_s)
             if result.error:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, result.error))

@@ -142,7 +142,7 @@ async def _serve(tmp_path: Path, redis_url: str, namespace: str, body: Body, con
     await server.start()
     stop = asyncio.Event()
     tasks = [asyncio.create_task(token_reader_loop(
-        lambda s, last, count, block: bus.read_stream(s, last, count=count, block_ms=block),
+        lambda s, last, count, block: bus.read_tokens(s, last, count=count, block_ms=block),
         bus.tokens_stream(OWNER), door.registry, stop, block_ms=50))]
     if consume:
         tasks.append(asyncio.create_task(bus.consume("completions", "admission", "c1", door.on_completion,

@@ -203,6 +203,30 @@ def test_token_deltas_read_in_order_with_trace_fields(redis_url: str, namespace:
     asyncio.run(body())
 
 
+def test_token_batches_and_single_deltas_read_back_in_order(redis_url: str, namespace: str) -> None:
+    """A TokenDeltaBatch is one stream entry, and read_tokens returns its deltas and older single-delta entries in
+    publication order (a reader accepts both kinds of entry on one stream)."""
+    async def body() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        bus = Bus(client, namespace)
+        stream = bus.tokens_stream("adm-1")
+        single = events_pb2.TokenDelta(request_id="old", index=0, token_ids=[7])
+        await bus.publish_tokens("adm-1", [single])
+        batch = events_pb2.TokenDeltaBatch()
+        for i in range(300):
+            batch.deltas.add(request_id=f"r{i}", index=i % 3, token_ids=[i, i + 1], created_unix_s=1.5)
+        await bus.publish_token_batch("adm-1", batch)
+        await bus.publish_token_batch("adm-1", batch.SerializeToString())
+        assert await client.xlen(bus.key(stream)) == 3
+        entries = await bus.read_tokens(stream, "0", block_ms=50)
+        assert [len(deltas) for _, deltas in entries] == [1, 300, 300]
+        assert entries[0][1] == [single]
+        assert entries[1][1] == list(batch.deltas) == entries[2][1]
+        assert await bus.read_tokens(stream, entries[-1][0], block_ms=20) == []
+        await client.aclose()
+    asyncio.run(body())
+
+
 def test_bus_rejects_a_namespace_with_a_separator(redis_url: str) -> None:
     """A namespace containing ':' would make keys ambiguous, so Bus refuses it with ValueError."""
     with pytest.raises(ValueError, match="namespace"):

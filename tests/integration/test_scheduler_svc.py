@@ -41,14 +41,17 @@ class Replica:
 @contextlib.asynccontextmanager
 async def _replica(redis_url: str, namespace: str, *, num_blocks: int = 64, emulate_time: bool = False,
                    router_address: str = "", core_overrides: dict[str, object] | None = None,
-                   pipeline: bool = True) -> AsyncIterator[Replica]:
+                   pipeline: bool = True, use_stream: bool = True,
+                   worker_max_model_len: int | None = None) -> AsyncIterator[Replica]:
     """A cost-model worker and a scheduler replica "r1" in front of it, publishing on a real Redis."""
-    worker = await start_worker_server(WorkerRuntime(lambda: CostModel("llama-3-8b", "h200"),
-                                                     num_blocks=num_blocks, emulate_time=emulate_time))
+    worker = await start_worker_server(WorkerRuntime(
+        lambda: CostModel("llama-3-8b", "h200", max_model_len=worker_max_model_len),
+        num_blocks=num_blocks, emulate_time=emulate_time))
     client = aioredis.Redis.from_url(redis_url)
     bus = Bus(client, namespace)
     replica = await start_replica(replica_id="r1", worker_address=f"127.0.0.1:{worker.port}", bus=bus,
                                   router_address=router_address, heartbeat_interval_s=0.1, pipeline=pipeline,
+                                  use_stream=use_stream,
                                   core_overrides={"max_model_len": 4096, **(core_overrides or {})})
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{replica.port}")
     try:
@@ -81,8 +84,8 @@ async def _completions(bus: Bus, want: int, timeout: float = 10.0) -> list[event
 
 
 async def _tokens(bus: Bus, owner: str = "adm-1") -> list[events_pb2.TokenDelta]:
-    return [events_pb2.TokenDelta.FromString(p)
-            for _, p, _ in await bus.read_stream(bus.tokens_stream(owner), "0", count=10_000, block_ms=10)]
+    return [delta for _, deltas in await bus.read_tokens(bus.tokens_stream(owner), "0", count=10_000, block_ms=10)
+            for delta in deltas]
 
 
 async def _output_tokens(bus: Bus, request_id: str) -> list[int]:
@@ -142,6 +145,40 @@ def test_pipelined_and_serial_loops_stream_the_same_tokens(redis_url: str, names
     asyncio.run(body())
 
 
+async def _first_token_of(bus: Bus, request_id: str) -> bool:
+    return any(d.request_id == request_id for d in await _tokens(bus))
+
+
+@pytest.mark.parametrize(("pipeline", "use_stream"), [(True, True), (False, True), (False, False)],
+                         ids=["pipelined", "serial-stream", "serial-unary"])
+def test_a_plan_the_worker_refuses_fails_its_round_and_the_replica_keeps_serving(
+        redis_url: str, namespace: str, pipeline: bool, use_stream: bool) -> None:
+    """A plan the worker refuses with INVALID_ARGUMENT (here: positions past the worker's max_model_len, which the
+    scheduler believes larger) fails the requests of that round only, FAILED with the refusal in the detail: the
+    worker is never marked lost, and requests before and after finish (pipelined, serial, unary)."""
+    async def body() -> None:
+        async with _replica(redis_url, namespace, num_blocks=256, emulate_time=True, pipeline=pipeline,
+                            use_stream=use_stream, worker_max_model_len=256) as r:
+            await r.stub.Submit(_submit("ok1", max_tokens=4))
+            await _completions(r.bus, 1)
+            await r.stub.Submit(_submit("bad1", prompt_len=300, max_tokens=4))  # a round of its own
+            await _completions(r.bus, 2)
+            await r.stub.Submit(_submit("long", max_tokens=64))
+            await _wait_for(lambda: _first_token_of(r.bus, "long"))
+            await r.stub.Submit(_submit("bad2", prompt_len=300, max_tokens=4))  # planned with long's decodes
+            await _completions(r.bus, 4)
+            await r.stub.Submit(_submit("ok2", max_tokens=4))
+            done = {c.request_id: c for c in await _completions(r.bus, 5)}
+            assert {rid: done[rid].status for rid in ("ok1", "ok2")} == {"ok1": common_pb2.FINISHED_LENGTH,
+                                                                         "ok2": common_pb2.FINISHED_LENGTH}
+            for rid in ("bad1", "bad2", "long"):  # long shared bad2's round: the core fails a round as a whole
+                assert done[rid].status == common_pb2.FAILED, rid
+                assert "INVALID_ARGUMENT" in done[rid].detail and "outside the model's" in done[rid].detail, rid
+            assert r.replica.driver.worker_serving and not r.replica.driver.worker_changed.is_set()
+            assert r.replica.driver.metrics.round_errors._value.get() >= 2  # a refused round ahead counts too
+    asyncio.run(body())
+
+
 def test_big_rounds_publish_after_the_next_plan_in_order_and_complete(redis_url: str, namespace: str) -> None:
     """With every round's publication deferred until the next plan is sent (the big-round path), each
     request's tokens still arrive complete, in order, and no later than its completion."""
@@ -152,13 +189,13 @@ def test_big_rounds_publish_after_the_next_plan_in_order_and_complete(redis_url:
             done = await _completions(r.bus, 40)
             assert sorted(c.request_id for c in done) == sorted(f"q{i}" for i in range(40))
             assert all(c.status == common_pb2.FINISHED_LENGTH for c in done)
-            entries = await r.bus.read_stream(r.bus.tokens_stream("adm-1"), "0", count=100_000, block_ms=10)
+            entries = await r.bus.read_tokens(r.bus.tokens_stream("adm-1"), "0", count=100_000, block_ms=10)
             seen: dict[str, list[int]] = {}
             last_ms: dict[str, int] = {}
-            for entry_id, payload, _ in entries:
-                delta = events_pb2.TokenDelta.FromString(payload)
-                seen.setdefault(delta.request_id, []).extend(range(delta.index, delta.index + len(delta.token_ids)))
-                last_ms[delta.request_id] = int(entry_id.split("-")[0])
+            for entry_id, deltas in entries:
+                for delta in deltas:
+                    seen.setdefault(delta.request_id, []).extend(range(delta.index, delta.index + len(delta.token_ids)))
+                    last_ms[delta.request_id] = int(entry_id.split("-")[0])
             assert all(seen[c.request_id] == list(range(12)) for c in done)
             completions = await r.bus.read_stream("completions", "0", count=1000, block_ms=10)
             for entry_id, payload, _ in completions:

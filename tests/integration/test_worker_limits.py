@@ -10,7 +10,7 @@ import pytest
 
 from sluice import convert
 from sluice.errors import details_of
-from sluice.types import RoundPlan, SamplingParams, ScheduledSeq
+from sluice.types import PENDING_TOKEN, RoundPlan, SamplingParams, ScheduledSeq
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.costmodel import CostModel
 from worker_svc.server import WorkerRuntime, start_worker_server
@@ -77,5 +77,30 @@ def test_malformed_bytes_are_invalid_argument_on_unary_and_stream_calls() -> Non
             assert not ok.error
             info = await worker_pb2_grpc.WorkerServiceStub(channel).Info(worker_pb2.InfoRequest(), timeout=5)
             assert info.model_id == "tiny"
+        await worker.stop()
+    asyncio.run(body())
+
+
+def test_a_refused_stream_round_is_answered_and_the_round_behind_it_runs_without_its_pending_decodes() -> None:
+    """On ExecuteStream a refused plan is answered with a failed round (INVALID_ARGUMENT and the field in `error`)
+    instead of ending the stream; the pipelined round queued behind it drops its pending decodes of the refused
+    round's requests (nothing was sampled for them) and runs the rest; later rounds run as before."""
+    async def body() -> None:
+        worker = await start_worker_server(WorkerRuntime(lambda: CostModel("llama-3-8b", "h200"), num_blocks=64))
+        await asyncio.wait_for(worker.loading, 30)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+            stream = worker_pb2_grpc.WorkerServiceStub(channel).ExecuteStream()
+            pending = ScheduledSeq("a", 0, (PENDING_TOKEN,), 3, (0,), SamplingParams(max_tokens=4), True, 1)
+            for plan in (RoundPlan(1, (_seq("a"), _seq("b", start=2**31 - 1))),  # refused: b's positions
+                         RoundPlan(2, (pending, _seq("c", blocks=(1,)))),  # a's pending decode of round 1
+                         RoundPlan(3, (_seq("d", blocks=(2,)),))):
+                await stream.write(convert.plan_to_proto(plan))
+            refused, behind, later = [await stream.read() for _ in range(3)]
+            assert refused.round_id == 1 and not refused.outputs
+            assert refused.error.startswith("INVALID_ARGUMENT (seqs[1].start_position)")
+            assert (behind.round_id, behind.error, [o.request_id for o in behind.outputs]) == (2, "", ["c"])
+            assert (later.round_id, later.error, [o.request_id for o in later.outputs]) == (3, "", ["d"])
+            assert worker.runtime.metrics.round_errors._value.get() == 1
+            await stream.done_writing()
         await worker.stop()
     asyncio.run(body())
