@@ -4,8 +4,9 @@ The same workload (Poisson arrivals, 512-token prompts, 128-token outputs, seed 
 stack (costmodel backend, Llama-3-8B, H200 emulated time) and through `sluice sim` with the same settings.
 `table` prints TTFT p50/p99, TPOT p50/p99 and throughput of both and their difference at three loads on 1
 and 2 replicas, with the simulator's control-plane delays (round gap, submit and token delays) fitted on
-the first row (1 replica, low load) and then held fixed; `batch` prints live TPOT/TTFT against the model (the simulator with no control-plane gap)
-at batch 1, 32 and 256 with the pipelined and the serial loop, and the worker's idle gap between rounds.
+the first row (1 replica, low load) and then held fixed; `batch` prints live TPOT/TTFT at batch 1, 32 and 256
+(a burst of that many requests) with the pipelined and the serial loop against the cost model's decode step
+and the simulator with no control-plane delay on the same requests, and the worker's idle gap between rounds.
 Every row is also printed as one JSON line.
 
   python -m sluice_tools.fidelity table [--rates 2,8,20] [--replicas 1,2] [--n 200]
@@ -144,20 +145,25 @@ def modelled(size: int, prompt: int = 512, output: int = 128) -> dict[str, float
 
 
 def batch(sizes: Sequence[int]) -> None:
-    """Print live TPOT/TTFT against the model at each batch size (closed loop of `size` clients, 3 requests
-    each; TTFT then includes the wait for a client and means something at batch 1 only), pipelined and serial."""
-    print(f"{'batch':>6} {'model tpot':>10} {'pipelined':>10} {'serial':>10} {'model ttft':>10} {'pipelined':>10} "
-          f"{'serial':>10}  idle gaps (pipelined | serial)")
+    """Print live TPOT/TTFT against the device at each batch size, pipelined and serial.
+
+    Batch 1: one request at a time, 1 s apart (its TTFT is the prefill's). Batch B > 1: a burst of B requests
+    at once (at most B in flight), so every round decodes the batch, interleaved with the burst's prefills at
+    first. Two device references: `step`, the cost model's pure decode step at B (mean context), and `sim`,
+    the simulator with no control-plane delay on the same requests (the device time of this very workload,
+    prefills included): live against `sim` is the control plane's share.
+    """
+    print(f"{'batch':>6} {'step':>7} {'sim tpot':>8} {'pipelined':>10} {'serial':>8} {'sim ttft':>8} "
+          f"{'pipelined':>10} {'serial':>8}  idle gaps (pipelined | serial)")
     for size in sizes:
-        # Batch 1: one request at a time, 1 s apart (its TTFT is the prefill's); larger: `size` clients.
-        requests = workload(1.0, 12) if size == 1 else workload(100_000.0, 3 * size)
-        model = modelled(size)
-        piped, piped_gaps = live(requests, 1, True, size if size > 1 else 1024)
-        serial, serial_gaps = live(requests, 1, False, size if size > 1 else 1024)
-        print(f"{size:>6} {model['tpot_p50']:>10.2f} {piped['tpot_p50']:>10.2f} {serial['tpot_p50']:>10.2f} "
-              f"{model['ttft_p50']:>10.2f} {piped['ttft_p50']:>10.2f} {serial['ttft_p50']:>10.2f}  "
-              f"{piped_gaps} | {serial_gaps}", flush=True)
-        print(json.dumps({"batch": size, "model": model, "pipelined": piped, "serial": serial,
+        requests = workload(1.0, 12) if size == 1 else workload(100_000.0, size)
+        model, device = modelled(size), simulated(requests, 1, True)
+        piped, piped_gaps = live(requests, 1, True, max(size, 1))
+        serial, serial_gaps = live(requests, 1, False, max(size, 1))
+        print(f"{size:>6} {model['tpot_p50']:>7.2f} {device['tpot_p50']:>8.2f} {piped['tpot_p50']:>10.2f} "
+              f"{serial['tpot_p50']:>8.2f} {device['ttft_p50']:>8.2f} {piped['ttft_p50']:>10.2f} "
+              f"{serial['ttft_p50']:>8.2f}  {piped_gaps} | {serial_gaps}", flush=True)
+        print(json.dumps({"batch": size, "model": model, "sim": device, "pipelined": piped, "serial": serial,
                           "idle_pipelined": piped_gaps, "idle_serial": serial_gaps}), flush=True)
 
 
