@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 
+from scheduler_svc.core import bulk
 from scheduler_svc.core.backlog import Backlog
 from scheduler_svc.core.batcher import Batcher
 from scheduler_svc.core.block_pool import BlockPool
@@ -205,6 +206,30 @@ class SchedulerCore:
         self.pool.reset_cache()
         self.host.forget_hashes()
         return self.take_events()
+
+    # ---- steady decode runs in bulk (bulk.py) -----------------------------------------------
+    def steady_decodes(self) -> list[Request] | None:
+        """Return the running requests when the next rounds are steady pipelined decodes, else None.
+
+        Steady: two rounds in flight, both plain decodes of every running request, nothing queued,
+        swapping or waiting in the outbox (see bulk.py). The list is in plan order.
+        """
+        return bulk.steady_decodes(self)
+
+    def decode_run_limit(self, running: list[Request]) -> int:
+        """Return how many steady cycles `advance_decodes` may apply before one needs its own round."""
+        return bulk.decode_run_limit(self, running)
+
+    def advance_decodes(self, running: list[Request], tokens: list[list[int]]) -> tuple[RoundPlan | None, RoundPlan]:
+        """Apply k steady cycles at once, exactly as k `on_round_result` + `schedule(now, overlap=True)` pairs.
+
+        `running` is `steady_decodes()`; `tokens[i]` holds request i's next k sampled tokens (the
+        older in-flight round's token first). Token events go to the outbox in the order the k
+        results would have emitted them; the older round's record is gone, the two rounds left in
+        flight are the last two planned. Returns their plans (the older one None when k == 1: it is
+        the plan the caller already holds). Raises ValueError, changing nothing, past `decode_run_limit`.
+        """
+        return bulk.advance_decodes(self, running, tokens)
 
     # ---- terminations ----------------------------------------------------------------------
     def cancel(self, request_id: str, now: float, detail: str = "") -> RequestStatus | None:

@@ -52,6 +52,7 @@ from sluice.core_errors import RequestRejected
 from sluice.hashing import hash_chain, salt_of
 from sluice.types import CoreEvents, NewRequest, ReplicaState, RequestStatus, RoundPlan, SamplingParams, Stage
 from sluice_tools.metrics import RequestRecord
+from sluice_tools.sim import fastforward
 from sluice_tools.sim.admission import SimAdmission
 from sluice_tools.sim.config import DEFAULT_MAX_MODEL_LEN, SimConfig
 from sluice_tools.workload import WorkloadRequest
@@ -112,19 +113,9 @@ class Simulator:
         ]
         self.requests = sorted(requests, key=lambda r: r.arrival_s)
         self.records: dict[str, RequestRecord] = {}
-        self.series: dict[str, list[tuple[float, float]]] = {
-            k: []
-            for k in (
-                "waiting",
-                "running",
-                "kv_used_frac",
-                "replicas_ready",
-                "admission_active",
-                "prefix_hit_rate",
-                "preemptions",
-                "recomputed_tokens",
-            )
-        }
+        self.series: dict[str, list[tuple[float, float]]] = {k: [] for k in (
+            "waiting", "running", "kv_used_frac", "replicas_ready", "admission_active", "prefix_hit_rate",
+            "preemptions", "recomputed_tokens")}
         self.now = 0.0
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = 0
@@ -138,6 +129,8 @@ class Simulator:
                                        config.scheduler.block_size, self._salt, self.vocab_size)
         self._growth_signal = self.front_door.on_token if self.front_door.grows else None
         self._pipeline = config.pipeline
+        # Steady decode rounds in bulk (fastforward.py): pipelined, without per-token admission calls.
+        self._fast = config.pipeline and self._growth_signal is None and fastforward.enabled()
         self._gap = config.round_gap_s
         self._token_delay = config.token_delay_s
         self.rounds = 0
@@ -349,6 +342,8 @@ class Simulator:
 
     def _on_round_done(self, payload: tuple[_Replica, RoundPlan, Any]) -> None:
         replica, plan, result = payload
+        if self._fast and replica.ahead is not None and fastforward.fast_forward(self, replica, plan, result, _ROUND_DONE):
+            return
         replica.busy = False
         replica.rates.observe(plan, result.elapsed_s)
         self._absorb(replica, replica.core.on_round_result(result, self.now))

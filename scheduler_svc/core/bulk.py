@@ -1,0 +1,157 @@
+"""Steady decode runs in bulk: k pipelined decode rounds of the same requests in one call.
+
+A replica that only decodes, with two rounds in flight (overlap scheduling) that both read every
+running request as a plain decode, repeats the same steps each round: the older round's result
+appends one token per request, and the next round places every request ahead again. Nothing is
+queued, allocated, registered, started or finished. `advance_decodes` applies k such cycles at once,
+leaving the core exactly as k `on_round_result` + `schedule(now, overlap=True)` pairs would (round ids,
+counters, token events in the same order, the two in-flight rounds); `decode_run_limit` says how many
+cycles can be taken before anything needs a round of its own (a first token, a finish, a block
+boundary, a full block to register, the KV read cap). See docs/scheduler-core.md, "Bulk decode runs".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from scheduler_svc.core.ahead import PENDING
+from scheduler_svc.core.request import Request
+from scheduler_svc.core.round import InFlightRound, new_round_budget, new_round_plan, new_scheduled_seq
+from sluice.types import RequestStatus, RoundPlan
+
+if TYPE_CHECKING:
+    from scheduler_svc.core.scheduler import SchedulerCore
+
+
+def steady_decodes(core: SchedulerCore) -> list[Request] | None:
+    """Return the running requests (plan order) when the core is in a steady decode state, else None.
+
+    Steady: exactly two rounds in flight, both plain decodes of every running request (the newer one
+    placed ahead), nothing queued, swapping, pending, accounted, or waiting in the outbox, and no
+    request with stop strings, stop tokens, an EOS token, a pending prefill or a lost round.
+    """
+    in_flight = core.outcomes.in_flight
+    if len(in_flight) != 2 or len(core.backlog) or core.requests.swapping or core.backlog.account is not None:
+        return None
+    events = core.outbox.events
+    if events.tokens or events.lifecycle or events.finished or events.dropped_results or core.pool.has_events:
+        return None
+    first, second = sorted(in_flight)
+    older, newer = in_flight[first], in_flight[second]
+    running = list(core.requests.running.values())
+    for record in (older, newer):
+        if record.chunks is not None or record.swapping or record.host_release or record.entries != running:
+            return None
+    status = RequestStatus.RUNNING
+    for request in running:
+        if (
+            request.status is not status
+            or request.in_flight_prev != first
+            or request.in_flight_round != second
+            or request.num_computed + 1 != len(request.tokens)
+            or request.stop_tail
+            or request.pending_prefill
+            or request.lost_rounds
+            or request.eos_token_id is not None
+            or request.stop_token_ids
+        ):
+            return None
+    return running if running else None
+
+
+def decode_run_limit(core: SchedulerCore, running: Sequence[Request]) -> int:
+    """Return how many steady cycles `advance_decodes` may take from now (0 when the next one needs attention).
+
+    Cycle m appends output token `len(tokens) - num_prompt + m` of each request and places position
+    `len(tokens) + m + 1` ahead; it must not be a first or last token, cross a block boundary,
+    fill a block to register (with prefix caching), or exceed the KV read cap.
+    """
+    size, caching = core.config.block_size, core.pool.caching
+    limit = 1 << 62
+    for request in running:
+        length = len(request.tokens)
+        index = length - request.num_prompt
+        if index == 0:
+            return 0
+        # index + m + 1 < max_tokens (not the last token), and the placement ahead must not be at it
+        limit = min(limit, request.max_tokens - 2 - index, len(request.block_table) * size - length - 1)
+        if caching:
+            limit = min(limit, (request.num_registered + 1) * size - length)
+    cap = core.config.max_kv_read_tokens
+    if cap is not None:
+        limit = min(limit, _kv_cap_limit(running, cap, limit))
+    return max(limit, 0)
+
+
+def _kv_cap_limit(running: Sequence[Request], cap: int, limit: int) -> int:
+    """Return the cycles whose placements ahead stay within the KV read cap (as the batcher checks it)."""
+    for m in range(max(limit, 0)):
+        kv_left = cap
+        for request in running:
+            start = len(request.tokens) + m + 1
+            if kv_left <= start:
+                return m
+            kv_left -= start + 1
+    return limit
+
+
+def advance_decodes(core: SchedulerCore, running: list[Request], tokens: Sequence[Sequence[int]]) -> tuple[
+        RoundPlan | None, RoundPlan]:
+    """Apply k = len(tokens[0]) steady cycles; `tokens[i]` are request i's next k sampled tokens.
+
+    Returns the plans of the two rounds left in flight that the caller has not seen: the older one
+    (None when k == 1: it is the round the caller already holds) and the newer one (placed ahead).
+    Raises ValueError when k exceeds `decode_run_limit` (nothing is changed then).
+    """
+    k = len(tokens[0]) if tokens else 0
+    if k < 1 or len(tokens) != len(running) or k > decode_run_limit(core, running):
+        raise ValueError(f"advance_decodes: {k} cycles for {len(running)} requests exceed the steady run")
+    in_flight = core.outcomes.in_flight
+    first, second = sorted(in_flight)
+    batcher = core.batcher
+    base_id = batcher.next_round_id
+    batcher.next_round_id += k
+    core.outbox.rounds += k
+    newest = base_id + k - 1
+    older_id = second if k == 1 else newest - 1
+    emit = core.outbox.events.tokens.append
+    for m in range(k):
+        for request, row in zip(running, tokens, strict=True):
+            emit((request.request_id, len(request.tokens) + m - request.num_prompt, row[m]))
+    for request, row in zip(running, tokens, strict=True):
+        request.tokens.extend(row)
+        request.last_token_ids = (row[-1],)
+        request.num_computed += k
+        request.in_flight_prev = older_id
+        request.in_flight_round = newest
+    del in_flight[first]
+    older_plan = None
+    if k > 1:
+        del in_flight[second]
+        in_flight[older_id] = _record(older_id, running)
+        older_plan = _ahead_plan(core, older_id, running, 1)
+    in_flight[newest] = _record(newest, running)
+    return older_plan, _ahead_plan(core, newest, running, 0)
+
+
+def _record(round_id: int, running: list[Request]) -> InFlightRound:
+    record = InFlightRound(round_id)
+    record.entries = list(running)
+    return record
+
+
+def _ahead_plan(core: SchedulerCore, round_id: int, running: list[Request], back: int) -> RoundPlan:
+    """The plan `schedule(now, overlap=True)` built for a round of plain decodes placed ahead, `back` tokens ago."""
+    config = core.config
+    seqs = []
+    used = 0
+    for request in running:
+        start = len(request.tokens) - back
+        seqs.append(new_scheduled_seq(request.request_id, request.epoch, PENDING, start, request.block_table,
+                                      request.sampling, True, start + 1 - request.num_prompt, ()))
+        used += start + 1
+    n = len(running)
+    budget = new_round_budget(config.max_num_batched_tokens, n, config.max_num_seqs, n,
+                              config.max_kv_read_tokens, used, 0, n)
+    return new_round_plan(round_id, tuple(seqs), (), (), budget)
