@@ -23,6 +23,7 @@ Pure: no clock, no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -80,7 +81,7 @@ class RoundRates:
         self.prefill_tokens = self._average(self.prefill_tokens, prefill_tokens)
         self.prefill_s = self._average(self.prefill_s, spent)
 
-    def observe_decodes(self, walls: list[float]) -> None:
+    def observe_decodes(self, walls: Sequence[float]) -> None:
         """Fold decode-only rounds' wall seconds, in order: exactly `observe` of each such round."""
         old, alpha = self.decode_round_s, self.alpha
         for wall_s in walls:

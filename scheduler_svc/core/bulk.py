@@ -24,8 +24,9 @@ if TYPE_CHECKING:
     from scheduler_svc.core.scheduler import SchedulerCore
 
 
-def steady_decodes(core: SchedulerCore) -> list[Request] | None:
-    """Return the running requests (plan order) when the core is in a steady decode state, else None.
+def steady_decodes(core: SchedulerCore, min_cycles: int = 1) -> tuple[list[Request], int] | None:
+    """Return (the running requests in plan order, `decode_run_limit`) when the core is in a steady decode
+    state with at least `min_cycles` cycles to take, else None.
 
     Steady: exactly two rounds in flight, both plain decodes of every running request (the newer one
     placed ahead), nothing queued, swapping, pending, accounted, or waiting in the outbox, and no
@@ -37,19 +38,28 @@ def steady_decodes(core: SchedulerCore) -> list[Request] | None:
     events = core.outbox.events
     if events.tokens or events.lifecycle or events.finished or events.dropped_results or core.pool.has_events:
         return None
-    first, second = sorted(in_flight)
+    first, second = in_flight
+    if first > second:
+        first, second = second, first
     older, newer = in_flight[first], in_flight[second]
     running = list(core.requests.running.values())
+    if not running:
+        return None
     for record in (older, newer):
         if record.chunks is not None or record.swapping or record.host_release or record.entries != running:
             return None
     status = RequestStatus.RUNNING
+    size, caching = core.config.block_size, core.pool.caching
+    limit = 1 << 62
     for request in running:
+        length = len(request.tokens)
+        index = length - request.num_prompt
         if (
             request.status is not status
             or request.in_flight_prev != first
             or request.in_flight_round != second
-            or request.num_computed + 1 != len(request.tokens)
+            or request.num_computed + 1 != length
+            or index == 0
             or request.stop_tail
             or request.pending_prefill
             or request.lost_rounds
@@ -57,31 +67,30 @@ def steady_decodes(core: SchedulerCore) -> list[Request] | None:
             or request.stop_token_ids
         ):
             return None
-    return running if running else None
+        # Cycle m appends output token index + m and places position length + m + 1 ahead: not the last
+        # token, not past the last block, not filling a block to register.
+        limit = min(limit, request.max_tokens - 2 - index, len(request.block_table) * size - length - 1)
+        if caching:
+            limit = min(limit, (request.num_registered + 1) * size - length)
+        if limit < min_cycles:
+            return None
+    cap = core.config.max_kv_read_tokens
+    if cap is not None:
+        limit = _kv_cap_limit(running, cap, limit)
+    return (running, limit) if limit >= min_cycles else None
 
 
 def decode_run_limit(core: SchedulerCore, running: Sequence[Request]) -> int:
-    """Return how many steady cycles `advance_decodes` may take from now (0 when the next one needs attention).
+    """Return how many steady cycles `advance_decodes` may take from now for `running` (0: none).
 
     Cycle m appends output token `len(tokens) - num_prompt + m` of each request and places position
     `len(tokens) + m + 1` ahead; it must not be a first or last token, cross a block boundary,
     fill a block to register (with prefix caching), or exceed the KV read cap.
     """
-    size, caching = core.config.block_size, core.pool.caching
-    limit = 1 << 62
-    for request in running:
-        length = len(request.tokens)
-        index = length - request.num_prompt
-        if index == 0:
-            return 0
-        # index + m + 1 < max_tokens (not the last token), and the placement ahead must not be at it
-        limit = min(limit, request.max_tokens - 2 - index, len(request.block_table) * size - length - 1)
-        if caching:
-            limit = min(limit, (request.num_registered + 1) * size - length)
-    cap = core.config.max_kv_read_tokens
-    if cap is not None:
-        limit = min(limit, _kv_cap_limit(running, cap, limit))
-    return max(limit, 0)
+    steady = steady_decodes(core)
+    if steady is None or steady[0] != list(running):
+        return 0
+    return steady[1]
 
 
 def _kv_cap_limit(running: Sequence[Request], cap: int, limit: int) -> int:
@@ -105,7 +114,7 @@ def advance_decodes(core: SchedulerCore, running: list[Request], tokens: Sequenc
     Raises ValueError when k exceeds `decode_run_limit` (nothing is changed then).
     """
     k = len(tokens[0]) if tokens else 0
-    if k < 1 or len(tokens) != len(running) or k > decode_run_limit(core, running):
+    if k < 1 or len(tokens) != len(running) or any(len(row) != k for row in tokens) or k > decode_run_limit(core, running):
         raise ValueError(f"advance_decodes: {k} cycles for {len(running)} requests exceed the steady run")
     in_flight = core.outcomes.in_flight
     first, second = sorted(in_flight)

@@ -208,22 +208,24 @@ class SchedulerCore:
         return self.take_events()
 
     # ---- steady decode runs in bulk (bulk.py) -----------------------------------------------
-    def steady_decodes(self) -> list[Request] | None:
-        """Return the running requests when the next rounds are steady pipelined decodes, else None.
+    def steady_decodes(self, min_cycles: int = 1) -> tuple[list[Request], int] | None:
+        """Return (running requests in plan order, cycles `advance_decodes` may take) when the next rounds
+        are steady pipelined decodes and at least `min_cycles` of them can go in bulk, else None.
 
         Steady: two rounds in flight, both plain decodes of every running request, nothing queued,
-        swapping or waiting in the outbox (see bulk.py). The list is in plan order.
+        swapping or waiting in the outbox (see bulk.py). A cycle stops being steady at a first or last
+        token, a block boundary, a block to register, or the KV read cap.
         """
-        return bulk.steady_decodes(self)
+        return bulk.steady_decodes(self, min_cycles)
 
     def decode_run_limit(self, running: list[Request]) -> int:
-        """Return how many steady cycles `advance_decodes` may apply before one needs its own round."""
+        """Return how many steady cycles `advance_decodes` may apply for `running` (0 when not steady)."""
         return bulk.decode_run_limit(self, running)
 
     def advance_decodes(self, running: list[Request], tokens: list[list[int]]) -> tuple[RoundPlan | None, RoundPlan]:
         """Apply k steady cycles at once, exactly as k `on_round_result` + `schedule(now, overlap=True)` pairs.
 
-        `running` is `steady_decodes()`; `tokens[i]` holds request i's next k sampled tokens (the
+        `running` is `steady_decodes()[0]`; `tokens[i]` holds request i's next k sampled tokens (the
         older in-flight round's token first). Token events go to the outbox in the order the k
         results would have emitted them; the older round's record is gone, the two rounds left in
         flight are the last two planned. Returns their plans (the older one None when k == 1: it is

@@ -60,6 +60,7 @@ from worker_svc.costmodel import CostModel, RoundShape
 
 # Event kinds, in no particular order (the heap orders by time, then creation).
 _ARRIVAL, _ROUND_DONE, _CANCEL, _DEADLINE, _HEARTBEAT, _SAMPLE, _READY, _RETRY, _SUBMIT = range(9)
+_FAST_KINDS = (_ROUND_DONE, _HEARTBEAT, _SAMPLE)  # what fastforward.py needs to know of the heap
 
 _STATUS = {
     RequestStatus.FINISHED_STOP: "ok",
@@ -72,7 +73,8 @@ _STATUS = {
 
 
 class _Replica:
-    __slots__ = ("index", "replica_id", "core", "busy", "deadline_at", "reported_idle", "state", "rates", "ahead")
+    __slots__ = ("index", "replica_id", "core", "busy", "deadline_at", "reported_idle", "state", "rates", "ahead",
+                 "rates_log")
 
     def __init__(self, index: int, replica_id: str, core: SchedulerCore) -> None:
         self.index = index
@@ -88,6 +90,8 @@ class _Replica:
         """Measured from its rounds' modelled times, as the scheduler's driver measures wall times."""
         self.ahead: RoundPlan | None = None
         """The round planned while the one in flight executes (pipelining)."""
+        self.rates_log: list[tuple[float, float]] | None = None
+        """(time, decode_round_s) after each round of the last run taken in bulk (fastforward.rates_at)."""
 
 
 class Simulator:
@@ -342,7 +346,7 @@ class Simulator:
 
     def _on_round_done(self, payload: tuple[_Replica, RoundPlan, Any]) -> None:
         replica, plan, result = payload
-        if self._fast and replica.ahead is not None and fastforward.fast_forward(self, replica, plan, result, _ROUND_DONE):
+        if self._fast and replica.ahead is not None and fastforward.fast_forward(self, replica, plan, result, _FAST_KINDS):
             return
         replica.busy = False
         replica.rates.observe(plan, result.elapsed_s)
@@ -418,7 +422,8 @@ class Simulator:
     def _heartbeat(self, replica: _Replica) -> None:
         """Send one heartbeat of the replica: the services' report and reconciliation (sluice.glue)."""
         core = replica.core
-        report = glue.heartbeat_report(replica.replica_id, replica.state, True, core.stats(), replica.rates)
+        rates = replica.rates if replica.rates_log is None else fastforward.rates_at(replica, self.now)
+        report = glue.heartbeat_report(replica.replica_id, replica.state, True, core.stats(), rates)
         glue.apply_heartbeat(self.router, report, self.now)
         replica.reported_idle = not replica.busy and not core.has_unfinished()
 

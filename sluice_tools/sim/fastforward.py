@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import heapq
 import os
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
+from sluice.glue import RoundRates
 from sluice.types import RoundPlan, RoundResult
 
 if TYPE_CHECKING:
@@ -39,40 +41,88 @@ MIN_CYCLES = 2
 """Shorter runs go the ordinary way (the bulk call's fixed cost is about one round's)."""
 
 
+_Kinds = tuple[int, int, int]
+"""The heap kinds of a round result, a heartbeat and a sample."""
+
+
 def enabled() -> bool:
     """Return whether the fast path is switched on (`SLUICE_SIM_FASTFORWARD` is not "0")."""
     return os.environ.get(ENV_SWITCH, "1") != "0"
 
 
-def _horizon(heap: list[tuple[float, int, int, Any]], round_done: int) -> float:
-    """Return the time of the earliest heap event that is not a round result (inf when none)."""
+def _horizon(sim: Simulator, kinds: _Kinds) -> tuple[float, set[float]]:
+    """Return (the earliest heap event that bounds a run, the heap's pass-through times).
+
+    Bounds: every event but round results and the pass-through ones (heartbeats and samples, which
+    only read a running replica's load: constant in a steady run but for `decode_round_s`, which
+    `rates_at` gives as of their time)."""
     horizon = float("inf")
-    for when, _, kind, _ in heap:
-        if kind != round_done and when < horizon:
+    passing: set[float] = set()
+    round_done, heartbeat, sample = kinds
+    for when, _, kind, _ in sim._heap:
+        if kind == round_done:
+            continue
+        if kind in (heartbeat, sample):
+            passing.add(when)
+        elif when < horizon:
             horizon = when
-    return horizon
+    return horizon, passing
 
 
-def fast_forward(sim: Simulator, replica: _Replica, plan: RoundPlan, result: RoundResult, round_done: int) -> bool:
+def _periodic_times(sim: Simulator, until: float, kinds: _Kinds) -> set[float]:
+    """Return the times of the heartbeats and samples up to `until`, as the loop will push them (now + interval)."""
+    times: set[float] = set()
+    _, heartbeat, sample = kinds
+    intervals = {heartbeat: sim.config.heartbeat_interval_s, sample: sim.config.sample_interval_s}
+    for when, _, kind, _ in sim._heap:
+        if kind in intervals:
+            while when <= until:
+                times.add(when)
+                when = when + intervals[kind]
+    return times
+
+
+
+def rates_at(replica: _Replica, now: float) -> RoundRates:
+    """Return the replica's round rates as of `now` (a heartbeat during a run taken in bulk)."""
+    log = replica.rates_log
+    if not log or now >= log[-1][0]:
+        replica.rates_log = None
+        return replica.rates
+    value = log[0][1]
+    for when, decode_round_s in log:
+        if when > now:
+            break
+        value = decode_round_s
+    return replace(replica.rates, decode_round_s=value)
+
+
+def fast_forward(sim: Simulator, replica: _Replica, plan: RoundPlan, result: RoundResult, kinds: _Kinds) -> bool:
     """At the result of `plan` on `replica`: apply the steady cycles from here in bulk; False: none taken.
 
     Cycle 0 applies this result; cycle m >= 1 the result of the round ending at t_m, taken only when
-    t_m is before every event that could matter (`_horizon`, strictly: an equal time may be ordered first).
+    t_m is before every event that could matter (strictly: an equal time may be ordered first) and
+    equal to no heartbeat's or sample's time.
     """
+    ahead = replica.ahead
+    budget = ahead.budget if ahead is not None else None
+    if budget is None or budget.num_prefill_tokens or budget.num_decode_tokens != len(ahead.seqs):  # type: ignore[union-attr]
+        return False
     core = replica.core
-    running = core.steady_decodes()
-    if running is None:
+    steady = core.steady_decodes(MIN_CYCLES)
+    if steady is None:
         return False
-    limit = core.decode_run_limit(running)
-    if limit < MIN_CYCLES:
+    running, limit = steady
+    cost, gap, now = sim.cost, sim._gap, sim.now
+    first_end = now + gap + cost.decode_time(budget.num_decode_tokens, budget.used_kv_read_tokens)
+    horizon, passing = _horizon(sim, kinds)
+    if first_end >= horizon or first_end in passing:
         return False
-    horizon = _horizon(sim._heap, round_done)
-    cost, gap = sim.cost, sim._gap
     n = len(running)
     context = sum(len(request.tokens) for request in running)
-    times = [sim.now]
+    times = [now]
     walls: list[float] = []
-    when = sim.now
+    when = now
     while len(times) < limit:
         wall = cost.decode_time(n, context + len(times) * n)  # round m reads each start + 1 = len + m
         when = when + gap + wall
@@ -80,6 +130,12 @@ def fast_forward(sim: Simulator, replica: _Replica, plan: RoundPlan, result: Rou
             break
         times.append(when)
         walls.append(wall)
+    if len(times) > 1:
+        periodic = _periodic_times(sim, times[-1], kinds)
+        for m in range(1, len(times)):
+            if times[m] in periodic:  # a tie with a heartbeat or a sample: their order is the heap's
+                del times[m:], walls[m - 1:]
+                break
     k = len(times)
     if k < MIN_CYCLES:
         return False
@@ -89,8 +145,13 @@ def fast_forward(sim: Simulator, replica: _Replica, plan: RoundPlan, result: Rou
         if row is None:
             return False
         tokens.append(row)
-    replica.rates.observe(plan, result.elapsed_s)
-    replica.rates.observe_decodes(walls)
+    rates = replica.rates
+    rates.observe(plan, result.elapsed_s)
+    log = [(now, rates.decode_round_s)]
+    for when, wall in zip(times[1:], walls, strict=True):
+        rates.observe_decodes((wall,))
+        log.append((when, rates.decode_round_s))
+    replica.rates_log = log
     older, newer = core.advance_decodes(running, tokens)
     events = core.take_events()
     if events.lifecycle or events.finished or events.kv_events or events.dropped_results:
@@ -101,11 +162,10 @@ def fast_forward(sim: Simulator, replica: _Replica, plan: RoundPlan, result: Rou
     for request in running:
         record_times[request.request_id].extend(token_times)
     sim.rounds += k
-    last = replica.ahead if older is None else older
-    assert last is not None
-    final = cost.execute(last)
+    last = ahead if older is None else older
+    final = cost.execute(last)  # type: ignore[arg-type]
     sim._seq += 1
-    heapq.heappush(sim._heap, (times[-1] + gap + final.elapsed_s, sim._seq, round_done, (replica, last, final)))
+    heapq.heappush(sim._heap, (times[-1] + gap + final.elapsed_s, sim._seq, kinds[0], (replica, last, final)))
     replica.busy = True
     replica.ahead = newer
     return True

@@ -18,7 +18,7 @@ def _drive_until_steady(core: SchedulerCore, worker: FakeExecutor, limit: int = 
     rounds.append(core.schedule(0.0, overlap=True))
     rounds = [p for p in rounds if not p.is_empty]
     for step in range(limit):
-        if len(rounds) == 2 and core.steady_decodes() is not None and core.decode_run_limit(core.steady_decodes() or []) > 0:
+        if len(rounds) == 2 and core.steady_decodes() is not None:
             return rounds
         if not rounds:
             return None
@@ -80,14 +80,15 @@ def test_advance_equals_single_rounds(block_size: int, caching: bool, kv_cap: in
     rounds = _drive_until_steady(core, worker)
     if rounds is None:
         return
-    running = core.steady_decodes()
-    assert running is not None
-    k = min(cycles, core.decode_run_limit(running))
+    steady = core.steady_decodes()
+    assert steady is not None
+    running, limit = steady
+    assert core.decode_run_limit(running) == limit
+    k = min(cycles, limit)
     single_core, single_rounds = copy.deepcopy((core, rounds))
     single = _single(single_core, single_rounds, FakeExecutor(), k)
 
-    bulk_running = core.steady_decodes()
-    assert bulk_running is not None
+    bulk_running = running
     tokens = [[token_for(r.request_id, len(r.tokens) - r.num_prompt + m) for m in range(k)] for r in bulk_running]
     older, newer = core.advance_decodes(bulk_running, tokens)
     bulk_events = core.take_events()
@@ -109,9 +110,9 @@ def test_advance_past_the_limit_changes_nothing() -> None:
     worker = FakeExecutor()
     rounds = _drive_until_steady(core, worker)
     assert rounds is not None
-    running = core.steady_decodes()
-    assert running is not None
-    limit = core.decode_run_limit(running)
+    steady = core.steady_decodes()
+    assert steady is not None
+    running, limit = steady
     before = _state(core)
     try:
         core.advance_decodes(running, [[10_000] * (limit + 1)])
