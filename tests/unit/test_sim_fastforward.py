@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from scheduler_svc.core.config import Policy, PreemptionMode, SchedulerConfig
+from sluice import glue
 from sluice_tools.sim import fastforward
 from sluice_tools.sim.cluster import Simulator
 from sluice_tools.sim.config import SimConfig
@@ -15,6 +16,8 @@ from sluice_tools.workload import load_workload, traces_dir
 
 MIXED = ("synthetic:poisson?rate=60&n=300&input=lognormal:500:0.6:2000&output=lognormal:120:0.6:600"
          "&priority_frac=0.3&deadline_s=6&cancel_frac=0.1&cancel_after_s=1.5&conversations=40")
+
+_FAST_FORWARD, _APPLY_HEARTBEAT = fastforward.fast_forward, glue.apply_heartbeat
 
 
 def _run(config: SimConfig, spec: str, fast: bool, monkeypatch: pytest.MonkeyPatch, seed: int = 5,
@@ -33,7 +36,7 @@ def _run(config: SimConfig, spec: str, fast: bool, monkeypatch: pytest.MonkeyPat
 
     sim.router.apply_kv_events = logged  # type: ignore[method-assign]
     calls = 0
-    forward = fastforward.fast_forward
+    forward = _FAST_FORWARD
 
     def counted(*args: Any) -> bool:
         nonlocal calls
@@ -42,11 +45,19 @@ def _run(config: SimConfig, spec: str, fast: bool, monkeypatch: pytest.MonkeyPat
         return taken
 
     monkeypatch.setattr(fastforward, "fast_forward", counted)
+    heartbeats: list[tuple[Any, float]] = []
+    send = _APPLY_HEARTBEAT
+
+    def heartbeat(router: Any, report: Any, now: float) -> None:
+        heartbeats.append((report, now))
+        send(router, report, now)
+
+    monkeypatch.setattr(glue, "apply_heartbeat", heartbeat)
     records = sim.run()
     rows = [{**{f.name: getattr(r, f.name) for f in fields(r)}, "token_times": list(r.token_times or ())} for r in records]
     return {"records": rows, "kv": kv_seen, "stats": sim.replica_stats(), "series": sim.series,
             "rounds": sim.rounds, "end": sim.end_s, "rates": [r.rates for r in sim.replicas],
-            "core": [r.core.stats() for r in sim.replicas], "bulk_calls": calls}
+            "core": [r.core.stats() for r in sim.replicas], "heartbeats": heartbeats, "bulk_calls": calls}
 
 
 def _same_both_ways(config: SimConfig, spec: str, monkeypatch: pytest.MonkeyPatch, **kw: Any) -> None:
@@ -59,7 +70,8 @@ def _same_both_ways(config: SimConfig, spec: str, monkeypatch: pytest.MonkeyPatc
 
 
 def test_mixed_workload_pipelined_with_delays(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Priorities, deadlines, cancels, conversations, delays: every record, token time, KV event and stat is the same."""
+    """Priorities, deadlines, cancels, conversations, delays: every record, token time, KV event, heartbeat and stat is
+    the same."""
     config = SimConfig(replicas=3, round_gap_s=0.0007, token_delay_s=0.002, submit_delay_s=0.001,
                        scheduler=SchedulerConfig(num_blocks=0, policy=Policy.PRIORITY))
     _same_both_ways(config, MIXED, monkeypatch)
