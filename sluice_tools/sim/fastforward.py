@@ -76,7 +76,8 @@ def _periodic_times(sim: Simulator, until: float, kinds: _Kinds) -> set[float]:
     intervals = {heartbeat: sim.config.heartbeat_interval_s, sample: sim.config.sample_interval_s}
     for when, _, kind, _ in sim._heap:
         if kind in intervals:
-            while when <= until:
+            times.add(when)
+            while intervals[kind] > 0 and when <= until:
                 times.add(when)
                 when = when + intervals[kind]
     return times
