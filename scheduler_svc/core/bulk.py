@@ -2,12 +2,13 @@
 
 A replica that only decodes, with two rounds in flight (overlap scheduling) that both read every
 running request as a plain decode, repeats the same steps each round: the older round's result
-appends one token per request, and the next round places every request ahead again. Nothing is
-queued, allocated, registered, started or finished. `advance_decodes` applies k such cycles at once,
+appends one token per request (registering a block it fills: a STORED event), and the next round
+places every request ahead again (with a new block from the free list at a boundary). Nothing is
+queued, evicted, started or finished. `advance_decodes` applies k such cycles at once,
 leaving the core exactly as k `on_round_result` + `schedule(now, overlap=True)` pairs would (round ids,
 counters, token events in the same order, the two in-flight rounds); `decode_run_limit` says how many
-cycles can be taken before anything needs a round of its own (a first token, a finish, a block
-boundary, a full block to register, the KV read cap). See docs/scheduler-core.md, "Bulk decode runs".
+cycles can be taken before anything needs a round of its own (a first token, a finish, the KV read
+cap, a block the free list cannot give without an eviction). See docs/scheduler-core.md, "Bulk decode runs".
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
     from scheduler_svc.core.scheduler import SchedulerCore
 
 
-def steady_decodes(core: SchedulerCore, min_cycles: int = 1) -> tuple[list[Request], int] | None:
+def steady_decodes(core: SchedulerCore, min_cycles: int = 1, max_cycles: int = 1 << 62) -> tuple[
+        list[Request], int] | None:
     """Return (the running requests in plan order, `decode_run_limit`) when the core is in a steady decode
     state with at least `min_cycles` cycles to take, else None.
 
@@ -49,7 +51,7 @@ def steady_decodes(core: SchedulerCore, min_cycles: int = 1) -> tuple[list[Reque
         if record.chunks is not None or record.swapping or record.host_release or record.entries != running:
             return None
     status = RequestStatus.RUNNING
-    size, caching = core.config.block_size, core.pool.caching
+    size = core.config.block_size
     limit = 1 << 62
     for request in running:
         length = len(request.tokens)
@@ -67,25 +69,49 @@ def steady_decodes(core: SchedulerCore, min_cycles: int = 1) -> tuple[list[Reque
             or request.stop_token_ids
         ):
             return None
-        # Cycle m appends output token index + m and places position length + m + 1 ahead: not the last
-        # token, not past the last block, not filling a block to register.
-        limit = min(limit, request.max_tokens - 2 - index, len(request.block_table) * size - length - 1)
-        if caching:
-            limit = min(limit, (request.num_registered + 1) * size - length)
-        if limit < min_cycles:
-            return None
+        # Cycle m appends output token index + m and places position length + m + 1 ahead: not the last token.
+        if request.max_tokens - 2 - index < limit:
+            limit = request.max_tokens - 2 - index
+            if limit < min_cycles:
+                return None
+    limit = min(limit, max_cycles)
     cap = core.config.max_kv_read_tokens
     if cap is not None:
         limit = _kv_cap_limit(running, cap, limit)
+    limit = _allocation_limit(running, size, core.pool.num_free, limit)
     return (running, limit) if limit >= min_cycles else None
+
+
+def _allocations(running: Sequence[Request], size: int, k: int) -> int:
+    """Return the blocks k cycles allocate: a request's placement ahead crosses a boundary every `size` cycles."""
+    total = 0
+    for request in running:
+        first = len(request.block_table) * size - len(request.tokens) - 1  # the cycle of its next boundary
+        if k > first:
+            total += 1 + (k - 1 - first) // size
+    return total
+
+
+def _allocation_limit(running: Sequence[Request], size: int, free: int, limit: int) -> int:
+    """Return the most cycles (<= limit) whose new blocks all come from the free list (no eviction)."""
+    if _allocations(running, size, limit) <= free:
+        return limit
+    low, high = 0, limit  # allocations(low) <= free < allocations(high)
+    while high - low > 1:
+        middle = (low + high) // 2
+        if _allocations(running, size, middle) <= free:
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 def decode_run_limit(core: SchedulerCore, running: Sequence[Request]) -> int:
     """Return how many steady cycles `advance_decodes` may take from now for `running` (0: none).
 
     Cycle m appends output token `len(tokens) - num_prompt + m` of each request and places position
-    `len(tokens) + m + 1` ahead; it must not be a first or last token, cross a block boundary,
-    fill a block to register (with prefix caching), or exceed the KV read cap.
+    `len(tokens) + m + 1` ahead; it must not be a first or last token, exceed the KV read cap, or need
+    a block the free list does not have (an eviction: a REMOVED event).
     """
     steady = steady_decodes(core)
     if steady is None or steady[0] != list(running):
@@ -106,12 +132,13 @@ def _kv_cap_limit(running: Sequence[Request], cap: int, limit: int) -> int:
 
 
 def advance_decodes(core: SchedulerCore, running: list[Request], tokens: Sequence[Sequence[int]]) -> tuple[
-        RoundPlan | None, RoundPlan]:
+        RoundPlan | None, RoundPlan, list[int]]:
     """Apply k = len(tokens[0]) steady cycles; `tokens[i]` are request i's next k sampled tokens.
 
     Returns the plans of the two rounds left in flight that the caller has not seen: the older one
-    (None when k == 1: it is the round the caller already holds) and the newer one (placed ahead).
-    Raises ValueError when k exceeds `decode_run_limit` (nothing is changed then).
+    (None when k == 1: it is the round the caller already holds) and the newer one (placed ahead), and
+    the pool's free blocks after each cycle. Raises ValueError when k exceeds `decode_run_limit`
+    (nothing is changed then).
     """
     k = len(tokens[0]) if tokens else 0
     if k < 1 or len(tokens) != len(running) or any(len(row) != k for row in tokens) or k > decode_run_limit(core, running):
@@ -124,14 +151,30 @@ def advance_decodes(core: SchedulerCore, running: list[Request], tokens: Sequenc
     core.outbox.rounds += k
     newest = base_id + k - 1
     older_id = second if k == 1 else newest - 1
+    size, pool = core.config.block_size, core.pool
+    caching = pool.caching
+    register = core.outcomes._register_full_blocks
     emit = core.outbox.events.tokens.append
+    older_tables: list[tuple[int, ...]] = []
+    free_after: list[int] = []
     for m in range(k):
+        # the result of the older round: one token each, full blocks registered first (as _apply_outputs)
         for request, row in zip(running, tokens, strict=True):
-            emit((request.request_id, len(request.tokens) + m - request.num_prompt, row[m]))
+            computed = request.num_computed = request.num_computed + 1
+            if caching and computed // size > request.num_registered:
+                register(request)
+            emit((request.request_id, len(request.tokens) - request.num_prompt, row[m]))
+            request.tokens.append(row[m])
+        if m == k - 1 and k > 1:
+            older_tables = [request.block_table for request in running]
+        # the next round placed ahead: a block at each boundary, from the free list (place_ahead)
+        for request in running:
+            if len(request.block_table) * size <= len(request.tokens):
+                request.block_ids.extend(pool.allocate(1) or ())
+                request.block_table = tuple(request.block_ids)
+        free_after.append(pool.num_free)
     for request, row in zip(running, tokens, strict=True):
-        request.tokens.extend(row)
         request.last_token_ids = (row[-1],)
-        request.num_computed += k
         request.in_flight_prev = older_id
         request.in_flight_round = newest
     del in_flight[first]
@@ -139,9 +182,9 @@ def advance_decodes(core: SchedulerCore, running: list[Request], tokens: Sequenc
     if k > 1:
         del in_flight[second]
         in_flight[older_id] = _record(older_id, running)
-        older_plan = _ahead_plan(core, older_id, running, 1)
+        older_plan = _ahead_plan(core, older_id, running, 1, older_tables)
     in_flight[newest] = _record(newest, running)
-    return older_plan, _ahead_plan(core, newest, running, 0)
+    return older_plan, _ahead_plan(core, newest, running, 0, [r.block_table for r in running]), free_after
 
 
 def _record(round_id: int, running: list[Request]) -> InFlightRound:
@@ -150,14 +193,15 @@ def _record(round_id: int, running: list[Request]) -> InFlightRound:
     return record
 
 
-def _ahead_plan(core: SchedulerCore, round_id: int, running: list[Request], back: int) -> RoundPlan:
+def _ahead_plan(core: SchedulerCore, round_id: int, running: list[Request], back: int,
+                tables: list[tuple[int, ...]]) -> RoundPlan:
     """The plan `schedule(now, overlap=True)` built for a round of plain decodes placed ahead, `back` tokens ago."""
     config = core.config
     seqs = []
     used = 0
-    for request in running:
+    for request, table in zip(running, tables, strict=True):
         start = len(request.tokens) - back
-        seqs.append(new_scheduled_seq(request.request_id, request.epoch, PENDING, start, request.block_table,
+        seqs.append(new_scheduled_seq(request.request_id, request.epoch, PENDING, start, table,
                                       request.sampling, True, start + 1 - request.num_prompt, ()))
         used += start + 1
     n = len(running)

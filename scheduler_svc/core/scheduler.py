@@ -208,28 +208,31 @@ class SchedulerCore:
         return self.take_events()
 
     # ---- steady decode runs in bulk (bulk.py) -----------------------------------------------
-    def steady_decodes(self, min_cycles: int = 1) -> tuple[list[Request], int] | None:
-        """Return (running requests in plan order, cycles `advance_decodes` may take) when the next rounds
-        are steady pipelined decodes and at least `min_cycles` of them can go in bulk, else None.
+    def steady_decodes(self, min_cycles: int = 1, max_cycles: int = 1 << 62) -> tuple[list[Request], int] | None:
+        """Return (running requests in plan order, cycles `advance_decodes` may take, at most `max_cycles`)
+        when the next rounds are steady pipelined decodes and at least `min_cycles` can go in bulk, else None.
 
         Steady: two rounds in flight, both plain decodes of every running request, nothing queued,
         swapping or waiting in the outbox (see bulk.py). A cycle stops being steady at a first or last
-        token, a block boundary, a block to register, or the KV read cap.
+        token, the KV read cap, or a block the free list cannot give without an eviction.
         """
-        return bulk.steady_decodes(self, min_cycles)
+        return bulk.steady_decodes(self, min_cycles, max_cycles)
 
     def decode_run_limit(self, running: list[Request]) -> int:
         """Return how many steady cycles `advance_decodes` may apply for `running` (0 when not steady)."""
         return bulk.decode_run_limit(self, running)
 
-    def advance_decodes(self, running: list[Request], tokens: list[list[int]]) -> tuple[RoundPlan | None, RoundPlan]:
+    def advance_decodes(self, running: list[Request], tokens: list[list[int]]) -> tuple[
+            RoundPlan | None, RoundPlan, list[int]]:
         """Apply k steady cycles at once, exactly as k `on_round_result` + `schedule(now, overlap=True)` pairs.
 
         `running` is `steady_decodes()[0]`; `tokens[i]` holds request i's next k sampled tokens (the
-        older in-flight round's token first). Token events go to the outbox in the order the k
-        results would have emitted them; the older round's record is gone, the two rounds left in
-        flight are the last two planned. Returns their plans (the older one None when k == 1: it is
-        the plan the caller already holds). Raises ValueError, changing nothing, past `decode_run_limit`.
+        older in-flight round's token first). Token events go to the outbox and STORED events (blocks
+        filled) to the pool in the order the k results would have emitted them; blocks crossed into
+        come from the free list as the placements ahead take them; the older round's record is gone,
+        the two rounds left in flight are the last two planned. Returns their plans (the older one None
+        when k == 1: it is the plan the caller already holds) and the free blocks after each cycle.
+        Raises ValueError, changing nothing, past `decode_run_limit`.
         """
         return bulk.advance_decodes(self, running, tokens)
 

@@ -90,8 +90,8 @@ class _Replica:
         """Measured from its rounds' modelled times, as the scheduler's driver measures wall times."""
         self.ahead: RoundPlan | None = None
         """The round planned while the one in flight executes (pipelining)."""
-        self.rates_log: list[tuple[float, float]] | None = None
-        """(time, decode_round_s) after each round of the last run taken in bulk (fastforward.rates_at)."""
+        self.rates_log: list[tuple[float, float, int]] | None = None
+        """(time, decode_round_s, free blocks) after each round of the last run taken in bulk (fastforward.load_at)."""
 
 
 class Simulator:
@@ -422,8 +422,8 @@ class Simulator:
     def _heartbeat(self, replica: _Replica) -> None:
         """Send one heartbeat of the replica: the services' report and reconciliation (sluice.glue)."""
         core = replica.core
-        rates = replica.rates if replica.rates_log is None else fastforward.rates_at(replica, self.now)
-        report = glue.heartbeat_report(replica.replica_id, replica.state, True, core.stats(), rates)
+        rates, stats = (replica.rates, core.stats()) if replica.rates_log is None else fastforward.load_at(replica, self.now)
+        report = glue.heartbeat_report(replica.replica_id, replica.state, True, stats, rates)
         glue.apply_heartbeat(self.router, report, self.now)
         replica.reported_idle = not replica.busy and not core.has_unfinished()
 

@@ -29,13 +29,16 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from sluice.glue import RoundRates
-from sluice.types import RoundPlan, RoundResult
+from sluice.types import CoreStats, RoundPlan, RoundResult
 
 if TYPE_CHECKING:
     from sluice_tools.sim.cluster import Simulator, _Replica
 
 ENV_SWITCH = "SLUICE_SIM_FASTFORWARD"
 """Environment variable: "0" turns the fast path off (default on)."""
+
+MAX_CYCLES = 1 << 16
+"""A bound on one run (the horizon ends runs long before it; it bounds the core's limit search)."""
 
 MIN_CYCLES = 2
 """Shorter runs go the ordinary way (the bulk call's fixed cost is about one round's)."""
@@ -53,16 +56,16 @@ def enabled() -> bool:
 def _horizon(sim: Simulator, kinds: _Kinds) -> tuple[float, set[float]]:
     """Return (the earliest heap event that bounds a run, the heap's pass-through times).
 
-    Bounds: every event but round results and the pass-through ones (heartbeats and samples, which
-    only read a running replica's load: constant in a steady run but for `decode_round_s`, which
-    `rates_at` gives as of their time)."""
+    Bounds: every event but round results and heartbeats (a heartbeat reads a running replica's load:
+    constant in a steady run but for `decode_round_s` and the free blocks, which `load_at` gives as of
+    its time). Samples bound a run: they read every replica's block counts."""
     horizon = float("inf")
     passing: set[float] = set()
-    round_done, heartbeat, sample = kinds
+    round_done, heartbeat, _ = kinds
     for when, _, kind, _ in sim._heap:
         if kind == round_done:
             continue
-        if kind in (heartbeat, sample):
+        if kind == heartbeat:
             passing.add(when)
         elif when < horizon:
             horizon = when
@@ -70,10 +73,9 @@ def _horizon(sim: Simulator, kinds: _Kinds) -> tuple[float, set[float]]:
 
 
 def _periodic_times(sim: Simulator, until: float, kinds: _Kinds) -> set[float]:
-    """Return the times of the heartbeats and samples up to `until`, as the loop will push them (now + interval)."""
+    """Return the times of the heartbeats up to `until`, as the loop will push them (now + interval)."""
     times: set[float] = set()
-    _, heartbeat, sample = kinds
-    intervals = {heartbeat: sim.config.heartbeat_interval_s, sample: sim.config.sample_interval_s}
+    intervals = {kinds[1]: sim.config.heartbeat_interval_s}
     for when, _, kind, _ in sim._heap:
         if kind in intervals:
             times.add(when)
@@ -84,18 +86,18 @@ def _periodic_times(sim: Simulator, until: float, kinds: _Kinds) -> set[float]:
 
 
 
-def rates_at(replica: _Replica, now: float) -> RoundRates:
-    """Return the replica's round rates as of `now` (a heartbeat during a run taken in bulk)."""
-    log = replica.rates_log
+def load_at(replica: _Replica, now: float) -> tuple[RoundRates, CoreStats]:
+    """Return the replica's round rates and core stats as of `now` (a heartbeat during a run taken in bulk)."""
+    log, stats = replica.rates_log, replica.core.stats()
     if not log or now >= log[-1][0]:
         replica.rates_log = None
-        return replica.rates
-    value = log[0][1]
-    for when, decode_round_s in log:
+        return replica.rates, stats
+    _, decode_round_s, free = log[0]
+    for when, rate, blocks in log:
         if when > now:
             break
-        value = decode_round_s
-    return replace(replica.rates, decode_round_s=value)
+        decode_round_s, free = rate, blocks
+    return replace(replica.rates, decode_round_s=decode_round_s), replace(stats, kv_blocks_free=free)
 
 
 def fast_forward(sim: Simulator, replica: _Replica, plan: RoundPlan, result: RoundResult, kinds: _Kinds) -> bool:
@@ -110,7 +112,7 @@ def fast_forward(sim: Simulator, replica: _Replica, plan: RoundPlan, result: Rou
     if budget is None or budget.num_prefill_tokens or budget.num_decode_tokens != len(ahead.seqs):  # type: ignore[union-attr]
         return False
     core = replica.core
-    steady = core.steady_decodes(MIN_CYCLES)
+    steady = core.steady_decodes(MIN_CYCLES, MAX_CYCLES)
     if steady is None:
         return False
     running, limit = steady
@@ -148,15 +150,19 @@ def fast_forward(sim: Simulator, replica: _Replica, plan: RoundPlan, result: Rou
         tokens.append(row)
     rates = replica.rates
     rates.observe(plan, result.elapsed_s)
-    log = [(now, rates.decode_round_s)]
-    for when, wall in zip(times[1:], walls, strict=True):
+    decode_round_s = [rates.decode_round_s]
+    for wall in walls:
         rates.observe_decodes((wall,))
-        log.append((when, rates.decode_round_s))
-    replica.rates_log = log
-    older, newer = core.advance_decodes(running, tokens)
+        decode_round_s.append(rates.decode_round_s)
+    older, newer, free = core.advance_decodes(running, tokens)
+    replica.rates_log = list(zip(times, decode_round_s, free, strict=True))
     events = core.take_events()
-    if events.lifecycle or events.finished or events.kv_events or events.dropped_results:
+    if events.lifecycle or events.finished or events.dropped_results:
         raise AssertionError(f"fast-forward on {replica.replica_id}: a steady run emitted more than tokens")
+    # The router's index takes a replica's STORED events in order and reads them only when routing (an
+    # arrival, which bounds the run): all of the run's at once leave it as one call per round would.
+    if events.kv_events and not sim.router.apply_kv_events(replica.replica_id, events.kv_events, now):
+        raise AssertionError(f"fast-forward on {replica.replica_id}: a gap in the replica's own KV events")
     delay = sim._token_delay
     token_times = [t + delay for t in times]
     record_times = sim._token_times

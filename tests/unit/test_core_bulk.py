@@ -29,14 +29,16 @@ def _drive_until_steady(core: SchedulerCore, worker: FakeExecutor, limit: int = 
     return None
 
 
-def _single(core: SchedulerCore, rounds: list[RoundPlan], worker: FakeExecutor, k: int) -> list[CoreEvents]:
-    events = []
+def _single(core: SchedulerCore, rounds: list[RoundPlan], worker: FakeExecutor, k: int) -> tuple[
+        list[CoreEvents], list[int]]:
+    events, free = [], []
     for _ in range(k):
         events.append(core.on_round_result(worker.run(rounds.pop(0)), 1.0))
         ahead = core.schedule(1.0, overlap=True)
         assert not ahead.is_empty
         rounds.append(ahead)
-    return events
+        free.append(core.pool.num_free)
+    return events, free
 
 
 def _finish(core: SchedulerCore, rounds: list[RoundPlan], worker: FakeExecutor) -> list[tuple[object, ...]]:
@@ -60,19 +62,21 @@ def _state(core: SchedulerCore) -> object:
             core.pool.cached_block_ids(), core.kv_snapshot())
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(
     block_size=st.sampled_from([4, 16]),
+    num_blocks=st.sampled_from([24, 256]),
     caching=st.booleans(),
     kv_cap=st.sampled_from([None, 300, 2000]),
     lengths=st.lists(st.tuples(st.integers(1, 40), st.integers(2, 60)), min_size=1, max_size=5),
     shared=st.booleans(),
     cycles=st.integers(1, 40),
 )
-def test_advance_equals_single_rounds(block_size: int, caching: bool, kv_cap: int | None,
+def test_advance_equals_single_rounds(block_size: int, num_blocks: int, caching: bool, kv_cap: int | None,
                                       lengths: list[tuple[int, int]], shared: bool, cycles: int) -> None:
-    """On random steady states, one advance of k cycles gives the same state, events, plans and future as k rounds."""
-    core = make_core(num_blocks=256, block_size=block_size, enable_prefix_caching=caching, max_kv_read_tokens=kv_cap)
+    """On random steady states, one advance of k cycles (block boundaries and full blocks included) gives the same
+    state, token and KV events, plans and future as k rounds."""
+    core = make_core(num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=caching, max_kv_read_tokens=kv_cap)
     for i, (prompt_len, max_tokens) in enumerate(lengths):
         prompt = tuple(range(1, prompt_len + 1)) if shared else None
         core.submit(make_request(f"r{i}", prompt_len=prompt_len, max_tokens=max_tokens, prompt=prompt), 0.0)
@@ -86,14 +90,16 @@ def test_advance_equals_single_rounds(block_size: int, caching: bool, kv_cap: in
     assert core.decode_run_limit(running) == limit
     k = min(cycles, limit)
     single_core, single_rounds = copy.deepcopy((core, rounds))
-    single = _single(single_core, single_rounds, FakeExecutor(), k)
+    single, single_free = _single(single_core, single_rounds, FakeExecutor(), k)
 
     bulk_running = running
     tokens = [[token_for(r.request_id, len(r.tokens) - r.num_prompt + m) for m in range(k)] for r in bulk_running]
-    older, newer = core.advance_decodes(bulk_running, tokens)
+    older, newer, free = core.advance_decodes(bulk_running, tokens)
     bulk_events = core.take_events()
     assert bulk_events.tokens == [t for e in single for t in e.tokens]
-    assert not any(e.lifecycle or e.finished or e.kv_events or e.dropped_results for e in single)
+    assert bulk_events.kv_events == [kv for e in single for kv in e.kv_events]
+    assert not any(e.lifecycle or e.finished or e.dropped_results for e in single)
+    assert free == single_free
     assert (older if older is not None else rounds[1]) == single_rounds[0]
     assert newer == single_rounds[1]
     assert _state(core) == _state(single_core)

@@ -27,11 +27,14 @@ def _run(config: SimConfig, spec: str, fast: bool, monkeypatch: pytest.MonkeyPat
     if max_requests is not None:
         requests = requests[:max_requests]
     sim = Simulator(config, requests)
-    kv_seen: list[tuple[str, tuple[Any, ...], float]] = []
+    # Each replica's KV events, in the order the router applied them: a run taken in bulk hands its STORED
+    # events over in one call (the index reads them only when routing, which ends a run), so the calls
+    # and their times differ, not what each replica's stream said.
+    kv_seen: dict[str, list[Any]] = {}
     apply = sim.router.apply_kv_events
 
     def logged(replica_id: str, events: Any, now: float) -> bool:
-        kv_seen.append((replica_id, tuple(events), now))
+        kv_seen.setdefault(replica_id, []).extend(events)
         return apply(replica_id, events, now)
 
     sim.router.apply_kv_events = logged  # type: ignore[method-assign]
@@ -55,7 +58,8 @@ def _run(config: SimConfig, spec: str, fast: bool, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(glue, "apply_heartbeat", heartbeat)
     records = sim.run()
     rows = [{**{f.name: getattr(r, f.name) for f in fields(r)}, "token_times": list(r.token_times or ())} for r in records]
-    return {"records": rows, "kv": kv_seen, "stats": sim.replica_stats(), "series": sim.series,
+    index = {h: sorted(holders) for h, holders in sim.router.index._holders.items()}
+    return {"records": rows, "kv": kv_seen, "index": index, "stats": sim.replica_stats(), "series": sim.series,
             "rounds": sim.rounds, "end": sim.end_s, "rates": [r.rates for r in sim.replicas],
             "core": [r.core.stats() for r in sim.replicas], "heartbeats": heartbeats, "bulk_calls": calls}
 
