@@ -14,6 +14,7 @@ cap, a block the free list cannot give without an eviction). See docs/scheduler-
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain, repeat
 from typing import TYPE_CHECKING
 
 from scheduler_svc.core.ahead import PENDING
@@ -152,27 +153,39 @@ def advance_decodes(core: SchedulerCore, running: list[Request], tokens: Sequenc
     newest = base_id + k - 1
     older_id = second if k == 1 else newest - 1
     size, pool = core.config.block_size, core.pool
-    caching = pool.caching
+    # Token events, cycle by cycle in plan order (as k results emit them), built at C speed.
+    per_request = [list(zip(repeat(r.request_id, k), range(len(r.tokens) - r.num_prompt, len(r.tokens) - r.num_prompt + k),
+                            row, strict=True)) for r, row in zip(running, tokens, strict=True)]
+    core.outbox.events.tokens.extend(chain.from_iterable(zip(*per_request, strict=True)))
+    # The block work of the k cycles, in their order: (cycle, 0 = a result registers a full block,
+    # 1 = a placement ahead takes a new block, plan position).
+    steps = _block_steps(running, size, pool.caching, k)
+    computed0 = [request.num_computed for request in running]
+    for request, row in zip(running, tokens, strict=True):
+        request.tokens.extend(row)
     register = core.outcomes._register_full_blocks
-    emit = core.outbox.events.tokens.append
     older_tables: list[tuple[int, ...]] = []
-    free_after: list[int] = []
-    for m in range(k):
-        # the result of the older round: one token each, full blocks registered first (as _apply_outputs)
-        for request, row in zip(running, tokens, strict=True):
-            computed = request.num_computed = request.num_computed + 1
-            if caching and computed // size > request.num_registered:
-                register(request)
-            emit((request.request_id, len(request.tokens) - request.num_prompt, row[m]))
-            request.tokens.append(row[m])
-        if m == k - 1 and k > 1:
-            older_tables = [request.block_table for request in running]
-        # the next round placed ahead: a block at each boundary, from the free list (place_ahead)
-        for request in running:
-            if len(request.block_table) * size <= len(request.tokens):
-                request.block_ids.extend(pool.allocate(1) or ())
-                request.block_table = tuple(request.block_ids)
-        free_after.append(pool.num_free)
+    allocated = [0] * k
+    for m, phase, i in steps:
+        request = running[i]
+        if phase == 0:
+            request.num_computed = computed0[i] + m + 1
+            register(request)
+        else:
+            if m == k - 1 and not older_tables:
+                older_tables = [r.block_table for r in running]
+            request.block_ids.extend(pool.allocate(1) or ())
+            request.block_table = tuple(request.block_ids)
+            allocated[m] += 1
+    if k > 1 and not older_tables:
+        older_tables = [r.block_table for r in running]
+    free = pool.num_free + sum(allocated)
+    free_after = []
+    for count in allocated:
+        free -= count
+        free_after.append(free)
+    for request, computed in zip(running, computed0, strict=True):
+        request.num_computed = computed + k
     for request, row in zip(running, tokens, strict=True):
         request.last_token_ids = (row[-1],)
         request.in_flight_prev = older_id
@@ -185,6 +198,29 @@ def advance_decodes(core: SchedulerCore, running: list[Request], tokens: Sequenc
         older_plan = _ahead_plan(core, older_id, running, 1, older_tables)
     in_flight[newest] = _record(newest, running)
     return older_plan, _ahead_plan(core, newest, running, 0, [r.block_table for r in running]), free_after
+
+
+def _block_steps(running: Sequence[Request], size: int, caching: bool, k: int) -> list[tuple[int, int, int]]:
+    """Return the registrations and allocations of k cycles as (cycle, phase, plan position), in their order.
+
+    A result fills a block when the computed prefix reaches a multiple of `size` (registered, with prefix
+    caching); a placement ahead at position p needs a block when p reaches the end of the block table.
+    """
+    steps = []
+    for i, request in enumerate(running):
+        computed = request.num_computed
+        if caching:
+            # cycle m computes computed + m + 1 positions; it registers when that passes num_registered's blocks
+            m = max(0, (request.num_registered + 1) * size - computed - 1)
+            while m < k:
+                steps.append((m, 0, i))
+                m = max(m + 1, ((computed + m + 1) // size + 1) * size - computed - 1)
+        m = len(request.block_table) * size - len(request.tokens) - 1
+        while m < k:
+            steps.append((m, 1, i))
+            m += size
+    steps.sort()
+    return steps
 
 
 def _record(round_id: int, running: list[Request]) -> InFlightRound:

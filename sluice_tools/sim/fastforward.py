@@ -97,7 +97,10 @@ def load_at(replica: _Replica, now: float) -> tuple[RoundRates, CoreStats]:
         if when > now:
             break
         decode_round_s, free = rate, blocks
-    return replace(replica.rates, decode_round_s=decode_round_s), replace(stats, kv_blocks_free=free)
+    rates = replica.rates
+    if decode_round_s != rates.decode_round_s:
+        rates = RoundRates(rates.alpha, decode_round_s, rates.prefill_tokens, rates.prefill_s)
+    return rates, (stats if free == stats.kv_blocks_free else replace(stats, kv_blocks_free=free))
 
 
 def fast_forward(sim: Simulator, replica: _Replica, plan: RoundPlan, result: RoundResult, kinds: _Kinds) -> bool:
