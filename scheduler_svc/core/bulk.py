@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from scheduler_svc.core.ahead import PENDING
 from scheduler_svc.core.request import Request
 from scheduler_svc.core.round import InFlightRound, new_round_budget, new_round_plan, new_scheduled_seq
-from sluice.types import RequestStatus, RoundPlan
+from sluice.types import CoreEvents, RequestStatus, RoundPlan
 
 if TYPE_CHECKING:
     from scheduler_svc.core.scheduler import SchedulerCore
@@ -39,7 +39,7 @@ def steady_decodes(core: SchedulerCore, min_cycles: int = 1, max_cycles: int = 1
     if len(in_flight) != 2 or len(core.backlog) or core.requests.swapping or core.backlog.account is not None:
         return None
     events = core.outbox.events
-    if events.tokens or events.lifecycle or events.finished or events.dropped_results or core.pool.has_events:
+    if events.tokens or events.lifecycle or events.finished or events.dropped_results:
         return None
     first, second = in_flight
     if first > second:
@@ -79,7 +79,7 @@ def steady_decodes(core: SchedulerCore, min_cycles: int = 1, max_cycles: int = 1
     cap = core.config.max_kv_read_tokens
     if cap is not None:
         limit = _kv_cap_limit(running, cap, limit)
-    limit = _allocation_limit(running, size, core.pool.num_free, limit)
+    limit = _allocation_limit(running, size, core.pool.num_allocatable, limit)
     return (running, limit) if limit >= min_cycles else None
 
 
@@ -94,7 +94,7 @@ def _allocations(running: Sequence[Request], size: int, k: int) -> int:
 
 
 def _allocation_limit(running: Sequence[Request], size: int, free: int, limit: int) -> int:
-    """Return the most cycles (<= limit) whose new blocks all come from the free list (no eviction)."""
+    """Return the most cycles (<= limit) whose new blocks the pool can give (`free`: free + evictable)."""
     if _allocations(running, size, limit) <= free:
         return limit
     low, high = 0, limit  # allocations(low) <= free < allocations(high)
@@ -112,7 +112,7 @@ def decode_run_limit(core: SchedulerCore, running: Sequence[Request]) -> int:
 
     Cycle m appends output token `len(tokens) - num_prompt + m` of each request and places position
     `len(tokens) + m + 1` ahead; it must not be a first or last token, exceed the KV read cap, or need
-    a block the free list does not have (an eviction: a REMOVED event).
+    a block the pool cannot give (free, or cached and evicted: a REMOVED event).
     """
     steady = steady_decodes(core)
     if steady is None or steady[0] != list(running):
@@ -133,13 +133,14 @@ def _kv_cap_limit(running: Sequence[Request], cap: int, limit: int) -> int:
 
 
 def advance_decodes(core: SchedulerCore, running: list[Request], tokens: Sequence[Sequence[int]]) -> tuple[
-        RoundPlan | None, RoundPlan, list[int]]:
+        CoreEvents, RoundPlan | None, RoundPlan, list[tuple[int, int]]]:
     """Apply k = len(tokens[0]) steady cycles; `tokens[i]` are request i's next k sampled tokens.
 
-    Returns the plans of the two rounds left in flight that the caller has not seen: the older one
-    (None when k == 1: it is the round the caller already holds) and the newer one (placed ahead), and
-    the pool's free blocks after each cycle. Raises ValueError when k exceeds `decode_run_limit`
-    (nothing is changed then).
+    Returns (what the k results' `take_events` would have returned, concatenated; the plans of the two
+    rounds left in flight that the caller has not seen: the older one, None when k == 1 as the caller
+    holds it, and the newer one; the pool's (free, cached) blocks after each cycle). Events of the last
+    placement ahead (evictions) stay in the pool, as the last `schedule` leaves them. Raises ValueError
+    when k exceeds `decode_run_limit` (nothing is changed then).
     """
     k = len(tokens[0]) if tokens else 0
     if k < 1 or len(tokens) != len(running) or any(len(row) != k for row in tokens) or k > decode_run_limit(core, running):
@@ -156,7 +157,7 @@ def advance_decodes(core: SchedulerCore, running: list[Request], tokens: Sequenc
     # Token events, cycle by cycle in plan order (as k results emit them), built at C speed.
     per_request = [list(zip(repeat(r.request_id, k), range(len(r.tokens) - r.num_prompt, len(r.tokens) - r.num_prompt + k),
                             row, strict=True)) for r, row in zip(running, tokens, strict=True)]
-    core.outbox.events.tokens.extend(chain.from_iterable(zip(*per_request, strict=True)))
+    events = CoreEvents(tokens=list(chain.from_iterable(zip(*per_request, strict=True))))
     # The block work of the k cycles, in their order: (cycle, 0 = a result registers a full block,
     # 1 = a placement ahead takes a new block, plan position).
     steps = _block_steps(running, size, pool.caching, k)
@@ -164,26 +165,27 @@ def advance_decodes(core: SchedulerCore, running: list[Request], tokens: Sequenc
     for request, row in zip(running, tokens, strict=True):
         request.tokens.extend(row)
     register = core.outcomes._register_full_blocks
-    older_tables: list[tuple[int, ...]] = []
-    allocated = [0] * k
+    older_tables: list[tuple[int, ...]] | None = None
+    pool_after: list[tuple[int, int]] = []
     for m, phase, i in steps:
+        while len(pool_after) < m:
+            pool_after.append((pool.num_free, pool.num_cached))
         request = running[i]
         if phase == 0:
             request.num_computed = computed0[i] + m + 1
             register(request)
-        else:
-            if m == k - 1 and not older_tables:
-                older_tables = [r.block_table for r in running]
-            request.block_ids.extend(pool.allocate(1) or ())
-            request.block_table = tuple(request.block_ids)
-            allocated[m] += 1
-    if k > 1 and not older_tables:
+            continue
+        if m == k - 1 and older_tables is None:
+            # the k-th result's take: everything so far; the last placements ahead are the next round's
+            older_tables = [r.block_table for r in running]
+            events.kv_events.extend(pool.take_events())
+        request.block_ids.extend(pool.allocate(1) or ())
+        request.block_table = tuple(request.block_ids)
+    if older_tables is None:
         older_tables = [r.block_table for r in running]
-    free = pool.num_free + sum(allocated)
-    free_after = []
-    for count in allocated:
-        free -= count
-        free_after.append(free)
+        events.kv_events.extend(pool.take_events())
+    while len(pool_after) < k:
+        pool_after.append((pool.num_free, pool.num_cached))
     for request, computed in zip(running, computed0, strict=True):
         request.num_computed = computed + k
     for request, row in zip(running, tokens, strict=True):
@@ -197,7 +199,7 @@ def advance_decodes(core: SchedulerCore, running: list[Request], tokens: Sequenc
         in_flight[older_id] = _record(older_id, running)
         older_plan = _ahead_plan(core, older_id, running, 1, older_tables)
     in_flight[newest] = _record(newest, running)
-    return older_plan, _ahead_plan(core, newest, running, 0, [r.block_table for r in running]), free_after
+    return events, older_plan, _ahead_plan(core, newest, running, 0, [r.block_table for r in running]), pool_after
 
 
 def _block_steps(running: Sequence[Request], size: int, caching: bool, k: int) -> list[tuple[int, int, int]]:

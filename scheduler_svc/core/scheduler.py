@@ -223,16 +223,16 @@ class SchedulerCore:
         return bulk.decode_run_limit(self, running)
 
     def advance_decodes(self, running: list[Request], tokens: list[list[int]]) -> tuple[
-            RoundPlan | None, RoundPlan, list[int]]:
+            CoreEvents, RoundPlan | None, RoundPlan, list[tuple[int, int]]]:
         """Apply k steady cycles at once, exactly as k `on_round_result` + `schedule(now, overlap=True)` pairs.
 
         `running` is `steady_decodes()[0]`; `tokens[i]` holds request i's next k sampled tokens (the
-        older in-flight round's token first). Token events go to the outbox and STORED events (blocks
-        filled) to the pool in the order the k results would have emitted them; blocks crossed into
-        come from the free list as the placements ahead take them; the older round's record is gone,
-        the two rounds left in flight are the last two planned. Returns their plans (the older one None
-        when k == 1: it is the plan the caller already holds) and the free blocks after each cycle.
-        Raises ValueError, changing nothing, past `decode_run_limit`.
+        older in-flight round's token first). Returns what the k results' drained outboxes would have
+        held, concatenated (token events; STORED and REMOVED events, in order); the plans of the two
+        rounds left in flight (the older one None when k == 1: it is the plan the caller already
+        holds); the pool's (free, cached) blocks after each cycle. The last placements ahead leave
+        their evictions in the pool, as `schedule` does. Raises ValueError, changing nothing, past
+        `decode_run_limit`.
         """
         return bulk.advance_decodes(self, running, tokens)
 

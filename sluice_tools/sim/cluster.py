@@ -90,8 +90,8 @@ class _Replica:
         """Measured from its rounds' modelled times, as the scheduler's driver measures wall times."""
         self.ahead: RoundPlan | None = None
         """The round planned while the one in flight executes (pipelining)."""
-        self.rates_log: list[tuple[float, float, int]] | None = None
-        """(time, decode_round_s, free blocks) after each round of the last run taken in bulk (fastforward.load_at)."""
+        self.rates_log: list[tuple[float, float, tuple[int, int]]] | None = None
+        """(time, decode_round_s, (free, cached) blocks) after each round of the last bulk run (fastforward.load_at)."""
 
 
 class Simulator:

@@ -92,15 +92,19 @@ def load_at(replica: _Replica, now: float) -> tuple[RoundRates, CoreStats]:
     if not log or now >= log[-1][0]:
         replica.rates_log = None
         return replica.rates, stats
-    _, decode_round_s, free = log[0]
-    for when, rate, blocks in log:
+    _, decode_round_s, blocks = log[0]
+    for when, rate, pool in log:
         if when > now:
             break
-        decode_round_s, free = rate, blocks
+        decode_round_s, blocks = rate, pool
     rates = replica.rates
     if decode_round_s != rates.decode_round_s:
         rates = RoundRates(rates.alpha, decode_round_s, rates.prefill_tokens, rates.prefill_s)
-    return rates, (stats if free == stats.kv_blocks_free else replace(stats, kv_blocks_free=free))
+    free, cached = blocks
+    if (free, cached) != (stats.kv_blocks_free, stats.kv_blocks_cached):
+        used = stats.kv_blocks_total - free - cached
+        stats = replace(stats, kv_blocks_used=used, kv_blocks_free=free, kv_blocks_cached=cached)
+    return rates, stats
 
 
 def fast_forward(sim: Simulator, replica: _Replica, plan: RoundPlan, result: RoundResult, kinds: _Kinds) -> bool:
@@ -157,13 +161,11 @@ def fast_forward(sim: Simulator, replica: _Replica, plan: RoundPlan, result: Rou
     for wall in walls:
         rates.observe_decodes((wall,))
         decode_round_s.append(rates.decode_round_s)
-    older, newer, free = core.advance_decodes(running, tokens)
-    replica.rates_log = list(zip(times, decode_round_s, free, strict=True))
-    events = core.take_events()
-    if events.lifecycle or events.finished or events.dropped_results:
-        raise AssertionError(f"fast-forward on {replica.replica_id}: a steady run emitted more than tokens")
-    # The router's index takes a replica's STORED events in order and reads them only when routing (an
+    events, older, newer, pool = core.advance_decodes(running, tokens)
+    replica.rates_log = list(zip(times, decode_round_s, pool, strict=True))
+    # The router's index takes a replica's KV events in order and reads them only when routing (an
     # arrival, which bounds the run): all of the run's at once leave it as one call per round would.
+    # (The last placements' evictions stay in the pool for the next round's result, as they would.)
     if events.kv_events and not sim.router.apply_kv_events(replica.replica_id, events.kv_events, now):
         raise AssertionError(f"fast-forward on {replica.replica_id}: a gap in the replica's own KV events")
     delay = sim._token_delay

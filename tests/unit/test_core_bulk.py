@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 from core_factories import FakeExecutor, check_invariants, make_core, make_request, token_for
@@ -9,17 +10,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler_svc.core import SchedulerCore
+from sluice.core_errors import RequestRejected
 from sluice.types import CoreEvents, RoundPlan
 
 
-def _drive_until_steady(core: SchedulerCore, worker: FakeExecutor, limit: int = 400) -> list[RoundPlan] | None:
-    """Run pipelined rounds (result of the older, then plan ahead) until the core is steady; return the two plans."""
+def _drive_until_steady(core: SchedulerCore, worker: FakeExecutor, skip: int = 0, limit: int = 400) -> list[
+        RoundPlan] | None:
+    """Run pipelined rounds (result of the older, then plan ahead) until the core is steady for the
+    (skip+1)-th time; return the two plans."""
     rounds = [core.schedule(0.0, overlap=True)]
     rounds.append(core.schedule(0.0, overlap=True))
     rounds = [p for p in rounds if not p.is_empty]
     for step in range(limit):
         if len(rounds) == 2 and core.steady_decodes() is not None:
-            return rounds
+            if not skip:
+                return rounds
+            skip -= 1
         if not rounds:
             return None
         core.on_round_result(worker.run(rounds.pop(0)), step * 0.01)
@@ -30,14 +36,14 @@ def _drive_until_steady(core: SchedulerCore, worker: FakeExecutor, limit: int = 
 
 
 def _single(core: SchedulerCore, rounds: list[RoundPlan], worker: FakeExecutor, k: int) -> tuple[
-        list[CoreEvents], list[int]]:
+        list[CoreEvents], list[tuple[int, int]]]:
     events, free = [], []
     for _ in range(k):
         events.append(core.on_round_result(worker.run(rounds.pop(0)), 1.0))
         ahead = core.schedule(1.0, overlap=True)
         assert not ahead.is_empty
         rounds.append(ahead)
-        free.append(core.pool.num_free)
+        free.append((core.pool.num_free, core.pool.num_cached))
     return events, free
 
 
@@ -62,26 +68,28 @@ def _state(core: SchedulerCore) -> object:
             core.pool.cached_block_ids(), core.kv_snapshot())
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     block_size=st.sampled_from([4, 16]),
-    num_blocks=st.sampled_from([24, 256]),
+    num_blocks=st.sampled_from([12, 24, 256]),
     caching=st.booleans(),
     kv_cap=st.sampled_from([None, 300, 2000]),
     lengths=st.lists(st.tuples(st.integers(1, 40), st.integers(2, 60)), min_size=1, max_size=5),
     shared=st.booleans(),
     cycles=st.integers(1, 40),
+    skip=st.integers(0, 40),
 )
 def test_advance_equals_single_rounds(block_size: int, num_blocks: int, caching: bool, kv_cap: int | None,
-                                      lengths: list[tuple[int, int]], shared: bool, cycles: int) -> None:
+                                      lengths: list[tuple[int, int]], shared: bool, cycles: int, skip: int) -> None:
     """On random steady states, one advance of k cycles (block boundaries and full blocks included) gives the same
     state, token and KV events, plans and future as k rounds."""
     core = make_core(num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=caching, max_kv_read_tokens=kv_cap)
     for i, (prompt_len, max_tokens) in enumerate(lengths):
         prompt = tuple(range(1, prompt_len + 1)) if shared else None
-        core.submit(make_request(f"r{i}", prompt_len=prompt_len, max_tokens=max_tokens, prompt=prompt), 0.0)
+        with contextlib.suppress(RequestRejected):  # one that never fits the pool
+            core.submit(make_request(f"r{i}", prompt_len=prompt_len, max_tokens=max_tokens, prompt=prompt), 0.0)
     worker = FakeExecutor()
-    rounds = _drive_until_steady(core, worker)
+    rounds = _drive_until_steady(core, worker, skip)
     if rounds is None:
         return
     steady = core.steady_decodes()
@@ -90,16 +98,16 @@ def test_advance_equals_single_rounds(block_size: int, num_blocks: int, caching:
     assert core.decode_run_limit(running) == limit
     k = min(cycles, limit)
     single_core, single_rounds = copy.deepcopy((core, rounds))
-    single, single_free = _single(single_core, single_rounds, FakeExecutor(), k)
+    single, single_pool = _single(single_core, single_rounds, FakeExecutor(), k)
 
     bulk_running = running
     tokens = [[token_for(r.request_id, len(r.tokens) - r.num_prompt + m) for m in range(k)] for r in bulk_running]
-    older, newer, free = core.advance_decodes(bulk_running, tokens)
-    bulk_events = core.take_events()
+    bulk_events, older, newer, pool_after = core.advance_decodes(bulk_running, tokens)
     assert bulk_events.tokens == [t for e in single for t in e.tokens]
     assert bulk_events.kv_events == [kv for e in single for kv in e.kv_events]
     assert not any(e.lifecycle or e.finished or e.dropped_results for e in single)
-    assert free == single_free
+    assert pool_after == single_pool
+    assert core.take_events() == single_core.take_events()  # what the last placements ahead left
     assert (older if older is not None else rounds[1]) == single_rounds[0]
     assert newer == single_rounds[1]
     assert _state(core) == _state(single_core)
