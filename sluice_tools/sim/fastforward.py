@@ -1,24 +1,29 @@
 """Fast-forward: a replica's steady decode rounds in bulk, with the same results as one event per round.
 
 Most simulated rounds of a busy trace are plain decodes: every running request of a replica gains one
-token, and nothing else happens (no queue, no first token, no finish, no block boundary). Such a round
-touches only its own replica (its core, its `RoundRates`, its requests' token times), so while no event
-that could look at the replica or change what it does falls before a round's end (an arrival, a
-submission, a retry, a cancel, a deadline, a heartbeat, a sample: every heap event but other replicas'
-round results, which touch only their own replicas), the rounds can be applied at once:
+token (a block boundary takes a block, a full block is registered), and nothing else happens (no queue,
+no first token, no finish). Such a round touches only its own replica (its core, its `RoundRates`, its
+requests' token times) and the router's KV index, which is read only when routing. So while no event that
+could look at the replica, change what it does or route falls before a round's end (an arrival, a
+submission, a retry, a cancel, a deadline, a sample, a fleet event: every heap event but other replicas'
+round results, which touch only their own replicas, and heartbeats), the rounds can be applied at once:
 
-- the core's bulk API (`SchedulerCore.steady_decodes`, `decode_run_limit`, `advance_decodes`) applies k
-  pipelined result + schedule-ahead cycles exactly as k single calls would, and stops before a cycle
-  that needs attention (a first or last token, a block boundary or a full block, the KV read cap);
+- the core's bulk API (`SchedulerCore.steady_decodes`, `advance_decodes`) applies k pipelined result +
+  schedule-ahead cycles exactly as k single calls would, and stops before a cycle that needs attention
+  (a first or last token, the KV read cap, a block the pool cannot give);
 - each round's time is the cost model's (`CostModel.decode_time`, the arithmetic `execute` does for that
   plan), its tokens the cost model's (`decode_tokens`); the round times fold into `RoundRates` in order
-  (`observe_decodes`) and every token gets its round's time, as `_absorb` would give it;
+  (`observe_decodes`), every token gets its round's time as `_absorb` would give it, and the run's KV
+  events go to the router in their order, in one call;
+- a heartbeat during a run reports the replica's load as of its time (`load_at`: the rates and the
+  free and cached blocks logged per round; the rest of the load is constant in a steady run); a round
+  ending exactly at a heartbeat's time ends the run (their order is the heap's);
 - the last round left in flight is executed by the cost model and put on the heap as usual, and the
   round planned ahead becomes the replica's `ahead`.
 
 The fast path is for pipelined runs without admission's growth signal (per-token calls) and with the
 cost model's inline tokens; elsewhere it is off. `SLUICE_SIM_FASTFORWARD=0` turns it off everywhere
-(the equivalence test runs both ways).
+(the equivalence tests, tests/unit/test_sim_fastforward.py and test_core_bulk.py, run both ways).
 """
 
 from __future__ import annotations
