@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from scheduler_svc.core import SchedulerCore
 from sluice.core_errors import RequestRejected
-from sluice.types import CoreEvents, RoundPlan
+from sluice.types import CoreEvents, KvEventKind, RoundPlan
 
 
 def _drive_until_steady(core: SchedulerCore, worker: FakeExecutor, skip: int = 0, limit: int = 400) -> list[
@@ -68,6 +68,34 @@ def _state(core: SchedulerCore) -> object:
             core.pool.cached_block_ids(), core.kv_snapshot())
 
 
+def _advance_and_compare(core: SchedulerCore, rounds: list[RoundPlan], cycles: int) -> CoreEvents:
+    """Advance a steady core by min(cycles, limit) in bulk and a copy one round at a time; assert they agree."""
+    steady = core.steady_decodes()
+    assert steady is not None
+    running, limit = steady
+    assert core.decode_run_limit(running) == limit
+    k = min(cycles, limit)
+    single_core, single_rounds = copy.deepcopy((core, rounds))
+    single, single_pool = _single(single_core, single_rounds, FakeExecutor(), k)
+    tokens = [[token_for(r.request_id, len(r.tokens) - r.num_prompt + m) for m in range(k)] for r in running]
+    bulk_events, older, newer, pool_after = core.advance_decodes(running, tokens)
+    assert bulk_events.tokens == [t for e in single for t in e.tokens]
+    assert bulk_events.kv_events == [kv for e in single for kv in e.kv_events]
+    assert not any(e.lifecycle or e.finished or e.dropped_results for e in single)
+    assert pool_after == single_pool
+    left = core.take_events()
+    assert left == single_core.take_events()  # what the last placements ahead left
+    assert (older if older is not None else rounds[1]) == single_rounds[0]
+    assert newer == single_rounds[1]
+    assert _state(core) == _state(single_core)
+    check_invariants(core)
+    bulk_rounds = [older if older is not None else rounds[1], newer]
+    assert _finish(core, bulk_rounds, FakeExecutor()) == _finish(single_core, single_rounds, FakeExecutor())
+    assert _state(core) == _state(single_core)
+    bulk_events.kv_events.extend(left.kv_events)
+    return bulk_events
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     block_size=st.sampled_from([4, 16]),
@@ -92,29 +120,22 @@ def test_advance_equals_single_rounds(block_size: int, num_blocks: int, caching:
     rounds = _drive_until_steady(core, worker, skip)
     if rounds is None:
         return
-    steady = core.steady_decodes()
-    assert steady is not None
-    running, limit = steady
-    assert core.decode_run_limit(running) == limit
-    k = min(cycles, limit)
-    single_core, single_rounds = copy.deepcopy((core, rounds))
-    single, single_pool = _single(single_core, single_rounds, FakeExecutor(), k)
+    _advance_and_compare(core, rounds, cycles)
 
-    bulk_running = running
-    tokens = [[token_for(r.request_id, len(r.tokens) - r.num_prompt + m) for m in range(k)] for r in bulk_running]
-    bulk_events, older, newer, pool_after = core.advance_decodes(bulk_running, tokens)
-    assert bulk_events.tokens == [t for e in single for t in e.tokens]
-    assert bulk_events.kv_events == [kv for e in single for kv in e.kv_events]
-    assert not any(e.lifecycle or e.finished or e.dropped_results for e in single)
-    assert pool_after == single_pool
-    assert core.take_events() == single_core.take_events()  # what the last placements ahead left
-    assert (older if older is not None else rounds[1]) == single_rounds[0]
-    assert newer == single_rounds[1]
-    assert _state(core) == _state(single_core)
-    check_invariants(core)
-    bulk_rounds = [older if older is not None else rounds[1], newer]
-    assert _finish(core, bulk_rounds, FakeExecutor()) == _finish(single_core, single_rounds, FakeExecutor())
-    assert _state(core) == _state(single_core)
+
+def test_a_run_that_evicts_cached_blocks_matches_single_rounds() -> None:
+    """With the free list empty, blocks crossed into evict cached ones: the REMOVED events come out as k rounds emit them."""
+    core = make_core(num_blocks=6, block_size=4)
+    worker = FakeExecutor()
+    core.submit(make_request("a", prompt_len=8, max_tokens=3), 0.0)
+    rounds = _drive_until_steady(core, worker, limit=50)
+    assert rounds is None  # "a" ran to its end and left its two full blocks cached
+    assert core.pool.num_cached == 2
+    core.submit(make_request("b", prompt_len=4, max_tokens=20), 0.0)
+    rounds = _drive_until_steady(core, worker)
+    assert rounds is not None
+    events = _advance_and_compare(core, rounds, 40)
+    assert sum(1 for e in events.kv_events if e.kind is KvEventKind.REMOVED) == 2
 
 
 def test_advance_past_the_limit_changes_nothing() -> None:
