@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import heapq
 import os
+from bisect import bisect_right
 from dataclasses import replace
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
 from sluice.glue import RoundRates
@@ -91,17 +93,16 @@ def _periodic_times(sim: Simulator, until: float, kinds: _Kinds) -> set[float]:
 
 
 
+_TIME = itemgetter(0)
+
+
 def load_at(replica: _Replica, now: float) -> tuple[RoundRates, CoreStats]:
     """Return the replica's round rates and core stats as of `now` (a heartbeat during a run taken in bulk)."""
     log, stats = replica.rates_log, replica.core.stats()
     if not log or now >= log[-1][0]:
         replica.rates_log = None
         return replica.rates, stats
-    _, decode_round_s, blocks = log[0]
-    for when, rate, pool in log:
-        if when > now:
-            break
-        decode_round_s, blocks = rate, pool
+    _, decode_round_s, blocks = log[bisect_right(log, now, key=_TIME) - 1]  # the last round ended by now
     rates = replica.rates
     if decode_round_s != rates.decode_round_s:
         rates = RoundRates(rates.alpha, decode_round_s, rates.prefill_tokens, rates.prefill_s)
