@@ -23,6 +23,7 @@ Pure: no clock, no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -79,6 +80,13 @@ class RoundRates:
         spent = max(wall_s - (self.decode_round_s if decodes else 0.0), wall_s / 10)
         self.prefill_tokens = self._average(self.prefill_tokens, prefill_tokens)
         self.prefill_s = self._average(self.prefill_s, spent)
+
+    def observe_decodes(self, walls: Sequence[float]) -> None:
+        """Fold decode-only rounds' wall seconds, in order: exactly `observe` of each such round."""
+        old, alpha = self.decode_round_s, self.alpha
+        for wall_s in walls:
+            old = wall_s if old == 0.0 else old + alpha * (wall_s - old)
+        self.decode_round_s = old
 
     def _average(self, old: float, sample: float) -> float:
         return sample if old == 0.0 else old + self.alpha * (sample - old)

@@ -294,6 +294,22 @@ class CostModel:
         token = TEXT_TOKENS.start + mixed % len(TEXT_TOKENS) if vocab > TEXT_TOKENS.stop else mixed % vocab
         return (token + 1) % vocab if token == eos else token
 
+    def decode_time(self, seqs: int, context: int) -> float:
+        """Return `execute`'s modelled seconds for a round of `seqs` plain decodes reading `context` positions
+        in all (the sum of each one's start position + 1); the same arithmetic, without a plan."""
+        return self._time(seqs, context, context, seqs)
+
+    def decode_tokens(self, request_id: str, first: int, count: int) -> list[int] | None:
+        """Return the tokens `execute` samples for `request_id` at positions first .. first+count-1,
+        or None when this model's tokens are not the inline text rule (`eos_after`, a small vocabulary)."""
+        if not self._inline_tokens:
+            return None
+        base = self._bases.get(request_id)
+        if base is None:
+            base = self._base_of(request_id)
+        start, size, stride = TEXT_TOKENS.start, len(TEXT_TOKENS), _TOKEN_STRIDE
+        return [start + (base + position * stride) % size for position in range(first, first + count)]
+
     def execute(self, plan: RoundPlan) -> RoundResult:
         """Return the round's tokens (one per sampling seq) with `elapsed_s` = modelled time."""
         # One pass computes both the shape (as shape_of does) and the outputs: this runs once per

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 
+from scheduler_svc.core import bulk
 from scheduler_svc.core.backlog import Backlog
 from scheduler_svc.core.batcher import Batcher
 from scheduler_svc.core.block_pool import BlockPool
@@ -205,6 +206,35 @@ class SchedulerCore:
         self.pool.reset_cache()
         self.host.forget_hashes()
         return self.take_events()
+
+    # ---- steady decode runs in bulk (bulk.py) -----------------------------------------------
+    def steady_decodes(self, min_cycles: int = 1, max_cycles: int = 1 << 62) -> tuple[list[Request], int] | None:
+        """Return (running requests in plan order, cycles `advance_decodes` may take, at most `max_cycles`)
+        when the next rounds are steady pipelined decodes and at least `min_cycles` can go in bulk, else None.
+
+        Steady: two rounds in flight, both plain decodes of every running request, nothing queued,
+        swapping or waiting in the outbox (see bulk.py). A cycle stops being steady at a first or last
+        token, the KV read cap, or a block the free list cannot give without an eviction.
+        """
+        return bulk.steady_decodes(self, min_cycles, max_cycles)
+
+    def decode_run_limit(self, running: list[Request]) -> int:
+        """Return how many steady cycles `advance_decodes` may apply for `running` (0 when not steady)."""
+        return bulk.decode_run_limit(self, running)
+
+    def advance_decodes(self, running: list[Request], tokens: list[list[int]]) -> tuple[
+            CoreEvents, RoundPlan | None, RoundPlan, list[tuple[int, int]]]:
+        """Apply k steady cycles at once, exactly as k `on_round_result` + `schedule(now, overlap=True)` pairs.
+
+        `running` is `steady_decodes()[0]`; `tokens[i]` holds request i's next k sampled tokens (the
+        older in-flight round's token first). Returns what the k results' drained outboxes would have
+        held, concatenated (token events; STORED and REMOVED events, in order); the plans of the two
+        rounds left in flight (the older one None when k == 1: it is the plan the caller already
+        holds); the pool's (free, cached) blocks after each cycle. The last placements ahead leave
+        their evictions in the pool, as `schedule` does. Raises ValueError, changing nothing, past
+        `decode_run_limit`.
+        """
+        return bulk.advance_decodes(self, running, tokens)
 
     # ---- terminations ----------------------------------------------------------------------
     def cancel(self, request_id: str, now: float, detail: str = "") -> RequestStatus | None:

@@ -52,6 +52,7 @@ from sluice.core_errors import RequestRejected
 from sluice.hashing import hash_chain, salt_of
 from sluice.types import CoreEvents, NewRequest, ReplicaState, RequestStatus, RoundPlan, SamplingParams, Stage
 from sluice_tools.metrics import RequestRecord
+from sluice_tools.sim import fastforward
 from sluice_tools.sim.admission import SimAdmission
 from sluice_tools.sim.config import DEFAULT_MAX_MODEL_LEN, SimConfig
 from sluice_tools.workload import WorkloadRequest
@@ -59,6 +60,7 @@ from worker_svc.costmodel import CostModel, RoundShape
 
 # Event kinds, in no particular order (the heap orders by time, then creation).
 _ARRIVAL, _ROUND_DONE, _CANCEL, _DEADLINE, _HEARTBEAT, _SAMPLE, _READY, _RETRY, _SUBMIT = range(9)
+_FAST_KINDS = (_ROUND_DONE, _HEARTBEAT, _SAMPLE)  # what fastforward.py needs to know of the heap
 
 _STATUS = {
     RequestStatus.FINISHED_STOP: "ok",
@@ -71,7 +73,8 @@ _STATUS = {
 
 
 class _Replica:
-    __slots__ = ("index", "replica_id", "core", "busy", "deadline_at", "reported_idle", "state", "rates", "ahead")
+    __slots__ = ("index", "replica_id", "core", "busy", "deadline_at", "reported_idle", "state", "rates", "ahead",
+                 "rates_log")
 
     def __init__(self, index: int, replica_id: str, core: SchedulerCore) -> None:
         self.index = index
@@ -87,6 +90,8 @@ class _Replica:
         """Measured from its rounds' modelled times, as the scheduler's driver measures wall times."""
         self.ahead: RoundPlan | None = None
         """The round planned while the one in flight executes (pipelining)."""
+        self.rates_log: list[tuple[float, float, tuple[int, int]]] | None = None
+        """(time, decode_round_s, (free, cached) blocks) after each round of the last bulk run (fastforward.load_at)."""
 
 
 class Simulator:
@@ -112,19 +117,9 @@ class Simulator:
         ]
         self.requests = sorted(requests, key=lambda r: r.arrival_s)
         self.records: dict[str, RequestRecord] = {}
-        self.series: dict[str, list[tuple[float, float]]] = {
-            k: []
-            for k in (
-                "waiting",
-                "running",
-                "kv_used_frac",
-                "replicas_ready",
-                "admission_active",
-                "prefix_hit_rate",
-                "preemptions",
-                "recomputed_tokens",
-            )
-        }
+        self.series: dict[str, list[tuple[float, float]]] = {k: [] for k in (
+            "waiting", "running", "kv_used_frac", "replicas_ready", "admission_active", "prefix_hit_rate",
+            "preemptions", "recomputed_tokens")}
         self.now = 0.0
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = 0
@@ -138,6 +133,8 @@ class Simulator:
                                        config.scheduler.block_size, self._salt, self.vocab_size)
         self._growth_signal = self.front_door.on_token if self.front_door.grows else None
         self._pipeline = config.pipeline
+        # Steady decode rounds in bulk (fastforward.py): pipelined, without per-token admission calls.
+        self._fast = config.pipeline and self._growth_signal is None and fastforward.enabled()
         self._gap = config.round_gap_s
         self._token_delay = config.token_delay_s
         self.rounds = 0
@@ -349,6 +346,8 @@ class Simulator:
 
     def _on_round_done(self, payload: tuple[_Replica, RoundPlan, Any]) -> None:
         replica, plan, result = payload
+        if self._fast and replica.ahead is not None and fastforward.fast_forward(self, replica, plan, result, _FAST_KINDS):
+            return
         replica.busy = False
         replica.rates.observe(plan, result.elapsed_s)
         self._absorb(replica, replica.core.on_round_result(result, self.now))
@@ -423,7 +422,8 @@ class Simulator:
     def _heartbeat(self, replica: _Replica) -> None:
         """Send one heartbeat of the replica: the services' report and reconciliation (sluice.glue)."""
         core = replica.core
-        report = glue.heartbeat_report(replica.replica_id, replica.state, True, core.stats(), replica.rates)
+        rates, stats = (replica.rates, core.stats()) if replica.rates_log is None else fastforward.load_at(replica, self.now)
+        report = glue.heartbeat_report(replica.replica_id, replica.state, True, stats, rates)
         glue.apply_heartbeat(self.router, report, self.now)
         replica.reported_idle = not replica.busy and not core.has_unfinished()
 

@@ -25,7 +25,7 @@ from sluice import convert
 from sluice.core_errors import CoreError
 from sluice.types import CoreEvents, ReplicaState, RoundPlan
 from sluice.v1 import common_pb2, router_pb2
-from sluice_tools.sim import SimConfig, Simulator
+from sluice_tools.sim import SimConfig, Simulator, fastforward
 from sluice_tools.workload import load_workload
 
 T = TypeVar("T")
@@ -139,11 +139,14 @@ class MirroredSimulator(Simulator):
         super()._absorb(replica, events)
 
 
-def test_simulator_and_services_agree_on_every_load_report_and_routing_decision() -> None:
+def test_simulator_and_services_agree_on_every_load_report_and_routing_decision(monkeypatch: pytest.MonkeyPatch) -> None:
     """Over a shared-prefix workload with a warm-up (early requests find no READY replica and retry), each
     heartbeat leaves the services' router with the simulator's view of every replica (state, load with
     the measured rates, in-flight, index) and each Route picks the simulator's replica, cached prefix and
     predicted TTFT."""
+    # The mirror feeds the services' drivers round by round (_on_round_done), so the simulator runs every
+    # round as its own event here; that the fast-forward changes nothing is test_sim_fastforward's proof.
+    monkeypatch.setenv(fastforward.ENV_SWITCH, "0")
     requests = load_workload(WORKLOAD, seed=3).requests
     config = SimConfig(replicas=3, warmup_s=0.3, max_retries=5, seed=7)
     simulator = MirroredSimulator(config, requests)

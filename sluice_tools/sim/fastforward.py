@@ -1,0 +1,189 @@
+"""Fast-forward: a replica's steady decode rounds in bulk, with the same results as one event per round.
+
+Most simulated rounds of a busy trace are plain decodes: every running request of a replica gains one
+token (a block boundary takes a block, a full block is registered), and nothing else happens (no queue,
+no first token, no finish). Such a round touches only its own replica (its core, its `RoundRates`, its
+requests' token times) and the router's KV index, which is read only when routing. So while no event that
+could look at the replica, change what it does or route falls before a round's end (an arrival, a
+submission, a retry, a cancel, a deadline, a sample, a fleet event: every heap event but other replicas'
+round results, which touch only their own replicas, and heartbeats), the rounds can be applied at once:
+
+- the core's bulk API (`SchedulerCore.steady_decodes`, `advance_decodes`) applies k pipelined result +
+  schedule-ahead cycles exactly as k single calls would, and stops before a cycle that needs attention
+  (a first or last token, the KV read cap, a block the pool cannot give);
+- each round's time is the cost model's (`CostModel.decode_time`, the arithmetic `execute` does for that
+  plan), its tokens the cost model's (`decode_tokens`); the round times fold into `RoundRates` in order
+  (`observe_decodes`), every token gets its round's time as `_absorb` would give it, and the run's KV
+  events go to the router in their order, in one call;
+- a heartbeat during a run reports the replica's load as of its time (`load_at`: the rates and the
+  free and cached blocks logged per round; the rest of the load is constant in a steady run); a round
+  ending exactly at a heartbeat's time ends the run (their order is the heap's);
+- the last round left in flight is executed by the cost model and put on the heap as usual, and the
+  round planned ahead becomes the replica's `ahead`.
+
+The fast path is for pipelined runs without admission's growth signal (per-token calls) and with the
+cost model's inline tokens; elsewhere it is off. `SLUICE_SIM_FASTFORWARD=0` turns it off everywhere
+(the equivalence tests, tests/unit/test_sim_fastforward.py and test_core_bulk.py, run both ways).
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+from bisect import bisect_right
+from dataclasses import replace
+from operator import itemgetter
+from typing import TYPE_CHECKING
+
+from sluice.glue import RoundRates
+from sluice.types import CoreStats, RoundPlan, RoundResult
+
+if TYPE_CHECKING:
+    from sluice_tools.sim.cluster import Simulator, _Replica
+
+ENV_SWITCH = "SLUICE_SIM_FASTFORWARD"
+"""Environment variable: "0" turns the fast path off (default on)."""
+
+MAX_CYCLES = 1 << 16
+"""A bound on one run (the horizon ends runs long before it; it bounds the core's limit search)."""
+
+MIN_CYCLES = 2
+"""Shorter runs go the ordinary way (the bulk call's fixed cost is about one round's)."""
+
+
+_Kinds = tuple[int, int, int]
+"""The heap kinds of a round result, a heartbeat and a sample."""
+
+
+def enabled() -> bool:
+    """Return whether the fast path is switched on (`SLUICE_SIM_FASTFORWARD` is not "0")."""
+    return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def _horizon(sim: Simulator, kinds: _Kinds) -> tuple[float, set[float]]:
+    """Return (the earliest heap event that bounds a run, the heap's pass-through times).
+
+    Bounds: every event but round results and heartbeats (a heartbeat reads a running replica's load:
+    constant in a steady run but for `decode_round_s` and the free blocks, which `load_at` gives as of
+    its time). Samples bound a run: they read every replica's block counts."""
+    horizon = float("inf")
+    passing: set[float] = set()
+    round_done, heartbeat, _ = kinds
+    for when, _, kind, _ in sim._heap:
+        if kind == round_done:
+            continue
+        if kind == heartbeat:
+            passing.add(when)
+        elif when < horizon:
+            horizon = when
+    return horizon, passing
+
+
+def _periodic_times(sim: Simulator, until: float, kinds: _Kinds) -> set[float]:
+    """Return the times of the heartbeats up to `until`, as the loop will push them (now + interval)."""
+    times: set[float] = set()
+    intervals = {kinds[1]: sim.config.heartbeat_interval_s}
+    for when, _, kind, _ in sim._heap:
+        if kind in intervals:
+            times.add(when)
+            while intervals[kind] > 0 and when <= until:
+                times.add(when)
+                when = when + intervals[kind]
+    return times
+
+
+
+_TIME = itemgetter(0)
+
+
+def load_at(replica: _Replica, now: float) -> tuple[RoundRates, CoreStats]:
+    """Return the replica's round rates and core stats as of `now` (a heartbeat during a run taken in bulk)."""
+    log, stats = replica.rates_log, replica.core.stats()
+    if not log or now >= log[-1][0]:
+        replica.rates_log = None
+        return replica.rates, stats
+    _, decode_round_s, blocks = log[bisect_right(log, now, key=_TIME) - 1]  # the last round ended by now
+    rates = replica.rates
+    if decode_round_s != rates.decode_round_s:
+        rates = RoundRates(rates.alpha, decode_round_s, rates.prefill_tokens, rates.prefill_s)
+    free, cached = blocks
+    if (free, cached) != (stats.kv_blocks_free, stats.kv_blocks_cached):
+        used = stats.kv_blocks_total - free - cached
+        stats = replace(stats, kv_blocks_used=used, kv_blocks_free=free, kv_blocks_cached=cached)
+    return rates, stats
+
+
+def fast_forward(sim: Simulator, replica: _Replica, plan: RoundPlan, result: RoundResult, kinds: _Kinds) -> bool:
+    """At the result of `plan` on `replica`: apply the steady cycles from here in bulk; False: none taken.
+
+    Cycle 0 applies this result; cycle m >= 1 the result of the round ending at t_m, taken only when
+    t_m is before every event that could matter (strictly: an equal time may be ordered first) and
+    equal to no heartbeat's or sample's time.
+    """
+    ahead = replica.ahead
+    budget = ahead.budget if ahead is not None else None
+    if budget is None or budget.num_prefill_tokens or budget.num_decode_tokens != len(ahead.seqs):  # type: ignore[union-attr]
+        return False
+    core = replica.core
+    steady = core.steady_decodes(MIN_CYCLES, MAX_CYCLES)
+    if steady is None:
+        return False
+    running, limit = steady
+    cost, gap, now = sim.cost, sim._gap, sim.now
+    first_end = now + gap + cost.decode_time(budget.num_decode_tokens, budget.used_kv_read_tokens)
+    horizon, passing = _horizon(sim, kinds)
+    if first_end >= horizon or first_end in passing:
+        return False
+    n = len(running)
+    context = sum(len(request.tokens) for request in running)
+    times = [now]
+    walls: list[float] = []
+    when = now
+    while len(times) < limit:
+        wall = cost.decode_time(n, context + len(times) * n)  # round m reads each start + 1 = len + m
+        when = when + gap + wall
+        if when >= horizon:
+            break
+        times.append(when)
+        walls.append(wall)
+    if len(times) > 1:
+        periodic = _periodic_times(sim, times[-1], kinds)
+        for m in range(1, len(times)):
+            if times[m] in periodic:  # a tie with a heartbeat or a sample: their order is the heap's
+                del times[m:], walls[m - 1:]
+                break
+    k = len(times)
+    if k < MIN_CYCLES:
+        return False
+    tokens = []
+    for request in running:
+        row = cost.decode_tokens(request.request_id, len(request.tokens), k)
+        if row is None:
+            return False
+        tokens.append(row)
+    rates = replica.rates
+    rates.observe(plan, result.elapsed_s)
+    decode_round_s = [rates.decode_round_s]
+    for wall in walls:
+        rates.observe_decodes((wall,))
+        decode_round_s.append(rates.decode_round_s)
+    events, older, newer, pool = core.advance_decodes(running, tokens)
+    replica.rates_log = list(zip(times, decode_round_s, pool, strict=True))
+    # The router's index takes a replica's KV events in order and reads them only when routing (an
+    # arrival, which bounds the run): all of the run's at once leave it as one call per round would.
+    # (The last placements' evictions stay in the pool for the next round's result, as they would.)
+    if events.kv_events and not sim.router.apply_kv_events(replica.replica_id, events.kv_events, now):
+        raise AssertionError(f"fast-forward on {replica.replica_id}: a gap in the replica's own KV events")
+    delay = sim._token_delay
+    token_times = [t + delay for t in times]
+    record_times = sim._token_times
+    for request in running:
+        record_times[request.request_id].extend(token_times)
+    sim.rounds += k
+    last = ahead if older is None else older
+    final = cost.execute(last)  # type: ignore[arg-type]
+    sim._seq += 1
+    heapq.heappush(sim._heap, (times[-1] + gap + final.elapsed_s, sim._seq, kinds[0], (replica, last, final)))
+    replica.busy = True
+    replica.ahead = newer
+    return True
