@@ -110,6 +110,8 @@ class Batcher:
                 if place_ahead(request, rnd, self._outcomes.in_flight, self._pool, block_size):
                     tokens_left, seqs_left, kv_left, decodes = tokens_left - 1, seqs_left - 1, rnd.kv_left, decodes + 1
                     continue
+                if not request.pending_prefill:  # no prompt left past its in-flight chunk (a decode)
+                    continue
                 chunk = chunk_ahead(request, rnd, self._outcomes.in_flight, self._pool, block_size, max_chunk)
                 if chunk is not None:
                     request.in_flight_prev = request.in_flight_round

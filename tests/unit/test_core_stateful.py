@@ -304,7 +304,8 @@ class PipelinedCoreMachine(CoreMachine):
             return
         self.next_id += 1
         rid = f"r{self.next_id}"
-        prompt = tuple(range(self.next_id * 100, self.next_id * 100 + prompt_len))
+        first = 100_000 + self.next_id * 100  # a prompt of its own: no prefix-cache hit moves its first chunk
+        prompt = tuple(range(first, first + prompt_len))
         self.core.submit(NewRequest(rid, prompt, SamplingParams(max_tokens=max_tokens), arrival_time=self.now), self.now)
         self.accepted.add(rid)
         self.tokens[rid] = list(prompt)
