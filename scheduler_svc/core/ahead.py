@@ -1,7 +1,9 @@
 """Overlap scheduling: placing a running request ahead, in the round planned while its round executes.
 
 The batcher inlines the common case (a decode in flight); `place_ahead` is the general one (a prefill
-chunk in flight that reaches the last known token). See docs/scheduler-core.md, "Overlap scheduling".
+chunk in flight that reaches the last known token). A prefill chunk in flight that does not reach it is
+followed by the next chunk of known tokens (`chunk_ahead`), so a long prompt advances a chunk every
+round. See docs/scheduler-core.md, "Overlap scheduling".
 """
 
 from __future__ import annotations
@@ -49,3 +51,34 @@ def place_ahead(request: Request, rnd: RoundBuilder, in_flight: dict[int, InFlig
     request.in_flight_round = rnd.round_id
     rnd.kv_left -= start + 1
     return True
+
+
+def chunk_ahead(request: Request, rnd: RoundBuilder, in_flight: dict[int, InFlightRound], pool: BlockPool,
+                block_size: int, max_chunk: int) -> tuple[int, int] | None:
+    """Return (start, tokens) of the prefill chunk to place ahead of `request`'s in-flight chunk, or None.
+
+    Only a running request whose one in-flight round computes a chunk that does not sample (its
+    prompt tokens after it are known) gets one: the next chunk, capped as the batcher caps a chunk by
+    `max_chunk` and what is left of the round's token and KV-read budgets. Its blocks come from the
+    pool without preempting anyone (else it waits a round); the caller places it (`Batcher._place`).
+    """
+    if request.status is not RequestStatus.RUNNING:
+        return None
+    record = in_flight.get(request.in_flight_round)  # type: ignore[arg-type]
+    if record is None:
+        return None
+    num, sample = record.entry(request)
+    if sample:
+        return None
+    start = request.num_computed + num
+    num = min(len(request.tokens) - start, max_chunk, rnd.tokens_left, rnd.kv_left - start)
+    if num <= 0:
+        return None
+    need = -(-(start + num) // block_size) - len(request.block_ids)
+    if need > 0:
+        blocks = pool.allocate(need)
+        if blocks is None:
+            return None
+        request.block_ids.extend(blocks)
+        request.block_table = tuple(request.block_ids)
+    return start, num

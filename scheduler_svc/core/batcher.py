@@ -9,7 +9,8 @@ A round is built in phases:
      (head-of-line blocking is the policies' semantics). Skipped in a round that had to preempt.
   With `overlap` (the round is planned while the previous one executes), a running request that the
   previous round samples is placed once more, ahead: one decode of the token that round will sample
-  (`PENDING_TOKEN`, filled in by the worker), as if it produced exactly one token (`ahead.place_ahead`).
+  (`PENDING_TOKEN`, filled in by the worker), as if it produced exactly one token (`ahead.place_ahead`);
+  one whose in-flight prefill chunk does not sample gets its next chunk of known tokens (`ahead.chunk_ahead`).
   3. `_seal`: the plan, its budget report and the in-flight record (kept by `RoundOutcomes`).
 Cost grows with the round's work: nothing scans the waiting queue, and a decode touches its block
 table only when it crosses a block boundary.
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from array import array
 
-from scheduler_svc.core.ahead import PENDING, place_ahead
+from scheduler_svc.core.ahead import PENDING, chunk_ahead, place_ahead
 from scheduler_svc.core.config import PreemptionMode
 from scheduler_svc.core.outcomes import RoundOutcomes
 from scheduler_svc.core.parts import CoreParts
@@ -108,6 +109,14 @@ class Batcher:
                 rnd.tokens_left, rnd.seqs_left, rnd.kv_left = tokens_left, seqs_left, kv_left
                 if place_ahead(request, rnd, self._outcomes.in_flight, self._pool, block_size):
                     tokens_left, seqs_left, kv_left, decodes = tokens_left - 1, seqs_left - 1, rnd.kv_left, decodes + 1
+                    continue
+                if not request.pending_prefill:  # no prompt left past its in-flight chunk (a decode)
+                    continue
+                chunk = chunk_ahead(request, rnd, self._outcomes.in_flight, self._pool, block_size, max_chunk)
+                if chunk is not None:
+                    request.in_flight_prev = request.in_flight_round
+                    self._place(request, *chunk, rnd, now)
+                    tokens_left, seqs_left, kv_left = rnd.tokens_left, rnd.seqs_left, rnd.kv_left
                 continue
             if not seqs_left or not tokens_left:
                 break

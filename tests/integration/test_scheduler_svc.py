@@ -179,6 +179,24 @@ def test_a_plan_the_worker_refuses_fails_its_round_and_the_replica_keeps_serving
     asyncio.run(body())
 
 
+def test_a_long_prompts_chunks_are_planned_ahead_live(redis_url: str, namespace: str) -> None:
+    """A 40-token prompt in 8-token chunks is planned ahead chunk after chunk on the pipelined loop (every round
+    but the first: 5 chunks and 3 decodes), and streams the serial loop's tokens."""
+    async def run(pipeline: bool, space: str) -> tuple[list[int], int]:
+        async with _replica(redis_url, space, pipeline=pipeline, core_overrides={"max_prefill_chunk": 8}) as r:
+            await r.stub.Submit(_submit("long", prompt_len=40, max_tokens=4))
+            [done] = await _completions(r.bus, 1)
+            assert done.status == common_pb2.FINISHED_LENGTH
+            return await _output_tokens(r.bus, "long"), int(r.replica.driver.metrics.rounds_ahead._value.get())
+
+    async def body() -> None:
+        piped, ahead = await run(True, namespace + "-p")
+        serial, _ = await run(False, namespace + "-s")
+        assert piped == serial and len(piped) == 4
+        assert ahead == 7, "rounds 2-8 of 8 were planned while the one before was in flight"
+    asyncio.run(body())
+
+
 def test_big_rounds_publish_after_the_next_plan_in_order_and_complete(redis_url: str, namespace: str) -> None:
     """With every round's publication deferred until the next plan is sent (the big-round path), each
     request's tokens still arrive complete, in order, and no later than its completion."""

@@ -126,7 +126,10 @@ def _check_round_caches(core: SchedulerCore) -> None:
 
 def _check_pending_prefill(core: SchedulerCore) -> None:
     """The reported pending prefill is the sum of each live request's unscheduled prefill."""
-    in_flight = {id(request): record.entry(request)[0] for record in core.outcomes.in_flight.values() for request in record.entries}
+    in_flight = Counter[int]()  # a request placed ahead is read by two rounds: both chunks are scheduled
+    for record in core.outcomes.in_flight.values():
+        for request in record.entries:
+            in_flight[id(request)] += record.entry(request)[0]
     for request in core.requests.live.values():
         unscheduled = len(request.tokens) - request.num_computed - in_flight.get(id(request), 0)
         if request.status is RequestStatus.WAITING:  # less what the cache held at submission

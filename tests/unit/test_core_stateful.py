@@ -44,15 +44,16 @@ class CoreMachine(RuleBasedStateMachine):
         kv_cap=st.sampled_from([None, 40]),
         caching=st.booleans(),
         max_lost=st.sampled_from([1, 3]),
+        chunk=st.sampled_from([6, 6, 3, 2]),
     )
     def setup(self, policy: Policy, mode: PreemptionMode, host_blocks: int, kv_cap: int | None, caching: bool,
-              max_lost: int) -> None:
+              max_lost: int, chunk: int) -> None:
         self.config = SchedulerConfig(
             num_blocks=10,
             block_size=4,
             max_num_batched_tokens=16,
             max_num_seqs=4,
-            max_prefill_chunk=6,
+            max_prefill_chunk=chunk,
             max_kv_read_tokens=kv_cap,
             max_waiting=8,
             policy=policy,
@@ -72,6 +73,8 @@ class CoreMachine(RuleBasedStateMachine):
         self.finished: Counter[str] = Counter()
         self.next_index: Counter[str] = Counter()
         self.reading: set[str] = set()
+        self.tokens: dict[str, list[int]] = {}
+        """Each accepted request's known tokens: its prompt, then the tokens that went out."""
 
     # ---- inputs ----------------------------------------------------------------------------
     @rule(
@@ -107,6 +110,7 @@ class CoreMachine(RuleBasedStateMachine):
             assert (self.core.stats(), self.core.num_waiting) == before, "a rejection changes nothing"
             return
         self.accepted.add(rid)
+        self.tokens[rid] = list(prompt)
 
     @rule()
     def schedule(self) -> None:
@@ -203,10 +207,11 @@ class CoreMachine(RuleBasedStateMachine):
         assert len(tables) == len(set(tables)), "blocks written this round are not shared"
 
     def _absorb(self, events: CoreEvents) -> None:
-        for rid, index, _ in events.tokens:
+        for rid, index, token in events.tokens:
             assert index == self.next_index[rid], "tokens of a request go out once and in order"
             assert not self.finished[rid], "no token after the end: an ended request is never resurrected"
             self.next_index[rid] += 1
+            self.tokens[rid].append(token)
         for record in events.finished:
             self.finished[record.request_id] += 1
             assert self.finished[record.request_id] == 1, "terminal exactly once"
@@ -290,6 +295,43 @@ class PipelinedCoreMachine(CoreMachine):
         self.answered.extend(self.pending)
         self.pending.clear()
 
+    @precondition(lambda self: not self.pending)
+    @rule(prompt_len=st.integers(13, 24), max_tokens=st.integers(1, 4))
+    def long_prompt_ahead(self, prompt_len: int, max_tokens: int) -> None:
+        """On an idle core, a prompt of several chunks gets its second chunk placed ahead, with its real tokens,
+        while the first is in flight; both stay in flight for the other rules (cancel, expiry, loss, faults)."""
+        if self.core.has_unfinished():
+            return
+        self.next_id += 1
+        rid = f"r{self.next_id}"
+        first = 100_000 + self.next_id * 100  # a prompt of its own: no prefix-cache hit moves its first chunk
+        prompt = tuple(range(first, first + prompt_len))
+        self.core.submit(NewRequest(rid, prompt, SamplingParams(max_tokens=max_tokens), arrival_time=self.now), self.now)
+        self.accepted.add(rid)
+        self.tokens[rid] = list(prompt)
+        chunk = self.config.max_prefill_chunk
+        for start in (0, chunk):
+            before = len(self.pending)
+            self.schedule()
+            assert len(self.pending) == before + 1, "the next chunk of a long prompt is placed ahead"
+            (seq,) = self.pending[-1].seqs
+            assert (seq.start_position, seq.token_ids) == (start, prompt[start : start + chunk]) and not seq.sample
+
+    @invariant()
+    def written_blocks_exclusive(self) -> None:
+        """A block a round in flight writes belongs to that request alone: never handed to another request,
+        nor written by another sequence in flight (blocks are freed only once no in-flight round reads them)."""
+        if not hasattr(self, "core"):
+            return
+        size, owner = self.config.block_size, {}
+        for plan in self.pending:
+            for seq in plan.seqs:
+                for block in seq.block_table[seq.start_position // size :]:
+                    assert owner.setdefault(block, seq.request_id) == seq.request_id, f"block {block} written twice"
+        for request in self.core.requests.live.values():
+            for block in request.block_ids:
+                assert owner.get(block, request.request_id) == request.request_id, f"block {block} handed out again"
+
     @rule(rounds=st.integers(1, 8))
     def run_rounds(self, rounds: int) -> None:
         """The pipelined loop: plan, keep two in flight, answer the oldest, plan the next."""
@@ -307,15 +349,23 @@ class PipelinedCoreMachine(CoreMachine):
     lose = None  # type: ignore[assignment]
 
     def _check_plan(self, plan: RoundPlan) -> None:
-        """Budgets as in the base machine; a request in an in-flight round appears again only placed ahead:
-        one decode of the pending token right after its in-flight chunk, which samples."""
+        """Budgets as in the base machine; a request in an in-flight round appears again only placed ahead,
+        right after its in-flight chunk: one decode of the pending token if that chunk samples, else the next
+        chunk of its known tokens (sampling only if it reaches the last one)."""
         earlier = {s.request_id: s for p in self.pending for s in p.seqs}
         reads = [s for s in plan.seqs if s.request_id in earlier]
         for seq in reads:
             before = earlier[seq.request_id]
-            assert seq.token_ids == (PENDING_TOKEN,) and seq.sample and before.sample
             assert seq.start_position == before.start_position + len(before.token_ids)
-            assert seq.output_index == before.output_index + 1 and seq.epoch == before.epoch
+            assert seq.epoch == before.epoch
+            if before.sample:
+                assert seq.token_ids == (PENDING_TOKEN,) and seq.sample
+                assert seq.output_index == before.output_index + 1
+            else:
+                known = self.tokens[seq.request_id]
+                assert seq.token_ids == tuple(known[seq.start_position : seq.start_position + len(seq.token_ids)])
+                assert seq.sample == (seq.start_position + len(seq.token_ids) == len(known))
+                assert seq.output_index == before.output_index
             assert sum(1 for p in self.pending for s in p.seqs if s.request_id == seq.request_id) == 1, \
                 "at most two rounds read a request"
         saved, self.pending = self.pending, []
