@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -101,6 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-s", type=float, default=0.0, help="replica warm-up (WARMING -> READY)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the summary (or all summaries) as JSON here")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="report the simulated time on stderr while a run goes (default: when stderr is a terminal)")
     parser.add_argument("--plots", help="write PNG plots into this directory")
     parser.add_argument(
         "--compare", help="comma-separated configurations, e.g. fcfs+round_robin,priority+score"
@@ -262,7 +266,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"simulating {name} ...", file=sys.stderr)
         if fleet is not None:
             config = replace(config, replicas=max(1, fleet.planner.min_replicas))
-        results[name] = simulate(config, workload.requests, include_series=bool(args.json or args.plots), fleet=fleet)
+        reporter = _Progress(name, workload.requests) if _wants_progress(args) else None
+        results[name] = simulate(config, workload.requests, include_series=bool(args.json or args.plots), fleet=fleet,
+                                 progress=reporter)
+        if reporter is not None:
+            reporter.done()
     summaries = {name: result.summary for name, result in results.items()}
     if len(results) == 1:
         print(format_table(next(iter(summaries.values())), title=next(iter(summaries))))
@@ -383,3 +391,30 @@ def probe_of(summary: dict[str, Any], scale: float, rate_rps: float) -> Any:
 
 def _label(config: SimConfig) -> str:
     return f"{config.scheduler.policy.value}+{config.router.policy.value}"
+
+
+def _wants_progress(args: argparse.Namespace) -> bool:
+    return bool(args.progress) if args.progress is not None else sys.stderr.isatty()
+
+
+class _Progress:
+    """Prints `name: simulated T s of the arrivals' S s (W s)` on stderr, at most once per wall second."""
+
+    def __init__(self, name: str, requests: Sequence[Any]) -> None:
+        self.name = name
+        self.span = max((r.arrival_s for r in requests), default=0.0)
+        self.started = time.perf_counter()
+        self.last = float("-inf")
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self, now: float) -> None:
+        wall = time.perf_counter()
+        if wall - self.last < 1.0:
+            return
+        self.last = wall
+        line = f"  {self.name}: simulated {now:,.0f} s of the arrivals' {self.span:,.0f} s ({wall - self.started:.0f} s)"
+        print(f"\r{line}" if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+
+    def done(self) -> None:
+        if self.tty and self.last > float("-inf"):
+            print(file=sys.stderr)

@@ -121,6 +121,8 @@ class Simulator:
             "waiting", "running", "kv_used_frac", "replicas_ready", "admission_active", "prefix_hit_rate",
             "preemptions", "recomputed_tokens")}
         self.now = 0.0
+        self.on_progress: Callable[[float], None] | None = None
+        """Called with the simulated time at every sample (`sluice sim --progress`)."""
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = 0
         self._next_arrival = 0
@@ -411,6 +413,8 @@ class Simulator:
         series["prefix_hit_rate"].append((now, hit / query if query else 0.0))  # cumulative
         series["preemptions"].append((now, float(sum(s.preemptions for s in stats))))
         series["recomputed_tokens"].append((now, float(sum(s.recomputed_tokens for s in stats))))
+        if self.on_progress is not None:
+            self.on_progress(now)
         if self._busy():
             self.push(now + self.config.sample_interval_s, _SAMPLE)
 

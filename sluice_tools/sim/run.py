@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from sluice_tools.metrics import FairnessWeights, RequestRecord, summarize
@@ -24,16 +24,18 @@ class SimResult:
 
 def simulate(
     config: SimConfig, requests: Sequence[WorkloadRequest], *, include_series: bool = True,
-    fleet: FleetConfig | None = None,
+    fleet: FleetConfig | None = None, progress: Callable[[float], None] | None = None,
 ) -> SimResult:
     """Run `requests` through a simulated deployment and return its result.
 
     The summary carries a "sim" section: simulated seconds, wall seconds, their ratio, rounds.
     With `fleet`, the planner sizes the fleet (sluice_tools/sim/fleet.py) and the summary has a "fleet"
     section (GPU-seconds, scale events, time to ready, drain durations, migrations).
+    `progress`, if given, is called with the simulated time once per simulated sample interval.
     Raises ValueError for an unknown model, GPU or a configuration the cores refuse.
     """
     simulator = Simulator(config, requests) if fleet is None else FleetSimulator(config, requests, fleet)
+    simulator.on_progress = progress
     records = simulator.run()
     simulated_s = simulator.end_s
     fairness = FairnessWeights(tenant_weights=dict(config.tenant_weights))

@@ -122,6 +122,15 @@ def test_cli_sim_writes_json_and_scenario_exit_status(tmp_path: Path, capsys: ob
     assert main(["sim", SMALL, "--compare", "fcfs+warp"]) == 2
 
 
+def test_sim_progress_reports_the_simulated_time_on_stderr_only_when_asked(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--progress` prints the simulated time against the arrivals' span while a run goes; `--no-progress` prints none."""
+    assert main(["sim", SMALL, "--progress"]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if "simulated" in line and "arrivals'" in line]
+    assert lines and lines[0].startswith("  fcfs+score: simulated 0 s of the arrivals'"), lines
+    assert main(["sim", SMALL, "--no-progress"]) == 0
+    assert "arrivals'" not in capsys.readouterr().err
+
+
 def test_far_deadlines_do_not_stretch_the_simulated_time() -> None:
     """A long deadline on a request that finishes early does not keep the clock running to it."""
     requests = [WorkloadRequest("a", 0.0, 100, 5, deadline_s=10_000.0)]
