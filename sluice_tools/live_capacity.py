@@ -265,7 +265,7 @@ def run_capacity(args: argparse.Namespace, workload: Workload) -> int:
 
     Returns 0, 1 when no request of any probe succeeded, 2 when the target is unreachable; raises
     ValueError for a bad combination of flags (the CLI turns it into one line and exit 2)."""
-    from sluice_tools.commands.bench import _unreachable, fit_lengths
+    from sluice_tools.commands.bench import fit_lengths, unreachable
 
     search = CapacitySearch(goal=args.capacity_goal, tolerance=args.capacity_tolerance,
                             max_probes=args.capacity_max_probes)
@@ -281,7 +281,7 @@ def run_capacity(args: argparse.Namespace, workload: Workload) -> int:
         searched = _search_spawned(args, requests, search, limits, slo)
     else:
         target = args.target or "localhost:50051"
-        problem = _unreachable(target, tls_ca=args.tls_ca)
+        problem = unreachable(target, tls_ca=args.tls_ca)
         if problem:
             print(f"sluice bench: error: {problem}", file=sys.stderr)
             return 2
@@ -294,11 +294,11 @@ def run_capacity(args: argparse.Namespace, workload: Workload) -> int:
 def _search_spawned(args: argparse.Namespace, requests: Sequence[WorkloadRequest], search: CapacitySearch,
                     limits: ProbeLimits, slo: tuple[float, float]) -> dict[str, tuple[CapacityResult, list[ProbeRun]]]:
     """Return name -> (result, runs): one stack per configuration, started, searched, stopped."""
-    from sluice_tools.commands.bench import _run_name
+    from sluice_tools.commands.bench import run_name
     from sluice_tools.stack import Stack, StackConfig
 
     base = StackConfig(replicas=args.replicas, backend=args.backend, model=args.model, emulate_time=args.emulate_time)
-    configs = configurations(args.compare, base) or {args.name or _run_name(args): base}
+    configs = configurations(args.compare, base) or {args.name or run_name(args): base}
     out = {}
     for name, config in configs.items():
         print(f"capacity of {name}: starting its stack ...", file=sys.stderr)

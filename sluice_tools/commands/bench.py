@@ -282,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
         target, api_key = stack.endpoint, stack.api_key
     else:
         target, api_key = args.target or "localhost:50051", args.api_key
-        problem = _unreachable(target, tls_ca=args.tls_ca)
+        problem = unreachable(target, tls_ca=args.tls_ca)
         if problem:
             print(f"sluice bench: error: {problem}", file=sys.stderr)
             return 2
@@ -299,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
     if lat.get("p50") is not None:
         print(f"path latency per token (scheduler -> client): p50 {lat['p50'] * 1e3:.2f} ms, "
               f"p99 {lat['p99'] * 1e3:.2f} ms over {int(lat['count'])} chunks")
-    name = args.name or _run_name(args)
+    name = args.name or run_name(args)
     records = records_of(requests, outcomes)
     if args.json:
         print(f"JSON: {write_json({**summary, 'name': name, 'records': records_to_json(records)}, args.json)}")
@@ -314,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_name(args: argparse.Namespace) -> str:
+def run_name(args: argparse.Namespace) -> str:
     """Return a run's default name: the spawned setup, or the target it measured."""
     if args.spawn:
         timing = ", emulated time" if args.emulate_time else ""
@@ -335,7 +335,7 @@ def _earlier_runs(paths: Sequence[str]) -> dict[str, list[Any]]:
     return runs
 
 
-def _unreachable(target: str, timeout_s: float = 5.0, tls_ca: str | None = None) -> str:
+def unreachable(target: str, timeout_s: float = 5.0, tls_ca: str | None = None) -> str:
     """Return why admission at `target` cannot be benchmarked ("" when its health check says SERVING).
 
     `tls_ca`: the endpoint speaks TLS with a certificate from this CA (PEM file); None: plaintext."""

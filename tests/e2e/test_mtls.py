@@ -124,11 +124,11 @@ def test_the_bench_checks_and_drives_a_tls_endpoint_with_its_ca(stack: Stack) ->
     """`sluice bench --tls-ca`: the health check and the replay trust the CA; a plaintext check cannot reach it."""
     import asyncio
 
-    from sluice_tools.commands.bench import _unreachable, drive
+    from sluice_tools.commands.bench import drive, unreachable
     from sluice_tools.workload import WorkloadRequest
 
-    assert _unreachable(stack.endpoint, tls_ca=stack.tls_ca) == ""
-    assert "cannot reach admission" in _unreachable(stack.endpoint, timeout_s=3)
+    assert unreachable(stack.endpoint, tls_ca=stack.tls_ca) == ""
+    assert "cannot reach admission" in unreachable(stack.endpoint, timeout_s=3)
     requests = [WorkloadRequest("tls-0", 0.0, 8, 3)]
     [outcome] = asyncio.run(drive(stack.endpoint, stack.api_key, requests, progress=False, tls_ca=stack.tls_ca))
     assert outcome.status == "ok" and outcome.output_tokens == 3, outcome.detail
