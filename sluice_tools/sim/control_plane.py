@@ -1,0 +1,118 @@
+"""A load-dependent control plane for the simulator: the live stack's processes sharing a few CPU cores.
+
+The fitted constants (`SimConfig.round_gap_s`, `submit_delay_s`, `token_delay_s`) are the control plane's
+delays on an idle machine. Live, every process (client, admission, router, a scheduler and a worker per
+replica, Redis) shares the same cores, so each delay grows with the work in flight. This module models those
+cores as one processor-sharing server of `cores` CPUs:
+
+- work arrives as CPU seconds: `request_cpu_s` per request (admission, routing, Submit, the client's call),
+  `token_cpu_s` per delivered token (Redis, admission, the client's stream), and per round `round_cpu_s` +
+  `seq_cpu_s` per sequence in it (the scheduler's plan and result, the worker's conversion);
+- the offered load is the work of the last `window_s` or so (an exponentially decaying sum, divided by
+  `window_s`): utilisation rho = load / cores + `background` (other work on the machine), at most `max_rho`;
+- under processor sharing every job takes 1 / (1 - rho) times its idle-machine time (the M/M/1-PS stretch),
+  so each constant delay (the idle machine's) is multiplied by the stretch at the time it starts. A round's
+  own CPU is not added to its gap: the pipelined loop plans a round while the one before executes, and live
+  the device's idle gap stays under 0.25 ms in 88-98 % of rounds even at batch 256; what is on the critical
+  path is the fitted `round_gap_s`, and that is stretched like the other two.
+
+Off by default (`SimConfig.control_plane` None): the constants then apply unchanged. Sans-I/O: `now` is an
+argument everywhere. The defaults are the per-token CPU split of `scripts/bench_live_cpu.py` at batch 32 and
+256 (docs/operations.md "Control-plane CPU per token"), except the fixed per-round cost: the live fidelity
+rows show none (2 replicas at 16 req/s, twice the rounds of 1 replica at 20 req/s, are less slowed than it),
+so it is 0 by default. `sluice_tools.fidelity table` fits `scale` (all CPU costs times one factor, which also
+absorbs the machine's other work) on one loaded live run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ControlPlaneConfig:
+    """The shared CPU of the control plane and what each unit of work costs on it."""
+
+    cores: float = 2.0
+    """CPU cores the whole live stack shares."""
+    request_cpu_s: float = 3e-3
+    """CPU per request on the way in (admission, routing, the Submit RPC, the client's call)."""
+    token_cpu_s: float = 150e-6
+    """CPU per delivered token (Redis stream, admission, the client's stream: 147 us at batch 32)."""
+    round_cpu_s: float = 0.0
+    """CPU per round, whatever its size (the scheduler's plan and result, the worker's round)."""
+    seq_cpu_s: float = 48e-6
+    """CPU per sequence in a round (scheduler and worker: 48 us/token at batch 256)."""
+    scale: float = 1.0
+    """Multiplier on every CPU cost above (fitted on a live run: the machine's speed and other work)."""
+    background: float = 0.0
+    """Utilisation of the cores by work outside the modelled stack (0..1)."""
+    window_s: float = 0.25
+    """Time constant of the offered-load estimate (seconds)."""
+    max_rho: float = 0.95
+    """Cap on the utilisation (the stretch 1 / (1 - rho) stays finite past saturation)."""
+
+    def __post_init__(self) -> None:
+        """Refuse a config that would divide by zero or stretch time backwards."""
+        if self.cores <= 0 or self.window_s <= 0 or not 0 <= self.max_rho < 1 or self.scale < 0:
+            raise ValueError(f"invalid control-plane config: {self}")
+
+
+class ControlPlane:
+    """The shared CPU's state: the decaying sum of recent work, and the delays it implies."""
+
+    __slots__ = ("config", "_work", "_at", "_busy_s")
+
+    def __init__(self, config: ControlPlaneConfig) -> None:
+        """Start idle."""
+        self.config = config
+        self._work = 0.0
+        """Decayed CPU seconds of recent work, as of `_at`."""
+        self._at = 0.0
+        self._busy_s = 0.0
+        """Total CPU seconds charged (a measure for reports and tests)."""
+
+    @property
+    def busy_s(self) -> float:
+        """Return the CPU seconds charged so far."""
+        return self._busy_s
+
+    def charge(self, now: float, cpu_s: float) -> None:
+        """Add `cpu_s` seconds of work (before scaling) at `now`."""
+        work = cpu_s * self.config.scale
+        self._decay(now)
+        self._work += work
+        self._busy_s += work
+
+    def _decay(self, now: float) -> None:
+        if now > self._at:
+            self._work *= math.exp((self._at - now) / self.config.window_s)
+            self._at = now
+
+    def utilization(self, now: float) -> float:
+        """Return rho: the recent offered load over the cores, plus the background, capped at `max_rho`."""
+        self._decay(now)
+        cfg = self.config
+        return min(cfg.max_rho, self._work / cfg.window_s / cfg.cores + cfg.background)
+
+    def stretch(self, now: float) -> float:
+        """Return 1 / (1 - rho): how much longer a job takes than on an idle machine (processor sharing)."""
+        return 1.0 / (1.0 - self.utilization(now))
+
+    def submit_delay(self, now: float, base_s: float) -> float:
+        """Charge one request's way in; return its delay from arrival to the replica's submit."""
+        self.charge(now, self.config.request_cpu_s)
+        return base_s * self.stretch(now)
+
+    def token_delay(self, now: float, base_s: float, tokens: int) -> float:
+        """Charge `tokens` delivered tokens of one round; return their delay from the round to the client."""
+        if tokens:
+            self.charge(now, tokens * self.config.token_cpu_s)
+        return base_s * self.stretch(now)
+
+    def round_gap(self, now: float, base_s: float, seqs: int) -> float:
+        """Charge one round of `seqs` sequences; return the device's idle time before it."""
+        cfg = self.config
+        self.charge(now, cfg.round_cpu_s + cfg.seq_cpu_s * seqs)
+        return base_s * self.stretch(now)
