@@ -37,6 +37,8 @@ from worker_svc.costmodel import CostModel, RoundShape
 
 MODEL = "llama-3-8b"
 SEED = 7
+DEFAULT_CPU = ControlPlaneConfig()
+"""The control plane's CPU costs before fitting (sluice_tools/sim/control_plane.py)."""
 
 
 def workload(rate: float, n: int, output: int = 128) -> list[Any]:
@@ -125,15 +127,34 @@ def fit(requests: list[Any], real: dict[str, float], cpu: ControlPlaneConfig | N
 
 
 def fit_scale(requests: list[Any], replicas: int, real: dict[str, float], delays: Delays,
-              steps: int = 12) -> ControlPlaneConfig:
+              base: ControlPlaneConfig = DEFAULT_CPU, steps: int = 12) -> ControlPlaneConfig:
     """Fit the control plane's CPU scale (bisection) so that the simulated TTFT p50 of one loaded live run
-    matches; the CPU costs' ratios are the defaults (bench_live_cpu's split)."""
+    matches; the CPU costs' ratios are `base`'s (by default bench_live_cpu's split)."""
     low, high = 0.0, 16.0
     for _ in range(steps):
         mid = (low + high) / 2
-        sim = simulated(requests, replicas, True, delays, ControlPlaneConfig(scale=mid))
+        sim = simulated(requests, replicas, True, delays, dataclasses.replace(base, scale=mid))
         low, high = (mid, high) if sim["ttft_p50"] < real["ttft_p50"] else (low, mid)
-    return ControlPlaneConfig(scale=round((low + high) / 2, 3))
+    return dataclasses.replace(base, scale=round((low + high) / 2, 3))
+
+
+Run = tuple[int, float, list[Any], dict[str, float], dict[str, float]]
+"""(replicas, rate, requests, live figures, idle gaps) of one live row."""
+
+
+def fit_control_plane(loaded: Run, second: Run | None, delays: Delays, steps: int = 7) -> ControlPlaneConfig:
+    """Fit the control plane on two loaded live rows: the CPU scale on `loaded` (TTFT p50), and the fixed CPU per
+    round on `second` (TTFT p50, bisection; a row with another number of replicas, so other rounds per token),
+    the scale refitted at each step. Without `second`, the default per-round cost."""
+    if second is None:
+        return fit_scale(loaded[2], loaded[0], loaded[3], delays)
+    low, high = 0.0, 0.004
+    for _ in range(steps):
+        mid = (low + high) / 2
+        cpu = fit_scale(loaded[2], loaded[0], loaded[3], delays, ControlPlaneConfig(round_cpu_s=mid))
+        sim = simulated(second[2], second[0], True, delays, cpu)
+        low, high = (mid, high) if sim["ttft_p50"] < second[3]["ttft_p50"] else (low, mid)
+    return fit_scale(loaded[2], loaded[0], loaded[3], delays, ControlPlaneConfig(round_cpu_s=round((low + high) / 2, 6)))
 
 
 def _diff(a: float, b: float) -> str:
@@ -159,19 +180,21 @@ def live_rows(rates: Sequence[float], fleet: Sequence[int], n: int, saved: str |
 
 def table(rates: Sequence[float], fleet: Sequence[int], n: int, saved: str | None = None) -> None:
     """Print live vs the simulator at each load and fleet size, with the constant delays (fitted on the first
-    row) and with the load-dependent control plane (its scale fitted on the first fleet's last row)."""
+    row) and with the load-dependent control plane (its CPU scale fitted on the first fleet's most loaded row,
+    its per-round CPU on the second fleet's middle row)."""
     keys = ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "throughput")
-    runs = [(r["replicas"], r["rate"], workload(r["rate"], r["n"]), r["live"], r["idle_gaps"])
+    runs: list[Run] = [(r["replicas"], r["rate"], workload(r["rate"], r["n"]), r["live"], r["idle_gaps"])
             for r in live_rows(rates, fleet, n, saved)]
     delays = fit(runs[0][2], runs[0][3])
     loaded = runs[len(rates) - 1]
-    cpu = fit_scale(loaded[2], loaded[0], loaded[3], delays)
-    for _ in range(2):  # alternate: the idle machine's delays at the first row's load, the scale at the loaded row
-        cpu_delays = fit(runs[0][2], runs[0][3], cpu)
-        cpu = fit_scale(loaded[2], loaded[0], loaded[3], cpu_delays)
+    second = runs[len(rates) + len(rates) // 2] if len(runs) > len(rates) else None
+    cpu = fit_control_plane(loaded, second, delays)
+    cpu_delays = fit(runs[0][2], runs[0][3], cpu)  # the idle machine's delays: the first row's, less its stretch
+    cpu = fit_control_plane(loaded, second, cpu_delays)
     print(f"constants fitted on {runs[0][0]} replica(s) at {runs[0][1]:g} req/s: {delays}")
-    print(f"control plane: delays {cpu_delays} on the first row, CPU fitted on {loaded[0]} replica(s) at "
-          f"{loaded[1]:g} req/s: {cpu}")
+    fitted = f"{loaded[0]} replica(s) at {loaded[1]:g} req/s" + (
+        "" if second is None else f" and {second[0]} at {second[1]:g} req/s")
+    print(f"control plane: delays {cpu_delays} on the first row, CPU fitted on {fitted}: {cpu}")
     print(f"{'replicas':>8} {'rate':>6} " + " ".join(f"{k + ' live/const/cpu':>30}" for k in keys))
     for replicas, rate, requests, real, gaps in runs:
         const = simulated(requests, replicas, True, delays)

@@ -18,10 +18,10 @@ cores as one processor-sharing server of `cores` CPUs:
 
 Off by default (`SimConfig.control_plane` None): the constants then apply unchanged. Sans-I/O: `now` is an
 argument everywhere. The defaults are the per-token CPU split of `scripts/bench_live_cpu.py` at batch 32 and
-256 (docs/operations.md "Control-plane CPU per token"), except the fixed per-round cost: the live fidelity
-rows show none (2 replicas at 16 req/s, twice the rounds of 1 replica at 20 req/s, are less slowed than it),
-so it is 0 by default. `sluice_tools.fidelity table` fits `scale` (all CPU costs times one factor, which also
-absorbs the machine's other work) on one loaded live run.
+256 (docs/operations.md "Control-plane CPU per token"), except the fixed per-round cost: bench_live_cpu's batch-1
+figure is mostly idle polling, so `round_cpu_s` is fitted instead. `sluice_tools.fidelity table` fits `scale`
+(all CPU costs times one factor, which also absorbs the machine's other work) on one loaded live run with one
+replica, and `round_cpu_s` on one with two (twice the rounds per token at about the same token rate).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ class ControlPlaneConfig:
     """CPU per request on the way in (admission, routing, the Submit RPC, the client's call)."""
     token_cpu_s: float = 150e-6
     """CPU per delivered token (Redis stream, admission, the client's stream: 147 us at batch 32)."""
-    round_cpu_s: float = 0.0
-    """CPU per round, whatever its size (the scheduler's plan and result, the worker's round)."""
+    round_cpu_s: float = 0.0005
+    """CPU per round, whatever its size (the scheduler's plan and result, the worker's round; fitted)."""
     seq_cpu_s: float = 48e-6
     """CPU per sequence in a round (scheduler and worker: 48 us/token at batch 256)."""
     scale: float = 1.0

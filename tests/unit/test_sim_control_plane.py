@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
@@ -11,7 +12,7 @@ from sluice_tools.sim.control_plane import ControlPlane, ControlPlaneConfig
 from sluice_tools.sim.run import simulate
 from sluice_tools.workload import load_workload
 
-DELAYS = {"round_gap_s": 0.0005, "submit_delay_s": 0.008, "token_delay_s": 0.0015}
+DELAYS: dict[str, Any] = {"round_gap_s": 0.0005, "submit_delay_s": 0.008, "token_delay_s": 0.0015}
 
 
 def test_an_idle_control_plane_adds_nothing_to_the_constants() -> None:
@@ -25,7 +26,7 @@ def test_an_idle_control_plane_adds_nothing_to_the_constants() -> None:
 
 def test_delays_grow_with_the_work_in_flight_as_processor_sharing() -> None:
     """Charged work raises rho = work / window / cores, and every delay becomes constant / (1 - rho)."""
-    config = ControlPlaneConfig(cores=2.0, token_cpu_s=1e-4, window_s=0.25, request_cpu_s=0.0)
+    config = ControlPlaneConfig(cores=2.0, token_cpu_s=1e-4, window_s=0.25, request_cpu_s=0.0, round_cpu_s=0.0)
     plane = ControlPlane(config)
     plane.token_delay(0.0, 0.0015, 1000)  # 0.1 CPU-s at t=0: rho = 0.1 / 0.25 / 2 = 0.2
     assert math.isclose(plane.utilization(0.0), 0.2)
@@ -65,8 +66,8 @@ def test_a_bad_config_is_refused() -> None:
 def _summary(rate: float, control_plane: ControlPlaneConfig | None) -> dict[str, float]:
     spec = f"synthetic:poisson?rate={rate}&n={int(6 * rate)}&input=fixed:512&output=fixed:64"
     requests = load_workload(spec, seed=5).requests
-    config = SimConfig(replicas=1, heartbeat_interval_s=1.0, control_plane=control_plane, **DELAYS)  # type: ignore[arg-type]
-    summary = simulate(config, requests, include_series=False).summary
+    config = SimConfig(replicas=1, heartbeat_interval_s=1.0, control_plane=control_plane, **DELAYS)
+    summary: dict[str, Any] = simulate(config, requests, include_series=False).summary
     return {"ttft": summary["ttft_s"]["p50"], "tpot": summary["tpot_s"]["p50"], "ttft99": summary["ttft_s"]["p99"]}
 
 
