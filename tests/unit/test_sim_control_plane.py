@@ -86,3 +86,23 @@ def test_in_the_simulator_the_control_plane_slows_a_loaded_run_more_than_a_light
         assert loaded["ttft"] > const["ttft"] and loaded["tpot"] > const["tpot"]
     assert added[20.0][0] > 2 * added[2.0][0]
     assert added[20.0][1] > 2 * added[2.0][1]
+
+
+def test_the_fast_path_is_off_while_the_control_plane_is_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bulk decode runs (fastforward.py) would apply the constants, not the stretched delays: with the model on,
+    switching the fast path on or off changes nothing, and the loaded run still differs from the constants'."""
+    model = ControlPlaneConfig(scale=2.0)
+    monkeypatch.setenv("SLUICE_SIM_FASTFORWARD", "0")
+    slow = _summary(20.0, model)
+    monkeypatch.setenv("SLUICE_SIM_FASTFORWARD", "1")
+    assert _summary(20.0, model) == slow != _summary(20.0, None)
+
+
+def test_the_fidelity_fit_recovers_a_known_scale() -> None:
+    """Fitting the CPU scale on figures the model itself produced at scale 2 finds 2 again (to the bisection's step)."""
+    from sluice_tools.fidelity import Delays, fit_scale, simulated, workload
+
+    requests = workload(20.0, 80, output=32)
+    delays = Delays(0.0003, 0.008, 0.0015)
+    real = simulated(requests, 1, True, delays, ControlPlaneConfig(scale=2.0))
+    assert abs(fit_scale(requests, 1, real, delays, steps=10).scale - 2.0) < 0.05
