@@ -142,19 +142,21 @@ Run = tuple[int, float, list[Any], dict[str, float], dict[str, float]]
 """(replicas, rate, requests, live figures, idle gaps) of one live row."""
 
 
-def fit_control_plane(loaded: Run, second: Run | None, delays: Delays, steps: int = 7) -> ControlPlaneConfig:
+def fit_control_plane(loaded: Run, second: Run | None, delays: Delays, base: ControlPlaneConfig = DEFAULT_CPU,
+                      steps: int = 7) -> ControlPlaneConfig:
     """Fit the control plane on two loaded live rows: the CPU scale on `loaded` (TTFT p50), and the fixed CPU per
     round on `second` (TTFT p50, bisection; a row with another number of replicas, so other rounds per token),
     the scale refitted at each step. Without `second`, the default per-round cost."""
     if second is None:
-        return fit_scale(loaded[2], loaded[0], loaded[3], delays)
+        return fit_scale(loaded[2], loaded[0], loaded[3], delays, base)
     low, high = 0.0, 0.004
     for _ in range(steps):
         mid = (low + high) / 2
-        cpu = fit_scale(loaded[2], loaded[0], loaded[3], delays, ControlPlaneConfig(round_cpu_s=mid))
+        cpu = fit_scale(loaded[2], loaded[0], loaded[3], delays, dataclasses.replace(base, round_cpu_s=mid))
         sim = simulated(second[2], second[0], True, delays, cpu)
         low, high = (mid, high) if sim["ttft_p50"] < second[3]["ttft_p50"] else (low, mid)
-    return fit_scale(loaded[2], loaded[0], loaded[3], delays, ControlPlaneConfig(round_cpu_s=round((low + high) / 2, 6)))
+    return fit_scale(loaded[2], loaded[0], loaded[3], delays,
+                     dataclasses.replace(base, round_cpu_s=round((low + high) / 2, 6)))
 
 
 def _diff(a: float, b: float) -> str:
@@ -178,7 +180,8 @@ def live_rows(rates: Sequence[float], fleet: Sequence[int], n: int, saved: str |
     return rows
 
 
-def table(rates: Sequence[float], fleet: Sequence[int], n: int, saved: str | None = None) -> None:
+def table(rates: Sequence[float], fleet: Sequence[int], n: int, saved: str | None = None,
+          base: ControlPlaneConfig = DEFAULT_CPU) -> None:
     """Print live vs the simulator at each load and fleet size, with the constant delays (fitted on the first
     row) and with the load-dependent control plane (its CPU scale fitted on the first fleet's most loaded row,
     its per-round CPU on the second fleet's middle row)."""
@@ -188,9 +191,9 @@ def table(rates: Sequence[float], fleet: Sequence[int], n: int, saved: str | Non
     delays = fit(runs[0][2], runs[0][3])
     loaded = runs[len(rates) - 1]
     second = runs[len(rates) + len(rates) // 2] if len(runs) > len(rates) else None
-    cpu = fit_control_plane(loaded, second, delays)
+    cpu = fit_control_plane(loaded, second, delays, base)
     cpu_delays = fit(runs[0][2], runs[0][3], cpu)  # the idle machine's delays: the first row's, less its stretch
-    cpu = fit_control_plane(loaded, second, cpu_delays)
+    cpu = fit_control_plane(loaded, second, cpu_delays, base)
     print(f"constants fitted on {runs[0][0]} replica(s) at {runs[0][1]:g} req/s: {delays}")
     fitted = f"{loaded[0]} replica(s) at {loaded[1]:g} req/s" + (
         "" if second is None else f" and {second[0]} at {second[1]:g} req/s")
@@ -248,11 +251,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=60, help="requests per run at least (12 s of arrivals otherwise)")
     parser.add_argument("--batches", default="1,32,256")
     parser.add_argument("--live-from", metavar="FILE", help="table: the live rows from an earlier run's output")
+    parser.add_argument("--replica-cores", type=float, default=0.0,
+                        help="table: give the control-plane model a pool of this many cores per replica (0: none)")
     args = parser.parse_args(argv)
     if args.what in ("batch", "all"):
         batch([int(b) for b in args.batches.split(",")])
     if args.what in ("table", "all"):
-        table([float(r) for r in args.rates.split(",")], [int(r) for r in args.replicas.split(",")], args.n, args.live_from)
+        table([float(r) for r in args.rates.split(",")], [int(r) for r in args.replicas.split(",")], args.n, args.live_from,
+              ControlPlaneConfig(replica_cores=args.replica_cores))
     return 0
 
 

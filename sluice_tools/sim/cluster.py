@@ -347,7 +347,7 @@ class Simulator:
         self.rounds += 1
         # push() inlined: this runs once per simulated round
         self._seq += 1
-        gap = self._gap if self._cpu is None else self._cpu.round_gap(now, self._gap, len(plan.seqs))
+        gap = self._gap if self._cpu is None else self._cpu.round_gap(now, self._gap, len(plan.seqs), replica.index)
         heapq.heappush(self._heap, (now + gap + result.elapsed_s, self._seq, _ROUND_DONE,
                                     (replica, plan, result)))
         if self._pipeline:
@@ -448,7 +448,7 @@ class Simulator:
         # Once per round: most rounds carry a token or two and nothing else.
         tokens = events.tokens
         delay = self._token_delay if self._cpu is None else self._cpu.token_delay(self.now, self._token_delay,
-                                                                                   len(tokens))
+                                                                                   len(tokens), replica.index)
         now = self.now + delay
         if tokens:
             records, times, grow = self.records, self._token_times, self._growth_signal
@@ -476,7 +476,7 @@ class Simulator:
         usage = finished.usage
         record.status = _STATUS[finished.status]
         record.finish_s = finished.finish_time + (self._token_delay if self._cpu is None else self._cpu.token_delay(
-            self.now, self._token_delay, 0))
+            self.now, self._token_delay, 0, replica.index))
         record.output_tokens = usage.output_tokens
         record.cached_tokens = usage.cached_tokens
         record.preemptions = usage.preemptions

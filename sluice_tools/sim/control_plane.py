@@ -52,17 +52,20 @@ class ControlPlaneConfig:
     """Time constant of the offered-load estimate (seconds)."""
     max_rho: float = 0.95
     """Cap on the utilisation (the stretch 1 / (1 - rho) stays finite past saturation)."""
+    replica_cores: float = 0.0
+    """Cores of each replica's own pool (its scheduler is one Python process: 1), charged its rounds' CPU and
+    stretching its round gap and token delay on top of the shared cores; 0: no per-replica pool."""
 
     def __post_init__(self) -> None:
         """Refuse a config that would divide by zero or stretch time backwards."""
-        if self.cores <= 0 or self.window_s <= 0 or not 0 <= self.max_rho < 1 or self.scale < 0:
+        if self.cores <= 0 or self.replica_cores < 0 or self.window_s <= 0 or not 0 <= self.max_rho < 1 or self.scale < 0:
             raise ValueError(f"invalid control-plane config: {self}")
 
 
 class ControlPlane:
     """The shared CPU's state: the decaying sum of recent work, and the delays it implies."""
 
-    __slots__ = ("config", "_work", "_at", "_busy_s")
+    __slots__ = ("config", "_work", "_at", "_busy_s", "_replicas")
 
     def __init__(self, config: ControlPlaneConfig) -> None:
         """Start idle."""
@@ -72,6 +75,8 @@ class ControlPlane:
         self._at = 0.0
         self._busy_s = 0.0
         """Total CPU seconds charged (a measure for reports and tests)."""
+        self._replicas: dict[int, list[float]] = {}
+        """Per replica: [decayed CPU seconds of its own recent work, as of time] (with `replica_cores`)."""
 
     @property
     def busy_s(self) -> float:
@@ -100,19 +105,34 @@ class ControlPlane:
         """Return 1 / (1 - rho): how much longer a job takes than on an idle machine (processor sharing)."""
         return 1.0 / (1.0 - self.utilization(now))
 
+    def replica_stretch(self, now: float, replica: int | None, cpu_s: float = 0.0) -> float:
+        """Charge `cpu_s` (before scaling) to `replica`'s own pool; return that pool's stretch (1 without one)."""
+        cfg = self.config
+        if replica is None or cfg.replica_cores <= 0:
+            return 1.0
+        state = self._replicas.setdefault(replica, [0.0, now])
+        if now > state[1]:
+            state[0] *= math.exp((state[1] - now) / cfg.window_s)
+            state[1] = now
+        state[0] += cpu_s * cfg.scale
+        rho = min(cfg.max_rho, state[0] / cfg.window_s / cfg.replica_cores)
+        return 1.0 / (1.0 - rho)
+
     def submit_delay(self, now: float, base_s: float) -> float:
         """Charge one request's way in; return its delay from arrival to the replica's submit."""
         self.charge(now, self.config.request_cpu_s)
         return base_s * self.stretch(now)
 
-    def token_delay(self, now: float, base_s: float, tokens: int) -> float:
-        """Charge `tokens` delivered tokens of one round; return their delay from the round to the client."""
+    def token_delay(self, now: float, base_s: float, tokens: int, replica: int | None = None) -> float:
+        """Charge `tokens` delivered tokens of one round (of `replica`); return their delay from the round to the
+        client."""
         if tokens:
             self.charge(now, tokens * self.config.token_cpu_s)
-        return base_s * self.stretch(now)
+        return base_s * self.stretch(now) * self.replica_stretch(now, replica)
 
-    def round_gap(self, now: float, base_s: float, seqs: int) -> float:
-        """Charge one round of `seqs` sequences; return the device's idle time before it."""
+    def round_gap(self, now: float, base_s: float, seqs: int, replica: int | None = None) -> float:
+        """Charge one round of `seqs` sequences (on `replica`); return the device's idle time before it."""
         cfg = self.config
-        self.charge(now, cfg.round_cpu_s + cfg.seq_cpu_s * seqs)
-        return base_s * self.stretch(now)
+        cpu = cfg.round_cpu_s + cfg.seq_cpu_s * seqs
+        self.charge(now, cpu)
+        return base_s * self.stretch(now) * self.replica_stretch(now, replica, cpu)

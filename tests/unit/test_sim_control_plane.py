@@ -106,3 +106,15 @@ def test_the_fidelity_fit_recovers_a_known_scale() -> None:
     delays = Delays(0.0003, 0.008, 0.0015)
     real = simulated(requests, 1, True, delays, ControlPlaneConfig(scale=2.0))
     assert abs(fit_scale(requests, 1, real, delays, steps=10).scale - 2.0) < 0.05
+
+
+def test_a_replica_pool_slows_only_its_own_replica() -> None:
+    """With replica_cores, a replica's rounds load its own pool: its round gap and token delay stretch by that pool's
+    1 / (1 - rho) on top of the shared stretch, another replica's do not; without the pool the stretch is 1."""
+    config = ControlPlaneConfig(cores=1000.0, round_cpu_s=0.0, seq_cpu_s=1e-3, window_s=0.25, replica_cores=1.0)
+    plane = ControlPlane(config)
+    plane.round_gap(0.0, 0.001, 125, 0)  # 0.125 CPU-s on replica 0: its rho 0.5
+    shared = plane.stretch(0.0)
+    assert math.isclose(plane.token_delay(0.0, 0.002, 0, 0), 0.002 * shared * 2.0)
+    assert math.isclose(plane.token_delay(0.0, 0.002, 0, 1), 0.002 * shared)
+    assert ControlPlane(ControlPlaneConfig()).replica_stretch(0.0, 0, 10.0) == 1.0
