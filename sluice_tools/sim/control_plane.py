@@ -16,6 +16,9 @@ cores as one processor-sharing server of `cores` CPUs:
   the device's idle gap stays under 0.25 ms in 88-98 % of rounds even at batch 256; what is on the critical
   path is the fitted `round_gap_s`, and that is stretched like the other two.
 
+Optionally (`replica_cores` > 0) each replica also has a pool of its own (its scheduler is one Python process),
+charged its rounds' CPU, whose stretch multiplies that replica's round gap and token delay.
+
 Off by default (`SimConfig.control_plane` None): the constants then apply unchanged. Sans-I/O: `now` is an
 argument everywhere. The defaults are the per-token CPU split of `scripts/bench_live_cpu.py` at batch 32 and
 256 (docs/operations.md "Control-plane CPU per token"), except the fixed per-round cost: bench_live_cpu's batch-1
