@@ -4,7 +4,9 @@ The same workload (Poisson arrivals, 512-token prompts, 128-token outputs, seed 
 stack (costmodel backend, Llama-3-8B, H200 emulated time) and through `sluice sim` with the same settings.
 `table` prints TTFT p50/p99, TPOT p50/p99 and throughput of both and their difference at three loads on 1
 and 2 replicas, with the simulator's control-plane delays (round gap, submit and token delays) fitted on
-the first row (1 replica, low load) and then held fixed; `batch` prints live TPOT/TTFT at batch 1, 32 and 256
+the first row (1 replica, low load) and then held fixed, and beside them the load-dependent control plane
+(sluice_tools/sim/control_plane.py: the same delays stretched by a shared CPU's load) with its CPU scale
+fitted on the first fleet's most loaded row; `batch` prints live TPOT/TTFT at batch 1, 32 and 256
 (a burst of that many requests) with the pipelined and the serial loop against the cost model's decode step
 and the simulator with no control-plane delay on the same requests, and the worker's idle gap between rounds.
 Every row is also printed as one JSON line.
@@ -27,6 +29,7 @@ from typing import Any
 from sluice_tools.commands.bench import drive, path_latency, records_of
 from sluice_tools.metrics import summarize
 from sluice_tools.sim.config import SimConfig
+from sluice_tools.sim.control_plane import ControlPlaneConfig
 from sluice_tools.sim.run import simulate
 from sluice_tools.stack import Stack, StackConfig
 from sluice_tools.workload import load_workload
@@ -34,6 +37,8 @@ from worker_svc.costmodel import CostModel, RoundShape
 
 MODEL = "llama-3-8b"
 SEED = 7
+DEFAULT_CPU = ControlPlaneConfig()
+"""The control plane's CPU costs before fitting (sluice_tools/sim/control_plane.py)."""
 
 
 def workload(rate: float, n: int, output: int = 128) -> list[Any]:
@@ -95,44 +100,112 @@ class Delays:
     """Round to client, per token."""
 
 
-def simulated(requests: list[Any], replicas: int, pipeline: bool, delays: Delays = Delays()) -> dict[str, float]:
+def simulated(requests: list[Any], replicas: int, pipeline: bool, delays: Delays = Delays(),
+              control_plane: ControlPlaneConfig | None = None) -> dict[str, float]:
     """Run `requests` through the simulator with the live settings; return its figures."""
     config = SimConfig(replicas=replicas, model=MODEL, pipeline=pipeline, heartbeat_interval_s=1.0,
-                       **dataclasses.asdict(delays))
+                       control_plane=control_plane, **dataclasses.asdict(delays))
     return figures(simulate(config, requests, include_series=False).summary)
 
 
-def fit(requests: list[Any], real: dict[str, float]) -> Delays:
+def fit(requests: list[Any], real: dict[str, float], cpu: ControlPlaneConfig | None = None) -> Delays:
     """Fit the simulator's delays to one live run on one replica at low load: the round gap from TPOT, the
-    token delay from the client's path latency, the submit delay from what is left of TTFT."""
-    bare = simulated(requests, 1, True)
+    token delay from the client's path latency, the submit delay from what is left of TTFT. With the control
+    plane `cpu`, the gap and submit delay are then divided by the stretch they get at that load (one step)."""
+    bare = simulated(requests, 1, True, control_plane=cpu)
     gap = max(0.0, real["tpot_p50"] - bare["tpot_p50"]) / 1e3
     token = real["path_p50"] / 1e3
-    gapped = simulated(requests, 1, True, Delays(gap, 0.0, token))
-    return Delays(gap, max(0.0, real["ttft_p50"] - gapped["ttft_p50"]) / 1e3, token)
+    gapped = simulated(requests, 1, True, Delays(gap, 0.0, token), cpu)
+    delays = Delays(gap, max(0.0, real["ttft_p50"] - gapped["ttft_p50"]) / 1e3, token)
+    if cpu is None:
+        return delays
+    sim = simulated(requests, 1, True, delays, cpu)
+    tpot = (sim["tpot_p50"] - bare["tpot_p50"]) / 1e3
+    ttft = (sim["ttft_p50"] - gapped["ttft_p50"]) / 1e3
+    return Delays(gap * gap / tpot if tpot > 0 else gap, delays.submit_delay_s ** 2 / ttft if ttft > 0 else 0.0,
+                  token)
+
+
+def fit_scale(requests: list[Any], replicas: int, real: dict[str, float], delays: Delays,
+              base: ControlPlaneConfig = DEFAULT_CPU, steps: int = 12) -> ControlPlaneConfig:
+    """Fit the control plane's CPU scale (bisection) so that the simulated TTFT p50 of one loaded live run
+    matches; the CPU costs' ratios are `base`'s (by default bench_live_cpu's split)."""
+    low, high = 0.0, 16.0
+    for _ in range(steps):
+        mid = (low + high) / 2
+        sim = simulated(requests, replicas, True, delays, dataclasses.replace(base, scale=mid))
+        low, high = (mid, high) if sim["ttft_p50"] < real["ttft_p50"] else (low, mid)
+    return dataclasses.replace(base, scale=round((low + high) / 2, 3))
+
+
+Run = tuple[int, float, list[Any], dict[str, float], dict[str, float]]
+"""(replicas, rate, requests, live figures, idle gaps) of one live row."""
+
+
+def fit_control_plane(loaded: Run, second: Run | None, delays: Delays, base: ControlPlaneConfig = DEFAULT_CPU,
+                      steps: int = 7) -> ControlPlaneConfig:
+    """Fit the control plane on two loaded live rows: the CPU scale on `loaded` (TTFT p50), and the fixed CPU per
+    round on `second` (TTFT p50, bisection; a row with another number of replicas, so other rounds per token),
+    the scale refitted at each step. Without `second`, the default per-round cost."""
+    if second is None:
+        return fit_scale(loaded[2], loaded[0], loaded[3], delays, base)
+    low, high = 0.0, 0.004
+    for _ in range(steps):
+        mid = (low + high) / 2
+        cpu = fit_scale(loaded[2], loaded[0], loaded[3], delays, dataclasses.replace(base, round_cpu_s=mid))
+        sim = simulated(second[2], second[0], True, delays, cpu)
+        low, high = (mid, high) if sim["ttft_p50"] < second[3]["ttft_p50"] else (low, mid)
+    return fit_scale(loaded[2], loaded[0], loaded[3], delays,
+                     dataclasses.replace(base, round_cpu_s=round((low + high) / 2, 6)))
 
 
 def _diff(a: float, b: float) -> str:
     return f"{100 * (a - b) / b:+.0f}%" if b else "-"
 
 
-def table(rates: Sequence[float], fleet: Sequence[int], n: int) -> None:
-    """Print sim vs live at each load and fleet size; the simulator's delays are fitted on the first row."""
-    keys = ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "throughput")
-    delays: Delays | None = None
+def live_rows(rates: Sequence[float], fleet: Sequence[int], n: int, saved: str | None) -> list[dict[str, Any]]:
+    """Return the live rows ({replicas, rate, n, live, idle_gaps}): run now, or read from `saved` (JSON lines
+    of an earlier `table` run, to refit without running the stack again)."""
+    if saved is not None:
+        with open(saved) as lines:
+            rows = [json.loads(line) for line in lines if line.startswith("{")]
+        return [r for r in rows if "sim" not in r]
+    rows = []
     for replicas in fleet:
         for rate in rates:
-            requests = workload(rate * replicas, max(n, int(12 * rate * replicas)))
-            real, gaps = live(requests, replicas, True)
-            if delays is None:
-                delays = fit(requests, real)
-                print(f"fitted on {replicas} replica(s) at {rate * replicas:g} req/s: {delays}")
-                print(f"{'replicas':>8} {'rate':>6} " + " ".join(f"{k + ' live/sim':>22}" for k in keys))
-            sim = simulated(requests, replicas, True, delays)
-            cells = " ".join(f"{real[k]:>8.2f}/{sim[k]:<7.2f}{_diff(sim[k], real[k]):>6}" for k in keys)
-            print(f"{replicas:>8} {rate * replicas:>6g} {cells}", flush=True)
-            print(json.dumps({"replicas": replicas, "rate": rate * replicas, "live": real, "sim": sim,
-                              "sim_bare": simulated(requests, replicas, True), "idle_gaps": gaps}), flush=True)
+            count = max(n, int(12 * rate * replicas))
+            real, gaps = live(workload(rate * replicas, count), replicas, True)
+            rows.append({"replicas": replicas, "rate": rate * replicas, "n": count, "live": real, "idle_gaps": gaps})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def table(rates: Sequence[float], fleet: Sequence[int], n: int, saved: str | None = None,
+          base: ControlPlaneConfig = DEFAULT_CPU) -> None:
+    """Print live vs the simulator at each load and fleet size, with the constant delays (fitted on the first
+    row) and with the load-dependent control plane (its CPU scale fitted on the first fleet's most loaded row,
+    its per-round CPU on the second fleet's middle row)."""
+    keys = ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "throughput")
+    runs: list[Run] = [(r["replicas"], r["rate"], workload(r["rate"], r["n"]), r["live"], r["idle_gaps"])
+            for r in live_rows(rates, fleet, n, saved)]
+    delays = fit(runs[0][2], runs[0][3])
+    loaded = runs[len(rates) - 1]
+    second = runs[len(rates) + len(rates) // 2] if len(runs) > len(rates) else None
+    cpu = fit_control_plane(loaded, second, delays, base)
+    cpu_delays = fit(runs[0][2], runs[0][3], cpu)  # the idle machine's delays: the first row's, less its stretch
+    cpu = fit_control_plane(loaded, second, cpu_delays, base)
+    print(f"constants fitted on {runs[0][0]} replica(s) at {runs[0][1]:g} req/s: {delays}")
+    fitted = f"{loaded[0]} replica(s) at {loaded[1]:g} req/s" + (
+        "" if second is None else f" and {second[0]} at {second[1]:g} req/s")
+    print(f"control plane: delays {cpu_delays} on the first row, CPU fitted on {fitted}: {cpu}")
+    print(f"{'replicas':>8} {'rate':>6} " + " ".join(f"{k + ' live/const/cpu':>30}" for k in keys))
+    for replicas, rate, requests, real, gaps in runs:
+        const = simulated(requests, replicas, True, delays)
+        model = simulated(requests, replicas, True, cpu_delays, cpu)
+        cells = " ".join(f"{real[k]:>7.2f}/{const[k]:.2f}/{model[k]:.2f} {_diff(model[k], real[k]):>5}" for k in keys)
+        print(f"{replicas:>8} {rate:>6g} {cells}", flush=True)
+        print(json.dumps({"replicas": replicas, "rate": rate, "live": real, "sim": const, "sim_cpu": model,
+                          "sim_bare": simulated(requests, replicas, True), "idle_gaps": gaps}), flush=True)
 
 
 def modelled(size: int, prompt: int = 512, output: int = 128) -> dict[str, float]:
@@ -177,11 +250,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--replicas", default="1,2")
     parser.add_argument("--n", type=int, default=60, help="requests per run at least (12 s of arrivals otherwise)")
     parser.add_argument("--batches", default="1,32,256")
+    parser.add_argument("--live-from", metavar="FILE", help="table: the live rows from an earlier run's output")
+    parser.add_argument("--replica-cores", type=float, default=0.0,
+                        help="table: give the control-plane model a pool of this many cores per replica (0: none)")
     args = parser.parse_args(argv)
     if args.what in ("batch", "all"):
         batch([int(b) for b in args.batches.split(",")])
     if args.what in ("table", "all"):
-        table([float(r) for r in args.rates.split(",")], [int(r) for r in args.replicas.split(",")], args.n)
+        table([float(r) for r in args.rates.split(",")], [int(r) for r in args.replicas.split(",")], args.n, args.live_from,
+              ControlPlaneConfig(replica_cores=args.replica_cores))
     return 0
 
 

@@ -44,6 +44,7 @@ from sluice_tools.sim.config import (
     with_slo_budget,
     with_tenant_weights,
 )
+from sluice_tools.sim.control_plane import ControlPlaneConfig
 from worker_svc.costmodel import load_coefficients
 
 
@@ -94,6 +95,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--round-gap-ms", type=float, default=0.0, help="device idle between rounds (live control plane)")
     parser.add_argument("--submit-delay-ms", type=float, default=0.0, help="arrival to the replica's submit (live path)")
     parser.add_argument("--token-delay-ms", type=float, default=0.0, help="round to client per token (live path)")
+    parser.add_argument("--control-plane-scale", type=float, metavar="K",
+                        help="stretch the three delays above by a shared CPU's load, its costs times K "
+                             "(sluice_tools/sim/control_plane.py; `python -m sluice_tools.fidelity table` fits K)")
+    parser.add_argument("--control-plane-cores", type=float, default=2.0, help="the shared CPU's cores")
     parser.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=50.0)
     parser.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate")
@@ -138,6 +143,8 @@ def base_config(args: argparse.Namespace, tenant_weights: dict[str, float]) -> S
         round_gap_s=args.round_gap_ms / 1000.0,
         submit_delay_s=args.submit_delay_ms / 1000.0,
         token_delay_s=args.token_delay_ms / 1000.0,
+        control_plane=None if args.control_plane_scale is None else ControlPlaneConfig(
+            cores=args.control_plane_cores, scale=args.control_plane_scale),
         warmup_s=args.warmup_s,
         slo_ttft_s=args.slo_ttft_ms / 1000.0,
         slo_tpot_s=args.slo_tpot_ms / 1000.0,

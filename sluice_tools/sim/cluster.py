@@ -55,6 +55,7 @@ from sluice_tools.metrics import RequestRecord
 from sluice_tools.sim import fastforward
 from sluice_tools.sim.admission import SimAdmission
 from sluice_tools.sim.config import DEFAULT_MAX_MODEL_LEN, SimConfig
+from sluice_tools.sim.control_plane import ControlPlane
 from sluice_tools.workload import WorkloadRequest
 from worker_svc.costmodel import CostModel, RoundShape
 
@@ -136,7 +137,10 @@ class Simulator:
         self._growth_signal = self.front_door.on_token if self.front_door.grows else None
         self._pipeline = config.pipeline
         # Steady decode rounds in bulk (fastforward.py): pipelined, without per-token admission calls.
-        self._fast = config.pipeline and self._growth_signal is None and fastforward.enabled()
+        # The load-dependent control plane (sim/control_plane.py) stretches the delays per round and token.
+        self._cpu = None if config.control_plane is None else ControlPlane(config.control_plane)
+        self._fast = (config.pipeline and self._growth_signal is None and fastforward.enabled()
+                      and self._cpu is None)
         self._gap = config.round_gap_s
         self._token_delay = config.token_delay_s
         self.rounds = 0
@@ -280,8 +284,11 @@ class Simulator:
             self.router.on_request_done(replica.replica_id, rid, now)
             self._reject(request, record, f"over budget {refusal.budget}", refusal.retry_after_s)
             return
-        if self.config.submit_delay_s > 0:
-            self.push(now + self.config.submit_delay_s, _SUBMIT, (replica, request, record, prompt))
+        delay = self.config.submit_delay_s
+        if self._cpu is not None:
+            delay = self._cpu.submit_delay(now, delay)
+        if delay > 0:
+            self.push(now + delay, _SUBMIT, (replica, request, record, prompt))
             return
         self._submit(replica, request, record, prompt)
 
@@ -340,7 +347,8 @@ class Simulator:
         self.rounds += 1
         # push() inlined: this runs once per simulated round
         self._seq += 1
-        heapq.heappush(self._heap, (now + self._gap + result.elapsed_s, self._seq, _ROUND_DONE,
+        gap = self._gap if self._cpu is None else self._cpu.round_gap(now, self._gap, len(plan.seqs), replica.index)
+        heapq.heappush(self._heap, (now + gap + result.elapsed_s, self._seq, _ROUND_DONE,
                                     (replica, plan, result)))
         if self._pipeline:
             ahead = replica.core.schedule(now, overlap=True)
@@ -438,8 +446,10 @@ class Simulator:
     # ---- what the cores said ----------------------------------------------------------------
     def _absorb(self, replica: _Replica, events: CoreEvents) -> None:
         # Once per round: most rounds carry a token or two and nothing else.
-        now = self.now + self._token_delay
         tokens = events.tokens
+        delay = self._token_delay if self._cpu is None else self._cpu.token_delay(self.now, self._token_delay,
+                                                                                   len(tokens), replica.index)
+        now = self.now + delay
         if tokens:
             records, times, grow = self.records, self._token_times, self._growth_signal
             for request_id, index, _token in tokens:
@@ -465,7 +475,8 @@ class Simulator:
         record = self.records[rid]
         usage = finished.usage
         record.status = _STATUS[finished.status]
-        record.finish_s = finished.finish_time + self._token_delay
+        record.finish_s = finished.finish_time + (self._token_delay if self._cpu is None else self._cpu.token_delay(
+            self.now, self._token_delay, 0, replica.index))
         record.output_tokens = usage.output_tokens
         record.cached_tokens = usage.cached_tokens
         record.preemptions = usage.preemptions

@@ -12,6 +12,7 @@ from router_svc.core import RouterConfig
 from scheduler_svc.core.config import PreemptionMode, SchedulerConfig
 from sluice.choices import enum_member
 from sluice.config import Budgets, ReservationPolicy, TenantConfig
+from sluice_tools.sim.control_plane import ControlPlaneConfig
 from worker_svc.costmodel import CostCoefficients
 
 E = TypeVar("E", bound=enum.Enum)
@@ -67,6 +68,9 @@ class SimConfig:
     """Arrival at admission to the replica core's submit in the live stack (tokenize, route, Submit RPC)."""
     token_delay_s: float = 0.0
     """A token's way from the replica's round to the client in the live stack (Redis stream, admission)."""
+    control_plane: ControlPlaneConfig | None = None
+    """The control plane as a shared CPU whose load stretches the three delays above (sim/control_plane.py);
+    None: the delays are constant."""
     heartbeat_interval_s: float = 0.05
     """How often the router's load view is refreshed from the replicas' stats."""
     sample_interval_s: float = 1.0
