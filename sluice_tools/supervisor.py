@@ -144,8 +144,7 @@ class Supervisor:
         if proc.alive():
             self._refresh_metrics_url(proc, track)
             if track.recovering and self._serving(proc):
-                track.recovering = False
-                self.on_event(f"{proc.name} serving again, {now - (track.died_at or now):.1f} s after it died")
+                self._recovered(proc.name, track, now)
             return
         if track.gave_up:
             return
@@ -173,8 +172,7 @@ class Supervisor:
         track = self._track("redis")
         if redis.running:
             if track.recovering:
-                track.recovering = False
-                self.on_event(f"redis serving again, {now - (track.died_at or now):.1f} s after it died")
+                self._recovered("redis", track, now)
             return
         if track.gave_up:
             return
@@ -191,6 +189,10 @@ class Supervisor:
             track.restarted(now)
             self.on_event(f"restarted redis on port {redis.port}, same password (pid {redis.pid}, "
                           f"restart {track.total})")
+
+    def _recovered(self, name: str, track: Restarts, now: float) -> None:
+        track.recovering = False
+        self.on_event(f"{name} serving again, {now - (track.died_at or now):.1f} s after it died")
 
     def _died(self, name: str, cause: str, track: Restarts, now: float) -> None:
         due = track.died(now)

@@ -49,10 +49,11 @@ def _expected(request_id: str, prompt: list[int], count: int) -> list[int]:
     return [model.token_for(request_id, len(prompt) + i) for i in range(count)]
 
 
-def _stream(endpoint: str, key: str, out: Streamed) -> None:
-    with sdk.Client(endpoint, api_key=key) as client:
+def _stream(endpoint: str, key: str, out: Streamed, max_tokens: int = MAX_TOKENS, timeout: float = 120,
+            retry: sdk.RetryPolicy | None = None) -> None:
+    with sdk.Client(endpoint, api_key=key, retry=retry) as client:
         try:
-            for chunk in client.generate(out.prompt, max_tokens=MAX_TOKENS, ignore_eos=True, timeout=120):
+            for chunk in client.generate(out.prompt, max_tokens=max_tokens, ignore_eos=True, timeout=timeout):
                 out.request_id = chunk.request_id
                 if chunk.finished:
                     out.status = chunk.status
@@ -199,18 +200,7 @@ def test_a_drained_replica_hands_its_requests_over_and_retires(tmp_path: Path) -
 
 def _refused_or_finished(endpoint: str, key: str, out: Streamed, max_tokens: int) -> None:
     """Run one request without client retries (an UNAVAILABLE must reach the test, not be retried away)."""
-    with sdk.Client(endpoint, api_key=key, retry=sdk.RetryPolicy(max_attempts=1)) as client:
-        try:
-            for chunk in client.generate(out.prompt, max_tokens=max_tokens, ignore_eos=True, timeout=60):
-                out.request_id = chunk.request_id
-                if chunk.finished:
-                    out.status = chunk.status
-                    out.output_tokens = chunk.usage.output_tokens if chunk.usage else -1
-                    continue
-                out.index_errors += chunk.index != len(out.tokens)
-                out.tokens.extend(chunk.token_ids)
-        except sdk.SluiceError as exc:
-            out.error = exc
+    _stream(endpoint, key, out, max_tokens=max_tokens, timeout=60, retry=sdk.RetryPolicy(max_attempts=1))
 
 
 def test_requests_admitted_right_after_a_scheduler_dies_are_routed_to_the_survivor(tmp_path: Path) -> None:
