@@ -169,15 +169,22 @@ def test_a_killed_replica_process_loses_no_request_and_no_token(tmp_path: Path, 
 
 
 def test_a_drained_replica_hands_its_requests_over_and_retires(tmp_path: Path) -> None:
-    """Drain replica-0 at the router with long requests in flight (drain timeout 1 s): it hands the rest to
+    """Drain the replica running more of the long requests (drain timeout 1 s): it hands the rest to
     migration, leaves the router's table and turns NOT_SERVING (retired; a SIGTERM then stops it at once, exit 0);
-    every request is exact."""
+    every request is exact.
+
+    The drained replica is chosen by its running-requests gauge, not by name: the router may place the 8
+    requests unevenly, and a replica with none would drain with nothing to hand off."""
     with _start(tmp_path, "--drain-timeout", "1") as stack:
         outs, threads = _launch(stack)
+        running = [_metrics(s)["sluice_running_requests"] for s in stack.schedulers]
+        victim = max(range(len(running)), key=running.__getitem__)
+        other = f"replica-{1 - victim}"
+        assert running[victim] >= 1, running
         assert stack.router is not None
         with grpc.insecure_channel(stack.router.address) as channel:
-            reply = router_pb2_grpc.RouterServiceStub(channel).Drain(router_pb2.DrainRequest(replica_id="replica-0"),
-                                                                     timeout=5)
+            reply = router_pb2_grpc.RouterServiceStub(channel).Drain(
+                router_pb2.DrainRequest(replica_id=f"replica-{victim}"), timeout=5)
         assert reply.state == router_pb2.DRAINING
         drained = time.monotonic()
         _finish(outs, threads)
@@ -185,16 +192,17 @@ def test_a_drained_replica_hands_its_requests_over_and_retires(tmp_path: Path) -
         values = _assert_budgets_return_to_zero(stack)
         assert _migrations(values, "handed_off") >= 1
         give_up = time.monotonic() + 20
-        while health_serving(stack.schedulers[0].address) and time.monotonic() < give_up:
+        while health_serving(stack.schedulers[victim].address) and time.monotonic() < give_up:
             time.sleep(0.1)
         retired = time.monotonic() - drained
-        assert not health_serving(stack.schedulers[0].address)
-        assert "replica-0" not in _replicas(stack) and _replicas(stack)["replica-1"] == router_pb2.READY
-        popen = stack.schedulers[0].popen
+        assert not health_serving(stack.schedulers[victim].address)
+        assert f"replica-{victim}" not in _replicas(stack) and _replicas(stack)[other] == router_pb2.READY
+        popen = stack.schedulers[victim].popen
         assert popen is not None
         popen.terminate()
         assert popen.wait(10) == 0
-        print(f"\ndrain: {int(_migrations(values, 'handed_off'))} of {STREAMS} requests handed off; "
+        print(f"\ndrain replica-{victim} (running {running}): {int(_migrations(values, 'handed_off'))} of "
+              f"{STREAMS} requests handed off; "
               f"replica retired {retired:.1f} s after Drain")
 
 
