@@ -12,7 +12,9 @@ heap frozen (as sluice.serve does) and the thresholds of `scheduler_svc.collecto
 max_num_seqs (`--python-gc` keeps CPython's defaults instead); each case reports its full
 collections, its cost per running request and p99 / median, and the same rounds pipelined (each
 planned while the one before is in flight, as the service and the simulator run them: every request
-is placed ahead). Prints JSON to stdout; `--profile`
+is placed ahead). After each round the events are taken (not timed), as the driver and the
+simulator do. `--running 64,1024,2048` measures other sizes (4x as many waiting); `--cache-rounds N`
+only runs N rounds per size for callgrind's cache model (`cache_rounds`). Prints JSON to stdout; `--profile`
 adds the top cProfile entries of the largest case and of the 2-running case to stderr. The setup
 uses only the core's public API, so this file also measures older checkouts side by side.
 """
@@ -29,6 +31,8 @@ import random
 import statistics
 import sys
 import time
+from collections import deque
+from itertools import starmap
 from pathlib import Path
 
 from scheduler_svc.collector import tune_collector
@@ -281,6 +285,30 @@ def run(quick: bool, profile: bool, python_gc: bool = False, running_sizes: tupl
     }
 
 
+def cache_rounds(running: int, rounds: int) -> dict[str, object]:
+    """Run `rounds` decode rounds at `running` (4x as many waiting) inside `itertools.starmap`, for a cache model.
+
+    Under `valgrind --tool=callgrind --cache-sim=yes --collect-atstart=no --toggle-collect=starmap_next`
+    only these rounds are counted (schedule, the fake executor, the result and the take of the events;
+    five warm-up rounds and the setup are not): divide its totals by `rounds * running`.
+    """
+    pairs, _ = load_lengths()
+    gc.collect()
+    gc.freeze()
+    core = build_core(running, 4 * running, rounds + 10, pairs, seed=running)
+    _collector(running, False)
+
+    def one(i: int) -> None:
+        core.on_round_result(_answer(core.schedule(1.0 + i * 0.01)), 1.0 + i * 0.01)
+        core.take_events()
+
+    for i in range(5):
+        one(i)
+    gc.collect()
+    deque(starmap(one, ((i,) for i in range(5, 5 + rounds))), maxlen=0)
+    return {"running": running, "rounds": rounds, "request_rounds": running * rounds}
+
+
 def _profile(pairs: list[tuple[int, int]], rounds: int) -> None:
     for running, waiting, case_rounds in ((1024, 4096, rounds), (2, 4, SMALL_ROUNDS)):
         core = build_core(running, waiting, case_rounds, pairs, seed=running)
@@ -301,8 +329,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="measure with Python's default collector thresholds instead of the service's")
     parser.add_argument("--running", default="",
                         help="comma-separated running counts to measure instead of 64,256,1024 (e.g. 64,1024,2048)")
+    parser.add_argument("--cache-rounds", type=int, default=0,
+                        help="only run this many rounds per --running size inside itertools.starmap, for "
+                             "callgrind's --toggle-collect=starmap_next (see cache_rounds)")
     args = parser.parse_args(argv)
     sizes = tuple(int(n) for n in args.running.split(",") if n)
+    if args.cache_rounds:
+        print(json.dumps([cache_rounds(n, args.cache_rounds) for n in sizes or (64,)]))
+        return 0
     print(json.dumps(run(args.quick, args.profile, args.python_gc, sizes), indent=2))
     return 0
 
