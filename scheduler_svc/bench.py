@@ -12,7 +12,9 @@ heap frozen (as sluice.serve does) and the thresholds of `scheduler_svc.collecto
 max_num_seqs (`--python-gc` keeps CPython's defaults instead); each case reports its full
 collections, its cost per running request and p99 / median, and the same rounds pipelined (each
 planned while the one before is in flight, as the service and the simulator run them: every request
-is placed ahead). Prints JSON to stdout; `--profile`
+is placed ahead). After each round the events are taken (not timed), as the driver and the
+simulator do. `--running 64,1024,2048` measures other sizes (4x as many waiting); `--cache-rounds N`
+only runs N rounds per size for callgrind's cache model (`cache_rounds`). Prints JSON to stdout; `--profile`
 adds the top cProfile entries of the largest case and of the 2-running case to stderr. The setup
 uses only the core's public API, so this file also measures older checkouts side by side.
 """
@@ -29,6 +31,8 @@ import random
 import statistics
 import sys
 import time
+from collections import deque
+from itertools import starmap
 from pathlib import Path
 
 from scheduler_svc.collector import tune_collector
@@ -155,6 +159,9 @@ def measure(core: SchedulerCore, rounds: int, pipelined: bool = False) -> dict[s
             t2 = clock()
             core.on_round_result(result, now)
             t3 = clock()
+            # As the driver and the simulator do after every round (not timed, like the executor):
+            # events left in the core would pile up a token tuple per sequence per round.
+            core.take_events()
             assert plan.budget is not None and plan.budget.num_prefill_tokens == 0, "decode-only rounds"
             assert len(plan.seqs) == core.config.max_num_seqs, "every running request in every round"
             sched_ns.append(t1 - t0)
@@ -197,8 +204,11 @@ def _collector(max_num_seqs: int, python_gc: bool) -> tuple[int, int, int]:
     return PYTHON_GC_THRESHOLDS if python_gc else tune_collector(max_num_seqs)
 
 
-def run(quick: bool, profile: bool, python_gc: bool = False) -> dict[str, object]:
-    """Run every case and return the report (collector as the service sets it, or Python's defaults)."""
+def run(quick: bool, profile: bool, python_gc: bool = False, running_sizes: tuple[int, ...] = ()) -> dict[str, object]:
+    """Run every case and return the report (collector as the service sets it, or Python's defaults).
+
+    `running_sizes` replaces the default cases' running counts (each with 4x as many waiting).
+    """
     rounds = 40 if quick else 200
     pairs, source = load_lengths()
     reference = reference_loop_us()
@@ -208,7 +218,8 @@ def run(quick: bool, profile: bool, python_gc: bool = False) -> dict[str, object
     cases: list[dict[str, object]] = []
     per_running: list[float] = []
     per_running_ahead: list[float] = []
-    for running, waiting in CASES:
+    cases_run = tuple((n, 4 * n) for n in running_sizes) or CASES
+    for running, waiting in cases_run:
         core = build_core(running, waiting, rounds, pairs, seed=running)
         thresholds = _collector(running, python_gc)
         figures = measure(core, rounds)
@@ -221,7 +232,7 @@ def run(quick: bool, profile: bool, python_gc: bool = False) -> dict[str, object
                 "per_running_us": round(figures["median_us"] / running, 3),
                 "p99_over_median": round(figures["p99_us"] / figures["median_us"], 2),
                 "gc_thresholds": thresholds,
-                "target_median_us": TARGETS_US[running],
+                "target_median_us": TARGETS_US.get(running),
                 "median_per_reference_loop": round(figures["median_us"] / reference, 4),
             }
         )
@@ -264,12 +275,38 @@ def run(quick: bool, profile: bool, python_gc: bool = False) -> dict[str, object
         "python": sys.version.split()[0],
         "reference_loop_us": round(reference, 1),
         "collector": "Python defaults" if python_gc else "as the scheduler service sets it (scheduler_svc.collector)",
-        "per_running_1024_over_64": round(per_running[-1] / per_running[0], 3),
-        "pipelined_per_running_1024_over_64": round(per_running_ahead[-1] / per_running_ahead[0], 3),
+        f"per_running_{cases_run[-1][0]}_over_{cases_run[0][0]}": round(per_running[-1] / per_running[0], 3),
+        f"pipelined_per_running_{cases_run[-1][0]}_over_{cases_run[0][0]}": round(
+            per_running_ahead[-1] / per_running_ahead[0], 3
+        ),
         "cases": cases,
         "small_rounds": small,
         "queue_independence_64_running": independence,
     }
+
+
+def cache_rounds(running: int, rounds: int) -> dict[str, object]:
+    """Run `rounds` decode rounds at `running` (4x as many waiting) inside `itertools.starmap`, for a cache model.
+
+    Under `valgrind --tool=callgrind --cache-sim=yes --collect-atstart=no --toggle-collect=starmap_next`
+    only these rounds are counted (schedule, the fake executor, the result and the take of the events;
+    five warm-up rounds and the setup are not): divide its totals by `rounds * running`.
+    """
+    pairs, _ = load_lengths()
+    gc.collect()
+    gc.freeze()
+    core = build_core(running, 4 * running, rounds + 10, pairs, seed=running)
+    _collector(running, False)
+
+    def one(i: int) -> None:
+        core.on_round_result(_answer(core.schedule(1.0 + i * 0.01)), 1.0 + i * 0.01)
+        core.take_events()
+
+    for i in range(5):
+        one(i)
+    gc.collect()
+    deque(starmap(one, ((i,) for i in range(5, 5 + rounds))), maxlen=0)
+    return {"running": running, "rounds": rounds, "request_rounds": running * rounds}
 
 
 def _profile(pairs: list[tuple[int, int]], rounds: int) -> None:
@@ -290,8 +327,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="print a cProfile of the largest case to stderr")
     parser.add_argument("--python-gc", action="store_true",
                         help="measure with Python's default collector thresholds instead of the service's")
+    parser.add_argument("--running", default="",
+                        help="comma-separated running counts to measure instead of 64,256,1024 (e.g. 64,1024,2048)")
+    parser.add_argument("--cache-rounds", type=int, default=0,
+                        help="only run this many rounds per --running size inside itertools.starmap, for "
+                             "callgrind's --toggle-collect=starmap_next (see cache_rounds)")
     args = parser.parse_args(argv)
-    print(json.dumps(run(args.quick, args.profile, args.python_gc), indent=2))
+    sizes = tuple(int(n) for n in args.running.split(",") if n)
+    if args.cache_rounds:
+        print(json.dumps([cache_rounds(n, args.cache_rounds) for n in sizes or (64,)]))
+        return 0
+    print(json.dumps(run(args.quick, args.profile, args.python_gc, sizes), indent=2))
     return 0
 
 

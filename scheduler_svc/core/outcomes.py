@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable
-from operator import attrgetter
+from operator import attrgetter, eq
 
 from scheduler_svc.core.parts import CoreParts
 from scheduler_svc.core.request import Request, block_hashes_upto
@@ -90,8 +90,9 @@ class RoundOutcomes:
     def _apply_outputs(self, record: InFlightRound, outputs: tuple[SeqOutput, ...], now: float) -> None:
         entries = record.entries
         # The worker answers one output per sequence in plan order: then the outputs pair up by
-        # position (one C-level comparison of the id lists, no map); else they are matched by id.
-        if len(outputs) == len(entries) and list(map(_REQUEST_ID, outputs)) == list(map(_REQUEST_ID, entries)):
+        # position (one C-level pass comparing the ids pairwise, no id lists or map); else they are
+        # matched by id. `eq` on two str is what list equality does (identity first, then value).
+        if len(outputs) == len(entries) and all(map(eq, map(_REQUEST_ID, outputs), map(_REQUEST_ID, entries))):
             pairs: Iterable[tuple[Request, SeqOutput | None]] = zip(entries, outputs, strict=True)
             unmatched = 0
         else:

@@ -66,6 +66,7 @@ class RoundBuilder(InFlightRound):
         self.swapping = ()
         self.host_release = ()
         self.seqs: list[ScheduledSeq] = []
+        """The round's sequences while it is built; emptied once sealed (the plan holds them)."""
         self.swap_out: tuple[BlockCopy, ...] = ()
         self.swap_in: tuple[BlockCopy, ...] = ()
         self.tokens_left = config.max_num_batched_tokens
