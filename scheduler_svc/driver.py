@@ -181,13 +181,17 @@ class Driver:
                 continue
             if in_flight is not None and not plan.is_empty:
                 self.metrics.rounds_ahead.inc()
-            if in_flight is not None and not await self._answer(*in_flight):
+            if in_flight is not None and not await self._answer(*in_flight, ahead=not plan.is_empty):
                 in_flight = None
                 continue
             in_flight = None if plan.is_empty else (plan, now)
 
-    async def _answer(self, plan: RoundPlan, sent_at: float) -> bool:
-        """Read round `plan`'s answer and apply it; False when the round was lost with the worker."""
+    async def _answer(self, plan: RoundPlan, sent_at: float, ahead: bool = False) -> bool:
+        """Read round `plan`'s answer and apply it; False when the round was lost with the worker.
+
+        `ahead`: the next round is already queued at the worker, so a small round's tokens can go to Redis
+        before the round after is planned (the device does not wait for that plan, the client's tokens
+        do not wait for it either)."""
         result = await self.link.receive(plan.round_id)
         done = self.clock()
         elapsed = done - max(sent_at, self._last_done)  # the round's own time, not the one queued before it
@@ -201,9 +205,18 @@ class Driver:
             self.rates.observe(plan, elapsed)
             # The tokens go out at once (the publisher runs while the next answer is awaited); the rest is
             # handed over once the next plan is on its way.
-            self.reporter.queue_tokens(events, done)
+            few = len(events.tokens) <= self.publish_first_max_tokens
+            if self.reporter.queue_tokens(events, done) and ahead and few:
+                await self._let_publisher_send()
         self.reporter.defer(events, done)
         return True
+
+    @staticmethod
+    async def _let_publisher_send() -> None:
+        """Let the publisher put the tokens just queued on the wire before any other work. Two turns of the
+        loop: redis-py writes a command at the publisher's second step, not its first."""
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
 
     def _lost(self, round_id: int) -> None:
         """The worker went away with round `round_id` (and any later one) in flight: re-queue their requests."""
@@ -254,11 +267,7 @@ class Driver:
             reporter.defer(events, done)
             return
         if reporter.queue_tokens(events, done):
-            # Let the publisher put this round's tokens on the wire before any other work. Two turns of the
-            # loop: redis-py writes a command in a task of its own (asyncio.wait_for with socket_timeout),
-            # so the bytes leave at the publisher's second step, not its first.
-            await asyncio.sleep(0)
-            await asyncio.sleep(0)
+            await self._let_publisher_send()
         reporter.handle(events, done)
 
     # ---- the worker coming back -----------------------------------------------------------
