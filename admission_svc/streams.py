@@ -270,5 +270,7 @@ async def token_reader_loop(read_tokens: ReadTokens, stream_name: str, registry:
             for delta in deltas:
                 on_delta(delta, delta.created_unix_s or entry_time_s(entry_id))
         if entries:
-            # The followers just woken send their tokens to the clients before the next XREAD goes out.
+            # The followers just woken send their tokens to the clients before the next XREAD goes out (a lone
+            # request's token does not wait for that command; under load the next read then finds more entries,
+            # and a follower that finds several tokens waiting sends them as one chunk).
             await asyncio.sleep(0)

@@ -84,9 +84,10 @@ class Driver:
         self.pipeline = pipeline and use_stream
         """Plan round N+1 while round N executes (needs the round stream)."""
         self._last_done = 0.0
-        self._wake = asyncio.Event()
+        self._idle: asyncio.Future[None] | None = None
+        """While the loop sleeps for want of work: the one future whatever gives it work resolves."""
         self.link = WorkerLink(worker, metrics=self.metrics, health=worker_health, use_stream=use_stream,
-                               on_change=self._wake.set)
+                               on_change=self.wake_up)
         self.publisher = Publisher(bus)
         self.reporter = Reporter(core, self.publisher, self.metrics, replica_id)
 
@@ -126,7 +127,7 @@ class Driver:
         timestamps.CopyFrom(msg.timestamps)
         self.reporter.track(msg.request_id, msg.owner, span, timestamps, now, len(request.prompt_token_ids))
         self.reporter.handle(self.core.take_events(), now)
-        self._wake.set()
+        self.wake_up()
         return self.core.num_waiting
 
     def cancel(self, request_id: str, detail: str = "") -> RequestStatus | None:
@@ -134,7 +135,7 @@ class Driver:
         now = self.clock()
         status = self.core.cancel(request_id, now, detail)
         self.reporter.handle(self.core.take_events(), now)
-        self._wake.set()
+        self.wake_up()
         return status
 
     def live_request_ids(self) -> list[str]:
@@ -145,9 +146,12 @@ class Driver:
     async def run(self, stop: asyncio.Event) -> None:
         """Schedule rounds until `stop` is set; then flush every queued publication and return."""
         publisher = asyncio.create_task(self.publisher.run())
+        stopped = asyncio.create_task(stop.wait())  # `stop` wakes an idle loop like a submit does
+        stopped.add_done_callback(lambda _: self.wake_up())
         try:
             await (self._run_pipelined(stop) if self.pipeline else self._run_serial(stop))
         finally:
+            stopped.cancel()
             self.link.drop_stream()
             self.reporter.flush_deferred()
             await self.publisher.close()
@@ -295,14 +299,26 @@ class Driver:
         self.reporter.handle(self.core.on_worker_restarted(now), now)
         self.link.set_serving(True)
 
+    def wake_up(self) -> None:
+        """Wake the loop if it sleeps for want of work (a submit, a cancel, the worker changing, `stop`)."""
+        idle = self._idle
+        if idle is not None and not idle.done():
+            idle.set_result(None)
+
     async def _wait_for_work(self, stop: asyncio.Event) -> None:
-        """Sleep until a submit/cancel, `stop`, or the next deadline."""
-        self._wake.clear()
+        """Sleep until a submit/cancel, `stop`, or the next deadline.
+
+        One future that `wake_up` resolves: a new request starts its round one loop turn after Submit (no task
+        per sleep, no asyncio.wait). Nothing awaits between the empty plan and here, so no wake-up is missed."""
+        if stop.is_set():
+            return
+        loop = asyncio.get_running_loop()
+        self._idle = idle = loop.create_future()
         deadline = self.core.next_deadline()
-        timeout = None if deadline is None else max(0.0, deadline - self.clock())
-        waiters = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(stop.wait())]
+        timer = None if deadline is None else loop.call_later(max(0.0, deadline - self.clock()), self.wake_up)
         try:
-            await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            await idle
         finally:
-            for waiter in waiters:
-                waiter.cancel()
+            self._idle = None
+            if timer is not None:
+                timer.cancel()

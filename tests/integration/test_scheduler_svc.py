@@ -269,6 +269,26 @@ def test_small_rounds_tokens_go_to_redis_before_the_round_after_next_is_planned(
     asyncio.run(body())
 
 
+def test_a_submit_wakes_the_idle_loop_at_once_and_an_idle_loop_runs_no_rounds(redis_url: str, namespace: str) -> None:
+    """An idle replica runs no rounds while it waits; each new request wakes it at once (its first round is
+    scheduled within a few ms of its enqueue), every time, and stopping wakes it too (the fixture returns)."""
+    def rounds(r: Replica) -> float:
+        samples = r.replica.driver.metrics.round_duration.collect()[0].samples
+        return next(s.value for s in samples if s.name.endswith("_count"))
+
+    async def body() -> None:
+        async with _replica(redis_url, namespace) as r:
+            for i in range(3):
+                before = rounds(r)
+                await asyncio.sleep(0.2)  # idle: the loop sleeps on its one future
+                assert rounds(r) == before
+                await r.stub.Submit(_submit(f"w{i}", max_tokens=2))
+                done = (await _completions(r.bus, i + 1))[-1]
+                assert done.request_id == f"w{i}" and done.status == common_pb2.FINISHED_LENGTH
+                assert 0 <= done.timestamps.first_scheduled - done.timestamps.enqueued < 0.05
+    asyncio.run(body())
+
+
 def test_cancel_mid_run_frees_every_kv_block(redis_url: str, namespace: str) -> None:
     """Cancelling a request while it decodes ends it CANCELLED with fewer tokens than asked, and Stats then
     shows no KV block in use."""

@@ -81,9 +81,9 @@ def test_a_completion_waits_out_missing_tokens_for_the_grace_period_then_ends_co
     assert [i.tokens for i in items] == [(9,), ()] and items[-1].completion is not None and missing == 1
 
 
-def test_the_reader_loop_lets_woken_followers_run_before_its_next_read() -> None:
-    """After dispatching a read's deltas, the reader loop yields so the followers it woke take their tokens
-    before it reads again (the next XREAD does not delay the chunk to the client)."""
+def _reader_order(deltas_in_first_read: int) -> list[str]:
+    """Run the reader loop over one read of `deltas_in_first_read` deltas of request "r" (then an empty read
+    that stops it); return the order of the reads and of the follower's first item."""
     async def play() -> list[str]:
         registry = StreamRegistry()
         stream = registry.open("r")
@@ -96,13 +96,13 @@ def test_the_reader_loop_lets_woken_followers_run_before_its_next_read() -> None
             reads += 1
             order.append(f"read {reads}")
             if reads == 1:
-                return [("1-0", [_delta("r", 0, 1)])]
+                return [("1-0", [_delta("r", i, i + 1) for i in range(deltas_in_first_read)])]
             stop.set()
             return []
 
         async def follower() -> None:
             async for item in stream.follow():
-                order.append(f"tokens {list(item.tokens)}")
+                order.append(f"tokens {len(item.tokens)}")
                 return
 
         task = asyncio.create_task(follower())
@@ -111,4 +111,11 @@ def test_the_reader_loop_lets_woken_followers_run_before_its_next_read() -> None
         await task
         return order
 
-    assert asyncio.run(play()) == ["read 1", "tokens [1]", "read 2"]
+    return asyncio.run(play())
+
+
+def test_the_reader_loop_lets_woken_followers_run_before_its_next_read() -> None:
+    """After dispatching a read, the reader loop yields so the followers it woke take their tokens (all of a
+    read's deltas for one request as one item) before it reads again: the next XREAD does not delay the chunk."""
+    assert _reader_order(1) == ["read 1", "tokens 1", "read 2"]
+    assert _reader_order(3) == ["read 1", "tokens 3", "read 2"]
