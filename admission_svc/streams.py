@@ -243,7 +243,8 @@ ReadTokens = Callable[[str, str, int, int], Awaitable[list[tuple[Any, list[event
 
 
 async def token_reader_loop(read_tokens: ReadTokens, stream_name: str, registry: StreamRegistry,
-                            stop: asyncio.Event, block_ms: int = 200, count: int = 512) -> None:
+                            stop: asyncio.Event, block_ms: int = 200, count: int = 512,
+                            yield_max_deltas: int = 64) -> None:
     """Read `stream_name` from now on and dispatch every token delta until `stop` is set.
 
     Reading starts at this process's start time (an explicit id, not "$", so nothing published
@@ -265,12 +266,14 @@ async def token_reader_loop(read_tokens: ReadTokens, stream_name: str, registry:
             await asyncio.sleep(0.2)
             continue
         on_delta = registry.on_delta
+        dispatched = 0
         for entry_id, deltas in entries:
             last_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+            dispatched += len(deltas)
             for delta in deltas:
                 on_delta(delta, delta.created_unix_s or entry_time_s(entry_id))
-        if entries:
-            # The followers just woken send their tokens to the clients before the next XREAD goes out (a lone
-            # request's token does not wait for that command; under load the next read then finds more entries,
-            # and a follower that finds several tokens waiting sends them as one chunk).
+        if 0 < dispatched <= yield_max_deltas:
+            # A few tokens: the followers just woken send them before the next XREAD goes out. Not after a big
+            # read: there the XREAD goes out first, so the next entries arrive while the followers send, and a
+            # follower that finds several tokens waiting sends them as one chunk (fewer messages under load).
             await asyncio.sleep(0)

@@ -81,7 +81,7 @@ def test_a_completion_waits_out_missing_tokens_for_the_grace_period_then_ends_co
     assert [i.tokens for i in items] == [(9,), ()] and items[-1].completion is not None and missing == 1
 
 
-def _reader_order(deltas_in_first_read: int) -> list[str]:
+def _reader_order(deltas_in_first_read: int, yield_max_deltas: int = 64) -> list[str]:
     """Run the reader loop over one read of `deltas_in_first_read` deltas of request "r" (then an empty read
     that stops it); return the order of the reads and of the follower's first item."""
     async def play() -> list[str]:
@@ -107,15 +107,17 @@ def _reader_order(deltas_in_first_read: int) -> list[str]:
 
         task = asyncio.create_task(follower())
         await asyncio.sleep(0)
-        await token_reader_loop(read_tokens, "tokens:a", registry, stop)
+        await token_reader_loop(read_tokens, "tokens:a", registry, stop, yield_max_deltas=yield_max_deltas)
         await task
         return order
 
     return asyncio.run(play())
 
 
-def test_the_reader_loop_lets_woken_followers_run_before_its_next_read() -> None:
-    """After dispatching a read, the reader loop yields so the followers it woke take their tokens (all of a
-    read's deltas for one request as one item) before it reads again: the next XREAD does not delay the chunk."""
+def test_the_reader_loop_lets_woken_followers_run_before_its_next_read_after_a_small_read() -> None:
+    """After dispatching a small read, the reader loop yields so the followers it woke take their tokens (all of
+    a read's deltas for one request as one item) before it reads again: the next XREAD does not delay a lone
+    request's chunk. After a big read it reads first, so the next entries can join the followers' chunks."""
     assert _reader_order(1) == ["read 1", "tokens 1", "read 2"]
     assert _reader_order(3) == ["read 1", "tokens 3", "read 2"]
+    assert _reader_order(3, yield_max_deltas=2) == ["read 1", "read 2", "tokens 3"]
