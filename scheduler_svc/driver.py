@@ -8,14 +8,17 @@ Theory of operation
   while round N executes (`core.schedule(now, overlap=True)`: each running decode is assumed to produce
   one token, and the plan is corrected when the result arrives) and written on the stream before N's
   answer is read, so the worker finds the next plan queued when a round ends. Two rounds at most are in
-  flight; answers come back in order. After N's answer its tokens are queued to the publisher at once and
-  the rest of its events are handed over once the next plan is on its way (off the critical path).
+  flight; answers come back in order. After N's answer its tokens are queued to the publisher at once (a
+  small round's go to Redis before N+2 is planned, since N+1 is already queued at the worker) and the rest
+  of its events are handed over once the next plan is on its way (off the critical path).
 - Events are handed to the `Reporter`: bookkeeping (span events, metrics, lifecycle timestamps) at
   once, publications to Redis (token deltas per owner, completions, KV event batches) queued to the
   `Publisher`, so round N's events go out while round N+1 executes, in order.
 - Submit and Cancel (RPCs) call the core directly: the event loop is single-threaded, so they
   interleave with the loop only at its awaits, which the core allows (a cancel while a round is in
   flight leaves the request CANCELLING until the result arrives).
+- Idle: with nothing to plan, the loop sleeps on one future that Submit, Cancel, the worker link and `stop`
+  resolve (`wake_up`), so a new request's first round is planned one loop turn after its Submit.
 - Deadlines: the loop sleeps at most until `core.next_deadline()` and calls `expire` then.
 - The worker: a call that breaks loses the round in flight. Nothing of it is known to be computed
   and the worker's KV is gone, so `core.on_round_lost` re-queues its requests to be recomputed
