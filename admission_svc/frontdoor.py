@@ -256,9 +256,17 @@ class FrontDoor:
         return record
 
     async def _block_size_now(self) -> int:
+        """Return the replicas' block size: asked of the router once, then refreshed in the background every 5 s
+        (a request does not wait for that extra round trip)."""
         cached = self._block_size
-        if cached is not None and time.monotonic() - cached[0] < 5.0:
+        if cached is not None:
+            if time.monotonic() - cached[0] >= 5.0:
+                self._block_size = (time.monotonic(), cached[1])  # one refresh at a time
+                self.spawn(self._fetch_block_size())
             return cached[1]
+        return await self._fetch_block_size()
+
+    async def _fetch_block_size(self) -> int:
         size = self.config.default_block_size
         with contextlib.suppress(grpc.aio.AioRpcError):
             listed = await self.router.ListReplicas(router_pb2.ListReplicasRequest(),

@@ -33,7 +33,7 @@ from sluice.v1 import events_pb2
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class StreamItem:
     """A batch of new tokens (`tokens`, starting at `index`) or the terminal record."""
 
@@ -78,7 +78,8 @@ class RequestStream:
     """Output index of the current attempt's token 0 (tokens streamed before the last migration)."""
     progress_at: float = field(default_factory=time.monotonic)
     """time.monotonic() of the last new token (or of the start/migration): the stall watchdog reads it."""
-    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _waiters: list[asyncio.Future[None]] = field(default_factory=list)
+    """Futures of the followers waiting for a change (a future per wait, none while nobody waits)."""
 
     def add_tokens(self, index: int, token_ids: list[int], emitted_unix_s: float) -> None:
         """Append the part of a delta not seen yet; an out-of-order gap is counted and waited out."""
@@ -129,29 +130,40 @@ class RequestStream:
         return self.done
 
     def _wake(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
+        waiters = self._waiters
+        if waiters:
+            self._waiters = []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
 
     async def follow(self, start: int = 0, grace_s: float = 2.0) -> AsyncIterator[StreamItem]:
-        """Yield new tokens from `start` on, then the completion; replays for a late reader."""
+        """Yield new tokens from `start` on, then the completion; replays for a late reader.
+
+        Every token that arrived since the last item goes out as one item (tokens of several rounds that
+        are ready together are coalesced into one chunk, in order)."""
         position = start
+        tokens = self.tokens
+        loop = asyncio.get_running_loop()
         while True:
-            changed = self._changed
-            if len(self.tokens) > position:
-                batch = tuple(self.tokens[position:])
+            if len(tokens) > position:
+                batch = tuple(tokens[position:])
                 yield StreamItem(position, batch, emitted_unix_s=self.token_emitted[position])
                 position += len(batch)
                 continue
             if self.done:
                 yield StreamItem(position, completion=self.completion)
                 return
+            # No await between the checks above and registering the waiter: no wake-up can be missed.
+            waiter = loop.create_future()
+            self._waiters.append(waiter)
             if self.completion is not None:
                 try:
-                    await asyncio.wait_for(changed.wait(), grace_s)
+                    await asyncio.wait_for(waiter, grace_s)
                 except TimeoutError:
                     self.complete_if_ready(force=True)
                 continue
-            await changed.wait()
+            await waiter
 
 
 def entry_time_s(entry_id: Any) -> float:
@@ -231,7 +243,8 @@ ReadTokens = Callable[[str, str, int, int], Awaitable[list[tuple[Any, list[event
 
 
 async def token_reader_loop(read_tokens: ReadTokens, stream_name: str, registry: StreamRegistry,
-                            stop: asyncio.Event, block_ms: int = 200, count: int = 512) -> None:
+                            stop: asyncio.Event, block_ms: int = 200, count: int = 512,
+                            yield_max_deltas: int = 64) -> None:
     """Read `stream_name` from now on and dispatch every token delta until `stop` is set.
 
     Reading starts at this process's start time (an explicit id, not "$", so nothing published
@@ -253,7 +266,14 @@ async def token_reader_loop(read_tokens: ReadTokens, stream_name: str, registry:
             await asyncio.sleep(0.2)
             continue
         on_delta = registry.on_delta
+        dispatched = 0
         for entry_id, deltas in entries:
             last_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+            dispatched += len(deltas)
             for delta in deltas:
                 on_delta(delta, delta.created_unix_s or entry_time_s(entry_id))
+        if 0 < dispatched <= yield_max_deltas:
+            # A few tokens: the followers just woken send them before the next XREAD goes out. Not after a big
+            # read: there the XREAD goes out first, so the next entries arrive while the followers send, and a
+            # follower that finds several tokens waiting sends them as one chunk (fewer messages under load).
+            await asyncio.sleep(0)

@@ -8,14 +8,17 @@ Theory of operation
   while round N executes (`core.schedule(now, overlap=True)`: each running decode is assumed to produce
   one token, and the plan is corrected when the result arrives) and written on the stream before N's
   answer is read, so the worker finds the next plan queued when a round ends. Two rounds at most are in
-  flight; answers come back in order. After N's answer its tokens are queued to the publisher at once and
-  the rest of its events are handed over once the next plan is on its way (off the critical path).
+  flight; answers come back in order. After N's answer its tokens are queued to the publisher at once (a
+  small round's go to Redis before N+2 is planned, since N+1 is already queued at the worker) and the rest
+  of its events are handed over once the next plan is on its way (off the critical path).
 - Events are handed to the `Reporter`: bookkeeping (span events, metrics, lifecycle timestamps) at
   once, publications to Redis (token deltas per owner, completions, KV event batches) queued to the
   `Publisher`, so round N's events go out while round N+1 executes, in order.
 - Submit and Cancel (RPCs) call the core directly: the event loop is single-threaded, so they
   interleave with the loop only at its awaits, which the core allows (a cancel while a round is in
   flight leaves the request CANCELLING until the result arrives).
+- Idle: with nothing to plan, the loop sleeps on one future that Submit, Cancel, the worker link and `stop`
+  resolve (`wake_up`), so a new request's first round is planned one loop turn after its Submit.
 - Deadlines: the loop sleeps at most until `core.next_deadline()` and calls `expire` then.
 - The worker: a call that breaks loses the round in flight. Nothing of it is known to be computed
   and the worker's KV is gone, so `core.on_round_lost` re-queues its requests to be recomputed
@@ -84,9 +87,10 @@ class Driver:
         self.pipeline = pipeline and use_stream
         """Plan round N+1 while round N executes (needs the round stream)."""
         self._last_done = 0.0
-        self._wake = asyncio.Event()
+        self._idle: asyncio.Future[None] | None = None
+        """While the loop sleeps for want of work: the one future whatever gives it work resolves."""
         self.link = WorkerLink(worker, metrics=self.metrics, health=worker_health, use_stream=use_stream,
-                               on_change=self._wake.set)
+                               on_change=self.wake_up)
         self.publisher = Publisher(bus)
         self.reporter = Reporter(core, self.publisher, self.metrics, replica_id)
 
@@ -126,7 +130,7 @@ class Driver:
         timestamps.CopyFrom(msg.timestamps)
         self.reporter.track(msg.request_id, msg.owner, span, timestamps, now, len(request.prompt_token_ids))
         self.reporter.handle(self.core.take_events(), now)
-        self._wake.set()
+        self.wake_up()
         return self.core.num_waiting
 
     def cancel(self, request_id: str, detail: str = "") -> RequestStatus | None:
@@ -134,7 +138,7 @@ class Driver:
         now = self.clock()
         status = self.core.cancel(request_id, now, detail)
         self.reporter.handle(self.core.take_events(), now)
-        self._wake.set()
+        self.wake_up()
         return status
 
     def live_request_ids(self) -> list[str]:
@@ -145,9 +149,12 @@ class Driver:
     async def run(self, stop: asyncio.Event) -> None:
         """Schedule rounds until `stop` is set; then flush every queued publication and return."""
         publisher = asyncio.create_task(self.publisher.run())
+        stopped = asyncio.create_task(stop.wait())  # `stop` wakes an idle loop like a submit does
+        stopped.add_done_callback(lambda _: self.wake_up())
         try:
             await (self._run_pipelined(stop) if self.pipeline else self._run_serial(stop))
         finally:
+            stopped.cancel()
             self.link.drop_stream()
             self.reporter.flush_deferred()
             await self.publisher.close()
@@ -181,13 +188,17 @@ class Driver:
                 continue
             if in_flight is not None and not plan.is_empty:
                 self.metrics.rounds_ahead.inc()
-            if in_flight is not None and not await self._answer(*in_flight):
+            if in_flight is not None and not await self._answer(*in_flight, ahead=not plan.is_empty):
                 in_flight = None
                 continue
             in_flight = None if plan.is_empty else (plan, now)
 
-    async def _answer(self, plan: RoundPlan, sent_at: float) -> bool:
-        """Read round `plan`'s answer and apply it; False when the round was lost with the worker."""
+    async def _answer(self, plan: RoundPlan, sent_at: float, ahead: bool = False) -> bool:
+        """Read round `plan`'s answer and apply it; False when the round was lost with the worker.
+
+        `ahead`: the next round is already queued at the worker, so a small round's tokens can go to Redis
+        before the round after is planned (the device does not wait for that plan, the client's tokens
+        do not wait for it either)."""
         result = await self.link.receive(plan.round_id)
         done = self.clock()
         elapsed = done - max(sent_at, self._last_done)  # the round's own time, not the one queued before it
@@ -201,9 +212,18 @@ class Driver:
             self.rates.observe(plan, elapsed)
             # The tokens go out at once (the publisher runs while the next answer is awaited); the rest is
             # handed over once the next plan is on its way.
-            self.reporter.queue_tokens(events, done)
+            few = len(events.tokens) <= self.publish_first_max_tokens
+            if self.reporter.queue_tokens(events, done) and ahead and few:
+                await self._let_publisher_send()
         self.reporter.defer(events, done)
         return True
+
+    @staticmethod
+    async def _let_publisher_send() -> None:
+        """Let the publisher put the tokens just queued on the wire before any other work. Two turns of the
+        loop: redis-py writes a command at the publisher's second step, not its first."""
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
 
     def _lost(self, round_id: int) -> None:
         """The worker went away with round `round_id` (and any later one) in flight: re-queue their requests."""
@@ -254,11 +274,7 @@ class Driver:
             reporter.defer(events, done)
             return
         if reporter.queue_tokens(events, done):
-            # Let the publisher put this round's tokens on the wire before any other work. Two turns of the
-            # loop: redis-py writes a command in a task of its own (asyncio.wait_for with socket_timeout),
-            # so the bytes leave at the publisher's second step, not its first.
-            await asyncio.sleep(0)
-            await asyncio.sleep(0)
+            await self._let_publisher_send()
         reporter.handle(events, done)
 
     # ---- the worker coming back -----------------------------------------------------------
@@ -286,14 +302,26 @@ class Driver:
         self.reporter.handle(self.core.on_worker_restarted(now), now)
         self.link.set_serving(True)
 
+    def wake_up(self) -> None:
+        """Wake the loop if it sleeps for want of work (a submit, a cancel, the worker changing, `stop`)."""
+        idle = self._idle
+        if idle is not None and not idle.done():
+            idle.set_result(None)
+
     async def _wait_for_work(self, stop: asyncio.Event) -> None:
-        """Sleep until a submit/cancel, `stop`, or the next deadline."""
-        self._wake.clear()
+        """Sleep until a submit/cancel, `stop`, or the next deadline.
+
+        One future that `wake_up` resolves: a new request starts its round one loop turn after Submit (no task
+        per sleep, no asyncio.wait). Nothing awaits between the empty plan and here, so no wake-up is missed."""
+        if stop.is_set():
+            return
+        loop = asyncio.get_running_loop()
+        self._idle = idle = loop.create_future()
         deadline = self.core.next_deadline()
-        timeout = None if deadline is None else max(0.0, deadline - self.clock())
-        waiters = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(stop.wait())]
+        timer = None if deadline is None else loop.call_later(max(0.0, deadline - self.clock()), self.wake_up)
         try:
-            await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            await idle
         finally:
-            for waiter in waiters:
-                waiter.cancel()
+            self._idle = None
+            if timer is not None:
+                timer.cancel()

@@ -12,6 +12,9 @@ Run the code before and after side by side by choosing the tree with PYTHONPATH:
   PYTHONPATH=$PWD          python scripts/bench_live_cpu.py --batch 256
 
 `--profile DIR` records the scheduler, worker, admission and router with py-spy (if installed) for the run.
+`--ttft-hops N` instead sends N lone requests (512 distinct prompt tokens, 4 output tokens, 0.3 s apart) and
+prints the median time (ms) from the client's call to each lifecycle stamp admission reports (GetRequest) and to
+the first token at the client: where TTFT goes at batch 1, hop by hop.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ import os
 import resource
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
 from typing import Any
 
+from sluice.client import AsyncClient
 from sluice_tools.commands.bench import drive, records_of
 from sluice_tools.fidelity import MODEL, figures, idle_gaps, modelled, workload
 from sluice_tools.metrics import summarize
@@ -99,14 +104,51 @@ def run(size: int, pipeline: bool, profile_dir: str | None) -> dict[str, Any]:
     finally:
         stack.stop()
     tokens = sum(o.output_tokens for o in outcomes)
+    messages = sum(len(o.path_latencies) for o in outcomes)  # one stamp per streamed chunk with tokens
     cpu = {name.split("-")[0]: 1e3 * (after[name] - before[name]) / max(tokens, 1) for name in procs}
     cpu["client"] = 1e3 * client / max(tokens, 1)
     cpu["total"] = sum(cpu.values())
     figs = figures(summarize(records_of(requests, outcomes), 10.0, 1.0))
     return {"batch": size, "pipeline": pipeline, "tree": os.environ.get("PYTHONPATH", ""), "tokens": tokens,
             "wall_s": round(wall, 2), "model": modelled(size), "tpot_p50": round(figs["tpot_p50"], 2),
-            "ttft_p50": round(figs["ttft_p50"], 2), "cpu_ms_per_token": {k: round(v, 4) for k, v in cpu.items()},
+            "ttft_p50": round(figs["ttft_p50"], 2), "tokens_per_message": round(tokens / max(messages, 1), 3),
+            "cpu_ms_per_token": {k: round(v, 4) for k, v in cpu.items()},
             "idle_gaps": gaps, "load": os.getloadavg()[0]}
+
+
+STAGES = ("received", "admitted", "routed", "enqueued", "first_scheduled", "first_token")
+"""The lifecycle stamps of the TTFT path, in order (admission, router, scheduler: LifecycleTimestamps)."""
+
+
+async def _hops(endpoint: str, api_key: str, count: int) -> list[dict[str, float]]:
+    """Send `count` lone requests (after 2 unmeasured ones); return each one's stamps (ms after the call)."""
+    rows = []
+    async with AsyncClient(endpoint, api_key=api_key) as client:
+        for i in range(count + 2):
+            await asyncio.sleep(0.3)
+            prompt = [(j * 31 + 7 * i + j * j * (i + 1)) % 250 for j in range(512)]  # no prefix-cache hits
+            start, first, request_id = time.time(), 0.0, ""
+            async for chunk in client.generate(prompt, max_tokens=4, ignore_eos=True):
+                request_id = chunk.request_id
+                first = first or (chunk.received_s if chunk.token_ids else 0.0)
+            stamps = (await client.get_request(request_id)).timestamps
+            if i >= 2:
+                rows.append({**{k: 1e3 * (stamps.get(k, start) - start) for k in STAGES},
+                             "client": 1e3 * (first - start)})
+    return rows
+
+
+def ttft_hops(count: int) -> dict[str, Any]:
+    """Return the median ms from the client's call to each TTFT stage at batch 1, and the modelled prefill."""
+    stack = Stack(StackConfig(replicas=1, backend="costmodel", model=MODEL, emulate_time=True,
+                              log_level="WARNING")).start()
+    try:
+        rows = asyncio.run(_hops(stack.endpoint, stack.api_key, count))
+    finally:
+        stack.stop()
+    return {"tree": os.environ.get("PYTHONPATH", ""), "requests": len(rows), "prefill_ms": modelled(1)["ttft_p50"],
+            "median_ms": {k: round(statistics.median(r[k] for r in rows), 2) for k in (*STAGES, "client")},
+            "load": os.getloadavg()[0]}
 
 
 def main() -> None:
@@ -115,8 +157,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--serial", action="store_true", help="run the serial loop (--no-pipeline)")
     parser.add_argument("--profile", default=None, help="a folder for py-spy's raw stacks of each process")
+    parser.add_argument("--ttft-hops", type=int, default=0, metavar="N",
+                        help="instead: the TTFT path's stage times at batch 1, medians of N lone requests")
     args = parser.parse_args()
-    print(json.dumps(run(args.batch, not args.serial, args.profile)), flush=True)
+    result = ttft_hops(args.ttft_hops) if args.ttft_hops else run(args.batch, not args.serial, args.profile)
+    print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -222,6 +222,73 @@ def test_big_rounds_publish_after_the_next_plan_in_order_and_complete(redis_url:
     asyncio.run(body())
 
 
+def test_small_rounds_tokens_go_to_redis_before_the_round_after_next_is_planned(redis_url: str,
+                                                                               namespace: str) -> None:
+    """On the pipelined loop, when the next round is already queued at the worker, a small round's tokens are
+    handed to Redis before the round after it is sent (the client's tokens do not wait for a plan the device
+    does not need yet); the tokens still arrive complete and in order."""
+    async def body() -> None:
+        async with _replica(redis_url, namespace, emulate_time=True) as r:
+            driver = r.replica.driver
+            log: list[str] = []
+            send, receive, publish = driver.link.send, driver.link.receive, driver.publisher.bus.publish_token_batch
+
+            async def sending(plan, *args, **kwargs):  # type: ignore[no-untyped-def]
+                log.append("send")
+                return await send(plan, *args, **kwargs)
+
+            async def receiving(round_id):  # type: ignore[no-untyped-def]
+                result = await receive(round_id)
+                log.append("answer" if result is not None and any(o.token_ids for o in result.outputs) else "idle")
+                return result
+
+            async def publishing(owner, batch):  # type: ignore[no-untyped-def]
+                log.append("publish")
+                return await publish(owner, batch)
+
+            driver.link.send, driver.link.receive = sending, receiving  # type: ignore[method-assign]
+            driver.publisher.bus.publish_token_batch = publishing  # type: ignore[method-assign]
+            await r.stub.Submit(_submit("a", max_tokens=8))
+            [done] = await _completions(r.bus, 1)
+            assert done.status == common_pb2.FINISHED_LENGTH
+            assert await _output_tokens(r.bus, "a") and len(await _output_tokens(r.bus, "a")) == 8
+            # After an answer with tokens read while the next round was queued (a send just before it), the
+            # publisher goes first: the next send (if any, before the next answer) follows a publish, unless the
+            # publisher was still busy with the round before's XADD (then nothing could go sooner). The loop
+            # without that yield publishes after the send every time.
+            ahead = first = 0
+            for i, what in enumerate(log):
+                if what != "answer" or log[i - 1] != "send":
+                    continue
+                after = log[i + 1:]
+                upto = after[:after.index("answer")] if "answer" in after else after
+                if "send" in upto:
+                    ahead += 1
+                    first += "publish" in upto[:upto.index("send")]
+            assert ahead >= 5 and first >= ahead // 2 + 1, " ".join(log)
+    asyncio.run(body())
+
+
+def test_a_submit_wakes_the_idle_loop_at_once_and_an_idle_loop_runs_no_rounds(redis_url: str, namespace: str) -> None:
+    """An idle replica runs no rounds while it waits; each new request wakes it at once (its first round is
+    scheduled within a few ms of its enqueue), every time, and stopping wakes it too (the fixture returns)."""
+    def rounds(r: Replica) -> float:
+        samples = r.replica.driver.metrics.round_duration.collect()[0].samples
+        return next(s.value for s in samples if s.name.endswith("_count"))
+
+    async def body() -> None:
+        async with _replica(redis_url, namespace) as r:
+            for i in range(3):
+                before = rounds(r)
+                await asyncio.sleep(0.2)  # idle: the loop sleeps on its one future
+                assert rounds(r) == before
+                await r.stub.Submit(_submit(f"w{i}", max_tokens=2))
+                done = (await _completions(r.bus, i + 1))[-1]
+                assert done.request_id == f"w{i}" and done.status == common_pb2.FINISHED_LENGTH
+                assert 0 <= done.timestamps.first_scheduled - done.timestamps.enqueued < 0.05
+    asyncio.run(body())
+
+
 def test_cancel_mid_run_frees_every_kv_block(redis_url: str, namespace: str) -> None:
     """Cancelling a request while it decodes ends it CANCELLED with fewer tokens than asked, and Stats then
     shows no KV block in use."""

@@ -1,0 +1,123 @@
+"""The token streams of one admission process (admission_svc/streams.py): coalescing, wake-ups, the reader loop."""
+
+from __future__ import annotations
+
+import asyncio
+
+from admission_svc.streams import StreamItem, StreamRegistry, token_reader_loop
+from sluice.v1 import common_pb2, events_pb2
+
+
+def _delta(request_id: str, index: int, *tokens: int) -> events_pb2.TokenDelta:
+    return events_pb2.TokenDelta(request_id=request_id, index=index, token_ids=list(tokens))
+
+
+def _completion(request_id: str, outputs: int) -> events_pb2.Completion:
+    completion = events_pb2.Completion(request_id=request_id, status=common_pb2.FINISHED_LENGTH)
+    completion.usage.output_tokens = outputs
+    return completion
+
+
+def test_tokens_ready_together_go_out_as_one_item_in_order_then_the_completion() -> None:
+    """Deltas of three rounds that arrive before the follower runs are coalesced into one item (in order, from
+    the first one's index and stamp); later tokens come as their own item, then the completion ends the stream."""
+    async def play() -> list[StreamItem]:
+        registry = StreamRegistry()
+        stream = registry.open("r")
+        items: list[StreamItem] = []
+
+        async def follower() -> None:
+            items.extend([item async for item in stream.follow()])
+
+        task = asyncio.create_task(follower())
+        await asyncio.sleep(0)  # the follower waits for its first tokens
+        for index, token in enumerate((5, 6, 7)):
+            registry.on_delta(_delta("r", index, token), 100.0 + index)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        registry.on_delta(_delta("r", 3, 8), 104.0)
+        registry.on_completion(_completion("r", 4))
+        await asyncio.wait_for(task, 2)
+        return items
+
+    items = asyncio.run(play())
+    assert [(i.index, i.tokens, i.emitted_unix_s) for i in items[:2]] == [(0, (5, 6, 7), 100.0), (3, (8,), 104.0)]
+    assert len(items) == 3 and items[2].completion is not None and items[2].index == 4
+
+
+def test_a_waiting_follower_is_woken_by_every_change_and_several_followers_see_the_same_tokens() -> None:
+    """Two followers parked on an idle stream are both woken by one delta (no wake-up is lost between their
+    checks and their waits) and both get every token once; a late follower replays them from the start."""
+    async def play() -> tuple[list[int], list[int], list[int]]:
+        registry = StreamRegistry()
+        stream = registry.open("r")
+
+        async def tokens() -> list[int]:
+            return [t async for item in stream.follow() for t in item.tokens]
+
+        first, second = asyncio.create_task(tokens()), asyncio.create_task(tokens())
+        for index in range(3):
+            await asyncio.sleep(0)
+            registry.on_delta(_delta("r", index, 40 + index), 0.0)
+        registry.on_completion(_completion("r", 3))
+        late = await tokens()
+        return await asyncio.wait_for(first, 2), await asyncio.wait_for(second, 2), late
+
+    assert asyncio.run(play()) == ([40, 41, 42],) * 3
+
+
+def test_a_completion_waits_out_missing_tokens_for_the_grace_period_then_ends_counting_them() -> None:
+    """A completion that counts a token which never arrives ends the stream after grace_s, with the token
+    counted as missing (never silently)."""
+    async def play() -> tuple[list[StreamItem], int]:
+        registry = StreamRegistry()
+        stream = registry.open("r")
+        registry.on_delta(_delta("r", 0, 9), 0.0)
+        registry.on_completion(_completion("r", 2))
+        items = [item async for item in stream.follow(grace_s=0.05)]
+        return items, stream.missing_tokens
+
+    items, missing = asyncio.run(play())
+    assert [i.tokens for i in items] == [(9,), ()] and items[-1].completion is not None and missing == 1
+
+
+def _reader_order(deltas_in_first_read: int, yield_max_deltas: int = 64) -> list[str]:
+    """Run the reader loop over one read of `deltas_in_first_read` deltas of request "r" (then an empty read
+    that stops it); return the order of the reads and of the follower's first item."""
+    async def play() -> list[str]:
+        registry = StreamRegistry()
+        stream = registry.open("r")
+        order: list[str] = []
+        stop = asyncio.Event()
+        reads = 0
+
+        async def read_tokens(name: str, last_id: str, count: int, block_ms: int) -> list[tuple[str, list]]:
+            nonlocal reads
+            reads += 1
+            order.append(f"read {reads}")
+            if reads == 1:
+                return [("1-0", [_delta("r", i, i + 1) for i in range(deltas_in_first_read)])]
+            stop.set()
+            return []
+
+        async def follower() -> None:
+            async for item in stream.follow():
+                order.append(f"tokens {len(item.tokens)}")
+                return
+
+        task = asyncio.create_task(follower())
+        await asyncio.sleep(0)
+        await token_reader_loop(read_tokens, "tokens:a", registry, stop, yield_max_deltas=yield_max_deltas)
+        await task
+        return order
+
+    return asyncio.run(play())
+
+
+def test_the_reader_loop_lets_woken_followers_run_before_its_next_read_after_a_small_read() -> None:
+    """After dispatching a small read, the reader loop yields so the followers it woke take their tokens (all of
+    a read's deltas for one request as one item) before it reads again: the next XREAD does not delay a lone
+    request's chunk. After a big read it reads first, so the next entries can join the followers' chunks."""
+    assert _reader_order(1) == ["read 1", "tokens 1", "read 2"]
+    assert _reader_order(3) == ["read 1", "tokens 3", "read 2"]
+    assert _reader_order(3, yield_max_deltas=2) == ["read 1", "read 2", "tokens 3"]
