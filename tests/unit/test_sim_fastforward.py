@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 import pytest
 
 from scheduler_svc.core.config import Policy, PreemptionMode, SchedulerConfig
 from sluice import glue
+from sluice.types import CoreStats
 from sluice_tools.sim import fastforward
 from sluice_tools.sim.cluster import Simulator
 from sluice_tools.sim.config import SimConfig
@@ -104,3 +105,11 @@ def test_serial_rounds_never_take_the_fast_path(monkeypatch: pytest.MonkeyPatch)
 def test_azure_conv_slice(monkeypatch: pytest.MonkeyPatch) -> None:
     """The first 400 requests of the Azure conversation trace on 4 replicas: identical both ways."""
     _same_both_ways(SimConfig(replicas=4), "azure-conv", monkeypatch, max_requests=400)
+
+
+def test_load_at_blocks_replace_as_dataclasses_does() -> None:
+    """`load_at`'s positional copy of CoreStats is `dataclasses.replace` of the three block counts (fails when a
+    field is added, moved or renamed)."""
+    stats = CoreStats(*range(1, len(fields(CoreStats)) + 1))
+    assert fastforward._with_blocks(stats, 100, 200) == replace(stats, kv_blocks_used=stats.kv_blocks_total - 300,
+                                                               kv_blocks_free=100, kv_blocks_cached=200)
