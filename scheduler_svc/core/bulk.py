@@ -175,13 +175,13 @@ def advance_decodes(core: SchedulerCore, running: list[Request], tokens: Sequenc
             continue
         if m == k - 1 and older_tables is None:
             # the k-th result's take: everything so far; the last placements ahead are the next round's
-            older_tables = [r.block_table for r in running]
+            older_tables = _tables(running)
             events.kv_events.extend(pool.take_events())
         request.block_ids.extend(pool.allocate(1) or ())
-        request.block_table = tuple(request.block_ids)
     if older_tables is None:
-        older_tables = [r.block_table for r in running]
+        older_tables = _tables(running)
         events.kv_events.extend(pool.take_events())
+    _tables(running)
     pool_after.extend([(pool.num_free, pool.num_cached)] * (k - len(pool_after)))
     for request, computed in zip(running, computed0, strict=True):
         request.num_computed = computed + k
@@ -227,6 +227,17 @@ def _block_steps(running: Sequence[Request], size: int, caching: bool, k: int) -
             m += size
     steps.sort()
     return steps
+
+
+def _tables(running: Sequence[Request]) -> list[tuple[int, ...]]:
+    """Bring each block table up to its block ids (set once per run, not per new block) and return them."""
+    tables = []
+    for request in running:
+        table = request.block_table
+        if len(table) != len(request.block_ids):  # blocks were only appended
+            table = request.block_table = tuple(request.block_ids)
+        tables.append(table)
+    return tables
 
 
 def _record(round_id: int, running: list[Request]) -> InFlightRound:
