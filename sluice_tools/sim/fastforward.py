@@ -146,13 +146,15 @@ def fast_forward(sim: Simulator, replica: _Replica, plan: RoundPlan, result: Rou
     times = [now]
     walls: list[float] = []
     when = now
-    while len(times) < limit:
-        wall = cost.decode_time(n, context + len(times) * n)  # round m reads each start + 1 = len + m
+    decode_time, m = cost.decode_time, 1
+    while m < limit:
+        wall = decode_time(n, context + m * n)  # round m reads each start + 1 = len + m
         when = when + gap + wall
         if when >= horizon:
             break
         times.append(when)
         walls.append(wall)
+        m += 1
     if len(times) > 1:
         periodic = _periodic_times(sim, times[-1], kinds)
         for m in range(1, len(times)):
@@ -170,10 +172,7 @@ def fast_forward(sim: Simulator, replica: _Replica, plan: RoundPlan, result: Rou
         tokens.append(row)
     rates = replica.rates
     rates.observe(plan, result.elapsed_s)
-    decode_round_s = [rates.decode_round_s]
-    for wall in walls:
-        rates.observe_decodes((wall,))
-        decode_round_s.append(rates.decode_round_s)
+    decode_round_s = [rates.decode_round_s, *rates.observe_decodes(walls)]
     events, older, newer, pool = core.advance_decodes(running, tokens, token_events=False)  # times: below
     replica.rates_log = list(zip(times, decode_round_s, pool, strict=True))
     # The router's index takes a replica's KV events in order and reads them only when routing (an
