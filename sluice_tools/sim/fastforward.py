@@ -31,11 +31,11 @@ from __future__ import annotations
 import heapq
 import os
 from bisect import bisect_right
-from operator import itemgetter
 from typing import TYPE_CHECKING
 
 from sluice.glue import RoundRates
 from sluice.types import CoreStats, RoundPlan, RoundResult
+from sluice_tools.sim.replica import RatesLog
 
 if TYPE_CHECKING:
     from sluice_tools.sim.cluster import Simulator, _Replica
@@ -92,20 +92,17 @@ def _periodic_times(sim: Simulator, until: float, kinds: _Kinds) -> set[float]:
 
 
 
-_TIME = itemgetter(0)
-
-
 def load_at(replica: _Replica, now: float) -> tuple[RoundRates, CoreStats]:
     """Return the replica's round rates and core stats as of `now` (a heartbeat during a run taken in bulk)."""
     log, stats = replica.rates_log, replica.core.stats()
-    if not log or now >= log[-1][0]:
+    if log is None or now >= log.times[-1]:
         replica.rates_log = None
         return replica.rates, stats
-    _, decode_round_s, blocks = log[bisect_right(log, now, key=_TIME) - 1]  # the last round ended by now
+    last = bisect_right(log.times, now) - 1  # the last round ended by now
+    decode_round_s, (free, cached) = log.decode_round_s[last], log.blocks[last]
     rates = replica.rates
     if decode_round_s != rates.decode_round_s:
         rates = RoundRates(rates.alpha, decode_round_s, rates.prefill_tokens, rates.prefill_s)
-    free, cached = blocks
     if free != stats.kv_blocks_free or cached != stats.kv_blocks_cached:
         stats = _with_blocks(stats, free, cached)
     return rates, stats
@@ -174,7 +171,7 @@ def fast_forward(sim: Simulator, replica: _Replica, plan: RoundPlan, result: Rou
     rates.observe(plan, result.elapsed_s)
     decode_round_s = [rates.decode_round_s, *rates.observe_decodes(walls)]
     events, older, newer, pool = core.advance_decodes(running, tokens, token_events=False)  # times: below
-    replica.rates_log = list(zip(times, decode_round_s, pool, strict=True))
+    replica.rates_log = RatesLog(times, decode_round_s, pool)
     # The router's index takes a replica's KV events in order and reads them only when routing (an
     # arrival, which bounds the run): all of the run's at once leave it as one call per round would.
     # (The last placements' evictions stay in the pool for the next round's result, as they would.)
