@@ -5,8 +5,8 @@ token (a block boundary takes a block, a full block is registered), and nothing 
 no first token, no finish). Such a round touches only its own replica (its core, its `RoundRates`, its
 requests' token times) and the router's KV index, which is read only when routing. So while no event that
 could look at the replica, change what it does or route falls before a round's end (an arrival, a
-submission, a retry, a cancel, a deadline, a sample, a fleet event: every heap event but other replicas'
-round results, which touch only their own replicas, and heartbeats), the rounds can be applied at once:
+submission, a retry, a cancel, a deadline, a fleet event: every heap event but other replicas' round
+results, which touch only their own replicas, heartbeats and samples), the rounds can be applied at once:
 
 - the core's bulk API (`SchedulerCore.steady_decodes`, `advance_decodes`) applies k pipelined result +
   schedule-ahead cycles exactly as k single calls would, and stops before a cycle that needs attention
@@ -15,9 +15,9 @@ round results, which touch only their own replicas, and heartbeats), the rounds 
   plan), its tokens the cost model's (`decode_tokens`); the round times fold into `RoundRates` in order
   (`observe_decodes`), every token gets its round's time as `_absorb` would give it, and the run's KV
   events go to the router in their order, in one call;
-- a heartbeat during a run reports the replica's load as of its time (`load_at`: the rates and the
-  free and cached blocks logged per round; the rest of the load is constant in a steady run); a round
-  ending exactly at a heartbeat's time ends the run (their order is the heap's);
+- a heartbeat or a sample during a run reads the replica's load as of its time (`load_at`: the rates and
+  the free and cached blocks logged per round; the rest of what they read is constant in a steady run);
+  a round ending exactly at a heartbeat's or a sample's time ends the run (their order is the heap's);
 - the last round left in flight is executed by the cost model and put on the heap as usual, and the
   round planned ahead becomes the replica's `ahead`.
 
@@ -62,16 +62,16 @@ def enabled() -> bool:
 def _horizon(sim: Simulator, kinds: _Kinds) -> tuple[float, set[float]]:
     """Return (the earliest heap event that bounds a run, the heap's pass-through times).
 
-    Bounds: every event but round results and heartbeats (a heartbeat reads a running replica's load:
-    constant in a steady run but for `decode_round_s` and the free blocks, which `load_at` gives as of
-    its time). Samples bound a run: they read every replica's block counts."""
+    Bounds: every event but round results, heartbeats and samples (they read a running replica's load and
+    stats: constant in a steady run but for `decode_round_s` and the free, cached and used blocks, which
+    `load_at` gives as of their time)."""
     horizon = float("inf")
     passing: set[float] = set()
-    round_done, heartbeat, _ = kinds
+    round_done, heartbeat, sample = kinds
     for when, _, kind, _ in sim._heap:
         if kind == round_done:
             continue
-        if kind == heartbeat:
+        if kind in (heartbeat, sample):
             passing.add(when)
         elif when < horizon:
             horizon = when
@@ -79,9 +79,9 @@ def _horizon(sim: Simulator, kinds: _Kinds) -> tuple[float, set[float]]:
 
 
 def _periodic_times(sim: Simulator, until: float, kinds: _Kinds) -> set[float]:
-    """Return the times of the heartbeats up to `until`, as the loop will push them (now + interval)."""
+    """Return the times of the heartbeats and samples up to `until`, as the loop will push them (now + interval)."""
     times: set[float] = set()
-    intervals = {kinds[1]: sim.config.heartbeat_interval_s}
+    intervals = {kinds[1]: sim.config.heartbeat_interval_s, kinds[2]: sim.config.sample_interval_s}
     for when, _, kind, _ in sim._heap:
         if kind in intervals:
             times.add(when)
@@ -89,7 +89,6 @@ def _periodic_times(sim: Simulator, until: float, kinds: _Kinds) -> set[float]:
                 times.add(when)
                 when = when + intervals[kind]
     return times
-
 
 
 def load_at(replica: _Replica, now: float) -> tuple[RoundRates, CoreStats]:

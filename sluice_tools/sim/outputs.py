@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from sluice.types import CoreEvents, RequestStatus, Stage
+from sluice_tools.sim import fastforward
 
 if TYPE_CHECKING:
     from sluice_tools.sim.cluster import Simulator
@@ -87,7 +88,8 @@ def finish_stragglers(sim: Simulator) -> None:
 def sample(sim: Simulator) -> None:
     """Append one point to each time series (`Simulator.series`) at the current time."""
     now, series = sim.now, sim.series
-    stats = [r.core.stats() for r in sim.replicas]
+    # A replica in a bulk run reads as of now (fastforward.load_at: its blocks; the rest is constant in the run).
+    stats = [r.core.stats() if r.rates_log is None else fastforward.load_at(r, now)[1] for r in sim.replicas]
     total = sum(s.kv_blocks_total for s in stats) or 1
     series["waiting"].append((now, float(sum(s.waiting for s in stats))))
     series["running"].append((now, float(sum(s.running for s in stats))))

@@ -82,6 +82,25 @@ def test_mixed_workload_pipelined_with_delays(monkeypatch: pytest.MonkeyPatch) -
     _same_both_ways(config, MIXED, monkeypatch)
 
 
+def test_samples_and_heartbeats_inside_bulk_runs_read_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With samples and heartbeats every few rounds, the ones that fall inside runs taken in bulk read the
+    replicas' blocks and rates as of their time: every series point, heartbeat and record is the same."""
+    config = SimConfig(replicas=3, heartbeat_interval_s=0.0131, sample_interval_s=0.0217,
+                       scheduler=SchedulerConfig(num_blocks=0, policy=Policy.PRIORITY))
+    inside = 0
+    load_at = fastforward.load_at
+
+    def counted(replica: Any, now: float) -> Any:
+        nonlocal inside
+        log = replica.rates_log
+        inside += log is not None and now < log.times[-1]  # mid-run: the core is ahead of `now`
+        return load_at(replica, now)
+
+    monkeypatch.setattr(fastforward, "load_at", counted)
+    _same_both_ways(config, MIXED, monkeypatch)
+    assert inside > 100, "no sample or heartbeat fell inside a bulk run: the test proves nothing"
+
+
 def test_small_pool_preempts_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     """With a pool small enough to preempt (recompute and swap), both ways agree exactly."""
     for mode in (PreemptionMode.RECOMPUTE, PreemptionMode.SWAP):
