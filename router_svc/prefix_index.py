@@ -64,7 +64,9 @@ class PrefixIndex:
 
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s
-        self._holders: dict[int, set[str]] = {}
+        self._holders: dict[int, frozenset[str]] = {}
+        """Immutable: nearly every hash has one holder, whose frozenset({id}) every such hash shares (no set each)."""
+        self._alone: dict[str, frozenset[str]] = {}
         self._predictions: deque[tuple[float, ReplicaCache, tuple[int, ...]]] = deque()
         self.gaps = 0
         """Event-id gaps seen (each one asks the caller for a snapshot)."""
@@ -75,23 +77,42 @@ class PrefixIndex:
     # ---- events and snapshots -------------------------------------------------------------
     def apply_events(self, cache: ReplicaCache, events: Sequence[KvEvent]) -> bool:
         """Apply a replica's KV events in order; return False on an event-id gap (nothing after it applied)."""
+        # `_add` and `_remove` inlined, lookups hoisted: a simulated trace applies millions of one-block events.
+        last = cache.last_event_id
+        stored, removed, gpu, cleared = KvEventKind.STORED, KvEventKind.REMOVED, KvMedium.GPU, KvEventKind.ALL_CLEARED
+        rid, held, holders, alone = cache.replica_id, cache.hashes, self._holders, self._alone_of(cache.replica_id)
         for event in events:
             event_id = event.event_id
-            if event_id <= cache.last_event_id:
+            if event_id <= last:
                 continue
-            if event_id != cache.last_event_id + 1:
+            if event_id != last + 1:
+                cache.last_event_id = last
                 self.gaps += 1
                 return False
+            last = event_id
             kind = event.kind
-            if event.medium is KvMedium.GPU or kind is KvEventKind.ALL_CLEARED:
-                # Host copies of a swapped-out request are skipped: no other request can hit them (ids still count).
-                if kind is KvEventKind.STORED:
-                    self._add(cache, event.block_hashes)
-                elif kind is KvEventKind.REMOVED:
-                    self._remove(cache, event.block_hashes)
-                else:
-                    self.purge(cache)
-            cache.last_event_id = event_id
+            if event.medium is not gpu and kind is not cleared:
+                continue  # host copies of a swapped-out request: no other request can hit them (ids still count)
+            if kind is stored:
+                for block_hash in event.block_hashes:
+                    held.add(block_hash)
+                    holding = holders.get(block_hash)
+                    if holding is None:
+                        holders[block_hash] = alone
+                    elif rid not in holding:
+                        holders[block_hash] = holding | alone
+            elif kind is removed:
+                for block_hash in event.block_hashes:
+                    held.discard(block_hash)
+                    holding = holders.get(block_hash)
+                    if holding is not None and rid in holding:
+                        if len(holding) == 1:
+                            del holders[block_hash]
+                        else:
+                            holders[block_hash] = holding - alone
+            else:
+                self.purge(cache)
+        cache.last_event_id = last
         return True
 
     def apply_snapshot(self, cache: ReplicaCache, last_event_id: int, hashes: Iterable[int]) -> None:
@@ -100,26 +121,34 @@ class PrefixIndex:
         self._add(cache, hashes)
         cache.last_event_id = last_event_id
 
+    def _alone_of(self, replica_id: str) -> frozenset[str]:
+        """Return frozenset({replica_id}), one object per replica."""
+        alone = self._alone.get(replica_id)
+        if alone is None:
+            alone = self._alone[replica_id] = frozenset((replica_id,))
+        return alone
+
     def _add(self, cache: ReplicaCache, hashes: Iterable[int]) -> None:
         # Plain loops with the lookups hoisted: a simulated trace stores and removes millions of blocks.
-        rid, held, holders = cache.replica_id, cache.hashes, self._holders
+        rid, held, holders, alone = cache.replica_id, cache.hashes, self._holders, self._alone_of(cache.replica_id)
         for block_hash in hashes:
             held.add(block_hash)
             holding = holders.get(block_hash)
             if holding is None:
-                holders[block_hash] = {rid}
-            else:
-                holding.add(rid)
+                holders[block_hash] = alone
+            elif rid not in holding:
+                holders[block_hash] = holding | alone
 
     def _remove(self, cache: ReplicaCache, hashes: Iterable[int]) -> None:
-        rid, held, holders = cache.replica_id, cache.hashes, self._holders
+        rid, held, holders, alone = cache.replica_id, cache.hashes, self._holders, self._alone_of(cache.replica_id)
         for block_hash in hashes:
             held.discard(block_hash)
             holding = holders.get(block_hash)
-            if holding is not None:
-                holding.discard(rid)
-                if not holding:
+            if holding is not None and rid in holding:
+                if len(holding) == 1:
                     del holders[block_hash]
+                else:
+                    holders[block_hash] = holding - alone
 
     def purge(self, cache: ReplicaCache) -> None:
         """Forget everything the replica holds or is predicted to hold."""

@@ -81,12 +81,16 @@ class RoundRates:
         self.prefill_tokens = self._average(self.prefill_tokens, prefill_tokens)
         self.prefill_s = self._average(self.prefill_s, spent)
 
-    def observe_decodes(self, walls: Sequence[float]) -> None:
-        """Fold decode-only rounds' wall seconds, in order: exactly `observe` of each such round."""
+    def observe_decodes(self, walls: Sequence[float]) -> list[float]:
+        """Fold decode-only rounds' wall seconds, in order: exactly `observe` of each such round; return
+        `decode_round_s` after each one."""
         old, alpha = self.decode_round_s, self.alpha
+        after = []
         for wall_s in walls:
             old = wall_s if old == 0.0 else old + alpha * (wall_s - old)
+            after.append(old)
         self.decode_round_s = old
+        return after
 
     def _average(self, old: float, sample: float) -> float:
         return sample if old == 0.0 else old + self.alpha * (sample - old)

@@ -76,6 +76,9 @@ class WorkloadRequest:
         if shared is None:
             shared = len(self.hash_ids) * self.hash_block_tokens
         shared = min(shared, self.input_length, len(self.hash_ids) * self.hash_block_tokens)
+        if shared <= 0 < self.input_length:  # all unique (the common case): one list, no copies
+            rng = np.random.default_rng([self.seed, 1, _stable_id(self.request_id)])
+            return tuple(rng.integers(0, vocab_size, self.input_length).tolist())
         tokens: list[int] = []
         for block_id in self.hash_ids:
             if len(tokens) >= shared:

@@ -132,11 +132,12 @@ def _kv_cap_limit(running: Sequence[Request], cap: int, limit: int) -> int:
     return limit
 
 
-def advance_decodes(core: SchedulerCore, running: list[Request], tokens: Sequence[Sequence[int]]) -> tuple[
-        CoreEvents, RoundPlan | None, RoundPlan, list[tuple[int, int]]]:
+def advance_decodes(core: SchedulerCore, running: list[Request], tokens: Sequence[Sequence[int]],
+                    token_events: bool = True) -> tuple[CoreEvents, RoundPlan | None, RoundPlan, list[tuple[int, int]]]:
     """Apply k = len(tokens[0]) steady cycles; `tokens[i]` are request i's next k sampled tokens.
 
-    Returns (what the k results' `take_events` would have returned, concatenated; the plans of the two
+    Returns (what the k results' `take_events` would have returned, concatenated, the token events left
+    out when `token_events` is False (a caller that has the tokens already); the plans of the two
     rounds left in flight that the caller has not seen: the older one, None when k == 1 as the caller
     holds it, and the newer one; the pool's (free, cached) blocks after each cycle). Events of the last
     placement ahead (evictions) stay in the pool, as the last `schedule` leaves them. Raises ValueError
@@ -154,10 +155,7 @@ def advance_decodes(core: SchedulerCore, running: list[Request], tokens: Sequenc
     newest = base_id + k - 1
     older_id = second if k == 1 else newest - 1
     size, pool = core.config.block_size, core.pool
-    # Token events, cycle by cycle in plan order (as k results emit them), built at C speed.
-    per_request = [list(zip(repeat(r.request_id, k), range(len(r.tokens) - r.num_prompt, len(r.tokens) - r.num_prompt + k),
-                            row, strict=True)) for r, row in zip(running, tokens, strict=True)]
-    events = CoreEvents(tokens=list(chain.from_iterable(zip(*per_request, strict=True))))
+    events = CoreEvents(tokens=_token_events(running, tokens, k) if token_events else [])
     # The block work of the k cycles, in their order: (cycle, 0 = a result registers a full block,
     # 1 = a placement ahead takes a new block, plan position).
     steps = _block_steps(running, size, pool.caching, k)
@@ -168,8 +166,8 @@ def advance_decodes(core: SchedulerCore, running: list[Request], tokens: Sequenc
     older_tables: list[tuple[int, ...]] | None = None
     pool_after: list[tuple[int, int]] = []
     for m, phase, i in steps:
-        while len(pool_after) < m:
-            pool_after.append((pool.num_free, pool.num_cached))
+        if len(pool_after) < m:  # cycles since the last step changed no block: the pool as it is now
+            pool_after.extend([(pool.num_free, pool.num_cached)] * (m - len(pool_after)))
         request = running[i]
         if phase == 0:
             request.num_computed = computed0[i] + m + 1
@@ -177,15 +175,14 @@ def advance_decodes(core: SchedulerCore, running: list[Request], tokens: Sequenc
             continue
         if m == k - 1 and older_tables is None:
             # the k-th result's take: everything so far; the last placements ahead are the next round's
-            older_tables = [r.block_table for r in running]
+            older_tables = _tables(running)
             events.kv_events.extend(pool.take_events())
         request.block_ids.extend(pool.allocate(1) or ())
-        request.block_table = tuple(request.block_ids)
     if older_tables is None:
-        older_tables = [r.block_table for r in running]
+        older_tables = _tables(running)
         events.kv_events.extend(pool.take_events())
-    while len(pool_after) < k:
-        pool_after.append((pool.num_free, pool.num_cached))
+    _tables(running)
+    pool_after.extend([(pool.num_free, pool.num_cached)] * (k - len(pool_after)))
     for request, computed in zip(running, computed0, strict=True):
         request.num_computed = computed + k
     for request, row in zip(running, tokens, strict=True):
@@ -200,6 +197,13 @@ def advance_decodes(core: SchedulerCore, running: list[Request], tokens: Sequenc
         older_plan = _ahead_plan(core, older_id, running, 1, older_tables)
     in_flight[newest] = _record(newest, running)
     return events, older_plan, _ahead_plan(core, newest, running, 0, [r.block_table for r in running]), pool_after
+
+
+def _token_events(running: Sequence[Request], tokens: Sequence[Sequence[int]], k: int) -> list[tuple[str, int, int]]:
+    """Return the k cycles' token events, cycle by cycle in plan order (as k results emit them), built at C speed."""
+    per_request = [list(zip(repeat(r.request_id, k), range(len(r.tokens) - r.num_prompt, len(r.tokens) - r.num_prompt + k),
+                            row, strict=True)) for r, row in zip(running, tokens, strict=True)]
+    return list(chain.from_iterable(zip(*per_request, strict=True)))
 
 
 def _block_steps(running: Sequence[Request], size: int, caching: bool, k: int) -> list[tuple[int, int, int]]:
@@ -223,6 +227,17 @@ def _block_steps(running: Sequence[Request], size: int, caching: bool, k: int) -
             m += size
     steps.sort()
     return steps
+
+
+def _tables(running: Sequence[Request]) -> list[tuple[int, ...]]:
+    """Bring each block table up to its block ids (set once per run, not per new block) and return them."""
+    tables = []
+    for request in running:
+        table = request.block_table
+        if len(table) != len(request.block_ids):  # blocks were only appended
+            table = request.block_table = tuple(request.block_ids)
+        tables.append(table)
+    return tables
 
 
 def _record(round_id: int, running: list[Request]) -> InFlightRound:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 
-from sluice.hashing import block_hash
+from sluice.hashing import block_hash, hash_chain
 from sluice.types import NewRequest, RequestStatus, SamplingParams, Usage
 
 _NO_STOP_TOKENS: frozenset[int] = frozenset()
@@ -141,6 +141,10 @@ def block_hashes_upto(request: Request, count: int, block_size: int, salt: int) 
     """
     hashes = request.block_hashes
     tokens = request.tokens
+    have = len(hashes)
+    if count - have > 1 and count * block_size <= len(tokens):  # several full blocks (a prompt): one packing
+        hashes.extend(hash_chain(tokens[have * block_size : count * block_size], block_size, salt,
+                                 hashes[-1] if have else 0))
     while len(hashes) < count:
         start = len(hashes) * block_size
         hashes.append(block_hash(hashes[-1] if hashes else 0, salt, tokens[start : start + block_size]))

@@ -222,7 +222,7 @@ class SchedulerCore:
         """Return how many steady cycles `advance_decodes` may apply for `running` (0 when not steady)."""
         return bulk.decode_run_limit(self, running)
 
-    def advance_decodes(self, running: list[Request], tokens: list[list[int]]) -> tuple[
+    def advance_decodes(self, running: list[Request], tokens: list[list[int]], token_events: bool = True) -> tuple[
             CoreEvents, RoundPlan | None, RoundPlan, list[tuple[int, int]]]:
         """Apply k steady cycles at once, exactly as k `on_round_result` + `schedule(now, overlap=True)` pairs.
 
@@ -232,9 +232,9 @@ class SchedulerCore:
         rounds left in flight (the older one None when k == 1: it is the plan the caller already
         holds); the pool's (free, cached) blocks after each cycle. The last placements ahead leave
         their evictions in the pool, as `schedule` does. Raises ValueError, changing nothing, past
-        `decode_run_limit`.
+        `decode_run_limit`. `token_events=False` leaves the token events out (the caller has the tokens).
         """
-        return bulk.advance_decodes(self, running, tokens)
+        return bulk.advance_decodes(self, running, tokens, token_events)
 
     # ---- terminations ----------------------------------------------------------------------
     def cancel(self, request_id: str, now: float, detail: str = "") -> RequestStatus | None:

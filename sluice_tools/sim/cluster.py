@@ -38,62 +38,26 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from admission_svc.core import AdmissionCore, InvalidRequest, OverBudget
-from router_svc.core import (
-    NoReplicaAvailable,
-    ReplicaSpec,
-    RouteDecision,
-    RouteQuery,
-    RouterCore,
-)
+from router_svc.core import NoReplicaAvailable, ReplicaSpec, RouteDecision, RouteQuery, RouterCore
 from scheduler_svc.collector import tune_collector
 from scheduler_svc.core import SchedulerCore
 from sluice import glue
 from sluice.core_errors import RequestRejected
 from sluice.hashing import hash_chain, salt_of
-from sluice.types import CoreEvents, NewRequest, ReplicaState, RequestStatus, RoundPlan, SamplingParams, Stage
+from sluice.types import CoreEvents, NewRequest, ReplicaState, RoundPlan, SamplingParams
 from sluice_tools.metrics import RequestRecord
-from sluice_tools.sim import fastforward
+from sluice_tools.sim import fastforward, outputs
 from sluice_tools.sim.admission import SimAdmission
 from sluice_tools.sim.config import DEFAULT_MAX_MODEL_LEN, SimConfig
 from sluice_tools.sim.control_plane import ControlPlane
+from sluice_tools.sim.replica import Replica as _Replica
+from sluice_tools.sim.replica import replica_spec
 from sluice_tools.workload import WorkloadRequest
-from worker_svc.costmodel import CostModel, RoundShape
+from worker_svc.costmodel import CostModel
 
 # Event kinds, in no particular order (the heap orders by time, then creation).
 _ARRIVAL, _ROUND_DONE, _CANCEL, _DEADLINE, _HEARTBEAT, _SAMPLE, _READY, _RETRY, _SUBMIT = range(9)
 _FAST_KINDS = (_ROUND_DONE, _HEARTBEAT, _SAMPLE)  # what fastforward.py needs to know of the heap
-
-_STATUS = {
-    RequestStatus.FINISHED_STOP: "ok",
-    RequestStatus.FINISHED_LENGTH: "ok",
-    RequestStatus.CANCELLED: "cancelled",
-    RequestStatus.TIMED_OUT: "timed_out",
-    RequestStatus.FAILED: "failed",
-    RequestStatus.REJECTED: "rejected",
-}
-
-
-class _Replica:
-    __slots__ = ("index", "replica_id", "core", "busy", "deadline_at", "reported_idle", "state", "rates", "ahead",
-                 "rates_log")
-
-    def __init__(self, index: int, replica_id: str, core: SchedulerCore) -> None:
-        self.index = index
-        self.replica_id = replica_id
-        self.core = core
-        self.busy = False
-        self.deadline_at: float | None = None
-        self.reported_idle = False
-        """The router's view of this replica is already 'empty' (last heartbeat had no work)."""
-        self.state = ReplicaState.WARMING
-        """What its heartbeats report (the scheduler's ReplicaAgent.state)."""
-        self.rates = glue.RoundRates()
-        """Measured from its rounds' modelled times, as the scheduler's driver measures wall times."""
-        self.ahead: RoundPlan | None = None
-        """The round planned while the one in flight executes (pipelining)."""
-        self.rates_log: list[tuple[float, float, tuple[int, int]]] | None = None
-        """(time, decode_round_s, (free, cached) blocks) after each round of the last bulk run (fastforward.load_at)."""
-
 
 class Simulator:
     """One simulated deployment; `run()` plays a workload through it and returns the records."""
@@ -156,21 +120,6 @@ class Simulator:
         self._seq += 1
         heapq.heappush(self._heap, (max(when, self.now), self._seq, kind, payload))
 
-    def _replica_spec(self, replica: _Replica) -> ReplicaSpec:
-        cfg, cost = self.config.scheduler, self.cost
-        chunk = min(cfg.max_num_batched_tokens, 2048)
-        prefill_s = cost.shape_time(RoundShape(chunk, chunk * (chunk + 1) // 2, chunk, chunk, 1))
-        decode_s = cost.shape_time(RoundShape(32, 32 * 1000, 32 * 1000, 32, 32))
-        return ReplicaSpec(
-            replica_id=replica.replica_id,
-            model=self.config.model,
-            block_size=cfg.block_size,
-            num_blocks=self.num_blocks,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            prefill_tokens_per_s=chunk / prefill_s,
-            decode_round_s=decode_s,
-        )
-
     # ---- the run ----------------------------------------------------------------------------
     def run(self) -> list[RequestRecord]:
         """Play every request to a terminal state; return the records in arrival order.
@@ -199,7 +148,7 @@ class Simulator:
             when, _, kind, payload = pop(heap)
             self.now = when
             handlers[kind](payload)
-        self._finish_stragglers()
+        outputs.finish_stragglers(self)
         self.end_s = max((r.finish_s or 0.0 for r in self.records.values()), default=0.0)
         self.wall_s = time.perf_counter() - started
         return list(self.records.values())
@@ -408,28 +357,21 @@ class Simulator:
             self.push(now + self.config.heartbeat_interval_s, _HEARTBEAT)
 
     def _on_sample(self, _: object) -> None:
-        now, series = self.now, self.series
-        stats = [r.core.stats() for r in self.replicas]
-        total = sum(s.kv_blocks_total for s in stats) or 1
-        series["waiting"].append((now, float(sum(s.waiting for s in stats))))
-        series["running"].append((now, float(sum(s.running for s in stats))))
-        series["kv_used_frac"].append((now, sum(s.kv_blocks_used for s in stats) / total))
-        ready = sum(1 for v in self.router.replicas() if v.state.value == "ready")
-        series["replicas_ready"].append((now, float(ready)))
-        series["admission_active"].append((now, float(self.admission.stats(now).active)))
-        hit, query = sum(s.prefix_hit_tokens for s in stats), sum(s.prefix_query_tokens for s in stats)
-        series["prefix_hit_rate"].append((now, hit / query if query else 0.0))  # cumulative
-        series["preemptions"].append((now, float(sum(s.preemptions for s in stats))))
-        series["recomputed_tokens"].append((now, float(sum(s.recomputed_tokens for s in stats))))
+        outputs.sample(self)
         if self.on_progress is not None:
-            self.on_progress(now)
+            self.on_progress(self.now)
         if self._busy():
-            self.push(now + self.config.sample_interval_s, _SAMPLE)
+            self.push(self.now + self.config.sample_interval_s, _SAMPLE)
 
     # ---- the router, through the services' glue ---------------------------------------------
     def _register(self, replica: _Replica) -> None:
         """Register the replica with the router (WARMING), as the scheduler's agent does at start."""
         self.router.register(self._replica_spec(replica), self.now)
+
+    def _replica_spec(self, replica: _Replica) -> ReplicaSpec:
+        cfg = self.config.scheduler
+        return replica_spec(replica.replica_id, self.config.model, self.cost, cfg.block_size, self.num_blocks,
+                            cfg.max_num_batched_tokens)
 
     def _heartbeat(self, replica: _Replica) -> None:
         """Send one heartbeat of the replica: the services' report and reconciliation (sluice.glue)."""
@@ -445,71 +387,12 @@ class Simulator:
 
     # ---- what the cores said ----------------------------------------------------------------
     def _absorb(self, replica: _Replica, events: CoreEvents) -> None:
-        # Once per round: most rounds carry a token or two and nothing else.
-        tokens = events.tokens
-        delay = self._token_delay if self._cpu is None else self._cpu.token_delay(self.now, self._token_delay,
-                                                                                   len(tokens), replica.index)
-        now = self.now + delay
-        if tokens:
-            records, times, grow = self.records, self._token_times, self._growth_signal
-            for request_id, index, _token in tokens:
-                times[request_id].append(now)
-                if index == 0 and records[request_id].first_token_s is None:  # a migrated attempt starts at 0 again
-                    records[request_id].first_token_s = now
-                    self.admission.mark_started(request_id, now)
-                if grow is not None:
-                    grow(request_id, index, now)  # admission: the growth signal
-        for event in events.lifecycle:
-            if event.stage is Stage.FIRST_SCHEDULED:
-                self.records[event.request_id].first_scheduled_s = event.time
-        for finished in events.finished:
-            self._finish(replica, finished)
-        if events.kv_events and not self.router.apply_kv_events(replica.replica_id, events.kv_events, now):
-            last_event_id, hashes = replica.core.kv_snapshot()
-            self.router.apply_snapshot(replica.replica_id, last_event_id, hashes, now)
-            self.kv_snapshots += 1
-        self.dropped_results += events.dropped_results
+        outputs.absorb(self, replica, events)
 
     def _finish(self, replica: _Replica, finished: Any) -> None:
-        rid, now = finished.request_id, self.now
-        record = self.records[rid]
-        usage = finished.usage
-        record.status = _STATUS[finished.status]
-        record.finish_s = finished.finish_time + (self._token_delay if self._cpu is None else self._cpu.token_delay(
-            self.now, self._token_delay, 0, replica.index))
-        record.output_tokens = usage.output_tokens
-        record.cached_tokens = usage.cached_tokens
-        record.preemptions = usage.preemptions
-        record.recomputed_tokens = usage.recomputed_tokens
-        record.detail = finished.detail
-        record.token_times = self._token_times.pop(rid, None)
-        self._placement.pop(rid, None)
-        finished_ok = record.status == "ok"  # admission learns the lengths of finished requests only
-        self.front_door.release(rid, now, usage.output_tokens if finished_ok else None)
-        self.router.on_request_done(replica.replica_id, rid, now)
-
-    def _finish_stragglers(self) -> None:
-        """Requests still live when nothing can happen any more are failures, said so plainly."""
-        for rid, replica in list(self._placement.items()):
-            record = self.records[rid]
-            status = replica.core.request_status(rid)
-            record.status, record.finish_s = "failed", self.now
-            record.detail = f"simulation ended with the request {status.value if status else 'unknown'} on an idle replica"
-            record.token_times = self._token_times.pop(rid, None)
-            record.output_tokens = len(record.token_times or ())
+        outputs.finish(self, replica, finished)
 
     # ---- results ----------------------------------------------------------------------------
     def replica_stats(self) -> dict[str, float]:
         """Return totals over replicas: preemptions, recomputed tokens, prefix hit rate, rounds."""
-        stats = [r.core.stats() for r in self.replicas]
-        hit, query = sum(s.prefix_hit_tokens for s in stats), sum(s.prefix_query_tokens for s in stats)
-        return {
-            "rounds": float(self.rounds),
-            "preemptions": float(sum(s.preemptions for s in stats)),
-            "recomputed_tokens": float(sum(s.recomputed_tokens for s in stats)),
-            "prefix_hit_rate": hit / query if query else 0.0,
-            "dropped_results": float(self.dropped_results),
-            "kv_snapshots": float(self.kv_snapshots),
-            "num_blocks_per_replica": float(self.num_blocks),
-            "max_model_len": float(self.max_model_len),
-        }
+        return outputs.replica_stats(self)

@@ -5,8 +5,8 @@ token (a block boundary takes a block, a full block is registered), and nothing 
 no first token, no finish). Such a round touches only its own replica (its core, its `RoundRates`, its
 requests' token times) and the router's KV index, which is read only when routing. So while no event that
 could look at the replica, change what it does or route falls before a round's end (an arrival, a
-submission, a retry, a cancel, a deadline, a sample, a fleet event: every heap event but other replicas'
-round results, which touch only their own replicas, and heartbeats), the rounds can be applied at once:
+submission, a retry, a cancel, a deadline, a fleet event: every heap event but other replicas' round
+results, which touch only their own replicas, heartbeats and samples), the rounds can be applied at once:
 
 - the core's bulk API (`SchedulerCore.steady_decodes`, `advance_decodes`) applies k pipelined result +
   schedule-ahead cycles exactly as k single calls would, and stops before a cycle that needs attention
@@ -15,9 +15,9 @@ round results, which touch only their own replicas, and heartbeats), the rounds 
   plan), its tokens the cost model's (`decode_tokens`); the round times fold into `RoundRates` in order
   (`observe_decodes`), every token gets its round's time as `_absorb` would give it, and the run's KV
   events go to the router in their order, in one call;
-- a heartbeat during a run reports the replica's load as of its time (`load_at`: the rates and the
-  free and cached blocks logged per round; the rest of the load is constant in a steady run); a round
-  ending exactly at a heartbeat's time ends the run (their order is the heap's);
+- a heartbeat or a sample during a run reads the replica's load as of its time (`load_at`: the rates and
+  the free and cached blocks logged per round; the rest of what they read is constant in a steady run);
+  a round ending exactly at a heartbeat's or a sample's time ends the run (their order is the heap's);
 - the last round left in flight is executed by the cost model and put on the heap as usual, and the
   round planned ahead becomes the replica's `ahead`.
 
@@ -31,12 +31,11 @@ from __future__ import annotations
 import heapq
 import os
 from bisect import bisect_right
-from dataclasses import replace
-from operator import itemgetter
 from typing import TYPE_CHECKING
 
 from sluice.glue import RoundRates
 from sluice.types import CoreStats, RoundPlan, RoundResult
+from sluice_tools.sim.replica import RatesLog
 
 if TYPE_CHECKING:
     from sluice_tools.sim.cluster import Simulator, _Replica
@@ -63,16 +62,16 @@ def enabled() -> bool:
 def _horizon(sim: Simulator, kinds: _Kinds) -> tuple[float, set[float]]:
     """Return (the earliest heap event that bounds a run, the heap's pass-through times).
 
-    Bounds: every event but round results and heartbeats (a heartbeat reads a running replica's load:
-    constant in a steady run but for `decode_round_s` and the free blocks, which `load_at` gives as of
-    its time). Samples bound a run: they read every replica's block counts."""
+    Bounds: every event but round results, heartbeats and samples (they read a running replica's load and
+    stats: constant in a steady run but for `decode_round_s` and the free, cached and used blocks, which
+    `load_at` gives as of their time)."""
     horizon = float("inf")
     passing: set[float] = set()
-    round_done, heartbeat, _ = kinds
+    round_done, heartbeat, sample = kinds
     for when, _, kind, _ in sim._heap:
         if kind == round_done:
             continue
-        if kind == heartbeat:
+        if kind in (heartbeat, sample):
             passing.add(when)
         elif when < horizon:
             horizon = when
@@ -80,9 +79,9 @@ def _horizon(sim: Simulator, kinds: _Kinds) -> tuple[float, set[float]]:
 
 
 def _periodic_times(sim: Simulator, until: float, kinds: _Kinds) -> set[float]:
-    """Return the times of the heartbeats up to `until`, as the loop will push them (now + interval)."""
+    """Return the times of the heartbeats and samples up to `until`, as the loop will push them (now + interval)."""
     times: set[float] = set()
-    intervals = {kinds[1]: sim.config.heartbeat_interval_s}
+    intervals = {kinds[1]: sim.config.heartbeat_interval_s, kinds[2]: sim.config.sample_interval_s}
     for when, _, kind, _ in sim._heap:
         if kind in intervals:
             times.add(when)
@@ -92,25 +91,29 @@ def _periodic_times(sim: Simulator, until: float, kinds: _Kinds) -> set[float]:
     return times
 
 
-
-_TIME = itemgetter(0)
-
-
 def load_at(replica: _Replica, now: float) -> tuple[RoundRates, CoreStats]:
     """Return the replica's round rates and core stats as of `now` (a heartbeat during a run taken in bulk)."""
     log, stats = replica.rates_log, replica.core.stats()
-    if not log or now >= log[-1][0]:
+    if log is None or now >= log.times[-1]:
         replica.rates_log = None
         return replica.rates, stats
-    _, decode_round_s, blocks = log[bisect_right(log, now, key=_TIME) - 1]  # the last round ended by now
+    last = bisect_right(log.times, now) - 1  # the last round ended by now
+    decode_round_s, (free, cached) = log.decode_round_s[last], log.blocks[last]
     rates = replica.rates
     if decode_round_s != rates.decode_round_s:
         rates = RoundRates(rates.alpha, decode_round_s, rates.prefill_tokens, rates.prefill_s)
-    free, cached = blocks
-    if (free, cached) != (stats.kv_blocks_free, stats.kv_blocks_cached):
-        used = stats.kv_blocks_total - free - cached
-        stats = replace(stats, kv_blocks_used=used, kv_blocks_free=free, kv_blocks_cached=cached)
+    if free != stats.kv_blocks_free or cached != stats.kv_blocks_cached:
+        stats = _with_blocks(stats, free, cached)
     return rates, stats
+
+
+def _with_blocks(stats: CoreStats, free: int, cached: int) -> CoreStats:
+    """Return `stats` with the free and cached blocks replaced (used follows); `dataclasses.replace`, faster."""
+    s = stats
+    return CoreStats(s.waiting, s.running, s.kv_blocks_total, s.kv_blocks_total - free - cached, free, cached,
+                     s.host_blocks_total, s.host_blocks_used, s.preemptions, s.recomputed_tokens, s.dropped_results,
+                     s.rounds, s.queued_prefill_tokens, s.finished, s.cancelled, s.timed_out, s.prefix_hit_tokens,
+                     s.prefix_query_tokens)
 
 
 def fast_forward(sim: Simulator, replica: _Replica, plan: RoundPlan, result: RoundResult, kinds: _Kinds) -> bool:
@@ -139,13 +142,15 @@ def fast_forward(sim: Simulator, replica: _Replica, plan: RoundPlan, result: Rou
     times = [now]
     walls: list[float] = []
     when = now
-    while len(times) < limit:
-        wall = cost.decode_time(n, context + len(times) * n)  # round m reads each start + 1 = len + m
+    decode_time, m = cost.decode_time, 1
+    while m < limit:
+        wall = decode_time(n, context + m * n)  # round m reads each start + 1 = len + m
         when = when + gap + wall
         if when >= horizon:
             break
         times.append(when)
         walls.append(wall)
+        m += 1
     if len(times) > 1:
         periodic = _periodic_times(sim, times[-1], kinds)
         for m in range(1, len(times)):
@@ -163,12 +168,9 @@ def fast_forward(sim: Simulator, replica: _Replica, plan: RoundPlan, result: Rou
         tokens.append(row)
     rates = replica.rates
     rates.observe(plan, result.elapsed_s)
-    decode_round_s = [rates.decode_round_s]
-    for wall in walls:
-        rates.observe_decodes((wall,))
-        decode_round_s.append(rates.decode_round_s)
-    events, older, newer, pool = core.advance_decodes(running, tokens)
-    replica.rates_log = list(zip(times, decode_round_s, pool, strict=True))
+    decode_round_s = [rates.decode_round_s, *rates.observe_decodes(walls)]
+    events, older, newer, pool = core.advance_decodes(running, tokens, token_events=False)  # times: below
+    replica.rates_log = RatesLog(times, decode_round_s, pool)
     # The router's index takes a replica's KV events in order and reads them only when routing (an
     # arrival, which bounds the run): all of the run's at once leave it as one call per round would.
     # (The last placements' evictions stay in the pool for the next round's result, as they would.)

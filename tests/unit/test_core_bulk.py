@@ -78,7 +78,13 @@ def _advance_and_compare(core: SchedulerCore, rounds: list[RoundPlan], cycles: i
     single_core, single_rounds = copy.deepcopy((core, rounds))
     single, single_pool = _single(single_core, single_rounds, FakeExecutor(), k)
     tokens = [[token_for(r.request_id, len(r.tokens) - r.num_prompt + m) for m in range(k)] for r in running]
+    quiet_core = copy.deepcopy(core)  # the same advance without token events (the simulator's call)
+    quiet_running = list(quiet_core.requests.running.values())
+    quiet = quiet_core.advance_decodes(quiet_running, tokens, token_events=False)
     bulk_events, older, newer, pool_after = core.advance_decodes(running, tokens)
+    assert quiet[0].tokens == [] and quiet[0].kv_events == bulk_events.kv_events
+    assert quiet[1:] == (older, newer, pool_after)
+    assert _state(quiet_core) == _state(core) and quiet_core.take_events() == copy.deepcopy(core).take_events()
     assert bulk_events.tokens == [t for e in single for t in e.tokens]
     assert bulk_events.kv_events == [kv for e in single for kv in e.kv_events]
     assert not any(e.lifecycle or e.finished or e.dropped_results for e in single)

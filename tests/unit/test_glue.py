@@ -46,6 +46,20 @@ def test_round_rates_average_decode_rounds_and_prefill_throughput() -> None:
     assert rates.prefill_tokens_per_s == pytest.approx(1000 / 0.100)
 
 
+def test_observe_decodes_is_observe_of_each_decode_round_and_returns_each_average() -> None:
+    """Bulk folding of decode-only rounds gives exactly the averages `observe` gives round by round, after
+    each round (the simulator's heartbeats during a bulk run read them)."""
+    plan = RoundPlan(1, (ScheduledSeq("r", 0, (0,), 0, (0,), SamplingParams(), True, 3),))
+    walls = [0.010, 0.013, 0.007, 0.0101, 0.02]
+    one, bulk = RoundRates(alpha=0.3), RoundRates(alpha=0.3)
+    expected = []
+    for wall in walls:
+        one.observe(plan, wall)
+        expected.append(one.decode_round_s)
+    assert bulk.observe_decodes(walls) == expected and bulk.decode_round_s == one.decode_round_s
+    assert bulk.observe_decodes([]) == [] and bulk.decode_round_s == one.decode_round_s
+
+
 def test_the_load_report_is_the_cores_queues_and_the_measured_rates() -> None:
     """replica_load copies waiting, running, queued prefill tokens and free blocks from the core's stats and
     the rates from RoundRates; a replica with no rounds yet reports rates 0 (the router then uses the

@@ -94,3 +94,21 @@ def test_every_int32_token_id_hashes_and_wider_ids_are_refused_not_wrapped() -> 
         hash_chain([1 << 31] * 16, 16, salt)
     with pytest.raises(struct.error):
         block_hash(NO_PARENT, salt, [(1 << 32) - 1] * 16)
+
+
+def test_a_requests_chain_is_the_same_extended_in_one_step_or_block_by_block() -> None:
+    """`block_hashes_upto` hashes several blocks in one `hash_chain` call (a prompt at submit): the same hashes
+    as one `block_hash` per block, from an empty chain or from part of one, with a partial block left alone."""
+    from scheduler_svc.core.request import Request, block_hashes_upto
+    from sluice.types import NewRequest, SamplingParams
+
+    prompt = tuple((i * 7919) % 50_000 for i in range(16 * 9 + 5))
+    salt = salt_of("m")
+    expected, parent = [], NO_PARENT
+    for i in range(9):
+        parent = block_hash(parent, salt, prompt[16 * i : 16 * (i + 1)])
+        expected.append(parent)
+    for steps in ([9], [1, 9], [3, 4, 9], [2, 3, 4, 5, 6, 7, 8, 9]):
+        request = Request(NewRequest("r", prompt, SamplingParams(max_tokens=4)), 0)
+        for count in steps:
+            assert list(block_hashes_upto(request, count, 16, salt)) == expected[:count]

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 import pytest
 
 from scheduler_svc.core.config import Policy, PreemptionMode, SchedulerConfig
 from sluice import glue
+from sluice.types import CoreStats
 from sluice_tools.sim import fastforward
 from sluice_tools.sim.cluster import Simulator
 from sluice_tools.sim.config import SimConfig
@@ -81,6 +82,25 @@ def test_mixed_workload_pipelined_with_delays(monkeypatch: pytest.MonkeyPatch) -
     _same_both_ways(config, MIXED, monkeypatch)
 
 
+def test_samples_and_heartbeats_inside_bulk_runs_read_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With samples and heartbeats every few rounds, the ones that fall inside runs taken in bulk read the
+    replicas' blocks and rates as of their time: every series point, heartbeat and record is the same."""
+    config = SimConfig(replicas=3, heartbeat_interval_s=0.0131, sample_interval_s=0.0217,
+                       scheduler=SchedulerConfig(num_blocks=0, policy=Policy.PRIORITY))
+    inside = 0
+    load_at = fastforward.load_at
+
+    def counted(replica: Any, now: float) -> Any:
+        nonlocal inside
+        log = replica.rates_log
+        inside += log is not None and now < log.times[-1]  # mid-run: the core is ahead of `now`
+        return load_at(replica, now)
+
+    monkeypatch.setattr(fastforward, "load_at", counted)
+    _same_both_ways(config, MIXED, monkeypatch)
+    assert inside > 100, "no sample or heartbeat fell inside a bulk run: the test proves nothing"
+
+
 def test_small_pool_preempts_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     """With a pool small enough to preempt (recompute and swap), both ways agree exactly."""
     for mode in (PreemptionMode.RECOMPUTE, PreemptionMode.SWAP):
@@ -104,3 +124,11 @@ def test_serial_rounds_never_take_the_fast_path(monkeypatch: pytest.MonkeyPatch)
 def test_azure_conv_slice(monkeypatch: pytest.MonkeyPatch) -> None:
     """The first 400 requests of the Azure conversation trace on 4 replicas: identical both ways."""
     _same_both_ways(SimConfig(replicas=4), "azure-conv", monkeypatch, max_requests=400)
+
+
+def test_load_at_blocks_replace_as_dataclasses_does() -> None:
+    """`load_at`'s positional copy of CoreStats is `dataclasses.replace` of the three block counts (fails when a
+    field is added, moved or renamed)."""
+    stats = CoreStats(*range(1, len(fields(CoreStats)) + 1))
+    assert fastforward._with_blocks(stats, 100, 200) == replace(stats, kv_blocks_used=stats.kv_blocks_total - 300,
+                                                               kv_blocks_free=100, kv_blocks_cached=200)
