@@ -54,7 +54,7 @@ bench: setup
 	$(BIN)/python -m scheduler_svc.bench $(BENCH_FLAGS)
 	$(BIN)/python -m router_svc.bench $(BENCH_FLAGS)
 	$(BIN)/python -m worker_svc.bench $(BENCH_FLAGS)
-	$(BIN)/python -m sluice_tools.fidelity all
+	$(BIN)/python -m sluice_tools.fidelity all --repeats 3
 
 # A third-party benchmark (aiperf, unmodified) over the OpenAI HTTP API, beside `sluice bench` over gRPC at the
 # same load. aiperf's pins clash with the server's (prometheus-client), so it gets a venv of its own with the

@@ -11,7 +11,7 @@ fitted on the first fleet's most loaded row; `batch` prints live TPOT/TTFT at ba
 and the simulator with no control-plane delay on the same requests, and the worker's idle gap between rounds.
 Every row is also printed as one JSON line.
 
-  python -m sluice_tools.fidelity table [--rates 2,8,20] [--replicas 1,2] [--n 200]
+  python -m sluice_tools.fidelity table [--rates 2,8,20] [--replicas 1,2] [--n 200] [--repeats 3]
   python -m sluice_tools.fidelity batch [--batches 1,32,256]
 """
 
@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import statistics
 import sys
 import urllib.request
 from collections.abc import Sequence
@@ -163,31 +164,64 @@ def _diff(a: float, b: float) -> str:
     return f"{100 * (a - b) / b:+.0f}%" if b else "-"
 
 
-def live_rows(rates: Sequence[float], fleet: Sequence[int], n: int, saved: str | None) -> list[dict[str, Any]]:
-    """Return the live rows ({replicas, rate, n, live, idle_gaps}): run now, or read from `saved` (JSON lines
-    of an earlier `table` run, to refit without running the stack again)."""
+def live_rows(rates: Sequence[float], fleet: Sequence[int], n: int, saved: str | None,
+              repeats: int = 1) -> list[dict[str, Any]]:
+    """Return the live rows ({replicas, rate, n, live, spread, runs, idle_gaps}): run now, or read from `saved`
+    (JSON lines of an earlier `table` run, to refit without running the stack again).
+
+    With `repeats` > 1 every row runs that many times, the rows interleaved (row 1, row 2, ..., row 1, ...) so
+    a noisy stretch of the machine falls on different rows; `live` is each figure's median over the runs and
+    `spread` its (min, max), the live stack's own run-to-run noise the simulator is judged against."""
     if saved is not None:
         with open(saved) as lines:
-            rows = [json.loads(line) for line in lines if line.startswith("{")]
-        return [r for r in rows if "sim" not in r]
-    rows = []
-    for replicas in fleet:
-        for rate in rates:
-            count = max(n, int(12 * rate * replicas))
-            real, gaps = live(workload(rate * replicas, count), replicas, True)
-            rows.append({"replicas": replicas, "rate": rate * replicas, "n": count, "live": real, "idle_gaps": gaps})
-            print(json.dumps(rows[-1]), flush=True)
-    return rows
+            runs = [json.loads(line) for line in lines if line.startswith("{")]
+        runs = [r for r in runs if "sim" not in r and "live" in r]
+    else:
+        runs = []
+        for repeat in range(repeats):
+            for replicas in fleet:
+                for rate in rates:
+                    count = max(n, int(12 * rate * replicas))
+                    real, gaps = live(workload(rate * replicas, count), replicas, True)
+                    runs.append({"replicas": replicas, "rate": rate * replicas, "n": count, "repeat": repeat,
+                                 "live": real, "idle_gaps": gaps})
+                    print(json.dumps(runs[-1]), flush=True)
+    return merge_repeats(runs)
+
+
+def merge_repeats(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Return one row per (replicas, rate) in first-seen order: the median of every live figure over its runs,
+    its (min, max) as `spread`, the number of runs, and the first run's idle gaps."""
+    rows: dict[tuple[int, float], dict[str, Any]] = {}
+    for run in runs:
+        row = rows.setdefault((run["replicas"], run["rate"]), {
+            "replicas": run["replicas"], "rate": run["rate"], "n": run["n"], "idle_gaps": run["idle_gaps"],
+            "all": []})
+        row["all"].append(run["live"])
+    for row in rows.values():
+        every = row.pop("all")
+        row["runs"] = len(every)
+        row["live"] = {k: statistics.median(r[k] for r in every) for k in every[0]}
+        row["spread"] = {k: (min(r[k] for r in every), max(r[k] for r in every)) for k in every[0]}
+    return list(rows.values())
+
+
+def _within(value: float, spread: tuple[float, float]) -> str:
+    """'*' when `value` lies within the live runs' (min, max)."""
+    return "*" if spread[0] <= value <= spread[1] else " "
 
 
 def table(rates: Sequence[float], fleet: Sequence[int], n: int, saved: str | None = None,
-          base: ControlPlaneConfig = DEFAULT_CPU) -> None:
+          base: ControlPlaneConfig = DEFAULT_CPU, repeats: int = 1) -> None:
     """Print live vs the simulator at each load and fleet size, with the constant delays (fitted on the first
     row) and with the load-dependent control plane (its CPU scale fitted on the first fleet's most loaded row,
-    its per-round CPU on the second fleet's middle row)."""
+    its per-round CPU on the second fleet's middle row). Live figures are medians over `repeats` runs; a '*'
+    marks a model figure within the live runs' own spread (min..max)."""
     keys = ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "throughput")
+    rows = live_rows(rates, fleet, n, saved, repeats)
     runs: list[Run] = [(r["replicas"], r["rate"], workload(r["rate"], r["n"]), r["live"], r["idle_gaps"])
-            for r in live_rows(rates, fleet, n, saved)]
+                       for r in rows]
+    spreads = [r["spread"] for r in rows]
     delays = fit(runs[0][2], runs[0][3])
     loaded = runs[len(rates) - 1]
     second = runs[len(rates) + len(rates) // 2] if len(runs) > len(rates) else None
@@ -199,13 +233,15 @@ def table(rates: Sequence[float], fleet: Sequence[int], n: int, saved: str | Non
         "" if second is None else f" and {second[0]} at {second[1]:g} req/s")
     print(f"control plane: delays {cpu_delays} on the first row, CPU fitted on {fitted}: {cpu}")
     print(f"{'replicas':>8} {'rate':>6} " + " ".join(f"{k + ' live/const/cpu':>30}" for k in keys))
-    for replicas, rate, requests, real, gaps in runs:
+    for (replicas, rate, requests, real, gaps), spread in zip(runs, spreads, strict=True):
         const = simulated(requests, replicas, True, delays)
         model = simulated(requests, replicas, True, cpu_delays, cpu)
-        cells = " ".join(f"{real[k]:>7.2f}/{const[k]:.2f}/{model[k]:.2f} {_diff(model[k], real[k]):>5}" for k in keys)
+        cells = " ".join(f"{real[k]:>7.2f}/{const[k]:.2f}/{model[k]:.2f} {_diff(model[k], real[k]):>5}"
+                         f"{_within(model[k], spread[k])}" for k in keys)
         print(f"{replicas:>8} {rate:>6g} {cells}", flush=True)
-        print(json.dumps({"replicas": replicas, "rate": rate, "live": real, "sim": const, "sim_cpu": model,
-                          "sim_bare": simulated(requests, replicas, True), "idle_gaps": gaps}), flush=True)
+        print(json.dumps({"replicas": replicas, "rate": rate, "live": real, "live_spread": spread, "sim": const,
+                          "sim_cpu": model, "sim_bare": simulated(requests, replicas, True), "idle_gaps": gaps}),
+              flush=True)
 
 
 def modelled(size: int, prompt: int = 512, output: int = 128) -> dict[str, float]:
@@ -250,6 +286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--replicas", default="1,2")
     parser.add_argument("--n", type=int, default=60, help="requests per run at least (12 s of arrivals otherwise)")
     parser.add_argument("--batches", default="1,32,256")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="table: live runs per row (interleaved); the table shows their medians and spread")
     parser.add_argument("--live-from", metavar="FILE", help="table: the live rows from an earlier run's output")
     parser.add_argument("--replica-cores", type=float, default=0.0,
                         help="table: give the control-plane model a pool of this many cores per replica (0: none)")
@@ -258,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         batch([int(b) for b in args.batches.split(",")])
     if args.what in ("table", "all"):
         table([float(r) for r in args.rates.split(",")], [int(r) for r in args.replicas.split(",")], args.n, args.live_from,
-              ControlPlaneConfig(replica_cores=args.replica_cores))
+              ControlPlaneConfig(replica_cores=args.replica_cores), max(args.repeats, 1))
     return 0
 
 

@@ -118,3 +118,23 @@ def test_a_replica_pool_slows_only_its_own_replica() -> None:
     assert math.isclose(plane.token_delay(0.0, 0.002, 0, 0), 0.002 * shared * 2.0)
     assert math.isclose(plane.token_delay(0.0, 0.002, 0, 1), 0.002 * shared)
     assert ControlPlane(ControlPlaneConfig()).replica_stretch(0.0, 0, 10.0) == 1.0
+
+
+def test_repeated_live_rows_merge_into_medians_and_spread() -> None:
+    """Interleaved repeats of the fidelity table's live rows become one row per (replicas, rate) in first-seen
+    order, each figure the median of its runs and its (min, max) the spread the simulator is judged against."""
+    from sluice_tools.fidelity import merge_repeats
+
+    def run(replicas: int, rate: float, ttft: float, repeat: int) -> dict[str, Any]:
+        return {"replicas": replicas, "rate": rate, "n": 60, "repeat": repeat, "idle_gaps": {"0.5": repeat},
+                "live": {"ttft_p50": ttft, "throughput": rate}}
+
+    runs = [run(1, 2.0, 30.0, 0), run(2, 4.0, 10.0, 0), run(1, 2.0, 50.0, 1), run(2, 4.0, 12.0, 1),
+            run(1, 2.0, 35.0, 2), run(2, 4.0, 20.0, 2)]
+    rows = merge_repeats(runs)
+    assert [(r["replicas"], r["rate"], r["runs"]) for r in rows] == [(1, 2.0, 3), (2, 4.0, 3)]
+    assert rows[0]["live"] == {"ttft_p50": 35.0, "throughput": 2.0}
+    assert rows[0]["spread"]["ttft_p50"] == (30.0, 50.0)
+    assert rows[1]["live"]["ttft_p50"] == 12.0 and rows[1]["spread"]["ttft_p50"] == (10.0, 20.0)
+    assert rows[0]["idle_gaps"] == {"0.5": 0}
+    assert merge_repeats(runs[:2])[0]["spread"]["ttft_p50"] == (30.0, 30.0)
