@@ -77,10 +77,7 @@ class PrefixIndex:
     # ---- events and snapshots -------------------------------------------------------------
     def apply_events(self, cache: ReplicaCache, events: Sequence[KvEvent]) -> bool:
         """Apply a replica's KV events in order; return False on an event-id gap (nothing after it applied)."""
-        # `_add` and `_remove` inlined, lookups hoisted: a simulated trace applies millions of one-block events.
         last = cache.last_event_id
-        stored, removed, gpu, cleared = KvEventKind.STORED, KvEventKind.REMOVED, KvMedium.GPU, KvEventKind.ALL_CLEARED
-        rid, held, holders, alone = cache.replica_id, cache.hashes, self._holders, self._alone_of(cache.replica_id)
         for event in events:
             event_id = event.event_id
             if event_id <= last:
@@ -91,25 +88,12 @@ class PrefixIndex:
                 return False
             last = event_id
             kind = event.kind
-            if event.medium is not gpu and kind is not cleared:
+            if event.medium is not KvMedium.GPU and kind is not KvEventKind.ALL_CLEARED:
                 continue  # host copies of a swapped-out request: no other request can hit them (ids still count)
-            if kind is stored:
-                for block_hash in event.block_hashes:
-                    held.add(block_hash)
-                    holding = holders.get(block_hash)
-                    if holding is None:
-                        holders[block_hash] = alone
-                    elif rid not in holding:
-                        holders[block_hash] = holding | alone
-            elif kind is removed:
-                for block_hash in event.block_hashes:
-                    held.discard(block_hash)
-                    holding = holders.get(block_hash)
-                    if holding is not None and rid in holding:
-                        if len(holding) == 1:
-                            del holders[block_hash]
-                        else:
-                            holders[block_hash] = holding - alone
+            if kind is KvEventKind.STORED:
+                self._add(cache, event.block_hashes)
+            elif kind is KvEventKind.REMOVED:
+                self._remove(cache, event.block_hashes)
             else:
                 self.purge(cache)
         cache.last_event_id = last
