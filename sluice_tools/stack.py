@@ -7,8 +7,10 @@ replica -> admission. Each service is its own process (`python -m <service>`), l
 router lists every replica READY; a process that dies during start-up fails it with the tail of its log.
 Every child dies with the supervisor, even a SIGKILLed one (`sluice.lifeline`).
 
-The embedded Redis gets a random password (so other local users cannot read or write the bus). The
-Redis URL, password included, reaches the services that use Redis (router, schedulers, admission) in
+The embedded Redis gets a random password (so other local users cannot read or write the bus) and, by
+default (`redis_acl`), one ACL user per role (sluice.redis_acl: a scheduler may only XADD, the router
+only consume KV events and completions, admission only its own token stream and completions). Each
+service's Redis URL, its own user and password included, reaches it (router, schedulers, admission) in
 $SLUICE_REDIS_URL, never on a command line (readable by every local user in /proc); workers do not get
 it. `describe()` prints it redacted.
 
@@ -45,6 +47,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sluice.bus import redact_url
 from sluice.config import DEFAULT_API_KEY
 from sluice.lifeline import lifeline_command
+from sluice.redis_acl import Role, acl_file_text, user_url
+from sluice.redis_acl import rules as acl_rules
 from sluice.redis_server import EmbeddedRedis, free_port
 from sluice.serve import METRICS_LINE
 from sluice.tls import TlsFiles, sync_channel, write_local_pki
@@ -101,6 +105,8 @@ class StackConfig:
     run_dir/tls; the stack's own checks use the `operator` certificate)."""
     public_tls: bool = False
     """Admission's public endpoint over TLS too (needs mtls; clients trust `Stack.tls_ca`)."""
+    redis_acl: bool = True
+    """Embedded Redis: one ACL user per role (sluice.redis_acl), each service its own URL; off: one shared password."""
 
 
 @dataclass
@@ -171,6 +177,9 @@ class Stack:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.redis: EmbeddedRedis | None = None
         self.redis_url = config.redis_url or ""
+        """The operator's URL (the `default` user of the embedded Redis: every key and command)."""
+        self.role_urls: dict[Role, str] = {}
+        """Each role's own URL (embedded Redis with `redis_acl`); a role not here uses `redis_url`."""
         self.procs: list[Proc] = []
         self.router: Proc | None = None
         self.workers: list[Proc] = []
@@ -234,13 +243,11 @@ class Stack:
         c = self.config
         deadline = time.monotonic() + c.start_timeout_s
         if not self.redis_url:
-            self.redis = EmbeddedRedis(log_path=self.run_dir / "redis.log", password=secrets.token_urlsafe(24))
-            self.redis_url = self.redis.start()
+            self._start_redis()
         common = ["--namespace", c.namespace, "--log-level", c.log_level]
-        bus_env = {"SLUICE_REDIS_URL": self.redis_url}
         self.router = self._spawn("router", "router_svc", [*common, "--router-id", f"router-{c.namespace}",
                                                                *c.router_args],
-                                  env=bus_env)
+                                  env=self.bus_env(Role.ROUTER))
         replicas = [self.spawn_worker() for _ in range(c.replicas)]
         self._wait_healthy([self.router, *self.workers], deadline)
         for replica in replicas:
@@ -251,7 +258,7 @@ class Stack:
         tokenizer_model = str(resolve_model(c.model if c.backend == "torch" else "tiny"))
         admission_args = [*common, "--router", self.router.address, "--model", tokenizer_model,
                           "--model-id", model_id,
-                          "--owner", f"admission-{c.namespace}"]
+                          "--owner", self.admission_owner]
         if c.config_file:
             admission_args += ["--config", c.config_file]
         if c.public_tls:
@@ -260,8 +267,34 @@ class Stack:
             self.http_address = f"{c.host}:{c.http_port or free_port()}"
             admission_args += ["--http-port", self.http_address.rsplit(":", 1)[1]]
         self.admission = self._spawn("admission", "admission_svc", admission_args, port=c.admission_port,
-                                     env=bus_env)
+                                     env=self.bus_env(Role.ADMISSION))
         self._wait_healthy([self.admission], deadline)
+
+    @property
+    def admission_owner(self) -> str:
+        """Admission's `--owner`: its token stream is `tokens:<owner>`, the only one its Redis user may read."""
+        return f"admission-{self.config.namespace}"
+
+    def _start_redis(self) -> None:
+        """Start the embedded Redis: with `redis_acl`, users per role from an ACL file in run_dir (mode 0600,
+        passwords hashed; a restart reads it again) and a URL per role; else one random password."""
+        admin = secrets.token_urlsafe(24)
+        acl_file, passwords = None, {}
+        if self.config.redis_acl:
+            passwords = {role: secrets.token_urlsafe(24) for role in Role}
+            acl_file = self.run_dir / "redis-users.acl"
+            fd = os.open(acl_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(acl_file_text(acl_rules(self.config.namespace, admission_owner=self.admission_owner),
+                                        passwords, admin))
+        self.redis = EmbeddedRedis(log_path=self.run_dir / "redis.log", password=admin, acl_file=acl_file)
+        self.redis_url = self.redis.start()
+        if acl_file is not None:
+            self.role_urls = {role: user_url(self.redis_url, role.value, pw) for role, pw in passwords.items()}
+
+    def bus_env(self, role: Role) -> dict[str, str]:
+        """The environment that hands a service of `role` its Redis URL (its own user's, when there is one)."""
+        return {"SLUICE_REDIS_URL": self.role_urls.get(role, self.redis_url)}
 
     def spawn_worker(self) -> Replica:
         """Start the worker of a new replica (a fresh id); its scheduler follows once it serves."""
@@ -291,7 +324,7 @@ class Stack:
         scheduler = self._spawn(f"scheduler-{index}", "scheduler_svc", [
             "--namespace", c.namespace, "--log-level", c.log_level, "--worker", replica.worker.address,
             "--router", self.router.address, "--replica-id", replica.replica_id, *c.scheduler_args],
-            env={"SLUICE_REDIS_URL": self.redis_url})
+            env=self.bus_env(Role.SCHEDULER))
         scheduler.replica_id = replica.replica_id
         replica.scheduler = scheduler
         self.schedulers.append(scheduler)

@@ -62,6 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mtls", action=argparse.BooleanOptionalAction, default=True,
                         help="internal calls over mutual TLS with a fresh local CA, each RPC admitting only its "
                              "callers' roles (default: on)")
+    parser.add_argument("--redis-acl", action=argparse.BooleanOptionalAction, default=True,
+                        help="embedded Redis: one ACL user per role, each service only its own streams and "
+                             "commands (docs/security.md); with --redis-url, create the users with "
+                             "`sluice redis-acl` (default: on)")
     parser.add_argument("--public-tls", action="store_true",
                         help="the public endpoint over TLS too; clients pass the printed CA file (--tls-ca)")
     parser.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
@@ -89,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
                          http_port=None if args.http_port < 0 else args.http_port,
                          run_dir=Path(args.run_dir) if args.run_dir else None, num_blocks=args.num_blocks,
                          emulate_time=args.emulate_time, log_level=args.log_level, metrics=args.metrics,
-                         mtls=args.mtls or args.public_tls, public_tls=args.public_tls)
+                         mtls=args.mtls or args.public_tls, public_tls=args.public_tls, redis_acl=args.redis_acl)
     stack = Stack(config)
     print(f"starting Redis, router, {args.replicas} x (worker + scheduler) ({args.backend}, {args.model}) and "
           f"admission; logs in {stack.run_dir}", file=sys.stderr, flush=True)

@@ -126,8 +126,10 @@ def test_secrets_reach_processes_by_env_or_file_never_on_a_command_line() -> Non
         assert not re.search(r"redis://[^ ]*@", line), container["name"]
         env = {e["name"]: e for e in container.get("env", [])}
         if "SLUICE_REDIS_URL" in env:
-            assert env["SLUICE_REDIS_URL"]["value"] == "redis://:$(REDIS_PASSWORD)@redis:6379/0"
-            assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "sluice-redis", "key": "password"}
+            role = container["name"]  # each service its own Redis user (sluice/redis_acl.py)
+            assert env["SLUICE_REDIS_URL"]["value"] == f"redis://{role}:$(REDIS_PASSWORD)@redis:6379/0"
+            assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": f"sluice-redis-{role}",
+                                                                          "key": "password"}
         refs = [e["valueFrom"]["secretKeyRef"]["name"] for e in env.values() if "secretKeyRef" in e.get("valueFrom", {})]
         assert set(refs) <= set(secrets), container["name"]
     volumes = [v["secret"]["secretName"] for d in docs if d["kind"] == "Deployment"
@@ -137,14 +139,14 @@ def test_secrets_reach_processes_by_env_or_file_never_on_a_command_line() -> Non
 
 
 def test_every_redis_client_gets_the_password_and_redis_requires_it() -> None:
-    """Each container that talks to Redis builds its URL from the Secret, and redis-server reads requirepass from a file."""
+    """Each container that talks to Redis builds its URL from the Secret, and redis-server reads its users from a file."""
     docs = load()
     by_name = {c["name"]: c for c in containers(docs)}
     for name in ("admission", "router", "scheduler"):
         assert "SLUICE_REDIS_URL" in {e["name"] for e in by_name[name]["env"]}, name
     redis = by_name["redis"]
-    assert "requirepass" in redis["command"][-1] and "$REDIS_PASSWORD" in redis["command"][-1]
-    assert "redis-server /run/redis/redis.conf" in redis["command"][-1]
+    assert redis["command"][:3] == ["redis-server", "--aclfile", "/etc/redis/users.acl"]
+    assert {"name": "acl", "mountPath": "/etc/redis", "readOnly": True} in redis["volumeMounts"]
     config = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "sluice-env")
     assert "SLUICE_REDIS_URL" not in config["data"]
 
