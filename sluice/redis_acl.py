@@ -32,13 +32,13 @@ import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from urllib.parse import quote, urlsplit, urlunsplit
 
 __all__ = ["AclRule", "Role", "acl_file_text", "acl_setuser_commands", "key_of", "rules", "user_url"]
 
 
-class Role(str, Enum):
+class Role(StrEnum):
     """The services that use Redis; the value is the Redis user name."""
 
     ADMISSION = "admission"

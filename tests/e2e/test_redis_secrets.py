@@ -6,7 +6,6 @@ import asyncio
 from pathlib import Path
 
 import pytest
-
 from redis.exceptions import NoPermissionError
 
 from sluice import client as sdk

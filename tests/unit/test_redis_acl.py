@@ -149,3 +149,31 @@ def test_rules_refuse_a_malformed_namespace_and_escape_globs() -> None:
         rules("a:b")
     rule = rules("ns", admission_owner="o*")[Role.ADMISSION]
     assert r"sluice:{ns:tokens:o\*}" in rule.keys
+
+
+def test_redis_acl_command_creates_users_an_operators_redis_accepts(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`sluice redis-acl` writes 0600 password files (kept on a rerun) and prints ACL SETUSER commands that a
+    real Redis accepts, after which each role logs in with its file's password and keeps its limits."""
+    import shlex
+
+    import redis
+
+    from sluice_tools.cli import main
+
+    args = ["redis-acl", "--namespace", NS, "--owner", OWNER, "--password-dir", str(tmp_path / "pw")]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main(args) == 0 and capsys.readouterr().out == first
+    files = {role: tmp_path / "pw" / f"{role.value}.password" for role in Role}
+    assert all(f.stat().st_mode & 0o777 == 0o600 for f in files.values())
+    with EmbeddedRedis(password="admin-pw") as server:
+        admin = redis.Redis.from_url(server.url)
+        for line in first.splitlines():
+            admin.execute_command(*shlex.split(line))
+        router = redis.Redis.from_url(user_url(server.url, "router", files[Role.ROUTER].read_text().strip()))
+        assert router.ping()
+        with pytest.raises(NoPermissionError):
+            router.xread({key_of(NS, f"tokens:{OWNER}"): "0"})
+        admin.close()
+        router.close()
