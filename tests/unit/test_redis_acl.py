@@ -177,3 +177,29 @@ def test_redis_acl_command_creates_users_an_operators_redis_accepts(tmp_path: Pa
             router.xread({key_of(NS, f"tokens:{OWNER}"): "0"})
         admin.close()
         router.close()
+
+
+def test_cluster_rules_let_a_cluster_client_work_within_its_role() -> None:
+    """With `cluster=True`, each role's user on a real 2-node Redis Cluster connects through a cluster client
+    and publishes a completion; the scheduler still cannot read."""
+    import redis
+
+    from sluice.redis_acl import acl_setuser_commands
+    from sluice.redis_server import EmbeddedRedisCluster
+
+    with EmbeddedRedisCluster(2, password="admin-pw") as cluster:
+        for node in cluster.nodes:
+            admin = redis.Redis.from_url(node.url)
+            for command in acl_setuser_commands(rules(NS, cluster=True), PASSWORDS):
+                admin.execute_command(*command)
+            admin.close()
+
+        async def body() -> None:
+            for role in Role:
+                client = redis_client(user_url(cluster.url, role.value, PASSWORDS[role]))
+                bus = Bus(client, NS)
+                assert await bus.publish_completion(events_pb2.Completion(request_id=role.value))
+                if role is Role.SCHEDULER:
+                    await refused(client.xrange(bus.key("completions")))
+                await client.aclose()
+        asyncio.run(body())
