@@ -397,7 +397,8 @@ class Stack:
     # ---- observe ---------------------------------------------------------------------------------
     def describe(self) -> str:
         """Return one line per process: name, address and pid (Redis first; admission marked as the endpoint)."""
-        lines = [f"  {'redis':<12} {redact_url(self.redis_url)}" + (" (embedded)" if self.redis is not None else "")]
+        embedded = " (embedded, a Redis user per role)" if self.role_urls else " (embedded)"
+        lines = [f"  {'redis':<12} {redact_url(self.redis_url)}" + (embedded if self.redis is not None else "")]
         for proc in self.procs:
             pid = proc.popen.pid if proc.popen is not None else "?"
             role = "  <- the endpoint clients call (gRPC)" if proc is self.admission else ""
