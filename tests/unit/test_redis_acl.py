@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -104,10 +107,11 @@ def test_admission_reads_its_own_tokens_and_cannot_forge_kv(acl_redis: EmbeddedR
 
 def test_users_survive_a_restart(acl_redis: EmbeddedRedis) -> None:
     """A restarted embedded Redis reads the ACL file again: the same users and passwords work, the rules hold."""
-    proc = acl_redis._proc
-    assert proc is not None
-    proc.kill()
-    proc.wait(timeout=5)
+    assert acl_redis.pid is not None
+    os.kill(acl_redis.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while acl_redis.running and time.monotonic() < deadline:
+        time.sleep(0.01)
     acl_redis.restart()
 
     async def body(bus: Bus) -> None:
