@@ -23,7 +23,8 @@ Supervision and replica changes belong to its collaborator `stack.fleet` (sluice
 `supervise()` one pass, or `start_supervising()` in a thread; sluice_tools/supervisor.py): a process
 that dies is restarted on the same address with exponential backoff, the embedded Redis on the same
 port with the same password. Replicas can be added and retired while the stack runs (`fleet.add_replica`,
-`fleet.retire_replica`: what `sluice up --autoscale` does, sluice_tools/autoscale.py).
+`fleet.retire_replica`: what `sluice up --autoscale` does, sluice_tools/autoscale.py). What to start
+(`StackConfig`), one process (`Proc`) and one replica (`Replica`) are in sluice_tools/stack_parts.py.
 """
 
 from __future__ import annotations
@@ -31,18 +32,13 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sluice.bus import redact_url
 from sluice.config import DEFAULT_API_KEY
@@ -50,122 +46,21 @@ from sluice.lifeline import lifeline_command
 from sluice.redis_acl import Role, acl_file_text, user_url
 from sluice.redis_acl import rules as acl_rules
 from sluice.redis_server import EmbeddedRedis, free_port
-from sluice.serve import METRICS_LINE
 from sluice.tls import TlsFiles, sync_channel, write_local_pki
 from sluice.v1 import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from sluice_tools.stack_fleet import StackFleet
+from sluice_tools.stack_parts import (
+    REPO_ROOT,
+    Proc,
+    Replica,
+    StackConfig,
+    StackError,
+    health_serving,
+    terminate,
+)
 from worker_svc.models import resolve_model
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-class StackError(RuntimeError):
-    """A process of the stack failed to start or to become ready; the message has its log tail."""
-
-
-@dataclass(frozen=True)
-class StackConfig:
-    """What to start."""
-
-    replicas: int = 1
-    """Worker + scheduler pairs."""
-    backend: str = "torch"
-    """Worker backend: "torch" or "costmodel"."""
-    model: str = "tiny"
-    """Preset name or model directory (torch); model shape (costmodel)."""
-    redis_url: str | None = None
-    """An existing Redis; None starts the embedded one."""
-    config_file: str | None = None
-    """Admission config (API keys, budgets); None = the default tenant and key."""
-    admission_port: int = 0
-    """Port of the public endpoint; 0 picks a free one."""
-    http_port: int | None = None
-    """Port of admission's OpenAI-compatible HTTP API; 0 picks a free one; None serves none."""
-    host: str = "127.0.0.1"
-    run_dir: Path | None = None
-    """Where logs go; None makes a fresh temporary directory."""
-    namespace: str = field(default_factory=lambda: "s" + uuid.uuid4().hex[:10])
-    """Bus namespace (unique per stack so stacks sharing one Redis never mix)."""
-    num_blocks: int | None = None
-    """KV blocks per worker (None: the backend's default)."""
-    scheduler_args: tuple[str, ...] = ()
-    """Extra flags for every scheduler (policy, budgets...)."""
-    router_args: tuple[str, ...] = ()
-    """Extra flags for the router (e.g. `--policy round_robin`)."""
-    emulate_time: bool = False
-    """Cost model: make rounds take their modelled time."""
-    env: tuple[tuple[str, str], ...] = ()
-    """Extra environment for every service (e.g. SLUICE_TRACE_FILE)."""
-    start_timeout_s: float = 120.0
-    drain_timeout_s: float = 10.0
-    log_level: str = "INFO"
-    metrics: bool = True
-    """Every service serves Prometheus metrics on a free port (`Proc.metrics_url` says which)."""
-    mtls: bool = False
-    """Internal calls over mutual TLS, each RPC admitting only its callers' roles (a fresh local CA in
-    run_dir/tls; the stack's own checks use the `operator` certificate)."""
-    public_tls: bool = False
-    """Admission's public endpoint over TLS too (needs mtls; clients trust `Stack.tls_ca`)."""
-    redis_acl: bool = True
-    """Embedded Redis: one ACL user per role (sluice.redis_acl), each service its own URL; off: one shared password."""
-
-
-@dataclass
-class Proc:
-    """One service process."""
-
-    name: str
-    args: list[str]
-    log_path: Path
-    address: str = ""
-    popen: subprocess.Popen[bytes] | None = None
-    metrics_url: str = ""
-    """Its Prometheus endpoint, read from its log once it serves ("" without metrics, and from each launch
-    until the new incarnation prints its own: under --metrics-port 0 a restart binds another port)."""
-    env: dict[str, str] = field(default_factory=dict)
-    """Its whole environment (secrets included: never printed)."""
-    replica_id: str = ""
-    """The replica it belongs to (workers and schedulers); "" for the others."""
-    log_start: int = 0
-    """Size of its log when the running incarnation was launched (what that one printed starts there)."""
-
-    def launch(self) -> None:
-        """Start (or start again) the process, appending to its log, in a new session."""
-        self.log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
-        self.metrics_url = ""  # the previous incarnation's endpoint is gone with it
-        with self.log_path.open("ab") as log:
-            # A new session: a Ctrl-C in the terminal reaches only `sluice up`, which stops children in order.
-            self.popen = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                          env=self.env, cwd=str(REPO_ROOT), start_new_session=True)
-
-    def log_tail(self, limit: int = 3000) -> str:
-        """Return the end of the process's log."""
-        with contextlib.suppress(OSError):
-            return self.log_path.read_text(errors="replace")[-limit:]
-        return "(no log)"
-
-    def alive(self) -> bool:
-        """True while the process runs."""
-        return self.popen is not None and self.popen.poll() is None
-
-    def printed_metrics_url(self) -> str:
-        """Return the metrics URL the running incarnation printed (sluice.serve METRICS_LINE); "" until it has."""
-        with contextlib.suppress(OSError), self.log_path.open("rb") as log:
-            log.seek(self.log_start)
-            for line in reversed(log.read().decode(errors="replace").splitlines()):
-                if line.startswith(METRICS_LINE):
-                    return line[len(METRICS_LINE):].strip()
-        return ""
-
-
-@dataclass
-class Replica:
-    """One worker + scheduler pair; the scheduler is started once its worker serves."""
-
-    replica_id: str
-    worker: Proc
-    scheduler: Proc | None = None
-    retiring: bool = False
-    """Being drained and stopped (a scale-down): not restarted, not counted."""
+__all__ = ["REPO_ROOT", "Proc", "Replica", "Stack", "StackConfig", "StackError", "health_serving"]
 
 
 class Stack:
@@ -427,7 +322,7 @@ class Stack:
         order = [*([self.admission] if self.admission else []), *self.schedulers, *self.workers,
                  *([self.router] if self.router else [])]
         for proc in order:
-            _terminate(proc, timeout_s=10.0 if graceful else 3.0)
+            terminate(proc, timeout_s=10.0 if graceful else 3.0)
         self.procs = [p for p in self.procs if p.alive()]
         if self.redis is not None:
             self.redis.stop()
@@ -449,26 +344,4 @@ class Stack:
                     break
                 time.sleep(0.1)
         if self.admission is not None:
-            _terminate(self.admission, timeout_s=10.0)
-
-
-def health_serving(address: str, service: str = "", timeout_s: float = 1.0, files: TlsFiles | None = None) -> bool:
-    """Return True when the gRPC health service at `address` reports SERVING (over TLS with `files`)."""
-    with sync_channel(address, files) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                              timeout=timeout_s)
-        except grpc.RpcError:
-            return False
-    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
-
-
-def _terminate(proc: Proc, timeout_s: float) -> None:
-    if not proc.alive() or proc.popen is None:
-        return
-    proc.popen.send_signal(signal.SIGTERM)
-    try:
-        proc.popen.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.popen.kill()
-        proc.popen.wait(timeout=5)
+            terminate(self.admission, timeout_s=10.0)

@@ -100,13 +100,13 @@ class StackFleet:
     def advance_replicas(self) -> list[str]:
         """Move replicas along: start the scheduler of a new replica whose worker serves; forget a retired one
         whose scheduler has exited (its worker stopped). Returns what happened, one line each."""
-        from sluice_tools.stack import _terminate, health_serving
+        from sluice_tools.stack_parts import health_serving, terminate
 
         events = []
         for replica in list(self.stack.replicas.values()):
             if replica.retiring:
                 if replica.scheduler is None or not replica.scheduler.alive():
-                    _terminate(replica.worker, timeout_s=10.0)
+                    terminate(replica.worker, timeout_s=10.0)
                     self._forget(replica)
                     events.append(f"{replica.replica_id} retired (scheduler and worker stopped)")
             elif replica.scheduler is None and replica.worker.alive() and health_serving(replica.worker.address,
