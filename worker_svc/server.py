@@ -55,11 +55,16 @@ from sluice import convert, services, telemetry, tls
 from sluice.errors import ErrorInterceptor, InvalidArgument, Unavailable
 from sluice.prom import WorkerMetrics
 from sluice.serve import grpc_server
-from sluice.slots import slot_constructor
 from sluice.tls import TlsFiles
-from sluice.types import PENDING_TOKEN, RefusedSeq, RoundPlan, RoundResult, SamplingParams, ScheduledSeq, SeqOutput
+from sluice.types import (
+    RefusedSeq,
+    RoundPlan,
+    RoundResult,
+    SeqOutput,
+)
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.backend import Backend, BackendInfo
+from worker_svc.rounds import PENDING, field_kind, filled, wait_until, warmup_plan
 from worker_svc.validation import validate_plan
 
 __all__ = ["SERVICE_NAME", "WorkerRuntime", "WorkerServicer", "start_worker_server"]
@@ -103,7 +108,7 @@ class WorkerRuntime:
                                  f"{info.num_blocks} blocks")
             info = dataclasses.replace(info, num_blocks=self._num_blocks)
         self._backend, self._info = backend, info
-        warm = await self._run(_warmup_plan(info))
+        warm = await self._run(warmup_plan(info))
         if warm.error:
             raise RuntimeError(f"warm-up round failed: {warm.error}")
         self.metrics.serving.set(1)
@@ -141,7 +146,7 @@ class WorkerRuntime:
         for seq in refused:
             log.warning("round %d: refused the sequence of request %r: %s", plan.round_id, seq.request_id[:64],
                         seq.detail)
-            self.metrics.refused_seqs.labels(_field_kind(seq.field_name)).inc()
+            self.metrics.refused_seqs.labels(field_kind(seq.field_name)).inc()
         ids = {seq.request_id for seq in refused}
         return dataclasses.replace(plan, seqs=tuple(s for s in plan.seqs if s.request_id not in ids)), refused
 
@@ -172,12 +177,6 @@ class WorkerRuntime:
         self.metrics.execute_duration.observe(result.elapsed_s)
         self._count_tokens(plan)
         return result
-
-    def refuse(self, plan: RoundPlan, exc: InvalidArgument) -> RoundResult:
-        """Answer a plan `validate_plan` refused with a failed round (the scheduler fails its requests) instead of
-        ending the stream; the next round's pending decodes of its requests are dropped (nothing was sampled)."""
-        self._refused_round(plan)
-        return self._refusal(plan, exc)
 
     def _refused_round(self, plan: RoundPlan) -> None:
         self._refused = frozenset(seq.request_id for seq in plan.seqs)
@@ -212,11 +211,11 @@ class WorkerRuntime:
         thread. Raises LookupError for a pending token the last round did not sample."""
         if self._last_end is not None:
             self.metrics.idle.observe(time.perf_counter() - self._last_end)
-        pending, dropped = _PENDING, self._refused
+        pending, dropped = PENDING, self._refused
         self._refused = frozenset([seq.request_id for seq in refused]) if refused else frozenset()
         if any(seq.token_ids == pending for seq in plan.seqs):
             sampled = {out.request_id: out for out in self._last_outputs}
-            plan = dataclasses.replace(plan, seqs=tuple(_filled(seq, sampled) if seq.token_ids == pending else seq
+            plan = dataclasses.replace(plan, seqs=tuple(filled(seq, sampled) if seq.token_ids == pending else seq
                                                         for seq in plan.seqs
                                                         if seq.token_ids != pending or seq.request_id not in dropped))
         if (refused or dropped) and plan.is_empty:  # every sequence was refused or a pending decode of one
@@ -226,7 +225,7 @@ class WorkerRuntime:
         try:
             result = backend.execute(plan)
             if self._emulate_time:
-                _wait_until(start + result.elapsed_s)
+                wait_until(start + result.elapsed_s)
         finally:
             self._last_end = time.perf_counter()
         self._last_outputs = result.outputs
@@ -241,50 +240,6 @@ class WorkerRuntime:
     def close(self) -> None:
         """Stop the backend thread (after the round in flight)."""
         self._executor.shutdown(wait=True, cancel_futures=True)
-
-
-def _wait_until(deadline: float, spin_s: float = 0.00025) -> None:
-    """Block the backend thread until `deadline` (perf_counter): sleep, then spin the last `spin_s`.
-
-    Why: an emulated round must take its modelled time and no more; asyncio.sleep and a plain sleep
-    overshoot by up to milliseconds on a busy host, which read as control-plane time. The spin costs CPU
-    the rest of the stack shares (1 ms of it was a quarter of the worker's CPU per round at batch 1);
-    0.25 ms covers a plain sleep's usual overshoot (p50 85 us, p90 107 us on the shared 2-core VM)."""
-    remaining = deadline - time.perf_counter()
-    if remaining > spin_s:
-        time.sleep(remaining - spin_s)
-    while time.perf_counter() < deadline:
-        time.sleep(0)  # lets the event loop thread have the GIL while this one spins
-
-
-_PENDING = (PENDING_TOKEN,)
-_new_seq = slot_constructor(ScheduledSeq)
-
-
-def _field_kind(field_name: str) -> str:
-    """Return a refused field's name without the sequence's index ("seqs[3].token_ids" -> "token_ids"): a
-    metric label of a few values."""
-    return field_name.split(".", 1)[-1]
-
-
-def _filled(seq: ScheduledSeq, sampled: dict[str, SeqOutput]) -> ScheduledSeq:
-    """Return `seq` with its pending token replaced by the token sampled for it in the round before.
-    Raises LookupError when that round sampled none for the request's epoch."""
-    out = sampled.get(seq.request_id)
-    if out is None or out.epoch != seq.epoch or not out.token_ids:
-        raise LookupError(f"request {seq.request_id}: a pending token, but the round before sampled none for "
-                          f"epoch {seq.epoch}")
-    return _new_seq(seq.request_id, seq.epoch, out.token_ids[-1:], seq.start_position, seq.block_table,
-                    seq.sampling, seq.sample, seq.output_index, seq.recent_output_ids)
-
-
-def _warmup_plan(info: BackendInfo) -> RoundPlan:
-    """A one-sequence prefill of a few tokens in block 0 that samples one token (block 0 is rewritten later)."""
-    n = max(1, min(4, info.block_size, info.max_model_len - 1))
-    tokens = tuple(1 + (i % max(1, info.vocab_size - 1)) for i in range(n))
-    seq = ScheduledSeq(request_id="__warmup__", epoch=0, token_ids=tokens, start_position=0, block_table=(0,),
-                       sampling=SamplingParams(max_tokens=1), sample=True, output_index=0)
-    return RoundPlan(round_id=0, seqs=(seq,))
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
