@@ -162,7 +162,9 @@ class WorkerRuntime:
                                                           refused)
 
     def queue_refusal(self, plan: RoundPlan, exc: InvalidArgument) -> RoundResult:
-        """`refuse`, in order on the backend thread (rounds queued before it still read the outputs they need)."""
+        """Answer a plan refused as a whole with a failed round (the scheduler fails its requests) instead of ending
+        the stream. In order on the backend thread (rounds queued before it still read the outputs they need), the
+        next round's pending decodes of its requests are marked to be dropped (nothing was sampled for them)."""
         self._executor.submit(self._refused_round, plan)
         return self._refusal(plan, exc)
 
