@@ -22,6 +22,7 @@ from sluice.types import (
     KvEventKind,
     KvMedium,
     NewRequest,
+    RefusedSeq,
     ReplicaLoad,
     ReplicaState,
     RequestStatus,
@@ -118,6 +119,10 @@ def result_to_proto(result: RoundResult) -> worker_pb2.RoundResult:
     add = msg.outputs.add
     for o in result.outputs:
         add(request_id=o.request_id, epoch=o.epoch, token_ids=o.token_ids, stop_string_hit=o.stop_string_hit)
+    if result.refused:
+        refuse = msg.refused.add
+        for r in result.refused:
+            refuse(request_id=r.request_id, field_name=r.field_name, message=r.message)
     return msg
 
 
@@ -131,6 +136,7 @@ def result_from_proto(msg: worker_pb2.RoundResult) -> RoundResult:
         round_id=msg.round_id,
         outputs=tuple([new(o.request_id, o.epoch, tuple(o.token_ids[:]), o.stop_string_hit) for o in msg.outputs]),
         elapsed_s=msg.elapsed_s, error=msg.error,
+        refused=tuple([RefusedSeq(r.request_id, r.field_name, r.message) for r in msg.refused]),
     )
 
 

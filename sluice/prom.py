@@ -216,6 +216,9 @@ class WorkerMetrics:
         self.rounds = Counter("sluice_worker_rounds", "Rounds executed, by RPC.", ["rpc"], registry=r)
         self.round_errors = Counter("sluice_worker_round_errors", "Rounds that raised in the backend.",
                                     registry=r)
+        self.refused_seqs = Counter("sluice_worker_refused_sequences",
+                                    "Sequences refused from a round (they do not fit the worker; the rest of "
+                                    "the round ran), by field.", ["field"], registry=r)
         self.tokens = Counter("sluice_worker_tokens", "Query tokens computed, by kind.", ["kind"], registry=r)
         self.serving = Gauge("sluice_worker_serving", "1 once weights are loaded and warm-up ran.", registry=r)
         self.idle = Histogram("sluice_worker_idle_seconds",

@@ -180,6 +180,22 @@ class SeqOutput:
 
 
 @dataclass(frozen=True, slots=True)
+class RefusedSeq:
+    """A sequence of a plan the worker refused (INVALID_ARGUMENT: it does not fit the worker) and did not run."""
+
+    request_id: str
+    field_name: str
+    """The plan field at fault, e.g. "seqs[1].token_ids"."""
+    message: str
+    """What does not fit (the InvalidArgument's message)."""
+
+    @property
+    def detail(self) -> str:
+        """The refusal as one line: "INVALID_ARGUMENT (field): message"."""
+        return f"INVALID_ARGUMENT ({self.field_name}): {self.message}"
+
+
+@dataclass(frozen=True, slots=True)
 class RoundResult:
     """A worker's answer for one RoundPlan."""
 
@@ -187,6 +203,9 @@ class RoundResult:
     outputs: tuple[SeqOutput, ...]
     elapsed_s: float = 0.0
     error: str = ""
+    """Non-empty: the round failed as a whole (every request in it fails)."""
+    refused: tuple[RefusedSeq, ...] = ()
+    """Sequences the worker refused and did not run (the rest ran): exactly their requests fail."""
 
 
 class RejectReason(enum.Enum):

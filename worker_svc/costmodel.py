@@ -343,7 +343,7 @@ class CostModel:
         elapsed = self._time(query, pairs, read, sampled)
         if plan.swap_out or plan.swap_in:
             elapsed += (len(plan.swap_out) + len(plan.swap_in)) * self._swap_s_per_block
-        return _new_result(plan.round_id, tuple(outputs), elapsed, "")
+        return _new_result(plan.round_id, tuple(outputs), elapsed, "", ())
 
     def with_coefficients(self, coefficients: CostCoefficients) -> CostModel:
         """Return a copy of this model with other coefficients."""

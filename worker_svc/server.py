@@ -5,11 +5,18 @@ Theory of operation
   so the event loop stays free for RPCs and health checks, and rounds never overlap on the device.
 - Health is NOT_SERVING until the backend is loaded and one warm-up round has run, then SERVING;
   Execute and Info answer UNAVAILABLE until then.
-- A plan that does not fit the worker (positions past the model length, token or block ids out of
-  range, more tokens than KV slots...) is refused before it runs: Execute answers INVALID_ARGUMENT; on
-  ExecuteStream the round's result carries `error` ("INVALID_ARGUMENT ...": the scheduler fails that round's
-  requests) and the stream goes on, so one bad plan never reads as a lost worker. A pipelined round queued
-  behind a refused one drops its pending decodes of the refused round's requests (they failed with it).
+- A sequence that does not fit the worker (positions past the model length, token or block ids out of
+  range, bad sampling parameters: `validation._check_seq`) is refused before the round runs: it is taken
+  out, the rest of the round runs, and the result names it in `refused` (field and INVALID_ARGUMENT
+  message; the scheduler fails exactly that request), on Execute and ExecuteStream alike. Each refusal is
+  logged, counted (`sluice_worker_refused_sequences_total{field}`) and, in a traced round, a `seq_refused`
+  event of its span.
+- A plan that does not fit as a whole (swaps out of range, a request twice, more tokens than KV slots)
+  is refused before it runs: Execute answers INVALID_ARGUMENT; on ExecuteStream the round's result carries
+  `error` ("INVALID_ARGUMENT ...": the scheduler fails that round's requests) and the stream goes on, so
+  one bad plan never reads as a lost worker.
+- A pipelined round queued behind a refused round (or sequence) drops its pending decodes of the refused
+  requests: nothing was sampled for them, and the scheduler has failed them.
 - A backend exception fails the round as a whole: the result carries `error` (the scheduler fails the
   round's requests); the service keeps serving.
 - ExecuteStream converts and validates each plan as it arrives and queues it on the backend thread at
@@ -48,11 +55,16 @@ from sluice import convert, services, telemetry, tls
 from sluice.errors import ErrorInterceptor, InvalidArgument, Unavailable
 from sluice.prom import WorkerMetrics
 from sluice.serve import grpc_server
-from sluice.slots import slot_constructor
 from sluice.tls import TlsFiles
-from sluice.types import PENDING_TOKEN, RoundPlan, RoundResult, SamplingParams, ScheduledSeq, SeqOutput
+from sluice.types import (
+    RefusedSeq,
+    RoundPlan,
+    RoundResult,
+    SeqOutput,
+)
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.backend import Backend, BackendInfo
+from worker_svc.rounds import PENDING, field_kind, filled, wait_until, warmup_plan
 from worker_svc.validation import validate_plan
 
 __all__ = ["SERVICE_NAME", "WorkerRuntime", "WorkerServicer", "start_worker_server"]
@@ -82,7 +94,8 @@ class WorkerRuntime:
         self._last_end: float | None = None
         """When the backend thread finished the last round (the device's idle time starts there)."""
         self._refused: frozenset[str] = frozenset()
-        """Requests of the last round, when it was refused: the next round's pending decodes of them are dropped."""
+        """Requests the last round refused (all of its requests when it was refused as a whole): the next round's
+        pending decodes of them are dropped."""
 
     async def start(self) -> BackendInfo:
         """Load the backend and run a warm-up round; return its info. Raises what loading or warm-up raises."""
@@ -95,7 +108,7 @@ class WorkerRuntime:
                                  f"{info.num_blocks} blocks")
             info = dataclasses.replace(info, num_blocks=self._num_blocks)
         self._backend, self._info = backend, info
-        warm = await self._run(_warmup_plan(info))
+        warm = await self._run(warmup_plan(info))
         if warm.error:
             raise RuntimeError(f"warm-up round failed: {warm.error}")
         self.metrics.serving.set(1)
@@ -110,31 +123,48 @@ class WorkerRuntime:
         return self._info
 
     async def execute(self, plan: RoundPlan, rpc: str = "Execute") -> RoundResult:
-        """Run one round and return its result (`error` set when the backend raised).
+        """Run one round and return its result (`error` set when the backend raised; `refused`: the sequences
+        that did not fit and did not run).
 
         Raises Unavailable until the warm-up round has run, InvalidArgument for a plan that does not
-        fit this worker (worker_svc/validation.py), before it takes the device.
+        fit this worker as a whole (worker_svc/validation.py), before it takes the device.
         """
-        self.validate(plan)
+        plan, refused = self.validate(plan)
         self.metrics.rounds.labels(rpc).inc()
-        return await self._run(plan)
+        return await self._run(plan, refused)
 
-    def validate(self, plan: RoundPlan) -> None:
-        """Raise Unavailable until the warm-up round has run, InvalidArgument for a plan that does not fit."""
+    def validate(self, plan: RoundPlan) -> tuple[RoundPlan, tuple[RefusedSeq, ...]]:
+        """Return the part of `plan` that runs and the sequences refused from it (each logged and counted).
+
+        Raises Unavailable until the warm-up round has run, InvalidArgument for a plan that does not fit as a
+        whole."""
         if not self.ready.is_set() or self._info is None:
             raise Unavailable("the worker is not ready (loading or warming up)", reason="WORKER_LOADING")
-        validate_plan(plan, self._info)
+        refused = validate_plan(plan, self._info)
+        if not refused:
+            return plan, ()
+        for seq in refused:
+            log.warning("round %d: refused the sequence of request %r: %s", plan.round_id, seq.request_id[:64],
+                        seq.detail)
+            self.metrics.refused_seqs.labels(field_kind(seq.field_name)).inc()
+        ids = {seq.request_id for seq in refused}
+        return dataclasses.replace(plan, seqs=tuple(s for s in plan.seqs if s.request_id not in ids)), refused
 
-    def queue(self, plan: RoundPlan, rpc: str = "ExecuteStream") -> asyncio.Future[RoundResult]:
-        """Queue a validated plan on the backend thread at once, behind any round queued before it; return the
-        future of its result (an exception the backend raised is the future's). The thread starts it the moment
-        the round before ends, with no hop through the event loop: the device's idle gap is the thread's own."""
+    def queue(self, plan: RoundPlan, refused: tuple[RefusedSeq, ...] = (),
+              rpc: str = "ExecuteStream") -> asyncio.Future[RoundResult]:
+        """Queue a validated plan (what `validate` returned) on the backend thread at once, behind any round
+        queued before it; return the future of its result (an exception the backend raised is the future's).
+        The thread starts it the moment the round before ends, with no hop through the event loop: the
+        device's idle gap is the thread's own."""
         self.metrics.rounds.labels(rpc).inc()
         assert self._backend is not None
-        return asyncio.get_running_loop().run_in_executor(self._executor, self._execute, self._backend, plan)
+        return asyncio.get_running_loop().run_in_executor(self._executor, self._execute, self._backend, plan,
+                                                          refused)
 
     def queue_refusal(self, plan: RoundPlan, exc: InvalidArgument) -> RoundResult:
-        """`refuse`, in order on the backend thread (rounds queued before it still read the outputs they need)."""
+        """Answer a plan refused as a whole with a failed round (the scheduler fails its requests) instead of ending
+        the stream. In order on the backend thread (rounds queued before it still read the outputs they need), the
+        next round's pending decodes of its requests are marked to be dropped (nothing was sampled for them)."""
         self._executor.submit(self._refused_round, plan)
         return self._refusal(plan, exc)
 
@@ -150,12 +180,6 @@ class WorkerRuntime:
         self._count_tokens(plan)
         return result
 
-    def refuse(self, plan: RoundPlan, exc: InvalidArgument) -> RoundResult:
-        """Answer a plan `validate_plan` refused with a failed round (the scheduler fails its requests) instead of
-        ending the stream; the next round's pending decodes of its requests are dropped (nothing was sampled)."""
-        self._refused_round(plan)
-        return self._refusal(plan, exc)
-
     def _refused_round(self, plan: RoundPlan) -> None:
         self._refused = frozenset(seq.request_id for seq in plan.seqs)
         self._last_outputs = ()
@@ -166,14 +190,14 @@ class WorkerRuntime:
         field = f" ({exc.field_name})" if exc.field_name else ""
         return RoundResult(plan.round_id, (), 0.0, error=f"INVALID_ARGUMENT{field}: {exc}")
 
-    async def _run(self, plan: RoundPlan) -> RoundResult:
+    async def _run(self, plan: RoundPlan, refused: tuple[RefusedSeq, ...] = ()) -> RoundResult:
         backend = self._backend
         assert backend is not None
         loop = asyncio.get_running_loop()
         async with self._lock:  # one device: rounds run strictly one after another
             start = time.perf_counter()
             try:
-                result = await loop.run_in_executor(self._executor, self._execute, backend, plan)
+                result = await loop.run_in_executor(self._executor, self._execute, backend, plan, refused)
             except Exception as exc:
                 log.exception("round %d failed", plan.round_id)
                 self.metrics.round_errors.inc()
@@ -183,29 +207,31 @@ class WorkerRuntime:
         self._count_tokens(plan)
         return result
 
-    def _execute(self, backend: Backend, plan: RoundPlan) -> RoundResult:
-        """Fill in pending tokens from the previous round's samples, run the round, remember its samples.
-        Runs in the backend thread. Raises LookupError for a pending token the last round did not sample."""
+    def _execute(self, backend: Backend, plan: RoundPlan, refused: tuple[RefusedSeq, ...] = ()) -> RoundResult:
+        """Fill in pending tokens from the previous round's samples, run the round (without its `refused`
+        sequences, which `validate` took out), remember its samples and what it refused. Runs in the backend
+        thread. Raises LookupError for a pending token the last round did not sample."""
         if self._last_end is not None:
             self.metrics.idle.observe(time.perf_counter() - self._last_end)
-        pending, refused = _PENDING, self._refused
-        self._refused = frozenset()
+        pending, dropped = PENDING, self._refused
+        self._refused = frozenset([seq.request_id for seq in refused]) if refused else frozenset()
         if any(seq.token_ids == pending for seq in plan.seqs):
             sampled = {out.request_id: out for out in self._last_outputs}
-            plan = dataclasses.replace(plan, seqs=tuple(_filled(seq, sampled) if seq.token_ids == pending else seq
+            plan = dataclasses.replace(plan, seqs=tuple(filled(seq, sampled) if seq.token_ids == pending else seq
                                                         for seq in plan.seqs
-                                                        if seq.token_ids != pending or seq.request_id not in refused))
-            if not plan.seqs and not plan.swap_out and not plan.swap_in:
-                return RoundResult(plan.round_id, ())  # every sequence was a pending decode of a refused round
+                                                        if seq.token_ids != pending or seq.request_id not in dropped))
+        if (refused or dropped) and plan.is_empty:  # every sequence was refused or a pending decode of one
+            self._last_outputs = ()
+            return RoundResult(plan.round_id, (), refused=refused)
         start = time.perf_counter()
         try:
             result = backend.execute(plan)
             if self._emulate_time:
-                _wait_until(start + result.elapsed_s)
+                wait_until(start + result.elapsed_s)
         finally:
             self._last_end = time.perf_counter()
         self._last_outputs = result.outputs
-        return result
+        return dataclasses.replace(result, refused=refused) if refused else result
 
     def _count_tokens(self, plan: RoundPlan) -> None:
         prefill = sum(len(s.token_ids) for s in plan.seqs if s.is_prefill)
@@ -216,44 +242,6 @@ class WorkerRuntime:
     def close(self) -> None:
         """Stop the backend thread (after the round in flight)."""
         self._executor.shutdown(wait=True, cancel_futures=True)
-
-
-def _wait_until(deadline: float, spin_s: float = 0.00025) -> None:
-    """Block the backend thread until `deadline` (perf_counter): sleep, then spin the last `spin_s`.
-
-    Why: an emulated round must take its modelled time and no more; asyncio.sleep and a plain sleep
-    overshoot by up to milliseconds on a busy host, which read as control-plane time. The spin costs CPU
-    the rest of the stack shares (1 ms of it was a quarter of the worker's CPU per round at batch 1);
-    0.25 ms covers a plain sleep's usual overshoot (p50 85 us, p90 107 us on the shared 2-core VM)."""
-    remaining = deadline - time.perf_counter()
-    if remaining > spin_s:
-        time.sleep(remaining - spin_s)
-    while time.perf_counter() < deadline:
-        time.sleep(0)  # lets the event loop thread have the GIL while this one spins
-
-
-_PENDING = (PENDING_TOKEN,)
-_new_seq = slot_constructor(ScheduledSeq)
-
-
-def _filled(seq: ScheduledSeq, sampled: dict[str, SeqOutput]) -> ScheduledSeq:
-    """Return `seq` with its pending token replaced by the token sampled for it in the round before.
-    Raises LookupError when that round sampled none for the request's epoch."""
-    out = sampled.get(seq.request_id)
-    if out is None or out.epoch != seq.epoch or not out.token_ids:
-        raise LookupError(f"request {seq.request_id}: a pending token, but the round before sampled none for "
-                          f"epoch {seq.epoch}")
-    return _new_seq(seq.request_id, seq.epoch, out.token_ids[-1:], seq.start_position, seq.block_table,
-                    seq.sampling, seq.sample, seq.output_index, seq.recent_output_ids)
-
-
-def _warmup_plan(info: BackendInfo) -> RoundPlan:
-    """A one-sequence prefill of a few tokens in block 0 that samples one token (block 0 is rewritten later)."""
-    n = max(1, min(4, info.block_size, info.max_model_len - 1))
-    tokens = tuple(1 + (i % max(1, info.vocab_size - 1)) for i in range(n))
-    seq = ScheduledSeq(request_id="__warmup__", epoch=0, token_ids=tokens, start_position=0, block_table=(0,),
-                       sampling=SamplingParams(max_tokens=1), sample=True, output_index=0)
-    return RoundPlan(round_id=0, seqs=(seq,))
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -280,11 +268,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 async for wire in request_iterator:
                     plan = convert.plan_from_proto(wire)
                     try:
-                        runtime.validate(plan)
+                        runs, refused = runtime.validate(plan)
                     except InvalidArgument as exc:  # this plan only: its round fails, the stream goes on
                         queued.put_nowait((wire, plan, runtime.queue_refusal(plan, exc)))
                         continue
-                    queued.put_nowait((wire, plan, runtime.queue(plan)))
+                    queued.put_nowait((wire, runs, runtime.queue(runs, refused)))
             except Exception as exc:  # a message that does not parse, Unavailable before warm-up: the stream ends
                 queued.put_nowait(exc)
             finally:
@@ -330,6 +318,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 "sluice.round_id": plan.round_id, "sluice.seqs": len(plan.seqs), "rpc.method": rpc}) as span:
             result = await running
             span.set_attribute("sluice.elapsed_s", result.elapsed_s)
+            for refused in result.refused:
+                span.add_event("seq_refused", attributes={"sluice.request_id": refused.request_id,
+                                                          "sluice.field": refused.field_name,
+                                                          "message": refused.message})
             if result.error:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, result.error))
         return result

@@ -3,16 +3,22 @@
 The scheduler only ever sends plans that fit; anything else reaching the port is a bug or an
 attacker. Without these checks a plan with `start_position` 2^31-1 makes an emulated-time cost model
 sleep for hours (and a real engine index out of its KV cache), holding the one device lock every
-other round waits on. Rules, each refused with INVALID_ARGUMENT naming the field:
+other round waits on. Rules, each refused with INVALID_ARGUMENT naming the field.
+
+Of one sequence (`_check_seq`): that sequence is refused (a `RefusedSeq` in the result) and the rest
+of the round runs, so one bad sequence disturbs no other request:
 
 - positions: 0 <= start_position and start_position + len(token_ids) <= max_model_len;
 - tokens: every token id (and recent output id) in [0, vocab_size), except the one PENDING_TOKEN of a
   pipelined decode (filled in from the previous round's sample);
-- KV: the block table covers the positions it is meant to cover, with device blocks in
-  [0, num_blocks); a round computes at most num_blocks * block_size tokens (one KV slot each);
+- KV: the block table covers the positions it is meant to cover, with device blocks in [0, num_blocks);
+- sampling: temperature finite and >= 0, top_p finite, top_k >= 0.
+
+Of the round as a whole (raised: the round fails):
+
 - swaps: device blocks in [0, num_blocks), host blocks in [0, num_host_blocks);
 - identity: a request appears at most once in a round;
-- sampling: temperature finite and >= 0, top_p finite, top_k >= 0.
+- KV slots: the sequences that run compute at most num_blocks * block_size tokens (one KV slot each).
 """
 
 from __future__ import annotations
@@ -21,30 +27,39 @@ import math
 from collections.abc import Sequence
 
 from sluice.errors import InvalidArgument
-from sluice.types import PENDING_TOKEN, BackendInfo, BlockCopy, RoundPlan, ScheduledSeq
+from sluice.types import PENDING_TOKEN, BackendInfo, BlockCopy, RefusedSeq, RoundPlan, ScheduledSeq
 
 _PENDING = (PENDING_TOKEN,)
 
 __all__ = ["validate_plan"]
 
 
-def validate_plan(plan: RoundPlan, info: BackendInfo) -> None:
-    """Return None when `plan` fits the worker described by `info`; raises InvalidArgument naming what does not."""
+def validate_plan(plan: RoundPlan, info: BackendInfo) -> tuple[RefusedSeq, ...]:
+    """Return the sequences of `plan` that do not fit the worker described by `info` (empty: all fit).
+
+    Raises InvalidArgument naming the field for a fault of the round as a whole (swaps, a request twice,
+    more tokens than KV slots in the sequences that run)."""
     _check_swaps("swap_out", plan.swap_out, info.num_blocks, info.num_host_blocks)
     _check_swaps("swap_in", plan.swap_in, info.num_host_blocks, info.num_blocks)
     seen: set[str] = set()
+    refused: list[RefusedSeq] = []
     total_tokens = 0
     for index, seq in enumerate(plan.seqs):
         if seq.request_id in seen:
             raise InvalidArgument(f"request {seq.request_id[:64]!r} appears twice in round {plan.round_id}",
                                   field_name=f"seqs[{index}].request_id")
         seen.add(seq.request_id)
-        _check_seq(index, seq, info)
+        try:
+            _check_seq(index, seq, info)
+        except InvalidArgument as exc:
+            refused.append(RefusedSeq(seq.request_id, exc.field_name, str(exc)))
+            continue
         total_tokens += len(seq.token_ids)
     slots = info.num_blocks * info.block_size
     if total_tokens > slots:
         raise InvalidArgument(f"round {plan.round_id} computes {total_tokens} tokens, more than the "
                               f"{slots} KV slots of this worker", field_name="seqs")
+    return tuple(refused)
 
 
 def _check_seq(index: int, seq: ScheduledSeq, info: BackendInfo) -> None:

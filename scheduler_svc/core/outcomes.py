@@ -13,6 +13,12 @@ request that ends while the later round still reads it (a stop token, a failure)
 pinned (`held_blocks`) until then, and that round's output for it is dropped and counted. Results
 must arrive in plan order; a lost round takes every later in-flight round with it (the worker runs
 them in order, so none of them ran either).
+
+A result that refuses some sequences (`RoundResult.refused`: they did not fit the worker, the rest of
+the round ran) fails exactly those requests, with the refusal as detail; the other entries pair with
+the outputs as usual. A refused request a later round still reads (placed ahead) keeps its blocks
+pinned until that round answers, like any request that ends mid-flight; the worker drops its pending
+decode there, and any output for it is dropped.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from scheduler_svc.core.parts import CoreParts
 from scheduler_svc.core.request import Request, block_hashes_upto
 from scheduler_svc.core.round import DECODE, InFlightRound
 from scheduler_svc.core.state import Input, apply
-from sluice.types import RequestStatus, RoundResult, SeqOutput, Stage
+from sluice.types import RefusedSeq, RequestStatus, RoundResult, SeqOutput, Stage
 
 _REQUEST_ID = attrgetter("request_id")
 
@@ -83,12 +89,30 @@ class RoundOutcomes:
             self._outbox.drop(sum(1 for out in result.outputs if out.token_ids))
             self._fail_round(record, result.error, now)
         else:
-            self._apply_outputs(record, result.outputs, now)
+            entries = self._refuse(record, result.refused, now) if result.refused else record.entries
+            self._apply_outputs(record, entries, result.outputs, now)
             if record.swapping:
                 self._finish_swaps(record, now)
 
-    def _apply_outputs(self, record: InFlightRound, outputs: tuple[SeqOutput, ...], now: float) -> None:
-        entries = record.entries
+    def _refuse(self, record: InFlightRound, refused: tuple[RefusedSeq, ...], now: float) -> list[Request]:
+        """Fail the requests whose sequence the worker refused (exactly once); return the round's other entries."""
+        why = {seq.request_id: seq for seq in refused}
+        kept: list[Request] = []
+        for request in record.entries:
+            seq = why.get(request.request_id)
+            if seq is None:
+                kept.append(request)
+                continue
+            unread = self._unread(request, record.round_id)
+            if request.status is RequestStatus.RUNNING:
+                detail = f"round {record.round_id} refused its sequence: {seq.detail}"
+                self._endings.end_running(request, Input.FAIL, now, detail)
+            elif unread:
+                self._release_unread(request, now)
+        return kept
+
+    def _apply_outputs(self, record: InFlightRound, entries: list[Request], outputs: tuple[SeqOutput, ...],
+                       now: float) -> None:
         # The worker answers one output per sequence in plan order: then the outputs pair up by
         # position (one C-level pass comparing the ids pairwise, no id lists or map); else they are
         # matched by id. `eq` on two str is what list equality does (identity first, then value).

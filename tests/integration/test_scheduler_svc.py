@@ -151,11 +151,12 @@ async def _first_token_of(bus: Bus, request_id: str) -> bool:
 
 @pytest.mark.parametrize(("pipeline", "use_stream"), [(True, True), (False, True), (False, False)],
                          ids=["pipelined", "serial-stream", "serial-unary"])
-def test_a_plan_the_worker_refuses_fails_its_round_and_the_replica_keeps_serving(
+def test_a_sequence_the_worker_refuses_fails_its_request_only_and_the_replica_keeps_serving(
         redis_url: str, namespace: str, pipeline: bool, use_stream: bool) -> None:
-    """A plan the worker refuses with INVALID_ARGUMENT (here: positions past the worker's max_model_len, which the
-    scheduler believes larger) fails the requests of that round only, FAILED with the refusal in the detail: the
-    worker is never marked lost, and requests before and after finish (pipelined, serial, unary)."""
+    """A sequence the worker refuses with INVALID_ARGUMENT (here: positions past the worker's max_model_len, which
+    the scheduler believes larger) fails its request only, FAILED with the refusal (field and message) in the
+    detail: the request that shared its round decodes on to the end, the worker is never marked lost, no round
+    fails as a whole, and requests before and after finish (pipelined, serial, unary)."""
     async def body() -> None:
         async with _replica(redis_url, namespace, num_blocks=256, emulate_time=True, pipeline=pipeline,
                             use_stream=use_stream, worker_max_model_len=256) as r:
@@ -169,13 +170,16 @@ def test_a_plan_the_worker_refuses_fails_its_round_and_the_replica_keeps_serving
             await _completions(r.bus, 4)
             await r.stub.Submit(_submit("ok2", max_tokens=4))
             done = {c.request_id: c for c in await _completions(r.bus, 5)}
-            assert {rid: done[rid].status for rid in ("ok1", "ok2")} == {"ok1": common_pb2.FINISHED_LENGTH,
-                                                                         "ok2": common_pb2.FINISHED_LENGTH}
-            for rid in ("bad1", "bad2", "long"):  # long shared bad2's round: the core fails a round as a whole
+            # long shared bad2's round: only bad2's sequence was refused, long ran on in it and after it
+            assert {rid: done[rid].status for rid in ("ok1", "ok2", "long")} == dict.fromkeys(
+                ("ok1", "ok2", "long"), common_pb2.FINISHED_LENGTH)
+            assert len(await _output_tokens(r.bus, "long")) == 64
+            for rid in ("bad1", "bad2"):
                 assert done[rid].status == common_pb2.FAILED, rid
-                assert "INVALID_ARGUMENT" in done[rid].detail and "outside the model's" in done[rid].detail, rid
+                assert "INVALID_ARGUMENT (seqs[" in done[rid].detail, rid
+                assert ".start_position): " in done[rid].detail and "outside the model's" in done[rid].detail, rid
             assert r.replica.driver.worker_serving and not r.replica.driver.worker_changed.is_set()
-            assert r.replica.driver.metrics.round_errors._value.get() >= 2  # a refused round ahead counts too
+            assert r.replica.driver.metrics.round_errors._value.get() == 0  # no round failed as a whole
     asyncio.run(body())
 
 

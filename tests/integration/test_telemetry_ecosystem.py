@@ -101,6 +101,29 @@ def test_worker_round_span_links_each_request_it_carries(span_exporter) -> None:
     assert linked == {(span.get_span_context().span_id, rid) for rid, span in spans.items()}
 
 
+def test_a_refused_sequence_is_an_event_of_its_rounds_span(span_exporter) -> None:  # type: ignore[no-untyped-def]
+    """A traced round with one sequence the worker refuses (a token id past the vocabulary) gets one `seq_refused`
+    event naming the request and the field; the round's span is not an error (the rest of it ran)."""
+    async def body() -> None:
+        worker = await start_worker_server(WorkerRuntime(lambda: CostModel("llama-3-8b", "h200")))
+        await asyncio.wait_for(worker.loading, 30)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+            bad = ScheduledSeq("b", 0, (10**9,), 5, (0,), SamplingParams(max_tokens=4), True, 1)
+            plan = convert.plan_to_proto(RoundPlan(4, (_seq("a"), bad)))
+            span = telemetry.get_tracer("test").start_span("a")
+            plan.traces.add(request_id="a", traceparent=telemetry.inject_fields(
+                trace.set_span_in_context(span))["traceparent"])
+            result = await worker_pb2_grpc.WorkerServiceStub(channel).Execute(plan)
+            assert [o.request_id for o in result.outputs] == ["a"] and [r.request_id for r in result.refused] == ["b"]
+        await worker.stop()
+
+    asyncio.run(body())
+    [round_span] = [s for s in span_exporter.get_finished_spans() if s.name == "worker.round"]
+    assert [(e.name, e.attributes["sluice.request_id"], e.attributes["sluice.field"]) for e in round_span.events] \
+        == [("seq_refused", "b", "seqs[1].token_ids")]
+    assert round_span.status.status_code.name == "UNSET"
+
+
 def test_a_cancel_ends_a_request_span_without_error_and_a_failure_with_one(span_exporter) -> None:  # type: ignore[no-untyped-def]
     """end_request_span writes the RequestStatus name and makes ERROR only failures, timeouts and rejections."""
     tracer = telemetry.get_tracer("test")

@@ -17,7 +17,7 @@ def test_built_objects_equal_the_init_built_ones_and_stay_frozen() -> None:
         ScheduledSeq: ("r", 2, (1, 2), 5, (0, 1), SamplingParams(seed=3), True, 4, (9,)),
         RoundBudget: (8, 8, 4, 2, None, 40, 6, 2),
         SeqOutput: ("r", 2, (7,), True),
-        RoundResult: (3, (), 0.25, ""),
+        RoundResult: (3, (), 0.25, "", ()),
     }
     for cls, args in samples.items():
         built = slot_constructor(cls)(*args)

@@ -1,5 +1,5 @@
-"""Hypothesis state machine over the core under KV pressure: random submits, rounds, results, lost rounds,
-cancels, time.
+"""Hypothesis state machine over the core under KV pressure: random submits, rounds, results (some refusing a
+sequence, as a worker does with one that does not fit it), lost rounds, cancels, time.
 
 After every step: no block leaked or freed twice, refcounts and pins agree with their holders,
 free + used + cached == total, each live request is in exactly one place, terminal records are
@@ -23,6 +23,8 @@ from sluice.types import (
     PENDING_TOKEN,
     CoreEvents,
     NewRequest,
+    RefusedSeq,
+    RequestStatus,
     RoundPlan,
     RoundResult,
     SamplingParams,
@@ -75,6 +77,8 @@ class CoreMachine(RuleBasedStateMachine):
         self.reading: set[str] = set()
         self.tokens: dict[str, list[int]] = {}
         """Each accepted request's known tokens: its prompt, then the tokens that went out."""
+        self.refused_last: frozenset[str] = frozenset()
+        """Requests the last answered round refused: the worker drops the next round's pending decodes of them."""
 
     # ---- inputs ----------------------------------------------------------------------------
     @rule(
@@ -120,19 +124,37 @@ class CoreMachine(RuleBasedStateMachine):
             self.pending.append(plan)
 
     @precondition(lambda self: self.pending)
-    @rule(index=st.integers(0, 3), fault=st.sampled_from(["none", "none", "none", "error", "stale", "missing"]))
+    @rule(index=st.integers(0, 3),
+          fault=st.sampled_from(["none", "none", "none", "error", "stale", "missing", "refuse"]))
     def answer(self, index: int, fault: str) -> None:
         plan = self.pending.pop(index % len(self.pending))
         outputs = [
             SeqOutput(s.request_id, s.epoch, (token_for(s.request_id, s.output_index),) if s.sample else ())
             for s in plan.seqs
         ]
+        self._answer(plan, outputs, fault)
+
+    def _answer(self, plan: RoundPlan, outputs: list[SeqOutput], fault: str) -> None:
+        """Send the worker's answer with its fault: "refuse" takes out the first sequence (named in `refused`)
+        and, like the worker, the pending decodes of requests the round before refused."""
         if fault == "stale" and outputs:
             outputs.append(SeqOutput(outputs[0].request_id, outputs[0].epoch - 1, (1,)))
         if fault == "missing" and outputs:
             outputs.pop()
-        result = RoundResult(plan.round_id, tuple(outputs), error="worker fault" if fault == "error" else "")
+        dropped = {s.request_id for s in plan.seqs if s.token_ids == (PENDING_TOKEN,) and s.request_id in self.refused_last}
+        if dropped:
+            outputs = [o for o in outputs if o.request_id not in dropped]
+        refused: tuple[RefusedSeq, ...] = ()
+        if fault == "refuse" and plan.seqs:
+            bad = plan.seqs[0].request_id
+            refused = (RefusedSeq(bad, "seqs[0].token_ids", "token id 1000000000 is outside 0..31999"),)
+            outputs = [o for o in outputs if o.request_id != bad]
+        self.refused_last = frozenset(r.request_id for r in refused)
+        result = RoundResult(plan.round_id, tuple(outputs), error="worker fault" if fault == "error" else "",
+                             refused=refused)
         self._absorb(self.core.on_round_result(result, self.now))
+        for seq in refused:
+            assert self.core.request_status(seq.request_id) is not RequestStatus.RUNNING, "a refusal ends its request"
         self.answered.append(plan)
 
     @precondition(lambda self: self.pending)
@@ -264,7 +286,7 @@ class PipelinedCoreMachine(CoreMachine):
             self.pending.append(plan)
 
     @precondition(lambda self: self.pending)
-    @rule(fault=st.sampled_from(["none", "none", "none", "none", "error", "stale", "missing", "stop"]))
+    @rule(fault=st.sampled_from(["none", "none", "none", "none", "error", "stale", "missing", "stop", "refuse"]))
     def answer_oldest(self, fault: str) -> None:
         """The oldest round answers (in order); "stop" makes every sampled token an EOS."""
         self.answer(0, fault)
@@ -276,13 +298,7 @@ class PipelinedCoreMachine(CoreMachine):
                       if s.sample else ())
             for s in plan.seqs
         ]
-        if fault == "stale" and outputs:
-            outputs.append(SeqOutput(outputs[0].request_id, outputs[0].epoch - 1, (1,)))
-        if fault == "missing" and outputs:
-            outputs.pop()
-        result = RoundResult(plan.round_id, tuple(outputs), error="worker fault" if fault == "error" else "")
-        self._absorb(self.core.on_round_result(result, self.now))
-        self.answered.append(plan)
+        self._answer(plan, outputs, fault)
 
     @precondition(lambda self: self.pending)
     @rule()
