@@ -59,16 +59,20 @@ def test_a_refusal_pairs_the_other_outputs_by_request_even_in_another_order() ->
     check_invariants(core)
 
 
-def test_a_refused_request_the_round_ahead_reads_ends_once_and_its_blocks_wait_for_that_round() -> None:
-    """Pipelined: b is refused in round N while round N+1 already holds its pending decode. b ends FAILED at N's
-    result with its blocks still pinned; N+1's answer (without b: the worker dropped its pending decode) releases
-    them and ends nothing twice, while a decodes on to the end."""
+def _two_rounds_in_flight() -> tuple[SchedulerCore, RoundPlan, RoundPlan]:
+    """Return a core with a and b decoding and two pipelined rounds planned (N, and N+1 with pending decodes)."""
     core = make_core(block_size=4)
     for rid in ("a", "b"):
         core.submit(make_request(rid, prompt_len=4, max_tokens=4), 0.0)
     step(core, 0.0)
-    first = core.schedule(0.1, overlap=True)
-    ahead = core.schedule(0.1, overlap=True)
+    return core, core.schedule(0.1, overlap=True), core.schedule(0.1, overlap=True)
+
+
+def test_a_refused_request_the_round_ahead_reads_ends_once_and_its_blocks_wait_for_that_round() -> None:
+    """Pipelined: b is refused in round N while round N+1 already holds its pending decode. b ends FAILED at N's
+    result with its blocks still pinned; N+1's answer (without b: the worker dropped its pending decode) releases
+    them and ends nothing twice, while a decodes on to the end."""
+    core, first, ahead = _two_rounds_in_flight()
     assert [s.token_ids for s in ahead.seqs] == [(PENDING_TOKEN,)] * 2
     refused = (RefusedSeq("b", "seqs[1].block_table", "seqs[1]: device block 99 is outside 0..63"),)
     events = core.on_round_result(_answer(first, refused), 0.2)
@@ -91,12 +95,7 @@ def test_a_late_output_or_second_refusal_for_a_refused_request_never_resurrects_
     """If round N+1 answers with an output for the request refused in N (or refuses it again), the output is
     dropped and counted, the request stays FAILED with one Finished record, and its pinned blocks are released."""
     for late in ("output", "refusal"):
-        core = make_core(block_size=4)
-        for rid in ("a", "b"):
-            core.submit(make_request(rid, prompt_len=4, max_tokens=4), 0.0)
-        step(core, 0.0)
-        first = core.schedule(0.1, overlap=True)
-        ahead = core.schedule(0.1, overlap=True)
+        core, first, ahead = _two_rounds_in_flight()
         refused = (RefusedSeq("b", "seqs[1].sampling", "seqs[1]: top_p must be finite"),)
         assert [f.request_id for f in core.on_round_result(_answer(first, refused), 0.2).finished] == ["b"]
         if late == "output":
