@@ -98,7 +98,8 @@ class WorkerLink:
             wire.traces.extend(traces)
         try:
             await self._stream.write(wire)
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError) as exc:
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, ConnectionError, asyncio.InvalidStateError) as exc:
+            # InvalidStateError: the call ended (the worker went away) after the last answer was read.
             log.error("round %d: could not send the plan, the round is lost: %s", plan.round_id, exc)
             sent()
             self.drop_stream()
@@ -159,7 +160,7 @@ class WorkerLink:
                 if reply is grpc.aio.EOF:
                     raise ConnectionError("the worker closed the round stream")
             result = convert.result_from_proto(reply)
-        except (grpc.aio.AioRpcError, ConnectionError) as exc:
+        except (grpc.aio.AioRpcError, ConnectionError, asyncio.InvalidStateError) as exc:
             detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             log.error("round %d: worker call failed, the round is lost: %s", plan.round_id, detail)
             for callback in pending:
