@@ -87,12 +87,15 @@ CachedBlocks = Callable[[ReplicaCache, tuple[int, ...], float], int]
 def predict_ttft(replica: Replica, query: RouteQuery, cached: int) -> tuple[float, float, float]:
     """Return (predicted TTFT, queue wait, prefill time) of `query` on `replica`; the hot loop of SCORE.
 
-    Queue wait: the queued prefill tokens (reported and routed since) at the prefill rate, plus, while
-    the replica is busy, one decode round for the round already planned ahead (pipelining: a request
-    arriving mid-round is first planned in the round after next). Prefill: the uncached tokens at the
-    rate plus their attention to the whole prompt (`prefill_pair_s` per pair). The TTFT adds what the
-    prefill's rounds take beyond that: each of its chunks is a round, and no round is shorter than a
-    decode round (the weights are read once a round, decodes riding along).
+    Queue wait: the queued prefill tokens (reported and routed since) at the prefill rate; while the
+    replica runs requests, plus one decode round per chunk of that queue (every round carries the
+    decodes) and 1.5 rounds for the rounds in flight, whose tokens the queue no longer counts
+    (pipelining: a request arriving mid-round is first planned in the round after next; half the
+    current round is left on average). Prefill: the uncached tokens at the rate plus their attention
+    to the whole prompt (`prefill_pair_s` per pair). The TTFT adds what the prefill's rounds take
+    beyond that: while decodes run, one decode round per chunk; on an idle replica, no round is
+    shorter than a decode round. A measured rate goes with the measured decode round (it was
+    measured net of it), the registered rate with the registered one.
     """
     spec, load = replica.spec, replica.load
     cached_tokens = cached * spec.block_size
@@ -111,7 +114,7 @@ def predict_ttft(replica: Replica, query: RouteQuery, cached: int) -> tuple[floa
         prefill += spec.prefill_pair_s * 0.5 * (prompt * prompt - cached_tokens * cached_tokens)
     if load.running or replica.inflight:
         ahead_s = min(queued, chunk) / rate + (load.decode_round_s or spec.decode_round_s)
-        queue_wait += -(-queued // chunk) * decode_round_s + ahead_s
+        queue_wait += -(-queued // chunk) * decode_round_s + 1.5 * ahead_s
         rounds_s = prefill + own_rounds * decode_round_s
     else:
         rounds_s = max(prefill, own_rounds * (load.decode_round_s or spec.decode_round_s))

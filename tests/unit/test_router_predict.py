@@ -51,30 +51,30 @@ def test_long_prompts_pay_attention_to_the_whole_prompt() -> None:
 
 
 def test_queue_with_running_decodes_costs_a_decode_round_per_chunk_and_the_round_planned_ahead() -> None:
-    """2,500 queued tokens while decodes run: 0.25 s at the rate + 3 chunks of decodes + one round planned ahead
-    (1,000 tokens + a decode round); the own 500 tokens add 0.05 s and one round of decodes."""
+    """2,500 queued tokens while decodes run: 0.25 s at the rate + 3 chunks of decodes + 1.5 rounds in flight
+    (1,000 tokens + a decode round each); the own 500 tokens add 0.05 s and one round of decodes."""
     load = ReplicaLoad(running=4, queued_prefill_tokens=2500)
     ttft, queue, prefill = predict_ttft(replica(load), ask(500), cached=0)
     ahead = CHUNK / RATE + DECODE_S
-    assert queue == pytest.approx(0.25 + 3 * DECODE_S + ahead)
+    assert queue == pytest.approx(0.25 + 3 * DECODE_S + 1.5 * ahead)
     assert prefill == pytest.approx(0.05)
     assert ttft == pytest.approx(queue + 0.05 + DECODE_S)
 
 
 def test_routed_requests_count_as_busy_before_any_heartbeat() -> None:
-    """A replica with requests routed but not yet reported is busy: the round planned ahead is paid."""
+    """A replica with requests routed but not yet reported is busy: the rounds in flight are paid."""
     ttft, queue, _ = predict_ttft(replica(inflight=1), ask(500), cached=0)
-    assert queue == pytest.approx(DECODE_S)  # routed prompts of 0 tokens: an empty queue, one decode round ahead
-    assert ttft == pytest.approx(DECODE_S + 0.05 + DECODE_S)
+    assert queue == pytest.approx(1.5 * DECODE_S)  # routed prompts of 0 tokens: an empty queue, decode rounds in flight
+    assert ttft == pytest.approx(1.5 * DECODE_S + 0.05 + DECODE_S)
 
 
 def test_a_measured_rate_goes_with_the_decode_round_it_was_measured_net_of() -> None:
     """Measured 20k tokens/s with no decode-only round seen (decode 0): the queue's chunks add no decode rounds,
-    since the measured rate already holds them; the round planned ahead still takes the registered decode round."""
+    since the measured rate already holds them; the rounds in flight still take the registered decode round."""
     load = ReplicaLoad(running=4, queued_prefill_tokens=2500, prefill_tokens_per_s=20_000.0)
     ttft, queue, prefill = predict_ttft(replica(load), ask(500), cached=0)
-    assert queue == pytest.approx(2500 / 20_000 + CHUNK / 20_000 + DECODE_S)
+    assert queue == pytest.approx(2500 / 20_000 + 1.5 * (CHUNK / 20_000 + DECODE_S))
     assert ttft == pytest.approx(queue + 500 / 20_000)
     measured = ReplicaLoad(running=4, queued_prefill_tokens=2500, prefill_tokens_per_s=20_000.0, decode_round_s=0.02)
     _, queue2, _ = predict_ttft(replica(measured), ask(500), cached=0)
-    assert queue2 == pytest.approx(2500 / 20_000 + 3 * 0.02 + CHUNK / 20_000 + 0.02)
+    assert queue2 == pytest.approx(2500 / 20_000 + 3 * 0.02 + 1.5 * (CHUNK / 20_000 + 0.02))
