@@ -71,6 +71,9 @@ class ReplicaSpec:
     """Prefill throughput, for the predicted prefill and queue time."""
     decode_round_s: float = 0.01
     """Time of a decode round, the interference a prefill chunk suffers while decodes run."""
+    prefill_pair_s: float = 0.0
+    """Seconds per attended (prompt token, earlier token) pair beyond the prefill rate: a long prompt's
+    later chunks attend to all of it, so its prefill grows with its square (0: not modelled)."""
 
 
 @dataclass

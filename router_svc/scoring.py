@@ -85,18 +85,40 @@ CachedBlocks = Callable[[ReplicaCache, tuple[int, ...], float], int]
 
 
 def predict_ttft(replica: Replica, query: RouteQuery, cached: int) -> tuple[float, float, float]:
-    """Return (predicted TTFT, queue wait, prefill time) of `query` on `replica`; the hot loop of SCORE."""
+    """Return (predicted TTFT, queue wait, prefill time) of `query` on `replica`; the hot loop of SCORE.
+
+    Queue wait: the queued prefill tokens (reported and routed since) at the prefill rate; while the
+    replica runs requests, plus one decode round per chunk of that queue (every round carries the
+    decodes) and 1.5 rounds for the rounds in flight, whose tokens the queue no longer counts
+    (pipelining: a request arriving mid-round is first planned in the round after next; half the
+    current round is left on average). Prefill: the uncached tokens at the rate plus their attention
+    to the whole prompt (`prefill_pair_s` per pair). The TTFT adds what the prefill's rounds take
+    beyond that: while decodes run, one decode round per chunk; on an idle replica, no round is
+    shorter than a decode round. A measured rate goes with the measured decode round (it was
+    measured net of it), the registered rate with the registered one.
+    """
     spec, load = replica.spec, replica.load
-    uncached_tokens = max(query.prompt_tokens - cached * spec.block_size, 1)
-    rate = load.prefill_tokens_per_s or spec.prefill_tokens_per_s
-    rate = rate if rate > 0 else 1e-9
-    decode_round_s = load.decode_round_s or spec.decode_round_s
-    queue_wait = (load.queued_prefill_tokens + replica.unreported_tokens) / rate
+    cached_tokens = cached * spec.block_size
+    uncached_tokens = max(query.prompt_tokens - cached_tokens, 1)
+    if load.prefill_tokens_per_s > 0:  # measured: the rate and the decode round it was measured net of
+        rate, decode_round_s = load.prefill_tokens_per_s, load.decode_round_s
+    else:
+        rate, decode_round_s = (spec.prefill_tokens_per_s if spec.prefill_tokens_per_s > 0 else 1e-9), spec.decode_round_s
+    chunk = max(spec.max_num_batched_tokens, 1)
+    own_rounds = -(-uncached_tokens // chunk)
+    queued = load.queued_prefill_tokens + replica.unreported_tokens
+    queue_wait = queued / rate
     prefill = uncached_tokens / rate
-    interference = 0.0
+    if spec.prefill_pair_s:
+        prompt = cached_tokens + uncached_tokens
+        prefill += spec.prefill_pair_s * 0.5 * (prompt * prompt - cached_tokens * cached_tokens)
     if load.running or replica.inflight:
-        interference = -(-uncached_tokens // max(spec.max_num_batched_tokens, 1)) * decode_round_s
-    return queue_wait + prefill + interference, queue_wait, prefill
+        ahead_s = min(queued, chunk) / rate + (load.decode_round_s or spec.decode_round_s)
+        queue_wait += -(-queued // chunk) * decode_round_s + 1.5 * ahead_s
+        rounds_s = prefill + own_rounds * decode_round_s
+    else:
+        rounds_s = max(prefill, own_rounds * (load.decode_round_s or spec.decode_round_s))
+    return queue_wait + rounds_s, queue_wait, prefill
 
 
 def load_key(replica: Replica) -> tuple[int, str]:

@@ -112,6 +112,25 @@ def jain_index(values: Sequence[float]) -> float | None:
     return float(array.sum() ** 2 / (array.size * square_sum))
 
 
+def prediction_error(records: Iterable[RequestRecord], predicted: Mapping[str, tuple[float, float]]) -> dict[str, object]:
+    """Return how the router's predicted TTFT compared with the actual one, per ok request with a first token.
+
+    `predicted` maps a request id to (time it was routed, predicted TTFT); the actual TTFT is
+    first_token_s - that time (a retried request's last routing). "ratio" is actual / predicted;
+    "under" the fraction of requests whose actual TTFT exceeded the prediction.
+    """
+    ratios = []
+    for record in records:
+        routed = predicted.get(record.request_id)
+        if routed is None or record.status != "ok" or record.first_token_s is None:
+            continue
+        at, ttft = routed
+        ratios.append((record.first_token_s - at) / max(ttft, 1e-9))
+    under = sum(1 for r in ratios if r > 1.0)
+    return {"requests": len(ratios), "ratio": percentiles(ratios),
+            "under": under / len(ratios) if ratios else None}
+
+
 def _inter_token_gaps(records: Sequence[RequestRecord]) -> np.ndarray:
     gaps = [
         np.diff(np.asarray(r.token_times, dtype=float))

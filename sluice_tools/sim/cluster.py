@@ -82,6 +82,8 @@ class Simulator:
         ]
         self.requests = sorted(requests, key=lambda r: r.arrival_s)
         self.records: dict[str, RequestRecord] = {}
+        self.predicted: dict[str, tuple[float, float]] = {}
+        """Admitted request id -> (time routed, the router's predicted TTFT), for the prediction error."""
         self.series: dict[str, list[tuple[float, float]]] = {k: [] for k in (
             "waiting", "running", "kv_used_frac", "replicas_ready", "admission_active", "prefix_hit_rate",
             "preemptions", "recomputed_tokens")}
@@ -233,6 +235,7 @@ class Simulator:
             self.router.on_request_done(replica.replica_id, rid, now)
             self._reject(request, record, f"over budget {refusal.budget}", refusal.retry_after_s)
             return
+        self.predicted[rid] = (now, decision.predicted_ttft_s)
         delay = self.config.submit_delay_s
         if self._cpu is not None:
             delay = self._cpu.submit_delay(now, delay)

@@ -52,6 +52,8 @@ def replica_spec(replica_id: str, model: str, cost: CostModel, block_size: int, 
     chunk = min(max_num_batched_tokens, 2048)
     prefill_s = cost.shape_time(RoundShape(chunk, chunk * (chunk + 1) // 2, chunk, chunk, 1))
     decode_s = cost.shape_time(RoundShape(32, 32 * 1000, 32 * 1000, 32, 32))
+    far = 32 * chunk  # the same chunk behind a long context: what each context token adds to its attention
+    far_s = cost.shape_time(RoundShape(chunk, chunk * far + chunk * (chunk + 1) // 2, far + chunk, chunk, 1))
     return ReplicaSpec(
         replica_id=replica_id,
         model=model,
@@ -60,4 +62,5 @@ def replica_spec(replica_id: str, model: str, cost: CostModel, block_size: int, 
         max_num_batched_tokens=max_num_batched_tokens,
         prefill_tokens_per_s=chunk / prefill_s,
         decode_round_s=decode_s,
+        prefill_pair_s=max(far_s - prefill_s, 0.0) / (chunk * far),
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from sluice_tools.metrics import FairnessWeights, RequestRecord, summarize
+from sluice_tools.metrics import FairnessWeights, RequestRecord, prediction_error, summarize
 from sluice_tools.sim.cluster import Simulator
 from sluice_tools.sim.config import SimConfig
 from sluice_tools.sim.fleet import FleetConfig, FleetSimulator
@@ -28,7 +28,8 @@ def simulate(
 ) -> SimResult:
     """Run `requests` through a simulated deployment and return its result.
 
-    The summary carries a "sim" section: simulated seconds, wall seconds, their ratio, rounds.
+    The summary carries a "ttft_prediction" section (the router's predicted TTFT against the actual
+    one, `sluice_tools.metrics.prediction_error`) and a "sim" section: simulated seconds, wall seconds, their ratio, rounds.
     With `fleet`, the planner sizes the fleet (sluice_tools/sim/fleet.py) and the summary has a "fleet"
     section (GPU-seconds, scale events, time to ready, drain durations, migrations).
     `progress`, if given, is called with the simulated time once per simulated sample interval.
@@ -74,6 +75,7 @@ def simulate(
         "overcommitted_growths": stats.overcommitted_growths,
         "reclaimed_output_tokens": stats.reclaimed_output_tokens,
     }
+    summary["ttft_prediction"] = prediction_error(records, simulator.predicted)
     if isinstance(simulator, FleetSimulator):
         summary["fleet"] = simulator.report.to_dict()
     return SimResult(config, records, simulator.series, summary)

@@ -228,10 +228,12 @@ def test_measured_rates_in_heartbeats_replace_the_registered_ones(redis_url: str
             await h.stub.Heartbeat(router_pb2.HeartbeatRequest(
                 replica_id="A", state=router_pb2.READY,
                 load=router_pb2.ReplicaLoad(running=1, prefill_tokens_per_s=3_200.0, decode_round_s=0.05)))
-            # 640 uncached tokens at 3200 tok/s, plus one measured decode round of interference (one chunk).
-            assert (await _route(h, "q2")).predicted_ttft_s == pytest.approx(640 / 3_200 + 0.05)
+            # 640 uncached tokens at 3200 tok/s, plus one measured decode round of interference (one chunk),
+            # plus 1.5 measured decode rounds in flight (pipelining: the queue is empty, the rounds are decodes).
+            assert (await _route(h, "q2")).predicted_ttft_s == pytest.approx(640 / 3_200 + 0.05 + 1.5 * 0.05)
             await _heartbeat(h, "A", router_pb2.READY)
-            assert (await _route(h, "q3")).predicted_ttft_s == pytest.approx(640 / 16_000 + 0.01)
+            # q1 and q2 are routed here, not done: busy, so 1.5 registered decode rounds in flight.
+            assert (await _route(h, "q3")).predicted_ttft_s == pytest.approx(640 / 16_000 + 0.01 + 1.5 * 0.01)
     asyncio.run(body())
 
 

@@ -61,7 +61,7 @@ class Services:
             replica_id=spec.replica_id, model=spec.model, scheduler_address=spec.address, state=router_pb2.WARMING,
             block_size=spec.block_size, num_blocks=spec.num_blocks,
             max_num_batched_tokens=spec.max_num_batched_tokens, prefill_tokens_per_s=spec.prefill_tokens_per_s,
-            decode_round_s=spec.decode_round_s)
+            decode_round_s=spec.decode_round_s, prefill_pair_s=spec.prefill_pair_s)
         driver = Driver(core, None, None, replica_id=spec.replica_id, model_id=spec.model,  # type: ignore[arg-type]
                         eos_token_id=0)
         self.agents[spec.replica_id] = ReplicaAgent(driver, None, replica)  # type: ignore[arg-type]
