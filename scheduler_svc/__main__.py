@@ -59,6 +59,9 @@ class SchedulerOptions(serve.BusOptions):
     """Prefill speed told to the router for its TTFT prediction."""
     decode_round_s: float = 0.01
     """Seconds of one decode round, told to the router for its TTFT prediction."""
+    prefill_pair_s: float = 0.0
+    """Attention seconds per (token, earlier token) pair of a prompt, told to the router for its TTFT prediction of
+    long prompts (router_svc.scoring.predict_ttft); 0 leaves that term out."""
     heartbeat_interval: float = 1.0
     """Seconds between heartbeats to the router."""
     drain_timeout: float = 30.0
@@ -114,7 +117,8 @@ async def start(ctx: serve.ServiceContext, options: SchedulerOptions) -> serve.S
             port=options.port, host=options.host, advertise_host=options.advertise_host,
             core_overrides=core_overrides(options), metrics=metrics, heartbeat_interval_s=options.heartbeat_interval,
             prefill_tokens_per_s=options.prefill_tokens_per_s, decode_round_s=options.decode_round_s,
-            use_stream=not options.unary, publish_first_max_tokens=options.publish_first_max_tokens,
+            prefill_pair_s=options.prefill_pair_s, use_stream=not options.unary,
+            publish_first_max_tokens=options.publish_first_max_tokens,
             tls_files=serve.tls_files(options, "scheduler"), bus_alive=_bus_alive(ctx),
             drain_timeout_s=options.drain_timeout, pipeline=not options.no_pipeline)
     except (TimeoutError, ValueError) as exc:

@@ -342,7 +342,7 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
                         port: int = 0, host: str = "127.0.0.1", advertise_host: str = "127.0.0.1",
                         core_overrides: dict[str, object] | None = None, metrics: SchedulerMetrics | None = None,
                         heartbeat_interval_s: float = 1.0, prefill_tokens_per_s: float = 10_000.0,
-                        decode_round_s: float = 0.01, use_stream: bool = True,
+                        decode_round_s: float = 0.01, prefill_pair_s: float = 0.0, use_stream: bool = True,
                         worker_timeout_s: float = 120.0, publish_first_max_tokens: int = 64,
                         tls_files: TlsFiles | None = None,
                         bus_alive: Callable[[], bool] = lambda: True,
@@ -373,7 +373,7 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
             replica_id=replica_id, model=info.model_id, scheduler_address=f"{advertise_host}:{bound}",
             state=router_pb2.WARMING, block_size=info.block_size, num_blocks=info.num_blocks,
             max_num_batched_tokens=core.config.max_num_batched_tokens, prefill_tokens_per_s=prefill_tokens_per_s,
-            decode_round_s=decode_round_s)
+            decode_round_s=decode_round_s, prefill_pair_s=prefill_pair_s)
         agent = ReplicaAgent(driver, router_pb2_grpc.RouterServiceStub(router_channel), replica,
                              heartbeat_interval_s, drain_timeout_s=drain_timeout_s)
         ready = asyncio.Event()

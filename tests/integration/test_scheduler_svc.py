@@ -42,7 +42,7 @@ class Replica:
 async def _replica(redis_url: str, namespace: str, *, num_blocks: int = 64, emulate_time: bool = False,
                    router_address: str = "", core_overrides: dict[str, object] | None = None,
                    pipeline: bool = True, use_stream: bool = True,
-                   worker_max_model_len: int | None = None) -> AsyncIterator[Replica]:
+                   worker_max_model_len: int | None = None, prefill_pair_s: float = 0.0) -> AsyncIterator[Replica]:
     """A cost-model worker and a scheduler replica "r1" in front of it, publishing on a real Redis."""
     worker = await start_worker_server(WorkerRuntime(
         lambda: CostModel("llama-3-8b", "h200", max_model_len=worker_max_model_len),
@@ -51,7 +51,7 @@ async def _replica(redis_url: str, namespace: str, *, num_blocks: int = 64, emul
     bus = Bus(client, namespace)
     replica = await start_replica(replica_id="r1", worker_address=f"127.0.0.1:{worker.port}", bus=bus,
                                   router_address=router_address, heartbeat_interval_s=0.1, pipeline=pipeline,
-                                  use_stream=use_stream,
+                                  use_stream=use_stream, prefill_pair_s=prefill_pair_s,
                                   core_overrides={"max_model_len": 4096, **(core_overrides or {})})
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{replica.port}")
     try:
@@ -546,6 +546,28 @@ def test_heartbeats_carry_measured_round_rates_that_the_router_scores_with(redis
                                                                 prompt_tokens=1000))
             assert routed.predicted_ttft_s == pytest.approx(1000 / load.prefill_tokens_per_s)
     asyncio.run(body())
+
+
+def test_a_registered_attention_cost_reaches_the_routers_prediction(redis_url: str, namespace: str) -> None:
+    """A scheduler started with prefill_pair_s registers it; the router's prediction for a long prompt on the idle
+    replica adds the prompt's attention pairs at that cost (the term the simulator's replicas register)."""
+    pair_s = 2e-9
+
+    async def body() -> None:
+        async with _router_at(redis_url, namespace) as (runtime, router, address), \
+                _replica(redis_url, namespace, router_address=address, prefill_pair_s=pair_s):
+            await _wait_for(lambda: _registered(runtime))
+            assert runtime.core.replicas()[0].spec.prefill_pair_s == pair_s
+            routed = await router.Route(router_pb2.RouteRequest(request_id="p", model="llama-3-8b",
+                                                                prompt_tokens=20_000))
+            spec = runtime.core.replicas()[0].spec
+            assert routed.predicted_ttft_s == pytest.approx(
+                20_000 / spec.prefill_tokens_per_s + pair_s * 0.5 * 20_000 ** 2)
+    asyncio.run(body())
+
+
+async def _registered(runtime: RouterRuntime) -> bool:
+    return bool(runtime.core.replicas())
 
 
 async def _idle(runtime: RouterRuntime) -> bool:
