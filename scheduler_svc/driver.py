@@ -166,6 +166,11 @@ class Driver:
         in_flight: tuple[RoundPlan, float] | None = None
         while not stop.is_set():
             if not self.link.serving:
+                if in_flight is not None:
+                    # Marked down (a failed probe) with a round in flight: its answer would come on the stream
+                    # dropped below, so it is lost like any round of a broken stream (its requests recomputed).
+                    self._lost(in_flight[0].round_id)
+                    in_flight = None
                 reporter.flush_deferred()
                 self.link.drop_stream()
                 await self._await_worker(stop)

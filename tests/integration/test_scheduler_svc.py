@@ -717,3 +717,31 @@ def test_a_request_lost_with_the_worker_more_than_max_lost_rounds_fails_with_the
             r.worker = await start_worker_server(
                 WorkerRuntime(lambda: CostModel("llama-3-8b", "h200"), num_blocks=256), port=port)
     asyncio.run(body())
+
+
+def test_a_failed_worker_probe_with_rounds_in_flight_loses_them_and_every_request_still_finishes_exactly(
+        redis_url: str, namespace: str) -> None:
+    """The worker is marked down (as a health probe that timed out under load does) while pipelined rounds are in
+    flight, and answers again at once: the loop counts those rounds lost before it drops their stream, so the
+    requests they carried are recomputed; no later plan asks the worker for a pending token of a round it never
+    answered, and both requests finish FINISHED_LENGTH with exactly the cost model's tokens."""
+    async def body() -> None:
+        async with _replica(redis_url, namespace, num_blocks=256, emulate_time=True) as r:
+            for rid in ("p1", "p2"):
+                await r.stub.Submit(_submit(rid, max_tokens=120))
+
+            async def streaming() -> bool:
+                return len(await _tokens(r.bus)) >= 20
+
+            await _wait_for(streaming)
+            driver = r.replica.driver
+            assert driver.core.stats().running == 2
+            driver.link.set_serving(False)  # what WorkerLink.probe does when the health check fails
+            done = await _completions(r.bus, 2, timeout=30)
+            assert sorted((c.request_id, c.status) for c in done) == [
+                ("p1", common_pb2.FINISHED_LENGTH), ("p2", common_pb2.FINISHED_LENGTH)]
+            model = CostModel("llama-3-8b", "h200")
+            for rid in ("p1", "p2"):
+                assert await _output_tokens(r.bus, rid) == [model.token_for(rid, 40 + i) for i in range(120)]
+            assert all(c.usage.preemptions >= 1 for c in done), "the in-flight rounds were lost and recomputed"
+    asyncio.run(body())
