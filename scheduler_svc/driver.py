@@ -20,7 +20,8 @@ Theory of operation
 - Idle: with nothing to plan, the loop sleeps on one future that Submit, Cancel, the worker link and `stop`
   resolve (`wake_up`), so a new request's first round is planned one loop turn after its Submit.
 - Deadlines: the loop sleeps at most until `core.next_deadline()` and calls `expire` then.
-- The worker: a call that breaks loses the round in flight. Nothing of it is known to be computed
+- The worker: a call that breaks loses the round in flight, and so does a worker marked down by a failed
+  health probe while a round is in flight (its stream is dropped). Nothing of it is known to be computed
   and the worker's KV is gone, so `core.on_round_lost` re-queues its requests to be recomputed
   (a request lost in more than `max_lost_rounds` consecutive rounds fails; cancelling ones end).
   The loop then runs no rounds until the worker answers again: queued requests wait (their
