@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -279,6 +280,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         spec = convert.spec_from_proto(request.replica)
         if not spec.replica_id or not spec.model:
             raise errors.InvalidArgument("a replica needs replica_id and model", field_name="replica")
+        for name in ("prefill_tokens_per_s", "decode_round_s", "prefill_pair_s"):
+            value = getattr(spec, name)
+            if not math.isfinite(value) or value < 0:  # the TTFT prediction would run backwards or not at all
+                raise errors.InvalidArgument(f"replica {spec.replica_id!r}: {name} must be a finite number >= 0, "
+                                             f"got {value}", field_name=f"replica.{name}")
         state = self.core.register(spec, self.runtime.clock())
         log.info("replica %s registered (%s at %s)", spec.replica_id, spec.model, spec.address)
         self.runtime.on_registered(spec.replica_id)

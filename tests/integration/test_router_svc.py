@@ -369,3 +369,24 @@ def test_a_scheduler_back_on_its_address_is_not_taken_out_by_a_later_report(redi
             outcomes = h.runtime.metrics.unreachable_reports
             assert [outcomes.labels(o)._value.get() for o in ("confirmed", "refuted")] == [1, 1]
     asyncio.run(body())
+
+
+def test_a_registration_with_a_negative_or_infinite_rate_is_refused_naming_the_field(redis_url: str,
+                                                                                    namespace: str) -> None:
+    """RegisterReplica with a negative prefill_pair_s, an infinite decode round or a negative prefill rate answers
+    INVALID_ARGUMENT naming the field, and registers nothing (the replica list stays as it was)."""
+    async def body() -> None:
+        async with _router(redis_url, namespace) as h:
+            before = await h.stub.ListReplicas(router_pb2.ListReplicasRequest())
+            for name, value in (("prefill_pair_s", -1e-9), ("decode_round_s", float("inf")),
+                                ("prefill_tokens_per_s", -5.0)):
+                replica = router_pb2.Replica(replica_id="bad", model="m", block_size=16, num_blocks=10,
+                                             prefill_tokens_per_s=16_000.0, decode_round_s=0.01)
+                setattr(replica, name, value)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await h.stub.RegisterReplica(router_pb2.RegisterReplicaRequest(replica=replica))
+                details = details_of(err.value)
+                assert (details.code, details.field_name) == (grpc.StatusCode.INVALID_ARGUMENT, f"replica.{name}")
+            after = await h.stub.ListReplicas(router_pb2.ListReplicasRequest())
+            assert [r.replica_id for r in after.replicas] == [r.replica_id for r in before.replicas]
+    asyncio.run(body())
