@@ -312,7 +312,7 @@ class FrontDoor:
         """Ask the router for the record's current attempt; record where it goes. Raises grpc.aio.AioRpcError."""
         route = await self.router.Route(router_pb2.RouteRequest(
             request_id=record.attempt_id, model=self.model.model_id, adapter_version=call.adapter_version,
-            block_hashes=hashes, prompt_tokens=len(ids), max_tokens=call.sampling.max_tokens),
+            block_hashes=hashes, prompt_tokens=len(ids), max_tokens=call.sampling.max_tokens, tenant=record.tenant),
             metadata=metadata, timeout=self.config.downstream_timeout_s)
         record.timestamps.routed = time.time()
         record.replica_id, record.scheduler_address = route.replica_id, route.scheduler_address

@@ -39,6 +39,9 @@ class RouterOptions(serve.BusOptions):
     load_bound: float = _CORE.load_bound
     """Score policy: at 1 or above, skip replicas holding load_bound x the mean outstanding requests (bounded
     loads); 0 turns the bound off."""
+    tenant_spread: int = _CORE.tenant_spread
+    """Score policy: at 1 or above, skip replicas holding more than this many routed requests of the caller's
+    tenant beyond the least one (fleet-wide fair share from per-replica fair queues); 0 turns it off."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,12 +56,15 @@ def parse_args(argv: Sequence[str] | None = None) -> RouterOptions:
 
 def router_config(options: RouterOptions) -> RouterConfig:
     """Return the core's configuration; raises serve.StartupError for an unknown policy or a bad value."""
+    if options.tenant_spread < 0:
+        raise serve.StartupError(f"--tenant-spread must be >= 0, got {options.tenant_spread}")
     if options.prefill_weight <= 0:
         raise serve.StartupError(f"--prefill-weight must be > 0, got {options.prefill_weight}")
     try:
         return RouterConfig(policy=RoutingPolicy.parse(options.policy), prediction_ttl_s=options.prediction_ttl,
                             heartbeat_timeout_s=options.heartbeat_timeout, seed=options.seed,
-                            prefill_weight=options.prefill_weight, load_bound=options.load_bound)
+                            prefill_weight=options.prefill_weight, load_bound=options.load_bound,
+                            tenant_spread=options.tenant_spread)
     except ValueError as exc:
         raise serve.StartupError(str(exc)) from exc
 

@@ -58,6 +58,10 @@ class RouterConfig:
     load_bound: float = 0.0
     """SCORE only: at 1 or above, a replica whose outstanding requests reach ceil(load_bound x (fleet
     total + 1) / replicas) is not a candidate (consistent hashing with bounded loads); 0: no bound."""
+    tenant_spread: int = 0
+    """SCORE only: at 1 or above, a replica where one more request of the caller's tenant would hold more than
+    `tenant_spread` of them beyond the least such replica is not a candidate: each tenant's requests spread evenly, so every replica's
+    fair queue sees every busy tenant and per-replica fair share adds up to fleet-wide fair share; 0: off."""
 
 
 class RouterCore:
@@ -71,7 +75,7 @@ class RouterCore:
                                   rng=random.Random(self.config.seed),
                                   tie_tolerance_s=self.config.tie_tolerance_s,
                                   prefill_weight=self.config.prefill_weight,
-                                  load_bound=self.config.load_bound)
+                                  load_bound=self.config.load_bound, tenant_spread=self.config.tenant_spread)
         self.routed = 0
 
     # ---- fleet ----------------------------------------------------------------------------
@@ -175,6 +179,9 @@ class RouterCore:
     def _record(self, replica: Replica, query: RouteQuery, cached: int, now: float) -> None:
         uncached = max(query.prompt_tokens - cached * replica.spec.block_size, 0)
         replica.inflight[query.request_id] = uncached
+        if query.tenant:
+            replica.inflight_tenants[query.request_id] = query.tenant
+            replica.tenant_inflight[query.tenant] = replica.tenant_inflight.get(query.tenant, 0) + 1
         replica.unreported_tokens += uncached
         self.routed += 1
         self.index.predict(replica.cache, query.block_hashes, now)
@@ -184,3 +191,10 @@ class RouterCore:
         replica = self.fleet.find(replica_id)
         if replica is not None:
             replica.inflight.pop(request_id, None)
+            tenant = replica.inflight_tenants.pop(request_id, None)
+            if tenant is not None:
+                left = replica.tenant_inflight.get(tenant, 0) - 1
+                if left > 0:
+                    replica.tenant_inflight[tenant] = left
+                else:
+                    replica.tenant_inflight.pop(tenant, None)

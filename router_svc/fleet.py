@@ -89,6 +89,10 @@ class Replica:
     """Uncached prompt tokens routed here since the last heartbeat (queued, but not yet reported)."""
     inflight: dict[str, int] = field(default_factory=dict)
     """Routed requests not yet done: request id -> uncached prompt tokens."""
+    inflight_tenants: dict[str, str] = field(default_factory=dict)
+    """Routed requests not yet done that named a tenant: request id -> tenant."""
+    tenant_inflight: dict[str, int] = field(default_factory=dict)
+    """Routed requests not yet done, per tenant (what --tenant-spread balances)."""
 
 
 @dataclass(frozen=True)

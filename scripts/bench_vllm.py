@@ -229,6 +229,7 @@ def main() -> int:
     config = StackConfig(replicas=2, engine="vllm", model="tiny", run_dir=run_dir, http_port=0, start_timeout_s=900,
                          config_file=str(run_dir / "sluice.toml"),
                          scheduler_args=("--policy", "fair", "--max-inflight", "4"), engine_args=("--max-num-seqs", "4"),
+                         router_args=("--tenant-spread", "1"),
                          env=(("SLUICE_TRACE_FILE", str(trace_file)),))
     started = time.monotonic()
     results: dict[str, Any] = {}

@@ -8,6 +8,7 @@ stop every supervisor of these processes uses.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import time
@@ -120,7 +121,11 @@ class Proc:
             self.ready_after_s = time.monotonic() - self.launched_at
 
     def launch(self) -> None:
-        """Start (or start again) the process, appending to its log, in a new session."""
+        """Start (or start again) the process, appending to its log, in a new session.
+
+        Before a restart, what is left of the previous incarnation's session is killed: a vLLM server's engine
+        core outlives a kill -9 of its API server and would keep its ports."""
+        self.reap_session()
         self.log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         self.launched_at, self.ready_after_s = time.monotonic(), None
         self.metrics_url = ""  # the previous incarnation's endpoint is gone with it
@@ -128,6 +133,24 @@ class Proc:
             # A new session: a Ctrl-C in the terminal reaches only `sluice up`, which stops children in order.
             self.popen = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                           env=self.env, cwd=str(REPO_ROOT), start_new_session=True)
+
+    def reap_session(self, timeout_s: float = 10.0) -> None:
+        """SIGKILL every process left in the previous incarnation's session (its own process group) and wait
+        until they are gone; nothing when there was none."""
+        if self.popen is None:
+            return
+        group = self.popen.pid  # start_new_session: the group id is the leader's pid
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(group, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(group, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            time.sleep(0.05)
 
     def log_tail(self, limit: int = 3000) -> str:
         """Return the end of the process's log."""
@@ -186,12 +209,15 @@ def proc_serving(proc: Proc, timeout_s: float = 1.0, files: TlsFiles | None = No
 
 
 def terminate(proc: Proc, timeout_s: float) -> None:
-    """SIGTERM `proc` and wait `timeout_s` for it; SIGKILL it after that."""
-    if not proc.alive() or proc.popen is None:
+    """SIGTERM `proc` and wait `timeout_s` for it; SIGKILL it after that, and whatever it left in its session."""
+    if proc.popen is None:
         return
-    proc.popen.send_signal(signal.SIGTERM)
-    try:
-        proc.popen.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.popen.kill()
-        proc.popen.wait(timeout=5)
+    if proc.alive():
+        proc.popen.send_signal(signal.SIGTERM)
+        try:
+            proc.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.popen.kill()
+            proc.popen.wait(timeout=5)
+    if proc.http_health:  # an engine: its children (vLLM's engine core) must not outlive it
+        proc.reap_session(timeout_s=5.0)

@@ -4,7 +4,8 @@ Started once (vLLM takes 15-190 s to be ready: torch.compile with an on-disk cac
 in this folder; the tests that kill or drain an engine come last in test_vllm_engines.py. The engines run
 `--max-num-seqs 4` with Sluice's scheduler class inside (fair share, weights gold=2, bronze=1), and each
 agent dispatches at most 4 requests (`--max-inflight 4`): the gateway's queue decides the order behind Sluice,
-the class decides it for requests sent straight to an engine.
+the class decides it for requests sent straight to an engine. The router spreads each tenant's requests evenly
+(`--tenant-spread 1`), so that every agent's fair queue sees both tenants.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def vllm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     config.write_text(CONFIG)
     stack_config = StackConfig(
         replicas=2, engine="vllm", model="tiny", config_file=str(config), run_dir=run_dir, http_port=0,
-        start_timeout_s=900, drain_timeout_s=5, scheduler_args=("--policy", "fair", "--max-inflight", "4", "--drain-timeout", "3"),
+        start_timeout_s=900, drain_timeout_s=5, router_args=("--tenant-spread", "1"), scheduler_args=("--policy", "fair", "--max-inflight", "4", "--drain-timeout", "3"),
         engine_args=("--max-num-seqs", "4"), vllm_scheduler_cls="scheduler_svc.engines.vllm.sched_cls.SluiceScheduler",
         env=(("SLUICE_VLLM_POLICY", "fair"), ("SLUICE_TENANT_WEIGHTS", WEIGHTS)))
     with Stack(stack_config) as stack:

@@ -181,8 +181,9 @@ def test_weighted_fair_share_holds_through_the_gateway_in_front_of_vllm(vllm_sta
     """Two tenants weighted 2:1, both saturating two vLLM engines through Sluice, are served 2:1 within 5%.
 
     Each agent lets 4 requests onto its engine (= the engine's max_num_seqs): the gateway's fair queue is the
-    only place requests wait, so its order is the order of service. Sent straight to vLLM's FCFS queue the
-    same load is served about 1:1 (measured in docs/engines.md)."""
+    only place requests wait, so its order is the order of service; the router's tenant spread keeps both tenants
+    queued at both agents (without it, load-based routing segregates them: 1.49 measured). Sent straight to
+    vLLM's FCFS queue the same load is served about 1:1 (scripts/bench_vllm.py)."""
     receipts = Receipts()
     # 16 streams a tenant: each alone could fill both engines' 8 seats and keep a backlog at both agents.
     workers = [threading.Thread(target=through_sluice, args=(vllm_stack.endpoint, tenant, seed, receipts), daemon=True)
