@@ -133,7 +133,9 @@ class GatewayCore:
         self._events = CoreEvents()
         self._counters = _Counters()
         self._seq = 0
-        self._hit_base: tuple[int, int] | None = None
+        self._seen_view = False
+        self._totals = (0, 0, 0)
+        """Prefix-cache hit tokens, query tokens and preemptions the engine counted since the first view."""
 
     # ---- requests in ------------------------------------------------------------------------------------
     @property
@@ -251,9 +253,16 @@ class GatewayCore:
         return ended
 
     def on_engine_view(self, view: EngineView) -> None:
-        """Record what the engine's metrics say (the first view is the base its counters are read from)."""
-        if self._hit_base is None:
-            self._hit_base = (view.prefix_hit_tokens, view.prefix_query_tokens)
+        """Record what the engine's metrics say. Its counters are totals since it started: what they gained since
+        the last view is added here (the first view is the base), and a counter that went down is a restarted
+        engine counting from 0 again, so the replica's own totals never go back."""
+        if self._seen_view:
+            last, totals = self.engine, self._totals
+            gained = [now - before if now >= before else now for now, before in (
+                (view.prefix_hit_tokens, last.prefix_hit_tokens), (view.prefix_query_tokens, last.prefix_query_tokens),
+                (view.preemptions, last.preemptions))]
+            self._totals = (totals[0] + gained[0], totals[1] + gained[1], totals[2] + gained[2])
+        self._seen_view = True
         self.engine = view
 
     def on_kv(self, events: list[EngineKvEvent]) -> None:
@@ -316,15 +325,14 @@ class GatewayCore:
         """The replica's counters: the queue here plus the engine's own view of its batch and KV."""
         engine, counters, total = self.engine, self._counters, self.config.num_blocks
         used = round(engine.kv_usage * total)
-        hit_base, query_base = self._hit_base or (0, 0)
+        hits, queries, preemptions = self._totals
         return CoreStats(
             waiting=len(self._queue) + engine.waiting, running=len(self._running), kv_blocks_total=total,
             kv_blocks_used=used, kv_blocks_free=max(total - used, 0), kv_blocks_cached=len(self.kv),
-            host_blocks_total=0, host_blocks_used=0, preemptions=engine.preemptions, recomputed_tokens=0,
+            host_blocks_total=0, host_blocks_used=0, preemptions=preemptions, recomputed_tokens=0,
             dropped_results=0, rounds=counters.dispatched, queued_prefill_tokens=self._queued_prefill(),
             finished=counters.finished, cancelled=counters.cancelled, timed_out=counters.timed_out,
-            prefix_hit_tokens=engine.prefix_hit_tokens - hit_base,
-            prefix_query_tokens=engine.prefix_query_tokens - query_base)
+            prefix_hit_tokens=hits, prefix_query_tokens=queries)
 
     def _queued_prefill(self) -> int:
         """Prompt tokens queued here and dispatched but not yet answered with a first token."""

@@ -159,3 +159,13 @@ def test_stats_combine_the_queue_here_with_the_engines_view() -> None:
     assert (stats.waiting, stats.running, stats.kv_blocks_used, stats.kv_blocks_free) == (3, 1, 25, 75)
     assert (stats.prefix_hit_tokens, stats.prefix_query_tokens) == (20, 40)
     assert stats.queued_prefill_tokens == 16
+
+
+def test_a_restarted_engines_counters_never_take_the_replicas_totals_back() -> None:
+    """vLLM's counters start from 0 again after a restart: the replica's totals keep what was counted before."""
+    core = make_core()
+    core.on_engine_view(EngineView(prefix_hit_tokens=100, prefix_query_tokens=400, preemptions=3))
+    core.on_engine_view(EngineView(prefix_hit_tokens=150, prefix_query_tokens=500, preemptions=4))
+    core.on_engine_view(EngineView(prefix_hit_tokens=10, prefix_query_tokens=20, preemptions=0))  # restarted
+    stats = core.stats()
+    assert (stats.prefix_hit_tokens, stats.prefix_query_tokens, stats.preemptions) == (60, 120, 1)
