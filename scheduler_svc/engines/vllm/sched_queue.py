@@ -12,8 +12,12 @@ into vLLM's scheduler; this module is pure and imports neither vLLM nor any I/O)
   {tenant}:{id}`; a client calling vLLM directly can do the same), after vLLM's "cmpl-"/"chatcmpl-" prefix;
   without one the tenant is "default". Weights come from the constructor (sched_cls reads them from
   $SLUICE_TENANT_WEIGHTS in the engine process).
-- Service is charged as it happens: input tokens when the request leaves the queue, output tokens as the
-  engine samples them (`on_output`). A tenant counts as active while it has a request queued here.
+- Service is charged as it happens: input tokens when the request first leaves the queue (a request vLLM
+  pops, skips and puts back is charged once), output tokens as the engine samples them (`on_output`). A
+  tenant counts as active from its request's arrival until the engine is done with it (`forget`), running
+  included, as in the Sluice scheduler: a tenant whose queue empties for a moment while its requests run keeps
+  its place instead of being lifted to the others' counters (measured inside vLLM, counting only queued
+  requests served 2:1 weights 1.7:1 when a busy API server let the queue run dry).
 - Sluice's priority is "larger runs first"; vLLM's "smaller first": the shadow's priority is the negation.
 """
 
@@ -66,6 +70,7 @@ class PolicyRequestQueue:
         self._queue = make_queue(policy, config)
         self._shadows: dict[str, Request] = {}
         self._engine: dict[str, Any] = {}
+        self._charged: set[str] = set()
         self._seq = 0
 
     # ---- vLLM's RequestQueue interface ------------------------------------------------------------------
@@ -74,8 +79,8 @@ class PolicyRequestQueue:
         shadow = self._shadows.get(request.request_id)
         if shadow is None:
             shadow = self._shadow(request)
+            self._queue.on_live(shadow.tenant, 1)
         self._engine[request.request_id] = request
-        self._queue.on_live(shadow.tenant, 1)
         self._queue.push(shadow)
 
     def prepend_request(self, request: Any) -> None:
@@ -98,15 +103,15 @@ class PolicyRequestQueue:
         if not len(self._queue):
             raise IndexError("pop from an empty queue")
         shadow = self._queue.pop()
-        self._queue.on_live(shadow.tenant, -1)
-        self._queue.on_service(shadow.tenant, shadow.num_prompt, 0)
+        if shadow.request_id not in self._charged:
+            self._charged.add(shadow.request_id)
+            self._queue.on_service(shadow.tenant, shadow.num_prompt, 0)
         return self._engine.pop(shadow.request_id)
 
     def remove_request(self, request: Any) -> None:
         """Take a queued request out (aborted while waiting)."""
         shadow = self._shadows.get(request.request_id)
         if shadow is not None and request.request_id in self._engine and self._queue.remove(shadow):
-            self._queue.on_live(shadow.tenant, -1)
             del self._engine[request.request_id]
 
     def remove_requests(self, requests: Iterable[Any]) -> None:
@@ -131,9 +136,14 @@ class PolicyRequestQueue:
             self._queue.on_service(shadow.tenant, 0, tokens)
 
     def forget(self, request_id: str) -> None:
-        """The engine is done with a request (finished or aborted): drop its shadow."""
-        self._shadows.pop(request_id, None)
-        self._engine.pop(request_id, None)
+        """The engine is done with a request (finished or aborted): its tenant has one live request fewer."""
+        shadow = self._shadows.pop(request_id, None)
+        if shadow is None:
+            return
+        if request_id in self._engine and self._queue.remove(shadow):  # aborted while queued
+            del self._engine[request_id]
+        self._charged.discard(request_id)
+        self._queue.on_live(shadow.tenant, -1)
 
     def _shadow(self, request: Any) -> Request:
         self._seq += 1
