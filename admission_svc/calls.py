@@ -125,6 +125,9 @@ class Tracked:
     status: common_pb2.RequestStatus = common_pb2.WAITING
     replica_id: str = ""
     scheduler_address: str = ""
+    incarnation: str = ""
+    """Incarnation of the scheduler the current attempt was routed to ("" = not reported): another one
+    listed under the same replica id means that scheduler restarted and lost the attempt."""
     completion: events_pb2.Completion | None = None
     ended: bool = False
     followers: int = 0

@@ -316,6 +316,7 @@ class FrontDoor:
             metadata=metadata, timeout=self.config.downstream_timeout_s)
         record.timestamps.routed = time.time()
         record.replica_id, record.scheduler_address = route.replica_id, route.scheduler_address
+        record.incarnation = route.incarnation
         record.span.add_event("routed", timestamp=_ns(record.timestamps.routed), attributes={
             "sluice.replica_id": route.replica_id, "sluice.cached_blocks": route.cached_blocks,
             "sluice.predicted_ttft_s": route.predicted_ttft_s})
@@ -427,6 +428,8 @@ class FrontDoor:
                 timeout=self.config.downstream_timeout_s)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
+                if record.completion is None:  # the scheduler forgot it: end it here unless a completion comes
+                    self.spawn(self.migrator.end_unknown(record, record.attempt_id, cause))
                 return record.completion.status if record.completion else record.status
             raise convert.error_from_downstream(exc, "cancel failed at the scheduler") from None
         return response.status

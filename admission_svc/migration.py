@@ -10,6 +10,9 @@ Rules
   SCHEDULER_GONE  it stalled and its scheduler refuses a health check (UNAVAILABLE: process dead).
   WORKER_DOWN     it stalled and the router says its replica is UNHEALTHY (the worker is down, or a
                   ReportUnreachable took it out while its scheduler still answers).
+  REPLICA_RESTARTED it stalled and the router lists its replica under another scheduler incarnation
+                  than the one it was routed to: the scheduler restarted (on the same address, so its
+                  health answers) and what the old process held is gone.
   "Stalled" is no new token for `stall_timeout_s`; a request queued behind others on a healthy replica
   stalls too, and stays, because its replica is listed, healthy and answering.
 * A move submits a new *attempt* `{request_id}#{n}`: the prompt is the original prompt plus the tokens
@@ -57,7 +60,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["REROUTE_CODES", "MigrationCause", "Migrator", "Stalled", "attempt_id", "decide"]
+__all__ = ["REROUTE_CODES", "Listed", "MigrationCause", "Migrator", "Stalled", "attempt_id", "decide"]
 
 REROUTE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 """Submit failures after which admission routes the request again: the scheduler did not take it
@@ -72,6 +75,7 @@ class MigrationCause(enum.Enum):
     REPLICA_GONE = "replica_gone"
     WORKER_DOWN = "worker_down"
     SCHEDULER_GONE = "scheduler_gone"
+    REPLICA_RESTARTED = "replica_restarted"
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,17 @@ class Stalled:
     request_id: str
     replica_id: str
     scheduler_address: str
+    incarnation: str = ""
+    """The scheduler incarnation it was routed to ("" = not reported: not compared)."""
+
+
+@dataclass(frozen=True)
+class Listed:
+    """What the router's listing says of one replica."""
+
+    state: int
+    """router_pb2.ReplicaState."""
+    incarnation: str = ""
 
 
 def attempt_id(request_id: str, migrations: int) -> str:
@@ -88,19 +103,24 @@ def attempt_id(request_id: str, migrations: int) -> str:
     return request_id if migrations == 0 else f"{request_id}{ATTEMPT_SEPARATOR}{migrations}"
 
 
-def decide(stalled: Iterable[Stalled], replica_states: Mapping[str, int] | None,
+def decide(stalled: Iterable[Stalled], replica_states: Mapping[str, Listed] | None,
            scheduler_up: Mapping[str, bool]) -> list[tuple[str, MigrationCause]]:
     """Return the stalled requests to move and why.
 
-    `replica_states`: the router's listing (replica id -> router_pb2.ReplicaState), None when the
+    `replica_states`: the router's listing (replica id -> state and incarnation), None when the
     router did not answer (then only the probes decide). `scheduler_up`: health probe per address; a
     failed probe names the cause SCHEDULER_GONE even when a report made the replica UNHEALTHY.
     """
     moves = []
+    gone = Listed(router_pb2.GONE)
     for request in stalled:
-        state = None if replica_states is None else replica_states.get(request.replica_id, router_pb2.GONE)
+        listed = None if replica_states is None else replica_states.get(request.replica_id, gone)
+        state = None if listed is None else listed.state
         if state == router_pb2.GONE:
             moves.append((request.request_id, MigrationCause.REPLICA_GONE))
+        elif (listed is not None and listed.incarnation and request.incarnation
+              and listed.incarnation != request.incarnation):
+            moves.append((request.request_id, MigrationCause.REPLICA_RESTARTED))
         elif not scheduler_up.get(request.scheduler_address, True):
             moves.append((request.request_id, MigrationCause.SCHEDULER_GONE))
         elif state == router_pb2.UNHEALTHY:
@@ -138,7 +158,8 @@ class Migrator:
     def stalled(self, now: float) -> list[Stalled]:
         """Return the placed, live requests without a new token for `stall_timeout_s`."""
         limit = now - self.door.config.stall_timeout_s
-        return [Stalled(r.request_id, r.replica_id, r.scheduler_address) for r in self.door.records.values()
+        return [Stalled(r.request_id, r.replica_id, r.scheduler_address, r.incarnation)
+                for r in self.door.records.values()
                 if r.completion is None and not r.ended and not r.migrating and r.placement is not None
                 and r.scheduler_address and r.stream.progress_at <= limit]
 
@@ -156,13 +177,13 @@ class Migrator:
             if record is not None:
                 self.door.spawn(self.migrate(record, cause))
 
-    async def _replica_states(self) -> dict[str, int] | None:
+    async def _replica_states(self) -> dict[str, Listed] | None:
         try:
             listed = await self.door.router.ListReplicas(router_pb2.ListReplicasRequest(),
                                                          timeout=self.door.config.downstream_timeout_s)
         except grpc.aio.AioRpcError:
             return None
-        return {r.replica_id: r.state for r in listed.replicas}
+        return {r.replica_id: Listed(r.state, r.incarnation) for r in listed.replicas}
 
     async def _probe(self, address: str) -> bool:
         channel = self.door.scheduler_channel(address)
@@ -290,6 +311,17 @@ class Migrator:
         with contextlib.suppress(grpc.aio.AioRpcError):
             await self.door.scheduler(address).Cancel(scheduler_pb2.CancelRequest(request_id=old_attempt),
                                                       timeout=1.0)
+
+    async def end_unknown(self, record: Tracked, attempt: str, cause: str) -> None:
+        """The scheduler answered a Cancel of `attempt` NOT_FOUND: it finished the request (its completion is
+        on the way) or no longer knows it (restarted). Wait the stream's grace for a completion, then end the
+        request CANCELLED here, so that its reservation is released and its record closed (once: `complete`)."""
+        await asyncio.sleep(self.door.registry.grace_s)
+        if record.completion is not None or record.migrating or record.attempt_id != attempt:
+            return
+        record.span.add_event("unknown_at_scheduler", attributes={"sluice.attempt_id": attempt})
+        self.end_locally(record, common_pb2.CANCELLED, f"cancelled ({cause}); replica {record.replica_id} no "
+                                                       f"longer knows attempt {attempt}", finish_reason="cancelled")
 
     def end_locally(self, record: Tracked, status: common_pb2.RequestStatus, detail: str,
                     finish_reason: str = "error") -> None:

@@ -38,6 +38,7 @@ import contextlib
 import functools
 import logging
 import time
+import uuid
 from collections.abc import Callable
 
 from grpc_health.v1 import health_pb2_grpc
@@ -81,6 +82,8 @@ class Driver:
         self.clock = clock
         self.worker_retry_s = worker_retry_s
         self.accepting = True
+        self.incarnation = uuid.uuid4().hex[:16]
+        """New on every start of the process: what it held dies with it (router_pb2.Replica.incarnation)."""
         self.rates = RoundRates()
         self.publish_first_max_tokens = publish_first_max_tokens
         """A round with at most this many tokens publishes them before the next round is planned; a bigger

@@ -11,7 +11,9 @@ Theory of operation
   Before each heartbeat the agent probes the worker; while it is down the heartbeat says UNHEALTHY
   (the router routes nothing here) and Submit answers UNAVAILABLE reason `worker_unavailable`; the
   driver's `worker_changed` makes the agent heartbeat at once on either change.
-  The router being down delays nothing here: the agent keeps retrying.
+  The router being down delays nothing here: the agent keeps retrying. Registration and heartbeats carry
+  the process's incarnation (`Driver.incarnation`, new on every start): a scheduler restarted on the same
+  address is a new incarnation, so the router and admission know the old one's requests are lost.
 - Drain (SIGTERM, or the router answering a heartbeat with DRAINING after its Drain RPC): stop accepting
   Submits (UNAVAILABLE, reason `draining`), heartbeat DRAINING, let live requests finish for up to
   `drain_timeout_s`, then cancel what is left with detail `DRAIN_HANDOFF`: admission takes that
@@ -150,7 +152,9 @@ class ReplicaAgent:
         driver = self.driver
         report = glue.heartbeat_report(self.replica.replica_id, self.state, driver.worker_serving,
                                        driver.core.stats(), driver.rates)
-        return convert.heartbeat_to_proto(report)
+        request = convert.heartbeat_to_proto(report)
+        request.incarnation = self.replica.incarnation
+        return request
 
     async def register(self) -> None:
         """Register (WARMING). Raises grpc.aio.AioRpcError when the router cannot be reached."""
@@ -373,7 +377,7 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
             replica_id=replica_id, model=info.model_id, scheduler_address=f"{advertise_host}:{bound}",
             state=router_pb2.WARMING, block_size=info.block_size, num_blocks=info.num_blocks,
             max_num_batched_tokens=core.config.max_num_batched_tokens, prefill_tokens_per_s=prefill_tokens_per_s,
-            decode_round_s=decode_round_s, prefill_pair_s=prefill_pair_s)
+            decode_round_s=decode_round_s, prefill_pair_s=prefill_pair_s, incarnation=driver.incarnation)
         agent = ReplicaAgent(driver, router_pb2_grpc.RouterServiceStub(router_channel), replica,
                              heartbeat_interval_s, drain_timeout_s=drain_timeout_s)
         ready = asyncio.Event()
