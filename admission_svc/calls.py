@@ -144,3 +144,5 @@ class Tracked:
     """Times it moved to another replica."""
     migrating: bool = False
     """A move is under way (the watchdog and a hand-off must not start a second)."""
+    settling: bool = False
+    """A successful completion is held while the tokens it counts arrive (Migrator.settle)."""

@@ -463,6 +463,8 @@ class FrontDoor:
                 self.spawn(self.migrator.migrate(record, MigrationCause.HANDED_OFF))
                 return
             completion = self.migrator.whole(record, completion)
+            if self.migrator.held(record, completion):
+                return  # its last tokens are still on the way (or lost: then it moves)
         self.complete(request_id, record, completion)
 
     def complete(self, request_id: str, record: Tracked | None, completion: events_pb2.Completion) -> None:

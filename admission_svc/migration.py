@@ -13,6 +13,14 @@ Rules
   REPLICA_RESTARTED it stalled and the router lists its replica under another scheduler incarnation
                   than the one it was routed to: the scheduler restarted (on the same address, so its
                   health answers) and what the old process held is gone.
+  TOKEN_GAP       its token stream broke off: deltas were lost on the bus (a Redis restart loses what was
+                  not read yet), mid-stream or at its end (a completion counting tokens that never came
+                  within the stream's grace). The move recomputes from the last exact token; no token
+                  the model did not produce is ever streamed (admission_svc/streams.py).
+  UNKNOWN_AT_SCHEDULER it stalled, its replica is healthy, and its scheduler (asked with Lookup) neither
+                  holds it nor remembers its completion.
+  A stalled request that its scheduler ended recently gets the completion from the Lookup reply, as if it
+  had come from the bus (a Redis restart loses the entries nobody had read yet).
   "Stalled" is no new token for `stall_timeout_s`; a request queued behind others on a healthy replica
   stalls too, and stays, because its replica is listed, healthy and answering.
 * A move submits a new *attempt* `{request_id}#{n}`: the prompt is the original prompt plus the tokens
@@ -50,6 +58,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.context import Context
 
 from sluice.types import ATTEMPT_SEPARATOR, DRAIN_HANDOFF
 from sluice.v1 import common_pb2, events_pb2, router_pb2, scheduler_pb2
@@ -57,6 +66,7 @@ from sluice.v1 import common_pb2, events_pb2, router_pb2, scheduler_pb2
 if TYPE_CHECKING:
     from admission_svc.calls import Tracked
     from admission_svc.frontdoor import FrontDoor
+    from admission_svc.streams import RequestStream
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +86,8 @@ class MigrationCause(enum.Enum):
     WORKER_DOWN = "worker_down"
     SCHEDULER_GONE = "scheduler_gone"
     REPLICA_RESTARTED = "replica_restarted"
+    TOKEN_GAP = "token_gap"
+    UNKNOWN_AT_SCHEDULER = "unknown_at_scheduler"
 
 
 @dataclass(frozen=True)
@@ -141,6 +153,46 @@ class Migrator:
         self.door = door
         self.attempts: dict[str, str] = {}
         """Attempt id -> request id, for every attempt after the first."""
+        door.registry.on_gap = self.on_gap
+
+    # ---- token gaps -----------------------------------------------------------------------------
+    def on_gap(self, stream: RequestStream) -> None:
+        """A request's stream broke off (deltas lost): move it, recomputing from its last exact token."""
+        record = self.door.records.get(stream.request_id)
+        if record is not None and not record.migrating and record.completion is None:
+            self.door.spawn(self.migrate(record, MigrationCause.TOKEN_GAP))
+
+    def held(self, record: Tracked, completion: events_pb2.Completion) -> bool:
+        """True when a successful completion counts tokens the stream does not hold yet: it is held back (the
+        request stays open) while `settle` waits for them. Completions can overtake their last deltas."""
+        finished = completion.status in (common_pb2.FINISHED_STOP, common_pb2.FINISHED_LENGTH)
+        if not finished or len(record.stream.tokens) >= completion.usage.output_tokens:
+            return False
+        if not record.settling:
+            record.settling = True
+            self.door.spawn(self.settle(record, completion))
+        return True
+
+    async def settle(self, record: Tracked, completion: events_pb2.Completion) -> None:
+        """Complete the request once its stream holds every token the completion counts; when they do not come
+        within the stream's grace (lost on the bus), move it from its last exact token instead (TOKEN_GAP)."""
+        stream, attempt = record.stream, record.attempt_id
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.door.registry.grace_s
+        try:
+            while (len(stream.tokens) < completion.usage.output_tokens and stream.gap_at is None
+                   and loop.time() < give_up and record.attempt_id == attempt):
+                await stream.changed(give_up - loop.time())
+        finally:
+            record.settling = False
+        if record.attempt_id != attempt or record.completion is not None:
+            return  # moved or ended meanwhile
+        if len(stream.tokens) >= completion.usage.output_tokens:
+            self.door.complete(record.request_id, record, completion)
+            return
+        log.warning("request %s: its completion counts %d tokens, %d arrived: moving it from the last exact token",
+                    record.request_id, completion.usage.output_tokens, len(stream.tokens))
+        await self.migrate(record, MigrationCause.TOKEN_GAP)
 
     # ---- the watchdog ---------------------------------------------------------------------------
     async def watch(self, stop: asyncio.Event) -> None:
@@ -160,11 +212,17 @@ class Migrator:
         limit = now - self.door.config.stall_timeout_s
         return [Stalled(r.request_id, r.replica_id, r.scheduler_address, r.incarnation)
                 for r in self.door.records.values()
-                if r.completion is None and not r.ended and not r.migrating and r.placement is not None
+                if r.completion is None and not r.ended and not r.migrating and not r.settling
+                and r.placement is not None
                 and r.scheduler_address and r.stream.progress_at <= limit]
 
     async def tick(self) -> None:
-        """Find the stalled requests whose replica is lost and start their moves."""
+        """Find the stalled requests whose replica is lost, and broken streams not moving yet (a break while a
+        move was under way), and start their moves."""
+        for broken in list(self.door.records.values()):
+            if (broken.stream.gap_at is not None and broken.completion is None and not broken.migrating
+                    and not broken.settling):
+                self.door.spawn(self.migrate(broken, MigrationCause.TOKEN_GAP))
         stalled = self.stalled(time.monotonic())
         if not stalled:
             return
@@ -172,10 +230,39 @@ class Migrator:
         probes = {}
         for address in sorted({s.scheduler_address for s in stalled}):
             probes[address] = await self._probe(address)
-        for request_id, cause in decide(stalled, states, probes):
+        moving = decide(stalled, states, probes)
+        for request_id, cause in moving:
             record = self.door.records.get(request_id)
             if record is not None:
                 self.door.spawn(self.migrate(record, cause))
+        moved = {request_id for request_id, _ in moving}
+        await self._look_up([s for s in stalled if s.request_id not in moved and probes.get(s.scheduler_address)])
+
+    async def _look_up(self, stalled: list[Stalled]) -> None:
+        """Ask each scheduler about its quiet requests: a completion it remembers is handled as if it came from
+        the bus; a request it does not hold at all moves (UNKNOWN_AT_SCHEDULER)."""
+        by_address: dict[str, list[tuple[Tracked, str]]] = {}
+        for quiet in stalled:
+            record = self.door.records.get(quiet.request_id)
+            if record is not None and record.attempt_id:
+                by_address.setdefault(quiet.scheduler_address, []).append((record, record.attempt_id))
+        for address, asked in sorted(by_address.items()):
+            try:
+                reply = await self.door.scheduler(address).Lookup(scheduler_pb2.LookupRequest(
+                    request_ids=[attempt for _, attempt in asked]), timeout=self.door.config.downstream_timeout_s)
+            except grpc.aio.AioRpcError:
+                continue  # unreachable or too old to answer: the probes and the router decide, as before
+            live = set(reply.live)
+            for completion in reply.recent:
+                live.add(completion.request_id)
+                log.warning("request %s: its completion was fetched from its scheduler (lost on the bus)",
+                            completion.request_id)
+                await self.door.on_completion("lookup", completion.SerializeToString(), Context())
+            for record, attempt in asked:
+                # Only the attempt asked about: one that moved meanwhile is another attempt, unknown there.
+                if (attempt not in live and record.attempt_id == attempt and record.completion is None
+                        and not record.settling):
+                    self.door.spawn(self.migrate(record, MigrationCause.UNKNOWN_AT_SCHEDULER))
 
     async def _replica_states(self) -> dict[str, Listed] | None:
         try:
@@ -209,8 +296,8 @@ class Migrator:
     async def _move(self, record: Tracked, cause: MigrationCause) -> None:
         door, stream, placement = self.door, record.stream, record.placement
         streamed = len(stream.tokens)
-        if placement is None or stream.missing_tokens:
-            self.end_locally(record, common_pb2.FAILED, f"replica lost ({cause.value}) and the stream has a gap")
+        if placement is None:
+            self.end_locally(record, common_pb2.FAILED, f"replica lost ({cause.value}) before it was placed")
             return
         if record.migrations >= door.config.migration_limit:
             door.metrics.migration_failures.labels("migration_limit").inc()

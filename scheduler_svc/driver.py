@@ -39,7 +39,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from grpc_health.v1 import health_pb2_grpc
 from opentelemetry.context import Context
@@ -54,7 +54,7 @@ from sluice.core_errors import RequestRejected
 from sluice.glue import RoundRates
 from sluice.prom import SchedulerMetrics
 from sluice.types import CoreEvents, RequestStatus, RoundPlan
-from sluice.v1 import common_pb2, scheduler_pb2, worker_pb2_grpc
+from sluice.v1 import common_pb2, events_pb2, scheduler_pb2, worker_pb2_grpc
 
 __all__ = ["Driver"]
 
@@ -144,6 +144,17 @@ class Driver:
         self.reporter.handle(self.core.take_events(), now)
         self.wake_up()
         return status
+
+    def lookup(self, request_ids: Iterable[str]) -> tuple[list[str], list[events_pb2.Completion]]:
+        """Return which of `request_ids` are live here, and the remembered completions of those that ended."""
+        live_ids = set(self.reporter.live_request_ids())
+        live, recent = [], []
+        for request_id in request_ids:
+            if request_id in live_ids:
+                live.append(request_id)
+            elif (completion := self.publisher.recent.get(request_id)) is not None:
+                recent.append(completion)
+        return live, recent
 
     def live_request_ids(self) -> list[str]:
         """Return the ids of requests not yet terminal."""

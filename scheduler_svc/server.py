@@ -22,6 +22,8 @@ Theory of operation
   heartbeating and sets `retired`: health turns NOT_SERVING and the process may be stopped (SIGTERM
   then exits 0 at once). It does not exit by itself, so that whoever asked for the drain (the planner's
   launcher, a supervisor) decides, and no restart policy mistakes it for a crash. A drain runs once.
+- Lookup (admission's watchdog, for requests that went quiet): which of the ids are live here, and the
+  completions of those that ended recently (`Publisher.recent`), so that one lost on the bus is fetched again.
 - Redis not answering (`bus_alive` False, from sluice.serve.BusWatch): Submit answers UNAVAILABLE
   reason `bus_unavailable` (its tokens could not reach the client); gRPC health is NOT_SERVING.
   What was already running keeps running: the publisher holds its tokens until Redis is back.
@@ -68,6 +70,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = services.SCHEDULER
+MAX_LOOKUP_IDS = 4096
+"""Request ids one Lookup may ask about (a bound on the work one call costs)."""
 
 
 def _check_submission(request: scheduler_pb2.SubmitRequest, vocab_size: int) -> None:
@@ -123,6 +127,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         core = self.driver.core
         return convert.stats_to_proto(core.stats(), self.driver.replica_id, core.config.max_num_batched_tokens,
                                       core.config.max_num_seqs)
+
+    async def Lookup(self, request: scheduler_pb2.LookupRequest,  # noqa: N802
+                     context: grpc.aio.ServicerContext) -> scheduler_pb2.LookupResponse:
+        if len(request.request_ids) > MAX_LOOKUP_IDS:
+            raise errors.InvalidArgument(f"at most {MAX_LOOKUP_IDS} request_ids per Lookup, got "
+                                         f"{len(request.request_ids)}", field_name="request_ids")
+        live, recent = self.driver.lookup(request.request_ids)
+        return scheduler_pb2.LookupResponse(live=live, recent=recent)
 
     async def KvSnapshot(self, request: scheduler_pb2.KvSnapshotRequest,  # noqa: N802
                          context: grpc.aio.ServicerContext) -> scheduler_pb2.KvSnapshotResponse:

@@ -8,6 +8,8 @@ against what an untouched run gives (tests/e2e/test_migration_stack.py checks th
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -17,8 +19,11 @@ from sluice import client as sdk
 from sluice_tools.stack import Stack, health_serving
 from sluice_tools.stack_parts import terminate
 from tests.e2e.test_migration_stack import (
+    MAX_TOKENS,
+    Streamed,
     _assert_budgets_return_to_zero,
     _assert_exact,
+    _expected,
     _finish,
     _launch,
     _migrations,
@@ -96,3 +101,52 @@ def test_a_scheduler_restarted_at_once_on_its_address_strands_no_request(tmp_pat
         assert moved >= len(stranded) - 1, (moved, len(stranded))
         print(f"\nscheduler restarted in {restart_s:.2f} s: {int(moved)} of {len(stranded) - 1} stranded requests "
               f"moved (replica_restarted), 1 cancelled while stranded, all {len(others)} others exact")
+
+
+def _exact_or_explicit(outs: list[Streamed]) -> tuple[int, int]:
+    """Assert every stream either finished with exactly the untouched run's tokens or ended with an explicit
+    error status, and that no stream ever carried a token the model did not produce at its position; return
+    (exact, explicitly failed)."""
+    exact = failed = 0
+    for out in outs:
+        expected = _expected(out.request_id, out.prompt, MAX_TOKENS)
+        assert out.index_errors == 0, out
+        assert out.tokens == expected[:len(out.tokens)], (out.request_id, len(out.tokens))
+        if out.error is None:
+            assert (out.status, out.output_tokens, len(out.tokens)) == ("FINISHED_LENGTH", MAX_TOKENS, MAX_TOKENS)
+            exact += 1
+        else:
+            assert isinstance(out.error, sdk.SluiceError), out.error
+            failed += 1
+    return exact, failed
+
+
+def test_a_redis_restart_mid_stream_never_streams_a_token_the_model_did_not_produce(tmp_path: Path) -> None:
+    """With admission's reader behind (SIGSTOP) while Redis is killed -9 and restarted empty, the token entries it
+    had not read are gone: every stream resumes from its last exact token (moved, `token_gap`) or from a
+    completion fetched again from its scheduler, and ends with exactly the untouched run's tokens; nothing is
+    padded, and admission's budgets are zero after."""
+    with _start(tmp_path) as stack:
+        outs, threads = _launch(stack)
+        assert stack.admission is not None and stack.admission.popen is not None and stack.redis is not None
+        admission = stack.admission.popen
+        admission.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(0.5)  # tokens pile up unread in Redis
+            assert stack.redis.pid is not None
+            os.kill(stack.redis.pid, signal.SIGKILL)
+            give_up = time.monotonic() + 5
+            while stack.redis.running:
+                assert time.monotonic() < give_up
+                time.sleep(0.01)
+            stack.redis.restart()
+        finally:
+            admission.send_signal(signal.SIGCONT)
+        _finish(outs, threads)
+        exact, failed = _exact_or_explicit(outs)
+        assert (exact, failed) == (len(outs), 0)
+        values = _assert_budgets_return_to_zero(stack)
+        gaps = _migrations(values, "token_gap")
+        assert gaps >= 1
+        print(f"\nRedis killed and restarted behind admission's reader: {exact} of {len(outs)} streams exact, "
+              f"{failed} failed explicitly, {int(gaps)} moved from their last exact token")
