@@ -14,9 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 
 from sluice import client as sdk
-from sluice_tools.stack import Stack, health_serving
+from sluice_tools.stack import Proc, Stack, health_serving
 from sluice_tools.stack_parts import terminate
 from tests.e2e.test_migration_stack import (
     MAX_TOKENS,
@@ -26,8 +27,10 @@ from tests.e2e.test_migration_stack import (
     _expected,
     _finish,
     _launch,
+    _metrics,
     _migrations,
     _start,
+    _stream,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -150,3 +153,40 @@ def test_a_redis_restart_mid_stream_never_streams_a_token_the_model_did_not_prod
         assert gaps >= 1
         print(f"\nRedis killed and restarted behind admission's reader: {exact} of {len(outs)} streams exact, "
               f"{failed} failed explicitly, {int(gaps)} moved from their last exact token")
+
+
+def _log_lines(proc: Proc, text: str) -> int:
+    return sum(text in line for line in proc.log_path.read_text(errors="replace").splitlines())
+
+
+def test_a_poison_entry_on_each_stream_is_skipped_once_and_disturbs_no_request(tmp_path: Path) -> None:
+    """Garbage XADDed (by the operator's Redis user) to admission's token stream, to `completions` and to a `kv`
+    shard while streams run: each is skipped once (counted per stream, logged once with its id, dead-lettered
+    where the consumer may write), every running stream finishes exact, and a request started afterwards
+    streams all its tokens (before: the token reader retried the entry forever and later requests got none)."""
+    with _start(tmp_path) as stack:
+        outs, threads = _launch(stack)
+        assert stack.admission is not None and stack.router is not None
+        client = redis.Redis.from_url(stack.redis_url)
+        namespace = stack.config.namespace
+        poisoned = {stream: client.xadd(f"sluice:{{{namespace}:{stream}}}", {"p": b"\xff\x07garbage", "d": b"\xff"})
+                    for stream in (f"tokens:{stack.admission_owner}", "completions", "kv:0")}
+        _finish(outs, threads)
+        _assert_exact(outs)
+        later = Streamed([9, 8, 7, 6, 5])
+        _stream(stack.endpoint, stack.api_key, later, max_tokens=20, timeout=30)
+        assert (later.error, later.status, len(later.tokens)) == (None, "FINISHED_LENGTH", 20)
+        admission, router = _metrics(stack.admission), _metrics(stack.router)
+        assert admission['sluice_bus_poison_entries_total{stream="tokens"}'] == 1
+        assert admission['sluice_bus_poison_entries_total{stream="completions"}'] == 1
+        assert router['sluice_bus_poison_entries_total{stream="completions"}'] == 1
+        assert router['sluice_bus_poison_entries_total{stream="kv"}'] == 1
+        for stream, entry_id in poisoned.items():
+            logs = [stack.admission] if stream.startswith("tokens") else [stack.router]
+            logs += [stack.admission] if stream == "completions" else []
+            for proc in logs:
+                assert _log_lines(proc, f"skipped entry {entry_id.decode()}") == 1, (stream, proc.name)
+        dead = [fields[b"source_id"] for _, fields in client.xrange(f"sluice:{{{namespace}:completions}}:dead")]
+        assert dead == [poisoned["completions"]] * 2  # admission's group and the router's
+        _assert_budgets_return_to_zero(stack)
+        client.close()
