@@ -42,6 +42,9 @@ class FrontDoorConfig:
     """How often the watchdog looks for requests whose replica is gone, draining away or unhealthy."""
     stall_timeout_s: float = 2.0
     """A request with no new token for this long has its replica checked (router state, scheduler health)."""
+    owner_lease_s: float = 5.0
+    """Lease renewed at each scheduler holding this process's requests (every watch_interval_s): one that
+    hears nothing for this long cancels them (the process died or lost the scheduler)."""
     migration_retry_s: float = 20.0
     """How long a migrating request keeps trying to be placed (the router may still list the dead
     replica until its heartbeat times out) before it ends FAILED."""

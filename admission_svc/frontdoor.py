@@ -295,6 +295,7 @@ class FrontDoor:
             submit = convert.submit_request(record.attempt_id, record.tenant, ids, call, self.owner,
                                             deadline_unix_s or 0.0, self.model, record.timestamps,
                                             self.core.tenant_weight(record.tenant), self.core.cache_salt(record.tenant))
+            submit.owner_incarnation = self.migrator.incarnation  # the request lives while our lease does
             try:
                 await self.scheduler(route.scheduler_address).Submit(submit, metadata=metadata,
                                                                      timeout=self.config.downstream_timeout_s)

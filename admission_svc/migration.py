@@ -52,6 +52,7 @@ import dataclasses
 import enum
 import logging
 import time
+import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -154,6 +155,9 @@ class Migrator:
         self.attempts: dict[str, str] = {}
         """Attempt id -> request id, for every attempt after the first."""
         door.registry.on_gap = self.on_gap
+        self.incarnation = uuid.uuid4().hex[:16]
+        """This admission process's incarnation: its requests' owner leases at the schedulers name it."""
+        self._renewing: asyncio.Future[None] | None = None
 
     # ---- token gaps -----------------------------------------------------------------------------
     def on_gap(self, stream: RequestStream) -> None:
@@ -202,10 +206,29 @@ class Migrator:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval)
             try:
+                if self._renewing is None or self._renewing.done():  # a slow scheduler must not delay the tick
+                    self._renewing = asyncio.ensure_future(self.renew_leases())
                 await self.tick()
             except Exception:
                 log.exception("migration watchdog tick failed")
             self.door.publish_budgets()
+
+    async def renew_leases(self) -> None:
+        """Renew this process's lease at every scheduler that holds one of its live requests (at once, in
+        parallel; a failure is left to the next tick: the lease outlasts several)."""
+        addresses = sorted({r.scheduler_address for r in self.door.records.values()
+                            if r.completion is None and not r.ended and r.scheduler_address})
+        if not addresses:
+            return
+        request = scheduler_pb2.RenewLeaseRequest(owner=self.door.owner, owner_incarnation=self.incarnation,
+                                                  ttl_s=self.door.config.owner_lease_s)
+        replies = await asyncio.gather(*(self.door.scheduler(a).RenewLease(request, timeout=1.0) for a in addresses),
+                                       return_exceptions=True)
+        for address, reply in zip(addresses, replies, strict=True):
+            if isinstance(reply, grpc.aio.AioRpcError):
+                log.info("renewing the owner lease at %s failed (%s)", address, reply.code().name)
+            elif isinstance(reply, BaseException):
+                raise reply
 
     def stalled(self, now: float) -> list[Stalled]:
         """Return the placed, live requests without a new token for `stall_timeout_s`."""

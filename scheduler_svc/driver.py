@@ -45,6 +45,7 @@ from grpc_health.v1 import health_pb2_grpc
 from opentelemetry.context import Context
 
 from scheduler_svc.core import SchedulerCore
+from scheduler_svc.leases import OwnerLeases
 from scheduler_svc.publisher import Publisher
 from scheduler_svc.reporting import Reporter
 from scheduler_svc.worker_link import WorkerLink
@@ -56,7 +57,10 @@ from sluice.prom import SchedulerMetrics
 from sluice.types import CoreEvents, RequestStatus, RoundPlan
 from sluice.v1 import common_pb2, events_pb2, scheduler_pb2, worker_pb2_grpc
 
-__all__ = ["Driver"]
+__all__ = ["OWNER_GONE", "Driver"]
+
+OWNER_GONE = "owner_gone"
+"""Detail prefix of a request cancelled because its owner (an admission process) stopped renewing its lease."""
 
 log = logging.getLogger(__name__)
 tracer = telemetry.get_tracer("sluice.scheduler")
@@ -82,6 +86,8 @@ class Driver:
         self.clock = clock
         self.worker_retry_s = worker_retry_s
         self.accepting = True
+        self.leases = OwnerLeases()
+        """The leases of the admission processes that own the requests here (scheduler_svc/leases.py)."""
         self.incarnation = uuid.uuid4().hex[:16]
         """New on every start of the process: what it held dies with it (router_pb2.Replica.incarnation)."""
         self.rates = RoundRates()
@@ -133,6 +139,7 @@ class Driver:
         timestamps = common_pb2.LifecycleTimestamps()
         timestamps.CopyFrom(msg.timestamps)
         self.reporter.track(msg.request_id, msg.owner, span, timestamps, now, len(request.prompt_token_ids))
+        self.leases.track(msg.request_id, msg.owner, msg.owner_incarnation, now)
         self.reporter.handle(self.core.take_events(), now)
         self.wake_up()
         return self.core.num_waiting
@@ -155,6 +162,18 @@ class Driver:
             elif (completion := self.publisher.recent.get(request_id)) is not None:
                 recent.append(completion)
         return live, recent
+
+    def cancel_orphans(self) -> int:
+        """Cancel the requests whose owner's lease lapsed (detail `owner_gone`); return how many."""
+        now = self.clock()
+        cancelled = 0
+        for owner, request_ids in self.leases.lapsed(now, set(self.live_request_ids())):
+            log.warning("owner %s (incarnation %s) stopped renewing its lease: cancelling its %d requests",
+                        owner.owner, owner.incarnation, len(request_ids))
+            for request_id in request_ids:
+                cancelled += self.cancel(request_id, f"{OWNER_GONE}: admission {owner.owner} stopped renewing "
+                                                     "its lease") is not None
+        return cancelled
 
     def live_request_ids(self) -> list[str]:
         """Return the ids of requests not yet terminal."""

@@ -24,6 +24,9 @@ Theory of operation
   launcher, a supervisor) decides, and no restart policy mistakes it for a crash. A drain runs once.
 - Lookup (admission's watchdog, for requests that went quiet): which of the ids are live here, and the
   completions of those that ended recently (`Publisher.recent`), so that one lost on the bus is fetched again.
+- Owner leases (scheduler_svc/leases.py): a Submit naming its owner's incarnation ties the request to that
+  admission process's lease, which RenewLease extends; every LEASE_SWEEP_S the requests of owners whose lease
+  lapsed (the admission process died or lost this replica) are cancelled with detail `owner_gone`.
 - Redis not answering (`bus_alive` False, from sluice.serve.BusWatch): Submit answers UNAVAILABLE
   reason `bus_unavailable` (its tokens could not reach the client); gRPC health is NOT_SERVING.
   What was already running keeps running: the publisher holds its tokens until Redis is back.
@@ -72,6 +75,10 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = services.SCHEDULER
 MAX_LOOKUP_IDS = 4096
 """Request ids one Lookup may ask about (a bound on the work one call costs)."""
+MAX_LEASE_S = 300.0
+"""Longest owner lease one RenewLease may ask for."""
+LEASE_SWEEP_S = 0.5
+"""How often requests of owners whose lease lapsed are looked for (and cancelled)."""
 
 
 def _check_submission(request: scheduler_pb2.SubmitRequest, vocab_size: int) -> None:
@@ -135,6 +142,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                                          f"{len(request.request_ids)}", field_name="request_ids")
         live, recent = self.driver.lookup(request.request_ids)
         return scheduler_pb2.LookupResponse(live=live, recent=recent)
+
+    async def RenewLease(self, request: scheduler_pb2.RenewLeaseRequest,  # noqa: N802
+                         context: grpc.aio.ServicerContext) -> scheduler_pb2.RenewLeaseResponse:
+        if not request.owner or not request.owner_incarnation:
+            raise errors.InvalidArgument("a lease needs owner and owner_incarnation", field_name="owner")
+        if not (math.isfinite(request.ttl_s) and 0 < request.ttl_s <= MAX_LEASE_S):
+            raise errors.InvalidArgument(f"ttl_s must be in (0, {MAX_LEASE_S}], got {request.ttl_s}",
+                                         field_name="ttl_s")
+        held = self.driver.leases.renew(request.owner, request.owner_incarnation, request.ttl_s,
+                                        self.driver.clock())
+        return scheduler_pb2.RenewLeaseResponse(requests=held)
 
     async def KvSnapshot(self, request: scheduler_pb2.KvSnapshotRequest,  # noqa: N802
                          context: grpc.aio.ServicerContext) -> scheduler_pb2.KvSnapshotResponse:
@@ -341,6 +359,14 @@ class RunningReplica:
             await channel.close()
 
 
+async def _sweep_leases(driver: Driver, stop: asyncio.Event) -> None:
+    """Cancel the requests of owners whose lease lapsed, every LEASE_SWEEP_S until `stop`."""
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), LEASE_SWEEP_S)
+        driver.cancel_orphans()
+
+
 async def _not_serving_when_retired(agent: ReplicaAgent, health: health_aio.HealthServicer,
                                     stop: asyncio.Event) -> None:
     """Turn health NOT_SERVING once the agent has retired the replica (or return at `stop`)."""
@@ -379,7 +405,7 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
     health = health_aio.HealthServicer()
     server, bound = await start_scheduler_server(driver, health, port, host, tls_files, bus_alive)
     stop = asyncio.Event()
-    tasks = [asyncio.create_task(driver.run(stop))]
+    tasks = [asyncio.create_task(driver.run(stop)), asyncio.create_task(_sweep_leases(driver, stop))]
     channels = [worker_channel]
     agent = None
     if router_address:

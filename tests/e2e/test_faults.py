@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -190,3 +191,39 @@ def test_a_poison_entry_on_each_stream_is_skipped_once_and_disturbs_no_request(t
         assert dead == [poisoned["completions"]] * 2  # admission's group and the router's
         _assert_budgets_return_to_zero(stack)
         client.close()
+
+
+def test_a_dead_admissions_requests_stop_on_the_schedulers_within_seconds(tmp_path: Path) -> None:
+    """While admission lives, its lease renewals keep its 8 long requests running past the first lease; after a
+    kill -9 of admission the lease lapses at the schedulers, which cancel every one of its requests (nothing
+    queued or running) within lease + sweep time, instead of running them to max_tokens for clients that are
+    gone."""
+    max_tokens = 2000
+    with _start(tmp_path) as stack:
+        outs = [Streamed([1 + (i * 5 + j) % 200 for j in range(20 + i)]) for i in range(8)]
+        threads = [threading.Thread(target=_stream, args=(stack.endpoint, stack.api_key, out, max_tokens, 60))
+                   for out in outs]
+        for thread in threads:
+            thread.start()
+        give_up = time.monotonic() + 60
+        while not all(len(o.tokens) >= 20 for o in outs):
+            assert time.monotonic() < give_up and not any(o.error for o in outs), [(len(o.tokens), o.error)
+                                                                                   for o in outs]
+            time.sleep(0.02)
+        time.sleep(6)  # past the first lease a Submit starts: only renewals keep the requests alive
+        assert not any(o.error for o in outs) and sum(s.cancelled for s in stack.scheduler_stats()) == 0
+        assert stack.admission is not None and stack.admission.popen is not None
+        stack.admission.popen.kill()
+        killed = time.monotonic()
+        while True:
+            stats = stack.scheduler_stats()
+            busy = sum(s.running + s.waiting for s in stats)
+            if busy == 0:
+                break
+            assert time.monotonic() - killed < 8, f"{busy} requests of a dead admission still run"
+            time.sleep(0.1)
+        stopped = time.monotonic() - killed
+        assert sum(s.cancelled for s in stats) == len(outs)
+        for thread in threads:
+            thread.join(30)
+        print(f"\nadmission killed: all {len(outs)} of its requests cancelled on the schedulers {stopped:.1f} s after")
