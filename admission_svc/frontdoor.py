@@ -42,9 +42,10 @@ from admission_svc.calls import Caller, FrontDoorConfig, GenerateCall, Output, P
 from admission_svc.core import AdmissionCore
 from admission_svc.migration import MigrationCause, Migrator, handed_off
 from admission_svc.prompts import PromptReader
+from admission_svc.stops import stop_strings_problem
 from admission_svc.streams import RequestStream, StreamRegistry
 from sluice import core_errors, errors, telemetry, tls
-from sluice.core_errors import CoreError, OverBudget
+from sluice.core_errors import CoreError, InvalidRequest, OverBudget
 from sluice.hashing import hash_chain, salt_of
 from sluice.model_spec import ModelSpec
 from sluice.prom import AdmissionMetrics, RequestOutcome
@@ -182,6 +183,8 @@ class FrontDoor:
                                   f"{self.model.model_id!r}", reason="unknown_model", field_name="model")
         sampling = call.sampling
         try:
+            if (problem := stop_strings_problem(sampling.stop_strings)) is not None:  # before any tokenizing
+                raise InvalidRequest("sampling.stop_strings", problem)
             ids = await self.prompts.ids(call)
             self.core.validate(len(ids), sampling.max_tokens, temperature=sampling.temperature,
                                top_p=sampling.top_p, top_k=sampling.top_k)

@@ -8,17 +8,21 @@ against what an untouched run gives (tests/e2e/test_migration_stack.py checks th
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import signal
 import threading
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import redis
+from google.rpc import error_details_pb2
 
 from sluice import client as sdk
-from sluice_tools.stack import Proc, Stack, health_serving
+from sluice_tools.stack import Proc, Stack, StackConfig, health_serving
 from sluice_tools.stack_parts import terminate
 from tests.e2e.test_migration_stack import (
     MAX_TOKENS,
@@ -227,3 +231,52 @@ def test_a_dead_admissions_requests_stop_on_the_schedulers_within_seconds(tmp_pa
         for thread in threads:
             thread.join(30)
         print(f"\nadmission killed: all {len(outs)} of its requests cancelled on the schedulers {stopped:.1f} s after")
+
+
+def _post(base_url: str, path: str, body: dict[str, object], key: str) -> tuple[int, dict[str, object]]:
+    url = urlsplit(base_url)
+    conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=60)
+    conn.request("POST", url.path + path, body=json.dumps(body).encode(),
+                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    response = conn.getresponse()
+    answer = json.loads(response.read())
+    conn.close()
+    return response.status, answer
+
+
+def test_a_huge_or_extra_stop_string_is_refused_naming_the_field_and_stalls_no_other_stream(tmp_path: Path) -> None:
+    """While another client streams, an HTTP completion with a 1 MB stop string, or with 5 stop strings, is 400 in
+    OpenAI's error shape with `param` "stop", and over gRPC 5 stop strings are INVALID_ARGUMENT naming
+    sampling.stop_strings; the other stream's largest gap between tokens stays far below a second (before: the
+    1 MB stop string was accepted and froze admission for every stream for about 90 s)."""
+    config = StackConfig(replicas=1, backend="costmodel", model="llama-3-8b", emulate_time=True, run_dir=tmp_path,
+                         http_port=0)
+    with Stack(config) as stack:
+        arrivals: list[float] = []
+
+        def follow() -> None:
+            with sdk.Client(stack.endpoint, api_key=stack.api_key) as client:
+                for chunk in client.generate([5, 6, 7], max_tokens=MAX_TOKENS, ignore_eos=True, timeout=60):
+                    arrivals.extend([time.monotonic()] * len(chunk.token_ids))
+
+        other = threading.Thread(target=follow)
+        other.start()
+        while len(arrivals) < 20:
+            time.sleep(0.01)
+        base = {"model": stack.model_id, "prompt": "hello", "max_tokens": 8}
+        for stop in ("x" * (1 << 20), ["a", "b", "c", "d", "e"]):
+            status, answer = _post(stack.http_base_url, "/completions", {**base, "stop": stop}, stack.api_key)
+            error = answer["error"]
+            assert isinstance(error, dict)
+            assert (status, error["param"], error["type"]) == (400, "stop", "invalid_request_error"), answer
+        with sdk.Client(stack.endpoint, api_key=stack.api_key) as client, pytest.raises(sdk.SluiceError) as refused:
+            list(client.generate([5, 6], max_tokens=4, stop=["a", "b", "c", "d", "e"], timeout=10))
+        assert isinstance(refused.value, sdk.InvalidArgument), refused.value
+        violations = [v.field for d in refused.value.details if isinstance(d, error_details_pb2.BadRequest)
+                      for v in d.field_violations]
+        assert violations == ["sampling.stop_strings"], refused.value.details
+        other.join(60)
+        assert len(arrivals) == MAX_TOKENS
+        largest_gap = max(b - a for a, b in zip(arrivals, arrivals[1:], strict=False))
+        assert largest_gap < 1.0, largest_gap
+        print(f"\n1 MB stop string refused 400 (param stop); the other stream's largest token gap {largest_gap:.3f} s")
