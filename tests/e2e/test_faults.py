@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -111,17 +112,17 @@ def test_a_scheduler_restarted_at_once_on_its_address_strands_no_request(tmp_pat
               f"moved (replica_restarted), 1 cancelled while stranded, all {len(others)} others exact")
 
 
-def _exact_or_explicit(outs: list[Streamed]) -> tuple[int, int]:
+def _exact_or_explicit(outs: list[Streamed], max_tokens: int = MAX_TOKENS) -> tuple[int, int]:
     """Assert every stream either finished with exactly the untouched run's tokens or ended with an explicit
     error status, and that no stream ever carried a token the model did not produce at its position; return
     (exact, explicitly failed)."""
     exact = failed = 0
     for out in outs:
-        expected = _expected(out.request_id, out.prompt, MAX_TOKENS)
+        expected = _expected(out.request_id, out.prompt, max_tokens)
         assert out.index_errors == 0, out
         assert out.tokens == expected[:len(out.tokens)], (out.request_id, len(out.tokens))
         if out.error is None:
-            assert (out.status, out.output_tokens, len(out.tokens)) == ("FINISHED_LENGTH", MAX_TOKENS, MAX_TOKENS)
+            assert (out.status, out.output_tokens, len(out.tokens)) == ("FINISHED_LENGTH", max_tokens, max_tokens)
             exact += 1
         else:
             assert isinstance(out.error, sdk.SluiceError), out.error
@@ -136,20 +137,7 @@ def test_a_redis_restart_mid_stream_never_streams_a_token_the_model_did_not_prod
     padded, and admission's budgets are zero after."""
     with _start(tmp_path) as stack:
         outs, threads = _launch(stack)
-        assert stack.admission is not None and stack.admission.popen is not None and stack.redis is not None
-        admission = stack.admission.popen
-        admission.send_signal(signal.SIGSTOP)
-        try:
-            time.sleep(0.5)  # tokens pile up unread in Redis
-            assert stack.redis.pid is not None
-            os.kill(stack.redis.pid, signal.SIGKILL)
-            give_up = time.monotonic() + 5
-            while stack.redis.running:
-                assert time.monotonic() < give_up
-                time.sleep(0.01)
-            stack.redis.restart()
-        finally:
-            admission.send_signal(signal.SIGCONT)
+        _kill_redis_behind_admission(stack, lambda: time.sleep(0.5))  # tokens pile up unread in Redis
         _finish(outs, threads)
         exact, failed = _exact_or_explicit(outs)
         assert (exact, failed) == (len(outs), 0)
@@ -158,6 +146,59 @@ def test_a_redis_restart_mid_stream_never_streams_a_token_the_model_did_not_prod
         assert gaps >= 1
         print(f"\nRedis killed and restarted behind admission's reader: {exact} of {len(outs)} streams exact, "
               f"{failed} failed explicitly, {int(gaps)} moved from their last exact token")
+
+
+def _kill_redis_behind_admission(stack: Stack, wait: Callable[[], None]) -> None:
+    """SIGSTOP admission, `wait()`, kill -9 Redis and restart it empty on its port, SIGCONT admission: what admission
+    had not read is gone."""
+    assert stack.admission is not None and stack.admission.popen is not None and stack.redis is not None
+    admission = stack.admission.popen
+    admission.send_signal(signal.SIGSTOP)
+    try:
+        wait()
+        assert stack.redis.pid is not None
+        os.kill(stack.redis.pid, signal.SIGKILL)
+        give_up = time.monotonic() + 5
+        while stack.redis.running:
+            assert time.monotonic() < give_up
+            time.sleep(0.01)
+        stack.redis.restart()
+    finally:
+        admission.send_signal(signal.SIGCONT)
+
+
+def test_requests_that_ended_while_their_completions_were_lost_end_exact(tmp_path: Path) -> None:
+    """Short requests finish on their schedulers while admission's reader is stopped, then Redis is killed -9 and
+    restarted: their last tokens and their completions are gone. Each request goes quiet, its scheduler's Lookup
+    returns the completion it remembers, the missing tail is recomputed from the last exact token, and every
+    stream ends exact; nothing hangs and admission's budgets are zero after."""
+    max_tokens = 120
+    with _start(tmp_path) as stack:
+        outs = [Streamed([1 + (i * 3 + j) % 200 for j in range(16 + i)]) for i in range(8)]
+        threads = [threading.Thread(target=_stream, args=(stack.endpoint, stack.api_key, out, max_tokens, 90))
+                   for out in outs]
+        for thread in threads:
+            thread.start()
+        give_up = time.monotonic() + 60
+        while not all(len(o.tokens) >= 10 or o.error for o in outs):
+            assert time.monotonic() < give_up, [len(o.tokens) for o in outs]
+            time.sleep(0.01)
+
+        def until_all_ended() -> None:
+            while sum(s.running + s.waiting for s in stack.scheduler_stats()):
+                assert time.monotonic() < give_up
+                time.sleep(0.05)
+
+        _kill_redis_behind_admission(stack, until_all_ended)
+        _finish(outs, threads)
+        exact, failed = _exact_or_explicit(outs, max_tokens)
+        assert (exact, failed) == (len(outs), 0)
+        values = _assert_budgets_return_to_zero(stack)
+        assert stack.admission is not None
+        fetched = _log_lines(stack.admission, "its completion was fetched from its scheduler")
+        assert fetched >= 1
+        print(f"\n{len(outs)} requests ended while their completions were lost: {fetched} completions fetched again "
+              f"by Lookup, {int(_migrations(values, 'token_gap'))} tails recomputed, all exact")
 
 
 def _log_lines(proc: Proc, text: str) -> int:
