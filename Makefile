@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 PROTOS  := $(wildcard protos/sluice/v1/*.proto)
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup protos redis-tls test lint demo bench bench-openai bench-http fuzz chaos clean
+.PHONY: setup protos redis-tls test lint demo bench bench-openai bench-http fuzz clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -83,6 +83,7 @@ fuzz: setup
 # left reserved, running, in KV or pending in Redis) and each process's memory, as JSON in out/chaos.json.
 # A short version runs in `make test` (tests/e2e/test_chaos.py).
 CHAOS_S ?= 600
+.PHONY: chaos
 chaos: setup
 	PYTHONPATH=. $(BIN)/python -m sluice_tools.chaos --duration-s $(CHAOS_S) --json out/chaos.json
 
