@@ -38,14 +38,12 @@ import contextlib
 import functools
 import logging
 import time
-import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from grpc_health.v1 import health_pb2_grpc
 from opentelemetry.context import Context
 
 from scheduler_svc.core import SchedulerCore
-from scheduler_svc.leases import OwnerLeases
 from scheduler_svc.publisher import Publisher
 from scheduler_svc.reporting import Reporter
 from scheduler_svc.worker_link import WorkerLink
@@ -55,12 +53,9 @@ from sluice.core_errors import RequestRejected
 from sluice.glue import RoundRates
 from sluice.prom import SchedulerMetrics
 from sluice.types import CoreEvents, RequestStatus, RoundPlan
-from sluice.v1 import common_pb2, events_pb2, scheduler_pb2, worker_pb2_grpc
+from sluice.v1 import common_pb2, scheduler_pb2, worker_pb2_grpc
 
-__all__ = ["OWNER_GONE", "Driver"]
-
-OWNER_GONE = "owner_gone"
-"""Detail prefix of a request cancelled because its owner (an admission process) stopped renewing its lease."""
+__all__ = ["Driver"]
 
 log = logging.getLogger(__name__)
 tracer = telemetry.get_tracer("sluice.scheduler")
@@ -86,10 +81,6 @@ class Driver:
         self.clock = clock
         self.worker_retry_s = worker_retry_s
         self.accepting = True
-        self.leases = OwnerLeases()
-        """The leases of the admission processes that own the requests here (scheduler_svc/leases.py)."""
-        self.incarnation = uuid.uuid4().hex[:16]
-        """New on every start of the process: what it held dies with it (router_pb2.Replica.incarnation)."""
         self.rates = RoundRates()
         self.publish_first_max_tokens = publish_first_max_tokens
         """A round with at most this many tokens publishes them before the next round is planned; a bigger
@@ -139,7 +130,6 @@ class Driver:
         timestamps = common_pb2.LifecycleTimestamps()
         timestamps.CopyFrom(msg.timestamps)
         self.reporter.track(msg.request_id, msg.owner, span, timestamps, now, len(request.prompt_token_ids))
-        self.leases.track(msg.request_id, msg.owner, msg.owner_incarnation, now)
         self.reporter.handle(self.core.take_events(), now)
         self.wake_up()
         return self.core.num_waiting
@@ -151,29 +141,6 @@ class Driver:
         self.reporter.handle(self.core.take_events(), now)
         self.wake_up()
         return status
-
-    def lookup(self, request_ids: Iterable[str]) -> tuple[list[str], list[events_pb2.Completion]]:
-        """Return which of `request_ids` are live here, and the remembered completions of those that ended."""
-        live_ids = set(self.reporter.live_request_ids())
-        live, recent = [], []
-        for request_id in request_ids:
-            if request_id in live_ids:
-                live.append(request_id)
-            elif (completion := self.publisher.recent.get(request_id)) is not None:
-                recent.append(completion)
-        return live, recent
-
-    def cancel_orphans(self) -> int:
-        """Cancel the requests whose owner's lease lapsed (detail `owner_gone`); return how many."""
-        now = self.clock()
-        cancelled = 0
-        for owner, request_ids in self.leases.lapsed(now, set(self.live_request_ids())):
-            log.warning("owner %s (incarnation %s) stopped renewing its lease: cancelling its %d requests",
-                        owner.owner, owner.incarnation, len(request_ids))
-            for request_id in request_ids:
-                cancelled += self.cancel(request_id, f"{OWNER_GONE}: admission {owner.owner} stopped renewing "
-                                                     "its lease") is not None
-        return cancelled
 
     def live_request_ids(self) -> list[str]:
         """Return the ids of requests not yet terminal."""
