@@ -162,7 +162,7 @@ def _inject(stack: Stack, fault: str, rng: random.Random, stall_s: float) -> str
     action, role = fault.split(":", 1)
     if role == "redis":
         assert stack.redis is not None
-        pid = stack.redis.pid
+        pid = stack.redis.pid if stack.redis.running else None
     else:
         procs: dict[str, list[Proc | None]] = {"worker": list(stack.workers), "scheduler": list(stack.schedulers),
                                                "router": [stack.router], "admission": [stack.admission]}
@@ -171,12 +171,17 @@ def _inject(stack: Stack, fault: str, rng: random.Random, stall_s: float) -> str
         role = proc.name
     if pid is None:
         return f"{fault}: not running (being restarted), skipped"
-    if action == "kill":
-        os.kill(pid, signal.SIGKILL)
-        return f"kill -9 {role} (pid {pid})"
-    os.kill(pid, signal.SIGSTOP)
-    time.sleep(stall_s)
-    os.kill(pid, signal.SIGCONT)
+    try:
+        if action == "kill":
+            os.kill(pid, signal.SIGKILL)
+            return f"kill -9 {role} (pid {pid})"
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(stall_s)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:  # it died just before (an earlier fault): its supervisor restarts it
+        return f"{fault}: {role} (pid {pid}) already gone, skipped"
     return f"SIGSTOP {role} (pid {pid}) for {stall_s} s"
 
 
