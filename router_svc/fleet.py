@@ -164,12 +164,16 @@ class Fleet:
     def ready_for(self, model: str, adapter_version: str) -> list[Replica]:
         """Return the READY replicas of the model and adapter, by id.
 
-        Raises UnknownModel (none of that model/adapter at all) or NoReplicaAvailable (none READY).
+        Raises UnknownModel (replicas are registered, none of that model/adapter) or NoReplicaAvailable (none
+        READY, or none registered at all: a router that just restarted, whose replicas register again within a
+        heartbeat, cannot tell an unknown model yet and must not answer NOT_FOUND for a known one).
         """
         compatible = [
             r for r in self._replicas.values()
             if r.spec.model == model and r.spec.adapter_version == adapter_version
         ]
+        if not compatible and not self._replicas:
+            raise NoReplicaAvailable("no replica is registered (yet)")
         if not compatible:
             raise UnknownModel(f"no replica serves model {model!r} adapter {adapter_version!r}")
         ready = [r for r in compatible if r.state is ReplicaState.READY]

@@ -41,7 +41,7 @@ import redis
 
 from sluice import client as sdk
 from sluice_tools.stack import Proc, Stack, StackConfig
-from sluice_tools.supervisor import Supervisor
+from sluice_tools.supervisor import RestartPolicy, Supervisor
 from worker_svc.costmodel import CostModel
 
 __all__ = ["FAULTS", "ChaosConfig", "run"]
@@ -264,7 +264,10 @@ def run(config: ChaosConfig) -> dict[str, Any]:
     stack_config = StackConfig(replicas=config.replicas, backend="costmodel", model=MODEL, emulate_time=True,
                                run_dir=run_dir, config_file=str(tenants), start_timeout_s=90)
     with Stack(stack_config) as stack:
-        stack.fleet.supervisor = Supervisor(stack, on_event=events.append)
+        # Never given up on: chaos tests the data path under faults, not the supervisor's crash-loop limit (a
+        # process faulted 5 times within 30 s of its restarts would be given up on and the stack would stop).
+        stack.fleet.supervisor = Supervisor(stack, RestartPolicy(max_backoff_s=2.0, max_restarts=1_000_000),
+                                            on_event=events.append)
         stack.fleet.start_supervising(0.1)
         rss_start, tally, stop = _rss_kb(stack), Tally(), threading.Event()
         clients = [threading.Thread(target=_client_loop, args=(stack.endpoint, config.seed * 1000 + i, config,
@@ -293,7 +296,8 @@ def run(config: ChaosConfig) -> dict[str, Any]:
         "failed_explicitly": {k.removeprefix("failed:"): v for k, v in outcomes.items() if k.startswith("failed:")},
         "hung": outcomes["hung"] + hung_clients, "wrong_tokens": outcomes["wrong"], "examples": tally.wrong,
         "failure_examples": tally.failure_examples,
-        "leaks": leaks, "restarts": restarts, "rss_kb_start": rss_start, "rss_kb_end": rss_end,
+        "leaks": leaks, "restarts": restarts,
+        "supervisor_problems": [e for e in events if "given up" in e or "could not be restarted" in e], "rss_kb_start": rss_start, "rss_kb_end": rss_end,
         "ok": outcomes["hung"] + hung_clients + outcomes["wrong"] == 0 and _nothing_held(leaks),
         "config": {k: v for k, v in asdict(config).items() if k != "run_dir"}, "run_dir": str(run_dir),
     }
