@@ -93,5 +93,15 @@ FUZZ_EXAMPLES ?= 2000
 fuzz: setup
 	SLUICE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) SLUICE_FUZZ_REPORT=out/fuzz-report.json $(BIN)/python -m pytest -q -s --timeout 3600 tests/fuzz
 
+# Chaos (sluice_tools/chaos.py): a steady mixed load on a supervised local stack while a random process (worker,
+# scheduler, router, admission, Redis) is killed -9 or stalled every few seconds for CHAOS_S seconds; then the
+# invariants (every request ended once, exact or with an explicit status; none hung, no wrong token; nothing
+# left reserved, running, in KV or pending in Redis) and each process's memory, as JSON in out/chaos.json.
+# A short version runs in `make test` (tests/e2e/test_chaos.py).
+CHAOS_S ?= 600
+.PHONY: chaos
+chaos: setup
+	PYTHONPATH=. $(BIN)/python -m sluice_tools.chaos --duration-s $(CHAOS_S) --json out/chaos.json
+
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) $(VLLM_VENV) sluice/v1 .pytest_cache

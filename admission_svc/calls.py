@@ -42,6 +42,9 @@ class FrontDoorConfig:
     """How often the watchdog looks for requests whose replica is gone, draining away or unhealthy."""
     stall_timeout_s: float = 2.0
     """A request with no new token for this long has its replica checked (router state, scheduler health)."""
+    owner_lease_s: float = 5.0
+    """Lease renewed at each scheduler holding this process's requests (every watch_interval_s): one that
+    hears nothing for this long cancels them (the process died or lost the scheduler)."""
     migration_retry_s: float = 20.0
     """How long a migrating request keeps trying to be placed (the router may still list the dead
     replica until its heartbeat times out) before it ends FAILED."""
@@ -125,6 +128,9 @@ class Tracked:
     status: common_pb2.RequestStatus = common_pb2.WAITING
     replica_id: str = ""
     scheduler_address: str = ""
+    incarnation: str = ""
+    """Incarnation of the scheduler the current attempt was routed to ("" = not reported): another one
+    listed under the same replica id means that scheduler restarted and lost the attempt."""
     completion: events_pb2.Completion | None = None
     ended: bool = False
     followers: int = 0
@@ -141,3 +147,5 @@ class Tracked:
     """Times it moved to another replica."""
     migrating: bool = False
     """A move is under way (the watchdog and a hand-off must not start a second)."""
+    settling: bool = False
+    """A successful completion is held while the tokens it counts arrive (Migrator.settle)."""

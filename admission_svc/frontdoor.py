@@ -42,9 +42,10 @@ from admission_svc.calls import Caller, FrontDoorConfig, GenerateCall, Output, P
 from admission_svc.core import AdmissionCore
 from admission_svc.migration import MigrationCause, Migrator, handed_off
 from admission_svc.prompts import PromptReader
+from admission_svc.stops import stop_strings_problem
 from admission_svc.streams import RequestStream, StreamRegistry
 from sluice import core_errors, errors, telemetry, tls
-from sluice.core_errors import CoreError, OverBudget
+from sluice.core_errors import CoreError, InvalidRequest, OverBudget
 from sluice.hashing import hash_chain, salt_of
 from sluice.model_spec import ModelSpec
 from sluice.prom import AdmissionMetrics, RequestOutcome
@@ -182,6 +183,8 @@ class FrontDoor:
                                   f"{self.model.model_id!r}", reason="unknown_model", field_name="model")
         sampling = call.sampling
         try:
+            if (problem := stop_strings_problem(sampling.stop_strings)) is not None:  # before any tokenizing
+                raise InvalidRequest("sampling.stop_strings", problem)
             ids = await self.prompts.ids(call)
             self.core.validate(len(ids), sampling.max_tokens, temperature=sampling.temperature,
                                top_p=sampling.top_p, top_k=sampling.top_k)
@@ -295,6 +298,7 @@ class FrontDoor:
             submit = convert.submit_request(record.attempt_id, record.tenant, ids, call, self.owner,
                                             deadline_unix_s or 0.0, self.model, record.timestamps,
                                             self.core.tenant_weight(record.tenant), self.core.cache_salt(record.tenant))
+            submit.owner_incarnation = self.migrator.incarnation  # the request lives while our lease does
             try:
                 await self.scheduler(route.scheduler_address).Submit(submit, metadata=metadata,
                                                                      timeout=self.config.downstream_timeout_s)
@@ -316,6 +320,7 @@ class FrontDoor:
             metadata=metadata, timeout=self.config.downstream_timeout_s)
         record.timestamps.routed = time.time()
         record.replica_id, record.scheduler_address = route.replica_id, route.scheduler_address
+        record.incarnation = route.incarnation
         record.span.add_event("routed", timestamp=_ns(record.timestamps.routed), attributes={
             "sluice.replica_id": route.replica_id, "sluice.cached_blocks": route.cached_blocks,
             "sluice.predicted_ttft_s": route.predicted_ttft_s})
@@ -427,6 +432,8 @@ class FrontDoor:
                 timeout=self.config.downstream_timeout_s)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
+                if record.completion is None:  # the scheduler forgot it: end it here unless a completion comes
+                    self.spawn(self.migrator.end_unknown(record, record.attempt_id, cause))
                 return record.completion.status if record.completion else record.status
             raise convert.error_from_downstream(exc, "cancel failed at the scheduler") from None
         return response.status
@@ -460,6 +467,8 @@ class FrontDoor:
                 self.spawn(self.migrator.migrate(record, MigrationCause.HANDED_OFF))
                 return
             completion = self.migrator.whole(record, completion)
+            if self.migrator.held(record, completion):
+                return  # its last tokens are still on the way (or lost: then it moves)
         self.complete(request_id, record, completion)
 
     def complete(self, request_id: str, record: Tracked | None, completion: events_pb2.Completion) -> None:

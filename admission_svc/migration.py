@@ -10,6 +10,17 @@ Rules
   SCHEDULER_GONE  it stalled and its scheduler refuses a health check (UNAVAILABLE: process dead).
   WORKER_DOWN     it stalled and the router says its replica is UNHEALTHY (the worker is down, or a
                   ReportUnreachable took it out while its scheduler still answers).
+  REPLICA_RESTARTED it stalled and the router lists its replica under another scheduler incarnation
+                  than the one it was routed to: the scheduler restarted (on the same address, so its
+                  health answers) and what the old process held is gone.
+  TOKEN_GAP       its token stream broke off: deltas were lost on the bus (a Redis restart loses what was
+                  not read yet), mid-stream or at its end (a completion counting tokens that never came
+                  within the stream's grace). The move recomputes from the last exact token; no token
+                  the model did not produce is ever streamed (admission_svc/streams.py).
+  UNKNOWN_AT_SCHEDULER it stalled, its replica is healthy, and its scheduler (asked with Lookup) neither
+                  holds it nor remembers its completion.
+  A stalled request that its scheduler ended recently gets the completion from the Lookup reply, as if it
+  had come from the bus (a Redis restart loses the entries nobody had read yet).
   "Stalled" is no new token for `stall_timeout_s`; a request queued behind others on a healthy replica
   stalls too, and stays, because its replica is listed, healthy and answering.
 * A move submits a new *attempt* `{request_id}#{n}`: the prompt is the original prompt plus the tokens
@@ -41,12 +52,14 @@ import dataclasses
 import enum
 import logging
 import time
+import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.context import Context
 
 from sluice.types import ATTEMPT_SEPARATOR, DRAIN_HANDOFF
 from sluice.v1 import common_pb2, events_pb2, router_pb2, scheduler_pb2
@@ -54,10 +67,11 @@ from sluice.v1 import common_pb2, events_pb2, router_pb2, scheduler_pb2
 if TYPE_CHECKING:
     from admission_svc.calls import Tracked
     from admission_svc.frontdoor import FrontDoor
+    from admission_svc.streams import RequestStream
 
 log = logging.getLogger(__name__)
 
-__all__ = ["REROUTE_CODES", "MigrationCause", "Migrator", "Stalled", "attempt_id", "decide"]
+__all__ = ["REROUTE_CODES", "Listed", "MigrationCause", "Migrator", "Stalled", "attempt_id", "decide"]
 
 REROUTE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 """Submit failures after which admission routes the request again: the scheduler did not take it
@@ -72,6 +86,9 @@ class MigrationCause(enum.Enum):
     REPLICA_GONE = "replica_gone"
     WORKER_DOWN = "worker_down"
     SCHEDULER_GONE = "scheduler_gone"
+    REPLICA_RESTARTED = "replica_restarted"
+    TOKEN_GAP = "token_gap"
+    UNKNOWN_AT_SCHEDULER = "unknown_at_scheduler"
 
 
 @dataclass(frozen=True)
@@ -81,6 +98,17 @@ class Stalled:
     request_id: str
     replica_id: str
     scheduler_address: str
+    incarnation: str = ""
+    """The scheduler incarnation it was routed to ("" = not reported: not compared)."""
+
+
+@dataclass(frozen=True)
+class Listed:
+    """What the router's listing says of one replica."""
+
+    state: int
+    """router_pb2.ReplicaState."""
+    incarnation: str = ""
 
 
 def attempt_id(request_id: str, migrations: int) -> str:
@@ -88,19 +116,24 @@ def attempt_id(request_id: str, migrations: int) -> str:
     return request_id if migrations == 0 else f"{request_id}{ATTEMPT_SEPARATOR}{migrations}"
 
 
-def decide(stalled: Iterable[Stalled], replica_states: Mapping[str, int] | None,
+def decide(stalled: Iterable[Stalled], replica_states: Mapping[str, Listed] | None,
            scheduler_up: Mapping[str, bool]) -> list[tuple[str, MigrationCause]]:
     """Return the stalled requests to move and why.
 
-    `replica_states`: the router's listing (replica id -> router_pb2.ReplicaState), None when the
+    `replica_states`: the router's listing (replica id -> state and incarnation), None when the
     router did not answer (then only the probes decide). `scheduler_up`: health probe per address; a
     failed probe names the cause SCHEDULER_GONE even when a report made the replica UNHEALTHY.
     """
     moves = []
+    gone = Listed(router_pb2.GONE)
     for request in stalled:
-        state = None if replica_states is None else replica_states.get(request.replica_id, router_pb2.GONE)
+        listed = None if replica_states is None else replica_states.get(request.replica_id, gone)
+        state = None if listed is None else listed.state
         if state == router_pb2.GONE:
             moves.append((request.request_id, MigrationCause.REPLICA_GONE))
+        elif (listed is not None and listed.incarnation and request.incarnation
+              and listed.incarnation != request.incarnation):
+            moves.append((request.request_id, MigrationCause.REPLICA_RESTARTED))
         elif not scheduler_up.get(request.scheduler_address, True):
             moves.append((request.request_id, MigrationCause.SCHEDULER_GONE))
         elif state == router_pb2.UNHEALTHY:
@@ -121,6 +154,49 @@ class Migrator:
         self.door = door
         self.attempts: dict[str, str] = {}
         """Attempt id -> request id, for every attempt after the first."""
+        door.registry.on_gap = self.on_gap
+        self.incarnation = uuid.uuid4().hex[:16]
+        """This admission process's incarnation: its requests' owner leases at the schedulers name it."""
+        self._renewing: asyncio.Future[None] | None = None
+
+    # ---- token gaps -----------------------------------------------------------------------------
+    def on_gap(self, stream: RequestStream) -> None:
+        """A request's stream broke off (deltas lost): move it, recomputing from its last exact token."""
+        record = self.door.records.get(stream.request_id)
+        if record is not None and not record.migrating and record.completion is None:
+            self.door.spawn(self.migrate(record, MigrationCause.TOKEN_GAP))
+
+    def held(self, record: Tracked, completion: events_pb2.Completion) -> bool:
+        """True when a successful completion counts tokens the stream does not hold yet: it is held back (the
+        request stays open) while `settle` waits for them. Completions can overtake their last deltas."""
+        finished = completion.status in (common_pb2.FINISHED_STOP, common_pb2.FINISHED_LENGTH)
+        if not finished or len(record.stream.tokens) >= completion.usage.output_tokens:
+            return False
+        if not record.settling:
+            record.settling = True
+            self.door.spawn(self.settle(record, completion))
+        return True
+
+    async def settle(self, record: Tracked, completion: events_pb2.Completion) -> None:
+        """Complete the request once its stream holds every token the completion counts; when they do not come
+        within the stream's grace (lost on the bus), move it from its last exact token instead (TOKEN_GAP)."""
+        stream, attempt = record.stream, record.attempt_id
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.door.registry.grace_s
+        try:
+            while (len(stream.tokens) < completion.usage.output_tokens and stream.gap_at is None
+                   and loop.time() < give_up and record.attempt_id == attempt):
+                await stream.changed(give_up - loop.time())
+        finally:
+            record.settling = False
+        if record.attempt_id != attempt or record.completion is not None:
+            return  # moved or ended meanwhile
+        if len(stream.tokens) >= completion.usage.output_tokens:
+            self.door.complete(record.request_id, record, completion)
+            return
+        log.warning("request %s: its completion counts %d tokens, %d arrived: moving it from the last exact token",
+                    record.request_id, completion.usage.output_tokens, len(stream.tokens))
+        await self.migrate(record, MigrationCause.TOKEN_GAP)
 
     # ---- the watchdog ---------------------------------------------------------------------------
     async def watch(self, stop: asyncio.Event) -> None:
@@ -130,20 +206,46 @@ class Migrator:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval)
             try:
+                if self._renewing is None or self._renewing.done():  # a slow scheduler must not delay the tick
+                    self._renewing = asyncio.ensure_future(self.renew_leases())
                 await self.tick()
             except Exception:
                 log.exception("migration watchdog tick failed")
             self.door.publish_budgets()
 
+    async def renew_leases(self) -> None:
+        """Renew this process's lease at every scheduler that holds one of its live requests (at once, in
+        parallel; a failure is left to the next tick: the lease outlasts several)."""
+        addresses = sorted({r.scheduler_address for r in self.door.records.values()
+                            if r.completion is None and not r.ended and r.scheduler_address})
+        if not addresses:
+            return
+        request = scheduler_pb2.RenewLeaseRequest(owner=self.door.owner, owner_incarnation=self.incarnation,
+                                                  ttl_s=self.door.config.owner_lease_s)
+        replies = await asyncio.gather(*(self.door.scheduler(a).RenewLease(request, timeout=1.0) for a in addresses),
+                                       return_exceptions=True)
+        for address, reply in zip(addresses, replies, strict=True):
+            if isinstance(reply, grpc.aio.AioRpcError):
+                log.info("renewing the owner lease at %s failed (%s)", address, reply.code().name)
+            elif isinstance(reply, BaseException):
+                raise reply
+
     def stalled(self, now: float) -> list[Stalled]:
         """Return the placed, live requests without a new token for `stall_timeout_s`."""
         limit = now - self.door.config.stall_timeout_s
-        return [Stalled(r.request_id, r.replica_id, r.scheduler_address) for r in self.door.records.values()
-                if r.completion is None and not r.ended and not r.migrating and r.placement is not None
+        return [Stalled(r.request_id, r.replica_id, r.scheduler_address, r.incarnation)
+                for r in self.door.records.values()
+                if r.completion is None and not r.ended and not r.migrating and not r.settling
+                and r.placement is not None
                 and r.scheduler_address and r.stream.progress_at <= limit]
 
     async def tick(self) -> None:
-        """Find the stalled requests whose replica is lost and start their moves."""
+        """Find the stalled requests whose replica is lost, and broken streams not moving yet (a break while a
+        move was under way), and start their moves."""
+        for broken in list(self.door.records.values()):
+            if (broken.stream.gap_at is not None and broken.completion is None and not broken.migrating
+                    and not broken.settling):
+                self.door.spawn(self.migrate(broken, MigrationCause.TOKEN_GAP))
         stalled = self.stalled(time.monotonic())
         if not stalled:
             return
@@ -151,18 +253,47 @@ class Migrator:
         probes = {}
         for address in sorted({s.scheduler_address for s in stalled}):
             probes[address] = await self._probe(address)
-        for request_id, cause in decide(stalled, states, probes):
+        moving = decide(stalled, states, probes)
+        for request_id, cause in moving:
             record = self.door.records.get(request_id)
             if record is not None:
                 self.door.spawn(self.migrate(record, cause))
+        moved = {request_id for request_id, _ in moving}
+        await self._look_up([s for s in stalled if s.request_id not in moved and probes.get(s.scheduler_address)])
 
-    async def _replica_states(self) -> dict[str, int] | None:
+    async def _look_up(self, stalled: list[Stalled]) -> None:
+        """Ask each scheduler about its quiet requests: a completion it remembers is handled as if it came from
+        the bus; a request it does not hold at all moves (UNKNOWN_AT_SCHEDULER)."""
+        by_address: dict[str, list[tuple[Tracked, str]]] = {}
+        for quiet in stalled:
+            record = self.door.records.get(quiet.request_id)
+            if record is not None and record.attempt_id:
+                by_address.setdefault(quiet.scheduler_address, []).append((record, record.attempt_id))
+        for address, asked in sorted(by_address.items()):
+            try:
+                reply = await self.door.scheduler(address).Lookup(scheduler_pb2.LookupRequest(
+                    request_ids=[attempt for _, attempt in asked]), timeout=self.door.config.downstream_timeout_s)
+            except grpc.aio.AioRpcError:
+                continue  # unreachable or too old to answer: the probes and the router decide, as before
+            live = set(reply.live)
+            for completion in reply.recent:
+                live.add(completion.request_id)
+                log.warning("request %s: its completion was fetched from its scheduler (lost on the bus)",
+                            completion.request_id)
+                await self.door.on_completion("lookup", completion.SerializeToString(), Context())
+            for record, attempt in asked:
+                # Only the attempt asked about: one that moved meanwhile is another attempt, unknown there.
+                if (attempt not in live and record.attempt_id == attempt and record.completion is None
+                        and not record.settling):
+                    self.door.spawn(self.migrate(record, MigrationCause.UNKNOWN_AT_SCHEDULER))
+
+    async def _replica_states(self) -> dict[str, Listed] | None:
         try:
             listed = await self.door.router.ListReplicas(router_pb2.ListReplicasRequest(),
                                                          timeout=self.door.config.downstream_timeout_s)
         except grpc.aio.AioRpcError:
             return None
-        return {r.replica_id: r.state for r in listed.replicas}
+        return {r.replica_id: Listed(r.state, r.incarnation) for r in listed.replicas}
 
     async def _probe(self, address: str) -> bool:
         channel = self.door.scheduler_channel(address)
@@ -188,8 +319,8 @@ class Migrator:
     async def _move(self, record: Tracked, cause: MigrationCause) -> None:
         door, stream, placement = self.door, record.stream, record.placement
         streamed = len(stream.tokens)
-        if placement is None or stream.missing_tokens:
-            self.end_locally(record, common_pb2.FAILED, f"replica lost ({cause.value}) and the stream has a gap")
+        if placement is None:
+            self.end_locally(record, common_pb2.FAILED, f"replica lost ({cause.value}) before it was placed")
             return
         if record.migrations >= door.config.migration_limit:
             door.metrics.migration_failures.labels("migration_limit").inc()
@@ -290,6 +421,17 @@ class Migrator:
         with contextlib.suppress(grpc.aio.AioRpcError):
             await self.door.scheduler(address).Cancel(scheduler_pb2.CancelRequest(request_id=old_attempt),
                                                       timeout=1.0)
+
+    async def end_unknown(self, record: Tracked, attempt: str, cause: str) -> None:
+        """The scheduler answered a Cancel of `attempt` NOT_FOUND: it finished the request (its completion is
+        on the way) or no longer knows it (restarted). Wait the stream's grace for a completion, then end the
+        request CANCELLED here, so that its reservation is released and its record closed (once: `complete`)."""
+        await asyncio.sleep(self.door.registry.grace_s)
+        if record.completion is not None or record.migrating or record.attempt_id != attempt:
+            return
+        record.span.add_event("unknown_at_scheduler", attributes={"sluice.attempt_id": attempt})
+        self.end_locally(record, common_pb2.CANCELLED, f"cancelled ({cause}); replica {record.replica_id} no "
+                                                       f"longer knows attempt {attempt}", finish_reason="cancelled")
 
     def end_locally(self, record: Tracked, status: common_pb2.RequestStatus, detail: str,
                     finish_reason: str = "error") -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from admission_svc.calls import GenerateCall, Output
+from admission_svc.stops import StopTrimmer, stop_strings_problem
 from sluice import errors
 from sluice.chat_template import ChatTemplateError
 from sluice.model_spec import GenerationDefaults, ModelSpec
@@ -84,6 +85,8 @@ def _stops(body: Mapping[str, Any]) -> tuple[str, ...]:
     items = [stop] if isinstance(stop, str) else stop
     if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
         raise _bad("stop", "stop must be a string or a list of strings")
+    if (problem := stop_strings_problem(items)) is not None:
+        raise _bad("stop", problem)
     return tuple(s for s in items if s)
 
 
@@ -173,33 +176,6 @@ def _message(message: Any, index: int) -> dict[str, Any]:
     if content is not None and not isinstance(content, str):
         raise _bad(f"messages[{index}].content", "content must be a string or a list of text parts")
     return {**message, "content": content or ""}
-
-
-class StopTrimmer:
-    """Cuts the text at the first stop string, holding back a tail that may be the start of one."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = tuple(stops)
-        self._held = ""
-        self.stopped = False
-
-    def push(self, text: str) -> str:
-        """Return the part of `text` (after what was held back) that can be shown now."""
-        if self.stopped or not self.stops:
-            return "" if self.stopped else text
-        pending = self._held + text
-        hits = [at for stop in self.stops if (at := pending.find(stop)) != -1]
-        if hits:
-            self.stopped, self._held = True, ""
-            return pending[:min(hits)]
-        keep = max((n for stop in self.stops for n in range(1, len(stop)) if pending.endswith(stop[:n])), default=0)
-        self._held = pending[len(pending) - keep:] if keep else ""
-        return pending[:len(pending) - keep]
-
-    def flush(self) -> str:
-        """Return what was held back (the generation ended without completing a stop string)."""
-        held, self._held = ("" if self.stopped else self._held), ""
-        return held
 
 
 # ---- responses ----------------------------------------------------------------------------------

@@ -10,6 +10,12 @@ deltas (different streams), so a stream is finished only when it holds the compl
 `usage.output_tokens` tokens (or after a grace period, counted as missing tokens, never silently).
 A finished stream stays for `resume_window_s` so an idempotent retry can replay it.
 
+No fake tokens. A delta whose index is past the next expected one means entries were lost on the way
+(a Redis restart loses what nobody had read yet). The stream never fills the hole: it keeps the tokens
+before it (all exact), records where it broke (`gap_at`), takes nothing more from that attempt, and the
+registry tells its `on_gap` handler (admission_svc/migration.py moves the request, recomputing from the
+last exact token). Retargeting to a new attempt clears the break.
+
 Migration. A request moved to another replica runs there as a new *attempt* (its own downstream id,
 `attempt_id`), whose output index 0 is the request's output index `offset` (the tokens streamed before
 the move). `retarget` switches a stream to its new attempt at once, so a late delta of the old attempt
@@ -76,24 +82,29 @@ class RequestStream:
     """Downstream id whose deltas this stream takes ("" = `request_id`, the first attempt)."""
     offset: int = 0
     """Output index of the current attempt's token 0 (tokens streamed before the last migration)."""
+    gap_at: int | None = None
+    """Output index where the current attempt's tokens broke off (a lost delta); None while they are whole.
+    Tokens of that attempt are not taken any more: what follows the hole is not the client's next token."""
     progress_at: float = field(default_factory=time.monotonic)
     """time.monotonic() of the last new token (or of the start/migration): the stall watchdog reads it."""
     _waiters: list[asyncio.Future[None]] = field(default_factory=list)
     """Futures of the followers waiting for a change (a future per wait, none while nobody waits)."""
 
-    def add_tokens(self, index: int, token_ids: list[int], emitted_unix_s: float) -> None:
-        """Append the part of a delta not seen yet; an out-of-order gap is counted and waited out."""
-        if self.done:
-            self.duplicates += len(token_ids)
-            return
+    def add_tokens(self, index: int, token_ids: list[int], emitted_unix_s: float) -> bool:
+        """Append the part of a delta not seen yet. Returns True when the delta breaks off the stream (its index
+        is past the next expected one: deltas were lost); then nothing of it is taken, nor of later ones, until
+        `retarget` (see the module docstring)."""
+        if self.done or self.gap_at is not None:
+            self.duplicates += len(token_ids) if self.done else 0
+            return False
         have = len(self.tokens)
         if index > have:
-            # A gap means a delta was lost between scheduler and Redis; keep order, count it.
-            log.warning("request %s: token gap %d..%d", self.request_id, have, index)
+            log.warning("request %s: token gap %d..%d (deltas lost on the bus): the stream keeps its %d exact "
+                        "tokens and takes no more from this attempt", self.request_id, have, index, have)
             self.missing_tokens += index - have
-            self.tokens.extend([-1] * (index - have))
-            self.token_emitted.extend([0.0] * (index - have))
-            have = index
+            self.gap_at = have
+            self._wake()
+            return True
         skip = have - index
         self.duplicates += min(skip, len(token_ids))
         fresh = token_ids[skip:]
@@ -107,6 +118,7 @@ class RequestStream:
                 if first:
                     self.listener.first_token(self)
                 self.listener.progress(self)
+        return False
 
     def set_completion(self, completion: events_pb2.Completion) -> None:
         """Record the terminal record (the first one wins; later copies are redeliveries)."""
@@ -136,6 +148,16 @@ class RequestStream:
             for waiter in waiters:
                 if not waiter.done():
                     waiter.set_result(None)
+
+    async def changed(self, timeout_s: float) -> None:
+        """Wait until the stream changes (tokens, completion, a break) or `timeout_s` passes."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await asyncio.wait_for(waiter, timeout_s)
+        except TimeoutError:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
 
     async def follow(self, start: int = 0, grace_s: float = 2.0) -> AsyncIterator[StreamItem]:
         """Yield new tokens from `start` on, then the completion; replays for a late reader.
@@ -186,11 +208,15 @@ class StreamRegistry:
         self.stale_deltas = 0
         """Deltas of an attempt the request has moved away from (dropped)."""
         self._attempts: dict[str, RequestStream] = {}
+        self.on_gap: Callable[[RequestStream], None] | None = None
+        """Told when a stream breaks off (a delta lost on the bus), once per break."""
 
     def retarget(self, stream: RequestStream, attempt_id: str, offset: int) -> None:
-        """Make `attempt_id` the stream's current attempt, its token 0 at output index `offset`."""
+        """Make `attempt_id` the stream's current attempt, its token 0 at output index `offset` (the number of
+        tokens the stream holds, every one exact); clears a break."""
         self._attempts[attempt_id] = stream
         stream.attempt_id, stream.offset = attempt_id, offset
+        stream.gap_at = None
         stream.progress_at = time.monotonic()
 
     def open(self, request_id: str) -> RequestStream:
@@ -214,7 +240,10 @@ class StreamRegistry:
         if (stream.attempt_id or stream.request_id) != attempt:
             self.stale_deltas += 1
             return
-        stream.add_tokens(stream.offset + delta.index, list(delta.token_ids), emitted_unix_s)
+        if stream.add_tokens(stream.offset + delta.index, list(delta.token_ids), emitted_unix_s):
+            if self.on_gap is not None:
+                self.on_gap(stream)
+            return
         stream.complete_if_ready()
 
     def on_completion(self, completion: events_pb2.Completion) -> None:

@@ -22,6 +22,7 @@ def spec_from_proto(msg: router_pb2.Replica) -> ReplicaSpec:
         num_blocks=msg.num_blocks, max_num_batched_tokens=msg.max_num_batched_tokens or defaults.max_num_batched_tokens,
         prefill_tokens_per_s=msg.prefill_tokens_per_s or defaults.prefill_tokens_per_s,
         decode_round_s=msg.decode_round_s or defaults.decode_round_s, prefill_pair_s=msg.prefill_pair_s,
+        incarnation=msg.incarnation,
     )
 
 
@@ -34,6 +35,7 @@ def replica_to_proto(view: ReplicaView) -> router_pb2.Replica:
         num_blocks=spec.num_blocks, max_num_batched_tokens=spec.max_num_batched_tokens,
         prefill_tokens_per_s=spec.prefill_tokens_per_s, decode_round_s=spec.decode_round_s,
         prefill_pair_s=spec.prefill_pair_s, last_heartbeat_unix_s=view.last_heartbeat,
+        incarnation=spec.incarnation,
     )
 
 

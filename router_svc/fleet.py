@@ -11,6 +11,10 @@ Rules
 * A heartbeat replaces the replica's load and clears its routed-but-unreported tokens (they are
   part of the report now); what a heartbeat's reported state does to the table is
   `sluice.glue.reconcile`. A replica silent for longer than the timeout is `stale`.
+* A replica registers with its scheduler's incarnation (new on every process start). Registering
+  again with another incarnation is a restart: the row is replaced (the old one's routed requests are
+  gone with it), and a heartbeat that names another incarnation than the registered one is refused
+  (`heartbeat_from`), so a restarted process cannot pass for the one that held the lost requests.
 * Each replica carries its `ReplicaCache` (router_svc.prefix_index), so that the scoring loop
   reaches a candidate's cached prefix without a lookup.
 
@@ -74,6 +78,9 @@ class ReplicaSpec:
     prefill_pair_s: float = 0.0
     """Seconds per attended (prompt token, earlier token) pair beyond the prefill rate: a long prompt's
     later chunks attend to all of it, so its prefill grows with its square (0: not modelled)."""
+    incarnation: str = ""
+    """The scheduler process's incarnation (new on every start; "" = not reported): a registration with
+    another one is a restart, and a heartbeat of another one than the registered is refused."""
 
 
 @dataclass
@@ -139,6 +146,12 @@ class Fleet:
             del self._replicas[replica.spec.replica_id]
         return replica.state
 
+    def heartbeat_from(self, replica_id: str, incarnation: str) -> bool:
+        """True when a heartbeat naming `incarnation` comes from the registered incarnation of the replica
+        (or either side reported none). Raises UnknownReplica."""
+        known = self.get(replica_id).spec.incarnation
+        return not incarnation or not known or incarnation == known
+
     def heartbeat(self, replica_id: str, load: ReplicaLoad, now: float) -> ReplicaState:
         """Record the replica's load; routed-but-unreported work is now part of the report. Raises UnknownReplica."""
         replica = self.get(replica_id)
@@ -155,12 +168,16 @@ class Fleet:
     def ready_for(self, model: str, adapter_version: str) -> list[Replica]:
         """Return the READY replicas of the model and adapter, by id.
 
-        Raises UnknownModel (none of that model/adapter at all) or NoReplicaAvailable (none READY).
+        Raises UnknownModel (replicas are registered, none of that model/adapter) or NoReplicaAvailable (none
+        READY, or none registered at all: a router that just restarted, whose replicas register again within a
+        heartbeat, cannot tell an unknown model yet and must not answer NOT_FOUND for a known one).
         """
         compatible = [
             r for r in self._replicas.values()
             if r.spec.model == model and r.spec.adapter_version == adapter_version
         ]
+        if not compatible and not self._replicas:
+            raise NoReplicaAvailable("no replica is registered (yet)")
         if not compatible:
             raise UnknownModel(f"no replica serves model {model!r} adapter {adapter_version!r}")
         ready = [r for r in compatible if r.state is ReplicaState.READY]

@@ -7,7 +7,10 @@ Theory of operation
   A Heartbeat goes through `sluice.glue.apply_heartbeat`, the one reconciliation the simulator runs
   too: READY moves a WARMING (or UNHEALTHY) replica to READY; UNHEALTHY (its worker is down) takes
   it out of routing until it reports READY again; DRAINING drains it. A Heartbeat from a replica
-  the router does not know (a restarted router) is NOT_FOUND: the replica registers again.
+  the router does not know (a restarted router), or one naming another incarnation than the registered
+  one (a restarted scheduler: `router_svc.fleet`), is NOT_FOUND: the replica registers again. Route and
+  ListReplicas carry the incarnation, so that admission can tell a restarted replica's lost requests
+  (admission_svc/migration.py) from live ones.
 - The `kv` stream is read in this router's own consumer group (`router:{router_id}`: every router
   needs every event). Events feed `apply_kv_events`; an event-id gap (False) triggers a snapshot
   fetch. While a replica's snapshot is being fetched its events are buffered and replayed on top of
@@ -273,7 +276,10 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             span.set_attribute("sluice.predicted_ttft_s", decision.predicted_ttft_s)
         self.runtime.metrics.routes.labels(decision.replica_id).inc()
         self.runtime.metrics.cached_blocks.observe(decision.cached_blocks)
-        return convert.decision_to_proto(decision)
+        response = convert.decision_to_proto(decision)
+        chosen = self.core.fleet.find(decision.replica_id)
+        response.incarnation = chosen.spec.incarnation if chosen is not None else ""
+        return response
 
     async def RegisterReplica(self, request: router_pb2.RegisterReplicaRequest,  # noqa: N802
                               context: grpc.aio.ServicerContext) -> router_pb2.RegisterReplicaResponse:
@@ -285,14 +291,26 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             if not math.isfinite(value) or value < 0:  # the TTFT prediction would run backwards or not at all
                 raise errors.InvalidArgument(f"replica {spec.replica_id!r}: {name} must be a finite number >= 0, "
                                              f"got {value}", field_name=f"replica.{name}")
+        previous = self.core.fleet.find(spec.replica_id)
         state = self.core.register(spec, self.runtime.clock())
-        log.info("replica %s registered (%s at %s)", spec.replica_id, spec.model, spec.address)
+        if previous is not None and previous.spec.incarnation != spec.incarnation:
+            log.warning("replica %s restarted (incarnation %s -> %s): %d routed requests of the old one are lost",
+                        spec.replica_id, previous.spec.incarnation or "?", spec.incarnation or "?",
+                        len(previous.inflight))
+        log.info("replica %s registered (%s at %s, incarnation %s)", spec.replica_id, spec.model, spec.address,
+                 spec.incarnation or "?")
         self.runtime.on_registered(spec.replica_id)
         return router_pb2.RegisterReplicaResponse(state=shared_convert.replica_state_to_proto(state))
 
     async def Heartbeat(self, request: router_pb2.HeartbeatRequest,  # noqa: N802
                         context: grpc.aio.ServicerContext) -> router_pb2.HeartbeatResponse:
         report = shared_convert.heartbeat_from_proto(request)
+        if not self.core.fleet.heartbeat_from(report.replica_id, request.incarnation):
+            # A process that is not the one registered (a restart's old or new self): the lost requests must
+            # not look served. NOT_FOUND makes a live scheduler register again, as after a router restart.
+            raise errors.NotFound(f"replica {report.replica_id!r} heartbeats as incarnation "
+                                  f"{request.incarnation!r}, not the registered one: register again",
+                                  reason="unknown_incarnation")
         before, after = glue.apply_heartbeat(self.core, report, self.runtime.clock())
         if before is not after and after is ReplicaState.UNHEALTHY:
             log.warning("replica %s reports its worker down: UNHEALTHY, no traffic", report.replica_id)

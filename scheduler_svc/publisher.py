@@ -6,12 +6,17 @@ merged: each owner's token deltas as one TokenDeltaBatch, one Redis entry (one X
 many requests and rounds it holds, so under load the queue drains in a few round trips instead of growing.
 A Redis failure is retried until it succeeds, resuming where it failed: events are delayed, never
 dropped, and never reordered.
+
+Every completion queued is also remembered (`recent`: the last `recent_limit`, by request id), because
+publishing is not delivery: a Redis restart loses entries nobody had read yet. Admission's watchdog asks
+for the completion of a request that went quiet (the Lookup RPC) and so gets it again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from opentelemetry.context import Context
@@ -58,12 +63,20 @@ def merge(batches: list[Outgoing]) -> Outgoing:
 class Publisher:
     """Publishes queued batches in order from one task. See the module docstring."""
 
-    def __init__(self, bus: Bus) -> None:
+    def __init__(self, bus: Bus, recent_limit: int = 4096) -> None:
         self.bus = bus
         self._outbox: asyncio.Queue[Outgoing | None] = asyncio.Queue()
+        self.recent_limit = recent_limit
+        self.recent: OrderedDict[str, events_pb2.Completion] = OrderedDict()
+        """The last `recent_limit` completions queued, by request id (oldest first)."""
 
     def put(self, out: Outgoing) -> None:
-        """Queue a batch for publishing (after everything queued before it)."""
+        """Queue a batch for publishing (after everything queued before it); remember its completions."""
+        for completion, _ in out.completions:
+            self.recent[completion.request_id] = completion
+            self.recent.move_to_end(completion.request_id)
+        while len(self.recent) > self.recent_limit:
+            self.recent.popitem(last=False)
         self._outbox.put_nowait(out)
 
     async def close(self) -> None:

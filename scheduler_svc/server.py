@@ -11,7 +11,10 @@ Theory of operation
   Before each heartbeat the agent probes the worker; while it is down the heartbeat says UNHEALTHY
   (the router routes nothing here) and Submit answers UNAVAILABLE reason `worker_unavailable`; the
   driver's `worker_changed` makes the agent heartbeat at once on either change.
-  The router being down delays nothing here: the agent keeps retrying.
+  The router being down delays nothing here: the agent keeps retrying. Registration and heartbeats carry
+  the process's incarnation (`Replica.incarnation`, set by the agent, new on every start): a scheduler
+  restarted on the same address is a new incarnation, so the router and admission know the old one's
+  requests are lost.
 - Drain (SIGTERM, or the router answering a heartbeat with DRAINING after its Drain RPC): stop accepting
   Submits (UNAVAILABLE, reason `draining`), heartbeat DRAINING, let live requests finish for up to
   `drain_timeout_s`, then cancel what is left with detail `DRAIN_HANDOFF`: admission takes that
@@ -20,6 +23,11 @@ Theory of operation
   heartbeating and sets `retired`: health turns NOT_SERVING and the process may be stopped (SIGTERM
   then exits 0 at once). It does not exit by itself, so that whoever asked for the drain (the planner's
   launcher, a supervisor) decides, and no restart policy mistakes it for a crash. A drain runs once.
+- Lookup (admission's watchdog, for requests that went quiet): which of the ids are live here, and the
+  completions of those that ended recently (`Publisher.recent`), so that one lost on the bus is fetched again.
+- Owner leases (scheduler_svc/leases.py): a Submit naming its owner's incarnation ties the request to that
+  admission process's lease, which RenewLease extends; every LEASE_SWEEP_S the requests of owners whose lease
+  lapsed (the admission process died or lost this replica) are cancelled with detail `owner_gone`.
 - Redis not answering (`bus_alive` False, from sluice.serve.BusWatch): Submit answers UNAVAILABLE
   reason `bus_unavailable` (its tokens could not reach the client); gRPC health is NOT_SERVING.
   What was already running keeps running: the publisher holds its tokens until Redis is back.
@@ -31,6 +39,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -42,6 +51,7 @@ from scheduler_svc.collector import tune_collector
 from scheduler_svc.core import SchedulerCore
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.driver import Driver
+from scheduler_svc.leases import OwnerLeases
 from sluice import convert, errors, glue, services, telemetry, tls
 from sluice.bus import Bus
 from sluice.prom import SchedulerMetrics
@@ -66,6 +76,14 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = services.SCHEDULER
+OWNER_GONE = "owner_gone"
+"""Detail prefix of a request cancelled because its owner (an admission process) stopped renewing its lease."""
+MAX_LOOKUP_IDS = 4096
+"""Request ids one Lookup may ask about (a bound on the work one call costs)."""
+MAX_LEASE_S = 300.0
+"""Longest owner lease one RenewLease may ask for."""
+LEASE_SWEEP_S = 0.5
+"""How often requests of owners whose lease lapsed are looked for (and cancelled)."""
 
 
 def _check_submission(request: scheduler_pb2.SubmitRequest, vocab_size: int) -> None:
@@ -90,6 +108,20 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.driver = driver
         self.bus_alive = bus_alive
         """False while Redis does not answer (sluice.serve.BusWatch): tokens could not be delivered."""
+        self.leases = OwnerLeases()
+        """The leases of the admission processes that own the requests here (scheduler_svc/leases.py)."""
+
+    def cancel_orphans(self) -> int:
+        """Cancel the requests whose owner's lease lapsed (detail `owner_gone`); return how many."""
+        driver = self.driver
+        cancelled = 0
+        for owner, request_ids in self.leases.lapsed(driver.clock(), set(driver.live_request_ids())):
+            log.warning("owner %s (incarnation %s) stopped renewing its lease: cancelling its %d requests",
+                        owner.owner, owner.incarnation, len(request_ids))
+            for request_id in request_ids:
+                detail = f"{OWNER_GONE}: admission {owner.owner} stopped renewing its lease"
+                cancelled += driver.cancel(request_id, detail) is not None
+        return cancelled
 
     async def Submit(self, request: scheduler_pb2.SubmitRequest,  # noqa: N802 (gRPC method name)
                      context: grpc.aio.ServicerContext) -> scheduler_pb2.SubmitResponse:
@@ -106,6 +138,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             raise errors.InvalidArgument("request_id is required", field_name="request_id")
         _check_submission(request, self.driver.vocab_size)
         position = self.driver.submit(request, extract_metadata(context.invocation_metadata()))
+        self.leases.track(request.request_id, request.owner, request.owner_incarnation, self.driver.clock())
         return scheduler_pb2.SubmitResponse(queue_position=position)
 
     async def Cancel(self, request: scheduler_pb2.CancelRequest,  # noqa: N802
@@ -121,6 +154,30 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         core = self.driver.core
         return convert.stats_to_proto(core.stats(), self.driver.replica_id, core.config.max_num_batched_tokens,
                                       core.config.max_num_seqs)
+
+    async def Lookup(self, request: scheduler_pb2.LookupRequest,  # noqa: N802
+                     context: grpc.aio.ServicerContext) -> scheduler_pb2.LookupResponse:
+        if len(request.request_ids) > MAX_LOOKUP_IDS:
+            raise errors.InvalidArgument(f"at most {MAX_LOOKUP_IDS} request_ids per Lookup, got "
+                                         f"{len(request.request_ids)}", field_name="request_ids")
+        live_ids, remembered = set(self.driver.live_request_ids()), self.driver.publisher.recent
+        reply = scheduler_pb2.LookupResponse()
+        for request_id in request.request_ids:
+            if request_id in live_ids:
+                reply.live.append(request_id)
+            elif (completion := remembered.get(request_id)) is not None:
+                reply.recent.append(completion)
+        return reply
+
+    async def RenewLease(self, request: scheduler_pb2.RenewLeaseRequest,  # noqa: N802
+                         context: grpc.aio.ServicerContext) -> scheduler_pb2.RenewLeaseResponse:
+        if not request.owner or not request.owner_incarnation:
+            raise errors.InvalidArgument("a lease needs owner and owner_incarnation", field_name="owner")
+        if not (math.isfinite(request.ttl_s) and 0 < request.ttl_s <= MAX_LEASE_S):
+            raise errors.InvalidArgument(f"ttl_s must be in (0, {MAX_LEASE_S}], got {request.ttl_s}",
+                                         field_name="ttl_s")
+        held = self.leases.renew(request.owner, request.owner_incarnation, request.ttl_s, self.driver.clock())
+        return scheduler_pb2.RenewLeaseResponse(requests=held)
 
     async def KvSnapshot(self, request: scheduler_pb2.KvSnapshotRequest,  # noqa: N802
                          context: grpc.aio.ServicerContext) -> scheduler_pb2.KvSnapshotResponse:
@@ -145,12 +202,18 @@ class ReplicaAgent:
     """Set once drained and removed from the router: nothing runs here any more."""
     _drain_task: asyncio.Task[None] | None = None
 
+    def __post_init__(self) -> None:
+        if not self.replica.incarnation:  # new on every start of the process (router_pb2.Replica.incarnation)
+            self.replica.incarnation = uuid.uuid4().hex[:16]
+
     def heartbeat_request(self) -> router_pb2.HeartbeatRequest:
         """Return the next heartbeat: the reported state and the load, built by the one glue (sluice.glue)."""
         driver = self.driver
         report = glue.heartbeat_report(self.replica.replica_id, self.state, driver.worker_serving,
                                        driver.core.stats(), driver.rates)
-        return convert.heartbeat_to_proto(report)
+        request = convert.heartbeat_to_proto(report)
+        request.incarnation = self.replica.incarnation
+        return request
 
     async def register(self) -> None:
         """Register (WARMING). Raises grpc.aio.AioRpcError when the router cannot be reached."""
@@ -254,7 +317,8 @@ async def start_scheduler_server(driver: Driver, health: health_aio.HealthServic
     """
     authorize = tls.authorizer() if tls_files is not None else None
     server = grpc_server(SERVICE_NAME, interceptors=[errors.ErrorInterceptor(authorize=authorize)])
-    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(SchedulerServicer(driver, bus_alive), server)
+    servicer = SchedulerServicer(driver, bus_alive)
+    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     bound = tls.listen(server, f"{host}:{port}", tls_files)
     if bound == 0:
@@ -262,6 +326,9 @@ async def start_scheduler_server(driver: Driver, health: health_aio.HealthServic
     await server.start()
     for name in ("", SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    sweeper = asyncio.create_task(_sweep_leases(servicer))
+    _SWEEPERS.add(sweeper)
+    sweeper.add_done_callback(_SWEEPERS.discard)
     return server, bound
 
 
@@ -323,6 +390,20 @@ class RunningReplica:
         await self.server.stop(1.0)
         for channel in self.channels:
             await channel.close()
+
+
+_SWEEPERS: set[asyncio.Task[None]] = set()
+"""The lease sweepers of the servers started in this process (held so that they are not collected)."""
+
+
+async def _sweep_leases(servicer: SchedulerServicer) -> None:
+    """Cancel the requests of owners whose lease lapsed, every LEASE_SWEEP_S, while the event loop runs."""
+    while True:
+        await asyncio.sleep(LEASE_SWEEP_S)
+        try:
+            servicer.cancel_orphans()
+        except Exception:  # the sweep must outlive one bad pass
+            log.exception("owner lease sweep failed")
 
 
 async def _not_serving_when_retired(agent: ReplicaAgent, health: health_aio.HealthServicer,

@@ -19,6 +19,12 @@ Theory of operation
   therefore be idempotent. An entry whose handler fails `max_attempts` times in one consumer, or that
   has no payload, is moved to the stream `{stream}:dead` with the error and acknowledged, and logged:
   it is parked where an operator can see it, never dropped silently.
+- Poison entries: an entry whose payload does not parse (DecodeError: garbage written by anyone who may
+  write there) is not retried, since it never will parse: `consume` dead-letters and acknowledges it at
+  once, and `read_tokens` (the plain XREAD of admission's token reader, which has no group to acknowledge
+  in and may not write the token stream) skips it. Either way it is counted per stream (`poisoned`, and
+  `sluice_bus_poison_entries_total{stream}` once `count_poison_in` named a registry) and logged once with
+  its stream and id; the entries around it are delivered as usual.
 - Redis restarts: redis-py reconnects per command, so loops that catch connection errors and retry
   resume by themselves. A restarted Redis (no persistence) has lost the consumer groups: `consume`
   meets NOGROUP and creates its group again from "0" (everything in the new stream is unseen).
@@ -45,6 +51,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
+from google.protobuf.message import DecodeError
 from opentelemetry.context import Context
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
@@ -180,6 +187,25 @@ class Bus:
         self.maxlen = maxlen
         self.kv_shards = kv_shards
         self._xadd_many = client.register_script(_XADD_MANY)
+        self.poisoned: dict[str, int] = {}
+        """Entries skipped because they do not parse, per logical stream (see the module docstring)."""
+        self._poison_counter: Any = None
+
+    def count_poison_in(self, registry: Any) -> None:
+        """Also count poison entries in `sluice_bus_poison_entries_total{stream}` of a Prometheus registry."""
+        from prometheus_client import Counter
+
+        self._poison_counter = Counter("sluice_bus_poison_entries", "Bus entries skipped because they do not "
+                                       "parse (dead-lettered where the consumer may write), by stream.",
+                                       ["stream"], registry=registry)
+
+    def poison(self, stream: str, entry_id: str, error: str) -> None:
+        """Count and log (once: the entry is skipped) an entry of `stream` that does not parse."""
+        family = stream.split(":", 1)[0]  # tokens:<owner>, kv:<shard>: one label per kind of stream
+        self.poisoned[stream] = self.poisoned.get(stream, 0) + 1
+        if self._poison_counter is not None:
+            self._poison_counter.labels(family).inc()
+        log.error("skipped entry %s of %s: it does not parse (%s)", entry_id, self.key(stream), error)
 
     def key(self, stream: str, *suffix: str) -> str:
         """Return the Redis key of logical stream `stream`: `sluice:{namespace:stream}` plus `:suffix` parts.
@@ -255,9 +281,19 @@ class Bus:
     async def read_tokens(self, stream: str, last_id: str, *, count: int = 512,
                           block_ms: int = 200) -> list[tuple[str, list[events_pb2.TokenDelta]]]:
         """Return the entries of token stream `stream` after `last_id` as (entry id, its deltas in order), both
-        entry kinds (`token_deltas_of`); [] after block_ms. Raises DecodeError for an entry that does not parse."""
+        entry kinds (`token_deltas_of`); [] after block_ms. An entry that does not parse is returned without
+        deltas (so that the reader moves past it), counted and logged (`poison`)."""
         reply: Any = await self.client.xread({self.key(stream): last_id}, count=count, block=block_ms)
-        return [(_str(entry_id), token_deltas_of(fields or {})) for entry_id, fields in _entries_of(reply)]
+        out: list[tuple[str, list[events_pb2.TokenDelta]]] = []
+        for raw_id, fields in _entries_of(reply):
+            entry_id = _str(raw_id)
+            try:
+                deltas = token_deltas_of(fields or {})
+            except DecodeError as exc:
+                self.poison(stream, entry_id, str(exc) or "DecodeError")
+                deltas = []
+            out.append((entry_id, deltas))
+        return out
 
     async def ensure_group(self, stream: str, group: str, start_id: str = "0") -> None:
         """Create consumer group `group` on `stream` (and the stream) unless it exists.
@@ -397,6 +433,10 @@ class _ConsumerState:
             return
         try:
             await self.handler(entry_id, bytes(payload), extract_fields(fields))
+        except DecodeError as exc:  # it will never parse: no retries, parked at once
+            self.bus.poison(self.stream, entry_id, str(exc) or "DecodeError")
+            await self._dead_letter(entry_id, fields, f"does not parse: {exc}")
+            return
         except Exception as exc:  # the handler's failure must not stop the loop; it is retried
             attempts = self.failures.get(entry_id, 0) + 1
             self.failures[entry_id] = attempts

@@ -178,6 +178,8 @@ async def open_bus(ctx: ServiceContext, options: BusOptions, *, ping: bool = Fal
     except ValueError as exc:
         raise StartupError(str(exc)) from exc
     ctx.bus_watch = ctx.bus_watch or BusWatch(bus)
+    if ctx.registry is not None:
+        bus.count_poison_in(ctx.registry)
     if ping:
         try:
             await client.ping()

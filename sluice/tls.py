@@ -47,6 +47,8 @@ CALLERS: Mapping[str, frozenset[str]] = {
     "/sluice.v1.SchedulerService/Cancel": frozenset({"admission"}),
     "/sluice.v1.SchedulerService/Stats": frozenset({"admission", "planner", "operator"}),
     "/sluice.v1.SchedulerService/KvSnapshot": frozenset({"router"}),
+    "/sluice.v1.SchedulerService/Lookup": frozenset({"admission", "operator"}),
+    "/sluice.v1.SchedulerService/RenewLease": frozenset({"admission"}),
     # worker
     "/sluice.v1.WorkerService/Execute": frozenset({"scheduler"}),
     "/sluice.v1.WorkerService/ExecuteStream": frozenset({"scheduler"}),

@@ -121,3 +121,21 @@ def test_the_reader_loop_lets_woken_followers_run_before_its_next_read_after_a_s
     assert _reader_order(1) == ["read 1", "tokens 1", "read 2"]
     assert _reader_order(3) == ["read 1", "tokens 3", "read 2"]
     assert _reader_order(3, yield_max_deltas=2) == ["read 1", "read 2", "tokens 3"]
+
+
+def test_a_lost_delta_breaks_the_stream_off_without_filling_the_hole_until_it_is_retargeted() -> None:
+    """A delta past the next expected index (entries lost on the bus) is not taken, nor are later ones of that
+    attempt: the stream keeps only its exact tokens, tells the gap handler once, and takes the tokens of the
+    attempt it is retargeted to from where it broke off."""
+    registry = StreamRegistry()
+    stream = registry.open("r")
+    gaps: list[int | None] = []
+    registry.on_gap = lambda s: gaps.append(s.gap_at)
+    registry.on_delta(_delta("r", 0, 10, 11), 0.0)
+    registry.on_delta(_delta("r", 4, 14), 0.0)
+    registry.on_delta(_delta("r", 5, 15), 0.0)
+    assert (stream.tokens, stream.gap_at, gaps, stream.missing_tokens) == ([10, 11], 2, [2], 2)
+    registry.retarget(stream, "r#1", len(stream.tokens))
+    registry.on_delta(_delta("r#1", 0, 12, 13), 0.0)
+    assert (stream.tokens, stream.gap_at) == ([10, 11, 12, 13], None)
+    assert -1 not in stream.tokens

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from admission_svc.migration import MigrationCause, Stalled, attempt_id, decide
+from admission_svc.migration import Listed, MigrationCause, Stalled, attempt_id, decide
 from admission_svc.streams import StreamRegistry
 from sluice.types import origin_request_id
 from sluice.v1 import events_pb2, router_pb2
@@ -16,8 +16,9 @@ def test_decide_moves_a_stalled_request_only_when_its_replica_is_lost() -> None:
     listing only the probe decides."""
     stalled = [Stalled("gone", "r-gone", "a"), Stalled("unlisted", "r-x", "a"), Stalled("sick", "r-sick", "a"),
                Stalled("dead", "r-dead", "b"), Stalled("queued", "r-ok", "a"), Stalled("draining", "r-drain", "a")]
-    states = {"r-gone": router_pb2.GONE, "r-sick": router_pb2.UNHEALTHY, "r-dead": router_pb2.READY,
-              "r-ok": router_pb2.READY, "r-drain": router_pb2.DRAINING}
+    states = {"r-gone": Listed(router_pb2.GONE), "r-sick": Listed(router_pb2.UNHEALTHY),
+              "r-dead": Listed(router_pb2.READY), "r-ok": Listed(router_pb2.READY),
+              "r-drain": Listed(router_pb2.DRAINING)}
     assert decide(stalled, states, {"a": True, "b": False}) == [
         ("gone", MigrationCause.REPLICA_GONE), ("unlisted", MigrationCause.REPLICA_GONE),
         ("sick", MigrationCause.WORKER_DOWN), ("dead", MigrationCause.SCHEDULER_GONE)]
@@ -29,9 +30,19 @@ def test_decide_names_a_dead_scheduler_even_when_a_report_made_its_replica_unhea
     """A replica that ReportUnreachable made UNHEALTHY (its scheduler died) moves its requests as SCHEDULER_GONE
     when the probe is refused too, and as WORKER_DOWN while its scheduler answers."""
     stalled = [Stalled("dead", "r-1", "a"), Stalled("sick", "r-2", "b")]
-    states = {"r-1": router_pb2.UNHEALTHY, "r-2": router_pb2.UNHEALTHY}
+    states = {"r-1": Listed(router_pb2.UNHEALTHY), "r-2": Listed(router_pb2.UNHEALTHY)}
     assert decide(stalled, states, {"a": False, "b": True}) == [
         ("dead", MigrationCause.SCHEDULER_GONE), ("sick", MigrationCause.WORKER_DOWN)]
+
+
+def test_decide_moves_a_request_whose_replica_is_listed_under_another_incarnation() -> None:
+    """A READY replica whose scheduler answers, but listed under another incarnation than the request was routed
+    to (its scheduler restarted on the same address), loses the request: REPLICA_RESTARTED. The same incarnation,
+    or one side not reporting any, keeps it."""
+    stalled = [Stalled("lost", "r-1", "a", "inc-old"), Stalled("kept", "r-2", "a", "inc-2"),
+               Stalled("unreported", "r-1", "a", "")]
+    states = {"r-1": Listed(router_pb2.READY, "inc-new"), "r-2": Listed(router_pb2.READY, "inc-2")}
+    assert decide(stalled, states, {"a": True}) == [("lost", MigrationCause.REPLICA_RESTARTED)]
 
 
 def test_attempt_ids_name_the_request_they_continue() -> None:

@@ -105,6 +105,8 @@ def test_only_ready_compatible_replicas_receive_traffic() -> None:
         router.route(query([1] * 32), now=0.0)
     with pytest.raises(UnknownModel):
         router.route(RouteQuery("q", "nope"), now=0.0)
+    with pytest.raises(NoReplicaAvailable):  # none registered yet (a restarted router): not "unknown model"
+        RouterCore().route(RouteQuery("q", "nope"), now=0.0)
     router.register(ReplicaSpec("ready", "m"), now=0.0)
     router.mark_ready("ready", now=0.0)
     router.drain("ready", now=0.0)

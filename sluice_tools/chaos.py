@@ -1,0 +1,328 @@
+"""A chaos run: a steady mixed load on a local stack while processes are killed and stalled, then the invariants.
+
+    python -m sluice_tools.chaos [--duration-s 600] [--fault-interval-s 4] [--clients 6] [--seed 0] [--json FILE]
+
+What it does
+- Starts a supervised stack (`sluice_tools.stack.Stack`, cost-model workers with emulated round times, the embedded
+  Redis): every process that dies is restarted on its address (sluice_tools/supervisor.py).
+- Load: `clients` threads, each issuing one request after another over gRPC, without client retries (each
+  request is one attempt, so every outcome is seen): two tenants, output lengths drawn from `max_tokens`,
+  greedy with ignore_eos, and a `cancel_fraction` of them dropped by their client after a few tokens.
+- Faults, every `fault_interval_s`, one drawn from `faults`: `kill:<role>` is kill -9 of a worker, scheduler,
+  the router, admission or Redis; `stop:<role>` stalls a scheduler or Redis (SIGSTOP for `stall_s`, then SIGCONT).
+- The invariants, checked once the load stops and the stack has settled:
+  every request ended exactly once, as its client saw it: `exact` (FINISHED with exactly the tokens an unfaulted
+  run gives: the cost model's token depends only on the request and the position, `CostModel.token_for`),
+  `cancelled` (by its own client), or `failed` with an explicit status; `hung` (the client's deadline passed with
+  no end) and `wrong` (a token that is not the model's at its index, or an index out of order) must be 0; no
+  reservation left in admission, no request or KV block left on a scheduler, no Redis pending entry left in any
+  consumer group of `completions`; the resident memory of every process at the start and the end.
+- Prints (and with --json writes) one JSON report with the counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import redis
+
+from sluice import client as sdk
+from sluice_tools.stack import Proc, Stack, StackConfig
+from sluice_tools.supervisor import RestartPolicy, Supervisor
+from worker_svc.costmodel import CostModel
+
+__all__ = ["FAULTS", "ChaosConfig", "run"]
+
+FAULTS = ("kill:worker", "kill:scheduler", "kill:router", "kill:admission", "kill:redis", "stop:redis",
+          "stop:scheduler")
+"""Every fault the run knows (see the module docstring)."""
+MODEL = "llama-3-8b"
+TENANTS = """
+[tenants.acme]
+api_keys = ["k-acme"]
+[tenants.globex]
+api_keys = ["k-globex"]
+weight = 2.0
+"""
+KEYS = ("k-acme", "k-globex")
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    """What the chaos run does."""
+
+    duration_s: float = 600.0
+    """How long the load and the faults last."""
+    fault_interval_s: float = 4.0
+    """Seconds between two faults."""
+    clients: int = 6
+    """Client threads, each one request at a time."""
+    seed: int = 0
+    """Seed of the load and of the faults drawn."""
+    replicas: int = 2
+    max_tokens: tuple[int, ...] = (16, 64, 200, 500)
+    """Output lengths drawn from for each request."""
+    cancel_fraction: float = 0.15
+    """Requests whose client goes away after a few tokens."""
+    stall_s: float = 3.0
+    """How long a `stop:` fault stalls its process."""
+    faults: tuple[str, ...] = FAULTS
+    request_timeout_s: float = 120.0
+    """A client's deadline: a request not ended by then counts as hung."""
+    settle_s: float = 30.0
+    """After the load: how long the stack gets to release everything before the leak checks fail."""
+    run_dir: str | None = None
+
+
+@dataclass
+class Tally:
+    """What the clients saw, and the faults injected."""
+
+    outcomes: Counter[str] = field(default_factory=Counter)
+    wrong: list[str] = field(default_factory=list)
+    faults: list[str] = field(default_factory=list)
+    fault_kinds: Counter[str] = field(default_factory=Counter)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    failure_examples: dict[str, str] = field(default_factory=dict)
+    """The first message of each failure code."""
+
+    def note(self, code: str, message: str) -> None:
+        with self.lock:
+            self.failure_examples.setdefault(code, message[:300])
+
+    def add(self, kind: str, detail: str = "") -> None:
+        with self.lock:
+            self.outcomes[kind] += 1
+            if kind in ("wrong", "hung") and len(self.wrong) < 20:
+                self.wrong.append(detail)
+
+
+def _one_request(endpoint: str, rng: random.Random, config: ChaosConfig, model: CostModel, tally: Tally) -> float:
+    """Run one request and classify how it ended (see the module docstring); return how long its client waits
+    before the next one (a refused client backs off, as a real one would: its retry delay, else 0.2 s)."""
+    prompt = [rng.randrange(1, 250) for _ in range(rng.randrange(8, 120))]
+    max_tokens = rng.choice(config.max_tokens)
+    cancel_after = rng.randrange(1, 12) if rng.random() < config.cancel_fraction else None
+    tokens: list[int] = []
+    request_id, index_errors, status, pause = "", 0, "", 0.0
+    try:
+        with sdk.Client(endpoint, api_key=rng.choice(KEYS), retry=sdk.RetryPolicy(max_attempts=1)) as client:
+            stream = client.generate(prompt, max_tokens=max_tokens, ignore_eos=True, timeout=config.request_timeout_s)
+            for chunk in stream:
+                request_id = chunk.request_id
+                if chunk.finished:
+                    status = chunk.status
+                    break
+                index_errors += chunk.index != len(tokens)
+                tokens.extend(chunk.token_ids)
+                if cancel_after is not None and len(tokens) >= cancel_after:
+                    break
+    except sdk.SluiceError as exc:
+        status = f"failed:{exc.code.name}"
+        pause = exc.retry_delay_s if exc.retry_delay_s is not None else 0.2
+        tally.note(exc.code.name, str(exc))
+    expected = [model.token_for(request_id, len(prompt) + i) for i in range(len(tokens))] if request_id else []
+    if index_errors or tokens != expected:
+        tally.add("wrong", f"{request_id}: {index_errors} index errors, tokens differ from the model's")
+    elif status == "failed:DEADLINE_EXCEEDED":
+        tally.add("hung", f"{request_id}: no end within {config.request_timeout_s} s ({len(tokens)} tokens)")
+    elif status.startswith("failed:"):
+        tally.add(status)
+    elif status in ("FINISHED_LENGTH", "FINISHED_STOP"):
+        tally.add("exact" if len(tokens) == max_tokens else "wrong", f"{request_id}: {len(tokens)} of {max_tokens}")
+    elif cancel_after is not None:
+        tally.add("cancelled")
+    else:
+        tally.add("wrong", f"{request_id}: stream ended without a status after {len(tokens)} tokens")
+    return pause
+
+
+def _client_loop(endpoint: str, seed: int, config: ChaosConfig, stop: threading.Event, tally: Tally) -> None:
+    rng, model = random.Random(seed), CostModel(MODEL)
+    while not stop.is_set():
+        stop.wait(min(_one_request(endpoint, rng, config, model, tally), 2.0))
+
+
+def _inject(stack: Stack, fault: str, rng: random.Random, stall_s: float) -> str:
+    """Apply one fault; return what was done (for the report)."""
+    action, role = fault.split(":", 1)
+    if role == "redis":
+        assert stack.redis is not None
+        pid = stack.redis.pid if stack.redis.running else None
+    else:
+        procs: dict[str, list[Proc | None]] = {"worker": list(stack.workers), "scheduler": list(stack.schedulers),
+                                               "router": [stack.router], "admission": [stack.admission]}
+        proc = rng.choice([p for p in procs[role] if p is not None])
+        pid = proc.popen.pid if proc.popen is not None and proc.alive() else None
+        role = proc.name
+    if pid is None:
+        return f"{fault}: not running (being restarted), skipped"
+    try:
+        if action == "kill":
+            os.kill(pid, signal.SIGKILL)
+            return f"kill -9 {role} (pid {pid})"
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(stall_s)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:  # it died just before (an earlier fault): its supervisor restarts it
+        return f"{fault}: {role} (pid {pid}) already gone, skipped"
+    return f"SIGSTOP {role} (pid {pid}) for {stall_s} s"
+
+
+def _rss_kb(stack: Stack) -> dict[str, int]:
+    """Return the resident memory (kB) of every process of the stack, Redis included."""
+    pids = {p.name: p.popen.pid for p in stack.procs if p.popen is not None and p.alive()}
+    if stack.redis is not None and stack.redis.pid is not None:
+        pids["redis"] = stack.redis.pid
+    out = {}
+    for name, pid in pids.items():
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        out[name] = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+    return out
+
+
+def _admission_budgets(stack: Stack) -> dict[str, float]:
+    assert stack.admission is not None
+    url = stack.admission.metrics_url or stack.admission.printed_metrics_url()
+    with urllib.request.urlopen(url, timeout=5) as reply:  # noqa: S310 (the stack's loopback URL)
+        text = reply.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith(("sluice_admission_budget_in_use{", "sluice_admission_active_requests ")):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _leaks(stack: Stack) -> dict[str, Any]:
+    """Return what is still held once the stack has settled (all zero when nothing leaked)."""
+    stats = stack.scheduler_stats()
+    client = redis.Redis.from_url(stack.redis_url)
+    try:
+        key = f"sluice:{{{stack.config.namespace}:completions}}"
+        pending = {_text(g["name"]): int(g["pending"]) for g in client.xinfo_groups(key)}
+    except redis.ResponseError:  # no such key: nothing completed since Redis last restarted
+        pending = {}
+    finally:
+        client.close()
+    budgets = _admission_budgets(stack)
+    return {"admission_reserved": {k: v for k, v in budgets.items() if v},
+            "scheduler_requests": sum(s.running + s.waiting for s in stats),
+            "kv_blocks_used": sum(s.kv_blocks_used for s in stats),
+            "redis_pending": {g: n for g, n in pending.items() if n}}
+
+
+def _nothing_held(leaks: dict[str, Any]) -> bool:
+    return "unreadable" not in leaks and not leaks["admission_reserved"] and not leaks["scheduler_requests"] \
+        and not leaks["kv_blocks_used"] and not leaks["redis_pending"]
+
+
+def _settled_leaks(stack: Stack, settle_s: float) -> dict[str, Any]:
+    """Return `_leaks` once nothing is held, or as it is after `settle_s` (a process restarted by the last fault
+    may not answer yet: then it is read again)."""
+    give_up = time.monotonic() + settle_s
+    while True:
+        try:
+            leaks = _leaks(stack)
+        except (grpc.RpcError, redis.RedisError, OSError) as exc:
+            leaks = {"unreadable": str(exc)[:300]}
+        if _nothing_held(leaks) or time.monotonic() > give_up:
+            return leaks
+        time.sleep(1.0)
+
+
+def run(config: ChaosConfig) -> dict[str, Any]:
+    """Run the chaos load and faults, check the invariants; return the report (see the module docstring)."""
+    run_dir = Path(config.run_dir) if config.run_dir else Path(f"out/chaos-{int(time.time())}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tenants = run_dir / "tenants.toml"
+    tenants.write_text(TENANTS)
+    events: list[str] = []
+    stack_config = StackConfig(replicas=config.replicas, backend="costmodel", model=MODEL, emulate_time=True,
+                               run_dir=run_dir, config_file=str(tenants), start_timeout_s=90)
+    with Stack(stack_config) as stack:
+        # Never given up on: chaos tests the data path under faults, not the supervisor's crash-loop limit (a
+        # process faulted 5 times within 30 s of its restarts would be given up on and the stack would stop).
+        stack.fleet.supervisor = Supervisor(stack, RestartPolicy(max_backoff_s=2.0, max_restarts=1_000_000),
+                                            on_event=events.append)
+        stack.fleet.start_supervising(0.1)
+        rss_start, tally, stop = _rss_kb(stack), Tally(), threading.Event()
+        clients = [threading.Thread(target=_client_loop, args=(stack.endpoint, config.seed * 1000 + i, config,
+                                                               stop, tally), daemon=True)
+                   for i in range(config.clients)]
+        for thread in clients:
+            thread.start()
+        rng, started = random.Random(config.seed), time.monotonic()
+        while time.monotonic() - started < config.duration_s:
+            time.sleep(config.fault_interval_s)
+            fault = rng.choice(config.faults)
+            tally.faults.append(_inject(stack, fault, rng, config.stall_s))
+            tally.fault_kinds[fault] += 1
+        stop.set()
+        for thread in clients:
+            thread.join(config.request_timeout_s + 30)
+        hung_clients = sum(thread.is_alive() for thread in clients)
+        leaks = _settled_leaks(stack, config.settle_s)
+        rss_end = _rss_kb(stack)
+        restarts = stack.fleet.supervisor.restart_counts()
+    outcomes = tally.outcomes
+    offered = sum(outcomes.values())
+    return {
+        "duration_s": config.duration_s, "faults_injected": len(tally.faults), "fault_kinds": dict(tally.fault_kinds),
+        "offered": offered, "exact": outcomes["exact"], "cancelled_by_client": outcomes["cancelled"],
+        "failed_explicitly": {k.removeprefix("failed:"): v for k, v in outcomes.items() if k.startswith("failed:")},
+        "hung": outcomes["hung"] + hung_clients, "wrong_tokens": outcomes["wrong"], "examples": tally.wrong,
+        "failure_examples": tally.failure_examples,
+        "leaks": leaks, "restarts": restarts,
+        "supervisor_problems": [e for e in events if "given up" in e or "could not be restarted" in e], "rss_kb_start": rss_start, "rss_kb_end": rss_end,
+        "ok": outcomes["hung"] + hung_clients + outcomes["wrong"] == 0 and _nothing_held(leaks),
+        "config": {k: v for k, v in asdict(config).items() if k != "run_dir"}, "run_dir": str(run_dir),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: run, print the JSON report (and write it with --json); exit 1 when an invariant failed."""
+    parser = argparse.ArgumentParser(prog="python -m sluice_tools.chaos", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--duration-s", type=float, default=ChaosConfig.duration_s)
+    parser.add_argument("--fault-interval-s", type=float, default=ChaosConfig.fault_interval_s)
+    parser.add_argument("--clients", type=int, default=ChaosConfig.clients)
+    parser.add_argument("--seed", type=int, default=ChaosConfig.seed)
+    parser.add_argument("--run-dir", default=None)
+    parser.add_argument("--json", default=None, help="also write the report to this file")
+    args = parser.parse_args(argv)
+    report = run(ChaosConfig(duration_s=args.duration_s, fault_interval_s=args.fault_interval_s,
+                             clients=args.clients, seed=args.seed, run_dir=args.run_dir))
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,25 @@
+"""Owner leases of a replica (scheduler_svc/leases.py): requests live while their admission process renews."""
+
+from __future__ import annotations
+
+from scheduler_svc.leases import Owner, OwnerLeases
+
+
+def test_an_owner_that_stops_renewing_loses_its_live_requests_and_only_those() -> None:
+    """A lease started by Submit and renewed keeps its requests; once it lapses `lapsed` returns the owner with its
+    requests still live (not the ones that ended) exactly once; another incarnation under the same name, and a
+    request submitted without one, are not touched."""
+    leases = OwnerLeases(first_lease_s=10.0)
+    leases.track("a", "adm", "inc-1", now=0.0)
+    leases.track("b", "adm", "inc-1", now=0.0)
+    leases.track("done", "adm", "inc-1", now=0.0)
+    leases.track("c", "adm", "inc-2", now=0.0)
+    leases.track("legacy", "adm", "", now=0.0)
+    live = {"a", "b", "c", "legacy"}
+    assert leases.renew("adm", "inc-1", 5.0, now=8.0) == 3
+    assert leases.renew("adm", "inc-2", 5.0, now=9.0) == 1
+    assert leases.lapsed(12.0, live) == []
+    assert leases.renew("adm", "inc-2", 5.0, now=12.0) == 1
+    assert leases.lapsed(13.5, live) == [(Owner("adm", "inc-1"), ["a", "b"])]
+    assert leases.lapsed(14.0, live) == []
+    assert leases.lapsed(17.5, live) == [(Owner("adm", "inc-2"), ["c"])]
