@@ -13,6 +13,10 @@ Theory of operation
   snapshot (`apply_snapshot`). `route` records its own decisions for `prediction_ttl_s`.
 * `router_svc.scoring` chooses: the policy named by `RouterConfig.policy`, built once by
   `make_policy` (SCORE: minimum predicted time to first token, seeded random tie-break).
+* Routing adds the request's uncached prompt tokens to the replica's unreported work, which the next
+  heartbeat replaces with the replica's own report; `on_request_done` (the one path for a request
+  refused, failed, cancelled or finished: the services call it from the completions stream, the
+  simulator directly) takes them back when that heartbeat has not come yet.
 
 Pure: no clock, no I/O; `now` is an argument, randomness comes from a seeded generator.
 """
@@ -175,12 +179,17 @@ class RouterCore:
     def _record(self, replica: Replica, query: RouteQuery, cached: int, now: float) -> None:
         uncached = max(query.prompt_tokens - cached * replica.spec.block_size, 0)
         replica.inflight[query.request_id] = uncached
+        replica.unreported[query.request_id] = uncached
         replica.unreported_tokens += uncached
         self.routed += 1
         self.index.predict(replica.cache, query.block_hashes, now)
 
     def on_request_done(self, replica_id: str, request_id: str, now: float) -> None:
-        """Forget a routed request (finished, cancelled or failed); unknown ids are ignored."""
+        """Forget a routed request (refused after routing, failed, cancelled or finished); unknown ids are
+        ignored. Its uncached prompt tokens leave the replica's unreported work if no heartbeat has
+        reported the replica since it was routed: a request refused (or ended) before it queued there
+        must not stay predicted work until the next heartbeat (after one, the report is the truth)."""
         replica = self.fleet.find(replica_id)
         if replica is not None:
             replica.inflight.pop(request_id, None)
+            replica.unreported_tokens -= replica.unreported.pop(request_id, 0)
