@@ -280,13 +280,17 @@ def write_capacity_plot(results: Mapping[str, Any], out_dir: str | Path, title: 
     goal = None
     for name, result in results.items():
         points = sorted((p.rate_rps, p.attainment) for p in result.probes)
-        axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+        line, = axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+        tokens = sorted((p.rate_rps, p.token_attainment) for p in result.probes if p.token_attainment is not None)
+        if tokens:  # the offered-token share, dashed in the same colour
+            axis.plot([p[0] for p in tokens], [p[1] for p in tokens], linestyle="--", marker=".",
+                      color=line.get_color(), label=f"{name} (tokens)")
         goal = result.goal
     if goal is not None:
         axis.axhline(goal, color="red", linestyle="--", linewidth=1, label=f"goal {goal:.0%}")
     axis.set_title("SLO attainment vs offered rate" + (f": {title}" if title else ""), fontsize=9)
     axis.set_xlabel("offered rate (req/s)")
-    axis.set_ylabel("fraction of requests within SLO")
+    axis.set_ylabel("fraction within SLO (requests; dashed: offered tokens)")
     axis.set_xscale("log")
     axis.grid(True, which="both", alpha=0.3)
     axis.legend(fontsize=8)

@@ -63,3 +63,19 @@ def test_jitter_spreads_a_batch_of_one_timestamp_repeatably() -> None:
     assert arrivals != [r.arrival_s for r in transform(batch, jitter_s=0.5, seed=2)]
     with pytest.raises(WorkloadError, match="jitter"):
         transform(batch, jitter_s=-1.0)
+
+
+def test_the_table_and_plot_show_both_shares_and_the_share_of_the_compute_bound(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The capacity table prints the request-only rate, both shares at the capacity point and the capacity
+    over the compute bound; the plot is written with the token share beside the request share."""
+    from sluice_tools.report import format_capacity, write_capacity_plot
+
+    def probe(scale: float) -> Probe:
+        return Probe(scale, 10.0 * scale, 0.95, None, token_attainment=0.97 if scale <= 2.0 else 0.5)
+
+    result = find_capacity(probe, CapacitySearch(goal=0.9, tolerance=0.05))
+    table = format_capacity({"round_robin": result}, compute_bound_rps=40.0)
+    row = table.splitlines()[2]
+    assert f"{result.capacity_rps:.2f}" in row and f"{result.request_capacity_rps:.2f}" in row
+    assert "95.0%/97.0%" in row and f"{result.capacity_rps / 40.0:.1%}" in row
+    assert write_capacity_plot({"round_robin": result}, tmp_path).stat().st_size > 0
