@@ -242,7 +242,8 @@ def format_capacity(results: Mapping[str, Any], ideal_prefix_hit_rate: float | N
     names = list(results)
     baseline = next((n for n in names if "round_robin" in n), names[0] if names else "")
     base_rps = results[baseline].capacity_rps if names else 0.0
-    header = (f"{'configuration':<34} {'capacity req/s':>15} {'vs ' + baseline[:14]:>18} {'req-only req/s':>15} "
+    width = max([34, *(len(n) for n in names)])
+    header = (f"{'configuration':<{width}} {'capacity req/s':>15} {'vs ' + baseline[:14]:>18} {'req-only req/s':>15} "
               f"{'req/tok in SLO':>15} {'p99 TTFT s':>11} {'prefix hits':>12} {'of bound':>9} {'probes':>7}")
     lines = [header, "-" * len(header)]
     for name in names:
@@ -258,7 +259,7 @@ def format_capacity(results: Mapping[str, Any], ideal_prefix_hit_rate: float | N
             tokens = result.token_attainment
             shares = f"{result.attainment:.1%}/{tokens:.1%}" if tokens is not None else f"{result.attainment:.1%}/-"
         of_bound = f"{result.capacity_rps / compute_bound_rps:.1%}" if compute_bound_rps else "-"
-        lines.append(f"{name:<34} {result.capacity_rps:>15.2f} {ratio:>18} {alone_text:>15} {shares:>15} "
+        lines.append(f"{name:<{width}} {result.capacity_rps:>15.2f} {ratio:>18} {alone_text:>15} {shares:>15} "
                      f"{p99:>11} {hits:>12} {of_bound:>9} {len(result.probes):>7}{bound}")
     if ideal_prefix_hit_rate is not None and names:
         goal = next(iter(results.values())).goal
