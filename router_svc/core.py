@@ -62,6 +62,11 @@ class RouterConfig:
     load_bound: float = 0.0
     """SCORE only: at 1 or above, a replica whose outstanding requests reach ceil(load_bound x (fleet
     total + 1) / replicas) is not a candidate (consistent hashing with bounded loads); 0: no bound."""
+    ttft_target_s: float = 0.0
+    """SCORE with a prefill weight only: above 0, the weight ranks only the replicas predicted to meet
+    this TTFT, and when none would, the lowest predicted TTFT wins; so the weight never sends a request
+    where it is predicted late while another replica is predicted on time (which admission's early
+    refusal would refuse). 0: the weighted score ranks every replica."""
 
 
 class RouterCore:
@@ -75,7 +80,7 @@ class RouterCore:
                                   rng=random.Random(self.config.seed),
                                   tie_tolerance_s=self.config.tie_tolerance_s,
                                   prefill_weight=self.config.prefill_weight,
-                                  load_bound=self.config.load_bound)
+                                  load_bound=self.config.load_bound, ttft_target_s=self.config.ttft_target_s)
         self.routed = 0
 
     # ---- fleet ----------------------------------------------------------------------------

@@ -180,6 +180,8 @@ def parse_compare_item(item: str, base: SimConfig) -> SimConfig:
             config = with_admission(config, reservation=parse_enum(ReservationPolicy, word.partition("=")[2]))
         elif word == "early-refusal":
             config = with_admission(config, ttft_slo_s=config.slo_ttft_s)
+        elif word == "on-time":
+            config = replace(config, router=replace(config.router, ttft_target_s=config.slo_ttft_s))
         elif "=" in word:
             config = _setting_word(item, word, config)
         elif word == "vllm-default":
@@ -193,7 +195,7 @@ def parse_compare_item(item: str, base: SimConfig) -> SimConfig:
         else:
             known = [p.value for e in (Policy, RoutingPolicy, PreemptionMode) for p in e]  # type: ignore[attr-defined]
             raise ValueError(
-                f"--compare item {item!r}: unknown word {word!r}; known: vllm-default, budget=slo, early-refusal, "
+                f"--compare item {item!r}: unknown word {word!r}; known: vllm-default, budget=slo, early-refusal, on-time, "
                 f"reserve={'|'.join(p.value for p in ReservationPolicy)}, "
                 f"{', '.join(known)}, {'=N, '.join(_SETTING_WORDS)}=N"
             )
