@@ -44,3 +44,19 @@ def test_when_no_replica_is_on_time_the_least_late_wins() -> None:
     """B behind 4,000 queued tokens (0.81 s) and A at 0.6 s are both past 0.5 s: the lowest predicted TTFT, A."""
     replica, ttft = _route(_router(target_s=0.5, queued_on_b=4000))
     assert replica == "A" and 0.5 < ttft < 0.7
+
+
+def test_the_target_is_set_by_the_router_flag_and_the_simulator_word_and_a_bad_one_is_refused() -> None:
+    """`--ttft-target 0.7` and the sim word `on-time` (the report's TTFT SLO) set it; a negative one stops the
+    router at start naming the flag."""
+    import pytest
+
+    from router_svc.__main__ import parse_args, router_config
+    from sluice.serve import StartupError
+    from sluice_tools.commands.sim import parse_compare_item
+    from sluice_tools.sim import SimConfig
+
+    assert router_config(parse_args(["--ttft-target", "0.7"])).ttft_target_s == 0.7
+    assert parse_compare_item("on-time", SimConfig(slo_ttft_s=0.7)).router.ttft_target_s == 0.7
+    with pytest.raises(StartupError, match="--ttft-target"):
+        router_config(parse_args(["--ttft-target", "-1"]))
