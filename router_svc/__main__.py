@@ -42,6 +42,9 @@ class RouterOptions(serve.BusOptions):
     tenant_spread: int = _CORE.tenant_spread
     """Score policy: at 1 or above, skip replicas holding more than this many routed requests of the caller's
     tenant beyond the least one (fleet-wide fair share from per-replica fair queues); 0 turns it off."""
+    ttft_target: float = _CORE.ttft_target_s
+    """Score policy with a prefill weight: seconds; the weight ranks only replicas predicted to meet this TTFT
+    (the lowest predicted TTFT wins when none would); set it to admission's TTFT SLO; 0 turns it off."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,11 +63,13 @@ def router_config(options: RouterOptions) -> RouterConfig:
         raise serve.StartupError(f"--tenant-spread must be >= 0, got {options.tenant_spread}")
     if options.prefill_weight <= 0:
         raise serve.StartupError(f"--prefill-weight must be > 0, got {options.prefill_weight}")
+    if not 0 <= options.ttft_target < float("inf"):
+        raise serve.StartupError(f"--ttft-target must be a finite number of seconds >= 0, got {options.ttft_target}")
     try:
         return RouterConfig(policy=RoutingPolicy.parse(options.policy), prediction_ttl_s=options.prediction_ttl,
                             heartbeat_timeout_s=options.heartbeat_timeout, seed=options.seed,
                             prefill_weight=options.prefill_weight, load_bound=options.load_bound,
-                            tenant_spread=options.tenant_spread)
+                            tenant_spread=options.tenant_spread, ttft_target_s=options.ttft_target)
     except ValueError as exc:
         raise serve.StartupError(str(exc)) from exc
 

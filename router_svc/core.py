@@ -13,6 +13,10 @@ Theory of operation
   snapshot (`apply_snapshot`). `route` records its own decisions for `prediction_ttl_s`.
 * `router_svc.scoring` chooses: the policy named by `RouterConfig.policy`, built once by
   `make_policy` (SCORE: minimum predicted time to first token, seeded random tie-break).
+* Routing adds the request's uncached prompt tokens to the replica's unreported work, which the next
+  heartbeat replaces with the replica's own report; `on_request_done` (the one path for a request
+  refused, failed, cancelled or finished: the services call it from the completions stream, the
+  simulator directly) takes them back when that heartbeat has not come yet.
 
 Pure: no clock, no I/O; `now` is an argument, randomness comes from a seeded generator.
 """
@@ -62,6 +66,11 @@ class RouterConfig:
     """SCORE only: at 1 or above, a replica where one more request of the caller's tenant would hold more than
     `tenant_spread` of them beyond the least such replica is not a candidate: each tenant's requests spread evenly, so every replica's
     fair queue sees every busy tenant and per-replica fair share adds up to fleet-wide fair share; 0: off."""
+    ttft_target_s: float = 0.0
+    """SCORE with a prefill weight only: above 0, the weight ranks only the replicas predicted to meet
+    this TTFT, and when none would, the lowest predicted TTFT wins; so the weight never sends a request
+    where it is predicted late while another replica is predicted on time (which admission's early
+    refusal would refuse). 0: the weighted score ranks every replica."""
 
 
 class RouterCore:
@@ -75,7 +84,8 @@ class RouterCore:
                                   rng=random.Random(self.config.seed),
                                   tie_tolerance_s=self.config.tie_tolerance_s,
                                   prefill_weight=self.config.prefill_weight,
-                                  load_bound=self.config.load_bound, tenant_spread=self.config.tenant_spread)
+                                  load_bound=self.config.load_bound, tenant_spread=self.config.tenant_spread,
+                                  ttft_target_s=self.config.ttft_target_s)
         self.routed = 0
 
     # ---- fleet ----------------------------------------------------------------------------
@@ -182,12 +192,16 @@ class RouterCore:
         if query.tenant:
             replica.inflight_tenants[query.request_id] = query.tenant
             replica.tenant_inflight[query.tenant] = replica.tenant_inflight.get(query.tenant, 0) + 1
+        replica.unreported[query.request_id] = uncached
         replica.unreported_tokens += uncached
         self.routed += 1
         self.index.predict(replica.cache, query.block_hashes, now)
 
     def on_request_done(self, replica_id: str, request_id: str, now: float) -> None:
-        """Forget a routed request (finished, cancelled or failed); unknown ids are ignored."""
+        """Forget a routed request (refused after routing, failed, cancelled or finished); unknown ids are
+        ignored. Its uncached prompt tokens leave the replica's unreported work if no heartbeat has
+        reported the replica since it was routed: a request refused (or ended) before it queued there
+        must not stay predicted work until the next heartbeat (after one, the report is the truth)."""
         replica = self.fleet.find(replica_id)
         if replica is not None:
             replica.inflight.pop(request_id, None)
@@ -198,3 +212,4 @@ class RouterCore:
                     replica.tenant_inflight[tenant] = left
                 else:
                     replica.tenant_inflight.pop(tenant, None)
+            replica.unreported_tokens -= replica.unreported.pop(request_id, 0)

@@ -9,7 +9,8 @@ Rules
 * Only READY replicas of the requested model and adapter version are candidates
   (`ready_for`, sorted by id so that every policy sees them in one order).
 * A heartbeat replaces the replica's load and clears its routed-but-unreported tokens (they are
-  part of the report now); what a heartbeat's reported state does to the table is
+  part of the report now); a request done (refused, failed, cancelled or finished) before that takes
+  its own back (`RouterCore.on_request_done`); what a heartbeat's reported state does to the table is
   `sluice.glue.reconcile`. A replica silent for longer than the timeout is `stale`.
 * A replica registers with its scheduler's incarnation (new on every process start). Registering
   again with another incarnation is a restart: the row is replaced (the old one's routed requests are
@@ -94,6 +95,9 @@ class Replica:
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
     unreported_tokens: int = 0
     """Uncached prompt tokens routed here since the last heartbeat (queued, but not yet reported)."""
+    unreported: dict[str, int] = field(default_factory=dict)
+    """The requests those tokens belong to: request id -> its uncached prompt tokens (taken back when one is
+    done before the next heartbeat reports it)."""
     inflight: dict[str, int] = field(default_factory=dict)
     """Routed requests not yet done: request id -> uncached prompt tokens."""
     inflight_tenants: dict[str, str] = field(default_factory=dict)
@@ -158,6 +162,7 @@ class Fleet:
         replica.load = load
         replica.last_heartbeat = now
         replica.unreported_tokens = 0
+        replica.unreported.clear()
         return replica.state
 
     def stale(self, now: float, timeout_s: float) -> list[str]:

@@ -12,7 +12,9 @@ router_svc.competitors) are there to be compared with it.
 
 `make_policy` builds one from its enum member or name; an unknown name raises ValueError listing
 the known ones. SCORE's `load_bound` (above 1) first drops the replicas whose request count is at
-the bounded-loads cap (`within_load_bound`), so a hot prefix spills over instead of herding.
+the bounded-loads cap (`within_load_bound`), so a hot prefix spills over instead of herding. With a
+prefill weight and a `ttft_target_s`, the weight ranks only the replicas predicted on time (the
+least late wins when none is), so a cache hit never costs a request its TTFT SLO.
 Pure: no clock, no I/O.
 """
 
@@ -162,13 +164,15 @@ def within_tenant_spread(ready: list[Replica], tenant: str, spread: int) -> list
 
 class Score(ReplicaPolicy):
     def __init__(self, cached: CachedBlocks, rng: random.Random, tie_tolerance_s: float,
-                 prefill_weight: float, load_bound: float = 0.0, tenant_spread: int = 0) -> None:
+                 prefill_weight: float, load_bound: float = 0.0, tenant_spread: int = 0,
+                 ttft_target_s: float = 0.0) -> None:
         self.cached = cached
         self.rng = rng
         self.tie_tolerance_s = tie_tolerance_s
         self.extra_prefill_weight = prefill_weight - 1.0
         self.load_bound = load_bound
         self.tenant_spread = tenant_spread
+        self.ttft_target_s = ttft_target_s
 
     def choose(self, ready: list[Replica], query: RouteQuery, now: float) -> Replica:
         if self.load_bound >= 1.0 and len(ready) > 1:
@@ -177,13 +181,22 @@ class Score(ReplicaPolicy):
             ready = within_tenant_spread(ready, query.tenant, self.tenant_spread)
         cached, hashes, extra = self.cached, query.block_hashes, self.extra_prefill_weight
         if extra:
-            scores = [ttft + extra * prefill for ttft, _, prefill in
-                      (predict_ttft(r, query, cached(r.cache, hashes, now)) for r in ready)]
+            scores = self._weighted([predict_ttft(r, query, cached(r.cache, hashes, now)) for r in ready])
         else:
             scores = [predict_ttft(r, query, cached(r.cache, hashes, now))[0] for r in ready]
         limit = min(scores) + self.tie_tolerance_s
         ties = [r for r, score in zip(ready, scores, strict=True) if score <= limit]
         return ties[0] if len(ties) == 1 else ties[self.rng.randrange(len(ties))]
+
+    def _weighted(self, predictions: list[tuple[float, float, float]]) -> list[float]:
+        """Return each replica's weighted score from its (TTFT, queue wait, prefill) prediction; with a TTFT
+        target, the replicas predicted late score infinity while one is predicted on time, and when none is,
+        the plain TTFT ranks them all (the least late wins)."""
+        extra, target = self.extra_prefill_weight, self.ttft_target_s
+        if target > 0 and not any(ttft <= target for ttft, _, _ in predictions):
+            return [ttft for ttft, _, _ in predictions]
+        return [ttft + extra * prefill if target <= 0 or ttft <= target else math.inf
+                for ttft, _, prefill in predictions]
 
 
 class RoundRobin(ReplicaPolicy):
@@ -219,7 +232,7 @@ class PrefixOnly(ReplicaPolicy):
 
 def make_policy(policy: RoutingPolicy | str, *, cached: CachedBlocks, rng: random.Random,
                 tie_tolerance_s: float = 0.001, prefill_weight: float = 1.0,
-                load_bound: float = 0.0, tenant_spread: int = 0) -> ReplicaPolicy:
+                load_bound: float = 0.0, tenant_spread: int = 0, ttft_target_s: float = 0.0) -> ReplicaPolicy:
     """Return a routing policy for `policy` (an enum member or its value).
 
     `cached` gives a replica's cached prefix, `rng` breaks ties and drives RANDOM. Raises ValueError
@@ -230,7 +243,8 @@ def make_policy(policy: RoutingPolicy | str, *, cached: CachedBlocks, rng: rando
     if not isinstance(policy, RoutingPolicy):
         policy = RoutingPolicy.parse(policy)
     factories: dict[RoutingPolicy, Callable[[], ReplicaPolicy]] = {
-        RoutingPolicy.SCORE: lambda: Score(cached, rng, tie_tolerance_s, prefill_weight, load_bound, tenant_spread),
+        RoutingPolicy.SCORE: lambda: Score(cached, rng, tie_tolerance_s, prefill_weight, load_bound, tenant_spread,
+                                           ttft_target_s),
         RoutingPolicy.ROUND_ROBIN: RoundRobin,
         RoutingPolicy.RANDOM: lambda: RandomChoice(rng),
         RoutingPolicy.LEAST_LOADED: LeastLoaded,

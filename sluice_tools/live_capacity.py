@@ -167,6 +167,7 @@ class LiveProber:
 
     def __call__(self, scale: float) -> Probe:
         """Replay the workload at `scale`, wait for the stack to go idle, return the Probe."""
+        from sluice_tools.capacity import token_attainment
         from sluice_tools.commands.bench import drive, records_of
         from sluice_tools.commands.sim import probe_of
         from sluice_tools.metrics import summarize
@@ -181,16 +182,18 @@ class LiveProber:
                                      vocab_size=e.vocab_size, progress=False, tls_ca=e.tls_ca))
         if all(o.status == "failed" for o in outcomes):  # not load: a workload or stack the run cannot use
             raise ValueError(f"probe at x{scale:.3g}: every request failed, e.g. {outcomes[0].detail}")
-        summary = summarize(records_of(requests, outcomes), *self.slo)
+        records = records_of(requests, outcomes)
+        summary = summarize(records, *self.slo)
         rate = offered_rate(requests)
-        probe = probe_of(summary, scale, rate)
+        probe = probe_of(summary, scale, rate, token_attainment(zip(requests, records, strict=True), *self.slo))
         drain_s, drained = self.settle()
         wall = max(o.finish_s or o.arrival_s for o in outcomes) - min(o.arrival_s for o in outcomes)
         counts = {status: n for status, n in summary["counts"].items() if n}  # type: ignore[attr-defined]
         self.runs.append(ProbeRun(scale, rate, len(requests), counts, probe.attainment, wall, drain_s, drained))
         p99 = "-" if probe.p99_ttft_s is None else f"{probe.p99_ttft_s:.2f} s"
         print(f"  {self.name}: x{scale:.3g} ({rate:.2f} req/s, {len(requests)} requests) -> "
-              f"{probe.attainment:.1%} within SLO, p99 TTFT {p99}, {counts}; idle after {drain_s:.1f} s"
+              f"{probe.attainment:.1%} of requests, {probe.token_attainment:.1%} of offered tokens within SLO, "
+              f"p99 TTFT {p99}, {counts}; idle after {drain_s:.1f} s"
               + ("" if drained else " (NOT drained)"), file=sys.stderr)
         return probe
 

@@ -234,13 +234,17 @@ def records_from_json(rows: Sequence[Mapping[str, object]]) -> list[RequestRecor
     return [RequestRecord(**{key: row[key] for key in names if key in row}) for row in rows]  # type: ignore[arg-type]
 
 
-def format_capacity(results: Mapping[str, Any], ideal_prefix_hit_rate: float | None = None) -> str:
-    """Return a table of capacity searches: rate at the goal, p99 TTFT there, prefix hits, ratios."""
+def format_capacity(results: Mapping[str, Any], ideal_prefix_hit_rate: float | None = None,
+                    compute_bound_rps: float | None = None) -> str:
+    """Return a table of capacity searches: the rate at the goal (requests and offered tokens within SLO),
+    the request-only rate beside it, the ratio to the round-robin row, the shares at the capacity point,
+    p99 TTFT there, prefix hits and, with `compute_bound_rps`, the capacity's share of that bound."""
     names = list(results)
     baseline = next((n for n in names if "round_robin" in n), names[0] if names else "")
     base_rps = results[baseline].capacity_rps if names else 0.0
-    header = f"{'configuration':<34} {'capacity req/s':>15} {'vs ' + baseline[:14]:>18} {'p99 TTFT s':>11} " \
-             f"{'prefix hits':>12} {'probes':>7}"
+    width = max([34, *(len(n) for n in names)])
+    header = (f"{'configuration':<{width}} {'capacity req/s':>15} {'vs ' + baseline[:14]:>18} {'req-only req/s':>15} "
+              f"{'req/tok in SLO':>15} {'p99 TTFT s':>11} {'prefix hits':>12} {'of bound':>9} {'probes':>7}")
     lines = [header, "-" * len(header)]
     for name in names:
         result = results[name]
@@ -248,11 +252,19 @@ def format_capacity(results: Mapping[str, Any], ideal_prefix_hit_rate: float | N
         bound = "" if result.bracketed else " (unbracketed)"
         p99 = f"{result.p99_ttft_s:.2f}" if result.p99_ttft_s is not None else "-"
         hits = f"{result.prefix_hit_rate:.1%}" if result.prefix_hit_rate is not None else "-"
-        lines.append(f"{name:<34} {result.capacity_rps:>15.2f} {ratio:>18} {p99:>11} {hits:>12} "
-                     f"{len(result.probes):>7}{bound}")
-    if ideal_prefix_hit_rate is not None:
-        lines.append(f"one infinite prefix cache would hit {ideal_prefix_hit_rate:.1%} of prompt tokens; "
-                     f"goal: {next(iter(results.values())).goal:.0%} of requests within SLO" if names else "")
+        alone = result.request_capacity_rps
+        alone_text = f"{alone:.2f}" if alone is not None else "-"
+        shares = "-"
+        if result.attainment is not None:
+            tokens = result.token_attainment
+            shares = f"{result.attainment:.1%}/{tokens:.1%}" if tokens is not None else f"{result.attainment:.1%}/-"
+        of_bound = f"{result.capacity_rps / compute_bound_rps:.1%}" if compute_bound_rps else "-"
+        lines.append(f"{name:<{width}} {result.capacity_rps:>15.2f} {ratio:>18} {alone_text:>15} {shares:>15} "
+                     f"{p99:>11} {hits:>12} {of_bound:>9} {len(result.probes):>7}{bound}")
+    if ideal_prefix_hit_rate is not None and names:
+        goal = next(iter(results.values())).goal
+        lines.append(f"one infinite prefix cache would hit {ideal_prefix_hit_rate:.1%} of prompt tokens; goal: "
+                     f"{goal:.0%} of requests and {goal:.0%} of offered tokens within SLO (refusals are misses)")
     return "\n".join(lines)
 
 
@@ -269,13 +281,17 @@ def write_capacity_plot(results: Mapping[str, Any], out_dir: str | Path, title: 
     goal = None
     for name, result in results.items():
         points = sorted((p.rate_rps, p.attainment) for p in result.probes)
-        axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+        line, = axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+        tokens = sorted((p.rate_rps, p.token_attainment) for p in result.probes if p.token_attainment is not None)
+        if tokens:  # the offered-token share, dashed in the same colour
+            axis.plot([p[0] for p in tokens], [p[1] for p in tokens], linestyle="--", marker=".",
+                      color=line.get_color(), label=f"{name} (tokens)")
         goal = result.goal
     if goal is not None:
         axis.axhline(goal, color="red", linestyle="--", linewidth=1, label=f"goal {goal:.0%}")
     axis.set_title("SLO attainment vs offered rate" + (f": {title}" if title else ""), fontsize=9)
     axis.set_xlabel("offered rate (req/s)")
-    axis.set_ylabel("fraction of requests within SLO")
+    axis.set_ylabel("fraction within SLO (requests; dashed: offered tokens)")
     axis.set_xscale("log")
     axis.grid(True, which="both", alpha=0.3)
     axis.legend(fontsize=8)

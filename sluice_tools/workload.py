@@ -241,10 +241,22 @@ def transform(
     start_s: float = 0.0,
     duration_s: float | None = None,
     max_requests: int | None = None,
+    jitter_s: float = 0.0,
+    seed: int = 0,
 ) -> list[WorkloadRequest]:
-    """Return the requests rate-scaled, windowed (re-based to 0) and capped; raises WorkloadError."""
+    """Return the requests rate-scaled, windowed (re-based to 0) and capped; raises WorkloadError.
+
+    `jitter_s`: each arrival first moves later by a uniform draw in [0, jitter_s) seconds of the trace's
+    own time (seeded by `seed` and the request id, so a run is repeatable), then the requests are re-ordered
+    by arrival: for traces whose arrivals come in batches with one timestamp, which no real front door
+    sees at one instant."""
     if rate_scale <= 0:
         raise WorkloadError(f"rate scale must be positive, got {rate_scale}")
+    if not jitter_s >= 0 or math.isinf(jitter_s):
+        raise WorkloadError(f"jitter must be a finite number of seconds >= 0, got {jitter_s}")
+    if jitter_s > 0:
+        requests = sorted((replace(r, arrival_s=r.arrival_s + jitter_s * _unit_draw(seed, r.request_id))
+                           for r in requests), key=lambda r: r.arrival_s)
     end = None if duration_s is None else start_s + duration_s
     out: list[WorkloadRequest] = []
     for request in requests:
@@ -257,6 +269,12 @@ def transform(
     return out
 
 
+def _unit_draw(seed: int, request_id: str) -> float:
+    """Return a repeatable draw in [0, 1) for the request (the jitter of `transform`)."""
+    digest = hashlib.blake2b(f"{seed}:{request_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
 def load_workload(
     spec: str,
     *,
@@ -265,6 +283,7 @@ def load_workload(
     start_s: float = 0.0,
     duration_s: float | None = None,
     max_requests: int | None = None,
+    jitter_s: float = 0.0,
 ) -> Workload:
     """Return the workload named by `spec` (short name, path or synthetic spec), transformed.
 
@@ -282,7 +301,8 @@ def load_workload(
             )
         requests = load_azure_csv(path, seed) if path.suffix == ".csv" else load_jsonl(path, seed)
     requests = transform(
-        requests, rate_scale=rate_scale, start_s=start_s, duration_s=duration_s, max_requests=max_requests
+        requests, rate_scale=rate_scale, start_s=start_s, duration_s=duration_s, max_requests=max_requests,
+        jitter_s=jitter_s, seed=seed,
     )
     return Workload(spec, requests, tenant_weights)
 

@@ -105,6 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--start-s", type=float, default=0.0)
     parser.add_argument("--duration-s", type=float)
     parser.add_argument("--max-requests", type=int)
+    parser.add_argument("--jitter", type=float, default=0.0, metavar="SECONDS",
+                        help="move each arrival later by a seeded uniform draw in [0, SECONDS) of trace time, "
+                             "for traces whose arrivals come in batches with one timestamp (default 0)")
     parser.add_argument("--warmup-s", type=float, default=0.0, help="replica warm-up (WARMING -> READY)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the summary (or all summaries) as JSON here")
@@ -116,7 +119,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--capacity", action="store_true",
                         help="find each configuration's capacity: the highest rate (by rate scale) at which "
-                             "--capacity-goal of requests meet both SLO targets")
+                             "--capacity-goal of the requests and of the offered tokens meet both SLO targets "
+                             "(refusals are misses); the request-only figure is reported beside it")
     parser.add_argument("--autoscale", metavar="MIN:MAX",
                         help="let the planner size the fleet between MIN and MAX replicas (starts at MIN)")
     parser.add_argument("--equal-resources", action="store_true",
@@ -176,6 +180,8 @@ def parse_compare_item(item: str, base: SimConfig) -> SimConfig:
             config = with_admission(config, reservation=parse_enum(ReservationPolicy, word.partition("=")[2]))
         elif word == "early-refusal":
             config = with_admission(config, ttft_slo_s=config.slo_ttft_s)
+        elif word == "on-time":
+            config = replace(config, router=replace(config.router, ttft_target_s=config.slo_ttft_s))
         elif "=" in word:
             config = _setting_word(item, word, config)
         elif word == "vllm-default":
@@ -189,7 +195,7 @@ def parse_compare_item(item: str, base: SimConfig) -> SimConfig:
         else:
             known = [p.value for e in (Policy, RoutingPolicy, PreemptionMode) for p in e]  # type: ignore[attr-defined]
             raise ValueError(
-                f"--compare item {item!r}: unknown word {word!r}; known: vllm-default, budget=slo, early-refusal, "
+                f"--compare item {item!r}: unknown word {word!r}; known: vllm-default, budget=slo, early-refusal, on-time, "
                 f"reserve={'|'.join(p.value for p in ReservationPolicy)}, "
                 f"{', '.join(known)}, {'=N, '.join(_SETTING_WORDS)}=N"
             )
@@ -258,6 +264,7 @@ def run(args: argparse.Namespace) -> int:
             start_s=args.start_s,
             duration_s=args.duration_s,
             max_requests=args.max_requests,
+            jitter_s=args.jitter,
         )
         base = base_config(args, workload.tenant_weights)
         items = [i.strip() for i in args.compare.split(",") if i.strip()] if args.compare else []
@@ -348,7 +355,7 @@ def _run_equal_resources(fleet: Any, json_path: str | None) -> int:
 
 def _run_capacity(args: argparse.Namespace, workload: Any, configs: dict[str, SimConfig]) -> int:
     """Search each configuration's capacity on the workload; print a table, write JSON and a plot."""
-    from sluice_tools.capacity import CapacitySearch, Probe, find_capacity
+    from sluice_tools.capacity import CapacitySearch, Probe, find_capacity, paired, token_attainment
     from sluice_tools.report import format_capacity, write_capacity_plot, write_json
     from sluice_tools.sim.run import simulate
     from sluice_tools.workload import ideal_prefix_hit_rate, offered_rate, transform
@@ -358,16 +365,19 @@ def _run_capacity(args: argparse.Namespace, workload: Any, configs: dict[str, Si
     for name, config in configs.items():
         def probe(scale: float, config: SimConfig = config, name: str = name) -> Probe:
             requests = transform(workload.requests, rate_scale=scale)
-            summary = simulate(config, requests, include_series=False).summary
+            result = simulate(config, requests, include_series=False)
+            summary = result.summary
+            tokens = token_attainment(paired(requests, result.records), config.slo_ttft_s, config.slo_tpot_s)
             print(f"  {name}: x{scale:.3g} ({offered_rate(requests):.2f} req/s) -> "
-                  f"{summary['slo_attainment']:.1%} within SLO", file=sys.stderr)
-            return probe_of(summary, scale, offered_rate(requests))
+                  f"{summary['slo_attainment']:.1%} of requests, {tokens:.1%} of offered tokens within SLO "
+                  f"({sum(r.status == 'rejected' for r in result.records)} refused)", file=sys.stderr)
+            return probe_of(summary, scale, offered_rate(requests), tokens)
 
         print(f"capacity of {name} ...", file=sys.stderr)
         results[name] = find_capacity(probe, search)
     ideal = ideal_prefix_hit_rate(workload.requests)
-    print(format_capacity(results, ideal_prefix_hit_rate=ideal))
     bounds = _compute_bounds(next(iter(configs.values())), workload.requests)
+    print(format_capacity(results, ideal_prefix_hit_rate=ideal, compute_bound_rps=bounds["ideal_cache"]))
     print(f"compute bound: {bounds['ideal_cache']:.2f} req/s with one infinite prefix cache, "
           f"{bounds['no_cache']:.2f} without (every replica busy on FLOPs alone)")
     payload = {"workload": workload.describe(), "ideal_prefix_hit_rate": ideal, "compute_bound_rps": bounds,
@@ -387,13 +397,15 @@ def _compute_bounds(config: SimConfig, requests: Any) -> dict[str, float]:
             "no_cache": compute_bound_rps(config, requests, ideal_cache=False)}
 
 
-def probe_of(summary: dict[str, Any], scale: float, rate_rps: float) -> Any:
-    """Return the capacity Probe of one run's summary (sim or bench: the same summary shape)."""
+def probe_of(summary: dict[str, Any], scale: float, rate_rps: float, token_attainment: float | None = None) -> Any:
+    """Return the capacity Probe of one run's summary (sim or bench: the same summary shape) and its share of
+    offered tokens within SLO (`sluice_tools.capacity.token_attainment`)."""
     from sluice_tools.capacity import Probe
 
     tokens = summary["tokens"]
     hit = tokens["cached"] / tokens["input"] if tokens["input"] else None
-    return Probe(scale, rate_rps, float(summary["slo_attainment"]), summary["ttft_s"].get("p99"), hit)
+    return Probe(scale, rate_rps, float(summary["slo_attainment"]), summary["ttft_s"].get("p99"), hit,
+                 token_attainment)
 
 
 def _label(config: SimConfig) -> str:

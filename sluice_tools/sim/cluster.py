@@ -23,7 +23,11 @@ cost model. Everything that decides anything is the cores' code, unchanged:
   `RouterCore.apply_kv_events` (a gap asks for `kv_snapshot`);
 - every `heartbeat_interval_s` each replica heartbeats as the services do, through the one glue
   (`sluice.glue`): `heartbeat_report` from its core's `stats()` and the `RoundRates` measured from
-  its rounds' modelled times, then `apply_heartbeat` (the router servicer's reconciliation);
+  its rounds' modelled times, then `apply_heartbeat` (the router servicer's reconciliation); only a
+  heartbeat that would change nothing the router holds is skipped (`_on_heartbeat`);
+- a request refused after routing (admission's early TTFT refusal) or by the replica's core is
+  forgotten by `RouterCore.on_request_done`, the path the router service takes for the REJECTED
+  completion admission publishes: its routed work is taken back at once;
 - cancellations (`cancel_after_s`) call `cancel`; deadlines are the core's, polled at
   `next_deadline()` with `expire`; replicas start WARMING and heartbeat READY after `warmup_s`.
 """
@@ -232,7 +236,7 @@ class Simulator:
         replica = self.replicas[int(decision.replica_id.rsplit("-", 1)[1])]
         refusal = self.front_door.refused_early(rid, decision.predicted_ttft_s, now)  # admission: TTFT SLO
         if refusal is not None:
-            self.router.on_request_done(replica.replica_id, rid, now)
+            self._forget_routed(replica, rid)
             self._reject(request, record, f"over budget {refusal.budget}", refusal.retry_after_s)
             return
         self.predicted[rid] = (now, decision.predicted_ttft_s)
@@ -268,7 +272,7 @@ class Simulator:
             replica.core.submit(new, now)
         except RequestRejected as error:
             self.admission.release(rid, now)
-            self.router.on_request_done(replica.replica_id, rid, now)
+            self._forget_routed(replica, rid)
             self._reject(request, record, f"{error.reason.value}: {error.detail}", None)
             return
         record.replica = replica.replica_id
@@ -349,12 +353,18 @@ class Simulator:
 
     def _on_heartbeat(self, _: object) -> None:
         now = self.now
+        fleet = self.router.fleet
         for replica in self.replicas:
             if replica.reported_idle and not replica.busy and not replica.core.has_unfinished():
-                # Same (empty) load as the last heartbeat told the router, and no round since to move the
-                # rates: skipping it changes no routing decision (only the heartbeat time, which the
-                # simulator never expires) and saves most of the heartbeat cost on a lightly loaded fleet.
-                continue
+                seen = fleet.find(replica.replica_id)
+                if seen is None or not seen.unreported:
+                    # Live, every replica heartbeats. This one would report the (empty) load the router holds,
+                    # no round since moved its rates, and the router holds no routed-but-unreported work for
+                    # it: the heartbeat would change no routing decision (only the heartbeat time, which the
+                    # simulator never expires), so it is skipped, which saves most of the heartbeat cost on a
+                    # lightly loaded fleet. Work routed here since (refused, or not yet submitted) is reset by
+                    # the heartbeat as live.
+                    continue
             self._heartbeat(replica)
         if self._busy():
             self.push(now + self.config.heartbeat_interval_s, _HEARTBEAT)
@@ -383,6 +393,11 @@ class Simulator:
         report = glue.heartbeat_report(replica.replica_id, replica.state, True, stats, rates)
         glue.apply_heartbeat(self.router, report, self.now)
         replica.reported_idle = not replica.busy and not core.has_unfinished()
+
+    def _forget_routed(self, replica: _Replica, request_id: str) -> None:
+        """A routed request was refused before it ran: the router takes its work back, as the router service
+        does for the REJECTED completion admission publishes (`RouterRuntime.on_completion`)."""
+        self.router.on_request_done(replica.replica_id, request_id, self.now)
 
     def _route(self, query: RouteQuery) -> RouteDecision:
         """Route one request (the router servicer's Route, without the wire)."""

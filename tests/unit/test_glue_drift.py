@@ -24,7 +24,8 @@ from scheduler_svc.server import ReplicaAgent
 from sluice import convert
 from sluice.core_errors import CoreError
 from sluice.types import CoreEvents, ReplicaState, RoundPlan
-from sluice.v1 import common_pb2, router_pb2
+from sluice.v1 import common_pb2, events_pb2, router_pb2
+from sluice_tools.commands.sim import parse_compare_item
 from sluice_tools.sim import SimConfig, Simulator, fastforward
 from sluice_tools.workload import load_workload
 
@@ -77,6 +78,13 @@ class Services:
                                           prompt_tokens=query.prompt_tokens, max_tokens=query.max_tokens)
         return self.call(self.servicer.Route(request, _Context()))
 
+    def refuse(self, replica_id: str, request_id: str) -> None:
+        """A routed request refused before it ran: the REJECTED completion admission publishes
+        (`Migrator.forget_attempt`), through the router's completions consumer."""
+        completion = events_pb2.Completion(request_id=request_id, tenant="default", status=common_pb2.REJECTED,
+                                           finish_reason="rejected", owner="admission", replica_id=replica_id)
+        self.call(self.runtime.on_completion("0-0", completion.SerializeToString(), None))  # type: ignore[arg-type]
+
     def absorb(self, replica_id: str, events: CoreEvents) -> None:
         for finished in events.finished:
             completion = convert.completion_to_proto(finished, replica_id=replica_id, owner="admission",
@@ -91,6 +99,11 @@ def _picture(view: ReplicaView) -> tuple[object, ...]:
     return (view.spec.replica_id, view.state, view.load, view.inflight, view.indexed_blocks, view.last_event_id)
 
 
+def _unreported(router: RouterCore) -> list[tuple[str, int, dict[str, int]]]:
+    return [(v.spec.replica_id, router.fleet.get(v.spec.replica_id).unreported_tokens,
+             router.fleet.get(v.spec.replica_id).unreported) for v in router.replicas()]
+
+
 class MirroredSimulator(Simulator):
     """The simulator as it is, mirroring each router-facing event to `Services` and comparing the outcomes."""
 
@@ -99,6 +112,7 @@ class MirroredSimulator(Simulator):
         self.services = Services(self.router.config, lambda: self.now)  # the very config the simulated router runs
         self.heartbeats: list[tuple[float, tuple[object, ...]]] = []
         self.routes: list[tuple[str, int, str]] = []
+        self.refusals = 0
 
     def _register(self, replica: Any) -> None:
         super()._register(replica)
@@ -119,6 +133,7 @@ class MirroredSimulator(Simulator):
         simulated = [_picture(v) for v in self.router.replicas()]
         served = [_picture(v) for v in self.services.runtime.core.replicas()]
         assert served == simulated, f"drift at t={self.now}"
+        assert _unreported(self.services.runtime.core) == _unreported(self.router), f"drift at t={self.now}"
         self.heartbeats.append((self.now, next(p for p in simulated if p[0] == replica.replica_id)))
 
     def _route(self, query: RouteQuery) -> RouteDecision:
@@ -137,6 +152,12 @@ class MirroredSimulator(Simulator):
     def _absorb(self, replica: Any, events: CoreEvents) -> None:
         self.services.absorb(replica.replica_id, events)
         super()._absorb(replica, events)
+
+    def _forget_routed(self, replica: Any, request_id: str) -> None:
+        super()._forget_routed(replica, request_id)
+        self.services.refuse(replica.replica_id, request_id)
+        self.refusals += 1
+        assert _unreported(self.services.runtime.core) == _unreported(self.router), f"drift at t={self.now}"
 
 
 def test_simulator_and_services_agree_on_every_load_report_and_routing_decision(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -161,3 +182,22 @@ def test_simulator_and_services_agree_on_every_load_report_and_routing_decision(
     assert len(loads) > 50
     measured = [load for load in loads if load.prefill_tokens_per_s > 0 and load.decode_round_s > 0]  # type: ignore[attr-defined]
     assert measured and any(load.queued_prefill_tokens for load in loads)  # type: ignore[attr-defined]
+
+
+REFUSED = ("synthetic:poisson?rate=120&n=150&input=lognormal:1500:0.6:6000&output=lognormal:30:0.5:80"
+           "&prefix_groups=4&prefix_len=512")
+
+
+def test_simulator_and_services_agree_when_admission_refuses_routed_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the early TTFT refusal past a tight SLO, every refusal after routing reaches the services' router as
+    admission's REJECTED completion and leaves it with the simulator's unreported work and in-flight counts;
+    later heartbeats and routes still agree (the refused request's tokens are taken back on both)."""
+    monkeypatch.setenv(fastforward.ENV_SWITCH, "0")
+    requests = load_workload(REFUSED, seed=5).requests
+    config = parse_compare_item("early-refusal", SimConfig(replicas=2, slo_ttft_s=0.12, seed=7))
+    simulator = MirroredSimulator(config, requests)
+    records = simulator.run()
+    refused = sum(r.status == "rejected" for r in records)
+    assert refused == simulator.refusals and 10 < refused < len(requests) - 10
+    assert len(simulator.routes) == len(requests)
+    assert _unreported(simulator.router) == [(f"replica-{i}", 0, {}) for i in range(2)]

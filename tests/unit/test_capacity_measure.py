@@ -1,0 +1,81 @@
+"""The capacity measure that shedding cannot game: requests and offered tokens within SLO must both reach the
+goal, refusals count as misses, and batch arrivals can be jittered apart."""
+
+from __future__ import annotations
+
+import pytest
+
+from sluice_tools.capacity import CapacitySearch, Probe, find_capacity, paired, token_attainment
+from sluice_tools.metrics import RequestRecord
+from sluice_tools.workload import WorkloadError, WorkloadRequest, transform
+
+
+def _served(request_id: str, ttft_s: float = 0.1, status: str = "ok") -> RequestRecord:
+    return RequestRecord(request_id, arrival_s=0.0, first_token_s=ttft_s if status == "ok" else None,
+                         finish_s=ttft_s + 0.09, status=status, output_tokens=10)
+
+
+def test_a_refused_long_request_weighs_by_its_offered_tokens() -> None:
+    """Nine short requests served within SLO and one long one refused: 90% of requests but only 9,090 of
+    19,090 offered tokens (47.6%) within SLO; a late request and one without a record are misses too."""
+    requests = [WorkloadRequest(f"s{i}", 0.0, 1000, 10) for i in range(9)] + [WorkloadRequest("long", 0.0, 9990, 10)]
+    records = [_served(f"s{i}") for i in range(9)] + [_served("long", status="rejected")]
+    assert token_attainment(paired(requests, records), slo_ttft_s=1.0, slo_tpot_s=0.05) == pytest.approx(
+        9090 / 19090)
+    late = [_served(f"s{i}", ttft_s=2.0 if i == 0 else 0.1) for i in range(8)]  # s0 late, s8 has no record
+    assert token_attainment(paired(requests[:9], late), 1.0, 0.05) == pytest.approx(7 / 9)
+
+
+def test_shedding_the_expensive_requests_does_not_raise_the_capacity() -> None:
+    """A system that keeps 95% of requests within SLO at any rate by refusing ever more of the long ones (its
+    token share falls past x2) has capacity x2 by the new measure; the request-only figure, which shedding
+    inflates up to the search's limit, is reported beside it."""
+    def probe(scale: float) -> Probe:
+        tokens = 0.97 if scale <= 2.0 else max(0.0, 0.97 - 0.2 * (scale - 2.0))
+        return Probe(scale, 10.0 * scale, 0.95, None, token_attainment=tokens)
+
+    result = find_capacity(probe, CapacitySearch(goal=0.9, tolerance=0.05))
+    assert result.bracketed
+    true_scale = 2.35  # 0.97 - 0.2 (s - 2) >= 0.9
+    assert true_scale / 1.05 <= result.scale <= true_scale
+    assert result.token_attainment is not None and result.token_attainment >= 0.9
+    assert result.request_capacity_rps == pytest.approx(10.0 * 64)  # never fails on requests alone
+    assert result.capacity_rps < result.request_capacity_rps / 20
+
+
+def test_a_probe_passes_only_when_both_shares_reach_the_goal() -> None:
+    """`passes` needs both shares; without a token share (unknown offered tokens) requests alone decide."""
+    assert Probe(1.0, 1.0, 0.95, None, token_attainment=0.92).passes(0.9)
+    assert not Probe(1.0, 1.0, 0.95, None, token_attainment=0.6).passes(0.9)
+    assert not Probe(1.0, 1.0, 0.85, None, token_attainment=0.99).passes(0.9)
+    assert Probe(1.0, 1.0, 0.95, None).passes(0.9)
+
+
+def test_jitter_spreads_a_batch_of_one_timestamp_repeatably() -> None:
+    """Eight requests at one instant, jittered by 0.5 s: eight distinct arrivals within [t, t + 0.5), in order,
+    the same for the same seed and different for another; a negative jitter is refused."""
+    batch = [WorkloadRequest(f"r{i}", 3.0, 100, 10) for i in range(8)]
+    spread = transform(batch, jitter_s=0.5, seed=1)
+    arrivals = [r.arrival_s for r in spread]
+    assert len(set(arrivals)) == 8 and arrivals == sorted(arrivals)
+    assert all(3.0 <= t < 3.5 for t in arrivals)
+    assert arrivals == [r.arrival_s for r in transform(batch, jitter_s=0.5, seed=1)]
+    assert arrivals != [r.arrival_s for r in transform(batch, jitter_s=0.5, seed=2)]
+    with pytest.raises(WorkloadError, match="jitter"):
+        transform(batch, jitter_s=-1.0)
+
+
+def test_the_table_and_plot_show_both_shares_and_the_share_of_the_compute_bound(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The capacity table prints the request-only rate, both shares at the capacity point and the capacity
+    over the compute bound; the plot is written with the token share beside the request share."""
+    from sluice_tools.report import format_capacity, write_capacity_plot
+
+    def probe(scale: float) -> Probe:
+        return Probe(scale, 10.0 * scale, 0.95, None, token_attainment=0.97 if scale <= 2.0 else 0.5)
+
+    result = find_capacity(probe, CapacitySearch(goal=0.9, tolerance=0.05))
+    table = format_capacity({"round_robin": result}, compute_bound_rps=40.0)
+    row = table.splitlines()[2]
+    assert f"{result.capacity_rps:.2f}" in row and f"{result.request_capacity_rps:.2f}" in row
+    assert "95.0%/97.0%" in row and f"{result.capacity_rps / 40.0:.1%}" in row
+    assert write_capacity_plot({"round_robin": result}, tmp_path).stat().st_size > 0

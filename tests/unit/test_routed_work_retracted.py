@@ -1,0 +1,66 @@
+"""Routing work that did not happen is taken back: a request refused (or ended) before the next heartbeat
+returns its uncached prompt tokens to the router at once, in the pure core and in the simulator."""
+
+from __future__ import annotations
+
+import pytest
+
+from router_svc.core import ReplicaLoad, ReplicaSpec, RouteQuery, RouterConfig, RouterCore
+from sluice_tools.commands.sim import parse_compare_item
+from sluice_tools.sim import SimConfig, Simulator
+from sluice_tools.workload import WorkloadRequest
+
+
+def make_router(*ids: str) -> RouterCore:
+    router = RouterCore(RouterConfig())
+    for replica_id in ids:
+        router.register(ReplicaSpec(replica_id, "m", prefill_tokens_per_s=10_000.0, decode_round_s=0.0), now=0.0)
+        router.mark_ready(replica_id, now=0.0)
+    return router
+
+
+def test_a_request_done_before_the_next_heartbeat_takes_its_unreported_tokens_back() -> None:
+    """Routing 4,000 uncached tokens raises the next prediction by 0.4 s; forgetting that request restores
+    the prediction exactly, while a sibling routed with it keeps its own tokens counted."""
+    router = make_router("a")
+    idle = router.route(RouteQuery("probe", "m", prompt_tokens=1000), now=0.0).predicted_ttft_s
+    router.on_request_done("a", "probe", now=0.0)
+    router.route(RouteQuery("big", "m", prompt_tokens=4000), now=0.0)
+    router.route(RouteQuery("sibling", "m", prompt_tokens=2000), now=0.0)
+    router.on_request_done("a", "big", now=0.0)  # refused after routing: admission's REJECTED completion
+    replica = router.fleet.get("a")
+    assert replica.unreported_tokens == 2000
+    router.on_request_done("a", "sibling", now=0.0)
+    router.on_request_done("a", "sibling", now=0.0)  # a redelivered completion takes nothing twice
+    assert replica.unreported_tokens == 0 and not replica.unreported
+    assert router.route(RouteQuery("next", "m", prompt_tokens=1000), now=0.0).predicted_ttft_s == pytest.approx(idle)
+
+
+def test_a_request_reported_by_a_heartbeat_is_not_taken_back_twice() -> None:
+    """After a heartbeat the replica's report holds the work: a request done later does not subtract it
+    again from the work routed since (no negative or missing queue)."""
+    router = make_router("a")
+    router.route(RouteQuery("early", "m", prompt_tokens=3000), now=0.0)
+    router.heartbeat("a", ReplicaLoad(waiting=1, queued_prefill_tokens=3000), now=0.05)
+    router.route(RouteQuery("late", "m", prompt_tokens=500), now=0.06)
+    router.on_request_done("a", "early", now=0.07)
+    assert router.fleet.get("a").unreported_tokens == 500
+
+
+def _request(index: int, arrival_s: float, input_length: int) -> WorkloadRequest:
+    return WorkloadRequest(f"r{index}", arrival_s, input_length, 8)
+
+
+def test_early_refusals_on_an_idle_fleet_do_not_make_later_requests_refused() -> None:
+    """Thirty prompts whose own prefill exceeds a 0.1 s TTFT SLO are refused on an idle 2-replica fleet; the short ones
+    that arrive after them, spaced out, are all admitted, and the router ends holding no unreported work
+    (the bug: each refusal left its tokens on an idle replica, whose skipped heartbeats never reset them,
+    so every later request was predicted late and refused)."""
+    long_ones = [_request(i, 0.2 + 0.01 * i, 6_000) for i in range(30)]
+    short_ones = [_request(100 + i, 2.0 + 0.5 * i, 300) for i in range(10)]
+    config = parse_compare_item("early-refusal", SimConfig(replicas=2, slo_ttft_s=0.1))
+    simulator = Simulator(config, long_ones + short_ones)
+    records = {r.request_id: r for r in simulator.run()}
+    assert all(records[r.request_id].status == "rejected" for r in long_ones)
+    assert [records[r.request_id].status for r in short_ones] == ["ok"] * len(short_ones)
+    assert all(r.unreported_tokens == 0 and not r.unreported for r in simulator.router.fleet._replicas.values())
