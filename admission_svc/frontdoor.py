@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -115,7 +116,7 @@ class FrontDoor:
         tenant = self.core.authenticate(caller.api_key)
         record = self._attach(tenant, call.idempotency_key)
         if record is None:
-            ids, tokenized = await self._checked_prompt(call)
+            ids, tokenized, call = await self._checked_prompt(call)
             blocks = await self._prompt_blocks(call, ids, tenant)
             # Tokenizing on a thread awaits: a retry with the same key may have started the request meanwhile.
             record = self._attach(tenant, call.idempotency_key)
@@ -137,8 +138,10 @@ class FrontDoor:
         try:
             async for item in record.stream.follow():
                 if item.completion is None:
+                    logprobs = record.stream.logprobs
                     yield Output(record.request_id, item.index, item.tokens, detokenizer.push(item.tokens),
-                                 item.emitted_unix_s)
+                                 item.emitted_unix_s, None, tuple(logprobs[i] for i in range(
+                                     item.index, item.index + len(item.tokens)) if i in logprobs) if logprobs else ())
                     continue
                 finished = True
                 failure = self._ended(record, item.completion)
@@ -174,21 +177,26 @@ class FrontDoor:
         request_id = self.core.lookup_key(tenant, key, time.monotonic())
         return self.records.get(request_id) if request_id else None
 
-    async def _checked_prompt(self, call: GenerateCall) -> tuple[list[int], float | None]:
-        """Return the prompt's ids and when its text was tokenized (None: it came as ids); raises the refusal."""
+    async def _checked_prompt(self, call: GenerateCall) -> tuple[list[int], float | None, GenerateCall]:
+        """Return the prompt's ids, when its text was tokenized (None: it came as ids) and the call with an unset
+        max_tokens resolved (the rest of the model length); raises the refusal."""
         if not self.model.accepts(call.model):
             self.metrics.rejections.labels("unknown_model").inc()
             raise errors.NotFound(f"unknown model {shown(call.model)}; this deployment serves "
                                   f"{self.model.model_id!r}", reason="unknown_model", field_name="model")
-        sampling = call.sampling
         try:
             ids = await self.prompts.ids(call)
+            if call.max_tokens_unset:  # vLLM's chat default: whatever the model length leaves after the prompt
+                call = dataclasses.replace(call, sampling=dataclasses.replace(
+                    call.sampling, max_tokens=self.model.max_model_len - len(ids)), max_tokens_unset=False)
+            sampling = call.sampling
             self.core.validate(len(ids), sampling.max_tokens, temperature=sampling.temperature,
                                top_p=sampling.top_p, top_k=sampling.top_k)
+            self.core.validate_penalties(sampling, self.model.vocab_size)
         except CoreError as exc:
             self.metrics.rejections.labels(exc.reason_word).inc()
             raise
-        return ids, (time.time() if not call.prompt_token_ids else None)
+        return ids, (time.time() if not call.prompt_token_ids else None), call
 
     async def _prompt_blocks(self, call: GenerateCall, ids: list[int], tenant: str) -> tuple[list[int], int]:
         """Return the prompt's block-hash chain (for the router and the KV-block budget) and the block size.

@@ -76,6 +76,8 @@ class RequestStream:
     """Downstream id whose deltas this stream takes ("" = `request_id`, the first attempt)."""
     offset: int = 0
     """Output index of the current attempt's token 0 (tokens streamed before the last migration)."""
+    logprobs: dict[int, Any] = field(default_factory=dict)
+    """Output index -> that token's log-probabilities (common_pb2.TokenLogprobs), for requests that ask for them."""
     progress_at: float = field(default_factory=time.monotonic)
     """time.monotonic() of the last new token (or of the start/migration): the stall watchdog reads it."""
     _waiters: list[asyncio.Future[None]] = field(default_factory=list)
@@ -214,6 +216,10 @@ class StreamRegistry:
         if (stream.attempt_id or stream.request_id) != attempt:
             self.stale_deltas += 1
             return
+        if delta.logprobs:
+            first = stream.offset + delta.index
+            for offset, logprobs in enumerate(delta.logprobs):
+                stream.logprobs.setdefault(first + offset, logprobs)
         stream.add_tokens(stream.offset + delta.index, list(delta.token_ids), emitted_unix_s)
         stream.complete_if_ready()
 
