@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import logging
 import math
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import uvicorn
-from prometheus_client import Counter
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
@@ -60,6 +61,16 @@ HTTP_STATUS: dict[str, tuple[int, str]] = {
     "DEADLINE_EXCEEDED": (504, "timeout_error"),
 }
 SERVER_ERROR = (500, "server_error")
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("sluice")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that is not installed
+        return "0+unknown"
+
+
+_VERSION = _package_version()
 
 
 @dataclass(frozen=True)
@@ -122,6 +133,10 @@ class HttpEdge:
                   Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                  Route("/tokenize", self.tokenize, methods=["POST"]),
+                  Route("/detokenize", self.detokenize, methods=["POST"]),
+                  Route("/version", self.version, methods=["GET"]),
+                  Route("/metrics", self.metrics, methods=["GET"]),
                   Route("/health", self.health, methods=["GET"])]
         return Starlette(routes=routes, exception_handlers={HTTPException: self._http_exception})
 
@@ -129,6 +144,22 @@ class HttpEdge:
     async def health(self, request: Request) -> Response:
         """200 while the process serves (readiness is gRPC health's, as for every service)."""
         return JSONResponse({"status": "ok"})
+
+    async def version(self, request: Request) -> Response:
+        """GET /version: Sluice's version (vLLM's route and shape)."""
+        return JSONResponse({"version": _VERSION})
+
+    async def metrics(self, request: Request) -> Response:
+        """GET /metrics: the admission process's Prometheus metrics on the API port too (as vLLM serves them)."""
+        return Response(generate_latest(self.door.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def tokenize(self, request: Request) -> Response:
+        """POST /tokenize: a prompt's (or a chat's) token ids with vLLM's shape (any valid key)."""
+        return await self._answer(request, "/tokenize", False, self._tokenize)
+
+    async def detokenize(self, request: Request) -> Response:
+        """POST /detokenize: the text of token ids with vLLM's shape (any valid key)."""
+        return await self._answer(request, "/detokenize", False, self._detokenize)
 
     async def models(self, request: Request) -> Response:
         """GET /v1/models: the model this deployment serves (any valid key)."""
@@ -172,6 +203,19 @@ class HttpEdge:
             raise errors.NotFound(f"unknown model {name!r}; this deployment serves {self.door.model.model_id!r}",
                                   reason="unknown_model", field_name="model")
         return JSONResponse(openai_answers.model_card(self.door.model, self.created))
+
+    async def _tokenize(self, request: Request) -> Response:
+        self.door.core.authenticate(_api_key(request))
+        body = await self._body(request)
+        ids = openai_convert.tokenize_request(body, self.door.model)
+        return JSONResponse({"count": len(ids), "max_model_len": self.door.model.max_model_len, "tokens": ids,
+                             "token_strs": [self._token_text(t) for t in ids] if body.get("return_token_strs")
+                             else None})
+
+    async def _detokenize(self, request: Request) -> Response:
+        self.door.core.authenticate(_api_key(request))
+        ids = openai_convert.detokenize_request(await self._body(request), self.door.model)
+        return JSONResponse({"prompt": self.door.model.tokenizer.decode(ids)})
 
     async def _generate(self, request: Request, route: str,
                         parse: Callable[..., ParsedRequest]) -> Response:

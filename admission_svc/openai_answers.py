@@ -80,7 +80,7 @@ class ChoiceText:
     def __init__(self, request: ParsedRequest, index: int, token_text: Callable[[int], str]) -> None:
         self.request = request
         self.index = index
-        self.token_text = token_text
+        self.token_text = _token_id_text if request.tokens_as_ids else token_text
         self.trimmer = StopTrimmer(request.stops)
         self.echo = request.echo[request.prompt_index(index)] if request.echo else ""
         self.offset = len(self.echo)
@@ -128,6 +128,10 @@ class ChoiceText:
         if text is not None:
             content["content"] = text
         return {"index": self.index, key: content, "logprobs": logprobs if wanted else None, "finish_reason": finish}
+
+
+def _token_id_text(token_id: int) -> str:
+    return f"token_id:{token_id}"
 
 
 def _chat_logprob(token: str, logprob: float) -> dict[str, Any]:

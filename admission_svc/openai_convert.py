@@ -13,7 +13,7 @@ vLLM orders them); sample j of a seeded request uses seed + j, so the n samples 
 What Sluice cannot do is refused by name rather than ignored: `best_of` other than n, `suffix`, tools,
 function calls, audio, predictions and non-text response formats (400 with the field), and `echo` with
 `logprobs` (prompt log-probabilities). Extension fields (vLLM's): `priority`, `top_k`, `min_p`,
-`repetition_penalty`, `ignore_eos`; and `sluice_token_times` (each streamed chunk then carries
+`repetition_penalty`, `ignore_eos`, `return_tokens_as_token_ids`; and `sluice_token_times` (each streamed chunk then carries
 `sluice.created_unix_s`, when its first token was made, so a client can measure what the path adds per token).
 """
 
@@ -68,6 +68,8 @@ class ParsedRequest:
     """(completions `echo`) each prompt's text, put before its choices' text; empty: no echo."""
     logprobs: int | None = None
     """Log-probabilities per output token with this many alternatives; None: none asked for."""
+    tokens_as_ids: bool = False
+    """vLLM's `return_tokens_as_token_ids`: log-probabilities name tokens `token_id:<id>`, not by their text."""
 
     @property
     def call(self) -> GenerateCall:
@@ -237,7 +239,8 @@ def _request(body: Mapping[str, Any], model: ModelSpec, chat: bool, max_tokens_f
                 sampling=seeded, priority=priority, idempotency_key=key, add_special_tokens=not chat,
                 operation="chat" if chat else "text_completion", max_tokens_unset=rest_of_context))
     return ParsedRequest(tuple(calls), chat, stream, bool((options or {}).get("include_usage")),
-                         sampling.stop_strings, _flag(body, "sluice_token_times"), n, logprobs=sampling.logprobs)
+                         sampling.stop_strings, _flag(body, "sluice_token_times"), n, logprobs=sampling.logprobs,
+                         tokens_as_ids=_flag(body, "return_tokens_as_token_ids"))
 
 
 def completion_request(body: Mapping[str, Any], model: ModelSpec, idempotency_key: str = "") -> ParsedRequest:
@@ -305,3 +308,43 @@ def _message(message: Any, index: int) -> dict[str, Any]:
     if content is not None and not isinstance(content, str):
         raise _bad(f"messages[{index}].content", "content must be a string or a list of text parts")
     return {**message, "content": content or ""}
+
+
+def tokenize_request(body: Mapping[str, Any], model: ModelSpec) -> list[int]:
+    """Return the token ids of a /tokenize body (vLLM's: `prompt` with `add_special_tokens`, default true; or
+    `messages` with `add_generation_prompt`, default true); raises InvalidArgument naming the field."""
+    if body.get("model") not in (None, "") and not model.accepts(body["model"]):
+        raise errors.NotFound(f"unknown model {str(body['model'])[:100]!r}; this deployment serves "
+                              f"{model.model_id!r}", reason="unknown_model", field_name="model")
+    if "messages" in body:
+        messages = body["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise _bad("messages", "messages must be a non-empty list")
+        try:
+            text = model.render_chat([_message(m, i) for i, m in enumerate(messages)],
+                                     add_generation_prompt=body.get("add_generation_prompt", True) is not False)
+        except ChatTemplateError as exc:
+            raise _bad("messages", f"cannot render the chat: {exc}"[:300]) from None
+        return model.tokenizer.encode(text, add_special_tokens=_flag(body, "add_special_tokens"))
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise _bad("prompt", "prompt must be a string (or send messages)")
+    special = body.get("add_special_tokens", True)
+    if not isinstance(special, bool):
+        raise _bad("add_special_tokens", "add_special_tokens must be a boolean")
+    return model.tokenizer.encode(prompt, add_special_tokens=special)
+
+
+def detokenize_request(body: Mapping[str, Any], model: ModelSpec) -> list[int]:
+    """Return the token ids of a /detokenize body (`tokens`, each in the vocabulary)."""
+    if body.get("model") not in (None, "") and not model.accepts(body["model"]):
+        raise errors.NotFound(f"unknown model {str(body['model'])[:100]!r}", reason="unknown_model",
+                              field_name="model")
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise _bad("tokens", "tokens must be a list of token ids")
+    bad = [t for t in tokens if not 0 <= t < model.vocab_size]
+    if bad:
+        raise _bad("tokens", f"tokens holds ids outside [0, {model.vocab_size}), e.g. {bad[0]}")
+    return tokens
+
