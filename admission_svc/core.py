@@ -210,6 +210,26 @@ class AdmissionCore:
         self.admitted += 1
         return reservation
 
+    def fits(self, tenant: str, input_tokens: int, max_tokens: int, now: float, *, model: str = "",
+             block_hashes: tuple[int, ...] = (), block_size: int = 16) -> bool:
+        """Return whether `admit` with these arguments would find room in every budget now (it changes nothing
+        and counts no refusal; a request that could never fit is `admit`'s to refuse)."""
+        reserved = self.reserver.initial(tenant, model, max_tokens)
+        reservation = Reservation("", tenant, input_tokens, reserved, admitted_at=now, max_tokens=max_tokens,
+                                  model=model, block_hashes=block_hashes, block_size=block_size)
+        try:
+            self._check_budgets(reservation, now)
+        except OverBudget:
+            return False
+        return True
+
+    def queue_limits(self, tenant: str) -> tuple[int | None, float]:
+        """Return (how many requests of `tenant` may wait at the front door for room, for how many seconds):
+        the tenant's own budgets when it has them, else the global ones."""
+        t = self._tenants.get(tenant)
+        budgets = t.budgets if t is not None and t.budgets is not None else self.config.budgets
+        return budgets.max_queued_requests, float(budgets.queue_timeout_s)
+
     def _count_refusal(self, key: str) -> None:
         self.rejected[key] = self.rejected.get(key, 0) + 1
 

@@ -9,6 +9,7 @@ output they must change, n against distinct samples and the prefix-cache hits of
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import math
@@ -33,6 +34,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 CONFIG = """
 [tenants.acme]
 api_keys = ["k-acme"]
+[tenants.bench]
+api_keys = ["k-bench"]
+max_active_requests = 2
+max_queued_requests = 4
+queue_timeout_s = 120
 """
 PROMPT_IDS = [256, *range(65, 65 + 37)]  # BOS + 37 letters: two full 16-token blocks and a partial one
 CHAT = [{"role": "user", "content": "Count: one two three"}]
@@ -58,6 +64,27 @@ def reference() -> LoadedModel:
 
 def _openai(stack: Stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=stack.http_base_url, api_key="k-acme", max_retries=0, timeout=120)
+
+
+def test_front_door_queues_up_to_the_bound_then_429(stack: Stack) -> None:
+    """With max_active_requests 2 and max_queued_requests 4, 12 requests opened at once: the 2 that fit and the
+    4 that wait all finish; the rest are 429 with Retry-After at once (the bound holds)."""
+
+    async def burst() -> list[Any]:
+        client = openai.AsyncOpenAI(base_url=stack.http_base_url, api_key="k-bench", max_retries=0, timeout=120)
+        calls = [client.completions.create(model=stack.model_id, prompt="Hello", max_tokens=48, **GREEDY)
+                 for _ in range(12)]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    answers = asyncio.run(burst())
+    done = [a for a in answers if not isinstance(a, BaseException)]
+    refused = [a for a in answers if isinstance(a, openai.RateLimitError)]
+    assert len(done) + len(refused) == 12, [a for a in answers if isinstance(a, BaseException)]
+    assert len(done) >= 6 and refused, (len(done), len(refused))
+    assert all(r.response.headers.get("retry-after") for r in refused)
+    status, metrics = _raw(stack, "GET", "/metrics")
+    waits = [line for line in metrics.splitlines() if line.startswith("sluice_admission_front_queue_wait_seconds_count")]
+    assert status == 200 and waits and float(waits[0].split()[-1]) >= 4
 
 
 def _raw(stack: Stack, method: str, path: str, body: Any = None) -> tuple[int, Any]:
