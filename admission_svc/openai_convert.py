@@ -44,6 +44,11 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []), "function_call": (None, "none", "auto"), "audio": (None,), "prediction": (None,),
     "prompt_logprobs": (None, 0), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "structured_outputs": (None,),
+    # vLLM extensions Sluice does not have, refused unless left at vLLM's default
+    "min_tokens": (None, 0), "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True), "truncate_prompt_tokens": (None,), "length_penalty": (None, 1, 1.0),
+    "bad_words": (None, []), "allowed_token_ids": (None,), "use_beam_search": (None, False),
+    "logprob_token_ids": (None, []), "continuous_usage_stats": (None, False), "cache_salt": (None, ""),
 }
 
 
@@ -125,6 +130,19 @@ def _stops(body: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(s for s in items if s)
 
 
+def _stop_token_ids(body: Mapping[str, Any], vocab_size: int) -> tuple[int, ...]:
+    """Return vLLM's `stop_token_ids` (ids in the vocabulary; the stop token is part of the output)."""
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return ()
+    if not _is_ids(ids) and ids != []:
+        raise _bad("stop_token_ids", "stop_token_ids must be a list of token ids")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise _bad("stop_token_ids", f"stop_token_ids holds ids outside [0, {vocab_size}), e.g. {bad[0]}")
+    return tuple(ids)
+
+
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     for name, fine in _UNSUPPORTED.items():
         if name in body and body[name] not in fine:
@@ -190,6 +208,7 @@ def _sampling(body: Mapping[str, Any], model: ModelSpec, max_tokens_field: str, 
     return SamplingParams(temperature=values.temperature or 0.0, top_k=values.top_k or 0,
                           top_p=1.0 if values.top_p is None else values.top_p, seed=_number(body, "seed", int),
                           max_tokens=values.max_new_tokens or 0, stop_strings=_stops(body),
+                          stop_token_ids=_stop_token_ids(body, model.vocab_size),
                           ignore_eos=_flag(body, "ignore_eos"),
                           presence_penalty=_in_range(body, "presence_penalty", -2.0, 2.0, 0.0),
                           frequency_penalty=_in_range(body, "frequency_penalty", -2.0, 2.0, 0.0),

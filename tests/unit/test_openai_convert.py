@@ -60,6 +60,8 @@ def test_chat_is_rendered_with_the_template_and_max_completion_tokens_wins(spec:
     ({"prompt": "x", "top_p": 0}, "top_p"), ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias"), ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"), ({"prompt": "x", "suffix": "z"}, "suffix"),
+    ({"prompt": "x", "min_tokens": 3}, "min_tokens"), ({"prompt": "x", "stop_token_ids": [9999]}, "stop_token_ids"),
+    ({"prompt": "x", "include_stop_str_in_output": True}, "include_stop_str_in_output"),
     ({"prompt": "x", "seed": True}, "seed")])
 def test_bad_completion_fields_are_invalid_argument_naming_them(spec: ModelSpec, body: dict[str, Any], field: str) -> None:
     """Each unsupported or mistyped field is refused with InvalidArgument whose field is OpenAI's param name."""
@@ -151,6 +153,7 @@ def test_vllm_extensions_and_penalties_reach_the_sampling(spec: ModelSpec) -> No
     assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty, sampling.min_p) == \
         (0.5, -1.0, 1.3, 0.1)
     assert sampling.logit_bias == ((3, 2.5), (7, -100.0)) and sampling.logprobs == 3 and sampling.penalized
+    assert openai_convert.completion_request({**body, "stop_token_ids": [5, 6]}, spec).call.sampling.stop_token_ids == (5, 6)
     chat = {"model": "", "messages": [{"role": "user", "content": "x"}]}
     assert openai_convert.chat_request({**chat, "logprobs": True, "top_logprobs": 2}, spec).call.sampling.logprobs == 2
     assert openai_convert.chat_request({**chat, "logprobs": True}, spec).call.sampling.logprobs == 0
