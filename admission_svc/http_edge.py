@@ -32,7 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -185,6 +185,8 @@ class HttpEdge:
         """Run a route; a refusal becomes its OpenAI error response (the one place)."""
         try:
             response = await handle(request)
+        except ClientDisconnect:  # gone before its body arrived (a benchmark ending its run): nobody to answer
+            response = Response(status_code=499)
         except Exception as exc:
             if not isinstance(exc, CoreError | errors.SluiceError):
                 log.exception("%s failed", route)
