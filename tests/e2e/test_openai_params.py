@@ -72,7 +72,7 @@ def test_front_door_queues_up_to_the_bound_then_429(stack: Stack) -> None:
 
     async def burst() -> list[Any]:
         client = openai.AsyncOpenAI(base_url=stack.http_base_url, api_key="k-bench", max_retries=0, timeout=290)
-        calls = [client.completions.create(model=stack.model_id, prompt="Hello", max_tokens=16, **GREEDY)
+        calls = [client.completions.create(model=stack.model_id, prompt="Hello", max_tokens=32, **GREEDY)
                  for _ in range(12)]
         return await asyncio.gather(*calls, return_exceptions=True)
 
