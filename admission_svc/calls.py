@@ -70,6 +70,9 @@ class GenerateCall:
     """A retry with the same key attaches to the request the first call started ("" = none)."""
     operation: str = "text_completion"
     """GenAI operation name (`gen_ai.operation.name`): "text_completion", or "chat" for a chat endpoint."""
+    max_tokens_unset: bool = False
+    """The client gave no max_tokens: it is the rest of the model length after the prompt (vLLM's chat
+    default), resolved once the prompt is tokenized."""
     add_special_tokens: bool = True
     """Tokenize `prompt` with the tokenizer's special tokens (BOS); False for a prompt rendered from a
     chat template, which writes its own."""
@@ -112,6 +115,8 @@ class Output:
     """When token_ids[0] was created; 0 = unknown."""
     completion: events_pb2.Completion | None = None
     """Set on the last Output: status, finish reason, usage."""
+    logprobs: tuple[common_pb2.TokenLogprobs, ...] = ()
+    """One per token_ids entry when the request asked for log-probabilities, else empty."""
 
 
 @dataclass

@@ -46,7 +46,9 @@ def submit_request(request_id: str, tenant: str, prompt_ids: Sequence[int], call
 def chunk_of(output: Output) -> admission_pb2.GenerateChunk:
     """Return the GenerateChunk of a front-door Output (new tokens, or the last chunk of a finished request)."""
     if output.completion is None:
-        return chunk(output.request_id, output.index, output.token_ids, output.text, output.created_unix_s)
+        message = chunk(output.request_id, output.index, output.token_ids, output.text, output.created_unix_s)
+        message.logprobs.extend(output.logprobs)
+        return message
     return final_chunk(output.request_id, output.index, output.completion, output.text)
 
 

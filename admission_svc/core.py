@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, replace
 from admission_svc.reservations import Growth, Reservation, Usage, make_reserver
 from sluice.config import Budgets, ReservationConfig, TenantConfig
 from sluice.core_errors import CoreError, DuplicateRequest, InvalidRequest, OverBudget, UnknownApiKey
+from sluice.types import MAX_LOGPROBS, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -163,6 +164,29 @@ class AdmissionCore:
                 f"model length of {limit} tokens",
             )
 
+    @staticmethod
+    def validate_penalties(sampling: SamplingParams, vocab_size: int) -> None:
+        """Check penalties, min_p, logit_bias and logprobs against vLLM's ranges (vllm/sampling_params.py).
+
+        Raises InvalidRequest naming the field and the value."""
+        for name, value, low, high in (("presence_penalty", sampling.presence_penalty, -2.0, 2.0),
+                                       ("frequency_penalty", sampling.frequency_penalty, -2.0, 2.0),
+                                       ("min_p", sampling.min_p, 0.0, 1.0)):
+            if not (math.isfinite(value) and low <= value <= high):
+                raise InvalidRequest(f"sampling.{name}", f"{name} must be in [{low:g}, {high:g}], got {value}")
+        if not (math.isfinite(sampling.repetition_penalty) and sampling.repetition_penalty > 0):
+            raise InvalidRequest("sampling.repetition_penalty", f"repetition_penalty must be a finite number > 0 "
+                                                                f"(0 = unset), got {sampling.repetition_penalty}")
+        bad = [t for t, _ in sampling.logit_bias if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequest("sampling.logit_bias", f"logit_bias holds token ids outside [0, {vocab_size}), "
+                                                        f"e.g. {bad[0]}")
+        if not all(math.isfinite(b) and -100.0 <= b <= 100.0 for _, b in sampling.logit_bias):
+            raise InvalidRequest("sampling.logit_bias", "logit_bias values must be in [-100, 100]")
+        if sampling.logprobs is not None and not 0 <= sampling.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest("sampling.logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], "
+                                                      f"got {sampling.logprobs}")
+
     # ---- the ledger -------------------------------------------------------------------------
     def admit(self, request_id: str, tenant: str, input_tokens: int, max_tokens: int, now: float, *,
               model: str = "", block_hashes: tuple[int, ...] = (), block_size: int = 16) -> Reservation:
@@ -185,6 +209,26 @@ class AdmissionCore:
         self._hold(reservation, +1)
         self.admitted += 1
         return reservation
+
+    def fits(self, tenant: str, input_tokens: int, max_tokens: int, now: float, *, model: str = "",
+             block_hashes: tuple[int, ...] = (), block_size: int = 16) -> bool:
+        """Return whether `admit` with these arguments would find room in every budget now (it changes nothing
+        and counts no refusal; a request that could never fit is `admit`'s to refuse)."""
+        reserved = self.reserver.initial(tenant, model, max_tokens)
+        reservation = Reservation("", tenant, input_tokens, reserved, admitted_at=now, max_tokens=max_tokens,
+                                  model=model, block_hashes=block_hashes, block_size=block_size)
+        try:
+            self._check_budgets(reservation, now)
+        except OverBudget:
+            return False
+        return True
+
+    def queue_limits(self, tenant: str) -> tuple[int | None, float]:
+        """Return (how many requests of `tenant` may wait at the front door for room, for how many seconds):
+        the tenant's own budgets when it has them, else the global ones."""
+        t = self._tenants.get(tenant)
+        budgets = t.budgets if t is not None and t.budgets is not None else self.config.budgets
+        return budgets.max_queued_requests, float(budgets.queue_timeout_s)
 
     def _count_refusal(self, key: str) -> None:
         self.rejected[key] = self.rejected.get(key, 0) + 1

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -40,6 +41,7 @@ from opentelemetry.context import Context
 from admission_svc import convert
 from admission_svc.calls import Caller, FrontDoorConfig, GenerateCall, Output, Placement, Tracked
 from admission_svc.core import AdmissionCore
+from admission_svc.front_queue import FrontQueue
 from admission_svc.migration import MigrationCause, Migrator, handed_off
 from admission_svc.prompts import PromptReader
 from admission_svc.stops import stop_strings_problem
@@ -106,6 +108,7 @@ class FrontDoor:
         self.metrics.reserved_output_tokens.set_function(lambda: self.core.stats(time.monotonic()).reserved_output_tokens)
         self.metrics.reserved_kv_blocks.set_function(lambda: self.core.stats(time.monotonic()).reserved_kv_blocks)
         self.migrator = Migrator(self)
+        self.queue = FrontQueue(self.metrics.registry)
 
     # ---- what transports call -------------------------------------------------------------------
     async def start(self, call: GenerateCall, caller: Caller) -> Tracked:
@@ -116,12 +119,15 @@ class FrontDoor:
         tenant = self.core.authenticate(caller.api_key)
         record = self._attach(tenant, call.idempotency_key)
         if record is None:
-            ids, tokenized = await self._checked_prompt(call)
+            ids, tokenized, call = await self._checked_prompt(call)
             blocks = await self._prompt_blocks(call, ids, tenant)
             # Tokenizing on a thread awaits: a retry with the same key may have started the request meanwhile.
+            waited = await self._wait_for_room(call, tenant, ids, blocks, caller)
             record = self._attach(tenant, call.idempotency_key)
             if record is None:
                 record = await self._admit(call, tenant, (ids, blocks), caller, (received, tokenized))
+                if waited:
+                    record.span.add_event("front_door_queued", attributes={"sluice.queued_s": waited})
                 self.metrics.requests.labels(tenant, "admitted").inc()
                 return record
         self.metrics.requests.labels(tenant, "attached").inc()
@@ -138,8 +144,10 @@ class FrontDoor:
         try:
             async for item in record.stream.follow():
                 if item.completion is None:
+                    logprobs = record.stream.logprobs
                     yield Output(record.request_id, item.index, item.tokens, detokenizer.push(item.tokens),
-                                 item.emitted_unix_s)
+                                 item.emitted_unix_s, None, tuple(logprobs[i] for i in range(
+                                     item.index, item.index + len(item.tokens)) if i in logprobs) if logprobs else ())
                     continue
                 finished = True
                 failure = self._ended(record, item.completion)
@@ -175,23 +183,28 @@ class FrontDoor:
         request_id = self.core.lookup_key(tenant, key, time.monotonic())
         return self.records.get(request_id) if request_id else None
 
-    async def _checked_prompt(self, call: GenerateCall) -> tuple[list[int], float | None]:
-        """Return the prompt's ids and when its text was tokenized (None: it came as ids); raises the refusal."""
+    async def _checked_prompt(self, call: GenerateCall) -> tuple[list[int], float | None, GenerateCall]:
+        """Return the prompt's ids, when its text was tokenized (None: it came as ids) and the call with an unset
+        max_tokens resolved (the rest of the model length); raises the refusal."""
         if not self.model.accepts(call.model):
             self.metrics.rejections.labels("unknown_model").inc()
             raise errors.NotFound(f"unknown model {shown(call.model)}; this deployment serves "
                                   f"{self.model.model_id!r}", reason="unknown_model", field_name="model")
-        sampling = call.sampling
         try:
-            if (problem := stop_strings_problem(sampling.stop_strings)) is not None:  # before any tokenizing
+            if (problem := stop_strings_problem(call.sampling.stop_strings)) is not None:  # before any tokenizing
                 raise InvalidRequest("sampling.stop_strings", problem)
             ids = await self.prompts.ids(call)
+            if call.max_tokens_unset:  # vLLM's chat default: whatever the model length leaves after the prompt
+                call = dataclasses.replace(call, sampling=dataclasses.replace(
+                    call.sampling, max_tokens=self.model.max_model_len - len(ids)), max_tokens_unset=False)
+            sampling = call.sampling
             self.core.validate(len(ids), sampling.max_tokens, temperature=sampling.temperature,
                                top_p=sampling.top_p, top_k=sampling.top_k)
+            self.core.validate_penalties(sampling, self.model.vocab_size)
         except CoreError as exc:
             self.metrics.rejections.labels(exc.reason_word).inc()
             raise
-        return ids, (time.time() if not call.prompt_token_ids else None)
+        return ids, (time.time() if not call.prompt_token_ids else None), call
 
     async def _prompt_blocks(self, call: GenerateCall, ids: list[int], tenant: str) -> tuple[list[int], int]:
         """Return the prompt's block-hash chain (for the router and the KV-block budget) and the block size.
@@ -200,6 +213,24 @@ class FrontDoor:
         block_size = await self._block_size_now()
         salt = salt_of(self.model.model_id, call.adapter_version, self.core.cache_salt(tenant))
         return hash_chain(ids, block_size, salt), block_size
+
+    async def _wait_for_room(self, call: GenerateCall, tenant: str, ids: list[int], blocks: tuple[list[int], int],
+                             caller: Caller) -> float:
+        """Wait in the tenant's line at the front door while the request finds no room in its budgets (only when
+        the config sets max_queued_requests); return the seconds waited. Admission itself then admits the
+        request or refuses it (RESOURCE_EXHAUSTED: the line was full or the wait timed out)."""
+        limit, timeout_s = self.core.queue_limits(tenant)
+        if not limit:
+            return 0.0
+        if caller.deadline_unix_s is not None:
+            timeout_s = min(timeout_s, caller.deadline_unix_s - time.time())
+        hashes, model_id = tuple(blocks[0]), self.model.model_id
+
+        def fits() -> bool:
+            return self.core.fits(tenant, len(ids), call.sampling.max_tokens, time.monotonic(), model=model_id,
+                                  block_hashes=hashes, block_size=blocks[1])
+
+        return await self.queue.wait(tenant, fits, limit, timeout_s)
 
     async def _admit(self, call: GenerateCall, tenant: str, prompt: tuple[list[int], tuple[list[int], int]],
                      caller: Caller, stamps: tuple[float, float | None]) -> Tracked:
@@ -341,6 +372,7 @@ class FrontDoor:
         """Undo an admission whose routing or submission failed: release, forget, end the span."""
         self.core.release(record.request_id, time.monotonic())
         self.metrics.active.dec()
+        self.queue.released()
         self.records.pop(record.request_id, None)
         record.status = common_pb2.REJECTED
         record.retry_after_s = getattr(exc, "retry_after_s", None)
@@ -395,6 +427,7 @@ class FrontDoor:
         record.timestamps.first_token = time.time()
         record.status = common_pb2.RUNNING
         self.core.mark_started(record.request_id, time.monotonic())
+        self.queue.released()  # its prompt is no longer pending nor queued: room for a waiting request
         record.span.add_event("first_token", timestamp=_ns(record.timestamps.first_token))
         self.metrics.ttft.observe(record.timestamps.first_token - record.received_s)
 
@@ -476,6 +509,7 @@ class FrontDoor:
         finished = completion.status in (common_pb2.FINISHED_STOP, common_pb2.FINISHED_LENGTH)
         outputs = completion.usage.output_tokens if finished else None
         released = self.core.release(request_id, time.monotonic(), outputs)
+        self.queue.released()
         if released is not None and outputs is not None:
             self.metrics.reclaimed_output_tokens.inc(max(released.reserved_output_tokens - outputs, 0))
         if record is not None and record.completion is None:

@@ -17,28 +17,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import logging
 import math
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import uvicorn
-from prometheus_client import Counter
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from admission_svc import openai_convert
+from admission_svc import openai_answers, openai_convert
 from admission_svc.calls import Caller, Output, Tracked
 from admission_svc.frontdoor import FrontDoor
-from admission_svc.openai_convert import ParsedRequest, StopTrimmer
+from admission_svc.openai_convert import ParsedRequest
 from admission_svc.server import api_key_of
 from sluice import errors, telemetry
 from sluice.core_errors import CoreError
@@ -60,6 +61,16 @@ HTTP_STATUS: dict[str, tuple[int, str]] = {
     "DEADLINE_EXCEEDED": (504, "timeout_error"),
 }
 SERVER_ERROR = (500, "server_error")
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("sluice")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that is not installed
+        return "0+unknown"
+
+
+_VERSION = _package_version()
 
 
 @dataclass(frozen=True)
@@ -112,6 +123,7 @@ class HttpEdge:
         self.door = door
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
+        self._token_texts: dict[int, str] = {}
         self.requests = Counter("sluice_admission_http_requests", "HTTP requests by route and status",
                                 ["route", "status"], registry=door.metrics.registry)
 
@@ -121,6 +133,10 @@ class HttpEdge:
                   Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                  Route("/tokenize", self.tokenize, methods=["POST"]),
+                  Route("/detokenize", self.detokenize, methods=["POST"]),
+                  Route("/version", self.version, methods=["GET"]),
+                  Route("/metrics", self.metrics, methods=["GET"]),
                   Route("/health", self.health, methods=["GET"])]
         return Starlette(routes=routes, exception_handlers={HTTPException: self._http_exception})
 
@@ -128,6 +144,22 @@ class HttpEdge:
     async def health(self, request: Request) -> Response:
         """200 while the process serves (readiness is gRPC health's, as for every service)."""
         return JSONResponse({"status": "ok"})
+
+    async def version(self, request: Request) -> Response:
+        """GET /version: Sluice's version (vLLM's route and shape)."""
+        return JSONResponse({"version": _VERSION})
+
+    async def metrics(self, request: Request) -> Response:
+        """GET /metrics: the admission process's Prometheus metrics on the API port too (as vLLM serves them)."""
+        return Response(generate_latest(self.door.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def tokenize(self, request: Request) -> Response:
+        """POST /tokenize: a prompt's (or a chat's) token ids with vLLM's shape (any valid key)."""
+        return await self._answer(request, "/tokenize", False, self._tokenize)
+
+    async def detokenize(self, request: Request) -> Response:
+        """POST /detokenize: the text of token ids with vLLM's shape (any valid key)."""
+        return await self._answer(request, "/detokenize", False, self._detokenize)
 
     async def models(self, request: Request) -> Response:
         """GET /v1/models: the model this deployment serves (any valid key)."""
@@ -153,6 +185,8 @@ class HttpEdge:
         """Run a route; a refusal becomes its OpenAI error response (the one place)."""
         try:
             response = await handle(request)
+        except ClientDisconnect:  # gone before its body arrived (a benchmark ending its run): nobody to answer
+            response = Response(status_code=499)
         except Exception as exc:
             if not isinstance(exc, CoreError | errors.SluiceError):
                 log.exception("%s failed", route)
@@ -162,7 +196,7 @@ class HttpEdge:
 
     async def _models(self, request: Request) -> Response:
         self.door.core.authenticate(_api_key(request))
-        return JSONResponse(openai_convert.models_body(self.door.model, self.created))
+        return JSONResponse(openai_answers.models_body(self.door.model, self.created))
 
     async def _model(self, request: Request) -> Response:
         self.door.core.authenticate(_api_key(request))
@@ -170,26 +204,64 @@ class HttpEdge:
         if not self.door.model.accepts(name) or not name:
             raise errors.NotFound(f"unknown model {name!r}; this deployment serves {self.door.model.model_id!r}",
                                   reason="unknown_model", field_name="model")
-        return JSONResponse(openai_convert.model_card(self.door.model, self.created))
+        return JSONResponse(openai_answers.model_card(self.door.model, self.created))
+
+    async def _tokenize(self, request: Request) -> Response:
+        self.door.core.authenticate(_api_key(request))
+        body = await self._body(request)
+        ids = openai_convert.tokenize_request(body, self.door.model)
+        return JSONResponse({"count": len(ids), "max_model_len": self.door.model.max_model_len, "tokens": ids,
+                             "token_strs": [self._token_text(t) for t in ids] if body.get("return_token_strs")
+                             else None})
+
+    async def _detokenize(self, request: Request) -> Response:
+        self.door.core.authenticate(_api_key(request))
+        ids = openai_convert.detokenize_request(await self._body(request), self.door.model)
+        return JSONResponse({"prompt": self.door.model.tokenizer.decode(ids)})
 
     async def _generate(self, request: Request, route: str,
                         parse: Callable[..., ParsedRequest]) -> Response:
         self.door.core.authenticate(_api_key(request))  # a bad key is 401 before the body is looked at
         parsed = parse(await self._body(request), self.door.model, request.headers.get("idempotency-key", ""))
         caller = _caller(request, route)
-        record = await self.door.start(parsed.call, caller)
-        abandoned = BackgroundTask(self._cancel_if_abandoned, record, caller.api_key)
+        records = await self._start_all(parsed, caller)
+        abandoned = BackgroundTask(self._cancel_if_abandoned, records, caller.api_key)
         if parsed.stream:
-            return StreamingResponse(self._events(record, parsed), media_type="text/event-stream",
-                                     headers={"cache-control": "no-cache", "x-request-id": record.request_id},
+            return StreamingResponse(self._events(records, parsed), media_type="text/event-stream",
+                                     headers={"cache-control": "no-cache", "x-request-id": records[0].request_id},
                                      background=abandoned)
-        outputs = await _unless_disconnected(request, self._collect(record))
-        if outputs is None:  # the client went away: the stream was closed, so the request is cancelled
+        outputs = await _unless_disconnected(request, self._collect_all(records))
+        if outputs is None:  # the client went away: the streams were closed, so the requests are cancelled
             await abandoned()
             return Response(status_code=499)
-        return JSONResponse(openai_convert.response_body(parsed, self.door.model.model_id, outputs),
-                            headers={"x-request-id": record.request_id})
+        return JSONResponse(openai_answers.response_body(parsed, self.door.model.model_id, outputs, self._token_text),
+                            headers={"x-request-id": records[0].request_id})
 
+    async def _start_all(self, parsed: ParsedRequest, caller: Caller) -> list[Tracked]:
+        """Start every choice's request (choice order); on a refusal cancel the ones started and raise it.
+
+        The n samples of a prompt start once its first sample has its first token: the prompt's full KV blocks
+        are then in the replica's prefix cache (and the router has just routed that prefix there), so the n
+        sequences share them by reference instead of computing n prefills."""
+        n, firsts = parsed.n, parsed.calls[::parsed.n]
+        started: list[Tracked] = []
+        try:
+            for call in firsts:
+                started.append(await self.door.start(call, caller))
+            if n == 1:
+                return started
+            await asyncio.gather(*(_first_item(record) for record in started))
+            siblings = await asyncio.gather(*(self.door.start(call, caller) for index, call in enumerate(parsed.calls)
+                                              if index % n), return_exceptions=True)
+            started += [s for s in siblings if not isinstance(s, BaseException)]
+            failed = next((s for s in siblings if isinstance(s, BaseException)), None)
+            if failed is not None:
+                raise failed
+        except BaseException:
+            await self._cancel_if_abandoned(started, caller.api_key)
+            raise
+        later = iter(started[len(firsts):])
+        return [started[i // n] if i % n == 0 else next(later) for i in range(len(parsed.calls))]
     async def _body(self, request: Request) -> dict[str, Any]:
         """Return the JSON object of the body; InvalidArgument when it is over the limit or not one."""
         raw = bytearray()
@@ -207,44 +279,90 @@ class HttpEdge:
             raise errors.InvalidArgument("request body must be a JSON object", reason="malformed_message")
         return body
 
-    async def _cancel_if_abandoned(self, record: Tracked, api_key: str | None) -> None:
-        """Cancel a request nobody follows that has not ended: the client left before its stream was
+    async def _cancel_if_abandoned(self, records: Sequence[Tracked], api_key: str | None) -> None:
+        """Cancel the requests nobody follows that have not ended: the client left before their stream was
         first read (closing a stream that did start cancels it already; a second Cancel is a no-op)."""
-        if record.completion is None and record.followers == 0:
-            try:
-                await self.door.cancel(record.request_id, api_key)
-            except (CoreError, errors.SluiceError) as exc:
-                log.warning("cancel of abandoned request %s failed: %s", record.request_id, exc)
+        for record in records:
+            if record.completion is None and record.followers == 0:
+                try:
+                    await self.door.cancel(record.request_id, api_key)
+                except (CoreError, errors.SluiceError) as exc:
+                    log.warning("cancel of abandoned request %s failed: %s", record.request_id, exc)
+
+    async def _collect_all(self, records: Sequence[Tracked]) -> list[list[Output]]:
+        return list(await asyncio.gather(*(self._collect(record) for record in records)))
 
     async def _collect(self, record: Tracked) -> list[Output]:
         async with contextlib.aclosing(self.door.stream(record)) as outputs:
             return [output async for output in outputs]
 
-    async def _events(self, record: Tracked, parsed: ParsedRequest) -> AsyncIterator[str]:
-        """Yield the server-sent events of a streamed request. Closing it (Starlette does when the client
-        disconnects) closes the front door's stream, which cancels the request."""
-        model_id, trimmer, first = self.door.model.model_id, StopTrimmer(parsed.stops), True
+    async def _events(self, records: Sequence[Tracked], parsed: ParsedRequest) -> AsyncIterator[str]:
+        """Yield the server-sent events of a streamed request, every choice's chunks as they come. Closing it
+        (Starlette does when the client disconnects) closes the front door's streams, which cancels the requests."""
+        model_id, request_id = self.door.model.model_id, records[0].request_id
+        answers = [openai_answers.ChoiceText(parsed, index, self._token_text) for index in range(len(records))]
+        usages: dict[int, Any] = {}
         try:
-            async with contextlib.aclosing(self.door.stream(record)) as outputs:
-                async for output in outputs:
-                    text = trimmer.push(output.text)
+            async with contextlib.aclosing(self._choice_outputs(records)) as outputs:
+                async for index, output in outputs:
+                    answer = answers[index]
+                    text, logprobs = answer.piece(output)
+                    if text or logprobs:
+                        yield _event(openai_answers.chunk_body(parsed, model_id, request_id, answer.choice(
+                            text, None, logprobs), created_unix_s=output.created_unix_s))
                     if output.completion is not None:
-                        text += trimmer.flush()
-                    if text:
-                        yield _event(openai_convert.chunk_body(parsed, model_id, record.request_id, text, first=first,
-                                                               created_unix_s=output.created_unix_s))
-                        first = False
-                    if output.completion is not None:
-                        yield _event(openai_convert.chunk_body(
-                            parsed, model_id, record.request_id, None if parsed.chat else "",
-                            openai_convert.finish_reason(output.completion.finish_reason), first=first))
-                        if parsed.include_usage:
-                            yield _event(openai_convert.chunk_body(parsed, model_id, record.request_id, None,
-                                                                   with_usage=openai_convert.usage(
-                                                                       output.completion.usage)))
+                        usages[index] = output.completion.usage
+                        yield _event(openai_answers.chunk_body(parsed, model_id, request_id, answer.choice(
+                            None if parsed.chat else "", openai_answers.finish_reason(output.completion.finish_reason),
+                            None)))
+            if parsed.include_usage:
+                yield _event(openai_answers.chunk_body(parsed, model_id, request_id, None, with_usage=openai_answers.
+                                                       total_usage(parsed, [usages[i] for i in sorted(usages)])))
         except (CoreError, errors.SluiceError) as exc:
             yield _event(http_error(exc, parsed.chat).body)
         yield "data: [DONE]\n\n"
+
+    async def _choice_outputs(self, records: Sequence[Tracked]) -> AsyncGenerator[tuple[int, Output], None]:
+        """Yield (choice index, output) of every record as they come (one record: straight from its stream).
+        The first refusal is raised; closing this closes every stream (which cancels their requests)."""
+        if len(records) == 1:
+            async with contextlib.aclosing(self.door.stream(records[0])) as outputs:
+                async for output in outputs:
+                    yield 0, output
+            return
+        queue: asyncio.Queue[tuple[int, Output | BaseException | None]] = asyncio.Queue()
+
+        async def pump(index: int, record: Tracked) -> None:
+            try:
+                async with contextlib.aclosing(self.door.stream(record)) as outputs:
+                    async for output in outputs:
+                        queue.put_nowait((index, output))
+                queue.put_nowait((index, None))
+            except (CoreError, errors.SluiceError) as exc:
+                queue.put_nowait((index, exc))
+
+        pumps = [asyncio.ensure_future(pump(index, record)) for index, record in enumerate(records)]
+        try:
+            running = len(pumps)
+            while running:
+                index, item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+
+    def _token_text(self, token_id: int) -> str:
+        """Return one token's text (special tokens included), as log-probabilities name tokens."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.door.model.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     async def _http_exception(self, request: Request, exc: Exception) -> Response:
         """Unknown paths and methods in OpenAI's error shape too."""
@@ -271,7 +389,17 @@ def _caller(request: Request, route: str) -> Caller:
                   span_attributes=(("http.route", route), ("http.request.method", request.method)))
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[list[Output]]) -> list[Output] | None:
+async def _first_item(record: Tracked) -> None:
+    """Return once the request has its first token (or has ended)."""
+    items = record.stream.follow()
+    try:
+        async for _ in items:
+            return
+    finally:
+        await cast(AsyncGenerator[Any, None], items).aclose()
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[list[list[Output]]]) -> list[list[Output]] | None:
     """Return work's result, or None when the client disconnects first (work is cancelled: its stream closes)."""
     working = asyncio.ensure_future(work)
     watching = asyncio.ensure_future(_disconnect(request))

@@ -85,6 +85,8 @@ class RequestStream:
     gap_at: int | None = None
     """Output index where the current attempt's tokens broke off (a lost delta); None while they are whole.
     Tokens of that attempt are not taken any more: what follows the hole is not the client's next token."""
+    logprobs: dict[int, Any] = field(default_factory=dict)
+    """Output index -> that token's log-probabilities (common_pb2.TokenLogprobs), for requests that ask for them."""
     progress_at: float = field(default_factory=time.monotonic)
     """time.monotonic() of the last new token (or of the start/migration): the stall watchdog reads it."""
     _waiters: list[asyncio.Future[None]] = field(default_factory=list)
@@ -240,6 +242,10 @@ class StreamRegistry:
         if (stream.attempt_id or stream.request_id) != attempt:
             self.stale_deltas += 1
             return
+        if delta.logprobs:
+            first = stream.offset + delta.index
+            for offset, logprobs in enumerate(delta.logprobs):
+                stream.logprobs.setdefault(first + offset, logprobs)
         if stream.add_tokens(stream.offset + delta.index, list(delta.token_ids), emitted_unix_s):
             if self.on_gap is not None:
                 self.on_gap(stream)

@@ -180,7 +180,8 @@ class Reporter:
             tracked.last_token_time = now
             return tracked.owner
 
-        for owner, batch in convert.token_delta_batches(events.tokens, now, owner_of).items():
+        for owner, batch in convert.token_delta_batches(events.tokens, now, owner_of,
+                                                               events.logprobs).items():
             have = out.tokens.get(owner)
             if have is None:
                 out.tokens[owner] = batch

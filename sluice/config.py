@@ -72,6 +72,11 @@ class Budgets:
     max_reserved_kv_blocks: int | None = None
     """KV blocks reserved by admitted requests (prompt blocks shared by several requests counted once, plus
     each one's own tail and reserved output); None: no KV-block budget at admission."""
+    max_queued_requests: int | None = None
+    """Requests over a budget that wait at the front door for room (per tenant, in arrival order) instead of an
+    immediate RESOURCE_EXHAUSTED; one more is refused at once. None: none wait (backpressure to the client)."""
+    queue_timeout_s: int = 30
+    """Seconds a request waits at the front door for room before it is RESOURCE_EXHAUSTED after all."""
 
 
 class ReservationPolicy(enum.Enum):

@@ -9,7 +9,7 @@ these for everything shared.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from sluice.slots import slot_constructor
 from sluice.types import (
@@ -31,6 +31,7 @@ from sluice.types import (
     SamplingParams,
     ScheduledSeq,
     SeqOutput,
+    TokenLogprobs,
 )
 from sluice.v1 import common_pb2, events_pb2, router_pb2, scheduler_pb2, worker_pb2
 
@@ -51,6 +52,12 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids),
         stop_strings=tuple(msg.stop_strings),
         ignore_eos=msg.ignore_eos,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty or 1.0,
+        min_p=msg.min_p,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
     )
 
 
@@ -60,10 +67,26 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
         max_tokens=params.max_tokens, stop_token_ids=params.stop_token_ids,
         stop_strings=params.stop_strings, ignore_eos=params.ignore_eos,
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        repetition_penalty=0.0 if params.repetition_penalty == 1.0 else params.repetition_penalty,
+        min_p=params.min_p, logit_bias=dict(params.logit_bias),
     )
     if params.seed is not None:
         msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
     return msg
+
+
+def logprobs_to_proto(logprobs: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    """Return the wire form of one token's log-probabilities."""
+    return common_pb2.TokenLogprobs(logprob=logprobs.logprob, top_token_ids=logprobs.top_token_ids,
+                                    top_logprobs=logprobs.top_logprobs)
+
+
+def logprobs_from_proto(msg: common_pb2.TokenLogprobs) -> TokenLogprobs:
+    """Return one token's log-probabilities from the wire."""
+    return TokenLogprobs(msg.logprob, tuple(msg.top_token_ids), tuple(msg.top_logprobs))
 
 
 _new_seq = slot_constructor(ScheduledSeq)
@@ -83,9 +106,9 @@ def plan_from_proto(msg: worker_pb2.RoundPlan) -> RoundPlan:
         sampling = cache.get(key)
         if sampling is None:
             sampling = cache[key] = sampling_from_proto(s.sampling)
-        recent = s.recent_output_ids
+        recent, prompt = s.recent_output_ids, s.prompt_token_ids
         append(new(s.request_id, s.epoch, tuple(s.token_ids[:]), s.start_position, tuple(s.block_table[:]), sampling,
-                   s.sample, s.output_index, tuple(recent[:]) if recent else ()))
+                   s.sample, s.output_index, tuple(recent[:]) if recent else (), tuple(prompt[:]) if prompt else ()))
     return RoundPlan(
         round_id=msg.round_id, seqs=tuple(seqs),
         swap_out=tuple(BlockCopy(c.src, c.dst) for c in msg.swap_out),
@@ -109,7 +132,7 @@ def plan_to_proto(plan: RoundPlan) -> worker_pb2.RoundPlan:
             sampling = cache[s.sampling] = sampling_to_proto(s.sampling)
         add(request_id=s.request_id, epoch=s.epoch, token_ids=s.token_ids, start_position=s.start_position,
             block_table=s.block_table, sampling=sampling, sample=s.sample, output_index=s.output_index,
-            recent_output_ids=s.recent_output_ids)
+            recent_output_ids=s.recent_output_ids, prompt_token_ids=s.prompt_token_ids)
     return msg
 
 
@@ -118,7 +141,9 @@ def result_to_proto(result: RoundResult) -> worker_pb2.RoundResult:
     msg = worker_pb2.RoundResult(round_id=result.round_id, elapsed_s=result.elapsed_s, error=result.error)
     add = msg.outputs.add
     for o in result.outputs:
-        add(request_id=o.request_id, epoch=o.epoch, token_ids=o.token_ids, stop_string_hit=o.stop_string_hit)
+        wire = add(request_id=o.request_id, epoch=o.epoch, token_ids=o.token_ids, stop_string_hit=o.stop_string_hit)
+        if o.logprobs is not None:
+            wire.logprobs.CopyFrom(logprobs_to_proto(o.logprobs))
     if result.refused:
         refuse = msg.refused.add
         for r in result.refused:
@@ -134,7 +159,8 @@ def result_from_proto(msg: worker_pb2.RoundResult) -> RoundResult:
     new = _new_output
     return RoundResult(
         round_id=msg.round_id,
-        outputs=tuple([new(o.request_id, o.epoch, tuple(o.token_ids[:]), o.stop_string_hit) for o in msg.outputs]),
+        outputs=tuple([new(o.request_id, o.epoch, tuple(o.token_ids[:]), o.stop_string_hit,
+                           logprobs_from_proto(o.logprobs) if o.HasField("logprobs") else None) for o in msg.outputs]),
         elapsed_s=msg.elapsed_s, error=msg.error,
         refused=tuple([RefusedSeq(r.request_id, r.field_name, r.message) for r in msg.refused]),
     )
@@ -273,10 +299,21 @@ def completion_to_proto(finished: Finished, *, replica_id: str, owner: str,
 
 
 def token_delta_batches(tokens: Sequence[tuple[str, int, int]], created_unix_s: float,
-                        owner_of: Callable[[str], str | None]) -> dict[str, events_pb2.TokenDeltaBatch]:
+                        owner_of: Callable[[str], str | None],
+                        logprobs: Mapping[tuple[str, int], TokenLogprobs] | None = None,
+                        ) -> dict[str, events_pb2.TokenDeltaBatch]:
     """Group the core's (request id, output index, token) triples into one delta per run of consecutive tokens
     of a request, in order, in one TokenDeltaBatch per owner. `owner_of(request_id)` is called once per delta
-    (None: the delta is left out)."""
+    (None: the delta is left out). `logprobs` ((request id, index) -> the token's) go with their tokens."""
+    if logprobs:
+        with_logprobs = token_delta_batches(tokens, created_unix_s, owner_of)
+        for each in with_logprobs.values():
+            for delta in each.deltas:
+                for offset in range(len(delta.token_ids)):
+                    found = logprobs.get((delta.request_id, delta.index + offset))
+                    if found is not None:
+                        delta.logprobs.append(logprobs_to_proto(found))
+        return with_logprobs
     batches: dict[str, events_pb2.TokenDeltaBatch] = {}
     last: events_pb2.TokenDelta | None = None
     last_id, next_index = "", -1

@@ -72,7 +72,7 @@ class PlanEncoder:
         msg = worker_pb2.ScheduledSeq(
             request_id=seq.request_id, epoch=seq.epoch, token_ids=seq.token_ids, start_position=seq.start_position,
             block_table=seq.block_table, sampling=sampling, sample=seq.sample, output_index=seq.output_index,
-            recent_output_ids=seq.recent_output_ids)
+            recent_output_ids=seq.recent_output_ids, prompt_token_ids=seq.prompt_token_ids)
         return _Kept(seq.epoch, seq.sampling, seq.block_table, msg)
 
     @staticmethod

@@ -55,6 +55,10 @@ TERMINAL_STATUSES = frozenset(
 )
 
 
+MAX_LOGPROBS = 20
+"""The most alternatives a request may ask log-probabilities of (vLLM's default --max-logprobs)."""
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How the worker picks tokens and when a request stops."""
@@ -75,6 +79,24 @@ class SamplingParams:
     """Strings that finish the request; the worker detects them and reports `stop_string_hit`."""
     ignore_eos: bool = False
     """Keep going past the model's end-of-sequence token."""
+    presence_penalty: float = 0.0
+    """[-2, 2]: subtracted once from the logit of every token already in the output (0: off)."""
+    frequency_penalty: float = 0.0
+    """[-2, 2]: subtracted from a token's logit once per time it is in the output (0: off)."""
+    repetition_penalty: float = 1.0
+    """> 0: a prompt or output token's positive logit is divided by it, a negative one multiplied (1: off)."""
+    min_p: float = 0.0
+    """[0, 1]: tokens less likely than min_p times the most likely one are dropped (0: off)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias in [-100, 100]) pairs, sorted by id, added to the logits before sampling."""
+    logprobs: int | None = None
+    """None: no log-probabilities; 0: the chosen token's; N: also the N most likely tokens."""
+
+    @property
+    def penalized(self) -> bool:
+        """Return whether a penalty needs the request's token history (the whole output, and the prompt
+        for the repetition penalty) in every round."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 @dataclass(slots=True)
@@ -124,7 +146,10 @@ class ScheduledSeq:
     sample: bool
     output_index: int
     recent_output_ids: tuple[int, ...] = ()
-    """Tail of the output so far, filled only when stop strings are set (the worker is stateless)."""
+    """Tail of the output so far, filled only when stop strings are set (the worker is stateless); the whole
+    output when a penalty is set (`SamplingParams.penalized`)."""
+    prompt_token_ids: tuple[int, ...] = ()
+    """The prompt, filled only when the repetition penalty is set (it counts prompt tokens too)."""
 
     @property
     def is_prefill(self) -> bool:
@@ -177,6 +202,18 @@ class SeqOutput:
     token_ids: tuple[int, ...] = ()
     """The sampled token (one) when the seq asked for sampling; empty otherwise."""
     stop_string_hit: bool = False
+    logprobs: TokenLogprobs | None = None
+    """The sampled token's log-probability and the top alternatives, when the sampling asks for them."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One output token's log-probability under the model (log-softmax of the raw logits, as vLLM's default
+    `raw_logprobs`), and the most likely tokens with theirs, most likely first."""
+
+    logprob: float
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,6 +352,8 @@ class CoreEvents:
     kv_events: list[KvEvent] = field(default_factory=list)
     dropped_results: int = 0
     """Results dropped since the last take: late (request gone) or stale (old epoch)."""
+    logprobs: dict[tuple[str, int], TokenLogprobs] = field(default_factory=dict)
+    """(request_id, output index) -> that token's log-probabilities, for requests that ask for them."""
 
 
 @dataclass(frozen=True, slots=True)

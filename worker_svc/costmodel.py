@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from sluice.slots import slot_constructor
-from sluice.types import RoundPlan, RoundResult, SeqOutput, origin_request_id
+from sluice.types import RoundPlan, RoundResult, SeqOutput, TokenLogprobs, origin_request_id
 from worker_svc.backend import BackendInfo
 from worker_svc.gpu_profiles import GpuProfile, ModelShape, gpu_profile, model_shape
 
@@ -141,6 +141,12 @@ _TOKEN_STRIDE = 2654435761
 
 # One SeqOutput per simulated sequence, one RoundResult per simulated round.
 _new_output = slot_constructor(SeqOutput)
+
+
+def _certain(token: int, top: int) -> TokenLogprobs:
+    """Return the log-probabilities of a deterministic token: it has probability 1 (logprob 0), and it is the one
+    alternative listed (`top` > 0): the cost model's tokens are not drawn from a distribution."""
+    return TokenLogprobs(0.0, (token,), (0.0,)) if top > 0 else TokenLogprobs(0.0)
 _new_result = slot_constructor(RoundResult)
 
 
@@ -337,9 +343,11 @@ class CostModel:
                     token = text_start + (base + (start + n) * stride) % text_len
                 else:
                     token = self.token_for(request_id, start + n, seq.output_index)
-                append(_new_output(request_id, seq.epoch, (token,), False))
+                wanted = seq.sampling.logprobs
+                append(_new_output(request_id, seq.epoch, (token,), False,
+                                   None if wanted is None else _certain(token, wanted)))
             else:
-                append(_new_output(request_id, seq.epoch, (), False))
+                append(_new_output(request_id, seq.epoch, (), False, None))
         elapsed = self._time(query, pairs, read, sampled)
         if plan.swap_out or plan.swap_in:
             elapsed += (len(plan.swap_out) + len(plan.swap_in)) * self._swap_s_per_block

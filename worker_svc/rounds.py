@@ -43,7 +43,8 @@ def filled(seq: ScheduledSeq, sampled: dict[str, SeqOutput]) -> ScheduledSeq:
         raise LookupError(f"request {seq.request_id}: a pending token, but the round before sampled none for "
                           f"epoch {seq.epoch}")
     return _new_seq(seq.request_id, seq.epoch, out.token_ids[-1:], seq.start_position, seq.block_table,
-                    seq.sampling, seq.sample, seq.output_index, seq.recent_output_ids)
+                    seq.sampling, seq.sample, seq.output_index, seq.recent_output_ids,
+                    seq.prompt_token_ids)
 
 
 def warmup_plan(info: BackendInfo) -> RoundPlan:

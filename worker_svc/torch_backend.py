@@ -15,14 +15,14 @@ from pathlib import Path
 
 import torch
 
-from sluice.types import RoundPlan, RoundResult, SamplingParams, ScheduledSeq, SeqOutput
+from sluice.types import RoundPlan, RoundResult, SamplingParams, ScheduledSeq, SeqOutput, TokenLogprobs
 from worker_svc.backend import BackendInfo
 from worker_svc.engine.attention import DEFAULT_MAX_GATHER_BYTES, paged_attention
 from worker_svc.engine.batch import EngineLimits, RoundInputs, build_round_inputs
 from worker_svc.engine.errors import PlanError
 from worker_svc.engine.kv_cache import PagedKVCache, blocks_for_budget
 from worker_svc.engine.loader import load_model
-from worker_svc.engine.sampler import sample_tokens, stop_string_hit
+from worker_svc.engine.sampler import sample_tokens, stop_string_hit, token_logprobs
 
 DEFAULT_CPU_KV_BYTES = 256 * 2**20
 """KV budget on the CPU when neither num_blocks nor kv_memory_bytes is given."""
@@ -125,7 +125,10 @@ class TorchBackend:
         tokens = dict(
             zip(inputs.sample_seq_indices, sample_tokens(logits, sampling, self.generator), strict=True)
         )
-        return tuple(self._output(seq, tokens.get(index)) for index, seq in enumerate(plan.seqs))
+        logprobs = {index: token_logprobs(logits[row], tokens[index], seq.sampling.logprobs)
+                    for row, (index, seq) in enumerate(zip(inputs.sample_seq_indices, sampling, strict=True))
+                    if seq.sampling.logprobs is not None}
+        return tuple(self._output(seq, tokens.get(index), logprobs.get(index)) for index, seq in enumerate(plan.seqs))
 
     @torch.inference_mode()
     def round_logits(self, plan: RoundPlan) -> dict[int, torch.Tensor]:
@@ -169,11 +172,11 @@ class TorchBackend:
         hidden = self.model.forward_hidden(inputs.token_ids, inputs.positions, attend)
         return self.model.logits(hidden[inputs.sample_rows])[:, : self.sampling_vocab].cpu()
 
-    def _output(self, seq: ScheduledSeq, token: int | None) -> SeqOutput:
+    def _output(self, seq: ScheduledSeq, token: int | None, logprobs: TokenLogprobs | None) -> SeqOutput:
         if token is None:
             return SeqOutput(seq.request_id, seq.epoch, ())
         hit = stop_string_hit(self.tokenizer, seq.recent_output_ids, token, seq.sampling.stop_strings)
-        return SeqOutput(seq.request_id, seq.epoch, (token,), hit)
+        return SeqOutput(seq.request_id, seq.epoch, (token,), hit, logprobs)
 
     def warm_up(self) -> None:
         """Run one small round (a prefill chunk, then a decode) on scratch blocks, then clear them."""

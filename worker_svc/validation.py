@@ -12,7 +12,8 @@ of the round runs, so one bad sequence disturbs no other request:
 - tokens: every token id (and recent output id) in [0, vocab_size), except the one PENDING_TOKEN of a
   pipelined decode (filled in from the previous round's sample);
 - KV: the block table covers the positions it is meant to cover, with device blocks in [0, num_blocks);
-- sampling: temperature finite and >= 0, top_p finite, top_k >= 0.
+- sampling: temperature finite and >= 0, top_p finite, top_k >= 0; penalties, min_p, logit_bias (ids in the
+  vocabulary, biases in [-100, 100]) and logprobs (0..MAX_LOGPROBS) in vLLM's ranges.
 
 Of the round as a whole (raised: the round fails):
 
@@ -27,7 +28,16 @@ import math
 from collections.abc import Sequence
 
 from sluice.errors import InvalidArgument
-from sluice.types import PENDING_TOKEN, BackendInfo, BlockCopy, RefusedSeq, RoundPlan, ScheduledSeq
+from sluice.types import (
+    MAX_LOGPROBS,
+    PENDING_TOKEN,
+    BackendInfo,
+    BlockCopy,
+    RefusedSeq,
+    RoundPlan,
+    SamplingParams,
+    ScheduledSeq,
+)
 
 _PENDING = (PENDING_TOKEN,)
 
@@ -83,6 +93,27 @@ def _check_seq(index: int, seq: ScheduledSeq, info: BackendInfo) -> None:
     if not math.isfinite(sampling.top_p) or sampling.top_k < 0:
         raise InvalidArgument(f"{name}: top_p must be finite and top_k >= 0, got {sampling.top_p} and "
                               f"{sampling.top_k}", field_name=f"{name}.sampling")
+    _check_ids(f"{name}.prompt_token_ids", seq.prompt_token_ids, info.vocab_size)
+    _check_penalties(name, sampling, info.vocab_size)
+
+
+def _check_penalties(name: str, sampling: SamplingParams, vocab_size: int) -> None:
+    """Refuse penalties, min_p, logit_bias and logprobs outside vLLM's ranges (admission checks them first)."""
+    ranges = (("presence_penalty", sampling.presence_penalty, -2.0, 2.0),
+              ("frequency_penalty", sampling.frequency_penalty, -2.0, 2.0),
+              ("repetition_penalty", sampling.repetition_penalty, 1e-30, math.inf),
+              ("min_p", sampling.min_p, 0.0, 1.0))
+    for field, value, low, high in ranges:
+        if not (math.isfinite(value) and low <= value <= high):
+            raise InvalidArgument(f"{name}: {field} {value} is outside its range", field_name=f"{name}.sampling.{field}")
+    if sampling.logit_bias:
+        _check_ids(f"{name}.sampling.logit_bias", [t for t, _ in sampling.logit_bias], vocab_size)
+        if not all(math.isfinite(b) and -100.0 <= b <= 100.0 for _, b in sampling.logit_bias):
+            raise InvalidArgument(f"{name}: a logit_bias value is outside [-100, 100]",
+                                  field_name=f"{name}.sampling.logit_bias")
+    if sampling.logprobs is not None and not 0 <= sampling.logprobs <= MAX_LOGPROBS:
+        raise InvalidArgument(f"{name}: logprobs {sampling.logprobs} is outside 0..{MAX_LOGPROBS}",
+                              field_name=f"{name}.sampling.logprobs")
 
 
 def _check_ids(name: str, ids: Sequence[int], limit: int, what: str = "token id") -> None:

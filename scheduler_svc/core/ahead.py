@@ -45,7 +45,7 @@ def place_ahead(request: Request, rnd: RoundBuilder, in_flight: dict[int, InFlig
         request.block_table = tuple(request.block_ids)
     rnd.seqs.append(new_scheduled_seq(request.request_id, request.epoch, PENDING, start,
                                       request.block_table, request.sampling, True,
-                                      start + 1 - request.num_prompt, ()))
+                                      start + 1 - request.num_prompt, (), ()))
     rnd.entries.append(request)
     request.in_flight_prev = request.in_flight_round
     request.in_flight_round = rnd.round_id

@@ -97,7 +97,7 @@ class Batcher:
                     # _place_ahead's common case, inlined like the plain decodes below.
                     seqs.append(new_scheduled_seq(request.request_id, request.epoch, PENDING, start,
                                                   request.block_table, request.sampling, True,
-                                                  start + 1 - request.num_prompt, ()))
+                                                  start + 1 - request.num_prompt, (), ()))
                     entries.append(request)
                     request.in_flight_prev = request.in_flight_round
                     request.in_flight_round = round_id
@@ -141,6 +141,7 @@ class Batcher:
                         request.sampling,
                         True,
                         start + 1 - request.num_prompt,
+                        (),
                         (),
                     )
                 )
@@ -312,6 +313,7 @@ class Batcher:
                 sample,
                 num_outputs,
                 recent,
+                tuple(tokens[: request.num_prompt]) if request.sampling.repetition_penalty != 1.0 else (),
             )
         )
         decode = num == 1 and sample and start >= request.num_prompt

@@ -68,6 +68,7 @@ def steady_decodes(core: SchedulerCore, min_cycles: int = 1, max_cycles: int = 1
             or request.lost_rounds
             or request.eos_token_id is not None
             or request.stop_token_ids
+            or request.sampling.logprobs is not None
         ):
             return None
         # Cycle m appends output token index + m and places position length + m + 1 ahead: not the last token.
@@ -255,7 +256,7 @@ def _ahead_plan(core: SchedulerCore, round_id: int, running: list[Request], back
     for request, table in zip(running, tables, strict=True):
         start = len(request.tokens) - back
         seqs.append(new_scheduled_seq(request.request_id, request.epoch, PENDING, start, table,
-                                      request.sampling, True, start + 1 - request.num_prompt, ()))
+                                      request.sampling, True, start + 1 - request.num_prompt, (), ()))
         used += start + 1
     n = len(running)
     budget = new_round_budget(config.max_num_batched_tokens, n, config.max_num_seqs, n,

@@ -180,6 +180,7 @@ class RoundOutcomes:
                     or token_ids.__class__ is not tuple
                     or account is not None
                     or (request.stop_token_ids and token in request.stop_token_ids)
+                    or out.logprobs is not None
                 ):
                     self._after_token(request, out, index, token, now)
         if unmatched:
@@ -218,6 +219,8 @@ class RoundOutcomes:
             self._outbox.drop(len(out.token_ids) - 1)
         if len(out.token_ids) != 1 or out.token_ids.__class__ is not tuple:
             request.last_token_ids = (token,)  # only the first token was taken
+        if out.logprobs is not None:
+            self._outbox.events.logprobs[(request.request_id, index)] = out.logprobs
         if index == 0:
             request.first_token_time = now
             self._outbox.event(request, Stage.FIRST_TOKEN, now)

@@ -259,7 +259,7 @@ class SchedulerCore:
         """Return everything that happened since the last call and start a new outbox."""
         outbox = self.outbox
         # Outbox.take's two lines, inlined: this runs once per round.
-        events, outbox.events = outbox.events, _new_core_events([], [], [], [], 0)
+        events, outbox.events = outbox.events, _new_core_events([], [], [], [], 0, {})
         if self.pool.has_events:
             events.kv_events.extend(self.pool.take_events())
         return events

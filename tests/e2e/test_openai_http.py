@@ -163,8 +163,8 @@ def _error(status: int, headers: dict[str, str], body: Any) -> dict[str, Any]:
     return dict(body["error"])
 
 
-@pytest.mark.parametrize("field, value", [("n", 2), ("logprobs", 2), ("max_tokens", 0), ("temperature", -1.0),
-                                          ("echo", True), ("stop", 5), ("prompt", [[1], [2]])])
+@pytest.mark.parametrize("field, value", [("n", 0), ("logprobs", 21), ("max_tokens", 0), ("temperature", -1.0),
+                                          ("top_p", 0), ("stop", 5), ("prompt", [[1], "a", 3])])
 def test_bad_field_is_400_naming_it(stack: Stack, field: str, value: Any) -> None:
     """A field Sluice cannot honour or a wrong value is 400 in OpenAI's error shape with `param` naming the field."""
     body = {"model": _model(stack), "prompt": PROMPT, "max_tokens": 4, field: value}
@@ -173,18 +173,19 @@ def test_bad_field_is_400_naming_it(stack: Stack, field: str, value: Any) -> Non
     assert status == 400 and error["param"] == field and error["type"] == "invalid_request_error", error
 
 
-def test_chat_logprobs_and_malformed_bodies_are_400(stack: Stack) -> None:
-    """Chat logprobs, an empty message list and a body that is not JSON are each 400 naming what is wrong."""
-    chat = {"model": _model(stack), "messages": CHAT, "logprobs": True}
+def test_chat_top_logprobs_alone_and_malformed_bodies_are_400(stack: Stack) -> None:
+    """Chat top_logprobs without logprobs, an empty message list and a body that is not JSON are each 400 naming
+    what is wrong."""
+    chat = {"model": _model(stack), "messages": CHAT, "top_logprobs": 2}
     status, headers, answer = _raw(stack, "POST", "/chat/completions", chat)
-    assert status == 400 and _error(status, headers, answer)["param"] == "logprobs"
+    assert status == 400 and _error(status, headers, answer)["param"] == "top_logprobs"
     status, headers, answer = _raw(stack, "POST", "/chat/completions", {"model": _model(stack), "messages": []})
     assert status == 400 and _error(status, headers, answer)["param"] == "messages"
     status, headers, answer = _raw(stack, "POST", "/completions", raw_body=b"{not json")
     assert status == 400 and _error(status, headers, answer)["code"] == "malformed_message"
     with pytest.raises(openai.BadRequestError) as info:
-        _openai(stack).completions.create(model=_model(stack), prompt=PROMPT, n=3)
-    assert info.value.status_code == 400 and info.value.param == "n"
+        _openai(stack).completions.create(model=_model(stack), prompt=PROMPT, n=3, best_of=4)
+    assert info.value.status_code == 400 and info.value.param == "best_of"
 
 
 def test_bad_or_missing_key_is_401(stack: Stack) -> None:

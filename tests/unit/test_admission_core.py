@@ -144,3 +144,24 @@ def test_a_tenants_cache_salt_comes_from_the_config_file_and_reaches_submit() ->
         parse_config({"tenants": {"acme": {"api_keys": ["k1"], "cache_salt": 7}}})
     wire = scheduler_pb2.SubmitRequest(request_id="r", prompt_token_ids=[1], cache_salt="s3cret")
     assert shared_convert.new_request_from_proto(wire, 0.0, default_eos=2).cache_salt == "s3cret"
+
+
+def test_fits_answers_what_admit_would_without_changing_the_ledger() -> None:
+    """`fits` is True while admit would succeed and False once a budget is full; it reserves and counts nothing."""
+    core = make_admission()
+    assert core.fits("alice", 10, 10, 0.0)
+    core.admit("a1", "alice", 10, 10, 0.0)
+    assert core.fits("alice", 10, 10, 0.0)
+    core.admit("a2", "alice", 10, 10, 0.0)
+    assert not core.fits("alice", 10, 10, 0.0) and core.fits("bob", 10, 10, 0.0)  # alice's own cap of 2
+    assert core.stats(0.0).active == 2 and not core.stats(0.0).rejected
+    core.release("a1", 1.0)
+    assert core.fits("alice", 10, 10, 1.0)
+
+
+def test_queue_limits_are_the_tenants_own_else_the_global_ones() -> None:
+    """A tenant with its own budgets queues by them; one without uses the process's."""
+    queued = Budgets(max_queued_requests=7, queue_timeout_s=9)
+    core = make_admission(budgets=queued, tenants=(TenantConfig("alice", ("k",), budgets=Budgets()),
+                                                   TenantConfig("bob", ("k2",))))
+    assert core.queue_limits("bob") == (7, 9.0) and core.queue_limits("alice") == (None, 30.0)

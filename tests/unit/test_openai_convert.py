@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from admission_svc import openai_convert
+from admission_svc import openai_answers, openai_convert
 from admission_svc.calls import Output
 from admission_svc.http_edge import HTTP_STATUS, http_error
 from sluice import core_errors, errors
@@ -50,11 +50,19 @@ def test_chat_is_rendered_with_the_template_and_max_completion_tokens_wins(spec:
 
 
 @pytest.mark.parametrize("body, field", [
-    ({"prompt": "x", "n": 2}, "n"), ({"prompt": "x", "logprobs": 1}, "logprobs"), ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": "x", "n": 0}, "n"), ({"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"), ({"prompt": "x", "logprobs": 1, "echo": True}, "echo"),
     ({"prompt": "x", "temperature": "hot"}, "temperature"), ({"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
-    ({"prompt": "x", "stream": "yes"}, "stream"), ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": 3}, "prompt"),
-    ({"prompt": "x", "stop": ["a", 1]}, "stop"), ({"prompt": "x", "user": 5}, "user"),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"), ({"prompt": "x", "seed": True}, "seed")])
+    ({"prompt": "x", "stream": "yes"}, "stream"), ({"prompt": []}, "prompt"), ({"prompt": 3}, "prompt"),
+    ({"prompt": ["a", 3]}, "prompt"), ({"prompt": "x", "stop": ["a", 1]}, "stop"), ({"prompt": "x", "user": 5}, "user"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"), ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"), ({"prompt": "x", "min_p": 1.5}, "min_p"),
+    ({"prompt": "x", "top_p": 0}, "top_p"), ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias"), ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"), ({"prompt": "x", "suffix": "z"}, "suffix"),
+    ({"prompt": "x", "min_tokens": 3}, "min_tokens"), ({"prompt": "x", "stop_token_ids": [9999]}, "stop_token_ids"),
+    ({"prompt": "x", "include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ({"prompt": "x", "seed": True}, "seed")])
 def test_bad_completion_fields_are_invalid_argument_naming_them(spec: ModelSpec, body: dict[str, Any], field: str) -> None:
     """Each unsupported or mistyped field is refused with InvalidArgument whose field is OpenAI's param name."""
     with pytest.raises(errors.InvalidArgument) as info:
@@ -68,6 +76,10 @@ def test_prompt_forms_and_bad_chats(spec: ModelSpec) -> None:
         assert openai_convert.completion_request({"model": "", "prompt": prompt}, spec).call.prompt == expected
     for prompt in ([1, 2], [[1, 2]]):
         assert openai_convert.completion_request({"model": "", "prompt": prompt}, spec).call.prompt_token_ids == (1, 2)
+    several = openai_convert.completion_request({"model": "", "prompt": ["a", [1, 2]], "n": 2, "seed": 5}, spec)
+    assert [(c.prompt, c.prompt_token_ids, c.sampling.seed) for c in several.calls] == [
+        ("a", (), 5), ("a", (), 6), ("", (1, 2), 5), ("", (1, 2), 6)]
+    assert several.n == 2 and [several.prompt_index(i) for i in range(4)] == [0, 0, 1, 1]
     for messages, field in (([], "messages"), ([{"content": "x"}], "messages[0]"),
                             ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content")):
         with pytest.raises(errors.InvalidArgument) as info:
@@ -81,12 +93,12 @@ def test_prompt_forms_and_bad_chats(spec: ModelSpec) -> None:
 
 def test_stop_trimmer_cuts_at_a_stop_split_across_pieces() -> None:
     """Text stops before the first stop string even when it arrives split over pieces; a false start is released."""
-    trimmer = openai_convert.StopTrimmer(["END", "\n\n"])
+    trimmer = openai_answers.StopTrimmer(["END", "\n\n"])
     shown = [trimmer.push(piece) for piece in ("ab", "cE", "N", "x E", "ND", "more")]
     assert "".join(shown) == "abcENx " and trimmer.flush() == ""
-    partial = openai_convert.StopTrimmer(["END"])
+    partial = openai_answers.StopTrimmer(["END"])
     assert partial.push("abE") == "ab" and partial.flush() == "E"
-    assert openai_convert.StopTrimmer([]).push("abc") == "abc"
+    assert openai_answers.StopTrimmer([]).push("abc") == "abc"
 
 
 def test_whole_response_carries_trimmed_text_and_openai_usage(spec: ModelSpec) -> None:
@@ -95,8 +107,8 @@ def test_whole_response_carries_trimmed_text_and_openai_usage(spec: ModelSpec) -
                                           "stop": ["!"]}, spec)
     completion = events_pb2.Completion(finish_reason="stop", usage=common_pb2.Usage(input_tokens=7, output_tokens=3,
                                                                                      cached_tokens=4))
-    body = openai_convert.response_body(parsed, "tiny", [Output("r1", 0, (1,), "Hi"), Output("r1", 1, (2,), " you!"),
-                                                         Output("r1", 3, text="", completion=completion)])
+    body = openai_answers.response_body(parsed, "tiny", [[Output("r1", 0, (1,), "Hi"), Output("r1", 1, (2,), " you!"),
+                                                         Output("r1", 3, text="", completion=completion)]])
     assert body["id"] == "chatcmpl-r1" and body["object"] == "chat.completion"
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hi you"}
     assert body["choices"][0]["finish_reason"] == "stop"
@@ -131,3 +143,66 @@ def test_chat_refusals_name_messages_not_prompt() -> None:
     """A refusal about the prompt of a chat names `messages`, the field the client sent."""
     assert http_error(core_errors.InvalidRequest("prompt", "empty"), chat=True).body["error"]["param"] == "messages"
     assert http_error(core_errors.PromptTooLarge(10, 5), chat=True).body["error"]["param"] == "messages"
+
+
+def test_vllm_extensions_and_penalties_reach_the_sampling(spec: ModelSpec) -> None:
+    """Penalties, min_p, logit_bias and logprobs are carried into SamplingParams, not dropped."""
+    body = {"model": "", "prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.3,
+            "min_p": 0.1, "logit_bias": {"7": -100, "3": 2.5}, "logprobs": 3}
+    sampling = openai_convert.completion_request(body, spec).call.sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty, sampling.min_p) == \
+        (0.5, -1.0, 1.3, 0.1)
+    assert sampling.logit_bias == ((3, 2.5), (7, -100.0)) and sampling.logprobs == 3 and sampling.penalized
+    assert openai_convert.completion_request({**body, "stop_token_ids": [5, 6]}, spec).call.sampling.stop_token_ids == (5, 6)
+    chat = {"model": "", "messages": [{"role": "user", "content": "x"}]}
+    assert openai_convert.chat_request({**chat, "logprobs": True, "top_logprobs": 2}, spec).call.sampling.logprobs == 2
+    assert openai_convert.chat_request({**chat, "logprobs": True}, spec).call.sampling.logprobs == 0
+    assert openai_convert.chat_request(chat, spec).call.sampling.logprobs is None
+    with pytest.raises(errors.InvalidArgument) as info:
+        openai_convert.chat_request({**chat, "top_logprobs": 2}, spec)
+    assert info.value.field_name == "top_logprobs"
+
+
+def test_chat_without_max_tokens_asks_for_the_rest_of_the_context(spec: ModelSpec) -> None:
+    """A chat that names no max_tokens (and a model without a default) is marked for the rest of the model
+    length, as vLLM's; completions keep OpenAI's 16; an explicit value wins."""
+    chat = {"model": "", "messages": [{"role": "user", "content": "x"}]}
+    assert openai_convert.chat_request(chat, spec).call.max_tokens_unset
+    assert not openai_convert.chat_request({**chat, "max_tokens": 5}, spec).call.max_tokens_unset
+    model = dataclasses.replace(spec, generation=GenerationDefaults(max_new_tokens=64))
+    assert openai_convert.chat_request(chat, model).call.sampling.max_tokens == 64
+    completion = openai_convert.completion_request({"model": "", "prompt": "x"}, spec).call
+    assert not completion.max_tokens_unset and completion.sampling.max_tokens == 16
+
+
+def test_logprobs_in_chat_and_completion_shapes(spec: ModelSpec) -> None:
+    """Chat answers logprobs.content entries with token, bytes and top_logprobs; completions answer tokens,
+    token_logprobs, top_logprobs (chosen token included) and text_offset counted after the echoed prompt."""
+    lp = [common_pb2.TokenLogprobs(logprob=-0.5, top_token_ids=[65, 66], top_logprobs=[-0.5, -1.5]),
+          common_pb2.TokenLogprobs(logprob=-2.0, top_token_ids=[65, 66], top_logprobs=[-0.125, -2.5])]
+    done = events_pb2.Completion(finish_reason="length", usage=common_pb2.Usage(input_tokens=2, output_tokens=2))
+    outputs = [[Output("r", 0, (65, 67), "AC", logprobs=tuple(lp)), Output("r", 2, completion=done)]]
+    chat = openai_convert.chat_request({"model": "", "messages": [{"role": "user", "content": "x"}],
+                                        "logprobs": True, "top_logprobs": 2}, spec)
+    body = openai_answers.response_body(chat, "tiny", outputs, chr)
+    content = body["choices"][0]["logprobs"]["content"]
+    assert [(c["token"], c["logprob"], c["bytes"]) for c in content] == [("A", -0.5, [65]), ("C", -2.0, [67])]
+    assert [t["token"] for t in content[1]["top_logprobs"]] == ["A", "B"]
+    text = openai_convert.completion_request({"model": "", "prompt": "hi", "logprobs": 1, "n": 1}, spec)
+    echoed = dataclasses.replace(text, echo=("hi",))
+    got = openai_answers.response_body(echoed, "tiny", outputs, chr)["choices"][0]
+    assert got["text"] == "hiAC"
+    assert got["logprobs"] == {"text_offset": [2, 3], "token_logprobs": [-0.5, -2.0], "tokens": ["A", "C"],
+                               "top_logprobs": [{"A": -0.5, "B": -1.5}, {"C": -2.0, "A": -0.125, "B": -2.5}]}
+
+
+def test_several_choices_sum_usage_and_count_each_prompt_once(spec: ModelSpec) -> None:
+    """n=2 over one prompt: two choices with their index, prompt tokens once, output and cached tokens summed."""
+    parsed = openai_convert.completion_request({"model": "", "prompt": "x", "n": 2}, spec)
+    ends = [events_pb2.Completion(finish_reason="length", usage=common_pb2.Usage(input_tokens=5, output_tokens=3,
+                                                                                 cached_tokens=c)) for c in (0, 4)]
+    body = openai_answers.response_body(parsed, "tiny", [[Output("a", 0, (1,), "p"), Output("a", 1, completion=ends[0])],
+                                                          [Output("b", 0, (2,), "q"), Output("b", 1, completion=ends[1])]])
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "p"), (1, "q")]
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11,
+                             "prompt_tokens_details": {"cached_tokens": 4}}
