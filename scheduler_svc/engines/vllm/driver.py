@@ -192,7 +192,7 @@ class VllmDriver:
                         self._observe_prefill(request, now - started, idle)
                     elif len(chunk.token_ids) == 1:
                         self._observe_decode(now - last)
-                    core.on_tokens(request_id, chunk.token_ids, now)
+                    core.on_tokens(request_id, chunk.token_ids, now, chunk.logprobs)
                     last = now
                 if chunk.finish_reason is not None:
                     core.on_finished(request_id, chunk.finish_reason == "stop", now, chunk.cached_tokens)

@@ -42,6 +42,7 @@ from sluice.types import (
     RejectReason,
     RequestStatus,
     Stage,
+    TokenLogprobs,
 )
 
 __all__ = ["EngineView", "GatewayConfig", "GatewayCore"]
@@ -186,7 +187,8 @@ class GatewayCore:
         return out
 
     # ---- what the engine says ---------------------------------------------------------------------------
-    def on_tokens(self, request_id: str, token_ids: list[int], now: float) -> bool:
+    def on_tokens(self, request_id: str, token_ids: list[int], now: float,
+                  logprobs: list[TokenLogprobs] | None = None) -> bool:
         """Record output tokens the engine streamed; False (dropped, counted) when the request is not RUNNING.
 
         Tokens past max_tokens are dropped too: the client never gets more than it asked for."""
@@ -206,6 +208,9 @@ class GatewayCore:
             self._lifecycle(request, Stage.FIRST_TOKEN, now)
         request.tokens.extend(accepted)
         self._events.tokens.extend((request_id, index + i, token) for i, token in enumerate(accepted))
+        if logprobs is not None:
+            for i, entry in enumerate(logprobs[:len(accepted)]):
+                self._events.logprobs[(request_id, index + i)] = entry
         self._queue.on_service(request.tenant, 0, len(accepted))
         return True
 

@@ -33,6 +33,7 @@ import zmq.asyncio
 from scheduler_svc.core.request import Request
 from scheduler_svc.engines.vllm.gateway import EngineView
 from scheduler_svc.engines.vllm.kv import EngineKvEvent, decode_event
+from sluice.types import SamplingParams, TokenLogprobs
 
 __all__ = ["Chunk", "EngineGone", "EngineLink", "EngineRefused", "KvSubscriber", "parse_metrics", "request_body"]
 
@@ -56,6 +57,8 @@ class Chunk:
     token_ids: list[int]
     finish_reason: str | None = None
     cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+    """Per token of `token_ids`, when the request asked for log-probabilities."""
 
 
 def request_body(request: Request, served_model: str, priority_passthrough: bool) -> dict[str, Any]:
@@ -81,7 +84,44 @@ def request_body(request: Request, served_model: str, priority_passthrough: bool
         body["include_stop_str_in_output"] = True  # admission trims at the stop string, as for every engine
     if priority_passthrough and request.priority:
         body["priority"] = -request.priority  # Sluice: larger runs first; vLLM: smaller runs first
+    _penalties_and_logprobs(body, sampling)
     return body
+
+
+def _penalties_and_logprobs(body: dict[str, Any], sampling: SamplingParams) -> None:
+    """Add what differs from vLLM's defaults: penalties, min_p, logit_bias (vLLM validates the same ranges as
+    admission), and logprobs with the top alternatives named by token id."""
+    for name, default in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+                          ("min_p", 0.0)):
+        value = getattr(sampling, name)
+        if value != default:
+            body[name] = value
+    if sampling.logit_bias:
+        body["logit_bias"] = {str(token): bias for token, bias in sampling.logit_bias}
+    if sampling.logprobs is not None:
+        body["logprobs"] = sampling.logprobs
+        body["return_tokens_as_token_ids"] = True  # "token_id:N" keys: ids, not text pieces
+
+
+def _token_id(key: str) -> int:
+    return int(key.rpartition(":")[2])
+
+
+def parse_logprobs(raw: Any, count: int) -> list[TokenLogprobs] | None:
+    """Return the log-probabilities of a completions chunk's `logprobs` (vLLM's completions shape, token-id keys),
+    one per token; None when absent or not one per token."""
+    if not isinstance(raw, dict):
+        return None
+    chosen = raw.get("token_logprobs") or []
+    tops = raw.get("top_logprobs") or [None] * len(chosen)
+    if len(chosen) != count or len(tops) != count:
+        return None
+    out = []
+    for logprob, top in zip(chosen, tops, strict=True):
+        ranked = sorted((top or {}).items(), key=lambda item: -float(item[1]))
+        out.append(TokenLogprobs(float(logprob if logprob is not None else float("-inf")),
+                                 tuple(_token_id(k) for k, _ in ranked), tuple(float(v) for _, v in ranked)))
+    return out
 
 
 _METRICS = {
@@ -214,14 +254,16 @@ async def _sse_chunks(response: aiohttp.ClientResponse) -> AsyncIterator[Chunk]:
         usage = event.get("usage")
         for choice in event.get("choices") or ():
             ids = [int(t) for t in choice.get("token_ids") or ()]
+            logprobs = parse_logprobs(choice.get("logprobs"), len(ids))
             reason = choice.get("finish_reason")
             if reason is not None:
-                pending = Chunk(ids, str(reason))  # held for the usage event that follows
+                pending = Chunk(ids, str(reason), 0, logprobs)  # held for the usage event that follows
             elif ids:
-                yield Chunk(ids)
+                yield Chunk(ids, logprobs=logprobs)
         if usage and pending is not None:
             details = usage.get("prompt_tokens_details") or {}
-            pending = Chunk(pending.token_ids, pending.finish_reason, int(details.get("cached_tokens") or 0))
+            pending = Chunk(pending.token_ids, pending.finish_reason, int(details.get("cached_tokens") or 0),
+                            pending.logprobs)
     if pending is not None:
         yield pending
 
