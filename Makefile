@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 PROTOS  := $(wildcard protos/sluice/v1/*.proto)
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup protos redis-tls test lint demo bench bench-openai bench-http fuzz clean
+.PHONY: setup protos redis-tls prometheus test lint demo bench bench-openai bench-http fuzz clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,7 +34,20 @@ redis-tls:
 	  fi; \
 	fi
 
-setup: $(STAMP) sluice/v1/.stamp redis-tls
+# A real Prometheus 2.x for tests/e2e/test_prometheus.py (vllm:* names as Prometheus 2.x stores them, the
+# dashboard's queries): Debian's package, installed only when no prometheus is on PATH, only as root with apt-get.
+# RUNLEVEL=1: the package must not start a system-wide Prometheus daemon of its own.
+prometheus:
+	@if ! command -v prometheus >/dev/null 2>&1 && [ -z "$$SLUICE_PROMETHEUS" ]; then \
+	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && RUNLEVEL=1 DEBIAN_FRONTEND=noninteractive \
+	      apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+	  else \
+	    echo "make: no prometheus binary; install one (or set SLUICE_PROMETHEUS) for the Prometheus tests" >&2; \
+	  fi; \
+	fi
+
+setup: $(STAMP) sluice/v1/.stamp redis-tls prometheus
 
 protos: sluice/v1/.stamp
 

@@ -149,6 +149,10 @@ def _handler(registry: CollectorRegistry) -> type[BaseHTTPRequestHandler]:
     return MetricsHandler
 
 
+class _ThreadingHTTPServerV6(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
 def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "127.0.0.1",
                   ssl_context: ssl.SSLContext | None = None) -> int:
     """Serve `registry` at http://addr:port/metrics (https with `ssl_context`) in a daemon thread; return the
@@ -156,9 +160,7 @@ def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "127.0.0.1
 
     Raises OSError when the port is taken or the address is not this machine's.
     """
-    server_class = ThreadingHTTPServer
-    if ":" in addr:
-        server_class = type("ThreadingHTTPServerV6", (ThreadingHTTPServer,), {"address_family": socket.AF_INET6})
+    server_class = _ThreadingHTTPServerV6 if ":" in addr else ThreadingHTTPServer
     server = server_class((addr, port), _handler(registry))
     server.daemon_threads = True
     if ssl_context is not None:
