@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -44,8 +45,11 @@ class Prometheus:
     def api(self, path: str, **params: str) -> Any:
         """GET /api/v1/<path>; return its `data` (raises on an error answer)."""
         query = f"?{urllib.parse.urlencode(params)}" if params else ""
-        with urllib.request.urlopen(f"{self.url}/api/v1/{path}{query}", timeout=10) as reply:
-            answer = json.loads(reply.read())
+        try:
+            with urllib.request.urlopen(f"{self.url}/api/v1/{path}{query}", timeout=10) as reply:
+                answer = json.loads(reply.read())
+        except urllib.error.HTTPError as exc:  # a malformed query: say which, and what Prometheus said
+            raise AssertionError(f"{path} {params}: {exc.code} {exc.read().decode()[:500]}") from None
         assert answer["status"] == "success", answer
         return answer["data"]
 
