@@ -213,3 +213,24 @@ def test_the_renderer_refuses_what_it_does_not_understand(tmp_path: Path) -> Non
     (tmp_path / "templates" / "x.yaml").write_text("v: {{ .Values.a.c }}\n")
     with pytest.raises(KeyError, match="no such value"):
         render_chart(tmp_path)
+
+
+CHART_CALLS = {
+    ("admission", "router", 50052), ("admission", "replica", 50071), ("admission", "redis", 6379),
+    ("router", "redis", 6379), ("router", "replica", 50071),
+    ("replica", "router", 50052), ("replica", "redis", 6379),
+    ("planner", "router", 50052), ("planner", "replica", 50071),
+}
+
+
+@pytest.mark.parametrize("variant", ["defaults", "vllm"])
+def test_the_charts_network_policies_allow_exactly_the_calls_each_service_makes(variant: str) -> None:
+    """Among the release's pods, the allowed (caller, callee, port) triples are exactly the call graph (the
+    evaluator of tests/unit/test_k8s_policies.py); the worker's port and reverse calls stay closed."""
+    from tests.unit.test_k8s_policies import allowed
+
+    policies = [d for d in rendered(variant) if d["kind"] == "NetworkPolicy"]
+    apps = ("admission", "router", "replica", "redis", "planner")
+    ports = {50051, 50052, 50061, 50071, 50081, 6379, 8000, 9464, 9465}
+    opened = {(s, t, port) for s in apps for t in apps for port in ports if s != t and allowed(policies, s, t, port)}
+    assert opened == CHART_CALLS, f"extra: {sorted(opened - CHART_CALLS)}; missing: {sorted(CHART_CALLS - opened)}"
