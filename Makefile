@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 PROTOS  := $(wildcard protos/sluice/v1/*.proto)
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup protos redis-tls prometheus test lint demo bench bench-openai bench-http fuzz clean
+.PHONY: setup protos redis-tls prometheus images test lint demo bench bench-openai bench-http fuzz clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -58,6 +58,11 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy sluice sluice_tools scheduler_svc router_svc admission_svc worker_svc planner_svc
 	$(BIN)/lint-imports
+
+# The container images (deploy/docker/*.Dockerfile) with podman; no registry is reachable here, so the script
+# makes a Debian 12 base image locally (debootstrap) and builds FROM it. IMAGES="router worker" for some only.
+images:
+	scripts/build_images.sh
 
 demo: setup
 	$(BIN)/python -m sluice_tools.demo
