@@ -5,7 +5,7 @@
 # Python 3.11 and pip, imported as localhost/sluice-base:bookworm and passed to every Dockerfile as BASE
 # (with a registry, leave BASE at its default python:3.11-slim, pinned by digest). The builds see this
 # machine's package sources (pip.conf, /opt/wheels, the local indexes and the CA bundle its registry proxy needs)
-# read-only, and use the host network.
+# read-only, and use the host network. Docker format: OCI images have no HEALTHCHECK.
 # Podman runs as ../shared/ENGINES.md says works on this kind of machine: runc, cgroupfs, host ulimits.
 #   IMAGES="router" scripts/build_images.sh      # only some images
 set -euo pipefail
@@ -37,7 +37,7 @@ for path in /etc/pip.conf /etc/xdg/pip /opt/wheels /opt/pypi /opt/pypi-more /etc
 done
 for image in $IMAGES; do
   echo "building sluice-$image:0.1.0" >&2
-  "${PODMAN[@]}" build --network host "${mounts[@]}" --build-arg "BASE=$BASE" \
+  "${PODMAN[@]}" build --format docker --network host "${mounts[@]}" --build-arg "BASE=$BASE" \
     -f "deploy/docker/$image.Dockerfile" -t "sluice-$image:0.1.0" . >"$WORK/build-$image.log" 2>&1 \
     || { tail -30 "$WORK/build-$image.log" >&2; exit 1; }
 done
