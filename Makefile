@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 PROTOS  := $(wildcard protos/sluice/v1/*.proto)
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup protos redis-tls prometheus images test lint demo bench bench-openai bench-http fuzz clean
+.PHONY: setup protos redis-tls prometheus images images-smoke test lint demo bench bench-openai bench-http fuzz clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -63,6 +63,10 @@ lint: setup
 # makes a Debian 12 base image locally (debootstrap) and builds FROM it. IMAGES="router worker" for some only.
 images:
 	scripts/build_images.sh
+
+# A whole stack from those images on loopback, each container probed, one completion over the HTTP API.
+images-smoke: images
+	scripts/images_smoke.sh
 
 demo: setup
 	$(BIN)/python -m sluice_tools.demo

@@ -35,6 +35,10 @@ mounts=()
 for path in /etc/pip.conf /etc/xdg/pip /opt/wheels /opt/pypi /opt/pypi-more /etc/ssl/certs/ca-certificates.crt; do
   [ -e "$path" ] && mounts+=(-v "$path:$path:ro")
 done
+# The builds run as root in the container: the user's pip.conf (find-links, local indexes) goes to root's.
+[ -e "$HOME/.config/pip/pip.conf" ] && mounts+=(-v "$HOME/.config/pip/pip.conf:/root/.config/pip/pip.conf:ro")
+# The worker's torch index: the local one when there is one (download.pytorch.org is not reachable here).
+[ -d /opt/pypi/simple ] && mounts+=(--build-arg "TORCH_INDEX=file:///opt/pypi/simple")
 for image in $IMAGES; do
   echo "building sluice-$image:0.1.0" >&2
   "${PODMAN[@]}" build --format docker --network host "${mounts[@]}" --build-arg "BASE=$BASE" \

@@ -25,7 +25,9 @@ RUN pip wheel --no-deps -w /dist .
 FROM ${BASE}
 ENV PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 COPY --from=build /dist /dist
-RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu "$(echo /dist/sluice-*.whl)[server,worker]" && rm -rf /dist
+# The CPU torch wheel's index; a machine with its own package sources passes another (scripts/build_images.sh).
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+RUN pip install --extra-index-url "${TORCH_INDEX}" "$(echo /dist/sluice-*.whl)[server,worker]" && rm -rf /dist
 WORKDIR /app
 # sluice_tools (not in the wheel) for the model-init container: python -m sluice_tools.cli model init
 COPY --chown=0:0 sluice_tools /app/sluice_tools
