@@ -17,7 +17,8 @@ trap cleanup EXIT
 run() {  # run NAME IMAGE ARGS...: a detached container on the host network, removed at exit
   local name=$1; shift
   NAMES+=("$name")
-  "${P[@]}" run -d --rm --network host --name "$name" "$@" >/dev/null
+  # --no-healthcheck: the script probes each container itself (podman schedules HEALTHCHECKs through systemd)
+  "${P[@]}" run -d --rm --no-healthcheck --network host --name "$name" "$@" >/dev/null
 }
 serving() {  # serving NAME PORT ROLE: wait up to 3 minutes for SERVING
   for _ in $(seq 180); do
