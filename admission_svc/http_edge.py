@@ -43,6 +43,7 @@ from admission_svc.openai_convert import ParsedRequest
 from admission_svc.server import api_key_of
 from sluice import errors, telemetry
 from sluice.core_errors import CoreError
+from sluice.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 
@@ -421,15 +422,17 @@ async def _disconnect(request: Request) -> None:
 class HttpServer:
     """uvicorn serving the edge on a socket of its own, in the running event loop."""
 
-    def __init__(self, app: Starlette, host: str, port: int) -> None:
+    def __init__(self, app: Starlette, host: str, port: int, tls: TlsFiles | None = None) -> None:
         self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.socket.bind((host, port))  # OSError when taken: the caller reports it
         self.socket.listen(2048)
         self.socket.setblocking(False)
         self.port: int = self.socket.getsockname()[1]
+        # `tls`: HTTPS with the admission certificate (--public-tls covers this port as it covers gRPC's).
         config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=5, timeout_keep_alive=30)
+                                timeout_graceful_shutdown=5, timeout_keep_alive=30,
+                                ssl_certfile=str(tls.cert) if tls else None, ssl_keyfile=str(tls.key) if tls else None)
         config.load()
         self.server = uvicorn.Server(config)
         self.server.lifespan = config.lifespan_class(config)
@@ -448,9 +451,10 @@ class HttpServer:
         await self.server.shutdown(sockets=[self.socket])
 
 
-async def serve_http(door: FrontDoor, host: str, port: int, max_body_bytes: int) -> HttpServer:
-    """Return the started HTTP edge of `door` on host:port (0: a free port; its `.port` says which)."""
-    server = HttpServer(HttpEdge(door, max_body_bytes).app(), host, port)
+async def serve_http(door: FrontDoor, host: str, port: int, max_body_bytes: int,
+                     tls: TlsFiles | None = None) -> HttpServer:
+    """Return the started HTTP edge of `door` on host:port (0: a free port; its `.port` says which); HTTPS with `tls`."""
+    server = HttpServer(HttpEdge(door, max_body_bytes).app(), host, port, tls)
     await server.start()
     return server
 

@@ -1,4 +1,7 @@
-"""Prometheus metrics: one registry per service, served by `serve_metrics(registry, port)`.
+"""Prometheus metrics: one registry per service, served by `serve_metrics(registry, port, addr)`.
+
+The endpoint answers the classic text format 0.0.4, or OpenMetrics 1.0.0 when the scraper prefers it, with
+every name exactly as registered (`vllm:*` keeps its colon on Prometheus 2.x and 3.x alike; `exposition`).
 
 Three families, each quantity measured once and recorded under every name that means it (`Fanout`):
 - Sluice's own `sluice_*` names (every service).
@@ -20,14 +23,21 @@ Metric names are listed in docs/operations.md.
 
 from __future__ import annotations
 
+import socket
+import ssl
+import threading
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import urlsplit
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.openmetrics import exposition as openmetrics_exposition
 
 __all__ = [
     "REQUEST_DURATION_BUCKETS", "TOKEN_USAGE_BUCKETS", "TPOT_BUCKETS", "TTFT_BUCKETS", "VLLM_FINISH_REASONS",
-    "AdmissionMetrics", "Fanout", "RequestOutcome", "RouterMetrics", "SchedulerMetrics", "WorkerMetrics", "serve_metrics",
+    "AdmissionMetrics", "Fanout", "RequestOutcome", "RouterMetrics", "SchedulerMetrics", "WorkerMetrics", "choose_format",
+    "exposition", "serve_metrics",
 ]
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
@@ -71,13 +81,92 @@ class Fanout:
             metric.set(value)
 
 
-def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") -> int:
-    """Serve `registry` at http://addr:port/metrics in a daemon thread; return the bound port (port 0 picks one).
+OPENMETRICS_CONTENT_TYPE = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-    Raises OSError when the port is taken.
+
+def _accepted(accept: str) -> list[tuple[float, str, dict[str, str]]]:
+    """The media ranges of an Accept header as (q, type, parameters), best first (stable for equal q)."""
+    ranges = []
+    for position, part in enumerate(accept.split(",")):
+        media, *raw = [token.strip() for token in part.split(";")]
+        params = dict(token.split("=", 1) for token in raw if "=" in token)
+        try:
+            q = float(params.pop("q", "1"))
+        except ValueError:
+            q = 0.0
+        if media and q > 0:
+            ranges.append((-q, position, media.lower(), params))
+    return [(-q, media, params) for q, _position, media, params in sorted(ranges)]
+
+
+def choose_format(accept: str) -> str:
+    """Return the exposition format, "openmetrics" or "text", to answer a scraper's Accept header with.
+
+    OpenMetrics 1.0.0 when it is the scraper's best acceptable range and asks for no escaping other than
+    `underscores` or `allow-utf-8` (every Sluice name is a legacy Prometheus name, colons included, which
+    both leave as it is); otherwise the classic text format 0.0.4, which every Prometheus reads."""
+    for _q, media, params in _accepted(accept):
+        if media == "application/openmetrics-text":
+            version, escaping = params.get("version", "1.0.0"), params.get("escaping", "underscores")
+            if version == "1.0.0" and escaping in ("underscores", "allow-utf-8"):
+                return "openmetrics"
+        elif media in ("text/plain", "text/*", "*/*"):
+            return "text"
+    return "text"
+
+
+def exposition(registry: CollectorRegistry, accept: str) -> tuple[bytes, str]:
+    """Return (body, Content-Type) of `registry` for a scraper sending `accept`, with every name as registered.
+
+    prometheus-client's own negotiation (0.26) writes OpenMetrics samples with `escaping=underscores` by its
+    label-name rule, which turns the colons of `vllm:*` names into underscores: Prometheus 2.x, whose Accept
+    header prefers OpenMetrics and names no escaping, then stores `vllm_num_requests_running`. Names need no
+    escaping here (all are legacy-valid), so the OpenMetrics body is written unescaped; the text format
+    0.0.4 is the answer to anything else."""
+    if choose_format(accept) == "openmetrics":
+        return openmetrics_exposition.generate_latest(registry, escaping=openmetrics_exposition.ALLOWUTF8), \
+            OPENMETRICS_CONTENT_TYPE
+    return generate_latest(registry), TEXT_CONTENT_TYPE
+
+
+def _handler(registry: CollectorRegistry) -> type[BaseHTTPRequestHandler]:
+    class MetricsHandler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if urlsplit(self.path).path not in ("/metrics", "/"):
+                self.send_error(404, "only /metrics is served")
+                return
+            body, content_type = exposition(registry, self.headers.get("Accept", ""))
+            self.send_response(200)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+            """Quiet: a scrape every few seconds is not news."""
+
+    return MetricsHandler
+
+
+class _ThreadingHTTPServerV6(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
+def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "127.0.0.1",
+                  ssl_context: ssl.SSLContext | None = None) -> int:
+    """Serve `registry` at http://addr:port/metrics (https with `ssl_context`) in a daemon thread; return the
+    bound port (port 0 picks one). The format follows the scraper's Accept header (`exposition`).
+
+    Raises OSError when the port is taken or the address is not this machine's.
     """
-    server, _thread = start_http_server(port, addr=addr, registry=registry)
-    return int(server.server_port)
+    server_class = _ThreadingHTTPServerV6 if ":" in addr else ThreadingHTTPServer
+    server = server_class((addr, port), _handler(registry))
+    server.daemon_threads = True
+    if ssl_context is not None:
+        server.socket = ssl_context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, name=f"metrics-{port}", daemon=True).start()
+    return int(server.server_address[1])
 
 
 @dataclass

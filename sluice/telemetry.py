@@ -3,11 +3,18 @@
 One trace per request: admission starts the root span; every hop carries `traceparent`/`tracestate`
 (gRPC metadata on calls, entry fields on Redis streams) and the next service continues it.
 
-Exporters, chosen by environment:
-- `OTEL_EXPORTER_OTLP_ENDPOINT` set: OTLP over gRPC (needs `opentelemetry-exporter-otlp-proto-grpc`).
+Exporters, chosen by the OpenTelemetry standard environment variables (`trace_exporters`):
+- `OTEL_TRACES_EXPORTER`: a comma-separated list of `otlp` (OTLP over gRPC to `OTEL_EXPORTER_OTLP_ENDPOINT`,
+  default http://localhost:4317; the exporter is in the server extra), `console` (one JSON line per finished
+  span on stderr, i.e. in each service's log) and `none`. Unset: `otlp` when `OTEL_EXPORTER_OTLP_ENDPOINT`
+  (or `..._TRACES_ENDPOINT`) is set, else nothing (the specification's default is `otlp`; a local stack
+  without a collector would only log export failures). Any other name refuses to start, naming it.
+- `OTEL_SERVICE_NAME` and `OTEL_RESOURCE_ATTRIBUTES` (`service.name=...,k=v`) set the resource; without
+  them `service.name` is `sluice-<service>`. The attribute `sluice.service` always names the service.
 - `SLUICE_TRACE_FILE` set: one JSON object per finished span, appended to that file. Tests that run
   several processes point them all at one file and read the spans back with `read_span_file`.
 - Tests in one process add an `InMemorySpanExporter` to the provider `setup_tracing` returns.
+`describe_tracing(env)` says in one line where traces go (the `sluice up` banner prints it).
 
 The OpenTelemetry global tracer provider can be set only once per process, so `setup_tracing` is
 idempotent: a second call (another service hosted in the same test process) returns the same provider.
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -26,9 +34,10 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
+    ConsoleSpanExporter,
     SimpleSpanProcessor,
     SpanExporter,
     SpanExportResult,
@@ -38,8 +47,9 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 __all__ = [
     "ERROR_STATUSES", "GEN_AI_OPERATION_NAME", "GEN_AI_REQUEST_MODEL", "GEN_AI_RESPONSE_FINISH_REASONS",
     "GEN_AI_RESPONSE_ID", "GEN_AI_RESPONSE_MODEL", "GEN_AI_USAGE_INPUT_TOKENS", "GEN_AI_USAGE_OUTPUT_TOKENS",
-    "TRACE_FIELDS", "JsonLinesSpanExporter", "end_request_span", "extract_fields", "extract_metadata",
-    "get_tracer", "inject_fields", "inject_metadata", "link_to", "read_span_file", "setup_tracing",
+    "TRACE_EXPORTERS", "TRACE_FIELDS", "JsonLinesSpanExporter", "describe_tracing", "end_request_span",
+    "extract_fields", "extract_metadata", "get_tracer", "inject_fields", "inject_metadata", "link_to", "read_span_file", "setup_tracing",
+    "trace_exporters", "trace_resource",
 ]
 
 # OpenTelemetry GenAI semantic conventions (attribute names only; values set by the services).
@@ -123,34 +133,95 @@ def read_span_file(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
 
 
-def _otlp_processor(endpoint: str) -> BatchSpanProcessor:
+TRACE_EXPORTERS = ("otlp", "console", "none")
+"""The values OTEL_TRACES_EXPORTER may list."""
+
+
+def trace_exporters(env: Mapping[str, str]) -> tuple[str, ...]:
+    """The span exporters `env` asks for (see the module docstring); () for none.
+
+    Raises ValueError naming OTEL_TRACES_EXPORTER and the unknown exporter."""
+    raw = env.get("OTEL_TRACES_EXPORTER", "").strip()
+    if not raw:
+        otlp = env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        return ("otlp",) if otlp else ()
+    names = tuple(dict.fromkeys(name.strip().lower() for name in raw.split(",") if name.strip()))
+    unknown = [name for name in names if name not in TRACE_EXPORTERS]
+    if unknown:
+        raise ValueError(f"OTEL_TRACES_EXPORTER={raw!r}: unknown exporter {unknown[0]!r} "
+                         f"(known: {', '.join(TRACE_EXPORTERS)})")
+    return () if "none" in names else names
+
+
+def describe_tracing(env: Mapping[str, str]) -> str:
+    """One line saying where the services' traces go under `env`, and how to see them when they go nowhere."""
     try:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    except ImportError as exc:
-        raise RuntimeError(
-            f"OTEL_EXPORTER_OTLP_ENDPOINT={endpoint!r} is set but the package "
-            "opentelemetry-exporter-otlp-proto-grpc is not installed; install it or unset the variable"
-        ) from exc
-    return BatchSpanProcessor(OTLPSpanExporter())
+        exporters = trace_exporters(env)
+    except ValueError as exc:
+        return f"traces: not exported ({exc})"
+    places = []
+    if "otlp" in exporters:
+        endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT") \
+            or "http://localhost:4317"
+        places.append(f"OTLP to {endpoint}")
+    if "console" in exporters:
+        places.append("one JSON line per span in each service's log")
+    if env.get("SLUICE_TRACE_FILE"):
+        places.append(f"JSON lines in {env['SLUICE_TRACE_FILE']}")
+    if places:
+        return "traces: " + "; ".join(places)
+    return ("traces: not exported (OTEL_TRACES_EXPORTER=console puts them in each service's log; "
+            "OTEL_EXPORTER_OTLP_ENDPOINT=http://HOST:4317 sends them to a collector or Jaeger)")
+
+
+def trace_resource(service_name: str) -> Resource:
+    """The resource of this process's spans: OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES, else `service_name`."""
+    from opentelemetry.sdk.resources import OTELResourceDetector
+
+    attributes: dict[str, str] = {"sluice.service": service_name}
+    if "service.name" not in OTELResourceDetector().detect().attributes:
+        attributes["service.name"] = service_name
+    return Resource.create(attributes)
+
+
+def _processors(env: Mapping[str, str]) -> list[SpanProcessor]:
+    """The span processors `env` asks for. Raises RuntimeError naming the variable that is wrong."""
+    try:
+        exporters = trace_exporters(env)
+    except ValueError as exc:
+        raise RuntimeError(str(exc)) from exc
+    processors: list[SpanProcessor] = []
+    if "otlp" in exporters:
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        except ImportError as exc:
+            raise RuntimeError(
+                "OTLP trace export is asked for (OTEL_TRACES_EXPORTER or OTEL_EXPORTER_OTLP_ENDPOINT) but the "
+                "package opentelemetry-exporter-otlp-proto-grpc is not installed; install it or unset them") from exc
+        processors.append(BatchSpanProcessor(OTLPSpanExporter()))
+    if "console" in exporters:
+        # Simple (synchronous): a local run's spans are in the log at once, even if the process is killed.
+        processors.append(SimpleSpanProcessor(ConsoleSpanExporter(
+            out=sys.stderr, formatter=lambda span: span.to_json(indent=None) + "\n")))
+    if env.get("SLUICE_TRACE_FILE"):
+        # Simple (synchronous) so that spans are on disk even if the process is killed later.
+        processors.append(SimpleSpanProcessor(JsonLinesSpanExporter(env["SLUICE_TRACE_FILE"])))
+    return processors
 
 
 def setup_tracing(service_name: str) -> TracerProvider:
     """Install (once per process) and return the SDK tracer provider with the exporters the environment asks for.
 
-    Raises RuntimeError when OTEL_EXPORTER_OTLP_ENDPOINT is set but the OTLP exporter is not installed.
+    Raises RuntimeError when OTEL_TRACES_EXPORTER names an unknown exporter, or OTLP is asked for but its
+    exporter is not installed.
     """
     global _provider
     with _setup_lock:
         if _provider is not None:
             return _provider
-        provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-        endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
-        if endpoint:
-            provider.add_span_processor(_otlp_processor(endpoint))
-        trace_file = os.environ.get("SLUICE_TRACE_FILE", "")
-        if trace_file:
-            # Simple (synchronous) so that spans are on disk even if the process is killed later.
-            provider.add_span_processor(SimpleSpanProcessor(JsonLinesSpanExporter(trace_file)))
+        provider = TracerProvider(resource=trace_resource(service_name))
+        for processor in _processors(os.environ):
+            provider.add_span_processor(processor)
         trace.set_tracer_provider(provider)
         _provider = provider
         return provider

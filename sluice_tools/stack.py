@@ -110,8 +110,9 @@ class Stack:
 
     @property
     def http_base_url(self) -> str:
-        """The OpenAI-compatible base URL (`http://host:port/v1`), "" when the stack serves no HTTP API."""
-        return f"http://{self.http_address}/v1" if self.http_address else ""
+        """The OpenAI-compatible base URL (`http://host:port/v1`, https under public_tls), "" when none is served."""
+        scheme = "https" if self.config.public_tls else "http"
+        return f"{scheme}://{self.http_address}/v1" if self.http_address else ""
 
     @property
     def api_key(self) -> str:

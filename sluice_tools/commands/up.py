@@ -272,34 +272,55 @@ def _check_redis(url: str | None) -> str:
 
 
 def _banner(stack: Stack, config_file: str | None) -> str:
-    """Return what `sluice up` prints once ready: endpoint, key, Redis, logs and a generate command that works."""
-    key = _first_api_key(config_file) or stack.api_key
-    command = [*_sluice_command(), "generate", "Hello", "--target", stack.endpoint, "--api-key", key]
+    """Return what `sluice up` prints once ready: endpoint, key, Redis, logs, traces and commands that work.
+
+    A key from the config file is a real secret: it is shown masked and the commands read it from
+    $SLUICE_API_KEY; the built-in local key (no config file) is printed as is."""
+    from sluice.telemetry import describe_tracing
+
+    configured = _first_api_key(config_file)
+    key = configured or stack.api_key
+    command = [*_sluice_command(), "generate", "Hello", "--target", stack.endpoint]
+    command += [] if configured else ["--api-key", key]
     if stack.config.public_tls and stack.tls_ca:
         command += ["--tls-ca", stack.tls_ca]
-    source = f" (from {config_file})" if config_file else ""
+    shown = f"{mask_key(key)} (the first key of {config_file}; export SLUICE_API_KEY=<that key> for the " \
+            "commands below)" if configured else key
     security = _security_line(stack)
+    traces = describe_tracing({**os.environ, **dict(stack.config.env)})
     http = f"  OpenAI:   {stack.http_base_url}\n" if stack.http_base_url else ""
     return (f"Sluice is up: each service is its own process\n{stack.describe()}\n"
-            f"  endpoint: {stack.endpoint}\n{http}  API key:  {key}{source}\n  logs:     {stack.run_dir}\n{security}"
-            f"Try: {shlex.join(command)}{_gibberish_note(stack)}\n{_curl_line(stack, key)}Ctrl-C to stop.")
+            f"  endpoint: {stack.endpoint}\n{http}  API key:  {shown}\n  logs:     {stack.run_dir}\n{security}"
+            f"  {traces}\n"
+            f"Try: {shlex.join(command)}{_gibberish_note(stack)}\n{_curl_line(stack, '' if configured else key)}"
+            "Ctrl-C to stop.")
+
+
+def mask_key(key: str) -> str:
+    """A secret as a banner may show it: enough to tell keys apart, not enough to use one."""
+    return f"{key[:4]}…{key[-2:]}" if len(key) >= 12 else "…"
 
 
 def _curl_line(stack: Stack, key: str) -> str:
-    """Return a curl command against the HTTP API that works as printed ("" when none is served)."""
+    """Return a curl command against the HTTP API that works as printed ("" when none is served).
+
+    `key` "" reads the key from $SLUICE_API_KEY in the shell (a configured key is never printed)."""
     if not stack.http_base_url:
         return ""
     body = json.dumps({"model": stack.model_id, "prompt": "Hello", "max_tokens": 16})
-    command = ["curl", "-sS", f"{stack.http_base_url}/completions", "-H", f"Authorization: Bearer {key}",
-               "-H", "Content-Type: application/json", "-d", body]
-    return f"Or:  {shlex.join(command)}\n"
+    command = ["curl", "-sS", f"{stack.http_base_url}/completions"]
+    if stack.config.public_tls and stack.tls_ca:
+        command += ["--cacert", stack.tls_ca]
+    auth = shlex.quote(f"Authorization: Bearer {key}") if key else '"Authorization: Bearer $SLUICE_API_KEY"'
+    rest = shlex.join(["-H", "Content-Type: application/json", "-d", body])
+    return f"Or:  {shlex.join(command)} -H {auth} {rest}\n"
 
 
 def _security_line(stack: Stack) -> str:
     """Return how the stack's hops are protected, one line (no secret: the CA certificate is public)."""
     if stack.tls_dir is None:
         return "  security: internal calls in plaintext (--mtls to authenticate every hop)\n"
-    public = f"TLS (CA {stack.tls_ca})" if stack.config.public_tls else "plaintext, API keys"
+    public = f"TLS, gRPC and HTTP (CA {stack.tls_ca})" if stack.config.public_tls else "plaintext, API keys in clear"
     return f"  security: internal calls over mutual TLS (credentials in {stack.tls_dir}); public endpoint: {public}\n"
 
 

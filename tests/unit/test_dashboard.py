@@ -39,13 +39,18 @@ def panels() -> list[dict[str, Any]]:
 
 
 def queried(panel: dict[str, Any]) -> set[str]:
-    """Return the sluice_* sample names a panel's queries read."""
-    return {name for target in panel.get("targets", []) for name in re.findall(r"\bsluice_[a-z0-9_]+", target["expr"])}
+    """Return the sluice_*, vllm:* and gen_ai_* sample names a panel's queries read."""
+    names = set()
+    for target in panel.get("targets", []):
+        # Label names (in selectors and by/without clauses) are not metric names: drop those parts first.
+        expr = re.sub(r"\b(?:by|without)\s*\([^)]*\)", "", re.sub(r"\{[^}]*\}", "", target["expr"]))
+        names |= set(re.findall(r"\b(?:sluice_|gen_ai_)[a-z0-9_]+|\bvllm:[a-z0-9_]+", expr))
+    return names
 
 
 def test_every_query_reads_a_metric_some_service_exports() -> None:
-    """A renamed or misspelled metric in a panel would draw an empty graph: every sluice_* name in every query is a
-    sample some service's metrics class exports."""
+    """A renamed or misspelled metric in a panel would draw an empty graph: every sluice_*, vllm:* and gen_ai_* name
+    in every query is a sample some service's metrics class exports."""
     known = set().union(*exported().values())
     unknown = {(p["title"], name) for p in panels() for name in queried(p) if name not in known}
     assert unknown == set()
@@ -84,3 +89,16 @@ def test_the_fleet_row_shows_every_planner_drain_migration_and_reroute_metric() 
             "sluice_admission_migrations", "sluice_replica_drains"} <= set(wanted)
     missing = {name for name, kind in wanted.items() if not {name + suffix for suffix in SUFFIXES[kind]} & below}
     assert missing == set()
+
+
+def test_vllm_and_gen_ai_panels_filter_by_the_model_and_replica_variables() -> None:
+    """The dashboard has `model` and `replica` variables; every vllm:* query filters on both, every gen_ai_* query
+    on the model, and there is at least one panel per family."""
+    templating = {v["name"]: v for v in json.loads(DASHBOARD.read_text())["templating"]["list"]}
+    assert {"datasource", "model", "replica"} <= set(templating)
+    exprs = [t["expr"] for p in panels() for t in p.get("targets", [])]
+    vllm = [e for e in exprs if "vllm:" in e]
+    gen_ai = [e for e in exprs if "gen_ai_" in e]
+    assert len(vllm) >= 8 and len(gen_ai) >= 4
+    assert all('model_name=~"$model"' in e and 'instance=~"$replica"' in e for e in vllm), vllm
+    assert all('gen_ai_request_model=~"$model"' in e for e in gen_ai), gen_ai

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from admission_svc.__main__ import build_parser as admission_parser
+from planner_svc.__main__ import build_parser as planner_parser
 from router_svc.__main__ import build_parser as router_parser
 from scheduler_svc.__main__ import build_parser as scheduler_parser
 from worker_svc.__main__ import build_parser as worker_parser
@@ -18,7 +19,7 @@ from worker_svc.__main__ import build_parser as worker_parser
 yaml = pytest.importorskip("yaml")
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 PARSERS = {"admission": admission_parser, "router": router_parser, "scheduler": scheduler_parser,
-           "worker": worker_parser}
+           "worker": worker_parser, "planner": planner_parser}
 
 
 def entrypoint(service: str) -> list[str]:

@@ -15,7 +15,7 @@ CALLS = {
     ("admission", "router", 50052), ("admission", "replica", 50071), ("admission", "redis", 6379),
     ("router", "redis", 6379), ("router", "replica", 50071),
     ("replica", "router", 50052), ("replica", "redis", 6379),
-    ("planner", "router", 50052),
+    ("planner", "router", 50052), ("planner", "replica", 50071),
     *((app, "otel-collector", port) for app in ("admission", "router", "replica", "planner") for port in (4317, 4318)),
     ("otel-collector", "jaeger", 4317),
 }

@@ -1,0 +1,236 @@
+"""deploy/helm/sluice renders (with the test-only renderer, tests/helm_render.py: no helm binary can be had here)
+into manifests that validate against the Kubernetes schemas, run every container locked down, start each Sluice
+service with flags its parser accepts, expose the OpenAI HTTP port, deploy the planner, and run vLLM's own image
+beside the Sluice agent when engine is vllm."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from admission_svc.__main__ import build_parser as admission_parser
+from planner_svc.__main__ import build_parser as planner_parser
+from router_svc.__main__ import build_parser as router_parser
+from scheduler_svc.__main__ import build_parser as scheduler_parser
+from tests.helm_render import render_chart
+from worker_svc.__main__ import build_parser as worker_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy" / "helm" / "sluice"
+PARSERS = {"admission": admission_parser, "router": router_parser, "scheduler": scheduler_parser,
+           "worker": worker_parser, "planner": planner_parser}
+VARIANTS = {
+    "defaults": {},
+    "vllm": {"engine": "vllm"},
+    "external-redis, no planner, public TLS": {"redis": {"enabled": False, "host": "redis.example.com",
+                                                         "scheme": "rediss"},
+                                               "planner": {"enabled": False}, "admission": {"publicTls": True}},
+    "bare": {"ingress": {"enabled": False}, "networkPolicies": {"enabled": False},
+             "prometheus": {"scrapeConfig": False}, "grafana": {"dashboard": False}},
+}
+VLLM_COMMAND = ["vllm", "serve", "Qwen/Qwen3-0.6B", "--host", "127.0.0.1", "--port", "8000", "--kv-events-config",
+                '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557",'
+                '"replay_endpoint":"tcp://*:5558","topic":"kv"}']
+AGENT_FLAGS = ["--engine", "vllm", "--engine-url", "http://127.0.0.1:8000", "--engine-kv-events",
+               "tcp://127.0.0.1:5557", "--engine-kv-replay", "tcp://127.0.0.1:5558"]
+
+
+def rendered(variant: str) -> list[dict[str, Any]]:
+    return render_chart(CHART, VARIANTS[variant])
+
+
+def pods(docs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """(Deployment name, pod spec) of every Deployment."""
+    return [(d["metadata"]["name"], d["spec"]["template"]["spec"]) for d in docs if d["kind"] == "Deployment"]
+
+
+def sluice_service(container: dict[str, Any]) -> str | None:
+    """The Sluice service a container runs (from its image name), None for another image."""
+    found = re.search(r"sluice-(\w+):", container["image"])
+    return found.group(1) if found else None
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("version", ["1.30.0", "1.37.0"])
+def test_every_rendered_document_validates_against_the_kubernetes_schemas(variant: str, version: str) -> None:
+    """Strict schema validation (unknown fields are errors) of every document the chart renders."""
+    errors = []
+    for doc in rendered(variant):
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            errors.append(f"{doc['kind']}/{doc['metadata']['name']}: {'.'.join(map(str, exc.path))}: {exc.message}")
+    assert errors == []
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_pod_and_container_is_locked_down(variant: str) -> None:
+    """runAsNonRoot, seccomp RuntimeDefault on every pod; no privilege escalation, a read-only root filesystem and
+    every capability dropped in every container; no service account token but the planner's."""
+    for name, spec in pods(rendered(variant)):
+        assert spec["securityContext"]["runAsNonRoot"] is True, name
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        assert spec.get("automountServiceAccountToken", True) is (name == "planner"), name
+        for container in spec["containers"] + spec.get("initContainers", []):
+            context = container["securityContext"]
+            assert context["allowPrivilegeEscalation"] is False, (name, container["name"])
+            assert context["readOnlyRootFilesystem"] is True, (name, container["name"])
+            assert context["capabilities"] == {"drop": ["ALL"]}, (name, container["name"])
+            mounts = {m["mountPath"] for m in container.get("volumeMounts", [])}
+            assert name == "redis" or "/tmp" in mounts, (name, container["name"])  # writable scratch space
+
+
+def _entrypoint(service: str) -> list[str]:
+    text = (ROOT / "deploy" / "docker" / f"{service}.Dockerfile").read_text()
+    found = re.search(r"^ENTRYPOINT (\[.*\])$", text, re.MULTILINE)
+    assert found
+    return list(json.loads(found.group(1)))[3:]
+
+
+def parse(service: str, args: list[str]) -> argparse.Namespace:
+    try:
+        return PARSERS[service]().parse_args([*_entrypoint(service), *args])
+    except SystemExit:
+        pytest.fail(f"python -m {service}_svc rejects {args}")
+
+
+@pytest.mark.parametrize("variant", ["defaults", "external-redis, no planner, public TLS"])
+def test_sluice_containers_start_with_flags_their_parsers_accept_and_probe_their_own_port(variant: str) -> None:
+    """Each Sluice container's args parse; its gRPC containerPort is the port it listens on, and its probes are
+    sluice.healthcheck on that port with its own role."""
+    seen = set()
+    for _name, spec in pods(rendered(variant)):
+        for container in spec["containers"]:
+            service = sluice_service(container)
+            if service is None:
+                continue
+            seen.add(service)
+            args = parse(service, container.get("args", []))
+            grpc_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
+            assert grpc_port == args.port, (service, grpc_port, args.port)
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                if probe in container:
+                    assert container[probe]["exec"]["command"] == [
+                        "python", "-m", "sluice.healthcheck", str(args.port), "--role", service], (service, probe)
+    expected = {"admission", "router", "scheduler", "worker"} | ({"planner"} if variant == "defaults" else set())
+    assert seen == expected
+
+
+def test_public_tls_reaches_admission_and_the_ingress() -> None:
+    """admission.publicTls adds --public-tls, and the Ingresses speak TLS to the pods (GRPCS, HTTPS)."""
+    docs = rendered("external-redis, no planner, public TLS")
+    [admission] = [spec for name, spec in pods(docs) if name == "admission"]
+    assert parse("admission", admission["containers"][0]["args"]).public_tls is True
+    protocols = {d["metadata"]["name"]: d["metadata"]["annotations"]["nginx.ingress.kubernetes.io/backend-protocol"]
+                 for d in docs if d["kind"] == "Ingress"}
+    assert protocols == {"admission-grpc": "GRPCS", "admission-http": "HTTPS"}
+    urls = {e["value"] for _n, spec in pods(docs) for c in spec["containers"] for e in c.get("env", [])
+            if e["name"] == "SLUICE_REDIS_URL"}
+    assert urls == {f"rediss://{role}:$(REDIS_PASSWORD)@redis.example.com:6379/0"
+                    for role in ("admission", "router", "scheduler")}
+
+
+def test_the_ingress_exposes_the_openai_http_port() -> None:
+    """One Ingress routes /v1 to admission's Service port named http, which targets the HTTP API's port 8000."""
+    docs = rendered("defaults")
+    [http] = [d for d in docs if d["kind"] == "Ingress" and d["metadata"]["name"] == "admission-http"]
+    [path] = http["spec"]["rules"][0]["http"]["paths"]
+    assert path["path"] == "/v1" and path["backend"]["service"] == {"name": "admission", "port": {"name": "http"}}
+    [service] = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "admission"]
+    assert {"name": "http", "port": 8000, "targetPort": 8000} in service["spec"]["ports"]
+    [admission] = [spec for name, spec in pods(docs) if name == "admission"]
+    assert {"name": "http", "containerPort": 8000} in admission["containers"][0]["ports"]
+    assert parse("admission", admission["containers"][0]["args"]).http_port == 8000
+
+
+def test_the_planner_runs_with_its_service_account_and_the_replica_count_is_a_value() -> None:
+    """The planner Deployment runs python -m planner_svc (its image) under the planner ServiceAccount, bounded by
+    the values; the replica Deployment's size is `replicas`."""
+    docs = render_chart(CHART, {"replicas": 3, "planner": {"minReplicas": 2, "maxReplicas": 6}})
+    [planner] = [spec for name, spec in pods(docs) if name == "planner"]
+    assert planner["serviceAccountName"] == "planner"
+    args = parse("planner", planner["containers"][0]["args"])
+    assert (args.min_replicas, args.max_replicas, args.connector, args.deployment) == (2, 6, "kubernetes", "replica")
+    [replica] = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "replica"]
+    assert replica["spec"]["replicas"] == 3
+
+
+def test_engine_vllm_runs_vllms_image_beside_the_sluice_agent() -> None:
+    """engine: vllm gives replica pods vLLM's own image serving on the pod's loopback with KV events on 5557/5558,
+    and a scheduler container started as the Sluice agent with exactly the agreed flags; no Sluice worker."""
+    docs = rendered("vllm")
+    [replica] = [spec for name, spec in pods(docs) if name == "replica"]
+    containers = {c["name"]: c for c in replica["containers"]}
+    assert set(containers) == {"vllm", "scheduler"}
+    vllm = containers["vllm"]
+    assert vllm["image"].startswith("vllm/vllm-openai:")
+    assert vllm["command"] == VLLM_COMMAND
+    assert vllm["resources"]["limits"]["nvidia.com/gpu"] == 1
+    agent = containers["scheduler"]["args"]
+    assert agent[:len(AGENT_FLAGS)] == AGENT_FLAGS
+    for flag in ("--router", "--replica-id", "--advertise-host", "--metrics-port", "--tls-dir", "--drain-timeout"):
+        assert flag in agent, flag
+    assert "--worker" not in agent
+
+
+def test_the_dashboard_in_the_chart_is_the_one_in_deploy_grafana() -> None:
+    """The chart ships a copy (Helm reads only files inside the chart): it must not drift from the original."""
+    copy = (CHART / "files" / "sluice-dashboard.json").read_text()
+    assert copy == (ROOT / "deploy" / "grafana" / "sluice-dashboard.json").read_text()
+    [config_map] = [d for d in rendered("defaults") if d["metadata"]["name"] == "sluice-grafana-dashboard"]
+    assert json.loads(config_map["data"]["sluice-dashboard.json"]) == json.loads(copy)
+
+
+def test_every_value_is_documented() -> None:
+    """Each leaf of values.yaml is named in docs/operations.md's chart table (as `a.b.c`)."""
+    def leaves(tree: dict[str, Any], prefix: str = "") -> list[str]:
+        out = []
+        for key, value in tree.items():
+            path = f"{prefix}{key}"
+            out += leaves(value, path + ".") if isinstance(value, dict) and key not in (
+                "resources", "podSecurityContext", "containerSecurityContext") else [path]
+        return out
+    docs = (ROOT / "docs" / "operations.md").read_text()
+    missing = [leaf for leaf in leaves(yaml.safe_load((CHART / "values.yaml").read_text())) if f"`{leaf}`" not in docs]
+    assert missing == []
+
+
+def test_the_renderer_refuses_what_it_does_not_understand(tmp_path: Path) -> None:
+    """A template using a construct the test renderer lacks fails loudly instead of rendering wrongly."""
+    (tmp_path / "templates").mkdir()
+    (tmp_path / "Chart.yaml").write_text("appVersion: '1'\n")
+    (tmp_path / "values.yaml").write_text("a: {b: 1}\n")
+    (tmp_path / "templates" / "x.yaml").write_text("{{ range .Values.a }}x{{ end }}\n")
+    with pytest.raises(ValueError, match="does not support"):
+        render_chart(tmp_path)
+    (tmp_path / "templates" / "x.yaml").write_text("v: {{ .Values.a.c }}\n")
+    with pytest.raises(KeyError, match="no such value"):
+        render_chart(tmp_path)
+
+
+CHART_CALLS = {
+    ("admission", "router", 50052), ("admission", "replica", 50071), ("admission", "redis", 6379),
+    ("router", "redis", 6379), ("router", "replica", 50071),
+    ("replica", "router", 50052), ("replica", "redis", 6379),
+    ("planner", "router", 50052), ("planner", "replica", 50071),
+}
+
+
+@pytest.mark.parametrize("variant", ["defaults", "vllm"])
+def test_the_charts_network_policies_allow_exactly_the_calls_each_service_makes(variant: str) -> None:
+    """Among the release's pods, the allowed (caller, callee, port) triples are exactly the call graph (the
+    evaluator of tests/unit/test_k8s_policies.py); the worker's port and reverse calls stay closed."""
+    from tests.unit.test_k8s_policies import allowed
+
+    policies = [d for d in rendered(variant) if d["kind"] == "NetworkPolicy"]
+    apps = ("admission", "router", "replica", "redis", "planner")
+    ports = {50051, 50052, 50061, 50071, 50081, 6379, 8000, 9464, 9465}
+    opened = {(s, t, port) for s in apps for t in apps for port in ports if s != t and allowed(policies, s, t, port)}
+    assert opened == CHART_CALLS, f"extra: {sorted(opened - CHART_CALLS)}; missing: {sorted(CHART_CALLS - opened)}"
