@@ -1,0 +1,233 @@
+"""`make bench-peers`: Sluice beside the routers people run today, in front of the same vLLM CPU engines.
+
+    python -m sluice_tools.bench_peers --vllm-python .venv-vllm/bin/python \\
+        --sglang-router .venv-peers/sglang/bin/sglang-router --vllm-router .venv-peers/vllm/bin/vllm-router
+
+Starts N vLLM engines once (or uses `--engine-urls`), finds the engines' saturation rate with a short ramp
+through round-robin (unless `--saturation-rps` is given), then for each workload (mooncake, chat) and load
+(light = `--light-fraction` x saturation, near = saturation, over = 1.5 x saturation) replays the same requests
+at the same arrival times through each front end in turn, each started fresh, with every engine's prefix cache
+emptied before each run. Writes OUT/results.json, OUT/table.md and OUT/ttft_cdf_<workload>_<load>.png.
+See docs/bench-peers.md for what each figure means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from sluice_tools.bench_peers_client import replay
+from sluice_tools.bench_peers_fronts import Binaries, Engines, check_fronts, front_factory
+from sluice_tools.bench_peers_procs import (
+    CpuMeter,
+    EngineSpec,
+    Proc,
+    counter_deltas,
+    engine_counters,
+    reset_prefix_caches,
+    spawn,
+    wait_http,
+    wait_idle,
+)
+from sluice_tools.bench_peers_report import run_summary, write_outputs
+from sluice_tools.bench_peers_workload import (
+    ChatShape,
+    MooncakeScale,
+    Req,
+    chat_requests,
+    load_mooncake,
+    mooncake_requests,
+    prompt_token_stats,
+)
+from sluice_tools.metrics import RequestRecord, summarize
+
+DEFAULT_FRONTS = ("round_robin", "sglang_cache_aware", "vllm_router_cache_aware", "vllm_router_kv_aware")
+TRACE = Path("/work/shared/data/traces/mooncake_synthetic.jsonl")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one bench run covers (from the command line)."""
+
+    fronts: tuple[str, ...]
+    workloads: tuple[str, ...]
+    duration_s: float
+    """Seconds of arrivals per run."""
+    slo_ttft_s: float
+    slo_tpot_s: float
+    timeout_s: float
+    trace: Path
+
+
+def build_workload(name: str, rate: float, plan: Plan) -> list[Req]:
+    """Return workload `name` at `rate` req/s for `plan.duration_s` seconds; raises ValueError for an unknown name."""
+    count = max(int(rate * plan.duration_s), 1)
+    if name == "mooncake":
+        return mooncake_requests(load_mooncake(plan.trace, count), rate, MooncakeScale())
+    if name == "chat":
+        return chat_requests(count, rate, ChatShape())
+    raise ValueError(f"unknown workload {name!r}; known: ['chat', 'mooncake']")
+
+
+def start_engines(args: argparse.Namespace, log_dir: Path) -> tuple[Engines, list[Proc]]:
+    """Start `args.engines` vLLM engines (engine i on core i mod cores); wait until every one is healthy."""
+    model = args.model or str(log_dir / "tiny-model")
+    if not args.model and not (Path(model) / "config.json").exists():
+        from worker_svc.engine.presets import write_preset
+
+        write_preset(Path(model), "tiny")
+    specs = [EngineSpec(args.vllm_python, model, args.engine_port + i, i % args.cores,
+                        f"ipc://{log_dir.resolve()}/kv{i}.sock", args.engine_port + 100 + i)
+             for i in range(args.engines)]
+    procs = [spawn(f"engine{i}", s.argv(), log_dir, s.env(), url=f"http://127.0.0.1:{s.port}")
+             for i, s in enumerate(specs)]
+    try:
+        for proc in procs:
+            wait_http(proc, "/health", timeout_s=args.engine_timeout)
+    except RuntimeError:
+        for proc in procs:
+            proc.stop()
+        raise
+    engines = Engines(tuple(p.url for p in procs), tuple(s.kv_events_ipc for s in specs),
+                      tuple(f"tcp://127.0.0.1:{s.kv_replay_port}" for s in specs))
+    return engines, procs
+
+
+def run_one(front: str, reqs: Sequence[Req], engines: Engines, bins: Binaries, plan: Plan,
+            log_dir: Path) -> tuple[dict[str, object], list[RequestRecord]]:
+    """Replay `reqs` through front end `front` with empty prefix caches; return its summary and records."""
+    wait_idle(engines.urls)
+    reset_prefix_caches(engines.urls)
+    started = front_factory(front)(engines, bins, log_dir)
+    try:
+        before = engine_counters(engines.urls)
+        meter = CpuMeter(started.pids())
+        meter.start()
+        wall = time.monotonic()
+        records = asyncio.run(replay(reqs, started.targets, engines.model, plan.timeout_s))
+        wall = time.monotonic() - wall
+        cpu_s = meter.stop()
+        wait_idle(engines.urls)
+        deltas = counter_deltas(before, engine_counters(engines.urls))
+    finally:
+        started.stop()
+    summary = summarize(records, plan.slo_ttft_s, plan.slo_tpot_s, duration_s=max(wall, 1e-9))
+    return run_summary(summary, records, deltas, cpu_s, bool(started.procs)), records
+
+
+def ramp(engines: Engines, bins: Binaries, plan: Plan, rates: Sequence[float], log_dir: Path) -> tuple[float, list]:
+    """Find the saturation rate: the highest ramp rate at which round-robin still completes >= 95% of the
+    offered requests within the SLO's TTFT at p50 (mooncake workload, `plan.duration_s` per step)."""
+    steps, best = [], rates[0]
+    for rate in rates:
+        summary, _ = run_one("round_robin", build_workload("mooncake", rate, plan), engines, bins, plan, log_dir)
+        ttft_p50 = summary["ttft_s"]["p50"]  # type: ignore[index]
+        done = summary["counts"]["ok"] / max(summary["requests"], 1)  # type: ignore[index,call-overload]
+        steps.append({"rate_rps": rate, "ok_share": done, "ttft_p50_s": ttft_p50,
+                      "output_tokens_per_s": summary["output_tokens_per_s"]})
+        print(json.dumps({"ramp": steps[-1]}), flush=True)
+        if done < 0.95 or ttft_p50 is None or ttft_p50 > plan.slo_ttft_s:
+            break
+        best = rate
+    return best, steps
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line (see the module docstring)."""
+    p = argparse.ArgumentParser(prog="bench_peers", description=__doc__.split("\n\n")[0])
+    p.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="the vLLM venv's python")
+    p.add_argument("--sglang-router", default=".venv-peers/sglang/bin/sglang-router")
+    p.add_argument("--vllm-router", default=".venv-peers/vllm/bin/vllm-router")
+    p.add_argument("--engine-urls", nargs="*", default=None,
+                   help="use running engines (started with bench_peers_procs.EngineSpec's flags) instead")
+    p.add_argument("--kv-events", nargs="*", default=(), help="with --engine-urls: each engine's KV PUB endpoint")
+    p.add_argument("--kv-replay", nargs="*", default=(), help="with --engine-urls: each engine's replay endpoint")
+    p.add_argument("--engines", type=int, default=2)
+    p.add_argument("--cores", type=int, default=2, help="engine i binds its threads to core i mod CORES")
+    p.add_argument("--engine-port", type=int, default=18400)
+    p.add_argument("--engine-timeout", type=float, default=400.0)
+    p.add_argument("--model", default="", help="model directory (default: a tiny preset written under OUT)")
+    p.add_argument("--fronts", nargs="*", default=list(DEFAULT_FRONTS))
+    p.add_argument("--workloads", nargs="*", default=["mooncake", "chat"])
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run")
+    p.add_argument("--saturation-rps", type=float, default=0.0, help="skip the ramp, use this rate")
+    p.add_argument("--ramp-rates", type=float, nargs="*", default=[2, 4, 6, 8, 10, 12, 16, 20])
+    p.add_argument("--ramp-duration", type=float, default=20.0)
+    p.add_argument("--light-fraction", type=float, default=0.3)
+    p.add_argument("--loads", nargs="*", default=["light", "near", "over"])
+    p.add_argument("--slo-ttft", type=float, default=1.0, help="seconds")
+    p.add_argument("--slo-tpot", type=float, default=0.1, help="seconds")
+    p.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
+    p.add_argument("--trace", type=Path, default=TRACE)
+    p.add_argument("--out", type=Path, default=Path("out/bench-peers"))
+    p.add_argument("--quick", action="store_true", help="20 s runs, a 3-step ramp of 10 s")
+    return p.parse_args(argv)
+
+
+LOAD_FACTOR = {"near": 1.0, "over": 1.5}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the bench; return 0, or 2 when a front end asked for cannot run (the reason is printed)."""
+    args = parse_args(argv)
+    if args.quick:
+        args.duration, args.ramp_duration, args.ramp_rates = 20.0, 10.0, args.ramp_rates[:3]
+    reasons = check_fronts(args.fronts)
+    if reasons:
+        print("bench_peers: " + "; ".join(reasons), file=sys.stderr)
+        return 2
+    log_dir = args.out / "logs"
+    bins = Binaries(args.sglang_router, args.vllm_router, args.vllm_python)
+    procs: list[Proc] = []
+    if args.engine_urls:
+        engines = Engines(tuple(args.engine_urls), tuple(args.kv_events), tuple(args.kv_replay))
+    else:
+        engines, procs = start_engines(args, log_dir)
+    try:
+        return _bench(args, engines, bins, log_dir)
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def _bench(args: argparse.Namespace, engines: Engines, bins: Binaries, log_dir: Path) -> int:
+    plan = Plan(tuple(args.fronts), tuple(args.workloads), args.duration, args.slo_ttft, args.slo_tpot,
+                args.timeout, args.trace)
+    ramp_plan = Plan(plan.fronts, plan.workloads, args.ramp_duration, plan.slo_ttft_s, plan.slo_tpot_s,
+                     plan.timeout_s, plan.trace)
+    saturation, steps = (args.saturation_rps, []) if args.saturation_rps > 0 else ramp(
+        engines, bins, ramp_plan, args.ramp_rates, log_dir)
+    results: dict[str, object] = {"saturation_rps": saturation, "ramp": steps, "plan": _plan_json(plan, args),
+                                  "runs": []}
+    records: dict[tuple[str, str], dict[str, list[RequestRecord]]] = {}
+    for workload in plan.workloads:
+        for load in args.loads:
+            rate = saturation * (args.light_fraction if load == "light" else LOAD_FACTOR[load])
+            reqs = build_workload(workload, rate, plan)
+            for front in plan.fronts:
+                summary, recs = run_one(front, reqs, engines, bins, plan, log_dir)
+                row = {"workload": workload, "load": load, "rate_rps": rate, "front": front,
+                       "workload_stats": prompt_token_stats(reqs), **summary}
+                results["runs"].append(row)  # type: ignore[attr-defined]
+                records.setdefault((workload, load), {})[front] = recs
+                print(json.dumps({k: row[k] for k in ("workload", "load", "front", "headline")}), flush=True)
+    write_outputs(results, records, args.out, plan.slo_ttft_s)
+    print(f"bench_peers: wrote {args.out}/results.json, table.md and TTFT CDF plots", flush=True)
+    return 0
+
+
+def _plan_json(plan: Plan, args: argparse.Namespace) -> dict[str, object]:
+    return {"fronts": list(plan.fronts), "workloads": list(plan.workloads), "duration_s": plan.duration_s,
+            "slo": {"ttft_s": plan.slo_ttft_s, "tpot_s": plan.slo_tpot_s}, "engines": args.engines,
+            "light_fraction": args.light_fraction, "mooncake_scale": vars(MooncakeScale()),
+            "chat_shape": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(ChatShape()).items()}}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Figures, table and plots of `make bench-peers` (pure but for `write_outputs`).
+
+Per run: `sluice_tools.metrics.summarize` of the client's records, plus what only the engines and the front
+end's processes know: the prefix-cache hit rate (growth of `vllm:prefix_cache_hits_total` over growth of
+`vllm:prefix_cache_queries_total`, both in tokens, summed over engines), the tokens each engine processed
+(prompt + generated; its share is the load balance) and the front end's CPU seconds per request and per
+streamed token (utime+stime of its processes and their children, from /proc/PID/stat).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from sluice_tools.metrics import RequestRecord
+from sluice_tools.report import cdf_figure, write_json
+
+
+def _ms(value: object) -> float | None:
+    return None if value is None else round(float(value) * 1000.0, 1)  # type: ignore[arg-type]
+
+
+def engine_figures(deltas: Sequence[Mapping[str, float]]) -> dict[str, object]:
+    """Return the prefix-cache hit rate over all engines and the tokens (and share) per engine."""
+    queries = sum(d.get("vllm:prefix_cache_queries_total", 0.0) for d in deltas)
+    hits = sum(d.get("vllm:prefix_cache_hits_total", 0.0) for d in deltas)
+    tokens = [d.get("vllm:prompt_tokens_total", 0.0) + d.get("vllm:generation_tokens_total", 0.0) for d in deltas]
+    total = sum(tokens)
+    return {
+        "prefix_cache_hit_rate": hits / queries if queries else None,
+        "prefix_cache_hits_tokens": hits,
+        "prefix_cache_queries_tokens": queries,
+        "tokens_per_engine": tokens,
+        "token_share_per_engine": [t / total if total else None for t in tokens],
+        "preemptions": sum(d.get("vllm:num_preemptions_total", 0.0) for d in deltas),
+        "engine_deltas": [dict(d) for d in deltas],
+    }
+
+
+def failures(records: Sequence[RequestRecord]) -> dict[str, object]:
+    """Return refused (explicit HTTP status) and failed/timed-out (no explicit status) counts with examples."""
+    out: dict[str, object] = {}
+    for status, explicit in (("rejected", True), ("failed", False), ("timed_out", False)):
+        bad = [r for r in records if r.status == status]
+        out[status] = {"count": len(bad), "explicit": explicit, "examples": sorted({r.detail for r in bad})[:3]}
+    return out
+
+
+def run_summary(summary: dict[str, object], records: Sequence[RequestRecord], deltas: Sequence[Mapping[str, float]],
+                cpu_s: float, has_process: bool) -> dict[str, object]:
+    """Return the run's summary with engine figures, failures, front-end CPU and a flat `headline`."""
+    streamed = sum(r.output_tokens for r in records if r.status == "ok")
+    engines = engine_figures(deltas)
+    cpu = {
+        "seconds": cpu_s if has_process else None,
+        "ms_per_request": cpu_s * 1000.0 / len(records) if has_process and records else None,
+        "us_per_streamed_token": cpu_s * 1e6 / streamed if has_process and streamed else None,
+    }
+    ttft, itl, e2e = summary["ttft_s"], summary["itl_s"], summary["e2e_s"]
+    counts = summary["counts"]
+    headline = {
+        "ok": counts["ok"],  # type: ignore[index]
+        "refused": counts["rejected"],  # type: ignore[index]
+        "failed": counts["failed"] + counts["timed_out"],  # type: ignore[index]
+        "ttft_p50_ms": _ms(ttft["p50"]), "ttft_p99_ms": _ms(ttft["p99"]),  # type: ignore[index]
+        "itl_p50_ms": _ms(itl["p50"]), "itl_p99_ms": _ms(itl["p99"]),  # type: ignore[index]
+        "e2e_p99_ms": _ms(e2e["p99"]),  # type: ignore[index]
+        "goodput_rps": round(float(summary["goodput_rps"]), 3),  # type: ignore[arg-type]
+        "slo_attainment": round(float(summary["slo_attainment"]), 3),  # type: ignore[arg-type]
+        "prefix_hit_rate": engines["prefix_cache_hit_rate"],
+        "token_share": engines["token_share_per_engine"],
+        "cpu_ms_per_request": cpu["ms_per_request"],
+        "cpu_us_per_token": cpu["us_per_streamed_token"],
+    }
+    return {**summary, "engines": engines, "failures": failures(records), "front_cpu": cpu, "headline": headline}
+
+
+COLUMNS = (
+    ("workload", "workload"), ("load", "load"), ("rate_rps", "req/s"), ("front", "front end"), ("ok", "ok"),
+    ("refused", "refused"), ("failed", "failed"), ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
+    ("itl_p50_ms", "ITL p50 ms"), ("itl_p99_ms", "ITL p99 ms"), ("e2e_p99_ms", "E2E p99 ms"),
+    ("goodput_rps", "goodput req/s"), ("prefix_hit_rate", "prefix hit"), ("token_share", "token share"),
+    ("cpu_ms_per_request", "CPU ms/req"), ("cpu_us_per_token", "CPU µs/token"),
+)
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, list):
+        return "/".join(_cell(v) for v in value)
+    if isinstance(value, float):
+        return f"{value:.2f}" if abs(value) < 100 else f"{value:.0f}"
+    return str(value)
+
+
+def format_table(runs: Sequence[Mapping[str, object]]) -> str:
+    """Return one Markdown table, a row per (workload, load, front end)."""
+    lines = ["| " + " | ".join(title for _, title in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for run in runs:
+        flat = {**run, **run["headline"]}  # type: ignore[dict-item]
+        lines.append("| " + " | ".join(_cell(flat.get(key)) for key, _ in COLUMNS) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(results: Mapping[str, object], records: Mapping[tuple[str, str], Mapping[str, Sequence[RequestRecord]]],
+                  out: Path, slo_ttft_s: float) -> None:
+    """Write OUT/results.json, OUT/table.md and one TTFT CDF per (workload, load) when matplotlib is there."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(results, out / "results.json")
+    (out / "table.md").write_text(format_table(results["runs"]))  # type: ignore[arg-type]
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    for (workload, load), runs in records.items():
+        figure = cdf_figure(plt, runs, "ttft_s", f"{workload}, {load} load", slo_ttft_s)
+        figure.savefig(out / f"ttft_cdf_{workload}_{load}.png", dpi=110)
+        plt.close(figure)
