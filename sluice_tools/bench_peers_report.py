@@ -56,7 +56,7 @@ def run_summary(summary: dict[str, object], records: Sequence[RequestRecord], de
         "ms_per_request": cpu_s * 1000.0 / len(records) if has_process and records else None,
         "us_per_streamed_token": cpu_s * 1e6 / streamed if has_process and streamed else None,
     }
-    ttft, itl, e2e = summary["ttft_s"], summary["itl_s"], summary["e2e_s"]
+    ttft, itl, e2e, tpot = summary["ttft_s"], summary["itl_s"], summary["e2e_s"], summary["tpot_s"]
     counts = summary["counts"]
     headline = {
         "ok": counts["ok"],  # type: ignore[index]
@@ -64,6 +64,7 @@ def run_summary(summary: dict[str, object], records: Sequence[RequestRecord], de
         "failed": counts["failed"] + counts["timed_out"],  # type: ignore[index]
         "ttft_p50_ms": _ms(ttft["p50"]), "ttft_p99_ms": _ms(ttft["p99"]),  # type: ignore[index]
         "itl_p50_ms": _ms(itl["p50"]), "itl_p99_ms": _ms(itl["p99"]),  # type: ignore[index]
+        "tpot_p50_ms": _ms(tpot["p50"]), "tpot_p99_ms": _ms(tpot["p99"]),  # type: ignore[index]
         "e2e_p99_ms": _ms(e2e["p99"]),  # type: ignore[index]
         "goodput_rps": round(float(summary["goodput_rps"]), 3),  # type: ignore[arg-type]
         "slo_attainment": round(float(summary["slo_attainment"]), 3),  # type: ignore[arg-type]
@@ -78,7 +79,7 @@ def run_summary(summary: dict[str, object], records: Sequence[RequestRecord], de
 COLUMNS = (
     ("workload", "workload"), ("load", "load"), ("rate_rps", "req/s"), ("front", "front end"), ("ok", "ok"),
     ("refused", "refused"), ("failed", "failed"), ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
-    ("itl_p50_ms", "ITL p50 ms"), ("itl_p99_ms", "ITL p99 ms"), ("e2e_p99_ms", "E2E p99 ms"),
+    ("itl_p50_ms", "ITL p50 ms"), ("itl_p99_ms", "ITL p99 ms"), ("tpot_p99_ms", "TPOT p99 ms"), ("e2e_p99_ms", "E2E p99 ms"),
     ("goodput_rps", "goodput req/s"), ("prefix_hit_rate", "prefix hit"), ("token_share", "token share"),
     ("cpu_ms_per_request", "CPU ms/req"), ("cpu_us_per_token", "CPU µs/token"),
 )
