@@ -1,15 +1,19 @@
-"""`python -m scheduler_svc`: run one replica's scheduler in front of its worker, as a gRPC service."""
+"""`python -m scheduler_svc`: run one replica's scheduler in front of its worker, as a gRPC service.
+
+With `--engine vllm` the replica is an unmodified vLLM server instead (scheduler_svc/engines/vllm): the same
+gRPC contract, registration and Redis publications, with a gateway queue in front of vLLM's own scheduler."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from scheduler_svc.core.config import Policy, PreemptionMode, SchedulerConfig, VictimPolicy
-from scheduler_svc.server import SERVICE_NAME, start_replica
+from scheduler_svc.server import SERVICE_NAME, RunningReplica, start_replica
 from sluice import serve
+from sluice.bus import Bus
 from sluice.prom import SchedulerMetrics
 from sluice.round_budget import derive_round_budget, linear_round_time
 
@@ -25,8 +29,25 @@ class SchedulerOptions(serve.BusOptions):
     """gRPC port; 0 picks a free one."""
     replica_id: str
     """This replica's id at the router."""
-    worker: str
-    """Worker HOST:PORT."""
+    worker: str = ""
+    """Worker HOST:PORT (--engine sluice)."""
+    engine: str = "sluice"
+    """What executes the requests: sluice (the worker at --worker) or vllm (the server at --engine-url)."""
+    engine_url: str = ""
+    """--engine vllm: the vLLM OpenAI server, http://HOST:PORT."""
+    engine_kv_events: str = ""
+    """--engine vllm: its KV-event PUB endpoint (kv_events_config endpoint, e.g. ipc:///run/kv.sock); empty: the
+    router gets no KV events from this replica (no prefix-aware routing)."""
+    engine_kv_replay: str = ""
+    """--engine vllm: its KV-event replay endpoint (kv_events_config replay_endpoint)."""
+    engine_model_id: str = ""
+    """--engine vllm: the model id admission and the router use; empty: the engine's served model name."""
+    max_inflight: int = 16
+    """--engine vllm: requests on the engine at once at most; the rest wait in this replica's policy-ordered queue."""
+    engine_priority: bool = False
+    """--engine vllm: pass each request's priority to vLLM (start it with --scheduling-policy priority)."""
+    engine_startup_timeout: float = 600.0
+    """--engine vllm: seconds to wait for the engine to answer at start."""
     advertise_host: str = "127.0.0.1"
     """Host the router gives to admission for this scheduler."""
     router: str = ""
@@ -107,12 +128,19 @@ def core_overrides(options: SchedulerOptions) -> dict[str, object]:
 
 
 async def start(ctx: serve.ServiceContext, options: SchedulerOptions) -> serve.Started:
-    """Wait for the worker, then serve and register; returns how to drain (finish work, then cancel the rest)."""
+    """Wait for the worker (or engine), then serve and register; returns how to drain (finish work, then cancel
+    the rest)."""
+    if options.engine not in ("sluice", "vllm"):
+        raise serve.StartupError(f"--engine {options.engine!r}: known engines are sluice and vllm")
+    if options.engine == "sluice" and not options.worker:
+        raise serve.StartupError("--worker HOST:PORT is required with --engine sluice")
+    if options.engine == "vllm" and not options.engine_url:
+        raise serve.StartupError("--engine-url http://HOST:PORT is required with --engine vllm")
     metrics = SchedulerMetrics()
     ctx.expose_metrics(metrics.registry)
     bus = await serve.open_bus(ctx, options)
     try:
-        replica = await start_replica(
+        replica = await (_start_vllm(options, bus, metrics, ctx) if options.engine == "vllm" else start_replica(
             replica_id=options.replica_id, worker_address=options.worker, bus=bus, router_address=options.router,
             port=options.port, host=options.host, advertise_host=options.advertise_host,
             core_overrides=core_overrides(options), metrics=metrics, heartbeat_interval_s=options.heartbeat_interval,
@@ -120,7 +148,7 @@ async def start(ctx: serve.ServiceContext, options: SchedulerOptions) -> serve.S
             prefill_pair_s=options.prefill_pair_s, use_stream=not options.unary,
             publish_first_max_tokens=options.publish_first_max_tokens,
             tls_files=serve.tls_files(options, "scheduler"), bus_alive=_bus_alive(ctx),
-            drain_timeout_s=options.drain_timeout, pipeline=not options.no_pipeline)
+            drain_timeout_s=options.drain_timeout, pipeline=not options.no_pipeline))
     except (TimeoutError, ValueError) as exc:
         raise serve.StartupError(str(exc)) from exc
 
@@ -129,6 +157,26 @@ async def start(ctx: serve.ServiceContext, options: SchedulerOptions) -> serve.S
 
     return serve.Started(replica.port, drain=drain, watched=replica.tasks, label=f"scheduler {options.replica_id}",
                          health=replica.health, health_names=("", SERVICE_NAME))
+
+
+def _start_vllm(options: SchedulerOptions, bus: Bus, metrics: SchedulerMetrics,
+                ctx: serve.ServiceContext) -> Awaitable[RunningReplica]:
+    from scheduler_svc.engines.vllm.replica import (  # only this engine needs zmq
+        EngineSettings,
+        start_vllm_replica,
+    )
+
+    engine = EngineSettings(url=options.engine_url, kv_events=options.engine_kv_events,
+                            kv_replay=options.engine_kv_replay, model_id=options.engine_model_id,
+                            policy=options.policy, max_inflight=options.max_inflight, max_waiting=options.max_waiting,
+                            priority_passthrough=options.engine_priority,
+                            startup_timeout_s=options.engine_startup_timeout)
+    return start_vllm_replica(
+        replica_id=options.replica_id, engine=engine, bus=bus, router_address=options.router, port=options.port,
+        host=options.host, advertise_host=options.advertise_host, metrics=metrics,
+        heartbeat_interval_s=options.heartbeat_interval, prefill_tokens_per_s=options.prefill_tokens_per_s,
+        decode_round_s=options.decode_round_s, tls_files=serve.tls_files(options, "scheduler"),
+        bus_alive=_bus_alive(ctx), drain_timeout_s=options.drain_timeout)
 
 
 def _bus_alive(ctx: serve.ServiceContext) -> Callable[[], bool]:

@@ -56,6 +56,7 @@ from sluice_tools.stack_parts import (
     StackConfig,
     StackError,
     health_serving,
+    proc_serving,
     terminate,
 )
 from worker_svc.models import resolve_model
@@ -150,7 +151,7 @@ class Stack:
         self._wait_healthy(self.schedulers, deadline)
         model_id = self.model_id = self._wait_replicas_ready(deadline)
         # Admission reads the tokenizer only and never generates a preset: resolve (generate) it here.
-        tokenizer_model = str(resolve_model(c.model if c.backend == "torch" else "tiny"))
+        tokenizer_model = str(resolve_model(c.model if c.backend == "torch" or c.engine == "vllm" else "tiny"))
         admission_args = [*common, "--router", self.router.address, "--model", tokenizer_model,
                           "--model-id", model_id,
                           "--owner", self.admission_owner]
@@ -262,7 +263,7 @@ class Stack:
         pending = list(procs)
         while pending:
             self._check_alive(pending)
-            pending = [p for p in pending if not health_serving(p.address, files=self.health_files(p))]
+            pending = [p for p in pending if not proc_serving(p, files=self.health_files(p))]
             for proc in procs:
                 if proc not in pending and self.config.metrics and not proc.metrics_url:
                     proc.metrics_url = proc.printed_metrics_url()

@@ -100,7 +100,7 @@ class StackFleet:
     def advance_replicas(self) -> list[str]:
         """Move replicas along: start the scheduler of a new replica whose worker serves; forget a retired one
         whose scheduler has exited (its worker stopped). Returns what happened, one line each."""
-        from sluice_tools.stack_parts import health_serving, terminate
+        from sluice_tools.stack_parts import proc_serving, terminate
 
         events = []
         for replica in list(self.stack.replicas.values()):
@@ -109,9 +109,8 @@ class StackFleet:
                     terminate(replica.worker, timeout_s=10.0)
                     self._forget(replica)
                     events.append(f"{replica.replica_id} retired (scheduler and worker stopped)")
-            elif replica.scheduler is None and replica.worker.alive() and health_serving(replica.worker.address,
-                                                                                           timeout_s=0.2,
-                                                                                           files=self.stack.operator):
+            elif replica.scheduler is None and replica.worker.alive() and proc_serving(replica.worker, timeout_s=0.2,
+                                                                                         files=self.stack.operator):
                 self.stack.spawn_scheduler(replica)
                 events.append(f"{replica.replica_id}: worker serving, scheduler started")
         return events

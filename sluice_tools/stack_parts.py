@@ -10,9 +10,11 @@ from __future__ import annotations
 import contextlib
 import signal
 import subprocess
+import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -22,7 +24,8 @@ from sluice.tls import TlsFiles, sync_channel
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-__all__ = ["REPO_ROOT", "Proc", "Replica", "StackConfig", "StackError", "health_serving", "terminate"]
+__all__ = ["REPO_ROOT", "Proc", "Replica", "StackConfig", "StackError", "health_serving", "proc_serving",
+           "terminate"]
 
 
 class StackError(RuntimeError):
@@ -74,6 +77,15 @@ class StackConfig:
     """Admission's public endpoint over TLS too (needs mtls; clients trust `Stack.tls_ca`)."""
     redis_acl: bool = True
     """Embedded Redis: one ACL user per role (sluice.redis_acl), each service its own URL; off: one shared password."""
+    engine: str = "sluice"
+    """What a replica runs: "sluice" (a worker of `backend`) or "vllm" (an unmodified vLLM server, started from
+    vLLM's venv, with a Sluice agent as its scheduler: scheduler_svc/engines/vllm)."""
+    engine_args: tuple[str, ...] = ()
+    """Extra flags for every vLLM server (engine "vllm")."""
+    vllm_scheduling_policy: str = "fcfs"
+    """vLLM's own --scheduling-policy (engine "vllm"): fcfs or priority (then priorities pass through)."""
+    vllm_scheduler_cls: str = ""
+    """vLLM's --scheduler-cls (engine "vllm"), e.g. scheduler_svc.engines.vllm.sched_cls.SluiceScheduler."""
 
 
 @dataclass
@@ -94,6 +106,8 @@ class Proc:
     """The replica it belongs to (workers and schedulers); "" for the others."""
     log_start: int = 0
     """Size of its log when the running incarnation was launched (what that one printed starts there)."""
+    http_health: str = ""
+    """A URL whose 200 says it serves (a vLLM engine's /health); "": it answers gRPC health at `address`."""
 
     def launch(self) -> None:
         """Start (or start again) the process, appending to its log, in a new session."""
@@ -126,11 +140,13 @@ class Proc:
 
 @dataclass
 class Replica:
-    """One worker + scheduler pair; the scheduler is started once its worker serves."""
+    """One worker + scheduler pair (or vLLM engine + agent); the scheduler is started once its worker serves."""
 
     replica_id: str
     worker: Proc
     scheduler: Proc | None = None
+    engine: Any = None
+    """The VllmEngineSpec of a vLLM replica (sluice_tools.vllm_engine); None for a Sluice worker."""
     retiring: bool = False
     """Being drained and stopped (a scale-down): not restarted, not counted."""
 
@@ -145,6 +161,17 @@ def health_serving(address: str, service: str = "", timeout_s: float = 1.0, file
         except grpc.RpcError:
             return False
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def proc_serving(proc: Proc, timeout_s: float = 1.0, files: TlsFiles | None = None) -> bool:
+    """Return True when `proc` serves: its HTTP health URL answers 200, or its gRPC health reports SERVING."""
+    if proc.http_health:
+        try:
+            with urllib.request.urlopen(proc.http_health, timeout=timeout_s) as reply:  # noqa: S310 (loopback URL)
+                return bool(reply.status == 200)
+        except (OSError, ValueError):
+            return False
+    return health_serving(proc.address, timeout_s=timeout_s, files=files)
 
 
 def terminate(proc: Proc, timeout_s: float) -> None:

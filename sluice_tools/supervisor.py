@@ -213,9 +213,9 @@ class Supervisor:
         return {name: track.total for name, track in sorted(self.tracks.items()) if track.total}
 
     def _serving(self, proc: Proc) -> bool:
-        from sluice_tools.stack import health_serving
+        from sluice_tools.stack_parts import proc_serving
 
-        return health_serving(proc.address, timeout_s=0.2, files=self.stack.health_files(proc))
+        return proc_serving(proc, timeout_s=0.2, files=self.stack.health_files(proc))
 
     def summary(self) -> str:
         """One line: restarts per process, or that there were none."""
