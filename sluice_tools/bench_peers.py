@@ -26,7 +26,6 @@ from sluice_tools.bench_peers_client import replay
 from sluice_tools.bench_peers_fronts import Binaries, Engines, check_fronts, front_factory
 from sluice_tools.bench_peers_procs import (
     CpuMeter,
-    EngineSpec,
     Proc,
     counter_deltas,
     engine_counters,
@@ -46,8 +45,11 @@ from sluice_tools.bench_peers_workload import (
     prompt_token_stats,
 )
 from sluice_tools.metrics import RequestRecord, summarize
+from sluice_tools.vllm_engine import VllmEngineSpec, vllm_command, vllm_env, vllm_python
 
 DEFAULT_FRONTS = ("round_robin", "sglang_cache_aware", "vllm_router_cache_aware", "vllm_router_kv_aware")
+SCALE_OUT = ("--enable-scale-out",)
+"""vllm-router's cache_aware tokenizes through the engines' /v1/completions/render, which needs it."""
 TRACE = Path("/work/shared/data/traces/mooncake_synthetic.jsonl")
 
 
@@ -82,10 +84,10 @@ def start_engines(args: argparse.Namespace, log_dir: Path) -> tuple[Engines, lis
         from worker_svc.engine.presets import write_preset
 
         write_preset(Path(model), "tiny")
-    specs = [EngineSpec(args.vllm_python, model, args.engine_port + i, i % args.cores,
-                        f"ipc://{log_dir.resolve()}/kv{i}.sock", args.engine_port + 100 + i)
-             for i in range(args.engines)]
-    procs = [spawn(f"engine{i}", s.argv(), log_dir, s.env(), url=f"http://127.0.0.1:{s.port}")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    specs = [VllmEngineSpec(model, args.engine_port + i, f"{log_dir.resolve()}/kv{i}.sock", args.engine_port + 100 + i,
+                            cpu=i % args.cores, extra_args=SCALE_OUT) for i in range(args.engines)]
+    procs = [spawn(f"engine{i}", vllm_command(s, args.vllm_python), log_dir, vllm_env(s), url=s.url)
              for i, s in enumerate(specs)]
     try:
         for proc in procs:
@@ -94,8 +96,8 @@ def start_engines(args: argparse.Namespace, log_dir: Path) -> tuple[Engines, lis
         for proc in procs:
             proc.stop()
         raise
-    engines = Engines(tuple(p.url for p in procs), tuple(s.kv_events_ipc for s in specs),
-                      tuple(f"tcp://127.0.0.1:{s.kv_replay_port}" for s in specs))
+    engines = Engines(tuple(s.url for s in specs), tuple(s.kv_endpoint for s in specs),
+                      tuple(s.replay_endpoint for s in specs))
     return engines, procs
 
 
@@ -141,7 +143,8 @@ def ramp(engines: Engines, bins: Binaries, plan: Plan, rates: Sequence[float], l
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The command line (see the module docstring)."""
     p = argparse.ArgumentParser(prog="bench_peers", description=__doc__.split("\n\n")[0])
-    p.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="the vLLM venv's python")
+    p.add_argument("--vllm-python", default="", help="the vLLM venv's python (default: $SLUICE_VLLM_PYTHON or "
+                   ".venv-vllm, as sluice_tools.vllm_engine finds it)")
     p.add_argument("--sglang-router", default=".venv-peers/sglang/bin/sglang-router")
     p.add_argument("--vllm-router", default=".venv-peers/vllm/bin/vllm-router")
     p.add_argument("--engine-urls", nargs="*", default=None,
@@ -178,6 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.quick:
         args.duration, args.ramp_duration, args.ramp_rates = 20.0, 10.0, args.ramp_rates[:3]
+    args.vllm_python = args.vllm_python or vllm_python()
     reasons = check_fronts(args.fronts)
     if reasons:
         print("bench_peers: " + "; ".join(reasons), file=sys.stderr)

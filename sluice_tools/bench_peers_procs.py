@@ -1,4 +1,7 @@
-"""Processes of `make bench-peers`: vLLM CPU engines, the peer routers, their CPU time and the engines' counters.
+"""Processes of `make bench-peers`: starting and stopping them, their CPU time and the engines' counters.
+
+vLLM engines are started by `sluice_tools.vllm_engine` (the one way the repo starts vLLM), with
+`--enable-scale-out` added: vllm-router's cache_aware tokenizes through /v1/completions/render.
 
 Everything binds to 127.0.0.1. Each process is started in a session of its own (`start_new_session`) so that
 `stop()` ends it and every child (vLLM's engine core and worker) by process group, and nothing else.
@@ -6,7 +9,6 @@ Everything binds to 127.0.0.1. Each process is started in a session of its own (
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -85,40 +87,6 @@ def _tail(log: Path, lines: int = 15) -> str:
         return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """How the bench starts one vLLM CPU engine."""
-
-    python: str
-    """The vLLM venv's interpreter."""
-    model: str
-    port: int
-    core: int
-    """CPU core its OpenMP threads bind to."""
-    kv_events_ipc: str
-    """PUB endpoint of its KV events (ipc://, so the publisher binds)."""
-    kv_replay_port: int
-    served_name: str = "tiny"
-    block_size: int = 32
-    max_model_len: int = 2048
-    dtype: str = "float32"
-
-    def argv(self) -> list[str]:
-        """The command line: prefix caching on (vLLM's default), `--enable-scale-out` (vllm-router's
-        cache_aware tokenizes through /v1/completions/render), KV events for kv_aware routers."""
-        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.kv_events_ipc,
-                  "replay_endpoint": f"tcp://127.0.0.1:{self.kv_replay_port}", "topic": "kv"}
-        return [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-                "--served-model-name", self.served_name, "--host", "127.0.0.1", "--port", str(self.port),
-                "--dtype", self.dtype, "--max-model-len", str(self.max_model_len), "--block-size",
-                str(self.block_size), "--enable-scale-out", "--kv-events-config", json.dumps(events)]
-
-    def env(self) -> dict[str, str]:
-        """VLLM_SERVER_DEV_MODE for /reset_prefix_cache; loopback only; 1 GiB of KV cache; one core."""
-        return {"VLLM_HOST_IP": "127.0.0.1", "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-                "VLLM_CPU_OMP_THREADS_BIND": str(self.core)}
 
 
 def post(url: str, timeout_s: float = 10.0) -> int:

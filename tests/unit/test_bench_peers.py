@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from sluice_tools.bench_peers import SCALE_OUT
 from sluice_tools.bench_peers_fronts import check_fronts, front_factory
-from sluice_tools.bench_peers_procs import CpuMeter, EngineSpec, counter_deltas
+from sluice_tools.bench_peers_procs import CpuMeter, counter_deltas
 from sluice_tools.bench_peers_report import engine_figures, failures, format_table, run_summary
 from sluice_tools.bench_peers_workload import (
     ChatShape,
@@ -25,6 +26,7 @@ from sluice_tools.bench_peers_workload import (
     prompt_token_stats,
 )
 from sluice_tools.metrics import RequestRecord, summarize
+from sluice_tools.vllm_engine import VllmEngineSpec, vllm_command, vllm_env
 
 
 def _row(ts: int, ids: list[int], input_length: int, output_length: int) -> dict[str, object]:
@@ -169,10 +171,10 @@ def test_unknown_or_unavailable_front_ends_are_refused_with_the_reason() -> None
     assert len(reasons) == 1 and "bogus" in reasons[0]
 
 
-def test_engine_argv_has_what_the_peers_need() -> None:
+def test_engines_start_with_what_the_peers_need() -> None:
     """Engines start with scale-out (vllm-router cache_aware), 32-token blocks, KV events and dev mode (cache reset)."""
-    spec = EngineSpec("py", "/m", 8000, 1, "ipc:///tmp/kv.sock", 8100)
-    argv, env = spec.argv(), spec.env()
+    spec = VllmEngineSpec("/m", 8000, "/tmp/kv.sock", 8100, cpu=1, extra_args=SCALE_OUT)
+    argv, env = vllm_command(spec, "py"), vllm_env(spec, {})
     assert "--enable-scale-out" in argv and argv[argv.index("--block-size") + 1] == "32"
     events = json.loads(argv[argv.index("--kv-events-config") + 1])
     assert events["endpoint"] == "ipc:///tmp/kv.sock" and events["replay_endpoint"] == "tcp://127.0.0.1:8100"
