@@ -18,12 +18,12 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from sluice_tools.bench_peers_client import replay
-from sluice_tools.bench_peers_fronts import Binaries, Engines, check_fronts, front_factory
+from sluice_tools.bench_peers_fronts import Binaries, Engines, Started, check_fronts, front_factory
 from sluice_tools.bench_peers_procs import (
     CpuMeter,
     Proc,
@@ -35,6 +35,7 @@ from sluice_tools.bench_peers_procs import (
     wait_idle,
 )
 from sluice_tools.bench_peers_report import run_summary, write_outputs
+from sluice_tools.bench_peers_sluice import engine_urls, front_pids, is_sluice, start_stack, target
 from sluice_tools.bench_peers_workload import (
     ChatShape,
     MooncakeScale,
@@ -48,8 +49,10 @@ from sluice_tools.metrics import RequestRecord, summarize
 from sluice_tools.vllm_engine import VllmEngineSpec, vllm_command, vllm_env, vllm_python
 
 DEFAULT_FRONTS = ("round_robin", "sglang_cache_aware", "vllm_router_cache_aware", "vllm_router_kv_aware")
-SCALE_OUT = ("--enable-scale-out",)
-"""vllm-router's cache_aware tokenizes through the engines' /v1/completions/render, which needs it."""
+ENGINE_ARGS = ("--enable-scale-out", "--prefix-caching-hash-algo", "sha256_cbor")
+"""Added to every engine (the bench's and Sluice's): vllm-router's cache_aware tokenizes through the engines'
+/v1/completions/render, which needs --enable-scale-out; sha256_cbor is vLLM's language-neutral block hash
+(see docs/bench-peers.md on kv_aware)."""
 TRACE = Path("/work/shared/data/traces/mooncake_synthetic.jsonl")
 
 
@@ -86,7 +89,7 @@ def start_engines(args: argparse.Namespace, log_dir: Path) -> tuple[Engines, lis
         write_preset(Path(model), "tiny")
     log_dir.mkdir(parents=True, exist_ok=True)
     specs = [VllmEngineSpec(model, args.engine_port + i, f"{log_dir.resolve()}/kv{i}.sock", args.engine_port + 100 + i,
-                            cpu=i % args.cores, extra_args=SCALE_OUT) for i in range(args.engines)]
+                            cpu=i % args.cores, extra_args=ENGINE_ARGS) for i in range(args.engines)]
     procs = [spawn(f"engine{i}", vllm_command(s, args.vllm_python), log_dir, vllm_env(s), url=s.url)
              for i, s in enumerate(specs)]
     try:
@@ -101,26 +104,29 @@ def start_engines(args: argparse.Namespace, log_dir: Path) -> tuple[Engines, lis
     return engines, procs
 
 
-def run_one(front: str, reqs: Sequence[Req], engines: Engines, bins: Binaries, plan: Plan,
-            log_dir: Path) -> tuple[dict[str, object], list[RequestRecord]]:
-    """Replay `reqs` through front end `front` with empty prefix caches; return its summary and records."""
+def run_one(front: str, reqs: Sequence[Req], engines: Engines, bins: Binaries, plan: Plan, log_dir: Path,
+            started: Started | None = None) -> tuple[dict[str, object], list[RequestRecord]]:
+    """Replay `reqs` through front end `front` (started fresh here, unless `started` is given) with every
+    engine's prefix cache emptied first; return its summary and records."""
     wait_idle(engines.urls)
     reset_prefix_caches(engines.urls)
-    started = front_factory(front)(engines, bins, log_dir)
+    fresh = started is None
+    started = front_factory(front)(engines, bins, log_dir) if started is None else started
     try:
         before = engine_counters(engines.urls)
         meter = CpuMeter(started.pids())
         meter.start()
         wall = time.monotonic()
-        records = asyncio.run(replay(reqs, started.targets, engines.model, plan.timeout_s))
+        records = asyncio.run(replay(reqs, started.targets, engines.model, plan.timeout_s, started.api_key))
         wall = time.monotonic() - wall
         cpu_s = meter.stop()
         wait_idle(engines.urls)
         deltas = counter_deltas(before, engine_counters(engines.urls))
     finally:
-        started.stop()
+        if fresh:
+            started.stop()
     summary = summarize(records, plan.slo_ttft_s, plan.slo_tpot_s, duration_s=max(wall, 1e-9))
-    return run_summary(summary, records, deltas, cpu_s, bool(started.procs)), records
+    return run_summary(summary, records, deltas, cpu_s, bool(started.pids())), records
 
 
 def ramp(engines: Engines, bins: Binaries, plan: Plan, rates: Sequence[float], log_dir: Path) -> tuple[float, list]:
@@ -193,37 +199,67 @@ def main(argv: Sequence[str] | None = None) -> int:
         engines = Engines(tuple(args.engine_urls), tuple(args.kv_events), tuple(args.kv_replay))
     else:
         engines, procs = start_engines(args, log_dir)
-    try:
-        return _bench(args, engines, bins, log_dir)
-    finally:
+
+    def stop_engines() -> None:
         for proc in procs:
             proc.stop()
 
+    try:
+        return _bench(args, engines, bins, log_dir, stop_engines)
+    finally:
+        stop_engines()
 
-def _bench(args: argparse.Namespace, engines: Engines, bins: Binaries, log_dir: Path) -> int:
+
+Cell = tuple[str, str, float, list[Req]]
+"""(workload, load, rate, requests): one column of the comparison, the same for every front end."""
+
+
+def _bench(args: argparse.Namespace, engines: Engines, bins: Binaries, log_dir: Path,
+           stop_engines: Callable[[], None]) -> int:
     plan = Plan(tuple(args.fronts), tuple(args.workloads), args.duration, args.slo_ttft, args.slo_tpot,
                 args.timeout, args.trace)
     ramp_plan = Plan(plan.fronts, plan.workloads, args.ramp_duration, plan.slo_ttft_s, plan.slo_tpot_s,
                      plan.timeout_s, plan.trace)
     saturation, steps = (args.saturation_rps, []) if args.saturation_rps > 0 else ramp(
         engines, bins, ramp_plan, args.ramp_rates, log_dir)
-    results: dict[str, object] = {"saturation_rps": saturation, "ramp": steps, "plan": _plan_json(plan, args),
-                                  "runs": []}
-    records: dict[tuple[str, str], dict[str, list[RequestRecord]]] = {}
+    cells: list[Cell] = []
     for workload in plan.workloads:
         for load in args.loads:
             rate = saturation * (args.light_fraction if load == "light" else LOAD_FACTOR[load])
-            reqs = build_workload(workload, rate, plan)
-            for front in plan.fronts:
-                summary, recs = run_one(front, reqs, engines, bins, plan, log_dir)
-                row = {"workload": workload, "load": load, "rate_rps": rate, "front": front,
-                       "workload_stats": prompt_token_stats(reqs), **summary}
-                results["runs"].append(row)  # type: ignore[attr-defined]
-                records.setdefault((workload, load), {})[front] = recs
-                print(json.dumps({k: row[k] for k in ("workload", "load", "front", "headline")}), flush=True)
+            cells.append((workload, load, rate, build_workload(workload, rate, plan)))
+    results: dict[str, object] = {"saturation_rps": saturation, "ramp": steps, "plan": _plan_json(plan, args),
+                                  "runs": []}
+    records: dict[tuple[str, str], dict[str, list[RequestRecord]]] = {}
+    for front in [f for f in plan.fronts if not is_sluice(f)]:
+        for cell in cells:
+            _record(results, records, cell, front, run_one(front, cell[3], engines, bins, plan, log_dir))
+    sluices = [f for f in plan.fronts if is_sluice(f)]
+    if sluices:
+        stop_engines()  # at most two engines on this machine: Sluice's stack starts its own
+    for front in sluices:
+        stack = start_stack(front, ENGINE_ARGS, log_dir / front, args.model or "tiny")
+        try:
+            stack_engines = Engines(tuple(engine_urls(stack)), model=stack.model_id or engines.model)
+            started = Started([target(stack)], other_pids=front_pids(stack), api_key=stack.api_key)
+            for cell in cells:
+                run = run_one(front, cell[3], stack_engines, bins, plan, log_dir, started)
+                _record(results, records, cell, front, run)
+        finally:
+            stack.stop()
+    results["runs"].sort(key=lambda r: (plan.workloads.index(r["workload"]), args.loads.index(r["load"])))  # type: ignore[attr-defined]
     write_outputs(results, records, args.out, plan.slo_ttft_s)
     print(f"bench_peers: wrote {args.out}/results.json, table.md and TTFT CDF plots", flush=True)
     return 0
+
+
+def _record(results: dict[str, object], records: dict[tuple[str, str], dict[str, list[RequestRecord]]], cell: Cell,
+            front: str, run: tuple[dict[str, object], list[RequestRecord]]) -> None:
+    workload, load, rate, reqs = cell
+    row = {"workload": workload, "load": load, "rate_rps": rate, "front": front,
+           "workload_stats": prompt_token_stats(reqs), **run[0]}
+    results["runs"].append(row)  # type: ignore[attr-defined]
+    records.setdefault((workload, load), {})[front] = run[1]
+    print(json.dumps({k: row[k] for k in ("workload", "load", "front", "headline")}), flush=True)
 
 
 def _plan_json(plan: Plan, args: argparse.Namespace) -> dict[str, object]:

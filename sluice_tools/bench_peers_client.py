@@ -25,10 +25,10 @@ from sluice_tools.bench_peers_workload import Req
 from sluice_tools.metrics import RequestRecord
 
 
-def make_clients(targets: Sequence[str], timeout_s: float) -> list[openai.AsyncOpenAI]:
+def make_clients(targets: Sequence[str], timeout_s: float, api_key: str = "none") -> list[openai.AsyncOpenAI]:
     """Return one AsyncOpenAI client per base URL (`http://host:port`), retries off."""
     return [
-        openai.AsyncOpenAI(base_url=f"{url.rstrip('/')}/v1", api_key="none", max_retries=0, timeout=timeout_s)
+        openai.AsyncOpenAI(base_url=f"{url.rstrip('/')}/v1", api_key=api_key, max_retries=0, timeout=timeout_s)
         for url in targets
     ]
 
@@ -76,12 +76,13 @@ async def _one(client: openai.AsyncOpenAI, model: str, req: Req, index: int, t0:
     return record
 
 
-async def replay(reqs: Sequence[Req], targets: Sequence[str], model: str, timeout_s: float = 60.0) -> list[RequestRecord]:
+async def replay(reqs: Sequence[Req], targets: Sequence[str], model: str, timeout_s: float = 60.0,
+                 api_key: str = "none") -> list[RequestRecord]:
     """Send every request at its arrival time (request i to target i mod len(targets)); return the records
     in workload order. Raises ValueError without a target."""
     if not targets:
         raise ValueError("replay needs at least one target URL")
-    clients = make_clients(targets, timeout_s)
+    clients = make_clients(targets, timeout_s, api_key)
     t0 = time.perf_counter()
     try:
         cycle = itertools.cycle(clients)

@@ -5,8 +5,7 @@ for round-robin, the router's one URL otherwise) and the processes whose CPU tim
 table (`FRONTS`) of small factories; an unknown name raises ValueError listing the known ones.
 
 Peer routers run with their defaults but for the policy and loopback binds (their Prometheus exporters too).
-Sluice's vLLM mode (`sluice up --engine vllm`, issue 20) plugs in as `SLUICE_FRONTS`: until it exists on this
-branch those names are refused with the reason, never silently skipped.
+Sluice's front ends (`bench_peers_sluice.SLUICE_CONFIGS`) are not in this table: Sluice starts its own engines.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sluice_tools.bench_peers_procs import Proc, spawn, wait_http
+from sluice_tools.bench_peers_sluice import SLUICE_CONFIGS
 
 
 @dataclass(frozen=True)
@@ -48,10 +48,13 @@ class Started:
 
     targets: list[str]
     procs: list[Proc] = field(default_factory=list)
+    other_pids: list[int] = field(default_factory=list)
+    """Processes of the front end that this bench did not spawn (a Sluice stack's)."""
+    api_key: str = "none"
 
     def pids(self) -> list[int]:
         """The front end's own processes (their descendants are counted by the CPU meter)."""
-        return [p.popen.pid for p in self.procs]
+        return [p.popen.pid for p in self.procs] + self.other_pids
 
     def stop(self) -> None:
         """Stop every process of the front end."""
@@ -133,29 +136,17 @@ FRONTS: dict[str, StartFront] = {
     "vllm_router_cache_aware": vllm_router_cache_aware,
     "vllm_router_kv_aware": vllm_router_kv_aware,
 }
-SLUICE_FRONTS: dict[str, str] = {
-    "sluice": "Sluice with its defaults",
-    "sluice_best": "Sluice with its best configuration for the trace",
-}
-"""Names reserved for Sluice in front of vLLM; see `front_factory`."""
-UNAVAILABLE = "Sluice's vLLM mode (issue 20: `sluice up --engine vllm`) is not on this branch yet"
 
 
 def front_factory(name: str) -> StartFront:
-    """Return the start function of front end `name`; raises ValueError for an unknown or unavailable one."""
+    """Return the start function of peer front end `name`; raises ValueError for an unknown one (the Sluice
+    front ends are started by the bench as a stack: bench_peers_sluice)."""
     if name in FRONTS:
         return FRONTS[name]
-    if name in SLUICE_FRONTS:
-        raise ValueError(f"front end {name!r}: {UNAVAILABLE}")
-    raise ValueError(f"unknown front end {name!r}; known: {sorted(FRONTS) + sorted(SLUICE_FRONTS)}")
+    raise ValueError(f"unknown front end {name!r}; known: {sorted(FRONTS) + sorted(SLUICE_CONFIGS)}")
 
 
 def check_fronts(names: Sequence[str]) -> list[str]:
     """Return the reasons the named front ends cannot run ([] when all can)."""
-    reasons = []
-    for name in names:
-        try:
-            front_factory(name)
-        except ValueError as exc:
-            reasons.append(str(exc))
-    return reasons
+    return [f"unknown front end {n!r}; known: {sorted(FRONTS) + sorted(SLUICE_CONFIGS)}"
+            for n in names if n not in FRONTS and n not in SLUICE_CONFIGS]

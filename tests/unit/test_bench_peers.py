@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice_tools.bench_peers import SCALE_OUT
+from sluice_tools.bench_peers import ENGINE_ARGS
 from sluice_tools.bench_peers_fronts import check_fronts, front_factory
 from sluice_tools.bench_peers_procs import CpuMeter, counter_deltas
 from sluice_tools.bench_peers_report import engine_figures, failures, format_table, run_summary
@@ -162,20 +162,20 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def test_unknown_or_unavailable_front_ends_are_refused_with_the_reason() -> None:
-    """An unknown front end lists the known ones; a Sluice front end says why it cannot run here."""
+def test_unknown_front_ends_are_refused_with_the_known_ones() -> None:
+    """An unknown front end lists the known ones; Sluice's names are known (run as a stack, not a router)."""
     with pytest.raises(ValueError, match="known:"):
         front_factory("nginx")
     assert front_factory("round_robin").__name__ == "round_robin"
-    reasons = check_fronts(["round_robin", "bogus"])
+    reasons = check_fronts(["round_robin", "sluice", "sluice_best", "bogus"])
     assert len(reasons) == 1 and "bogus" in reasons[0]
 
 
 def test_engines_start_with_what_the_peers_need() -> None:
     """Engines start with scale-out (vllm-router cache_aware), 32-token blocks, KV events and dev mode (cache reset)."""
-    spec = VllmEngineSpec("/m", 8000, "/tmp/kv.sock", 8100, cpu=1, extra_args=SCALE_OUT)
+    spec = VllmEngineSpec("/m", 8000, "/tmp/kv.sock", 8100, cpu=1, extra_args=ENGINE_ARGS)
     argv, env = vllm_command(spec, "py"), vllm_env(spec, {})
-    assert "--enable-scale-out" in argv and argv[argv.index("--block-size") + 1] == "32"
+    assert "--enable-scale-out" in argv and "sha256_cbor" in argv and argv[argv.index("--block-size") + 1] == "32"
     events = json.loads(argv[argv.index("--kv-events-config") + 1])
     assert events["endpoint"] == "ipc:///tmp/kv.sock" and events["replay_endpoint"] == "tcp://127.0.0.1:8100"
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_HOST_IP"] == "127.0.0.1"
