@@ -34,7 +34,7 @@ from sluice_tools.bench_peers_procs import (
     wait_http,
     wait_idle,
 )
-from sluice_tools.bench_peers_report import run_summary, write_outputs
+from sluice_tools.bench_peers_report import read_outputs, run_summary, write_outputs
 from sluice_tools.bench_peers_sluice import engine_urls, front_pids, is_sluice, start_stack, target
 from sluice_tools.bench_peers_workload import (
     ChatShape,
@@ -176,6 +176,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--trace", type=Path, default=TRACE)
     p.add_argument("--out", type=Path, default=Path("out/bench-peers"))
     p.add_argument("--quick", action="store_true", help="20 s runs, a 3-step ramp of 10 s")
+    p.add_argument("--include", type=Path, default=None,
+                   help="an earlier run's OUT: its runs join this one's JSON, table and plots (same saturation)")
     return p.parse_args(argv)
 
 
@@ -246,10 +248,26 @@ def _bench(args: argparse.Namespace, engines: Engines, bins: Binaries, log_dir: 
                 _record(results, records, cell, front, run)
         finally:
             stack.stop()
+    if args.include is not None:
+        _include(args.include, results, records)
     results["runs"].sort(key=lambda r: (plan.workloads.index(r["workload"]), args.loads.index(r["load"])))  # type: ignore[attr-defined]
     write_outputs(results, records, args.out, plan.slo_ttft_s)
     print(f"bench_peers: wrote {args.out}/results.json, table.md and TTFT CDF plots", flush=True)
     return 0
+
+
+def _include(earlier: Path, results: dict[str, object],
+             records: dict[tuple[str, str], dict[str, list[RequestRecord]]]) -> None:
+    """Add an earlier run's rows and records; raises ValueError when its saturation rate differs."""
+    old, old_records = read_outputs(earlier)
+    if abs(float(old["saturation_rps"]) - float(results["saturation_rps"])) > 1e-9:  # type: ignore[arg-type]
+        raise ValueError(f"--include {earlier}: saturation {old['saturation_rps']} req/s, this run "
+                         f"{results['saturation_rps']} (pass --saturation-rps {old['saturation_rps']})")
+    results["runs"].extend(old["runs"])  # type: ignore[attr-defined]
+    results["ramp"] = results["ramp"] or old.get("ramp", [])
+    for cell, runs in old_records.items():
+        for front, recs in runs.items():
+            records.setdefault(cell, {}).setdefault(front, recs)
 
 
 def _record(results: dict[str, object], records: dict[tuple[str, str], dict[str, list[RequestRecord]]], cell: Cell,

@@ -9,11 +9,12 @@ streamed token (utime+stime of its processes and their children, from /proc/PID/
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from sluice_tools.metrics import RequestRecord
-from sluice_tools.report import cdf_figure, write_json
+from sluice_tools.report import cdf_figure, records_from_json, records_to_json, write_json
 
 
 def _ms(value: object) -> float | None:
@@ -109,6 +110,8 @@ def write_outputs(results: Mapping[str, object], records: Mapping[tuple[str, str
     """Write OUT/results.json, OUT/table.md and one TTFT CDF per (workload, load) when matplotlib is there."""
     out.mkdir(parents=True, exist_ok=True)
     write_json(results, out / "results.json")
+    write_json({f"{w}|{load}": {front: records_to_json(recs) for front, recs in runs.items()}
+                for (w, load), runs in records.items()}, out / "records.json")
     (out / "table.md").write_text(format_table(results["runs"]))  # type: ignore[arg-type]
     try:
         import matplotlib
@@ -121,3 +124,14 @@ def write_outputs(results: Mapping[str, object], records: Mapping[tuple[str, str
         figure = cdf_figure(plt, runs, "ttft_s", f"{workload}, {load} load", slo_ttft_s)
         figure.savefig(out / f"ttft_cdf_{workload}_{load}.png", dpi=110)
         plt.close(figure)
+
+
+def read_outputs(out: Path) -> tuple[dict[str, object], dict[tuple[str, str], dict[str, list[RequestRecord]]]]:
+    """Return the results and per-request records an earlier run wrote to OUT (for `--include`)."""
+    results = json.loads((out / "results.json").read_text())
+    raw = json.loads((out / "records.json").read_text())
+    records = {}
+    for key, runs in raw.items():
+        workload, load = key.split("|", 1)
+        records[(workload, load)] = {front: records_from_json(rows) for front, rows in runs.items()}
+    return results, records
