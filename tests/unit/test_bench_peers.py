@@ -15,7 +15,14 @@ import pytest
 from sluice_tools.bench_peers import ENGINE_ARGS
 from sluice_tools.bench_peers_fronts import check_fronts, front_factory
 from sluice_tools.bench_peers_procs import CpuMeter, counter_deltas
-from sluice_tools.bench_peers_report import engine_figures, failures, format_table, run_summary
+from sluice_tools.bench_peers_report import (
+    engine_figures,
+    failures,
+    format_table,
+    read_outputs,
+    run_summary,
+    write_outputs,
+)
 from sluice_tools.bench_peers_workload import (
     ChatShape,
     MooncakeScale,
@@ -180,3 +187,18 @@ def test_engines_start_with_what_the_peers_need() -> None:
     assert events["endpoint"] == "ipc:///tmp/kv.sock" and events["replay_endpoint"] == "tcp://127.0.0.1:8100"
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_HOST_IP"] == "127.0.0.1"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+
+
+def test_outputs_round_trip_so_a_later_phase_can_include_them(tmp_path: Path) -> None:
+    """write_outputs then read_outputs gives back the runs and the records the CDF plots need."""
+    records = _records()
+    summary = run_summary(summarize(records, 1.0, 0.5, duration_s=1.0), records, [{}, {}], 0.0, False)
+    results = {"saturation_rps": 4.0, "ramp": [], "runs": [{"workload": "chat", "load": "near", "rate_rps": 4.0,
+                                                              "front": "round_robin", **summary}]}
+    write_outputs(results, {("chat", "near"): {"round_robin": records}}, tmp_path, 1.0)
+    assert (tmp_path / "table.md").read_text().count("round_robin") == 1
+    again, again_records = read_outputs(tmp_path)
+    assert again["runs"][0]["headline"]["ok"] == 1
+    back = again_records[("chat", "near")]["round_robin"]
+    assert [r.status for r in back] == ["ok", "rejected", "failed"]
+    assert back[0].ttft_s == pytest.approx(0.1)
