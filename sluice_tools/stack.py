@@ -197,6 +197,8 @@ class Stack:
         c = self.config
         index = self._next_replica
         self._next_replica += 1
+        if c.engine == "vllm":
+            return self._spawn_engine(index)
         worker_args = ["--backend", c.backend, "--model", c.model, "--log-level", c.log_level]
         if c.num_blocks is not None:
             worker_args += ["--num-blocks", str(c.num_blocks)]
@@ -212,13 +214,44 @@ class Stack:
         self.replicas[replica.replica_id] = replica
         return replica
 
+    def _spawn_engine(self, index: int) -> Replica:
+        """Start an unmodified vLLM server as replica `index`'s engine (its agent starts once it answers)."""
+        from sluice_tools.vllm_engine import VllmEngineSpec, vllm_command, vllm_env
+
+        c = self.config
+        cores = os.cpu_count() or 1
+        spec = VllmEngineSpec(model_dir=str(resolve_model(c.model)), port=free_port(),
+                              kv_socket=str(self.run_dir / f"kv-{index}.sock"), replay_port=free_port(),
+                              served_name=Path(c.model).name, cpu=index % cores,
+                              scheduling_policy=c.vllm_scheduling_policy, scheduler_cls=c.vllm_scheduler_cls,
+                              extra_args=c.engine_args)
+        engine = Proc(f"engine-{index}", lifeline_command(vllm_command(spec)), self.run_dir / f"engine-{index}.log",
+                      f"127.0.0.1:{spec.port}", http_health=f"{spec.url}/health")
+        engine.env = vllm_env(spec, {**os.environ, **dict(c.env)})
+        engine.launch()
+        self.procs.append(engine)
+        replica = Replica(f"replica-{index}", engine, engine=spec)
+        engine.replica_id = replica.replica_id
+        self.workers.append(engine)
+        self.replicas[replica.replica_id] = replica
+        return replica
+
+    def _engine_flags(self, replica: Replica) -> list[str]:
+        """The scheduler's flags that say what it fronts: a Sluice worker, or a vLLM engine (its agent's flags)."""
+        spec = replica.engine
+        if spec is None:
+            return ["--worker", replica.worker.address]
+        flags = ["--engine", "vllm", "--engine-url", spec.url, "--engine-kv-events", spec.kv_endpoint,
+                 "--engine-kv-replay", spec.replay_endpoint, "--engine-model-id", spec.served_name]
+        return [*flags, "--engine-priority"] if self.config.vllm_scheduling_policy == "priority" else flags
+
     def spawn_scheduler(self, replica: Replica) -> Proc:
         """Start the scheduler of a replica whose worker serves; it registers with the router itself."""
         c = self.config
         assert self.router is not None
         index = replica.replica_id.removeprefix("replica-")
         scheduler = self._spawn(f"scheduler-{index}", "scheduler_svc", [
-            "--namespace", c.namespace, "--log-level", c.log_level, "--worker", replica.worker.address,
+            "--namespace", c.namespace, "--log-level", c.log_level, *self._engine_flags(replica),
             "--router", self.router.address, "--replica-id", replica.replica_id, *c.scheduler_args],
             env=self.bus_env(Role.SCHEDULER))
         scheduler.replica_id = replica.replica_id
@@ -265,6 +298,9 @@ class Stack:
             self._check_alive(pending)
             pending = [p for p in pending if not proc_serving(p, files=self.health_files(p))]
             for proc in procs:
+                if proc not in pending:
+                    proc.mark_serving()
+            for proc in procs:
                 if proc not in pending and self.config.metrics and not proc.metrics_url:
                     proc.metrics_url = proc.printed_metrics_url()
             if pending and time.monotonic() > deadline:
@@ -291,6 +327,11 @@ class Stack:
                 time.sleep(0.1)
 
     # ---- observe ---------------------------------------------------------------------------------
+    def measured_warmup_s(self) -> float | None:
+        """The longest time any replica's worker (or engine) took from launch to serving (None: none measured)."""
+        times = [p.ready_after_s for p in self.workers if p.ready_after_s is not None]
+        return max(times) if times else None
+
     def describe(self) -> str:
         """Return one line per process: name, address and pid (Redis first; admission marked as the endpoint)."""
         embedded = " (embedded, a Redis user per role)" if self.role_urls else " (embedded)"

@@ -111,8 +111,10 @@ class StackFleet:
                     events.append(f"{replica.replica_id} retired (scheduler and worker stopped)")
             elif replica.scheduler is None and replica.worker.alive() and proc_serving(replica.worker, timeout_s=0.2,
                                                                                          files=self.stack.operator):
+                replica.worker.mark_serving()
                 self.stack.spawn_scheduler(replica)
-                events.append(f"{replica.replica_id}: worker serving, scheduler started")
+                events.append(f"{replica.replica_id}: worker serving after {replica.worker.ready_after_s:.1f} s, "
+                              "scheduler started")
         return events
 
     def _forget(self, replica: Replica) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import subprocess
+import time
 import urllib.request
 import uuid
 from dataclasses import dataclass, field
@@ -108,10 +109,20 @@ class Proc:
     """Size of its log when the running incarnation was launched (what that one printed starts there)."""
     http_health: str = ""
     """A URL whose 200 says it serves (a vLLM engine's /health); "": it answers gRPC health at `address`."""
+    launched_at: float = 0.0
+    """time.monotonic() of the running incarnation's launch."""
+    ready_after_s: float | None = None
+    """Seconds from that launch until it first served (None: not yet): a measured warm-up, for the planner."""
+
+    def mark_serving(self) -> None:
+        """Record the running incarnation's time to serve, once."""
+        if self.ready_after_s is None:
+            self.ready_after_s = time.monotonic() - self.launched_at
 
     def launch(self) -> None:
         """Start (or start again) the process, appending to its log, in a new session."""
         self.log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
+        self.launched_at, self.ready_after_s = time.monotonic(), None
         self.metrics_url = ""  # the previous incarnation's endpoint is gone with it
         with self.log_path.open("ab") as log:
             # A new session: a Ctrl-C in the terminal reaches only `sluice up`, which stops children in order.

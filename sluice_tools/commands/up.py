@@ -24,6 +24,7 @@ examples:
   sluice up --replicas 2 --port 0 --http-port 0   # 2 replicas, admission on free ports
   sluice up --backend costmodel --model llama-3-8b --emulate-time   # GPU-like timing, no torch
   sluice up --backend costmodel --model llama-3-8b --emulate-time --autoscale 1:3   # the planner adds/retires replicas
+  sluice up --engine vllm --replicas 2        # 2 unmodified vLLM servers (make setup-vllm) under Sluice
 
 It prints the gRPC endpoint, the OpenAI-compatible HTTP endpoint, an API key, and a `sluice generate`
 command and a curl command to try, then runs until Ctrl-C.
@@ -37,6 +38,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EXAMPLES
     parser.add_argument("--replicas", type=int, default=1, help="worker + scheduler pairs (default: 1)")
+    parser.add_argument("--engine", choices=("sluice", "vllm"), default="sluice",
+                        help="sluice: Sluice's own worker (--backend); vllm: an unmodified vLLM server per replica, "
+                             "from the venv of `make setup-vllm`, each behind a Sluice agent (docs/engines.md) "
+                             "(default: sluice)")
+    parser.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
+                        help="--engine vllm: one more flag for every vLLM server (repeat it: --engine-arg=--max-num-seqs "
+                             "--engine-arg=8)")
+    parser.add_argument("--vllm-scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                        help="--engine vllm: vLLM's own queue order; priority passes each request's priority "
+                             "through (default: fcfs)")
+    parser.add_argument("--vllm-scheduler-cls", default="",
+                        help="--engine vllm: vLLM's --scheduler-cls, e.g. "
+                             "scheduler_svc.engines.vllm.sched_cls.SluiceScheduler (Sluice's fair share inside vLLM)")
     parser.add_argument("--backend", choices=("torch", "costmodel"), default="torch",
                         help="torch: the real engine on CPU/GPU; costmodel: modelled GPU time (default: torch)")
     parser.add_argument("--model", default="tiny",
@@ -82,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
 
     # Services run with the repository as their working directory: relative paths must be made absolute here.
     args.config = str(Path(args.config).resolve()) if args.config else None
-    if args.backend == "torch" and Path(args.model).exists():
+    if (args.backend == "torch" or args.engine == "vllm") and Path(args.model).exists():
         args.model = str(Path(args.model).resolve())
     problem = _check_args(args) or _check_autoscale(args)
     if problem:
@@ -93,10 +107,15 @@ def run(args: argparse.Namespace) -> int:
                          http_port=None if args.http_port < 0 else args.http_port,
                          run_dir=Path(args.run_dir) if args.run_dir else None, num_blocks=args.num_blocks,
                          emulate_time=args.emulate_time, log_level=args.log_level, metrics=args.metrics,
-                         mtls=args.mtls or args.public_tls, public_tls=args.public_tls, redis_acl=args.redis_acl)
+                         mtls=args.mtls or args.public_tls, public_tls=args.public_tls, redis_acl=args.redis_acl,
+                         engine=args.engine, engine_args=tuple(args.engine_arg),
+                         vllm_scheduling_policy=args.vllm_scheduling_policy, vllm_scheduler_cls=args.vllm_scheduler_cls,
+                         start_timeout_s=900.0 if args.engine == "vllm" else 120.0)
     stack = Stack(config)
-    print(f"starting Redis, router, {args.replicas} x (worker + scheduler) ({args.backend}, {args.model}) and "
-          f"admission; logs in {stack.run_dir}", file=sys.stderr, flush=True)
+    pair = f"(vLLM server + Sluice agent) ({args.model})" if args.engine == "vllm" else \
+        f"(worker + scheduler) ({args.backend}, {args.model})"
+    print(f"starting Redis, router, {args.replicas} x {pair} and admission; logs in {stack.run_dir}",
+          file=sys.stderr, flush=True)
     # While starting, Ctrl-C or SIGTERM interrupts the start (Stack.start stops what it started).
     for sig in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a shell's background job starts with it ignored
         signal.signal(sig, signal.default_int_handler)
@@ -125,9 +144,11 @@ def _supervise_until_stopped(stack: Stack, stop: threading.Event, autoscale: str
     stack.fleet.supervisor = Supervisor(stack, on_event=_print_event)
     if autoscale:
         low, high = parse_bounds(autoscale)
-        autoscaler = Autoscaler(stack, local_planner_config(low, high), on_event=_print_event)
+        warmup = stack.measured_warmup_s() or 3.0  # measured from this stack's own starts
+        autoscaler = Autoscaler(stack, local_planner_config(low, high, load_time_s=warmup), on_event=_print_event)
         stack.fleet.supervisor.hooks.append(autoscaler.tick)
-        print(f"autoscale: the planner keeps {low} to {high} replicas", file=sys.stderr, flush=True)
+        print(f"autoscale: the planner keeps {low} to {high} replicas (a replica starts in {warmup:.1f} s, measured)",
+              file=sys.stderr, flush=True)
         if stack.config.metrics:
             print(f"autoscale: planner metrics {autoscaler.serve_metrics()}", file=sys.stderr, flush=True)
     code = 0
@@ -169,7 +190,7 @@ def _check_args(args: argparse.Namespace) -> str:
         return f"--replicas must be at least 1, got {args.replicas}"
     if args.config and not Path(args.config).is_file():
         return f"--config {args.config}: no such file"
-    problem = _check_config(args.config) or _check_model(args) or _check_redis(args.redis_url)
+    problem = _check_config(args.config) or _check_model(args) or _check_engine(args) or _check_redis(args.redis_url)
     if problem:
         return problem
     return _check_port(args.host, args.port, "--port") or _check_port(args.host, args.http_port, "--http-port")
@@ -201,9 +222,22 @@ def _check_config(path: str | None) -> str:
     return ""
 
 
+def _check_engine(args: argparse.Namespace) -> str:
+    """Return why --engine vllm cannot start ("" when it can, or for Sluice's own engine)."""
+    if args.engine != "vllm":
+        return ""
+    from sluice_tools.vllm_engine import vllm_python
+
+    try:
+        vllm_python()
+    except FileNotFoundError as exc:
+        return f"--engine vllm: {exc}"
+    return ""
+
+
 def _check_model(args: argparse.Namespace) -> str:
     """Return why --model cannot be served ("" when it is a directory, a preset, or a cost-model shape)."""
-    if args.backend != "torch":
+    if args.backend != "torch" and args.engine != "vllm":
         from worker_svc.gpu_profiles import model_shape
 
         try:
@@ -271,7 +305,7 @@ def _security_line(stack: Stack) -> str:
 
 def _gibberish_note(stack: Stack) -> str:
     """Return a warning for models whose text is noise by design ("" for the others)."""
-    if stack.config.backend == "costmodel":
+    if stack.config.backend == "costmodel" and stack.config.engine != "vllm":
         return "\n     (the cost model returns made-up tokens: random printable characters)"
     if stack.config.model == "tiny":
         return "\n     (the tiny preset has random weights: its text is gibberish by design)"

@@ -1,0 +1,325 @@
+"""Sluice in front of unmodified vLLM engines: one path for admission, routing, fair share, cancel and faults.
+
+Real processes throughout (tests/engines/conftest.py): Redis, router, admission and two vLLM CPU servers, each
+behind its Sluice agent (scheduler_svc/engines/vllm). The destructive tests (kill -9, drain) come last.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+import urllib.request
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+import zmq
+
+from scheduler_svc.engines.vllm import hashing
+from sluice import client as sdk
+from sluice.hashing import hash_chain, salt_of
+from sluice.v1 import router_pb2, router_pb2_grpc
+from sluice_tools.stack import Stack
+from tests.engines.conftest import direct_completion, engine_metric, engine_url
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+BLOCK = 32
+
+
+def random_prompt(rng: random.Random, tokens: int) -> list[int]:
+    return [rng.randrange(1, 250) for _ in range(tokens)]
+
+
+def replica_of(stack: Stack, request_id: str) -> str:
+    with sdk.Client(stack.endpoint, api_key="k-gold") as client:
+        return client.get_request(request_id).replica_id
+
+
+def test_the_openai_client_works_unchanged_against_a_vllm_stack(vllm_stack: Stack) -> None:
+    """The official client's chat (streamed) and completions calls go through Sluice to vLLM and come back whole."""
+    api = openai.OpenAI(base_url=vllm_stack.http_base_url, api_key="k-gold", max_retries=0)
+    stream = api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}],
+                                         max_tokens=12, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+    assert any(c.choices and c.choices[0].finish_reason == "length" for c in chunks)
+    completion = api.completions.create(model="tiny", prompt="the quick brown fox", max_tokens=8)
+    assert completion.usage is not None and completion.usage.completion_tokens == 8
+    assert completion.choices[0].finish_reason == "length"
+
+
+def test_block_hashes_recomputed_outside_vllm_equal_the_ones_it_publishes(vllm_stack: Stack) -> None:
+    """vLLM's BlockStored ids for a fresh prompt are sha256 of (parent, block tokens, None), chained from the seed."""
+    spec = vllm_stack.replicas["replica-0"].engine
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(spec.kv_endpoint)
+    time.sleep(0.5)  # the subscription must reach the publisher before the events are sent
+    prompt = random_prompt(random.Random(7), 3 * BLOCK + 5)
+    try:
+        direct_completion(vllm_stack, 0, prompt, 4)
+        published: list[int] = []
+        deadline = time.monotonic() + 10
+        import msgspec
+
+        while len(published) < 3 and time.monotonic() < deadline:
+            if sub.poll(500):
+                _, _, payload = sub.recv_multipart()
+                for event in msgspec.msgpack.decode(payload)[1]:
+                    if event.get("type") == "BlockStored" and event["token_ids"][:BLOCK] in (
+                            [prompt[i:i + BLOCK] for i in range(0, 3 * BLOCK, BLOCK)]):
+                        published.extend(event["block_hashes"])
+    finally:
+        sub.close(linger=0)
+    expected = [hashing.event_id(d) for d in hashing.chain(prompt, BLOCK, "sha256")]
+    assert published[:3] == expected
+
+
+def test_routing_follows_vllms_events_and_the_predicted_hit_is_the_hit_vllm_reports(vllm_stack: Stack) -> None:
+    """After one request stores a 4-block prefix, the router predicts those 4 blocks on that replica, routes a sibling
+    there, and vLLM reports exactly that many cached prompt tokens for it."""
+    rng = random.Random(11)
+    prefix = random_prompt(rng, 4 * BLOCK)
+    with sdk.Client(vllm_stack.endpoint, api_key="k-gold") as client:
+        first = client.generate_text(prefix + random_prompt(rng, 7), max_tokens=4, timeout=120)
+        home = replica_of(vllm_stack, first.request_id)
+        sibling_prompt = prefix + random_prompt(rng, 9)
+        hashes = hash_chain(sibling_prompt, BLOCK, salt_of("tiny"))
+        deadline = time.monotonic() + 10
+        with grpc.insecure_channel(vllm_stack.router.address) as channel:  # type: ignore[union-attr]
+            router = router_pb2_grpc.RouterServiceStub(channel)
+            while True:
+                route = router.Route(router_pb2.RouteRequest(
+                    request_id=uuid.uuid4().hex, model="tiny", block_hashes=hashes, prompt_tokens=len(sibling_prompt),
+                    max_tokens=4), timeout=5)
+                if route.cached_blocks >= 4 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+        assert (route.replica_id, route.cached_blocks) == (home, 4)
+        sibling = client.generate_text(sibling_prompt, max_tokens=4, timeout=120)
+    assert replica_of(vllm_stack, sibling.request_id) == home
+    assert sibling.usage.cached_tokens == 4 * BLOCK
+
+
+class Receipts:
+    """Weighted units (prompt tokens x1 at the first token, output tokens x2) received per tenant, timestamped."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[float, str, int]] = []
+        self.errors: list[BaseException] = []
+        self.stop = threading.Event()
+
+    def add(self, tenant: str, units: int) -> None:
+        self.events.append((time.monotonic(), tenant, units))
+
+    def between(self, start: float, end: float) -> Counter[str]:
+        served: Counter[str] = Counter()
+        for stamp, tenant, units in self.events:
+            if start <= stamp < end:
+                served[tenant] += units
+        return served
+
+
+PROMPT, OUTPUT = 32, 32
+
+
+def through_sluice(endpoint: str, tenant: str, seed: int, receipts: Receipts) -> None:
+    rng = random.Random(seed)
+    try:
+        with sdk.Client(endpoint, api_key=f"k-{tenant}") as client:
+            while not receipts.stop.is_set():
+                first = True
+                for chunk in client.generate(random_prompt(rng, PROMPT), max_tokens=OUTPUT, ignore_eos=True,
+                                             timeout=120):
+                    receipts.add(tenant, 2 * len(chunk.token_ids) + (PROMPT if first else 0))
+                    first = False
+    except BaseException as exc:  # noqa: BLE001 - reported by the test
+        receipts.errors.append(exc)
+
+
+def straight_to_vllm(url: str, tenant: str, seed: int, receipts: Receipts) -> None:
+    rng = random.Random(seed)
+    try:
+        while not receipts.stop.is_set():
+            body = {"model": "tiny", "prompt": random_prompt(rng, PROMPT), "max_tokens": OUTPUT, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(), headers={
+                "Content-Type": "application/json", "X-Request-Id": f"{tenant}:{uuid.uuid4().hex}"})
+            with urllib.request.urlopen(request, timeout=120) as reply:  # noqa: S310
+                first = True
+                for line in reply:
+                    if line.startswith(b"data: {"):
+                        receipts.add(tenant, 2 + (PROMPT if first else 0))
+                        first = False
+    except BaseException as exc:  # noqa: BLE001
+        receipts.errors.append(exc)
+
+
+def measure_share(workers: list[threading.Thread], receipts: Receipts, window_s: float) -> float:
+    for worker in workers:
+        worker.start()
+    time.sleep(4.0)
+    start = time.monotonic()
+    time.sleep(window_s)
+    end = time.monotonic()
+    receipts.stop.set()
+    for worker in workers:
+        worker.join(60)
+    assert not receipts.errors, receipts.errors[:3]
+    served = receipts.between(start, end)
+    assert served["bronze"] > 0, served
+    return served["gold"] / served["bronze"]
+
+
+def test_weighted_fair_share_holds_through_the_gateway_in_front_of_vllm(vllm_stack: Stack) -> None:
+    """Two tenants weighted 2:1, both saturating two vLLM engines through Sluice, are served 2:1 within 5%.
+
+    Each agent lets 4 requests onto its engine (= the engine's max_num_seqs): the gateway's fair queue is the
+    only place requests wait, so its order is the order of service. Sent straight to vLLM's FCFS queue the
+    same load is served about 1:1 (measured in docs/engines.md)."""
+    receipts = Receipts()
+    # 16 streams a tenant: each alone could fill both engines' 8 seats and keep a backlog at both agents.
+    workers = [threading.Thread(target=through_sluice, args=(vllm_stack.endpoint, tenant, seed, receipts), daemon=True)
+               for seed, tenant in enumerate(["gold", "bronze"] * 16)]
+    ratio = measure_share(workers, receipts, 20.0)
+    assert abs(ratio - 2.0) / 2.0 < 0.05, f"gold/bronze = {ratio:.3f}"
+
+
+def test_sluices_scheduler_class_inside_vllm_orders_its_queue_two_to_one(vllm_stack: Stack) -> None:
+    """Requests sent straight to one engine (tenant in X-Request-Id) are served 2:1 by Sluice's fair queue inside
+    vLLM (--scheduler-cls; 24 streams over 4 seats keep its waiting queue full)."""
+    receipts = Receipts()
+    url = engine_url(vllm_stack, 0)
+    workers = [threading.Thread(target=straight_to_vllm, args=(url, tenant, seed, receipts), daemon=True)
+               for seed, tenant in enumerate(["gold", "bronze"] * 12)]
+    ratio = measure_share(workers, receipts, 20.0)
+    assert abs(ratio - 2.0) / 2.0 < 0.10, f"gold/bronze = {ratio:.3f}"
+
+
+def test_a_cancel_aborts_the_request_in_vllm_and_frees_its_kv(vllm_stack: Stack) -> None:
+    """Cancelling a long stream through Sluice ends it CANCELLED and vLLM stops running it (its KV use drops to 0)."""
+    with sdk.Client(vllm_stack.endpoint, api_key="k-gold") as client:
+        stream = client.generate(random_prompt(random.Random(3), 40), max_tokens=1500, ignore_eos=True, timeout=120)
+        first = next(iter(stream))
+        request_id = first.request_id
+        running = [engine_metric(vllm_stack, i, "vllm:num_requests_running") for i in (0, 1)]
+        assert sum(running) == 1
+        assert client.cancel(request_id) in ("CANCELLED", "CANCELLING")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            busy = [engine_metric(vllm_stack, i, "vllm:num_requests_running") for i in (0, 1)]
+            usage = [engine_metric(vllm_stack, i, "vllm:kv_cache_usage_perc") for i in (0, 1)]
+            if sum(busy) == 0 and max(usage) == 0:
+                break
+            time.sleep(0.2)
+        assert sum(busy) == 0 and max(usage) == 0, (busy, usage)
+        info = client.get_request(request_id)
+    assert info.status == "CANCELLED" and info.usage.output_tokens < 1500
+
+
+# ---- faults and drain: these change the fleet, so they run last ---------------------------------------------------
+STREAM_TOKENS = 160
+
+
+class Streams:
+    """Greedy streams through Sluice, each recording the token ids it receives (or the error it ends with)."""
+
+    def __init__(self, endpoint: str, prompts: list[list[int]], max_tokens: int) -> None:
+        self.tokens: list[list[int]] = [[] for _ in prompts]
+        self.ends: list[str] = ["hung"] * len(prompts)
+        self.threads = [threading.Thread(target=self._run, args=(endpoint, i, p, max_tokens), daemon=True)
+                        for i, p in enumerate(prompts)]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, endpoint: str, index: int, prompt: list[int], max_tokens: int) -> None:
+        try:
+            with sdk.Client(endpoint, api_key="k-gold") as client:
+                last = None
+                for chunk in client.generate(prompt, max_tokens=max_tokens, ignore_eos=True, timeout=300):
+                    self.tokens[index].extend(chunk.token_ids)
+                    last = chunk
+                self.ends[index] = last.status if last is not None else "empty"
+        except sdk.SluiceError as exc:
+            self.ends[index] = f"error {type(exc).__name__}"
+
+    def wait_tokens(self, count: int, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while min(len(t) for t in self.tokens) < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def join(self, timeout_s: float) -> None:
+        for thread in self.threads:
+            thread.join(timeout_s)
+
+
+def references(stack: Stack, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    return [list(direct_completion(stack, 0, p, max_tokens)["choices"][0]["token_ids"]) for p in prompts]
+
+
+def engine_core_pid(api_server_pid: int) -> int:
+    """The pid of the engine-core child of a vLLM API server (its process title names it)."""
+    children = Path(f"/proc/{api_server_pid}/task/{api_server_pid}/children").read_text().split()
+    for child in children:
+        with open(f"/proc/{child}/cmdline", "rb") as cmdline:
+            if b"EngineCore" in cmdline.read():
+                return int(child)
+    raise AssertionError(f"no EngineCore child of {api_server_pid}")
+
+
+def wait_ready(stack: Stack, replica_id: str, timeout_s: float) -> float:
+    """Seconds until the router lists `replica_id` READY again."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if any(r.replica_id == replica_id and r.state == router_pb2.READY for r in stack.fleet.list_replicas()):
+            return time.monotonic() - start
+        time.sleep(0.5)
+    raise AssertionError(f"{replica_id} not READY within {timeout_s} s")
+
+
+@pytest.mark.parametrize("victim", ["api_server", "engine_core"])
+def test_kill_9_of_an_engine_mid_stream_loses_and_duplicates_no_token(vllm_stack: Stack, victim: str) -> None:
+    """kill -9 of an engine's API server or engine core while greedy streams run: every stream ends FINISHED_LENGTH
+    with exactly the tokens an unfaulted run gives (the lost engine's requests move with prompt + streamed tokens);
+    the engine is restarted and routed to again only once it answers."""
+    import os
+    import signal
+
+    rng = random.Random(hash(victim) & 0xFFFF)
+    prompts = [random_prompt(rng, 24 + i) for i in range(6)]
+    expected = references(vllm_stack, prompts, STREAM_TOKENS)
+    streams = Streams(vllm_stack.endpoint, prompts, STREAM_TOKENS)
+    streams.wait_tokens(10)
+    engine = vllm_stack.replicas["replica-1"].worker
+    assert engine.popen is not None
+    pid = engine.popen.pid if victim == "api_server" else engine_core_pid(engine.popen.pid)
+    os.kill(pid, signal.SIGKILL)
+    streams.join(240)
+    assert streams.ends == ["FINISHED_LENGTH"] * len(prompts), streams.ends
+    assert streams.tokens == expected
+    wait_ready(vllm_stack, "replica-1", 600)
+
+
+def test_a_drained_vllm_replica_hands_its_long_requests_over_token_exact(vllm_stack: Stack) -> None:
+    """Drain at the router with long greedy streams on the replica: past the agent's drain timeout (3 s) they are
+    handed to migration and finish on the other engine with exactly the unfaulted tokens; the replica retires."""
+    wait_ready(vllm_stack, "replica-1", 600)  # the kill tests restarted it
+    rng = random.Random(5)
+    prompts = [random_prompt(rng, 30 + i) for i in range(4)]
+    expected = references(vllm_stack, prompts, 400)
+    streams = Streams(vllm_stack.endpoint, prompts, 400)
+    streams.wait_tokens(5)
+    vllm_stack.fleet.router_drain("replica-0")
+    streams.join(240)
+    assert streams.ends == ["FINISHED_LENGTH"] * len(prompts), streams.ends
+    assert streams.tokens == expected
+    deadline = time.monotonic() + 30
+    while any(r.replica_id == "replica-0" for r in vllm_stack.fleet.list_replicas()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert all(r.replica_id != "replica-0" for r in vllm_stack.fleet.list_replicas())
