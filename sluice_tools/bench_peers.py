@@ -239,7 +239,7 @@ def _bench(args: argparse.Namespace, engines: Engines, bins: Binaries, log_dir: 
     if sluices:
         stop_engines()  # at most two engines on this machine: Sluice's stack starts its own
     for front in sluices:
-        stack = start_stack(front, ENGINE_ARGS, log_dir / front, args.model or "tiny")
+        stack = start_stack(front, ENGINE_ARGS, log_dir / front, args.vllm_python, args.model or "tiny")
         try:
             stack_engines = Engines(tuple(engine_urls(stack)), model=stack.model_id or engines.model)
             started = Started([target(stack)], other_pids=front_pids(stack), api_key=stack.api_key)

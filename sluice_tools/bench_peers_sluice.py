@@ -11,6 +11,7 @@ edge, router, agents, Redis).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,12 +44,13 @@ def is_sluice(name: str) -> bool:
     return name in SLUICE_CONFIGS
 
 
-def start_stack(name: str, engine_args: Sequence[str], run_dir: Path, model: str = "tiny") -> Stack:
-    """Start a Sluice stack of 2 vLLM replicas in configuration `name`; returns it serving (raises StackError,
-    or KeyError listing the configurations for an unknown name)."""
+def start_stack(name: str, engine_args: Sequence[str], run_dir: Path, vllm_python: str, model: str = "tiny") -> Stack:
+    """Start a Sluice stack of 2 vLLM replicas in configuration `name`, its engines run by `vllm_python`; returns
+    it serving (raises StackError, or KeyError listing the configurations for an unknown name)."""
     if name not in SLUICE_CONFIGS:
         raise KeyError(f"unknown Sluice configuration {name!r}; known: {sorted(SLUICE_CONFIGS)}")
     config = SLUICE_CONFIGS[name]
+    os.environ["SLUICE_VLLM_PYTHON"] = vllm_python  # where sluice_tools.vllm_engine looks first
     run_dir.mkdir(parents=True, exist_ok=True)
     stack = Stack(StackConfig(replicas=2, engine="vllm", model=model, run_dir=run_dir, http_port=0,
                               start_timeout_s=900.0, drain_timeout_s=5.0, scheduler_args=config.scheduler_args,
