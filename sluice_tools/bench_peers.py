@@ -29,13 +29,21 @@ from sluice_tools.bench_peers_procs import (
     Proc,
     counter_deltas,
     engine_counters,
+    get_ok,
     reset_prefix_caches,
     spawn,
     wait_http,
     wait_idle,
 )
-from sluice_tools.bench_peers_report import read_outputs, run_summary, write_outputs
-from sluice_tools.bench_peers_sluice import engine_urls, front_pids, is_sluice, start_stack, target
+from sluice_tools.bench_peers_report import read_outputs, run_summary, versus_best_peer, write_outputs
+from sluice_tools.bench_peers_sluice import (
+    SLUICE_CONFIGS,
+    engine_urls,
+    front_pids,
+    is_sluice,
+    start_stack,
+    target,
+)
 from sluice_tools.bench_peers_workload import (
     ChatShape,
     MooncakeScale,
@@ -129,12 +137,16 @@ def run_one(front: str, reqs: Sequence[Req], engines: Engines, bins: Binaries, p
     return run_summary(summary, records, deltas, cpu_s, bool(started.pids())), records
 
 
-def ramp(engines: Engines, bins: Binaries, plan: Plan, rates: Sequence[float], log_dir: Path) -> tuple[float, list]:
+Runner = Callable[[str, Sequence[Req]], tuple[dict[str, object], list[RequestRecord]]]
+
+
+def ramp(run: Runner, plan: Plan, rates: Sequence[float]) -> tuple[float, list[dict[str, object]]]:
     """Find the saturation rate: the highest ramp rate at which round-robin still completes >= 95% of the
-    offered requests within the SLO's TTFT at p50 (mooncake workload, `plan.duration_s` per step)."""
-    steps, best = [], rates[0]
+    offered requests ok and keeps TTFT p50 within the SLO (mooncake workload, `plan.duration_s` per step)."""
+    steps: list[dict[str, object]] = []
+    best = rates[0]
     for rate in rates:
-        summary, _ = run_one("round_robin", build_workload("mooncake", rate, plan), engines, bins, plan, log_dir)
+        summary, _ = run("round_robin", build_workload("mooncake", rate, plan))
         ttft_p50 = summary["ttft_s"]["p50"]  # type: ignore[index]
         done = summary["counts"]["ok"] / max(summary["requests"], 1)  # type: ignore[index,call-overload]
         steps.append({"rate_rps": rate, "ok_share": done, "ttft_p50_s": ttft_p50,
@@ -144,6 +156,63 @@ def ramp(engines: Engines, bins: Binaries, plan: Plan, rates: Sequence[float], l
             break
         best = rate
     return best, steps
+
+
+class EnginePool:
+    """The bench's engines: started once, and started again when something outside the bench ended them (on
+    this shared machine that happens); `restarts` counts it. With --engine-urls, the given engines as they are."""
+
+    def __init__(self, args: argparse.Namespace, log_dir: Path) -> None:
+        self.args, self.log_dir = args, log_dir
+        self.procs: list[Proc] = []
+        self.engines: Engines | None = None
+        self.restarts = 0
+        if args.engine_urls:
+            self.engines = Engines(tuple(args.engine_urls), tuple(args.kv_events), tuple(args.kv_replay))
+
+    def healthy(self) -> bool:
+        """True when every engine process lives and answers /health."""
+        if self.engines is None:
+            return False
+        alive = all(p.popen.poll() is None for p in self.procs)
+        return alive and all(get_ok(f"{url}/health") for url in self.engines.urls)
+
+    def get(self) -> Engines:
+        """Return serving engines, (re)starting them when needed."""
+        if self.args.engine_urls and self.engines is not None:
+            return self.engines
+        if self.engines is None or not self.healthy():
+            if self.engines is not None:
+                self.restarts += 1
+                print(json.dumps({"engines_restarted": self.restarts}), flush=True)
+            self.stop()
+            self.engines, self.procs = start_engines(self.args, self.log_dir)
+        return self.engines
+
+    def stop(self) -> None:
+        """Stop the engines this bench started."""
+        for proc in self.procs:
+            proc.stop()
+        self.procs = []
+
+
+def peer_runner(pool: EnginePool, bins: Binaries, plan: Plan, log_dir: Path, attempts: int = 3) -> Runner:
+    """Return a runner of peer front ends that redoes a run whose engines were lost during it."""
+
+    def run(front: str, reqs: Sequence[Req]) -> tuple[dict[str, object], list[RequestRecord]]:
+        for _ in range(attempts):
+            engines = pool.get()
+            try:
+                result = run_one(front, reqs, engines, bins, plan, log_dir)
+            except RuntimeError as exc:
+                print(json.dumps({"run_lost": front, "why": str(exc)[:200]}), flush=True)
+                continue
+            if pool.healthy():
+                return result
+            print(json.dumps({"run_lost": front, "why": "an engine ended during the run"}), flush=True)
+        raise RuntimeError(f"{front}: engines lost {attempts} times in a row")
+
+    return run
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -196,34 +265,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     log_dir = args.out / "logs"
     bins = Binaries(args.sglang_router, args.vllm_router, args.vllm_python)
-    procs: list[Proc] = []
-    if args.engine_urls:
-        engines = Engines(tuple(args.engine_urls), tuple(args.kv_events), tuple(args.kv_replay))
-    else:
-        engines, procs = start_engines(args, log_dir)
-
-    def stop_engines() -> None:
-        for proc in procs:
-            proc.stop()
-
+    pool = EnginePool(args, log_dir)
     try:
-        return _bench(args, engines, bins, log_dir, stop_engines)
+        return _bench(args, pool, bins, log_dir)
     finally:
-        stop_engines()
+        pool.stop()
 
 
 Cell = tuple[str, str, float, list[Req]]
 """(workload, load, rate, requests): one column of the comparison, the same for every front end."""
 
 
-def _bench(args: argparse.Namespace, engines: Engines, bins: Binaries, log_dir: Path,
-           stop_engines: Callable[[], None]) -> int:
+def _bench(args: argparse.Namespace, pool: EnginePool, bins: Binaries, log_dir: Path) -> int:
     plan = Plan(tuple(args.fronts), tuple(args.workloads), args.duration, args.slo_ttft, args.slo_tpot,
                 args.timeout, args.trace)
     ramp_plan = Plan(plan.fronts, plan.workloads, args.ramp_duration, plan.slo_ttft_s, plan.slo_tpot_s,
                      plan.timeout_s, plan.trace)
     saturation, steps = (args.saturation_rps, []) if args.saturation_rps > 0 else ramp(
-        engines, bins, ramp_plan, args.ramp_rates, log_dir)
+        peer_runner(pool, bins, ramp_plan, log_dir), ramp_plan, args.ramp_rates)
     cells: list[Cell] = []
     for workload in plan.workloads:
         for load in args.loads:
@@ -232,25 +291,30 @@ def _bench(args: argparse.Namespace, engines: Engines, bins: Binaries, log_dir: 
     results: dict[str, object] = {"saturation_rps": saturation, "ramp": steps, "plan": _plan_json(plan, args),
                                   "runs": []}
     records: dict[tuple[str, str], dict[str, list[RequestRecord]]] = {}
+    run_peer = peer_runner(pool, bins, plan, log_dir)
     for front in [f for f in plan.fronts if not is_sluice(f)]:
         for cell in cells:
-            _record(results, records, cell, front, run_one(front, cell[3], engines, bins, plan, log_dir))
+            _record(results, records, cell, front, run_peer(front, cell[3]))
+            write_outputs(results, records, args.out, plan.slo_ttft_s, plots=False)  # a stopped bench keeps its runs
     sluices = [f for f in plan.fronts if is_sluice(f)]
     if sluices:
-        stop_engines()  # at most two engines on this machine: Sluice's stack starts its own
+        pool.stop()  # at most two engines on this machine: Sluice's stack starts its own
     for front in sluices:
         stack = start_stack(front, ENGINE_ARGS, log_dir / front, args.vllm_python, args.model or "tiny")
         try:
-            stack_engines = Engines(tuple(engine_urls(stack)), model=stack.model_id or engines.model)
+            stack_engines = Engines(tuple(engine_urls(stack)), model=stack.model_id or "tiny")
             started = Started([target(stack)], other_pids=front_pids(stack), api_key=stack.api_key)
             for cell in cells:
                 run = run_one(front, cell[3], stack_engines, bins, plan, log_dir, started)
                 _record(results, records, cell, front, run)
+                write_outputs(results, records, args.out, plan.slo_ttft_s, plots=False)
         finally:
             stack.stop()
     if args.include is not None:
         _include(args.include, results, records)
     results["runs"].sort(key=lambda r: (plan.workloads.index(r["workload"]), args.loads.index(r["load"])))  # type: ignore[attr-defined]
+    results["engine_restarts"] = pool.restarts
+    results["sluice_vs_best_peer"] = versus_best_peer(results["runs"], list(SLUICE_CONFIGS))  # type: ignore[arg-type]
     write_outputs(results, records, args.out, plan.slo_ttft_s)
     print(f"bench_peers: wrote {args.out}/results.json, table.md and TTFT CDF plots", flush=True)
     return 0

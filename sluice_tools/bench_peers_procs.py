@@ -101,6 +101,15 @@ def post(url: str, timeout_s: float = 10.0) -> int:
         return 0
 
 
+def get_ok(url: str, timeout_s: float = 5.0) -> bool:
+    """Return True when GET `url` answers 200."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as reply:  # noqa: S310 (loopback)
+            return int(reply.status) == 200
+    except OSError:
+        return False
+
+
 def reset_prefix_caches(engine_urls: Sequence[str]) -> None:
     """Empty every engine's prefix cache; raises RuntimeError naming an engine that refuses."""
     for url in engine_urls:

@@ -105,14 +105,55 @@ def format_table(runs: Sequence[Mapping[str, object]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def versus_best_peer(runs: Sequence[Mapping[str, object]], ours: Sequence[str]) -> list[dict[str, object]]:
+    """Return, per (workload, load) and front end of `ours`, its goodput over the best peer's goodput and its
+    TTFT p99 over the best (lowest) peer TTFT p99, naming those peers (the peers: every other front end)."""
+    cells: dict[tuple[str, str], list[Mapping[str, object]]] = {}
+    for run in runs:
+        cells.setdefault((str(run["workload"]), str(run["load"])), []).append(run)
+    out = []
+    for (workload, load), group in cells.items():
+        peers = [r for r in group if r["front"] not in ours]
+        good = [r for r in peers if r["headline"]["goodput_rps"] is not None]  # type: ignore[index]
+        fast = [r for r in peers if r["headline"]["ttft_p99_ms"] is not None]  # type: ignore[index]
+        if not good or not fast:
+            continue
+        best_good = max(good, key=lambda r: r["headline"]["goodput_rps"])  # type: ignore[index]
+        best_fast = min(fast, key=lambda r: r["headline"]["ttft_p99_ms"])  # type: ignore[index]
+        for run in (r for r in group if r["front"] in ours):
+            head, bg, bf = run["headline"], best_good["headline"], best_fast["headline"]
+            out.append({
+                "workload": workload, "load": load, "front": run["front"],
+                "best_goodput_peer": best_good["front"], "goodput_ratio":
+                    head["goodput_rps"] / bg["goodput_rps"] if bg["goodput_rps"] else None,  # type: ignore[index,operator]
+                "best_ttft_p99_peer": best_fast["front"], "ttft_p99_ratio":
+                    head["ttft_p99_ms"] / bf["ttft_p99_ms"] if head["ttft_p99_ms"] and bf["ttft_p99_ms"] else None,  # type: ignore[index,operator]
+            })
+    return out
+
+
+def format_versus(rows: Sequence[Mapping[str, object]]) -> str:
+    """Return the ratios of `versus_best_peer` as a Markdown table ("" without rows)."""
+    if not rows:
+        return ""
+    keys = ("workload", "load", "front", "goodput_ratio", "best_goodput_peer", "ttft_p99_ratio", "best_ttft_p99_peer")
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(_cell(row[k]) for k in keys) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
 def write_outputs(results: Mapping[str, object], records: Mapping[tuple[str, str], Mapping[str, Sequence[RequestRecord]]],
-                  out: Path, slo_ttft_s: float) -> None:
-    """Write OUT/results.json, OUT/table.md and one TTFT CDF per (workload, load) when matplotlib is there."""
+                  out: Path, slo_ttft_s: float, plots: bool = True) -> None:
+    """Write OUT/results.json, OUT/records.json, OUT/table.md and (with `plots`, when matplotlib is there) one
+    TTFT CDF per (workload, load)."""
     out.mkdir(parents=True, exist_ok=True)
     write_json(results, out / "results.json")
     write_json({f"{w}|{load}": {front: records_to_json(recs) for front, recs in runs.items()}
                 for (w, load), runs in records.items()}, out / "records.json")
-    (out / "table.md").write_text(format_table(results["runs"]))  # type: ignore[arg-type]
+    versus = results.get("sluice_vs_best_peer") or []
+    (out / "table.md").write_text(format_table(results["runs"]) + "\n" + format_versus(versus))  # type: ignore[arg-type]
+    if not plots:
+        return
     try:
         import matplotlib
 

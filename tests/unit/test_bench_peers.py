@@ -19,8 +19,10 @@ from sluice_tools.bench_peers_report import (
     engine_figures,
     failures,
     format_table,
+    format_versus,
     read_outputs,
     run_summary,
+    versus_best_peer,
     write_outputs,
 )
 from sluice_tools.bench_peers_workload import (
@@ -202,3 +204,16 @@ def test_outputs_round_trip_so_a_later_phase_can_include_them(tmp_path: Path) ->
     back = again_records[("chat", "near")]["round_robin"]
     assert [r.status for r in back] == ["ok", "rejected", "failed"]
     assert back[0].ttft_s == pytest.approx(0.1)
+
+
+def test_sluice_is_compared_with_the_best_peer_of_each_cell() -> None:
+    """The goodput ratio divides by the highest peer goodput, the TTFT p99 ratio by the lowest peer TTFT p99."""
+    def run(front: str, goodput: float, ttft_p99: float) -> dict[str, object]:
+        return {"workload": "chat", "load": "near", "front": front,
+                "headline": {"goodput_rps": goodput, "ttft_p99_ms": ttft_p99}}
+
+    runs = [run("round_robin", 2.0, 900.0), run("sglang_cache_aware", 3.0, 1200.0), run("sluice", 4.5, 450.0)]
+    (row,) = versus_best_peer(runs, ["sluice"])
+    assert row["best_goodput_peer"] == "sglang_cache_aware" and row["goodput_ratio"] == pytest.approx(1.5)
+    assert row["best_ttft_p99_peer"] == "round_robin" and row["ttft_p99_ratio"] == pytest.approx(0.5)
+    assert "| chat | near | sluice | 1.50 |" in format_versus([row])
