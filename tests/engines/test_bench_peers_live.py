@@ -18,8 +18,7 @@ from sluice_tools.bench_peers_sluice import front_pids, target
 from sluice_tools.bench_peers_workload import ChatShape, chat_requests
 from sluice_tools.stack import Stack
 from sluice_tools.stack_parts import REPO_ROOT
-
-from .conftest import engine_url
+from tests.engines.conftest import engine_url
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
