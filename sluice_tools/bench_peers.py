@@ -140,19 +140,24 @@ def run_one(front: str, reqs: Sequence[Req], engines: Engines, bins: Binaries, p
 Runner = Callable[[str, Sequence[Req]], tuple[dict[str, object], list[RequestRecord]]]
 
 
-def ramp(run: Runner, plan: Plan, rates: Sequence[float]) -> tuple[float, list[dict[str, object]]]:
-    """Find the saturation rate: the highest ramp rate at which round-robin still completes >= 95% of the
-    offered requests ok and keeps TTFT p50 within the SLO (mooncake workload, `plan.duration_s` per step)."""
+def ramp(run: Runner, workload: str, plan: Plan, rates: Sequence[float]) -> tuple[float, list[dict[str, object]]]:
+    """Find `workload`'s saturation rate through round-robin: the highest ramp rate at which the engines keep up
+    (>= 95% of the requests end ok; the run lasts at most 1/0.9 of its arrival span plus a median request, so no
+    backlog built up; TTFT p50 within the SLO), `plan.duration_s` of arrivals per step."""
     steps: list[dict[str, object]] = []
     best = rates[0]
     for rate in rates:
-        summary, _ = run("round_robin", build_workload("mooncake", rate, plan))
+        reqs = build_workload(workload, rate, plan)
+        summary, _ = run("round_robin", reqs)
         ttft_p50 = summary["ttft_s"]["p50"]  # type: ignore[index]
         done = summary["counts"]["ok"] / max(summary["requests"], 1)  # type: ignore[index,call-overload]
-        steps.append({"rate_rps": rate, "ok_share": done, "ttft_p50_s": ttft_p50,
-                      "output_tokens_per_s": summary["output_tokens_per_s"]})
+        e2e_p50 = summary["e2e_s"]["p50"] or 0.0  # type: ignore[index]
+        busy = float(summary["duration_s"]) - e2e_p50  # type: ignore[arg-type]
+        kept_up = reqs[-1].arrival_s / busy if busy > 0 else 0.0
+        steps.append({"workload": workload, "rate_rps": rate, "ok_share": done, "kept_up": kept_up,
+                      "ttft_p50_s": ttft_p50, "output_tokens_per_s": summary["output_tokens_per_s"]})
         print(json.dumps({"ramp": steps[-1]}), flush=True)
-        if done < 0.95 or ttft_p50 is None or ttft_p50 > plan.slo_ttft_s:
+        if done < 0.95 or kept_up < 0.9 or ttft_p50 is None or ttft_p50 > plan.slo_ttft_s:
             break
         best = rate
     return best, steps
@@ -234,8 +239,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--fronts", nargs="*", default=list(DEFAULT_FRONTS))
     p.add_argument("--workloads", nargs="*", default=["mooncake", "chat"])
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run")
-    p.add_argument("--saturation-rps", type=float, default=0.0, help="skip the ramp, use this rate")
-    p.add_argument("--ramp-rates", type=float, nargs="*", default=[2, 4, 6, 8, 10, 12, 16, 20])
+    p.add_argument("--saturation-rps", type=float, default=0.0, help="skip the ramps, use this rate for every workload")
+    p.add_argument("--saturation", nargs="*", default=[], metavar="WORKLOAD=RPS",
+                   help="skip a workload's ramp, use this rate (e.g. mooncake=16 chat=6)")
+    p.add_argument("--ramp-rates", type=float, nargs="*", default=[2, 4, 6, 8, 12, 16, 24, 32])
     p.add_argument("--ramp-duration", type=float, default=20.0)
     p.add_argument("--light-fraction", type=float, default=0.3)
     p.add_argument("--loads", nargs="*", default=["light", "near", "over"])
@@ -281,12 +288,22 @@ def _bench(args: argparse.Namespace, pool: EnginePool, bins: Binaries, log_dir: 
                 args.timeout, args.trace)
     ramp_plan = Plan(plan.fronts, plan.workloads, args.ramp_duration, plan.slo_ttft_s, plan.slo_tpot_s,
                      plan.timeout_s, plan.trace)
-    saturation, steps = (args.saturation_rps, []) if args.saturation_rps > 0 else ramp(
-        peer_runner(pool, bins, ramp_plan, log_dir), ramp_plan, args.ramp_rates)
+    saturation: dict[str, float] = {}
+    steps: list[dict[str, object]] = []
+    for workload in plan.workloads:
+        given = dict(item.split("=", 1) for item in args.saturation)
+        if workload in given:
+            saturation[workload] = float(given[workload])
+        elif args.saturation_rps > 0:
+            saturation[workload] = args.saturation_rps
+        else:
+            saturation[workload], found = ramp(peer_runner(pool, bins, ramp_plan, log_dir), workload, ramp_plan,
+                                               args.ramp_rates)
+            steps += found
     cells: list[Cell] = []
     for workload in plan.workloads:
         for load in args.loads:
-            rate = saturation * (args.light_fraction if load == "light" else LOAD_FACTOR[load])
+            rate = saturation[workload] * (args.light_fraction if load == "light" else LOAD_FACTOR[load])
             cells.append((workload, load, rate, build_workload(workload, rate, plan)))
     results: dict[str, object] = {"saturation_rps": saturation, "ramp": steps, "plan": _plan_json(plan, args),
                                   "runs": []}
@@ -324,9 +341,9 @@ def _include(earlier: Path, results: dict[str, object],
              records: dict[tuple[str, str], dict[str, list[RequestRecord]]]) -> None:
     """Add an earlier run's rows and records; raises ValueError when its saturation rate differs."""
     old, old_records = read_outputs(earlier)
-    if abs(float(old["saturation_rps"]) - float(results["saturation_rps"])) > 1e-9:  # type: ignore[arg-type]
+    if old["saturation_rps"] != results["saturation_rps"]:
         raise ValueError(f"--include {earlier}: saturation {old['saturation_rps']} req/s, this run "
-                         f"{results['saturation_rps']} (pass --saturation-rps {old['saturation_rps']})")
+                         f"{results['saturation_rps']} (pass --saturation WORKLOAD=RPS ...)")
     results["runs"].extend(old["runs"])  # type: ignore[attr-defined]
     results["ramp"] = results["ramp"] or old.get("ramp", [])
     for cell, runs in old_records.items():
