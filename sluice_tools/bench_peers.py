@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -121,7 +122,7 @@ def run_one(front: str, reqs: Sequence[Req], engines: Engines, bins: Binaries, p
     fresh = started is None
     started = front_factory(front)(engines, bins, log_dir) if started is None else started
     try:
-        before = engine_counters(engines.urls)
+        before, load_before = engine_counters(engines.urls), os.getloadavg()[0]
         meter = CpuMeter(started.pids())
         meter.start()
         wall = time.monotonic()
@@ -134,6 +135,7 @@ def run_one(front: str, reqs: Sequence[Req], engines: Engines, bins: Binaries, p
         if fresh:
             started.stop()
     summary = summarize(records, plan.slo_ttft_s, plan.slo_tpot_s, duration_s=max(wall, 1e-9))
+    summary["machine_load_1min"] = {"before": load_before, "after": os.getloadavg()[0], "cores": os.cpu_count()}
     return run_summary(summary, records, deltas, cpu_s, bool(started.pids())), records
 
 
