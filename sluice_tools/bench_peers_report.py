@@ -73,6 +73,7 @@ def run_summary(summary: dict[str, object], records: Sequence[RequestRecord], de
         "token_share": engines["token_share_per_engine"],
         "cpu_ms_per_request": cpu["ms_per_request"],
         "cpu_us_per_token": cpu["us_per_streamed_token"],
+        "host_load_1min": (summary.get("machine_load_1min") or {}).get("after"),  # type: ignore[attr-defined]
     }
     return {**summary, "engines": engines, "failures": failures(records), "front_cpu": cpu, "headline": headline}
 
@@ -82,7 +83,7 @@ COLUMNS = (
     ("refused", "refused"), ("failed", "failed"), ("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p99_ms", "TTFT p99 ms"),
     ("itl_p50_ms", "ITL p50 ms"), ("itl_p99_ms", "ITL p99 ms"), ("tpot_p99_ms", "TPOT p99 ms"), ("e2e_p99_ms", "E2E p99 ms"),
     ("goodput_rps", "goodput req/s"), ("prefix_hit_rate", "prefix hit"), ("token_share", "token share"),
-    ("cpu_ms_per_request", "CPU ms/req"), ("cpu_us_per_token", "CPU µs/token"),
+    ("cpu_ms_per_request", "CPU ms/req"), ("cpu_us_per_token", "CPU µs/token"), ("host_load_1min", "host load"),
 )
 
 
