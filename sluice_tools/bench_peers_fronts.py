@@ -70,10 +70,12 @@ def free_port() -> int:
 
 
 def _router(name: str, argv: list[str], port: int, log_dir: Path) -> Started:
-    """Start a router binary listening on `port`; wait for its /health."""
+    """Start a router binary listening on `port`; wait for its /health, then for its /readiness (both routers
+    answer /health before their workers pass their health checks, and refuse with 503 until then)."""
     proc = spawn(name, argv, log_dir, url=f"http://127.0.0.1:{port}")
     try:
         wait_http(proc, "/health", timeout_s=60.0)
+        wait_http(proc, "/readiness", timeout_s=60.0)
     except RuntimeError:
         proc.stop()
         raise
