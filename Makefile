@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 PROTOS  := $(wildcard protos/sluice/v1/*.proto)
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup setup-vllm protos redis-tls prometheus images images-smoke test lint demo bench bench-openai bench-http fuzz clean
+.PHONY: setup setup-vllm protos redis-tls prometheus images images-smoke test lint demo bench bench-openai bench-http bench-peers fuzz clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -109,6 +109,22 @@ bench-openai: setup $(BENCH_VENV)/bin/aiperf
 bench-http: setup
 	PYTHONPATH=. $(BIN)/python scripts/bench_http_vs_grpc.py
 
+# Sluice beside the routers people run today (sglang-router, vllm-router, round-robin) in front of the same
+# vLLM CPU engines (docs/bench-peers.md). Each peer router is a Rust wheel in a venv of its own; vLLM is the
+# venv of `make setup-vllm` (part of `setup`). PEERS_FLAGS=--quick for a short run.
+PEERS_VENV ?= $(VENV)-peers
+$(PEERS_VENV)/sglang/bin/sglang-router:
+	$(PY) -m venv $(PEERS_VENV)/sglang
+	$(PEERS_VENV)/sglang/bin/pip install -q sglang-router==0.3.2
+$(PEERS_VENV)/vllm/bin/vllm-router:
+	$(PY) -m venv $(PEERS_VENV)/vllm
+	$(PEERS_VENV)/vllm/bin/pip install -q vllm-router==0.1.17
+
+bench-peers: setup $(PEERS_VENV)/sglang/bin/sglang-router $(PEERS_VENV)/vllm/bin/vllm-router
+	PYTHONPATH=. $(BIN)/python -m sluice_tools.bench_peers --vllm-python $(VLLM_VENV)/bin/python \
+	  --sglang-router $(PEERS_VENV)/sglang/bin/sglang-router --vllm-router $(PEERS_VENV)/vllm/bin/vllm-router \
+	  $(PEERS_FLAGS)
+
 # The suite's fuzz tests (tests/fuzz) with many more examples: >= 10,000 messages per service.
 # Prints the status counts per service; FUZZ_EXAMPLES=N per RPC and kind of input (default 2000).
 FUZZ_EXAMPLES ?= 2000
@@ -126,4 +142,4 @@ chaos: setup
 	PYTHONPATH=. $(BIN)/python -m sluice_tools.chaos --duration-s $(CHAOS_S) --json out/chaos.json
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) $(VLLM_VENV) sluice/v1 .pytest_cache
+	rm -rf $(VENV) $(BENCH_VENV) $(VLLM_VENV) $(PEERS_VENV) sluice/v1 .pytest_cache
