@@ -47,18 +47,17 @@ from scheduler_svc.core import SchedulerCore
 from scheduler_svc.publisher import Publisher
 from scheduler_svc.reporting import Reporter
 from scheduler_svc.worker_link import WorkerLink
-from sluice import convert, telemetry
+from sluice import convert
 from sluice.bus import Bus
 from sluice.core_errors import RequestRejected
 from sluice.glue import RoundRates
 from sluice.prom import SchedulerMetrics
 from sluice.types import CoreEvents, RequestStatus, RoundPlan
-from sluice.v1 import common_pb2, scheduler_pb2, worker_pb2_grpc
+from sluice.v1 import scheduler_pb2, worker_pb2_grpc
 
 __all__ = ["Driver"]
 
 log = logging.getLogger(__name__)
-tracer = telemetry.get_tracer("sluice.scheduler")
 
 
 class Driver:
@@ -123,13 +122,7 @@ class Driver:
         except RequestRejected as exc:
             self.metrics.rejections.labels(exc.reason.value).inc()
             raise
-        span = tracer.start_span("replica.request", context=parent, start_time=int(now * 1e9), attributes={
-            "sluice.request_id": msg.request_id, "sluice.replica_id": self.replica_id,
-            "sluice.tenant": request.tenant, telemetry.GEN_AI_REQUEST_MODEL: self.model_id,
-            telemetry.GEN_AI_USAGE_INPUT_TOKENS: len(request.prompt_token_ids)})
-        timestamps = common_pb2.LifecycleTimestamps()
-        timestamps.CopyFrom(msg.timestamps)
-        self.reporter.track(msg.request_id, msg.owner, span, timestamps, now, len(request.prompt_token_ids))
+        self.reporter.track_submitted(msg, request, parent, now, self.model_id, "sluice")
         self.reporter.handle(self.core.take_events(), now)
         self.wake_up()
         return self.core.num_waiting

@@ -18,8 +18,8 @@ from scheduler_svc.core import SchedulerCore
 from scheduler_svc.publisher import Outgoing, Publisher
 from sluice import convert, telemetry
 from sluice.prom import SchedulerMetrics
-from sluice.types import CoreEvents, Finished, LifecycleEvent, RequestStatus, RoundPlan, Stage
-from sluice.v1 import common_pb2, worker_pb2
+from sluice.types import CoreEvents, Finished, LifecycleEvent, NewRequest, RequestStatus, RoundPlan, Stage
+from sluice.v1 import common_pb2, scheduler_pb2, worker_pb2
 
 __all__ = ["MAX_ROUND_TRACES", "Reporter"]
 
@@ -28,6 +28,7 @@ MAX_ROUND_TRACES = 32
 that tracing costs a round O(1), not O(batch). Prefill chunks come first (see `round_traces`)."""
 
 log = logging.getLogger(__name__)
+tracer = telemetry.get_tracer("sluice.scheduler")
 
 _TERMINAL_EVENT = {
     RequestStatus.FINISHED_STOP: "finished", RequestStatus.FINISHED_LENGTH: "finished",
@@ -74,6 +75,18 @@ class Reporter:
                                                   tracestate=fields.get("tracestate", ""))
             self._sampled += 1
         self._tracked[request_id] = _Tracked(owner, span, fields, round_trace, timestamps, arrival, prompt_tokens)
+
+    def track_submitted(self, msg: scheduler_pb2.SubmitRequest, request: NewRequest, parent: Context | None,
+                        now: float, model_id: str, engine: str) -> None:
+        """Open the replica's span of a request the core accepted (a child of admission's, from `parent`) and
+        track it: the one way both engines' drivers start reporting a request."""
+        span = tracer.start_span("replica.request", context=parent, start_time=int(now * 1e9), attributes={
+            "sluice.request_id": msg.request_id, "sluice.replica_id": self.replica_id, "sluice.engine": engine,
+            "sluice.tenant": request.tenant, telemetry.GEN_AI_REQUEST_MODEL: model_id,
+            telemetry.GEN_AI_USAGE_INPUT_TOKENS: len(request.prompt_token_ids)})
+        timestamps = common_pb2.LifecycleTimestamps()
+        timestamps.CopyFrom(msg.timestamps)
+        self.track(msg.request_id, msg.owner, span, timestamps, now, len(request.prompt_token_ids))
 
     def round_traces(self, plan: RoundPlan) -> list[worker_pb2.RequestTrace]:
         """Return the trace contexts the round `plan` carries to the worker: sampled requests only, at most

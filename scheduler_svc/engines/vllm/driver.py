@@ -37,18 +37,17 @@ from scheduler_svc.engines.vllm.gateway import GatewayCore
 from scheduler_svc.engines.vllm.link import EngineGone, EngineLink, EngineRefused, KvSubscriber
 from scheduler_svc.publisher import Publisher
 from scheduler_svc.reporting import Reporter
-from sluice import convert, telemetry
+from sluice import convert
 from sluice.bus import Bus
 from sluice.core_errors import RequestRejected
 from sluice.glue import RoundRates
 from sluice.prom import SchedulerMetrics
 from sluice.types import RequestStatus
-from sluice.v1 import common_pb2, scheduler_pb2
+from sluice.v1 import scheduler_pb2
 
 __all__ = ["VllmDriver"]
 
 log = logging.getLogger(__name__)
-tracer = telemetry.get_tracer("sluice.scheduler")
 
 
 class VllmDriver:
@@ -110,13 +109,7 @@ class VllmDriver:
         except RequestRejected as exc:
             self.metrics.rejections.labels(exc.reason.value).inc()
             raise
-        span = tracer.start_span("replica.request", context=parent, start_time=int(now * 1e9), attributes={
-            "sluice.request_id": msg.request_id, "sluice.replica_id": self.replica_id, "sluice.engine": "vllm",
-            "sluice.tenant": request.tenant, telemetry.GEN_AI_REQUEST_MODEL: self.model_id,
-            telemetry.GEN_AI_USAGE_INPUT_TOKENS: len(request.prompt_token_ids)})
-        timestamps = common_pb2.LifecycleTimestamps()
-        timestamps.CopyFrom(msg.timestamps)
-        self.reporter.track(msg.request_id, msg.owner, span, timestamps, now, len(request.prompt_token_ids))
+        self.reporter.track_submitted(msg, request, parent, now, self.model_id, "vllm")
         self._hand_over(now)
         self.wake_up()
         return self.core.num_waiting
