@@ -6,6 +6,7 @@ the first request that completes again) are printed as JSON lines, not asserted:
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -139,13 +140,19 @@ def test_killed_scheduler_is_restarted_registers_again_and_serves(supervised: St
 
     assert _wait(both_ready, 30)
     back = time.monotonic() - killed
-    served = set()
-    with sdk.Client(stack.endpoint, api_key=stack.api_key) as client:
-        for i in range(20):
-            request_id = ""  # distinct prompts: a shared prefix would draw every request to one replica
-            for chunk in client.generate([100 + i] * 32, max_tokens=4, ignore_eos=True, timeout=10):
+    served: set[str] = set()
+
+    def one(i: int) -> None:
+        # Distinct prompts (a shared prefix would draw every request to one replica), 8 at a time: one at a time,
+        # both replicas idle, the replica whose measured rates predict the lower TTFT would take every request.
+        with sdk.Client(stack.endpoint, api_key=stack.api_key) as client:
+            request_id = ""
+            for chunk in client.generate([100 + i] * 32, max_tokens=32, ignore_eos=True, timeout=30):
                 request_id = chunk.request_id
             served.add(client.get_request(request_id).replica_id)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, range(24)))
     assert served == {victim.replica_id, stack.schedulers[1].replica_id}
     print(json.dumps({"kill": "scheduler", "recovery_s": round(recovery, 3), "replica_ready_s": round(back, 3)}))
 
