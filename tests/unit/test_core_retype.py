@@ -22,7 +22,7 @@ from sluice.types import (
     Stage,
 )
 
-SEQ_ARGS = ("r1", 2, (7,), 130, (0, 5, 9), SamplingParams(max_tokens=9), True, 3, (1, 2))
+SEQ_ARGS = ("r1", 2, (7,), 130, (0, 5, 9), SamplingParams(max_tokens=9), True, 3, (1, 2), (5, 6))
 BUDGET_ARGS = (8192, 3, 256, 3, None, 400, 0, 3)
 CASES = [
     (ScheduledSeq, SEQ_ARGS),
@@ -31,7 +31,7 @@ CASES = [
     (KvEvent, (12, KvEventKind.STORED, (99,), 98, (), KvMedium.GPU)),
     (LifecycleEvent, ("r1", Stage.FIRST_TOKEN, 1.5, (("tokens", 3),))),
     (CoreStats, tuple(range(18))),
-    (CoreEvents, ([("r1", 0, 7)], [], [], [], 2)),
+    (CoreEvents, ([("r1", 0, 7)], [], [], [], 2, {})),
 ]
 
 
