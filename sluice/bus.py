@@ -43,6 +43,7 @@ command line; anything printed or logged about the URL goes through `redact_url`
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import zlib
@@ -190,6 +191,7 @@ class Bus:
         self.poisoned: dict[str, int] = {}
         """Entries skipped because they do not parse, per logical stream (see the module docstring)."""
         self._poison_counter: Any = None
+        self._poison_seen: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
 
     def count_poison_in(self, registry: Any) -> None:
         """Also count poison entries in `sluice_bus_poison_entries_total{stream}` of a Prometheus registry."""
@@ -200,7 +202,14 @@ class Bus:
                                        ["stream"], registry=registry)
 
     def poison(self, stream: str, entry_id: str, error: str) -> None:
-        """Count and log (once: the entry is skipped) an entry of `stream` that does not parse."""
+        """Count and log an entry of `stream` that does not parse, once however many reads meet it (a reader that
+        retries a batch, or reads a range again to recover, sees the same entry again; the last 1,024 are kept)."""
+        seen = (stream, entry_id)
+        if seen in self._poison_seen:
+            return
+        self._poison_seen[seen] = None
+        if len(self._poison_seen) > 1024:
+            self._poison_seen.popitem(last=False)
         family = stream.split(":", 1)[0]  # tokens:<owner>, kv:<shard>: one label per kind of stream
         self.poisoned[stream] = self.poisoned.get(stream, 0) + 1
         if self._poison_counter is not None:
