@@ -169,13 +169,14 @@ def test_a_killed_replica_process_loses_no_request_and_no_token(tmp_path: Path, 
 
 
 def test_a_drained_replica_hands_its_requests_over_and_retires(tmp_path: Path) -> None:
-    """Drain the replica running more of the long requests (drain timeout 1 s): it hands the rest to
+    """Drain the replica running more of the long requests (drain timeout 0.2 s, far below the ~1 s their remaining
+    ~360 tokens take even on a quiet machine; at 1 s they sometimes all finished first): it hands the rest to
     migration, leaves the router's table and turns NOT_SERVING (retired; a SIGTERM then stops it at once, exit 0);
     every request is exact.
 
     The drained replica is chosen by its running-requests gauge, not by name: the router may place the 8
     requests unevenly, and a replica with none would drain with nothing to hand off."""
-    with _start(tmp_path, "--drain-timeout", "1") as stack:
+    with _start(tmp_path, "--drain-timeout", "0.2") as stack:
         outs, threads = _launch(stack)
         running = [_metrics(s)["sluice_running_requests"] for s in stack.schedulers]
         victim = max(range(len(running)), key=running.__getitem__)
