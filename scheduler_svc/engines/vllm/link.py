@@ -197,10 +197,11 @@ class EngineLink:
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False
 
-    async def served_models(self) -> list[str]:
-        """Return the model names GET /v1/models lists. Raises EngineGone when the engine does not answer."""
-        data = await self._get_json("/v1/models")
-        return [str(entry.get("id", "")) for entry in data.get("data", [])]
+    async def models(self) -> list[dict[str, Any]]:
+        """Return the entries GET /v1/models lists (id, max_model_len, ...). Raises EngineGone when the engine does
+        not answer."""
+        entries = (await self._get_json("/v1/models")).get("data", [])
+        return [entry for entry in entries if isinstance(entry, dict)]
 
     async def metrics(self) -> tuple[EngineView, dict[str, str]]:
         """Return `parse_metrics` of GET /metrics. Raises EngineGone when the engine does not answer."""

@@ -68,9 +68,8 @@ async def discover(link: EngineLink, timeout_s: float) -> tuple[str, int, int, i
     while True:
         if await link.healthy():
             try:
-                data = await link._get_json("/v1/models")  # noqa: SLF001 (the one JSON GET)
+                entry = (await link.models())[0]
                 _, cache_info = await link.metrics()
-                entry = data["data"][0]
                 return (str(entry["id"]), int(entry.get("max_model_len") or 0),
                         int(cache_info.get("block_size") or 16), int(cache_info.get("num_gpu_blocks") or 0))
             except (EngineGone, KeyError, IndexError, ValueError, TypeError) as exc:
