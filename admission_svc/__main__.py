@@ -18,6 +18,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from admission_svc.core import AdmissionConfig, AdmissionCore
 from admission_svc.frontdoor import FrontDoor, FrontDoorConfig
+from admission_svc.http_conn import HTTP_HEADER_TIMEOUT_S, HTTP_KEEPALIVE_TIMEOUT_S, HttpTimeouts
 from admission_svc.http_edge import HttpServer, serve_http
 from admission_svc.server import DEFAULT_MAX_MESSAGE_BYTES, build_server
 from admission_svc.streams import token_reader_loop
@@ -67,6 +68,15 @@ class AdmissionOptions(serve.BusOptions):
     """Moves to another replica a request may make before it ends FAILED (0: no migration)."""
     stall_timeout_s: float = FrontDoorConfig.stall_timeout_s
     """Seconds without a new token after which a request's replica is checked for loss."""
+    max_finished_records: int = FrontDoorConfig.max_finished_records
+    """Finished requests remembered (GetRequest, idempotent retries) at most; the oldest are forgotten first."""
+    finished_record_ttl_s: float = FrontDoorConfig.finished_record_ttl_s
+    """Seconds a finished request is remembered at most."""
+    http_header_timeout_s: float = HTTP_HEADER_TIMEOUT_S
+    """An HTTP connection that has not sent a whole request head this long after it opened (or after its last
+    response) is closed."""
+    http_keepalive_timeout_s: float = HTTP_KEEPALIVE_TIMEOUT_S
+    """An idle keep-alive HTTP connection is closed after this many seconds."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,6 +142,12 @@ def build_servicer(ctx: serve.ServiceContext, options: AdmissionOptions) -> Fron
     if not 0 < options.max_prompt_bytes <= options.max_message_bytes:
         raise serve.StartupError(f"--max-prompt-bytes ({options.max_prompt_bytes}) must be positive and at most "
                                  f"--max-message-bytes ({options.max_message_bytes})")
+    for flag, value in (("--max-finished-records", options.max_finished_records),
+                        ("--finished-record-ttl-s", options.finished_record_ttl_s),
+                        ("--http-header-timeout-s", options.http_header_timeout_s),
+                        ("--http-keepalive-timeout-s", options.http_keepalive_timeout_s)):
+        if not value > 0:
+            raise serve.StartupError(f"{flag} must be positive, got {value}")
     try:
         service = load_config(options.config)  # first: a typo in the file is the cheapest thing to report
         model_dir = resolve_model_dir(options.model)
@@ -143,7 +159,9 @@ def build_servicer(ctx: serve.ServiceContext, options: AdmissionOptions) -> Fron
     ctx.expose_metrics(metrics.registry)
     owner = options.owner or f"admission-{socket.gethostname()}-{options.port}"
     config = FrontDoorConfig(max_prompt_bytes=options.max_prompt_bytes, resume_window_s=options.resume_window_s,
-                             migration_limit=options.migration_limit, stall_timeout_s=options.stall_timeout_s)
+                             migration_limit=options.migration_limit, stall_timeout_s=options.stall_timeout_s,
+                             max_finished_records=options.max_finished_records,
+                             finished_record_ttl_s=options.finished_record_ttl_s)
     return FrontDoor(core, model, options.router, owner, metrics, config, serve.tls_files(options, "admission"))
 
 
@@ -197,7 +215,8 @@ async def _start_http(door: FrontDoor, options: AdmissionOptions) -> HttpServer 
         return None
     try:
         http = await serve_http(door, options.host, options.http_port, options.max_message_bytes,
-                                door.tls_files if options.public_tls else None)
+                                door.tls_files if options.public_tls else None,
+                                HttpTimeouts(options.http_header_timeout_s, options.http_keepalive_timeout_s))
     except OSError as exc:
         raise serve.StartupError(f"cannot serve HTTP on {options.host}:{options.http_port}: {exc}") from exc
     log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", _scheme(options), options.host, http.port)

@@ -48,6 +48,11 @@ class FrontDoorConfig:
     migration_retry_s: float = 20.0
     """How long a migrating request keeps trying to be placed (the router may still list the dead
     replica until its heartbeat times out) before it ends FAILED."""
+    max_finished_records: int = 2048
+    """Finished requests remembered (for GetRequest, Cancel and idempotent retries) at most; the oldest beyond
+    this are forgotten first (sluice_admission_records_evicted_total{reason="count"})."""
+    finished_record_ttl_s: float = 300.0
+    """A finished request is forgotten this many seconds after it ended, at the latest (reason="age")."""
 
 
 @dataclass(frozen=True)
@@ -154,3 +159,5 @@ class Tracked:
     """A move is under way (the watchdog and a hand-off must not start a second)."""
     settling: bool = False
     """A successful completion is held while the tokens it counts arrive (Migrator.settle)."""
+    idempotency_key: str = ""
+    """The key it was started with ("" none): forgotten with the record."""

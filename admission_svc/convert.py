@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import grpc
 
 from admission_svc.calls import GenerateCall, Output
+from admission_svc.ranges import check_wire_top_p
 from sluice import convert as shared_convert
 from sluice import errors
 from sluice.model_spec import ModelSpec
@@ -19,7 +20,11 @@ from sluice.v1 import admission_pb2, common_pb2, events_pb2, scheduler_pb2
 
 
 def generate_call(request: admission_pb2.GenerateRequest) -> GenerateCall:
-    """Return the front door's GenerateCall for a Generate message (unset sampling values resolved)."""
+    """Return the front door's GenerateCall for a Generate message (unset sampling values resolved).
+
+    Raises InvalidRequest for a top_p that is neither unset (0) nor in (0, 1]: the shared conversion reads
+    every top_p <= 0 as unset, so a -0.5 or a NaN would otherwise pass as 1.0."""
+    check_wire_top_p(request.sampling.top_p)
     return GenerateCall(prompt=request.prompt, prompt_token_ids=tuple(request.prompt_token_ids), model=request.model,
                         sampling=shared_convert.sampling_from_proto(request.sampling), priority=request.priority,
                         adapter_version=request.adapter_version, idempotency_key=request.idempotency_key)

@@ -28,7 +28,8 @@ without bound. `release` is idempotent: a completion delivered twice (at-least-o
 releases once.
 
 Idempotency keys map (tenant, key) to the request they started, for `idempotency_ttl_s`, so a
-client retry attaches to the running request instead of starting a second one.
+client retry attaches to the running request instead of starting a second one. The key remembers a
+fingerprint of its request: the same key with another prompt or other parameters is ALREADY_EXISTS.
 
 Pure: no clock, no I/O; `now` is an argument.
 """
@@ -43,6 +44,7 @@ from dataclasses import dataclass, field, replace
 from admission_svc.reservations import Growth, Reservation, Usage, make_reserver
 from sluice.config import Budgets, ReservationConfig, TenantConfig
 from sluice.core_errors import CoreError, DuplicateRequest, InvalidRequest, OverBudget, UnknownApiKey
+from sluice.safe_text import SHOWN_CHARS, shown
 from sluice.types import MAX_LOGPROBS, SamplingParams
 
 
@@ -111,7 +113,8 @@ class AdmissionCore:
         self._releases: deque[tuple[float, int, int]] = deque()
         """(time, tokens, KV blocks) of each release in the last _DRAIN_WINDOW_S: the drain rate."""
         self.reserver = make_reserver(config.reservation)
-        self._idempotency: dict[tuple[str, str], tuple[str, float]] = {}
+        self._idempotency: dict[tuple[str, str], tuple[str, float, int]] = {}
+        """(tenant, key) -> (request id, when remembered, the request's fingerprint)."""
         self._idempotency_order: deque[tuple[float, tuple[str, str]]] = deque()
         self.admitted = 0
         self.released = 0
@@ -384,13 +387,17 @@ class AdmissionCore:
         return self._reservations.get(request_id)
 
     # ---- idempotency ----------------------------------------------------------------------
-    def remember_key(self, tenant: str, key: str, request_id: str, now: float) -> None:
-        """Point (tenant, key) at `request_id` for idempotency_ttl_s."""
-        self._idempotency[(tenant, key)] = (request_id, now)
+    def remember_key(self, tenant: str, key: str, request_id: str, now: float, fingerprint: int = 0) -> None:
+        """Point (tenant, key) at `request_id` for idempotency_ttl_s; `fingerprint` identifies the request the key
+        started (what a retry must repeat exactly)."""
+        self._idempotency[(tenant, key)] = (request_id, now, fingerprint)
         self._idempotency_order.append((now, (tenant, key)))
 
-    def lookup_key(self, tenant: str, key: str, now: float) -> str | None:
-        """Return the request a live idempotency key started, or None."""
+    def lookup_key(self, tenant: str, key: str, now: float, fingerprint: int = 0) -> str | None:
+        """Return the request a live idempotency key started, or None.
+
+        Raises DuplicateRequest (ALREADY_EXISTS, naming the key) when the key started a request other than the
+        one `fingerprint` identifies: a reused key must not silently answer with another request's output."""
         limit = now - self.config.idempotency_ttl_s
         while self._idempotency_order and self._idempotency_order[0][0] < limit:
             stamp, old = self._idempotency_order.popleft()
@@ -398,7 +405,24 @@ class AdmissionCore:
             if entry is not None and entry[1] == stamp:
                 del self._idempotency[old]
         entry = self._idempotency.get((tenant, key))
-        return entry[0] if entry is not None else None
+        if entry is None:
+            return None
+        if entry[2] != fingerprint:
+            raise DuplicateRequest(f"idempotency key {shown(key)} was used for a different request (another prompt "
+                                   "or other parameters); a retry must repeat its request exactly, or use a new key",
+                                   field_name="idempotency_key", metadata={"idempotency_key": key[:SHOWN_CHARS]})
+        return entry[0]
+
+    def forget_key(self, tenant: str, key: str, request_id: str) -> None:
+        """Drop (tenant, key) if it still points at `request_id` (its record was evicted)."""
+        entry = self._idempotency.get((tenant, key))
+        if entry is not None and entry[0] == request_id:
+            del self._idempotency[(tenant, key)]
+
+    @property
+    def idempotency_keys(self) -> int:
+        """Live idempotency keys held."""
+        return len(self._idempotency)
 
     def stats(self, now: float) -> AdmissionStats:
         self._prune_releases(now)

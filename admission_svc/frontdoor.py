@@ -26,6 +26,7 @@ Other tenants' requests are NOT_FOUND to `cancel` and `lookup`, so no tenant can
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -37,6 +38,7 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 from opentelemetry.context import Context
+from prometheus_client import Counter
 
 from admission_svc import convert
 from admission_svc.calls import Caller, FrontDoorConfig, GenerateCall, Output, Placement, Tracked
@@ -44,6 +46,7 @@ from admission_svc.core import AdmissionCore
 from admission_svc.front_queue import FrontQueue
 from admission_svc.migration import MigrationCause, Migrator, handed_off
 from admission_svc.prompts import PromptReader
+from admission_svc.ranges import check_wire_ranges
 from admission_svc.stops import stop_strings_problem
 from admission_svc.streams import RequestStream, StreamRegistry
 from sluice import core_errors, errors, telemetry, tls
@@ -95,6 +98,11 @@ class FrontDoor:
         self.metrics = metrics or AdmissionMetrics()
         self.registry = StreamRegistry(self.config.resume_window_s, listener=self)
         self.records: dict[str, Tracked] = {}
+        self._finished: collections.OrderedDict[str, float] = collections.OrderedDict()
+        """Finished records' ids, oldest first, with when they finished (monotonic): the ones to forget first."""
+        self.evicted = Counter("sluice_admission_records_evicted", "Finished request records forgotten, by bound "
+                               "(count: max_finished_records; age: finished_record_ttl_s)", ["reason"],
+                               registry=self.metrics.registry)
         self._router_channel = tls.aio_channel(router_address, tls_files)
         self.router = router_pb2_grpc.RouterServiceStub(self._router_channel)
         self._schedulers: dict[str, tuple[grpc.aio.Channel, scheduler_pb2_grpc.SchedulerServiceStub]] = {}
@@ -117,15 +125,16 @@ class FrontDoor:
         Raises the refusal (bad key, bad input, over budget, no replica) before anything is streamed."""
         received = time.time()
         tenant = self.core.authenticate(caller.api_key)
-        record = self._attach(tenant, call.idempotency_key)
+        fingerprint = hash(call)  # before any field is resolved: what a retry with the key must repeat
+        record = self._attach(tenant, call.idempotency_key, fingerprint)
         if record is None:
             ids, tokenized, call = await self._checked_prompt(call)
             blocks = await self._prompt_blocks(call, ids, tenant)
             # Tokenizing on a thread awaits: a retry with the same key may have started the request meanwhile.
             waited = await self._wait_for_room(call, tenant, ids, blocks, caller)
-            record = self._attach(tenant, call.idempotency_key)
+            record = self._attach(tenant, call.idempotency_key, fingerprint)
             if record is None:
-                record = await self._admit(call, tenant, (ids, blocks), caller, (received, tokenized))
+                record = await self._admit(call, tenant, (ids, blocks), caller, (received, tokenized), fingerprint)
                 if waited:
                     record.span.add_event("front_door_queued", attributes={"sluice.queued_s": waited})
                 self.metrics.requests.labels(tenant, "admitted").inc()
@@ -177,10 +186,15 @@ class FrontDoor:
         return await self.cancel_downstream(record, "client")
 
     # ---- admission --------------------------------------------------------------------------------
-    def _attach(self, tenant: str, key: str) -> Tracked | None:
+    def _attach(self, tenant: str, key: str, fingerprint: int) -> Tracked | None:
+        """Return the request `key` started, or None; raises DuplicateRequest when it started another request."""
         if not key:
             return None
-        request_id = self.core.lookup_key(tenant, key, time.monotonic())
+        try:
+            request_id = self.core.lookup_key(tenant, key, time.monotonic(), fingerprint)
+        except CoreError as exc:
+            self.metrics.rejections.labels(exc.reason_word).inc()
+            raise
         return self.records.get(request_id) if request_id else None
 
     async def _checked_prompt(self, call: GenerateCall) -> tuple[list[int], float | None, GenerateCall]:
@@ -191,7 +205,8 @@ class FrontDoor:
             raise errors.NotFound(f"unknown model {shown(call.model)}; this deployment serves "
                                   f"{self.model.model_id!r}", reason="unknown_model", field_name="model")
         try:
-            if (problem := stop_strings_problem(call.sampling.stop_strings)) is not None:  # before any tokenizing
+            check_wire_ranges(call.sampling, call.priority)  # before any tokenizing
+            if (problem := stop_strings_problem(call.sampling.stop_strings)) is not None:
                 raise InvalidRequest("sampling.stop_strings", problem)
             ids = await self.prompts.ids(call)
             if call.max_tokens_unset:  # vLLM's chat default: whatever the model length leaves after the prompt
@@ -233,12 +248,12 @@ class FrontDoor:
         return await self.queue.wait(tenant, fits, limit, timeout_s)
 
     async def _admit(self, call: GenerateCall, tenant: str, prompt: tuple[list[int], tuple[list[int], int]],
-                     caller: Caller, stamps: tuple[float, float | None]) -> Tracked:
+                     caller: Caller, stamps: tuple[float, float | None], fingerprint: int = 0) -> Tracked:
         """Reserve, route and submit; undo the reservation if routing, the TTFT check or submitting fails.
 
-        `prompt`: the token ids, and the block hashes with the block size."""
+        `prompt`: the token ids, and the block hashes with the block size; `fingerprint`: the call's, for its key."""
         ids, blocks = prompt
-        record = self._reserve(call, tenant, ids, blocks, stamps, caller.trace_context)
+        record = self._reserve(call, tenant, ids, blocks, stamps, caller.trace_context, fingerprint)
         record.span.set_attributes(dict(caller.span_attributes))
         try:
             await self.route_and_submit(record, call, ids, caller.deadline_unix_s, blocks[0])
@@ -253,7 +268,7 @@ class FrontDoor:
         return record
 
     def _reserve(self, call: GenerateCall, tenant: str, ids: list[int], blocks: tuple[list[int], int],
-                 stamps: tuple[float, float | None], parent: Context | None) -> Tracked:
+                 stamps: tuple[float, float | None], parent: Context | None, fingerprint: int = 0) -> Tracked:
         """Admit (no await between the key lookup and here, so two retries cannot both start).
 
         `stamps`: when the call was received, and when its text was tokenized (None: it came as ids)."""
@@ -280,9 +295,9 @@ class FrontDoor:
         span.add_event("admitted", timestamp=_ns(now), attributes={
             "sluice.reserved_output_tokens": reservation.reserved_output_tokens})
         if call.idempotency_key:
-            self.core.remember_key(tenant, call.idempotency_key, request_id, time.monotonic())
+            self.core.remember_key(tenant, call.idempotency_key, request_id, time.monotonic(), fingerprint)
         record = Tracked(request_id, tenant, len(ids), self.registry.open(request_id), span, received,
-                         operation=call.operation)
+                         operation=call.operation, idempotency_key=call.idempotency_key)
         record.timestamps.received, record.timestamps.admitted = received, now
         record.attempt_id = request_id
         self.records[request_id] = record
@@ -520,6 +535,7 @@ class FrontDoor:
             if released is not None:
                 self.metrics.active.dec()
             record.completion, record.status = completion, completion.status
+            self._remember_finished(request_id)
         # Last: the stream may be complete now, which ends the span (it reads record.completion).
         self.registry.on_completion(completion)
         self.publish_budgets()
@@ -554,12 +570,30 @@ class FrontDoor:
             error_type="" if status_name in _SUCCESS else status_name))
 
     # ---- housekeeping ---------------------------------------------------------------------------
-    def expire(self, keep_s: float = 600.0) -> None:
-        """Forget streams past the resume window and records finished more than `keep_s` ago."""
+    def _remember_finished(self, request_id: str) -> None:
+        """Keep a finished record, forgetting the oldest ones beyond max_finished_records (memory stays bounded
+        whatever the request rate)."""
+        self._finished[request_id] = time.monotonic()
+        while len(self._finished) > self.config.max_finished_records:
+            self._forget(self._finished.popitem(last=False)[0], "count")
+
+    def _forget(self, request_id: str, reason: str) -> None:
+        record = self.records.pop(request_id, None)
+        self.registry.forget(request_id)
+        if record is not None and record.idempotency_key:
+            self.core.forget_key(record.tenant, record.idempotency_key, request_id)
+        self.evicted.labels(reason).inc()
+
+    def expire(self) -> None:
+        """Forget streams past the resume window and records finished more than finished_record_ttl_s ago."""
         self.registry.expire()
-        limit = time.time() - keep_s
-        for request_id in [rid for rid, r in self.records.items() if r.completion and r.timestamps.finished < limit]:
-            del self.records[request_id]
+        limit = time.monotonic() - self.config.finished_record_ttl_s
+        while self._finished:
+            request_id, finished_at = next(iter(self._finished.items()))
+            if finished_at >= limit:
+                break
+            del self._finished[request_id]
+            self._forget(request_id, "age")
         attempts = self.migrator.attempts
         for attempt in [a for a, rid in attempts.items() if rid not in self.records]:
             del attempts[attempt]

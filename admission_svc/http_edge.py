@@ -36,9 +36,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from admission_svc import openai_answers, openai_convert
+from admission_svc import http_body, openai_answers, openai_convert
 from admission_svc.calls import Caller, Output, Tracked
 from admission_svc.frontdoor import FrontDoor
+from admission_svc.http_conn import HTTP_KEEPALIVE_TIMEOUT_S, HttpTimeouts, protocol_class
 from admission_svc.openai_convert import ParsedRequest
 from admission_svc.server import api_key_of
 from sluice import errors, telemetry
@@ -264,21 +265,15 @@ class HttpEdge:
         later = iter(started[len(firsts):])
         return [started[i // n] if i % n == 0 else next(later) for i in range(len(parsed.calls))]
     async def _body(self, request: Request) -> dict[str, Any]:
-        """Return the JSON object of the body; InvalidArgument when it is over the limit or not one."""
+        """Return the JSON object of the body; InvalidArgument when it is over the limit or not one (too deep, or
+        text that is not UTF-8 scalar values: admission_svc/http_body.py)."""
         raw = bytearray()
         async for piece in request.stream():
             raw += piece
             if len(raw) > self.max_body_bytes:
                 raise errors.InvalidArgument(f"request body is over max_message_bytes = {self.max_body_bytes} bytes",
                                              reason="message_too_large", metadata={"limit": "max_message_bytes"})
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise errors.InvalidArgument(f"request body is not JSON: {exc}"[:200], reason="malformed_message") \
-                from None
-        if not isinstance(body, dict):
-            raise errors.InvalidArgument("request body must be a JSON object", reason="malformed_message")
-        return body
+        return http_body.parse_object(raw)
 
     async def _cancel_if_abandoned(self, records: Sequence[Tracked], api_key: str | None) -> None:
         """Cancel the requests nobody follows that have not ended: the client left before their stream was
@@ -422,7 +417,8 @@ async def _disconnect(request: Request) -> None:
 class HttpServer:
     """uvicorn serving the edge on a socket of its own, in the running event loop."""
 
-    def __init__(self, app: Starlette, host: str, port: int, tls: TlsFiles | None = None) -> None:
+    def __init__(self, app: Starlette, host: str, port: int, tls: TlsFiles | None = None,
+                 protocol: type[asyncio.Protocol] | None = None, keepalive_s: float = HTTP_KEEPALIVE_TIMEOUT_S) -> None:
         self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.socket.bind((host, port))  # OSError when taken: the caller reports it
@@ -430,8 +426,9 @@ class HttpServer:
         self.socket.setblocking(False)
         self.port: int = self.socket.getsockname()[1]
         # `tls`: HTTPS with the admission certificate (--public-tls covers this port as it covers gRPC's).
-        config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=5, timeout_keep_alive=30,
+        # `protocol`: the connection class with the request-head deadline (admission_svc/http_conn.py).
+        config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False, http=protocol or "h11",
+                                timeout_graceful_shutdown=5, timeout_keep_alive=keepalive_s,  # type: ignore[arg-type]
                                 ssl_certfile=str(tls.cert) if tls else None, ssl_keyfile=str(tls.key) if tls else None)
         config.load()
         self.server = uvicorn.Server(config)
@@ -452,9 +449,12 @@ class HttpServer:
 
 
 async def serve_http(door: FrontDoor, host: str, port: int, max_body_bytes: int,
-                     tls: TlsFiles | None = None) -> HttpServer:
-    """Return the started HTTP edge of `door` on host:port (0: a free port; its `.port` says which); HTTPS with `tls`."""
-    server = HttpServer(HttpEdge(door, max_body_bytes).app(), host, port, tls)
+                     tls: TlsFiles | None = None, timeouts: HttpTimeouts | None = None) -> HttpServer:
+    """Return the started HTTP edge of `door` on host:port (0: a free port; its `.port` says which); HTTPS with `tls`;
+    connections bounded by `timeouts` (admission_svc/http_conn.py)."""
+    timeouts = timeouts or HttpTimeouts()
+    server = HttpServer(HttpEdge(door, max_body_bytes).app(), host, port, tls,
+                        protocol_class(timeouts, door.metrics.registry), timeouts.keepalive_s)
     await server.start()
     return server
 

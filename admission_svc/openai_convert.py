@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from admission_svc.calls import GenerateCall
+from admission_svc.ranges import INT64
 from admission_svc.stops import stop_strings_problem
 from sluice import errors
 from sluice.chat_template import ChatTemplateError
@@ -247,6 +248,9 @@ def _request(body: Mapping[str, Any], model: ModelSpec, chat: bool, max_tokens_f
     if n * len(prompts) > MAX_CHOICES:
         raise _bad("n", f"{len(prompts)} prompts x n={n} is more than {MAX_CHOICES} choices")
     sampling = _sampling(body, model, max_tokens_field, chat)
+    if sampling.seed is not None and not INT64[0] <= sampling.seed <= INT64[1] - (n - 1):
+        raise _bad("seed", f"seed must be in [{INT64[0]}, {INT64[1] - (n - 1)}] (sample j of n uses seed + j), "
+                           f"got {sampling.seed}"[:200])
     rest_of_context = chat and body.get(max_tokens_field) is None and sampling.max_tokens == 0
     priority = _number(body, "priority", int) or 0
     calls: list[GenerateCall] = []

@@ -228,6 +228,12 @@ class StreamRegistry:
             stream = self._streams[request_id] = RequestStream(request_id, self.listener)
         return stream
 
+    def forget(self, request_id: str) -> None:
+        """Drop a request's stream now (its record was forgotten)."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._attempts.pop(stream.attempt_id, None)
+
     def get(self, request_id: str) -> RequestStream | None:
         """Return the stream of `request_id`, or None when unknown or expired."""
         return self._streams.get(request_id)

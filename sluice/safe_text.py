@@ -38,3 +38,15 @@ class EscapingFormatter(logging.Formatter):
     def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
         record.message = escape_controls(record.message)
         return super().formatMessage(record)
+
+
+def lone_surrogate_at(text: str) -> int | None:
+    """Return the index of the first lone surrogate in `text` (not a Unicode scalar value: it has no UTF-8
+    form, so a tokenizer or protobuf refuses it), or None when the text is all scalar values."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None

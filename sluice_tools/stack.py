@@ -163,6 +163,7 @@ class Stack:
         if c.http_port is not None:
             self.http_address = f"{c.host}:{c.http_port or free_port()}"
             admission_args += ["--http-port", self.http_address.rsplit(":", 1)[1]]
+        admission_args += c.admission_args
         self.admission = self._spawn("admission", "admission_svc", admission_args, port=c.admission_port,
                                      env=self.bus_env(Role.ADMISSION))
         self._wait_healthy([self.admission], deadline)

@@ -63,6 +63,8 @@ class StackConfig:
     """Extra flags for every scheduler (policy, budgets...)."""
     router_args: tuple[str, ...] = ()
     """Extra flags for the router (e.g. `--policy round_robin`)."""
+    admission_args: tuple[str, ...] = ()
+    """Extra flags for admission (e.g. `--http-header-timeout-s 1`)."""
     emulate_time: bool = False
     """Cost model: make rounds take their modelled time."""
     env: tuple[tuple[str, str], ...] = ()
