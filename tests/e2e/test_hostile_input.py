@@ -213,8 +213,40 @@ def test_slow_and_idle_http_connections_are_closed(stack: Stack) -> None:
         kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         assert b"200 OK" in kept.recv(65536)
         assert _closed_after(kept) >= KEEPALIVE_TIMEOUT_S - 0.1
+    assert _metric(stack, 'sluice_admission_http_connections_closed_total{reason="header_timeout"}') == 2
+
+
+def _metric(stack: Stack, line_start: str) -> float:
     metrics = urlsplit(stack.admission.metrics_url)
     conn = http.client.HTTPConnection(metrics.hostname, metrics.port, timeout=30)
     conn.request("GET", "/metrics")
     text = conn.getresponse().read().decode()
-    assert 'sluice_admission_http_connections_closed_total{reason="header_timeout"} 2.0' in text
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start)]
+    return values[0] if values else 0.0
+
+
+def test_finished_records_are_bounded_by_count_and_age(tmp_path: Path) -> None:
+    """With --max-finished-records 3, six finished requests leave the last three known (the first three are
+    NOT_FOUND, counted as evicted by count); after --finished-record-ttl-s those are forgotten by age too."""
+    config = tmp_path / "sluice.toml"
+    config.write_text(f'[tenants.acme]\napi_keys = ["{KEY}"]\n')
+    with Stack(StackConfig(replicas=1, backend="costmodel", config_file=str(config), run_dir=tmp_path,
+                           admission_args=("--max-finished-records", "3", "--finished-record-ttl-s", "2"))) as stack:
+        ids = [_generate(stack)[0].request_id for _ in range(6)]
+        stub, metadata = _stub(stack), [("authorization", f"Bearer {KEY}")]
+
+        def known(request_id: str) -> bool:
+            try:
+                stub.GetRequest(admission_pb2.GetRequestRequest(request_id=request_id), metadata=metadata, timeout=30)
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.NOT_FOUND
+                return False
+            return True
+
+        assert [known(r) for r in ids] == [False] * 3 + [True] * 3
+        assert _metric(stack, 'sluice_admission_records_evicted_total{reason="count"}') == 3
+        deadline = time.monotonic() + 60
+        while any(known(r) for r in ids[3:]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not any(known(r) for r in ids)
+        assert _metric(stack, 'sluice_admission_records_evicted_total{reason="age"}') == 3
