@@ -161,3 +161,5 @@ class Tracked:
     """A successful completion is held while the tokens it counts arrive (Migrator.settle)."""
     idempotency_key: str = ""
     """The key it was started with ("" none): forgotten with the record."""
+    submitted: bool = False
+    """A scheduler accepted its first Submit (its span has the `submitted` stage)."""

@@ -345,6 +345,7 @@ class FrontDoor:
                                             deadline_unix_s or 0.0, self.model, record.timestamps,
                                             self.core.tenant_weight(record.tenant), self.core.cache_salt(record.tenant))
             submit.owner_incarnation = self.migrator.incarnation  # the request lives while our lease does
+            sent = time.time()
             try:
                 await self.scheduler(route.scheduler_address).Submit(submit, metadata=metadata,
                                                                      timeout=self.config.downstream_timeout_s)
@@ -354,8 +355,18 @@ class FrontDoor:
                     continue
                 raise
             break
-        record.status = common_pb2.WAITING
-        record.span.add_event("submitted")
+        self._submitted(record, sent)
+
+    def _submitted(self, record: Tracked, sent: float) -> None:
+        """Record the stage of a Submit the scheduler accepted. Its first token can arrive over Redis before the
+        Submit's reply (the scheduler runs it at once): the span then gets `submitted` (stamped when it was sent)
+        before `first_token`, and the status stays RUNNING."""
+        if record.status != common_pb2.RUNNING:
+            record.status = common_pb2.WAITING
+        record.span.add_event("submitted", timestamp=_ns(sent))
+        if not record.submitted and record.timestamps.first_token:
+            record.span.add_event("first_token", timestamp=_ns(record.timestamps.first_token))
+        record.submitted = True
 
     async def _route(self, record: Tracked, call: GenerateCall, ids: list[int], hashes: list[int],
                      metadata: tuple[tuple[str, str], ...]) -> router_pb2.RouteResponse:
@@ -443,7 +454,8 @@ class FrontDoor:
         record.status = common_pb2.RUNNING
         self.core.mark_started(record.request_id, time.monotonic())
         self.queue.released()  # its prompt is no longer pending nor queued: room for a waiting request
-        record.span.add_event("first_token", timestamp=_ns(record.timestamps.first_token))
+        if record.submitted:  # else `_submitted` adds it, after the stage it follows
+            record.span.add_event("first_token", timestamp=_ns(record.timestamps.first_token))
         self.metrics.ttft.observe(record.timestamps.first_token - record.received_s)
 
     def progress(self, stream: RequestStream) -> None:

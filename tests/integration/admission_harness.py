@@ -54,6 +54,9 @@ class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.S
         self.dead_address = ""
         self.reports: list[router_pb2.ReportUnreachableRequest] = []
         """ReportUnreachable calls received."""
+        self.submit_reply_delay_s = 0.0
+        """Submit answers this long after the request started generating (as a busy scheduler's reply can lag
+        its first token on the bus)."""
 
     async def Route(self, request: Any, context: Any) -> router_pb2.RouteResponse:
         if not self.ready:
@@ -77,6 +80,8 @@ class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.S
     async def Submit(self, request: scheduler_pb2.SubmitRequest, context: Any) -> scheduler_pb2.SubmitResponse:
         self.submitted.append(request)
         self.tasks[request.request_id] = asyncio.create_task(self._run(request))
+        if self.submit_reply_delay_s:
+            await asyncio.sleep(self.submit_reply_delay_s)
         return scheduler_pb2.SubmitResponse()
 
     async def _run(self, request: scheduler_pb2.SubmitRequest) -> None:

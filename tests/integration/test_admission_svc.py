@@ -245,3 +245,26 @@ def test_bench_drive_records_every_outcome(tmp_path: Path, redis_url: str, names
         assert path_latency(outcomes)["count"] == 15 + len(outcomes[3].path_latencies)
 
     run(tmp_path, redis_url, namespace, body)
+
+
+def test_a_first_token_before_the_submit_reply_keeps_the_stages_in_order(
+        tmp_path: Path, redis_url: str, namespace: str, span_exporter: Any) -> None:
+    """When the first token arrives over Redis before the scheduler's Submit reply (a busy scheduler), the root span
+    still has `submitted` before `first_token` with non-decreasing times, and the status is not set back to WAITING."""
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
+        replica.submit_reply_delay_s = 0.3  # the stand-in's first token comes after 20 ms
+        async with sdk.AsyncClient(target, api_key="k-acme") as client:
+            stream = client.generate("hi there", max_tokens=len(OUTPUT))
+            first = await anext(stream)
+            record = door.records[first.request_id]
+            assert await _settle(lambda: record.submitted)
+            assert record.status == common_pb2.RUNNING
+            async for _ in stream:
+                pass
+        assert await _settle(lambda: any(s.name.startswith("text_completion") for s in span_exporter.get_finished_spans()))
+        root = next(s for s in span_exporter.get_finished_spans() if s.name.startswith("text_completion"))
+        events = [(e.name, e.timestamp) for e in root.events if e.name in ("routed", "submitted", "first_token")]
+        assert [name for name, _ in events] == ["routed", "submitted", "first_token"], events
+        assert [t for _, t in events] == sorted(t for _, t in events)
+
+    run(tmp_path, redis_url, namespace, body)
