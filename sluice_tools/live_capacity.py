@@ -5,6 +5,10 @@ Theory of operation. `find_capacity` asks for probes at rate scales; one live pr
 - the requests: the workload's first `--probe-requests` (the same requests at every scale), arrivals
   divided by the scale, those arriving after `--probe-seconds` left out (a bound on time; at a low
   scale it can shorten the probe, which the JSON's `runs` shows as fewer requests);
+- sustained: a probe offers its rate for at least `--probe-min-seconds` (20 s): when the first requests
+  arrive sooner, they are sent again (each copy its own ids, so fresh prompts), one copy after the other
+  at the same rate. A 4-second probe measured what a stack absorbs in its queues before they fill (80 req/s
+  where 40-60 held for 20 s): the rate a search reports must be one the stack keeps up with;
 - fresh prompts: every probe draws its prompt tokens with a seed of its own (same lengths, the same
   sharing between requests within the probe), so it does not hit the prefix-cache blocks an earlier
   probe left behind; the simulator starts every probe empty too;
@@ -60,6 +64,8 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests per probe: the workload's first N, the same at every scale")
     parser.add_argument("--probe-seconds", type=float, default=limits.max_arrival_s,
                         help="leave out requests arriving later than this in a probe (s)")
+    parser.add_argument("--probe-min-seconds", type=float, default=limits.min_arrival_s,
+                        help="offer each probe's rate at least this long (s), repeating its requests")
     parser.add_argument("--probe-deadline-margin", type=float, default=limits.deadline_margin_s,
                         help="seconds past the latest SLO-meeting finish at which a request is cut")
     parser.add_argument("--probe-settle", type=float, default=limits.settle_s,
@@ -76,6 +82,8 @@ class ProbeLimits:
     """Requests per probe: the workload's first N, the same at every scale."""
     max_arrival_s: float = 60.0
     """Requests arriving later than this (at the probe's scale) are left out."""
+    min_arrival_s: float = 20.0
+    """A probe offers its rate at least this long (at most max_arrival_s): its requests repeat until then."""
     deadline_margin_s: float = 1.0
     """Added to the longest SLO-meeting time of a request to make its deadline."""
     settle_s: float = 2.0
@@ -85,7 +93,7 @@ class ProbeLimits:
 
     def __post_init__(self) -> None:
         if self.max_requests < 1 or self.max_arrival_s <= 0 or self.deadline_margin_s < 0 or self.settle_s < 0 \
-                or self.drain_timeout_s < 0:
+                or self.drain_timeout_s < 0 or self.min_arrival_s < 0:
             raise ValueError(f"probe limits must be positive: {self}")
 
 
@@ -99,6 +107,8 @@ class ProbeRun:
     counts: dict[str, int]
     """Requests by status (ok, rejected, timed_out, ...)."""
     attainment: float
+    offered_s: float
+    """Seconds over which the probe's requests arrived (at least --probe-min-seconds, less one gap)."""
     wall_s: float
     """Seconds from the first arrival to the last request's end."""
     drain_s: float
@@ -119,7 +129,8 @@ def probe_requests(requests: Sequence[WorkloadRequest], scale: float, probe_numb
     `slo` is (TTFT target, TPOT target) in seconds. Raises WorkloadError for a scale that is not positive."""
     from sluice_tools.workload import transform
 
-    scaled = transform(requests[:limits.max_requests], rate_scale=scale, duration_s=limits.max_arrival_s)
+    scaled = _sustained(transform(requests[:limits.max_requests], rate_scale=scale, duration_s=limits.max_arrival_s),
+                        min(limits.min_arrival_s, limits.max_arrival_s))
     out = []
     for request in scaled:
         deadline = slo_deadline_s(request.output_length, *slo, limits.deadline_margin_s)
@@ -128,6 +139,26 @@ def probe_requests(requests: Sequence[WorkloadRequest], scale: float, probe_numb
         # A new seed per probe: new tokens, the same lengths and prefix sharing (WorkloadRequest.prompt_token_ids).
         out.append(dataclasses.replace(request, seed=request.seed + (probe_number << 32), deadline_s=deadline))
     return out
+
+
+def _sustained(requests: list[WorkloadRequest], min_s: float) -> list[WorkloadRequest]:
+    """Return `requests` followed by copies of themselves, each one period later (the span of their arrivals plus
+    one mean gap: the same rate), until arrivals reach `min_s`; a copy's ids end in `~k` (fresh prompts)."""
+    if len(requests) < 2 or requests[-1].arrival_s >= min_s:
+        return requests
+    first, last = requests[0].arrival_s, requests[-1].arrival_s
+    if last <= first:
+        return requests
+    period = (last - first) * len(requests) / (len(requests) - 1)
+    out = list(requests)
+    copy = 1
+    while True:
+        for request in requests:
+            arrival = request.arrival_s + copy * period
+            if arrival >= min_s:
+                return out
+            out.append(dataclasses.replace(request, request_id=f"{request.request_id}~{copy}", arrival_s=arrival))
+        copy += 1
 
 
 def check_rate(requests: Sequence[WorkloadRequest], limits: ProbeLimits) -> float:
@@ -189,9 +220,11 @@ class LiveProber:
         drain_s, drained = self.settle()
         wall = max(o.finish_s or o.arrival_s for o in outcomes) - min(o.arrival_s for o in outcomes)
         counts = {status: n for status, n in summary["counts"].items() if n}  # type: ignore[attr-defined]
-        self.runs.append(ProbeRun(scale, rate, len(requests), counts, probe.attainment, wall, drain_s, drained))
+        offered = requests[-1].arrival_s - requests[0].arrival_s
+        self.runs.append(ProbeRun(scale, rate, len(requests), counts, probe.attainment, offered, wall, drain_s,
+                                  drained))
         p99 = "-" if probe.p99_ttft_s is None else f"{probe.p99_ttft_s:.2f} s"
-        print(f"  {self.name}: x{scale:.3g} ({rate:.2f} req/s, {len(requests)} requests) -> "
+        print(f"  {self.name}: x{scale:.3g} ({rate:.2f} req/s for {offered:.0f} s, {len(requests)} requests) -> "
               f"{probe.attainment:.1%} of requests, {probe.token_attainment:.1%} of offered tokens within SLO, "
               f"p99 TTFT {p99}, {counts}; idle after {drain_s:.1f} s"
               + ("" if drained else " (NOT drained)"), file=sys.stderr)
@@ -259,6 +292,7 @@ def _positive(item: str, word: str) -> int:
 def limits_of(args: argparse.Namespace) -> ProbeLimits:
     """Return the probe limits the flags describe; raises ValueError for a bad one."""
     return ProbeLimits(max_requests=args.probe_requests, max_arrival_s=args.probe_seconds,
+                       min_arrival_s=args.probe_min_seconds,
                        deadline_margin_s=args.probe_deadline_margin, settle_s=args.probe_settle,
                        drain_timeout_s=args.probe_drain_timeout)
 

@@ -25,7 +25,7 @@ def test_the_deadline_is_the_latest_finish_that_still_meets_the_slo_plus_the_mar
 
 def test_a_probe_takes_the_same_first_requests_at_every_scale_with_arrivals_compressed() -> None:
     """The cap picks the workload's first N requests whatever the scale; the scale divides the arrival times."""
-    limits = ProbeLimits(max_requests=4)
+    limits = ProbeLimits(max_requests=4, min_arrival_s=0)
     slow, fast = probe_requests(_requests(), 1.0, 1, limits, SLO), probe_requests(_requests(), 2.0, 2, limits, SLO)
     assert [r.request_id for r in slow] == [r.request_id for r in fast] == ["r0", "r1", "r2", "r3"]
     assert [r.arrival_s for r in fast] == pytest.approx([r.arrival_s / 2 for r in slow])
@@ -37,9 +37,21 @@ def test_the_arrival_window_bounds_a_slow_probe() -> None:
     assert [r.arrival_s for r in kept] == [0.0, 2.0, 4.0]
 
 
+def test_a_short_probe_is_sustained_at_its_rate_for_the_minimum_time() -> None:
+    """Requests that would all arrive within 1.5 s repeat, one copy after the other at the same rate (new ids:
+    fresh prompts), until arrivals reach min_arrival_s; the arrival window still caps it."""
+    kept = probe_requests(_requests(4), 2.0, 1, ProbeLimits(min_arrival_s=5.0), SLO)
+    assert [r.arrival_s for r in kept] == pytest.approx([0.5 * i for i in range(10)])
+    assert [r.request_id for r in kept[:6]] == ["r0", "r1", "r2", "r3", "r0~1", "r1~1"]
+    assert len({r.request_id for r in kept}) == len(kept)
+    assert kept[0].prompt_token_ids(256)[16:] != kept[4].prompt_token_ids(256)[16:]
+    capped = probe_requests(_requests(4), 2.0, 1, ProbeLimits(min_arrival_s=30.0, max_arrival_s=3.0), SLO)
+    assert capped[-1].arrival_s < 3.0 and len(capped) == 6
+
+
 def test_each_probe_draws_fresh_prompts_with_the_same_sharing() -> None:
     """Two probes send different tokens (no prefix-cache carry-over), yet within a probe the shared block is shared."""
-    first, second = (probe_requests(_requests(2), 1.0, n, ProbeLimits(), SLO) for n in (1, 2))
+    first, second = (probe_requests(_requests(2), 1.0, n, ProbeLimits(min_arrival_s=0), SLO) for n in (1, 2))
     a, b = (r.prompt_token_ids(256) for r in first)
     assert a[:16] == b[:16] and a[16:] != b[16:], "within a probe the prefix is shared, the rest is not"
     assert first[0].prompt_token_ids(256)[:16] != second[0].prompt_token_ids(256)[:16], "across probes: fresh"
@@ -50,7 +62,7 @@ def test_a_workload_deadline_shorter_than_the_slo_bound_is_kept() -> None:
     """A request's own deadline wins when it is shorter; otherwise the SLO bound is its deadline."""
     requests = _requests(2)
     requests[0].deadline_s = 0.2
-    kept = probe_requests(requests, 1.0, 1, ProbeLimits(deadline_margin_s=1.0), SLO)
+    kept = probe_requests(requests, 1.0, 1, ProbeLimits(deadline_margin_s=1.0, min_arrival_s=0), SLO)
     assert [r.deadline_s for r in kept] == pytest.approx([0.2, 0.5 + 4 * 0.1 + 1.0])
 
 
