@@ -396,8 +396,8 @@ class FrontDoor:
 
     def _abandon(self, record: Tracked, exc: BaseException) -> None:
         """Undo an admission whose routing or submission failed: release, forget, end the span."""
-        self.core.release(record.request_id, time.monotonic())
-        self.metrics.active.dec()
+        if self.core.release(record.request_id, time.monotonic()) is not None:  # not when a completion came first
+            self.metrics.active.dec()
         self.queue.released()
         self.records.pop(record.request_id, None)
         record.status = common_pb2.REJECTED

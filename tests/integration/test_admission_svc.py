@@ -8,6 +8,7 @@ The harness is in admission_harness.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import pytest
 from admission_harness import OUTPUT, OWNER, StandInReplica, run
 from admission_harness import settle as _settle
 
+from admission_svc.calls import FrontDoorConfig
 from admission_svc.frontdoor import FrontDoor
 from admission_svc.streams import RequestStream
 from sluice import client as sdk
@@ -268,3 +270,20 @@ def test_a_first_token_before_the_submit_reply_keeps_the_stages_in_order(
         assert [t for _, t in events] == sorted(t for _, t in events)
 
     run(tmp_path, redis_url, namespace, body)
+
+
+def test_a_submit_that_times_out_after_its_request_finished_counts_it_once(
+        tmp_path: Path, redis_url: str, namespace: str) -> None:
+    """A Submit whose reply comes after the downstream timeout, by when the request already finished (a busy
+    scheduler), leaves the active-requests gauge at 0: the completion and the undo do not both decrement it."""
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
+        replica.submit_reply_delay_s = 1.5
+        async with sdk.AsyncClient(target, api_key="k-acme", retry=sdk.RetryPolicy(max_attempts=1)) as client:
+            with contextlib.suppress(sdk.SluiceError):  # refused or ended: what matters is the ledger below
+                await client.generate_text("hi there", max_tokens=2, timeout=20)
+        assert await _settle(lambda: door.core.stats(0).active == 0, timeout_s=10)
+        await asyncio.sleep(2.0)  # any late undo has run
+        assert door.metrics.registry.get_sample_value("sluice_admission_active_requests") == 0
+
+    run(tmp_path, redis_url, namespace, body, door_config=FrontDoorConfig(downstream_timeout_s=0.5,
+                                                                         migration_limit=0))
