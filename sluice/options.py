@@ -29,7 +29,8 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
-__all__ = ["field_docs", "options_parser", "parse_options"]
+__all__ = ["HelpFormatter", "enum_values", "field_docs", "fraction", "non_negative_float", "non_negative_int",
+           "options_parser", "output_dir", "output_file", "parse_options", "positive_float", "positive_int"]
 
 T = TypeVar("T")
 
@@ -139,3 +140,98 @@ def parse_options(cls: type[T], parser: argparse.ArgumentParser, argv: Sequence[
                         f"fields only {sorted(names - set(parsed))}")
     hints = typing.get_type_hints(cls)
     return cls(**{name: _convert(value, hints[name]) for name, value in parsed.items()})
+
+
+# --- hand-written command lines: one formatter, one set of checked flag types -------------------------------
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` of every `sluice` command: descriptions and epilogs as written, each flag's default shown.
+
+    A help text that already says its default (a flag whose default is "$ENV, else ...") is left as written;
+    an on/off flag that is off by default shows none (it is off); a flag without a default says so."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        # Never break inside a hyphenated name (a scenario, a flag, vllm-default): it must stay searchable.
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text.lower() or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        if action.nargs == 0 and action.default is False:
+            return text
+        if action.default is None or action.default == []:
+            return text + " (default: not set)"
+        return text + " (default: %(default)s)"
+
+
+def enum_values(kind: type[enum.Enum]) -> list[str]:
+    """Return the values of an Enum's members, in declaration order: the `choices` of a flag naming one."""
+    return [str(member.value) for member in kind]
+
+
+def _number(kind: type[Any], text: str, what: str, ok: Any) -> Any:
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1; raises ArgumentTypeError (argparse names the flag)."""
+    return int(_number(int, text, "a positive integer", lambda v: v >= 1))
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    return int(_number(int, text, "an integer >= 0", lambda v: v >= 0))
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    return float(_number(float, text, "a number > 0", lambda v: 0 < v < float("inf")))
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    return float(_number(float, text, "a number >= 0", lambda v: 0 <= v < float("inf")))
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a number in (0, 1]."""
+    return float(_number(float, text, "a number in (0, 1]", lambda v: 0 < v <= 1))
+
+
+def output_file(text: str) -> str:
+    """An argparse type: a file to write at the end of a run, checked before the run starts.
+
+    Its directory must exist already and be writable (a typo'd directory is refused at once rather than
+    created silently), and the path must not be a directory."""
+    path = os.path.abspath(text)
+    parent = os.path.dirname(path)
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file name")
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"directory {parent} does not exist (create it first)")
+    if not os.access(parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"directory {parent} is not writable")
+    return text
+
+
+def output_dir(text: str) -> str:
+    """An argparse type: a directory to write into at the end of a run, checked before the run starts.
+
+    It may not exist yet (it is created, with only its last component new) but must not be a file."""
+    path = os.path.abspath(text)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text!r} is a file, not a directory")
+    parent = path if os.path.isdir(path) else os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"directory {parent} does not exist (create it first)")
+    if not os.access(parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"directory {parent} is not writable")
+    return text

@@ -11,6 +11,8 @@ import importlib
 import os
 import sys
 
+from sluice.options import HelpFormatter
+
 COMMANDS = {
     "up": "start Redis and every service as its own process",
     "generate": "send one prompt through the client SDK and stream the answer",
@@ -22,11 +24,12 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sluice", description="Sluice: a serving control plane for LLMs.")
+    parser = argparse.ArgumentParser(prog="sluice", description="Sluice: a serving control plane for LLMs.",
+                                     formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in COMMANDS.items():
         module = importlib.import_module(f"sluice_tools.commands.{name.replace('-', '_')}")
-        command_parser = sub.add_parser(name, help=help_text, description=help_text)
+        command_parser = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
         module.add_arguments(command_parser)
         command_parser.set_defaults(_module=module)
     return parser
