@@ -23,13 +23,14 @@ import dataclasses
 import enum
 import inspect
 import os
+import sys
 import textwrap
 import types
 import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
-__all__ = ["HelpFormatter", "enum_values", "field_docs", "fraction", "non_negative_float", "non_negative_int",
+__all__ = ["HelpFormatter", "create_output_dirs", "enum_values", "field_docs", "fraction", "non_negative_float", "non_negative_int",
            "options_parser", "output_dir", "output_file", "parse_options", "positive_float", "positive_int"]
 
 T = TypeVar("T")
@@ -206,32 +207,54 @@ def fraction(text: str) -> float:
     return float(_number(float, text, "a number in (0, 1]", lambda v: 0 < v <= 1))
 
 
+def _creatable(directory: str) -> str:
+    """Return why `directory` cannot be made ("" when it exists or can be): a file in the way, or no write access."""
+    existing = directory
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is a file, not a directory"
+    if not os.access(existing, os.W_OK):
+        return f"directory {existing} is not writable"
+    return ""
+
+
 def output_file(text: str) -> str:
     """An argparse type: a file to write at the end of a run, checked before the run starts.
 
-    Its directory must exist already and be writable (a typo'd directory is refused at once rather than
-    created silently), and the path must not be a directory."""
+    It must not be a directory, and its directory must exist or be creatable (a file in the way or a read-only
+    directory is refused now, not after the run); `create_output_dirs` makes a missing one and says so."""
     path = os.path.abspath(text)
-    parent = os.path.dirname(path)
     if os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file name")
-    if not os.path.isdir(parent):
-        raise argparse.ArgumentTypeError(f"directory {parent} does not exist (create it first)")
-    if not os.access(parent, os.W_OK):
-        raise argparse.ArgumentTypeError(f"directory {parent} is not writable")
+    problem = _creatable(os.path.dirname(path))
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
     return text
 
 
 def output_dir(text: str) -> str:
     """An argparse type: a directory to write into at the end of a run, checked before the run starts.
 
-    It may not exist yet (it is created, with only its last component new) but must not be a file."""
+    It must not be a file and must exist or be creatable (`create_output_dirs` makes it and says so)."""
     path = os.path.abspath(text)
     if os.path.exists(path) and not os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"{text!r} is a file, not a directory")
-    parent = path if os.path.isdir(path) else os.path.dirname(path)
-    if not os.path.isdir(parent):
-        raise argparse.ArgumentTypeError(f"directory {parent} does not exist (create it first)")
-    if not os.access(parent, os.W_OK):
-        raise argparse.ArgumentTypeError(f"directory {parent} is not writable")
+    problem = _creatable(path)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
     return text
+
+
+def create_output_dirs(command: str, files: Mapping[str, str | None], dirs: Mapping[str, str | None]) -> None:
+    """Make, before a run starts, each missing directory the run will write into, printing one line per
+    directory made (`sluice sim: created directory out for --json`): never silently.
+
+    `files`: flag -> an `output_file` value (its directory is made); `dirs`: flag -> an `output_dir` value.
+    Raises OSError when one cannot be made after all (the CLI reports it in one line)."""
+    wanted = [(flag, os.path.dirname(os.path.abspath(path))) for flag, path in files.items() if path]
+    wanted += [(flag, os.path.abspath(path)) for flag, path in dirs.items() if path]
+    for flag, directory in wanted:
+        if not os.path.isdir(directory):
+            os.makedirs(directory, exist_ok=True)
+            print(f"sluice {command}: created directory {directory} for {flag}", file=sys.stderr)

@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-tpot-ms", type=positive_float, default=None,
                         help="TPOT target in ms (as sluice sim; wins over --slo-tpot)")
     parser.add_argument("--json", type=output_file, default=None,
-                        help="write the summary here (its directory must exist)")
+                        help="write the summary here (a missing directory is made before the run, and said)")
     parser.add_argument("--plots", type=output_dir, default=None, help="write latency CDF plots into this directory")
     parser.add_argument("--compare", nargs="+", default=[], metavar="JSON",
                         help="earlier runs' --json files to overlay on the plots (one line per run); with "
@@ -272,6 +272,7 @@ def summarize_run(requests: Sequence[Any], outcomes: Sequence[Outcome], args: ar
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; returns 0, or 2 for a bad workload or flags."""
+    from sluice.options import create_output_dirs
     from sluice_tools.report import format_table, records_to_json, write_json, write_plots
     from sluice_tools.workload import WorkloadError, load_workload
 
@@ -280,6 +281,7 @@ def run(args: argparse.Namespace) -> int:
                                  duration_s=args.duration, max_requests=args.max_requests)
         # The earlier runs to overlay are read before the run, so a bad file fails now, not after it.
         earlier = _earlier_runs(args.compare) if args.plots and not args.capacity else {}
+        create_output_dirs("bench", {"--json": args.json}, {"--plots": args.plots})
     except (WorkloadError, OSError, ValueError) as exc:
         print(f"sluice bench: error: {exc}", file=sys.stderr)
         return 2

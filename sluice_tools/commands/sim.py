@@ -35,6 +35,7 @@ from router_svc.core import RouterConfig, RoutingPolicy
 from scheduler_svc.core.config import Policy, PreemptionMode
 from sluice.config import ReservationPolicy
 from sluice.options import (
+    create_output_dirs,
     enum_values,
     fraction,
     non_negative_float,
@@ -274,6 +275,7 @@ def run(args: argparse.Namespace) -> int:
             return 0 if run_scenarios(args.scenario) else 1
         fleet = parse_autoscale(args.autoscale) if args.autoscale else None
         if args.equal_resources:
+            create_output_dirs("sim", {"--json": args.json}, {})
             return _run_equal_resources(fleet, args.json)
         if not args.workload:
             raise ValueError("give a WORKLOAD or --scenario NAME")
@@ -289,6 +291,7 @@ def run(args: argparse.Namespace) -> int:
         base = base_config(args, workload.tenant_weights)
         items = [i.strip() for i in args.compare.split(",") if i.strip()] if args.compare else []
         configs = {item: parse_compare_item(item, base) for item in items} or {_label(base): base}
+        create_output_dirs("sim", {"--json": args.json}, {"--plots": args.plots})
     except (ValueError, OSError, WorkloadError) as error:
         print(f"sluice sim: {error}", file=sys.stderr)
         return 2

@@ -94,13 +94,14 @@ def test_every_flag_has_help_and_shows_its_default(command: str) -> None:
 BAD_FLAGS = {
     "sim --replicas 0": (["sim", WORKLOAD, "--replicas", "0"], "argument --replicas: must be a positive integer"),
     "sim --plots FILE": (["sim", WORKLOAD, "--plots", "{file}"], "argument --plots: "),
-    "sim --json in a missing dir": (["sim", WORKLOAD, "--json", "{missing}/x.json"],
-                                    "argument --json: directory"),
+    "sim --json under a file": (["sim", WORKLOAD, "--json", "{file}/x.json"], "argument --json: "),
+    "sim --json a directory": (["sim", WORKLOAD, "--json", "{missing}/.."], "argument --json: "),
     "sim --capacity-goal 1.5": (["sim", WORKLOAD, "--capacity-goal", "1.5"], "argument --capacity-goal: must be"),
     "sim --rate-scale -1": (["sim", WORKLOAD, "--rate-scale", "-1"], "argument --rate-scale: must be a number > 0"),
     "sim --router nope": (["sim", WORKLOAD, "--router", "nope"], "argument --router: invalid choice: 'nope'"),
-    "bench --json in a missing dir": (["bench", WORKLOAD, "--target", "127.0.0.1:1", "--json", "{missing}/x.json"],
-                                      "argument --json: directory"),
+    "bench --json under a file": (["bench", WORKLOAD, "--target", "127.0.0.1:1", "--json", "{file}/d/x.json"],
+                                  "argument --json: "),
+    "bench --plots under a file": (["bench", WORKLOAD, "--spawn", "--plots", "{file}/plots"], "argument --plots: "),
     "bench --plots FILE": (["bench", WORKLOAD, "--spawn", "--plots", "{file}"], "argument --plots: "),
     "bench --replicas 0": (["bench", WORKLOAD, "--spawn", "--replicas", "0"], "argument --replicas: must be"),
     "bench --max-concurrency 0": (["bench", WORKLOAD, "--max-concurrency", "0"], "argument --max-concurrency"),
@@ -110,10 +111,11 @@ BAD_FLAGS = {
 @pytest.mark.parametrize("case", sorted(BAD_FLAGS))
 def test_a_bad_flag_fails_at_once_naming_the_flag(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A bad value exits 2 while the command line is parsed (before a workload loads, a stack starts or a run
-    goes), with one line naming the flag; a missing output directory is refused, not created."""
+    goes), with one line naming the flag; an output path that cannot be made (a file in the way) is one of them."""
     file = tmp_path / "a-file"
     file.write_text("x")
     missing = tmp_path / "no" / "such"
+    (tmp_path / "no").mkdir()  # {missing}/.. is then an existing directory
     argv, expected = BAD_FLAGS[case]
     argv = [a.format(file=file, missing=missing) for a in argv]
     with pytest.raises(SystemExit) as exited:
@@ -122,7 +124,8 @@ def test_a_bad_flag_fails_at_once_naming_the_flag(case: str, tmp_path: Path, cap
     err = capsys.readouterr().err
     assert expected in err.splitlines()[-1], err
     assert "Traceback" not in err
-    assert not (tmp_path / "no").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "no"]  # nothing was created
+    assert not missing.exists()
 
 
 def test_a_plots_dir_that_does_not_exist_yet_is_accepted(tmp_path: Path) -> None:
@@ -130,3 +133,18 @@ def test_a_plots_dir_that_does_not_exist_yet_is_accepted(tmp_path: Path) -> None
     args = build_parser().parse_args(["sim", WORKLOAD, "--plots", str(tmp_path / "plots"),
                                       "--json", str(tmp_path / "out.json")])
     assert args.plots == str(tmp_path / "plots") and args.json == str(tmp_path / "out.json")
+
+
+def test_missing_output_directories_are_made_before_the_run_and_said(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`--json out/a/x.json` and `--plots out/plots`: the directories are made before the simulation starts, each
+    with one line on stderr naming the flag (never silently), and the run then writes into them."""
+    json_path, plots = tmp_path / "out" / "a" / "x.json", tmp_path / "out" / "plots"
+    assert main(["sim", WORKLOAD, "--replicas", "1", "--no-progress", "--json", str(json_path),
+                 "--plots", str(plots)]) == 0
+    err = capsys.readouterr().err.splitlines()
+    made = [line for line in err if "created directory" in line]
+    assert made == [f"sluice sim: created directory {json_path.parent} for --json",
+                    f"sluice sim: created directory {plots} for --plots"], err
+    assert err.index(made[0]) < next(i for i, line in enumerate(err) if line.startswith("simulating"))
+    assert json_path.is_file() and plots.is_dir()
