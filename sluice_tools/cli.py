@@ -35,6 +35,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+USAGE_WIDTH = 100
+"""Columns of the usage lines the README shows (scripts/gen_readme_usage.py writes them)."""
+
+
+def usage(*path: str, width: int = USAGE_WIDTH) -> str:
+    """Return the usage text of one command (`usage("up")`, `usage("model", "init")`), as `--help` starts,
+    wrapped at `width` columns whatever the terminal: the README's synopsis is this text."""
+    parser = build_parser()
+    for name in path:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[name]
+    formatter = HelpFormatter(prog=parser.prog, width=width)
+    formatter.add_usage(parser.usage, parser._actions, parser._mutually_exclusive_groups, prefix="")
+    return formatter.format_help().rstrip()
+
+
 # Errors a user's input causes: a bad config, workload or model path, an unreachable service. They
 # end in one line naming what was wrong (exit 2), never a traceback. SLUICE_DEBUG=1 shows it anyway.
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, LookupError)
