@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import re
 from pathlib import Path
 
 import pytest
@@ -148,3 +149,28 @@ def test_missing_output_directories_are_made_before_the_run_and_said(tmp_path: P
                     f"sluice sim: created directory {plots} for --plots"], err
     assert err.index(made[0]) < next(i for i, line in enumerate(err) if line.startswith("simulating"))
     assert json_path.is_file() and plots.is_dir()
+
+
+ENUMS: dict[str, list[str]] = {"Policy": [p.value for p in Policy], "RoutingPolicy": [p.value for p in RoutingPolicy],
+                               "PreemptionMode": [p.value for p in PreemptionMode],
+                               "ReservationPolicy": [p.value for p in ReservationPolicy]}
+CHOICE_LIST = re.compile(r"[a-z_]+(?:\|[a-z_]+)+|`[a-z_]+`(?:,? (?:or )?`[a-z_]+`)+")
+
+
+def test_every_list_of_choices_in_the_docs_is_complete() -> None:
+    """Where README.md or a doc lists the values of a policy enum (`a|b|c` or `a`, `b`, `c`), it lists all of
+    them: a value added to the enum fails here until the docs name it too. (A list naming at most all but
+    three of them, such as "Baselines: ...", is a deliberate subset and not checked.)"""
+    root = Path(__file__).resolve().parents[2]
+    incomplete, checked = [], 0
+    for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for match in CHOICE_LIST.finditer(" ".join(path.read_text().split())):
+            words = set(re.findall(r"[a-z_]+", match.group(0)))
+            for values in ENUMS.values():
+                known = words & set(values)
+                if len(known) >= 2 and len(known) >= len(values) - 2:
+                    checked += 1
+                    if not set(values) <= words:
+                        incomplete.append(f"{path.name}: {match.group(0)} (lacks {sorted(set(values) - words)})")
+    assert checked >= 3
+    assert incomplete == [], "\n".join(incomplete)
