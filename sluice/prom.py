@@ -19,6 +19,10 @@ Latency histograms of every family use the bucket boundaries the GenAI conventio
 `gen_ai.server.time_to_first_token`, `gen_ai.server.time_per_output_token` and
 `gen_ai.server.request.duration`, so dashboards built for any of them agree.
 Metric names are listed in docs/operations.md.
+
+Counters of rare events (drains, migrations, re-routes, refusals, unreachable reports) export each known
+label value at 0 from the start (`zero_series`): a dashboard panel or an alert on `rate(...)` then shows 0
+rather than "no data", and the first event's increase is seen (a series born at 1 has no increase to rate).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.openmetrics import exposition as openmetrics_exposition
+
+from sluice.types import RejectReason
 
 __all__ = [
     "REQUEST_DURATION_BUCKETS", "TOKEN_USAGE_BUCKETS", "TPOT_BUCKETS", "TTFT_BUCKETS", "VLLM_FINISH_REASONS",
@@ -169,6 +175,20 @@ def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "127.0.0.1
     return int(server.server_address[1])
 
 
+def zero_series(counter: Counter, label_values: Any) -> None:
+    """Create the series of a one-label `counter` for each value in `label_values`, at 0."""
+    for value in label_values:
+        counter.labels(value)
+
+
+DRAIN_OUTCOMES = ("finished", "handed_off")
+"""How a replica's drain ends (`sluice_replica_drains_total{outcome}`)."""
+UNREACHABLE_OUTCOMES = ("confirmed", "refuted", "unknown")
+"""What the router made of a ReportUnreachable call (`sluice_router_unreachable_reports_total{outcome}`)."""
+MIGRATION_FAILURE_REASONS = ("migration_limit", "no_replica")
+"""Why a request ended FAILED instead of moving (`sluice_admission_migration_failures_total{reason}`)."""
+
+
 @dataclass
 class SchedulerMetrics:
     """Metrics of one replica's scheduler service: Sluice's names and vLLM's (labelled with `model_name`)."""
@@ -212,6 +232,8 @@ class SchedulerMetrics:
                               registry=r)
         self.drain_duration = Histogram("sluice_replica_drain_seconds", "Drain start to retirement.",
                                         buckets=REQUEST_DURATION_BUCKETS, registry=r)
+        zero_series(self.rejections, (reason.value for reason in RejectReason))
+        zero_series(self.drains, DRAIN_OUTCOMES)
         self.handed_off = Counter("sluice_replica_handed_off_requests",
                                   "Requests a drain past its timeout handed to migration.", registry=r)
         self.timeouts = Counter("sluice_timeouts", "Requests timed out.", registry=r)
@@ -338,6 +360,7 @@ class RouterMetrics:
                                            "ReportUnreachable calls, by outcome (confirmed: probe failed, replica "
                                            "UNHEALTHY; refuted: it answered; unknown: not that replica).",
                                            ["outcome"], registry=r)
+        zero_series(self.unreachable_reports, UNREACHABLE_OUTCOMES)
 
 
 @dataclass
@@ -389,6 +412,7 @@ class AdmissionMetrics:
         self.migration_failures = Counter("sluice_admission_migration_failures",
                                           "Requests ended FAILED instead of moving, by reason.", ["reason"],
                                           registry=r)
+        zero_series(self.migration_failures, MIGRATION_FAILURE_REASONS)
         self.budget_in_use = Gauge("sluice_admission_budget_in_use",
                                    "Admission ledger now: active, queued, pending_input_tokens, reserved_output_tokens.",
                                    ["budget"], registry=r)

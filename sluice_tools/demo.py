@@ -2,8 +2,8 @@
 
 What it does, as a new user would: start embedded Redis, a router, two replicas (worker + scheduler)
 of the tiny torch model and admission, each its own process; replay the first 40 requests of the
-Azure conversation trace (lengths scaled to fit the tiny model, arrivals compressed to ~8 s) from
-three tenants with two priorities, cancel one request mid-stream; print the report and where the
+Azure conversation trace (lengths scaled to fit the tiny model, arrivals compressed to ~8 s; without the
+trace beside the repository, a built-in synthetic workload, and it says so) from three tenants with two priorities, cancel one request mid-stream; print the report and where the
 JSON and the logs are; shut everything down (drain, then stop).
 """
 
@@ -18,10 +18,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sluice.options import HelpFormatter, output_dir, positive_float, positive_int
 from sluice_tools.commands.bench import Outcome, drive, fit_lengths, summarize_run
 from sluice_tools.report import format_table, write_json
 from sluice_tools.stack import Stack, StackConfig
-from sluice_tools.workload import WorkloadRequest, load_workload
+from sluice_tools.workload import Workload, WorkloadError, WorkloadRequest, load_workload
 
 TENANTS = {"alice": "sk-demo-alice", "bob": "sk-demo-bob", "carol": "sk-demo-carol"}
 SLO_TTFT_S = 2.0
@@ -32,17 +33,39 @@ CONFIG = "\n".join(f'[tenants.{name}]\napi_keys = ["{key}"]\nweight = {1.0 if na
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Return the demo's options (all have working defaults)."""
-    p = argparse.ArgumentParser(prog="python -m sluice_tools.demo", description=__doc__)
-    p.add_argument("--requests", type=int, default=40)
-    p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--arrival-span", type=float, default=8.0, help="seconds over which requests arrive")
-    p.add_argument("--out", default=None, help="directory for the JSON report and logs (default: temp)")
+    p = argparse.ArgumentParser(prog="python -m sluice_tools.demo", description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--requests", type=positive_int, default=40, help="requests to replay")
+    p.add_argument("--replicas", type=positive_int, default=2, help="worker + scheduler pairs")
+    p.add_argument("--arrival-span", type=positive_float, default=8.0, help="seconds over which requests arrive")
+    p.add_argument("--out", type=output_dir, default=None,
+                   help="directory for the JSON report and logs (default: a new temp dir)")
     return p.parse_args(argv)
+
+
+# Used when the Azure trace is not beside the repository (a fresh clone has no ../shared): lengths drawn like
+# the conversation trace's (a lognormal prompt around 1,000 tokens, answers around 250), Poisson arrivals.
+BUILT_IN_WORKLOAD = "synthetic:poisson?rate=5&n={count}&input=lognormal:1000:0.8:4000&output=lognormal:250:0.7:800"
+
+
+def demo_workload(count: int) -> tuple[Workload, str]:
+    """Return the first `count` requests of the Azure conversation trace and where they came from, or, when the
+    trace is absent, the built-in synthetic workload and a sentence saying so (the demo prints it)."""
+    try:
+        return load_workload("azure-conv", max_requests=count), "the first requests of the Azure LLM conversation trace"
+    except WorkloadError as missing:
+        workload = load_workload(BUILT_IN_WORKLOAD.format(count=count), max_requests=count)
+        return workload, (f"a built-in synthetic workload ({missing}; set $SLUICE_TRACES_DIR to use the trace): "
+                          f"{BUILT_IN_WORKLOAD.format(count=count)}")
 
 
 def demo_requests(count: int, span_s: float) -> list[WorkloadRequest]:
     """Return the demo workload: Azure conversation lengths scaled down, 3 tenants, 2 priorities, 1 cancel."""
-    workload = load_workload("azure-conv", max_requests=count)
+    return shape_requests(demo_workload(count)[0], span_s)
+
+
+def shape_requests(workload: Workload, span_s: float) -> list[WorkloadRequest]:
+    """Return the workload's requests fitted to the demo: arrivals over `span_s`, lengths scaled to the tiny
+    model, 3 tenants taking turns, every 5th request at priority 1, one request cancelled mid-stream."""
     natural = max(workload.duration_s, 1e-3)
     requests = [dataclasses.replace(r, arrival_s=r.arrival_s * span_s / natural) for r in workload.requests]
     requests = fit_lengths(requests, 0.25, 192, 24)
@@ -90,11 +113,12 @@ def main(argv: list[str] | None = None) -> int:
           f"model (random weights: its text is gibberish), admission...", flush=True)
     stack = Stack(StackConfig(replicas=args.replicas, backend="torch", model="tiny", config_file=str(config_path),
                               run_dir=out_dir / "logs", mtls=True, http_port=0))
-    requests = demo_requests(args.requests, args.arrival_span)
+    workload, source = demo_workload(args.requests)
+    requests = shape_requests(workload, args.arrival_span)
     with stack:
         print(f"ready in {time.monotonic() - started:.1f}s; each service is its own process:", flush=True)
         print(stack.describe(), flush=True)
-        _print_workload(requests, args.arrival_span)
+        _print_workload(requests, args.arrival_span, source)
         outcomes = asyncio.run(drive(stack.endpoint, TENANTS, requests, max_concurrency=32, timeout=90.0))
         chat = _chat_over_http(stack)
         stats = stack.scheduler_stats()
@@ -105,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
           + (f"still running: {', '.join(left)}" if left else "no process left") + ".\n", flush=True)
     ns = argparse.Namespace(slo_ttft=SLO_TTFT_S, slo_tpot=SLO_TPOT_S)
     summary = summarize_run(requests, outcomes, ns, {
-        "workload": "azure-conv (first requests, lengths x0.25 capped at 192 in / 24 out)",
+        "workload": f"{source} (lengths x0.25 capped at 192 in / 24 out)",
         "replica_stats": {s.replica_id: {"finished": s.finished, "cancelled": s.cancelled,
                                          "kv_blocks_used": s.kv_blocks_used, "kv_blocks_cached": s.kv_blocks_cached,
                                          "kv_blocks_total": s.kv_blocks_total,
@@ -122,9 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if bad else 0
 
 
-def _print_workload(requests: list[WorkloadRequest], span_s: float) -> None:
+def _print_workload(requests: list[WorkloadRequest], span_s: float, source: str) -> None:
     weights = {name: 2.0 if name == "alice" else 1.0 for name in TENANTS}
-    print(f"Workload: the first {len(requests)} requests of the Azure LLM conversation trace, arrivals compressed "
+    print(f"Workload: {len(requests)} requests, {source}; arrivals compressed "
           f"to ~{span_s:.0f}s, lengths scaled to the tiny model;\n"
           f"  tenants {', '.join(f'{t} (weight {w:g})' for t, w in weights.items())}, taking turns; "
           f"every 5th request has priority 1; one client cancels its request 0.3s into the stream.", flush=True)

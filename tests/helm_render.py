@@ -1,10 +1,10 @@
 """A test-only renderer for the subset of Helm's template language deploy/helm/sluice uses.
 
-No `helm` binary can be installed from the registries this machine reaches (none on PyPI or npm, none in
-Debian 12; the helm Go module would need a newer Go than Debian's 1.19 to build), so the chart is rendered
-here and the output validated against the Kubernetes schemas. This is not Helm: it understands only what
-the chart's templates use, and refuses anything else loudly, so a template that uses more fails the tests
-instead of rendering wrongly:
+No `helm` binary is packaged where this project installs from, so the chart's structural tests render it
+here, quickly and without a native library; tests/unit/test_helm_sdk.py proves that Helm's own engine (its Go
+SDK, from the helm-python-sdk wheel) renders exactly the same documents for every tested set of values.
+This is not Helm: it understands only what the chart's templates use, and refuses anything else loudly, so
+a template that uses more fails the tests instead of rendering wrongly:
 
     {{ .Values.a.b }}  {{ .Release.Namespace }}  {{ .Release.Name }}  {{ .Chart.AppVersion }}
     {{ .Files.Get "path" }}  "string"  123   pipelines with |   {{- and -}} whitespace trimming

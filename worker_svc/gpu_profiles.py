@@ -149,8 +149,12 @@ def model_shape(name: str) -> ModelShape:
         return _shape_from_config(name, dataclasses.asdict(preset))
     if name in _FALLBACK_PRESETS:
         return _FALLBACK_PRESETS[name]
-    known = sorted({*LLAMA_SHAPES, *_engine_presets(), *_FALLBACK_PRESETS})
-    raise ValueError(f"unknown model {name!r}; known: {', '.join(known)}")
+    raise ValueError(f"unknown model {name!r}; known: {', '.join(known_models())}")
+
+
+def known_models() -> list[str]:
+    """Return every name `model_shape` accepts (Llama 3 shapes and the repo's presets), sorted."""
+    return sorted({*LLAMA_SHAPES, *_engine_presets(), *_FALLBACK_PRESETS})
 
 
 def gpu_profile(name: str) -> GpuProfile:

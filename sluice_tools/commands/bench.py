@@ -36,35 +36,50 @@ DEFAULT_SLO_TPOT_S = 0.2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the flags of `sluice bench`."""
-    parser.add_argument("workload", help="azure-conv, azure-code, mooncake, a trace path or 'synthetic:...'")
+    """Add the flags of `sluice bench`: every value is checked here, before a stack starts or a request goes."""
+    from sluice.options import (
+        non_negative_int,
+        output_dir,
+        output_file,
+        positive_float,
+        positive_int,
+    )
+    from sluice_tools.workload import TRACE_NAMES
+
+    parser.add_argument("workload", help=f"{', '.join(TRACE_NAMES)}, a trace path or 'synthetic:...'")
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("--target", default=None, help="admission HOST:PORT of a running stack")
+    where.add_argument("--target", default=None,
+                       help="admission HOST:PORT of a running stack (default: localhost:50051)")
     where.add_argument("--spawn", action="store_true", help="start a stack for the run (see --replicas ...)")
-    parser.add_argument("--replicas", type=int, default=1, help="with --spawn")
-    parser.add_argument("--backend", choices=("torch", "costmodel"), default="torch", help="with --spawn")
-    parser.add_argument("--model", default="tiny", help="with --spawn")
+    parser.add_argument("--replicas", type=positive_int, default=1, help="with --spawn: replicas")
+    parser.add_argument("--backend", choices=("torch", "costmodel"), default="torch", help="with --spawn: engine")
+    parser.add_argument("--model", default="tiny", help="with --spawn: the model (a preset, a directory or a shape)")
     parser.add_argument("--emulate-time", action="store_true",
                         help="with --spawn --backend costmodel: each round takes its modelled GPU time")
-    parser.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY", "sk-sluice-local"))
+    parser.add_argument("--api-key", default=os.environ.get("SLUICE_API_KEY", "sk-sluice-local"),
+                        help="API key of every request (default: $SLUICE_API_KEY, else sk-sluice-local)")
     parser.add_argument("--tls-ca", default=os.environ.get("SLUICE_TLS_CA"),
                         help="CA certificate (PEM) of a TLS admission endpoint (default: $SLUICE_TLS_CA, else plaintext)")
-    parser.add_argument("--max-concurrency", type=int, default=64)
-    parser.add_argument("--rate-scale", type=float, default=1.0, help="arrival rate multiplier")
-    parser.add_argument("--max-requests", type=int, default=None)
-    parser.add_argument("--duration", type=float, default=None, help="seconds of the (scaled) trace to replay")
-    parser.add_argument("--length-scale", type=float, default=1.0, help="multiply input and output lengths")
-    parser.add_argument("--max-input-tokens", type=int, default=None, help="cap prompt lengths (fit the model)")
-    parser.add_argument("--max-output-tokens", type=int, default=None, help="cap output lengths")
-    parser.add_argument("--vocab-size", type=int, default=256, help="prompt token ids are drawn below this")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=120.0, help="per-request deadline (s)")
-    parser.add_argument("--slo-ttft", type=float, default=DEFAULT_SLO_TTFT_S, help="TTFT target (s)")
-    parser.add_argument("--slo-tpot", type=float, default=DEFAULT_SLO_TPOT_S, help="TPOT target (s)")
-    parser.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT target in ms (as sluice sim; wins)")
-    parser.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT target in ms (as sluice sim; wins)")
-    parser.add_argument("--json", default=None, help="write the summary here")
-    parser.add_argument("--plots", default=None, help="write latency CDF plots into this directory")
+    parser.add_argument("--max-concurrency", type=positive_int, default=64,
+                        help="requests in flight at most (a later one waits; its latency still counts)")
+    parser.add_argument("--rate-scale", type=positive_float, default=1.0, help="arrival rate multiplier")
+    parser.add_argument("--max-requests", type=positive_int, default=None, help="replay only the first N requests")
+    parser.add_argument("--duration", type=positive_float, default=None, help="seconds of the (scaled) trace to replay")
+    parser.add_argument("--length-scale", type=positive_float, default=1.0, help="multiply input and output lengths")
+    parser.add_argument("--max-input-tokens", type=positive_int, default=None, help="cap prompt lengths (fit the model)")
+    parser.add_argument("--max-output-tokens", type=positive_int, default=None, help="cap output lengths")
+    parser.add_argument("--vocab-size", type=positive_int, default=256, help="prompt token ids are drawn below this")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the workload's prompts and draws")
+    parser.add_argument("--timeout", type=positive_float, default=120.0, help="per-request deadline (s)")
+    parser.add_argument("--slo-ttft", type=positive_float, default=DEFAULT_SLO_TTFT_S, help="TTFT target (s)")
+    parser.add_argument("--slo-tpot", type=positive_float, default=DEFAULT_SLO_TPOT_S, help="TPOT target (s)")
+    parser.add_argument("--slo-ttft-ms", type=positive_float, default=None,
+                        help="TTFT target in ms (as sluice sim; wins over --slo-ttft)")
+    parser.add_argument("--slo-tpot-ms", type=positive_float, default=None,
+                        help="TPOT target in ms (as sluice sim; wins over --slo-tpot)")
+    parser.add_argument("--json", type=output_file, default=None,
+                        help="write the summary here (a missing directory is made before the run, and said)")
+    parser.add_argument("--plots", type=output_dir, default=None, help="write latency CDF plots into this directory")
     parser.add_argument("--compare", nargs="+", default=[], metavar="JSON",
                         help="earlier runs' --json files to overlay on the plots (one line per run); with "
                              "--capacity --spawn: configurations, e.g. round_robin,score (one stack each)")
@@ -257,14 +272,18 @@ def summarize_run(requests: Sequence[Any], outcomes: Sequence[Outcome], args: ar
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; returns 0, or 2 for a bad workload or flags."""
+    from sluice.options import create_output_dirs
     from sluice_tools.report import format_table, records_to_json, write_json, write_plots
     from sluice_tools.workload import WorkloadError, load_workload
 
     try:
         workload = load_workload(args.workload, seed=args.seed, rate_scale=args.rate_scale,
                                  duration_s=args.duration, max_requests=args.max_requests)
-    except WorkloadError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        # The earlier runs to overlay are read before the run, so a bad file fails now, not after it.
+        earlier = _earlier_runs(args.compare) if args.plots and not args.capacity else {}
+        create_output_dirs("bench", {"--json": args.json}, {"--plots": args.plots})
+    except (WorkloadError, OSError, ValueError) as exc:
+        print(f"sluice bench: error: {exc}", file=sys.stderr)
         return 2
     args.slo_ttft = args.slo_ttft if args.slo_ttft_ms is None else args.slo_ttft_ms / 1000.0
     args.slo_tpot = args.slo_tpot if args.slo_tpot_ms is None else args.slo_tpot_ms / 1000.0
@@ -304,7 +323,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(f"JSON: {write_json({**summary, 'name': name, 'records': records_to_json(records)}, args.json)}")
     if args.plots:
-        runs = {**_earlier_runs(args.compare), name: records}
+        runs = {**earlier, name: records}
         files = write_plots(runs, {}, Path(args.plots), title=f"{args.workload} ({len(requests)} requests)",
                             slo={"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot})
         print(f"plots: {', '.join(str(f) for f in files)}")

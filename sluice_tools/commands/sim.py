@@ -1,9 +1,9 @@
 """`sluice sim WORKLOAD ...`: simulate a workload on N replicas with the real cores and a GPU cost model.
 
 `--compare "fcfs+round_robin,fcfs+score,priority+score"` runs one simulation per item and prints
-them side by side. An item is `+`-joined words: a queue policy (fcfs, priority, fair, edf), a
-router (score, round_robin, random, least_loaded, prefix_only), a preemption mode (recompute,
-swap), `vllm-default` (vLLM V1's round budgets: 8192 tokens, 1024 seqs, no per-request chunk
+them side by side. An item is `+`-joined words: a value of --policy, --router or --preemption (their
+choices come from the Policy, RoutingPolicy and PreemptionMode enums; `sluice sim --help` lists them),
+`vllm-default` (vLLM V1's round budgets: 8192 tokens, 1024 seqs, no per-request chunk
 cap), or a setting for that item only: the admission budgets `max-queued=N` / `max-active=N`
 (as `--max-queued` / `--max-active`) or the score router's `prefill-weight=W` / `load-bound=C`, the replicas' per-request prefill chunk cap
 `prefill-chunk=N` (tokens of one prompt per round) and SRPF's aging `srpf-rate=N` (prefill tokens per second of
@@ -34,6 +34,17 @@ from typing import Any
 from router_svc.core import RouterConfig, RoutingPolicy
 from scheduler_svc.core.config import Policy, PreemptionMode
 from sluice.config import ReservationPolicy
+from sluice.options import (
+    create_output_dirs,
+    enum_values,
+    fraction,
+    non_negative_float,
+    non_negative_int,
+    output_dir,
+    output_file,
+    positive_float,
+    positive_int,
+)
 from sluice_tools.sim.config import (
     SCHEDULER,
     SimConfig,
@@ -45,75 +56,85 @@ from sluice_tools.sim.config import (
     with_tenant_weights,
 )
 from sluice_tools.sim.control_plane import ControlPlaneConfig
+from sluice_tools.sim.scenarios import SCENARIOS
+from sluice_tools.workload import TRACE_NAMES
 from worker_svc.costmodel import load_coefficients
+from worker_svc.gpu_profiles import GPUS, known_models
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the `sluice sim` flags."""
+    """Add the `sluice sim` flags: every choice list comes from its Enum or table, every value is checked here."""
     parser.add_argument(
-        "workload", nargs="?", help="azure-conv | azure-code | mooncake | PATH | synthetic:KIND?k=v&..."
-    )
-    parser.add_argument(
-        "--scenario", help="run a named self-checking scenario (or 'all') instead of a workload"
-    )
-    parser.add_argument("--replicas", type=int, default=8)
-    parser.add_argument("--gpu", default="h200", help="h100 | h200")
+        "workload", nargs="?",
+        help=f"{' | '.join(TRACE_NAMES)} | PATH | synthetic:KIND?k=v&... (docs/usage.md)")
+    parser.add_argument("--scenario", choices=[*SCENARIOS, "all"], metavar="NAME",
+                        help=f"run a named self-checking scenario instead of a workload: {', '.join(SCENARIOS)}, "
+                             "or all")
+    parser.add_argument("--replicas", type=positive_int, default=8, help="replicas (worker + scheduler pairs)")
+    parser.add_argument("--gpu", default="h200", choices=sorted(GPUS), help="GPU profile of the cost model")
     parser.add_argument("--cost-coefficients", metavar="FILE",
                         help="fitted cost-model coefficients (a `python -m worker_svc.calibrate --json` report)")
-    parser.add_argument(
-        "--model",
-        default="llama-3-8b",
-        help="llama-3-8b | llama-3-70b | llama-3.1-8b | llama-3.1-70b | tiny | small-100m",
-    )
-    parser.add_argument("--policy", default="fcfs", help="fcfs | priority | fair | edf")
-    parser.add_argument(
-        "--router", default="score", help="score | round_robin | random | least_loaded | prefix_only"
-    )
-    parser.add_argument("--preemption", default="recompute", help="recompute | swap")
+    parser.add_argument("--model", default="llama-3-8b", choices=known_models(), help="model shape")
+    parser.add_argument("--policy", default=Policy.FCFS.value, choices=enum_values(Policy),
+                        help="the scheduler's queue order")
+    parser.add_argument("--router", default=RoutingPolicy.SCORE.value, choices=enum_values(RoutingPolicy),
+                        help="the router's policy")
+    parser.add_argument("--preemption", default=PreemptionMode.RECOMPUTE.value, choices=enum_values(PreemptionMode),
+                        help="what a preemption victim's KV becomes")
     parser.add_argument(
         "--budgets", default="sluice", choices=("sluice", "vllm-default"), help="round budgets"
     )
-    parser.add_argument("--max-batched-tokens", type=int, help="query tokens per round")
+    parser.add_argument("--max-batched-tokens", type=positive_int,
+                        help="query tokens per round (default: the --budgets value)")
     parser.add_argument("--round-budget", default="fixed", choices=("fixed", "slo"),
                         help="slo: derive the round's token and KV-read budgets from --slo-tpot-ms and the cost "
                              "model (sluice.round_budget), after the other round flags")
-    parser.add_argument("--max-num-seqs", type=int)
-    parser.add_argument("--max-prefill-chunk", type=int)
-    parser.add_argument("--max-model-len", type=int, help="default: 8192 for Llama 3")
-    parser.add_argument("--max-active", type=int, help="admission: max active requests")
-    parser.add_argument("--max-queued", type=int, help="admission: max requests without a first token")
-    parser.add_argument("--max-kv-blocks", type=int, help="admission: max KV blocks reserved (shared prefix once)")
-    parser.add_argument("--max-reserved-output", type=int, help="admission: max output tokens reserved")
-    parser.add_argument("--reservation", default="conservative", help="admission: conservative | predicted")
-    parser.add_argument("--client-max-tokens", type=int,
+    parser.add_argument("--max-num-seqs", type=positive_int,
+                        help="sequences per round (default: the --budgets value)")
+    parser.add_argument("--max-prefill-chunk", type=positive_int,
+                        help="prompt tokens of one request per round (default: the --budgets value)")
+    parser.add_argument("--max-model-len", type=positive_int, help="default: 8192 for Llama 3")
+    parser.add_argument("--max-active", type=positive_int, help="admission: max active requests")
+    parser.add_argument("--max-queued", type=positive_int, help="admission: max requests without a first token")
+    parser.add_argument("--max-kv-blocks", type=positive_int,
+                        help="admission: max KV blocks reserved (shared prefix once)")
+    parser.add_argument("--max-reserved-output", type=positive_int, help="admission: max output tokens reserved")
+    parser.add_argument("--reservation", default=ReservationPolicy.CONSERVATIVE.value,
+                        choices=enum_values(ReservationPolicy), help="admission: output tokens a request reserves")
+    parser.add_argument("--client-max-tokens", type=positive_int,
                         help="max_tokens every client asks for (default: exactly its output length)")
-    parser.add_argument("--admission-ttft-slo-ms", type=float,
+    parser.add_argument("--admission-ttft-slo-ms", type=positive_float,
                         help="admission refuses early a request whose predicted TTFT exceeds this")
-    parser.add_argument("--retries", type=int, default=0, help="client retries after a refusal")
-    parser.add_argument("--heartbeat-ms", type=float, default=50.0, help="router load-view refresh period")
+    parser.add_argument("--retries", type=non_negative_int, default=0, help="client retries after a refusal")
+    parser.add_argument("--heartbeat-ms", type=positive_float, default=50.0, help="router load-view refresh period")
     parser.add_argument("--no-pipeline", action="store_true", help="serial rounds, as the scheduler's --no-pipeline")
-    parser.add_argument("--round-gap-ms", type=float, default=0.0, help="device idle between rounds (live control plane)")
-    parser.add_argument("--submit-delay-ms", type=float, default=0.0, help="arrival to the replica's submit (live path)")
-    parser.add_argument("--token-delay-ms", type=float, default=0.0, help="round to client per token (live path)")
-    parser.add_argument("--control-plane-scale", type=float, metavar="K",
+    parser.add_argument("--round-gap-ms", type=non_negative_float, default=0.0,
+                        help="device idle between rounds (live control plane)")
+    parser.add_argument("--submit-delay-ms", type=non_negative_float, default=0.0,
+                        help="arrival to the replica's submit (live path)")
+    parser.add_argument("--token-delay-ms", type=non_negative_float, default=0.0,
+                        help="round to client per token (live path)")
+    parser.add_argument("--control-plane-scale", type=positive_float, metavar="K",
                         help="stretch the three delays above by a shared CPU's load, its costs times K "
                              "(sluice_tools/sim/control_plane.py; `python -m sluice_tools.fidelity table` fits K)")
-    parser.add_argument("--control-plane-cores", type=float, default=2.0, help="the shared CPU's cores")
-    parser.add_argument("--slo-ttft-ms", type=float, default=1000.0)
-    parser.add_argument("--slo-tpot-ms", type=float, default=50.0)
-    parser.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate")
-    parser.add_argument("--start-s", type=float, default=0.0)
-    parser.add_argument("--duration-s", type=float)
-    parser.add_argument("--max-requests", type=int)
-    parser.add_argument("--jitter", type=float, default=0.0, metavar="SECONDS",
+    parser.add_argument("--control-plane-cores", type=positive_float, default=2.0, help="the shared CPU's cores")
+    parser.add_argument("--slo-ttft-ms", type=positive_float, default=1000.0, help="time-to-first-token target")
+    parser.add_argument("--slo-tpot-ms", type=positive_float, default=50.0, help="time-per-output-token target")
+    parser.add_argument("--rate-scale", type=positive_float, default=1.0, help="multiply the arrival rate")
+    parser.add_argument("--start-s", type=non_negative_float, default=0.0,
+                        help="skip the (scaled) trace's first seconds")
+    parser.add_argument("--duration-s", type=positive_float, help="seconds of the (scaled) trace to simulate")
+    parser.add_argument("--max-requests", type=positive_int, help="simulate only the first N requests")
+    parser.add_argument("--jitter", type=non_negative_float, default=0.0, metavar="SECONDS",
                         help="move each arrival later by a seeded uniform draw in [0, SECONDS) of trace time, "
-                             "for traces whose arrivals come in batches with one timestamp (default 0)")
-    parser.add_argument("--warmup-s", type=float, default=0.0, help="replica warm-up (WARMING -> READY)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", help="write the summary (or all summaries) as JSON here")
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                        help="report the simulated time on stderr while a run goes (default: when stderr is a terminal)")
-    parser.add_argument("--plots", help="write PNG plots into this directory")
+                             "for traces whose arrivals come in batches with one timestamp")
+    parser.add_argument("--warmup-s", type=non_negative_float, default=0.0, help="replica warm-up (WARMING -> READY)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload's prompts and draws")
+    parser.add_argument("--json", type=output_file, help="write the summary (or all summaries) as JSON here")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                        help="report the simulated time on stderr while a run goes: a line rewritten in place on "
+                             "a terminal, else one line every few seconds (default: on)")
+    parser.add_argument("--plots", type=output_dir, help="write PNG plots into this directory")
     parser.add_argument(
         "--compare", help="comma-separated configurations, e.g. fcfs+round_robin,priority+score"
     )
@@ -126,7 +147,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--equal-resources", action="store_true",
                         help="with --autoscale: autoscaled vs static MIN, MAX and GPU-second-equal fleets on a "
                              "day-shaped workload (no WORKLOAD needed)")
-    parser.add_argument("--capacity-goal", type=float, default=0.9, help="SLO attainment to hold (default 0.9)")
+    parser.add_argument("--capacity-goal", type=fraction, default=0.9, help="SLO attainment to hold")
 
 
 def base_config(args: argparse.Namespace, tenant_weights: dict[str, float]) -> SimConfig:
@@ -254,6 +275,7 @@ def run(args: argparse.Namespace) -> int:
             return 0 if run_scenarios(args.scenario) else 1
         fleet = parse_autoscale(args.autoscale) if args.autoscale else None
         if args.equal_resources:
+            create_output_dirs("sim", {"--json": args.json}, {})
             return _run_equal_resources(fleet, args.json)
         if not args.workload:
             raise ValueError("give a WORKLOAD or --scenario NAME")
@@ -269,6 +291,7 @@ def run(args: argparse.Namespace) -> int:
         base = base_config(args, workload.tenant_weights)
         items = [i.strip() for i in args.compare.split(",") if i.strip()] if args.compare else []
         configs = {item: parse_compare_item(item, base) for item in items} or {_label(base): base}
+        create_output_dirs("sim", {"--json": args.json}, {"--plots": args.plots})
     except (ValueError, OSError, WorkloadError) as error:
         print(f"sluice sim: {error}", file=sys.stderr)
         return 2
@@ -413,27 +436,37 @@ def _label(config: SimConfig) -> str:
 
 
 def _wants_progress(args: argparse.Namespace) -> bool:
-    return bool(args.progress) if args.progress is not None else sys.stderr.isatty()
+    return bool(args.progress)
 
 
 class _Progress:
-    """Prints `name: simulated T s of the arrivals' S s (W s)` on stderr, at most once per wall second."""
+    """Prints `name: simulated T s of the arrivals' S s (W s)` on stderr while a run goes, whatever stderr is.
+
+    On a terminal one line is rewritten at most once per wall second; into a pipe or a file (a CI log, `| tee`)
+    a line is written at the first call and then at most every PIPE_PERIOD_S, so a long run is never silent
+    and a log does not fill with lines. `done()` ends with the wall time the run took."""
+
+    PIPE_PERIOD_S = 5.0
 
     def __init__(self, name: str, requests: Sequence[Any]) -> None:
         self.name = name
         self.span = max((r.arrival_s for r in requests), default=0.0)
         self.started = time.perf_counter()
         self.last = float("-inf")
+        self.now = 0.0
         self.tty = sys.stderr.isatty()
+        self.period = 1.0 if self.tty else self.PIPE_PERIOD_S
 
     def __call__(self, now: float) -> None:
+        self.now = now
         wall = time.perf_counter()
-        if wall - self.last < 1.0:
+        if wall - self.last < self.period:
             return
         self.last = wall
         line = f"  {self.name}: simulated {now:,.0f} s of the arrivals' {self.span:,.0f} s ({wall - self.started:.0f} s)"
         print(f"\r{line}" if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
 
     def done(self) -> None:
-        if self.tty and self.last > float("-inf"):
-            print(file=sys.stderr)
+        wall = time.perf_counter() - self.started
+        line = f"  {self.name}: done, simulated {self.now:,.0f} s in {wall:.1f} s"
+        print(f"\r{line}" if self.tty else line, file=sys.stderr, flush=True)

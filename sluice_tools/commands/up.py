@@ -35,7 +35,6 @@ restarts are printed as they happen and counted on stop.
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the flags of `sluice up`."""
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EXAMPLES
     parser.add_argument("--replicas", type=int, default=1, help="worker + scheduler pairs (default: 1)")
     parser.add_argument("--engine", choices=("sluice", "vllm"), default="sluice",

@@ -1,4 +1,4 @@
-"""deploy/helm/sluice renders (with the test-only renderer, tests/helm_render.py: no helm binary can be had here)
+"""deploy/helm/sluice renders (with the test-only renderer, tests/helm_render.py, which test_helm_sdk.py matches to Helm's)
 into manifests that validate against the Kubernetes schemas, run every container locked down, start each Sluice
 service with flags its parser accepts, expose the OpenAI HTTP port, deploy the planner, and run vLLM's own image
 beside the Sluice agent when engine is vllm."""
