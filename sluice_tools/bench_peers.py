@@ -68,7 +68,9 @@ from sluice_tools.bench_peers_workload import (
 from sluice_tools.metrics import RequestRecord, summarize
 from sluice_tools.vllm_engine import VllmEngineSpec, vllm_command, vllm_env, vllm_python
 
-DEFAULT_FRONTS = ("round_robin", "sglang_cache_aware", "vllm_router_cache_aware", "vllm_router_kv_aware")
+PEERS = ("round_robin", "sglang_cache_aware", "vllm_router_cache_aware", "vllm_router_kv_aware")
+DEFAULT_FRONTS = (*PEERS, *SLUICE_CONFIGS)
+"""Every front end: the peers first (on the bench's engines), then each Sluice configuration (its own stack)."""
 ENGINE_ARGS = ("--enable-scale-out", "--prefix-caching-hash-algo", "sha256_cbor")
 """Added to every engine (the bench's and Sluice's): vllm-router's cache_aware tokenizes through the engines'
 /v1/completions/render, which needs --enable-scale-out; sha256_cbor is vLLM's language-neutral block hash

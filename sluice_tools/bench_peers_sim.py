@@ -15,7 +15,7 @@ absorbs the CPU). Written: OUT/probe.json (samples, coefficients, each sample's 
 times; prompts become `hash_ids` of 32-token blocks, one id per distinct block prefix, so the simulator's prompts
 share exactly the blocks the live ones do) and simulates 2 replicas of the tiny model with vLLM's default round
 budgets and 32-token blocks, routed round-robin, by Sluice's score (prefill weight 1), and by score with prefill
-weight 4 and the TTFT target (the live `sluice_pw4`). Written: OUT/sim.json and OUT/sim_vs_live.md (simulated
+weight 4 or 32 and the TTFT target (the live `sluice_pw4`, `sluice_pw32`). Written: OUT/sim.json and OUT/sim_vs_live.md (simulated
 and live TTFT p50/p99 and goodput side by side, and each cell's ranking by goodput in both).
 """
 
@@ -42,7 +42,7 @@ DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 DECODE_CONTEXT = 256
 BLOCK = 32
 SIM_CONFIGS = {"round_robin": ("round_robin", 1.0, 0.0), "sluice": ("score", 1.0, 0.0),
-               "sluice_pw4": ("score", 4.0, 1.0)}
+               "sluice_pw4": ("score", 4.0, 1.0), "sluice_pw32": ("score", 32.0, 1.0)}
 """Simulated front end -> (router policy, prefill weight, TTFT target s), named as the live rows they model."""
 
 

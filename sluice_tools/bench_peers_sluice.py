@@ -46,6 +46,11 @@ SLUICE_CONFIGS: dict[str, SluiceConfig] = {
         "replicas predicted to meet the 1 s TTFT SLO: cache hits count more)",
         router_args=("--prefill-weight", "4", "--ttft-target", "1"),
     ),
+    "sluice_pw32": SluiceConfig(
+        "Sluice, router --prefill-weight 32 --ttft-target 1: on the tiny model a prefill costs milliseconds next "
+        "to queue waits of tens, so only a large weight lets a cache hit outweigh a shorter queue",
+        router_args=("--prefill-weight", "32", "--ttft-target", "1"),
+    ),
     "sluice_fair": SluiceConfig(
         "Sluice for tenants: fair gateway queue (weights gold=2, bronze=1), the router spreading each tenant over "
         "the replicas (--tenant-spread 1), Sluice's scheduler class ordering vLLM's own queue by the same policy",
