@@ -6,8 +6,10 @@ to the bench's vLLM CPU engines, beside the live figures.
 
 `probe` starts one vLLM engine as the bench does (`bench_peers.start_engines`: same flags, one core) and times, on
 the idle engine, streamed requests of one output token for prompts of 32-1,280 unique tokens (a prefill round each:
-the TTFT) and B = 1-32 concurrent streams of 64 tokens after a 256-token prompt (the median gap between chunks: a
-decode round of batch B). Each is a (RoundShape, seconds) sample; `CostModel.fit` (relative errors) turns them into
+the TTFT) and B = 1-32 concurrent streams of 64 tokens after a 256-token prompt (a stream's mean gap between tokens: a
+decode round of batch B). A TTFT has a fixed part that is no round (HTTP, tokenising, the first chunk's way
+back): the intercept of TTFT against prompt length less a decode round, `request_delay_s`, taken off each
+prefill and given to the simulator as its submit delay. Each is then a (RoundShape, seconds) sample; `CostModel.fit` (relative errors) turns them into
 the three coefficients of the tiny model's roofline on the h200 profile (the profile only scales them: the fit
 absorbs the CPU). Written: OUT/probe.json (samples, coefficients, each sample's fitted error).
 
@@ -88,10 +90,11 @@ async def probe_engine(url: str, model: str, repeats: int = 3, seed: int = 0) ->
         for batch in DECODE_BATCHES:
             runs = await asyncio.gather(*(_stream_times(client, model, _unique_text(rng, DECODE_CONTEXT), 64)
                                           for _ in range(batch)))
-            # the middle of the streams, where every one of the batch is decoding
-            gaps = [b - a for times in runs for a, b in zip(times[16:48], times[17:49], strict=False)]
+            # vLLM sends a step's tokens in bursts (gaps near 0, then one long), so a decode round is a stream's
+            # mean gap: (last token - first token) / tokens between them
+            rounds = [(times[-1] - times[0]) / (len(times) - 1) for times in runs if len(times) > 1]
             samples.append({"kind": "decode", "batch": batch, "context": DECODE_CONTEXT + 32,
-                            "seconds": statistics.median(gaps)})
+                            "seconds": statistics.median(rounds)})
     finally:
         await client.close()
     return samples
@@ -104,15 +107,35 @@ def shape_of_sample(sample: Mapping[str, Any]) -> RoundShape:
     return decode_shape(int(sample["batch"]), int(sample["context"]))
 
 
-def fit(samples: Sequence[Mapping[str, Any]]) -> tuple[CostModel, list[dict[str, Any]]]:
-    """Return the tiny model's cost model fitted to the samples, and each sample's fitted time and error."""
+def request_delay(samples: Sequence[Mapping[str, Any]]) -> float:
+    """Return the fixed part of a TTFT that is no round: the intercept of TTFT against prompt tokens (least
+    squares over the prefill samples) less one decode round of batch 1 (the intercept's own round); >= 0."""
+    prefill = [(float(s["prompt"]), float(s["seconds"])) for s in samples if s["kind"] == "prefill"]
+    decode_one = [float(s["seconds"]) for s in samples if s["kind"] == "decode" and int(s["batch"]) == 1]
+    if len(prefill) < 2:
+        return 0.0
+    mean_x = sum(x for x, _ in prefill) / len(prefill)
+    mean_y = sum(y for _, y in prefill) / len(prefill)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in prefill) / sum((x - mean_x) ** 2 for x, _ in prefill)
+    return max(mean_y - slope * mean_x - (decode_one[0] if decode_one else 0.0), 0.0)
+
+
+def fit(samples: Sequence[Mapping[str, Any]]) -> tuple[CostModel, list[dict[str, Any]], float]:
+    """Return the tiny model's cost model fitted to the samples (a prefill's time is its TTFT less
+    `request_delay`), each sample's fitted time and error, and that delay (the simulator's submit delay)."""
+    delay = request_delay(samples)
+
+    def seconds(sample: Mapping[str, Any]) -> float:
+        return float(sample["seconds"]) - (delay if sample["kind"] == "prefill" else 0.0)
+
     model = CostModel("tiny", "h200", block_size=BLOCK)
-    fitted = model.fit([(shape_of_sample(s), float(s["seconds"])) for s in samples], relative=True)
+    fitted = model.fit([(shape_of_sample(s), seconds(s)) for s in samples], relative=True)
     rows = []
     for sample in samples:
         predicted = fitted.shape_time(shape_of_sample(sample))
-        rows.append({**sample, "fitted_s": predicted, "error": predicted / float(sample["seconds"]) - 1.0})
-    return fitted, rows
+        rows.append({**sample, "round_s": seconds(sample), "fitted_s": predicted,
+                     "error": predicted / seconds(sample) - 1.0})
+    return fitted, rows, delay
 
 
 def to_workload(reqs: Sequence[Req]) -> list[WorkloadRequest]:
@@ -131,12 +154,14 @@ def to_workload(reqs: Sequence[Req]) -> list[WorkloadRequest]:
 
 def sim_config(front: str, coefficients_file: Path, slo_ttft_s: float, slo_tpot_s: float) -> object:
     """Return the SimConfig of simulated front end `front` (SIM_CONFIGS) on 2 replicas of the CPU-fitted tiny
-    model: vLLM's default round budgets, 32-token blocks, 1 GiB of KV (16,384 blocks) each."""
+    model: vLLM's default round budgets, 32-token blocks, 1 GiB of KV (16,384 blocks) each, the probe's fixed
+    per-request delay as the submit delay."""
     from router_svc.core import RouterConfig, RoutingPolicy
     from sluice_tools.sim.config import SimConfig, vllm_default
 
     policy, weight, target = SIM_CONFIGS[front]
-    base = SimConfig(replicas=2, gpu="h200", model="tiny", cost_coefficients=load_coefficients(coefficients_file),
+    delay = float(json.loads(coefficients_file.read_text()).get("request_delay_s", 0.0))
+    base = SimConfig(submit_delay_s=delay, replicas=2, gpu="h200", model="tiny", cost_coefficients=load_coefficients(coefficients_file),
                      router=RouterConfig(policy=RoutingPolicy(policy), prefill_weight=weight, ttft_target_s=target),
                      max_model_len=2048, num_blocks=16384, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
     config = vllm_default(base)
@@ -216,9 +241,18 @@ def _probe(args: argparse.Namespace) -> int:
     finally:
         for proc in procs:
             proc.stop()
-    fitted, rows = fit(samples)
-    report = {"samples": rows, "coefficients": coefficients_to_dict(fitted.coefficients)}
+    fitted, rows, delay = fit(samples)
+    report = {"samples": rows, "coefficients": coefficients_to_dict(fitted.coefficients), "request_delay_s": delay}
     args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "probe.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report), flush=True)
+    return 0
+
+
+def _refit(args: argparse.Namespace) -> int:
+    report = json.loads((args.out / "probe.json").read_text())
+    fitted, rows, delay = fit(report["samples"])
+    report = {"samples": rows, "coefficients": coefficients_to_dict(fitted.coefficients), "request_delay_s": delay}
     (args.out / "probe.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report), flush=True)
     return 0
@@ -226,8 +260,11 @@ def _probe(args: argparse.Namespace) -> int:
 
 def _replay(args: argparse.Namespace) -> int:
     live = json.loads(args.live.read_text())
-    rows = replay_cells(live, args.out / "probe.json", args.trace)
-    (args.out / "sim.json").write_text(json.dumps({"runs": rows}, indent=1))
+    if args.step == "replay":
+        rows = replay_cells(live, args.out / "probe.json", args.trace)
+        (args.out / "sim.json").write_text(json.dumps({"runs": rows}, indent=1))
+    else:
+        rows = json.loads((args.out / "sim.json").read_text())["runs"]
     table = compare(rows, live)
     (args.out / "sim_vs_live.md").write_text(table)
     print(table, flush=True)
@@ -235,11 +272,12 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`probe` or `replay` (see the module docstring); returns the exit status."""
+    """`probe`, `refit`, `replay` or `compare` (see the module docstring); returns the exit status."""
     from sluice_tools.bench_peers import TRACE
 
     parser = argparse.ArgumentParser(prog="bench_peers_sim", description=__doc__.split("\n\n")[0])
-    parser.add_argument("step", choices=("probe", "replay"))
+    parser.add_argument("step", choices=("probe", "refit", "replay", "compare"),
+                        help="refit: fit OUT/probe.json's samples again; compare: OUT/sim.json against --live")
     parser.add_argument("--out", type=Path, default=Path("out/bench-peers-sim"))
     parser.add_argument("--live", type=Path, default=Path("out/bench-peers/results.json"),
                         help="replay: the live bench's results.json (its plan, rates and figures)")
@@ -249,7 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--engine-port", type=int, default=18600)
     parser.add_argument("--engine-timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
-    return _probe(args) if args.step == "probe" else _replay(args)
+    steps = {"probe": _probe, "refit": _refit, "replay": _replay, "compare": _replay}
+    return steps[args.step](args)
 
 
 if __name__ == "__main__":

@@ -85,6 +85,7 @@ def start_stack(name: str, engine_args: Sequence[str], run_dir: Path, vllm_pytho
         raise KeyError(f"unknown Sluice configuration {name!r}; known: {sorted(SLUICE_CONFIGS)}")
     config = SLUICE_CONFIGS[name]
     os.environ["SLUICE_VLLM_PYTHON"] = vllm_python  # where sluice_tools.vllm_engine looks first
+    run_dir = run_dir.resolve()  # Redis reads its ACL file after changing into its own directory
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "sluice.toml").write_text(TENANT_CONFIG)
     stack = Stack(StackConfig(replicas=2, engine="vllm", model=model, run_dir=run_dir, http_port=0,
