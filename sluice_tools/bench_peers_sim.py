@@ -121,8 +121,9 @@ def request_delay(samples: Sequence[Mapping[str, Any]]) -> float:
 
 
 def fit(samples: Sequence[Mapping[str, Any]]) -> tuple[CostModel, list[dict[str, Any]], float]:
-    """Return the tiny model's cost model fitted to the samples (a prefill's time is its TTFT less
-    `request_delay`), each sample's fitted time and error, and that delay (the simulator's submit delay)."""
+    """Return the tiny model's cost model fitted to the samples (a prefill's time is its TTFT less a fixed
+    delay: `request_delay` first, then the median TTFT left over by the fitted rounds, refitted), each sample's
+    fitted time and error, and that delay (the simulator's submit delay)."""
     delay = request_delay(samples)
 
     def seconds(sample: Mapping[str, Any]) -> float:
@@ -130,6 +131,12 @@ def fit(samples: Sequence[Mapping[str, Any]]) -> tuple[CostModel, list[dict[str,
 
     model = CostModel("tiny", "h200", block_size=BLOCK)
     fitted = model.fit([(shape_of_sample(s), seconds(s)) for s in samples], relative=True)
+    for _ in range(10):  # the intercept is a line's through a curve: refine the delay against the fitted rounds
+        prefill = [s for s in samples if s["kind"] == "prefill"]
+        if not prefill:
+            break
+        delay = max(statistics.median(float(s["seconds"]) - fitted.shape_time(shape_of_sample(s)) for s in prefill), 0.0)
+        fitted = model.fit([(shape_of_sample(s), seconds(s)) for s in samples], relative=True)
     rows = []
     for sample in samples:
         predicted = fitted.shape_time(shape_of_sample(sample))
