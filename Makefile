@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 PROTOS  := $(wildcard protos/sluice/v1/*.proto)
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup setup-vllm protos redis-tls prometheus images images-smoke test lint demo bench bench-openai bench-http bench-peers fuzz clean
+.PHONY: setup setup-vllm setup-dynamo protos redis-tls prometheus images images-smoke test lint demo bench bench-openai bench-http bench-peers fuzz clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -56,6 +56,19 @@ $(VLLM_STAMP):
 
 setup-vllm: $(VLLM_STAMP)
 
+# NVIDIA Dynamo's KV indexer (its Rust RadixTree, standalone: no etcd, no NATS) for tests/integration/
+# test_dynamo_radix_tree.py, which checks the simulator's `dynamo_kv` against it; a venv of its own (a 226 MB
+# native module with its own pins), next to the peer routers' venvs of `make bench-peers`.
+PEERS_VENV ?= $(VENV)-peers
+DYNAMO_STAMP := $(PEERS_VENV)/dynamo/.installed-1.6.1
+$(DYNAMO_STAMP):
+	$(PY) -m venv $(PEERS_VENV)/dynamo
+	$(PEERS_VENV)/dynamo/bin/pip install -q ai-dynamo-runtime==1.6.1
+	$(PEERS_VENV)/dynamo/bin/python -c "from dynamo.llm import RadixTree, compute_block_hash_for_seq"
+	touch $@
+
+setup-dynamo: $(DYNAMO_STAMP)
+
 # A real Prometheus 2.x for tests/e2e/test_prometheus.py (vllm:* names as Prometheus 2.x stores them, the
 # dashboard's queries): Debian's package, installed only when no prometheus is on PATH, only as root with apt-get.
 # RUNLEVEL=1: the package must not start a system-wide Prometheus daemon of its own.
@@ -69,7 +82,7 @@ prometheus:
 	  fi; \
 	fi
 
-setup: $(STAMP) sluice/v1/.stamp redis-tls prometheus setup-vllm
+setup: $(STAMP) sluice/v1/.stamp redis-tls prometheus setup-vllm setup-dynamo
 
 protos: sluice/v1/.stamp
 
@@ -118,7 +131,6 @@ bench-http: setup
 # Sluice beside the routers people run today (sglang-router, vllm-router, round-robin) in front of the same
 # vLLM CPU engines (docs/bench-peers.md). Each peer router is a Rust wheel in a venv of its own; vLLM is the
 # venv of `make setup-vllm` (part of `setup`). PEERS_FLAGS=--quick for a short run.
-PEERS_VENV ?= $(VENV)-peers
 $(PEERS_VENV)/sglang/bin/sglang-router:
 	$(PY) -m venv $(PEERS_VENV)/sglang
 	$(PEERS_VENV)/sglang/bin/pip install -q sglang-router==0.3.2

@@ -7,7 +7,8 @@ Starts N vLLM engines once (or uses `--engine-urls`), finds the engines' saturat
 through round-robin (unless `--saturation-rps` is given), then for each workload (mooncake, chat) and load
 (light = `--light-fraction` x saturation, near = saturation, over = 1.5 x saturation) replays the same requests
 at the same arrival times through each front end in turn, each started fresh, with every engine's prefix cache
-emptied before each run. Writes OUT/results.json, OUT/table.md and OUT/ttft_cdf_<workload>_<load>.png.
+emptied before each run; then the fairness cell (two tenants, each sending the chat mix at its saturation rate).
+Writes OUT/results.json, OUT/table.md and OUT/ttft_cdf_<workload>_<load>.png.
 See docs/bench-peers.md for what each figure means.
 """
 
@@ -36,9 +37,18 @@ from sluice_tools.bench_peers_procs import (
     wait_http,
     wait_idle,
 )
-from sluice_tools.bench_peers_report import read_outputs, run_summary, versus_best_peer, write_outputs
+from sluice_tools.bench_peers_report import (
+    best_sluice,
+    read_outputs,
+    run_summary,
+    sluice_best_rows,
+    tenant_figures,
+    versus_best_peer,
+    write_outputs,
+)
 from sluice_tools.bench_peers_sluice import (
     SLUICE_CONFIGS,
+    TENANT_KEYS,
     engine_urls,
     front_pids,
     is_sluice,
@@ -53,11 +63,14 @@ from sluice_tools.bench_peers_workload import (
     load_mooncake,
     mooncake_requests,
     prompt_token_stats,
+    tenant_requests,
 )
 from sluice_tools.metrics import RequestRecord, summarize
 from sluice_tools.vllm_engine import VllmEngineSpec, vllm_command, vllm_env, vllm_python
 
-DEFAULT_FRONTS = ("round_robin", "sglang_cache_aware", "vllm_router_cache_aware", "vllm_router_kv_aware")
+PEERS = ("round_robin", "sglang_cache_aware", "vllm_router_cache_aware", "vllm_router_kv_aware")
+DEFAULT_FRONTS = (*PEERS, *SLUICE_CONFIGS)
+"""Every front end: the peers first (on the bench's engines), then each Sluice configuration (its own stack)."""
 ENGINE_ARGS = ("--enable-scale-out", "--prefix-caching-hash-algo", "sha256_cbor")
 """Added to every engine (the bench's and Sluice's): vllm-router's cache_aware tokenizes through the engines'
 /v1/completions/render, which needs --enable-scale-out; sha256_cbor is vLLM's language-neutral block hash
@@ -77,13 +90,19 @@ class Plan:
     slo_tpot_s: float
     timeout_s: float
     trace: Path
+    mooncake_rows: int = 360
+    """The Mooncake window: the trace's last rows, the same requests at every rate."""
+    tenant_drain_s: float = 60.0
+    """The fairness cell: seconds after its last arrival at which what still runs is closed."""
 
 
 def build_workload(name: str, rate: float, plan: Plan) -> list[Req]:
-    """Return workload `name` at `rate` req/s for `plan.duration_s` seconds; raises ValueError for an unknown name."""
+    """Return workload `name` at `rate` req/s: mooncake is one fixed window of `plan.mooncake_rows` trace rows at
+    every rate (its span is rows / rate), chat `rate x plan.duration_s` turns; raises ValueError for an unknown
+    name."""
     count = max(int(rate * plan.duration_s), 1)
     if name == "mooncake":
-        return mooncake_requests(load_mooncake(plan.trace, count), rate, MooncakeScale())
+        return mooncake_requests(load_mooncake(plan.trace, plan.mooncake_rows), rate, MooncakeScale())
     if name == "chat":
         return chat_requests(count, rate, ChatShape())
     raise ValueError(f"unknown workload {name!r}; known: ['chat', 'mooncake']")
@@ -116,7 +135,9 @@ def start_engines(args: argparse.Namespace, log_dir: Path) -> tuple[Engines, lis
 def run_one(front: str, reqs: Sequence[Req], engines: Engines, bins: Binaries, plan: Plan, log_dir: Path,
             started: Started | None = None) -> tuple[dict[str, object], list[RequestRecord]]:
     """Replay `reqs` through front end `front` (started fresh here, unless `started` is given) with every
-    engine's prefix cache emptied first; return its summary and records."""
+    engine's prefix cache emptied first; return its summary and records. Requests of tenants (the fairness
+    cell) carry their tenant's key and, to Sluice, their priority; that cell is cut `plan.tenant_drain_s` after
+    its last arrival."""
     wait_idle(engines.urls)
     reset_prefix_caches(engines.urls)
     fresh = started is None
@@ -126,7 +147,11 @@ def run_one(front: str, reqs: Sequence[Req], engines: Engines, bins: Binaries, p
         meter = CpuMeter(started.pids())
         meter.start()
         wall = time.monotonic()
-        records = asyncio.run(replay(reqs, started.targets, engines.model, plan.timeout_s, started.api_key))
+        tenants = any(r.tenant for r in reqs)
+        stop_at = reqs[-1].arrival_s + plan.tenant_drain_s if tenants and reqs else None
+        records = asyncio.run(replay(reqs, started.targets, engines.model, plan.timeout_s, started.api_key,
+                                     api_keys=TENANT_KEYS if is_sluice(front) else None,
+                                     send_priority=is_sluice(front), stop_at_s=stop_at))
         wall = time.monotonic() - wall
         cpu_s = meter.stop()
         wait_idle(engines.urls)
@@ -136,6 +161,8 @@ def run_one(front: str, reqs: Sequence[Req], engines: Engines, bins: Binaries, p
             started.stop()
     summary = summarize(records, plan.slo_ttft_s, plan.slo_tpot_s, duration_s=max(wall, 1e-9))
     summary["machine_load_1min"] = {"before": load_before, "after": os.getloadavg()[0], "cores": os.cpu_count()}
+    if tenants and reqs:
+        summary["tenants"] = tenant_figures(records, reqs[-1].arrival_s)
     return run_summary(summary, records, deltas, cpu_s, bool(started.pids())), records
 
 
@@ -248,6 +275,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--ramp-duration", type=float, default=20.0)
     p.add_argument("--light-fraction", type=float, default=0.3)
     p.add_argument("--loads", nargs="*", default=["light", "near", "over"])
+    p.add_argument("--mooncake-rows", type=int, default=360,
+                   help="the Mooncake window: the trace's last rows, replayed at every rate")
+    p.add_argument("--no-tenants", action="store_true", help="skip the fairness cell (two tenants, 2x chat load)")
+    p.add_argument("--tenant-drain", type=float, default=60.0,
+                   help="fairness cell: seconds after its last arrival at which what still runs is closed")
     p.add_argument("--slo-ttft", type=float, default=1.0, help="seconds")
     p.add_argument("--slo-tpot", type=float, default=0.1, help="seconds")
     p.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
@@ -287,9 +319,9 @@ Cell = tuple[str, str, float, list[Req]]
 
 def _bench(args: argparse.Namespace, pool: EnginePool, bins: Binaries, log_dir: Path) -> int:
     plan = Plan(tuple(args.fronts), tuple(args.workloads), args.duration, args.slo_ttft, args.slo_tpot,
-                args.timeout, args.trace)
+                args.timeout, args.trace, args.mooncake_rows, args.tenant_drain)
     ramp_plan = Plan(plan.fronts, plan.workloads, args.ramp_duration, plan.slo_ttft_s, plan.slo_tpot_s,
-                     plan.timeout_s, plan.trace)
+                     plan.timeout_s, plan.trace, plan.mooncake_rows)
     saturation: dict[str, float] = {}
     steps: list[dict[str, object]] = []
     for workload in plan.workloads:
@@ -307,6 +339,10 @@ def _bench(args: argparse.Namespace, pool: EnginePool, bins: Binaries, log_dir: 
         for load in args.loads:
             rate = saturation[workload] * (args.light_fraction if load == "light" else LOAD_FACTOR[load])
             cells.append((workload, load, rate, build_workload(workload, rate, plan)))
+    if not args.no_tenants and "chat" in saturation:
+        tenant_cell: Cell = ("tenants", "2x", 2 * saturation["chat"],
+                             tenant_requests(saturation["chat"], plan.duration_s, ChatShape()))
+        cells.append(tenant_cell)
     results: dict[str, object] = {"saturation_rps": saturation, "ramp": steps, "plan": _plan_json(plan, args),
                                   "runs": []}
     records: dict[tuple[str, str], dict[str, list[RequestRecord]]] = {}
@@ -319,11 +355,14 @@ def _bench(args: argparse.Namespace, pool: EnginePool, bins: Binaries, log_dir: 
     if sluices:
         pool.stop()  # at most two engines on this machine: Sluice's stack starts its own
     for front in sluices:
+        own = [c for c in cells if (c[0] == "tenants") == (SLUICE_CONFIGS[front].cells == "tenants")]
+        if not own:
+            continue
         stack = start_stack(front, ENGINE_ARGS, log_dir / front, args.vllm_python, args.model or "tiny")
         try:
             stack_engines = Engines(tuple(engine_urls(stack)), model=stack.model_id or "tiny")
             started = Started([target(stack)], other_pids=front_pids(stack), api_key=stack.api_key)
-            for cell in cells:
+            for cell in own:
                 run = run_one(front, cell[3], stack_engines, bins, plan, log_dir, started)
                 _record(results, records, cell, front, run)
                 write_outputs(results, records, args.out, plan.slo_ttft_s, plots=False)
@@ -331,9 +370,13 @@ def _bench(args: argparse.Namespace, pool: EnginePool, bins: Binaries, log_dir: 
             stack.stop()
     if args.include is not None:
         _include(args.include, results, records)
-    results["runs"].sort(key=lambda r: (plan.workloads.index(r["workload"]), args.loads.index(r["load"])))  # type: ignore[attr-defined]
+    order = [*plan.workloads, "tenants"]
+    results["runs"].sort(key=lambda r: (order.index(r["workload"]), [*args.loads, "2x"].index(r["load"])))  # type: ignore[attr-defined]
     results["engine_restarts"] = pool.restarts
-    results["sluice_vs_best_peer"] = versus_best_peer(results["runs"], list(SLUICE_CONFIGS))  # type: ignore[arg-type]
+    best = best_sluice(results["runs"], [k for k, c in SLUICE_CONFIGS.items() if c.cells == "loads"])  # type: ignore[arg-type]
+    results["sluice_best"] = best
+    results["runs"] += sluice_best_rows(results["runs"], best)  # type: ignore[operator,arg-type]
+    results["sluice_vs_best_peer"] = versus_best_peer(results["runs"], [*SLUICE_CONFIGS, "sluice_best"])  # type: ignore[arg-type]
     write_outputs(results, records, args.out, plan.slo_ttft_s)
     print(f"bench_peers: wrote {args.out}/results.json, table.md and TTFT CDF plots", flush=True)
     return 0
@@ -346,7 +389,7 @@ def _include(earlier: Path, results: dict[str, object],
     if old["saturation_rps"] != results["saturation_rps"]:
         raise ValueError(f"--include {earlier}: saturation {old['saturation_rps']} req/s, this run "
                          f"{results['saturation_rps']} (pass --saturation WORKLOAD=RPS ...)")
-    results["runs"].extend(old["runs"])  # type: ignore[attr-defined]
+    results["runs"].extend(r for r in old["runs"] if r["front"] != "sluice_best")  # type: ignore[attr-defined]  # recomputed
     results["ramp"] = results["ramp"] or old.get("ramp", [])
     for cell, runs in old_records.items():
         for front, recs in runs.items():
@@ -367,6 +410,8 @@ def _plan_json(plan: Plan, args: argparse.Namespace) -> dict[str, object]:
     return {"fronts": list(plan.fronts), "workloads": list(plan.workloads), "duration_s": plan.duration_s,
             "slo": {"ttft_s": plan.slo_ttft_s, "tpot_s": plan.slo_tpot_s}, "engines": args.engines,
             "light_fraction": args.light_fraction, "mooncake_scale": vars(MooncakeScale()),
+            "mooncake_rows": plan.mooncake_rows, "tenant_drain_s": plan.tenant_drain_s,
+            "sluice_configs": {name: config.description for name, config in SLUICE_CONFIGS.items()},
             "chat_shape": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(ChatShape()).items()}}
 
 

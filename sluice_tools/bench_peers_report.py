@@ -47,6 +47,70 @@ def failures(records: Sequence[RequestRecord]) -> dict[str, object]:
     return out
 
 
+def tenant_figures(records: Sequence[RequestRecord], window_end_s: float) -> dict[str, object]:
+    """Return, per tenant, the tokens streamed by `window_end_s` (the last arrival: both tenants still
+    backlogged), TTFT p50/p99 over every request that streamed a first token, and how many never did; plus the
+    first tenant's served tokens over the second's (`served_ratio`, tenants in order of appearance)."""
+    tenants: dict[str, list[RequestRecord]] = {}
+    for record in records:
+        tenants.setdefault(record.tenant, []).append(record)
+    out: dict[str, object] = {"window_end_s": window_end_s}
+    served = []
+    for tenant, group in tenants.items():
+        ttfts = sorted(r.first_token_s - r.arrival_s for r in group if r.first_token_s is not None)
+        tokens = sum(sum(1 for t in (r.token_times or ()) if t <= window_end_s) for r in group)
+        served.append(tokens)
+        out[tenant] = {"requests": len(group), "served_tokens_in_window": tokens,
+                       "ttft_p50_ms": _ms(_quantile(ttfts, 0.50)), "ttft_p99_ms": _ms(_quantile(ttfts, 0.99)),
+                       "no_first_token": sum(1 for r in group if r.first_token_s is None),
+                       "ok": sum(1 for r in group if r.status == "ok")}
+    out["tenants"] = list(tenants)
+    out["served_ratio"] = served[0] / served[1] if len(served) == 2 and served[1] else None
+    return out
+
+
+def _quantile(ordered: Sequence[float], q: float) -> float | None:
+    """Nearest-rank quantile of an ascending list (None when empty)."""
+    if not ordered:
+        return None
+    return ordered[min(len(ordered) - 1, max(0, int(round(q * len(ordered) + 0.5)) - 1))]
+
+
+def best_sluice(runs: Sequence[Mapping[str, object]], configs: Sequence[str]) -> dict[str, str]:
+    """Return, per workload, the Sluice configuration of `configs` with the highest goodput summed over its near
+    and over runs (the loads the goal is about)."""
+    totals: dict[str, dict[str, float]] = {}
+    for run in runs:
+        if run["front"] in configs and run["load"] in ("near", "over"):
+            per = totals.setdefault(str(run["workload"]), {})
+            per[str(run["front"])] = per.get(str(run["front"]), 0.0) + float(run["headline"]["goodput_rps"] or 0.0)  # type: ignore[index]
+    return {workload: max(per, key=lambda name: per[name]) for workload, per in totals.items()}
+
+
+def sluice_best_rows(runs: Sequence[Mapping[str, object]], best: Mapping[str, str]) -> list[dict[str, object]]:
+    """Return a `sluice_best` copy of each run of the configuration `best` names for its workload."""
+    return [{**run, "front": "sluice_best", "config": run["front"]} for run in runs
+            if best.get(str(run["workload"])) == run["front"]]
+
+
+def format_tenants(runs: Sequence[Mapping[str, object]]) -> str:
+    """Return the fairness cell's rows as a Markdown table ("" without one)."""
+    rows = [r for r in runs if r.get("tenants")]
+    if not rows:
+        return ""
+    keys = ("front end", "gold:bronze served tokens", "gold TTFT p99 ms", "bronze TTFT p99 ms", "gold TTFT p50 ms",
+            "bronze TTFT p50 ms", "no first token gold/bronze", "ok gold/bronze")
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for run in rows:
+        t = run["tenants"]
+        gold, bronze = t.get("gold", {}), t.get("bronze", {})  # type: ignore[attr-defined]
+        cells = (run["front"], t.get("served_ratio"), gold.get("ttft_p99_ms"), bronze.get("ttft_p99_ms"),  # type: ignore[attr-defined]
+                 gold.get("ttft_p50_ms"), bronze.get("ttft_p50_ms"),
+                 f"{gold.get('no_first_token')}/{bronze.get('no_first_token')}", f"{gold.get('ok')}/{bronze.get('ok')}")
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def run_summary(summary: dict[str, object], records: Sequence[RequestRecord], deltas: Sequence[Mapping[str, float]],
                 cpu_s: float, has_process: bool) -> dict[str, object]:
     """Return the run's summary with engine figures, failures, front-end CPU and a flat `headline`."""
@@ -152,7 +216,9 @@ def write_outputs(results: Mapping[str, object], records: Mapping[tuple[str, str
     write_json({f"{w}|{load}": {front: records_to_json(recs) for front, recs in runs.items()}
                 for (w, load), runs in records.items()}, out / "records.json")
     versus = results.get("sluice_vs_best_peer") or []
-    (out / "table.md").write_text(format_table(results["runs"]) + "\n" + format_versus(versus))  # type: ignore[arg-type]
+    runs = results["runs"]
+    (out / "table.md").write_text(format_table(runs) + "\n" + format_versus(versus) + "\n"  # type: ignore[arg-type]
+                                  + format_tenants(runs))  # type: ignore[arg-type]
     if not plots:
         return
     try:

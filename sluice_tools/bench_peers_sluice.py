@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from sluice.config import DEFAULT_API_KEY
+from sluice_tools.bench_peers_workload import TENANTS
 from sluice_tools.stack import Stack, StackConfig
 
 
@@ -27,16 +29,48 @@ class SluiceConfig:
     scheduler_args: tuple[str, ...] = ()
     """Flags of every replica's agent (`python -m scheduler_svc --engine vllm ...`)."""
     router_args: tuple[str, ...] = ()
+    vllm_scheduler_cls: str = ""
+    """vLLM's --scheduler-cls inside every engine ("": vLLM's own)."""
+    env: tuple[tuple[str, str], ...] = ()
+    """Environment of the stack's processes (the in-vLLM class reads its policy and weights there)."""
+    cells: str = "loads"
+    """Which cells it runs: "loads" (both workloads at every load) or "tenants" (the fairness cell)."""
 
 
+WEIGHTS = ",".join(f"{name}={weight:g}" for name, weight, _ in TENANTS)
 SLUICE_CONFIGS: dict[str, SluiceConfig] = {
-    "sluice": SluiceConfig("Sluice with its defaults (score router, fcfs gateway queue, 16 in flight per engine)"),
-    "sluice_best": SluiceConfig(
-        "Sluice, srpf gateway queue (least remaining prefill first, aged) and 8 in flight per engine, so more of "
-        "the queue waits where Sluice orders it and the router sees it",
-        scheduler_args=("--policy", "srpf", "--max-inflight", "8"),
+    "sluice": SluiceConfig("Sluice with its defaults (score router, prefill weight 1, fcfs gateway queue, 16 in "
+                           "flight per engine)"),
+    "sluice_pw4": SluiceConfig(
+        "Sluice, router --prefill-weight 4 --ttft-target 1 (a request's own uncached prefill weighs 4x among "
+        "replicas predicted to meet the 1 s TTFT SLO: cache hits count more)",
+        router_args=("--prefill-weight", "4", "--ttft-target", "1"),
+    ),
+    "sluice_pw32": SluiceConfig(
+        "Sluice, router --prefill-weight 32 --ttft-target 1: on the tiny model a prefill costs milliseconds next "
+        "to queue waits of tens, so only a large weight lets a cache hit outweigh a shorter queue",
+        router_args=("--prefill-weight", "32", "--ttft-target", "1"),
+    ),
+    "sluice_fair": SluiceConfig(
+        "Sluice for tenants: fair gateway queue (weights gold=2, bronze=1), the router spreading each tenant over "
+        "the replicas (--tenant-spread 1), Sluice's scheduler class ordering vLLM's own queue by the same policy",
+        scheduler_args=("--policy", "fair"), router_args=("--tenant-spread", "1"),
+        vllm_scheduler_cls="scheduler_svc.engines.vllm.sched_cls.SluiceScheduler",
+        env=(("SLUICE_VLLM_POLICY", "fair"), ("SLUICE_TENANT_WEIGHTS", WEIGHTS)), cells="tenants",
+    ),
+    "sluice_priority": SluiceConfig(
+        "Sluice for priorities: priority gateway queue (higher first, aged), 4 in flight per engine so that the "
+        "queue is where requests wait",
+        scheduler_args=("--policy", "priority", "--max-inflight", "4"), cells="tenants",
     ),
 }
+"""Every Sluice configuration the bench knows; `sluice_best` in the table is, per workload, the "loads" one with
+the highest goodput summed over near and over loads (bench_peers_report.best_sluice)."""
+
+TENANT_CONFIG = "".join(f'[tenants.{name}]\napi_keys = ["k-{name}"]\nweight = {weight:g}\n'
+                        for name, weight, _ in TENANTS) + f'[tenants.default]\napi_keys = ["{DEFAULT_API_KEY}"]\n'
+"""The stack's tenants: the fairness cell's two (key k-NAME) and the default one every other request uses."""
+TENANT_KEYS = {name: f"k-{name}" for name, _, _ in TENANTS}
 
 
 def is_sluice(name: str) -> bool:
@@ -51,10 +85,14 @@ def start_stack(name: str, engine_args: Sequence[str], run_dir: Path, vllm_pytho
         raise KeyError(f"unknown Sluice configuration {name!r}; known: {sorted(SLUICE_CONFIGS)}")
     config = SLUICE_CONFIGS[name]
     os.environ["SLUICE_VLLM_PYTHON"] = vllm_python  # where sluice_tools.vllm_engine looks first
+    run_dir = run_dir.resolve()  # Redis reads its ACL file after changing into its own directory
     run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "sluice.toml").write_text(TENANT_CONFIG)
     stack = Stack(StackConfig(replicas=2, engine="vllm", model=model, run_dir=run_dir, http_port=0,
                               start_timeout_s=900.0, drain_timeout_s=5.0, scheduler_args=config.scheduler_args,
-                              router_args=config.router_args, engine_args=tuple(engine_args)))
+                              router_args=config.router_args, engine_args=tuple(engine_args),
+                              config_file=str(run_dir / "sluice.toml"), vllm_scheduler_cls=config.vllm_scheduler_cls,
+                              env=config.env))
     stack.start()
     return stack
 

@@ -43,6 +43,10 @@ class Req:
     """Output tokens asked (`ignore_eos`, so exactly this many)."""
     group: str
     """What it shares a prefix with: the conversation, or the first trace block."""
+    tenant: str = ""
+    """The tenant sending it ("": the default one); front ends without tenants ignore it."""
+    priority: int = 0
+    """Its priority (higher first), sent only to front ends that honour one."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,8 @@ def block_text(block_id: int, tokens: int) -> str:
 
 
 def load_mooncake(path: Path, limit: int) -> list[dict[str, object]]:
-    """Return the last `limit` rows of a Mooncake trace (JSON lines, timestamps in ms).
+    """Return the last `limit` rows of a Mooncake trace (JSON lines, timestamps in ms): the bench's one window,
+    replayed at every rate.
 
     The last rows, because the trace's prefix sharing builds up over it: within a window of 300 rows 5% of the
     blocks repeat one seen earlier in the window at its start, 58% at its end (the whole trace: 60%).
@@ -138,6 +143,20 @@ def chat_requests(count: int, rate: float, shape: ChatShape, seed: int = 0) -> l
     stretch = (len(raw) / rate) / span if span > 0 else 0.0
     t0 = raw[0][0] if raw else 0.0
     return [Req((at - t0) * stretch, prompt, tokens, group) for at, prompt, tokens, group in raw]
+
+
+TENANTS = (("gold", 2.0, 1), ("bronze", 1.0, 0))
+"""The two tenants of the fairness cell: (name, fair-share weight, priority)."""
+
+
+def tenant_requests(rate: float, duration_s: float, shape: ChatShape) -> list[Req]:
+    """Return the fairness cell: each tenant of TENANTS sends its own chat mix (its own system prompt and
+    conversations) at `rate` req/s for `duration_s`, gold with priority 1; merged by arrival."""
+    count = max(int(rate * duration_s), 1)
+    reqs = [Req(r.arrival_s, r.prompt, r.max_tokens, f"{name}-{r.group}", name, priority)
+            for seed, (name, _weight, priority) in enumerate(TENANTS, start=1)
+            for r in chat_requests(count, rate, shape, seed=seed)]
+    return sorted(reqs, key=lambda r: r.arrival_s)
 
 
 def prompt_token_stats(reqs: list[Req]) -> dict[str, float]:

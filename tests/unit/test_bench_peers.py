@@ -176,7 +176,7 @@ def test_unknown_front_ends_are_refused_with_the_known_ones() -> None:
     with pytest.raises(ValueError, match="known:"):
         front_factory("nginx")
     assert front_factory("round_robin").__name__ == "round_robin"
-    reasons = check_fronts(["round_robin", "sluice", "sluice_best", "bogus"])
+    reasons = check_fronts(["round_robin", "sluice", "sluice_pw4", "sluice_fair", "bogus"])
     assert len(reasons) == 1 and "bogus" in reasons[0]
 
 
