@@ -20,6 +20,7 @@ from admission_svc.core import AdmissionConfig, AdmissionCore
 from admission_svc.frontdoor import FrontDoor, FrontDoorConfig
 from admission_svc.http_edge import HttpServer, serve_http
 from admission_svc.server import DEFAULT_MAX_MESSAGE_BYTES, build_server
+from admission_svc.shares import SHARES_STREAM, BudgetShares
 from admission_svc.streams import token_reader_loop
 from sluice import serve, services, tls
 from sluice.bus import Bus
@@ -67,6 +68,11 @@ class AdmissionOptions(serve.BusOptions):
     """Moves to another replica a request may make before it ends FAILED (0: no migration)."""
     stall_timeout_s: float = FrontDoorConfig.stall_timeout_s
     """Seconds without a new token after which a request's replica is checked for loss."""
+    share_budgets: bool = False
+    """Share the configured caps with every admission process of the namespace (admission_svc/shares.py): run
+    several behind one port (SO_REUSEPORT) or one Service and together they never admit more than the caps."""
+    budget_lease_s: float = 6.0
+    """--share-budgets: a process's grants are reclaimed this long after its last renewal (kill -9)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,7 +159,10 @@ async def start(ctx: serve.ServiceContext, options: AdmissionOptions) -> serve.S
     bus = await serve.open_bus(ctx, options, ping=True)
     servicer.publish_completion = bus.publish_completion
     ctx.cleanup.push_async_callback(servicer.close)  # before the Redis client closes (the stack is LIFO)
-    server = build_server(servicer, options.max_message_bytes)
+    shares = await _share_budgets(bus, servicer, options)
+    # SO_REUSEPORT is grpc's default on Linux; said explicitly where several processes share the port.
+    server = build_server(servicer, options.max_message_bytes,
+                          (("grpc.so_reuseport", 1),) if options.share_budgets else ())
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if options.public_tls and servicer.tls_files is None:
@@ -170,6 +179,7 @@ async def start(ctx: serve.ServiceContext, options: AdmissionOptions) -> serve.S
         asyncio.create_task(_consume_completions(bus, servicer, stop)),
         asyncio.create_task(_housekeeping(servicer, stop)),
         asyncio.create_task(servicer.migrator.watch(stop)),
+        *([asyncio.create_task(shares.run(stop))] if shares else []),
     ]
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -179,11 +189,30 @@ async def start(ctx: serve.ServiceContext, options: AdmissionOptions) -> serve.S
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await asyncio.gather(server.stop(grace=5.0), *([http.stop()] if http else []))
         await asyncio.gather(*tasks, return_exceptions=True)
+        if shares is not None:
+            with contextlib.suppress(Exception):  # not given back: the lease expires (as after kill -9)
+                await shares.leave()
 
     http_detail = f", OpenAI HTTP API on {_scheme(options)}://{options.host}:{http.port}/v1" if http else ""
     return serve.Started(port, drain=drain, detail=f" (owner {servicer.owner}, model {servicer.model.model_id}"
                                                     f"{http_detail})",
                          health=health_servicer, health_names=("", SERVICE_NAME))
+
+
+async def _share_budgets(bus: Bus, door: FrontDoor, options: AdmissionOptions) -> BudgetShares | None:
+    """With --share-budgets, take this process's first grants (before serving: until then it admits nothing);
+    raises StartupError when Redis refuses (e.g. an ACL without the budgets key)."""
+    if not options.share_budgets:
+        return None
+    try:
+        shares = BudgetShares(bus.client, bus.key(SHARES_STREAM), door.owner, door.core, options.budget_lease_s)
+        await shares.rebalance()
+    except Exception as exc:
+        raise serve.StartupError(f"cannot share budgets in Redis: {exc}") from exc
+    shares.expose(door.metrics.registry)
+    log.info("sharing budgets as %s: %d live admission processes, grants %s", door.owner, shares.processes,
+             shares.describe())
+    return shares
 
 
 def _scheme(options: AdmissionOptions) -> str:
@@ -197,7 +226,7 @@ async def _start_http(door: FrontDoor, options: AdmissionOptions) -> HttpServer 
         return None
     try:
         http = await serve_http(door, options.host, options.http_port, options.max_message_bytes,
-                                door.tls_files if options.public_tls else None)
+                                door.tls_files if options.public_tls else None, reuse_port=options.share_budgets)
     except OSError as exc:
         raise serve.StartupError(f"cannot serve HTTP on {options.host}:{options.http_port}: {exc}") from exc
     log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", _scheme(options), options.host, http.port)

@@ -422,9 +422,12 @@ async def _disconnect(request: Request) -> None:
 class HttpServer:
     """uvicorn serving the edge on a socket of its own, in the running event loop."""
 
-    def __init__(self, app: Starlette, host: str, port: int, tls: TlsFiles | None = None) -> None:
+    def __init__(self, app: Starlette, host: str, port: int, tls: TlsFiles | None = None,
+                 reuse_port: bool = False) -> None:
         self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:  # several admission processes on one port (--share-budgets): the kernel spreads connections
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         self.socket.bind((host, port))  # OSError when taken: the caller reports it
         self.socket.listen(2048)
         self.socket.setblocking(False)
@@ -452,9 +455,10 @@ class HttpServer:
 
 
 async def serve_http(door: FrontDoor, host: str, port: int, max_body_bytes: int,
-                     tls: TlsFiles | None = None) -> HttpServer:
-    """Return the started HTTP edge of `door` on host:port (0: a free port; its `.port` says which); HTTPS with `tls`."""
-    server = HttpServer(HttpEdge(door, max_body_bytes).app(), host, port, tls)
+                     tls: TlsFiles | None = None, reuse_port: bool = False) -> HttpServer:
+    """Return the started HTTP edge of `door` on host:port (0: a free port; its `.port` says which); HTTPS with `tls`;
+    `reuse_port`: SO_REUSEPORT, so that other processes may serve the same port."""
+    server = HttpServer(HttpEdge(door, max_body_bytes).app(), host, port, tls, reuse_port)
     await server.start()
     return server
 
