@@ -200,13 +200,16 @@ async def start(ctx: serve.ServiceContext, options: AdmissionOptions) -> serve.S
 
 
 async def _share_budgets(bus: Bus, door: FrontDoor, options: AdmissionOptions) -> BudgetShares | None:
-    """With --share-budgets, take this process's first grants (before serving: until then it admits nothing);
-    raises StartupError when Redis refuses (e.g. an ACL without the budgets key)."""
+    """With --share-budgets, take this process's grants (before serving, waiting up to --budget-lease-s for the
+    others to make room); raises StartupError when Redis refuses (e.g. an ACL without the budgets key)."""
     if not options.share_budgets:
         return None
     try:
         shares = BudgetShares(bus.client, bus.key(SHARES_STREAM), door.owner, door.core, options.budget_lease_s)
-        await shares.rebalance()
+        # Serve once the others have made room (each shrinks at its next renewals: a few seconds at most).
+        if not await shares.join(timeout_s=options.budget_lease_s):
+            log.warning("budget shares not settled after %.1f s: serving with grants %s", options.budget_lease_s,
+                        shares.describe())
     except Exception as exc:
         raise serve.StartupError(f"cannot share budgets in Redis: {exc}") from exc
     shares.expose(door.metrics.registry)

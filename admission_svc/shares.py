@@ -161,6 +161,22 @@ class BudgetShares:
         self.rebalances += 1
         self._apply()
 
+    def settled(self) -> bool:
+        """Return True when every grant is at least this process's fair part of its cap (the split has converged
+        for it)."""
+        return all(grant is None or cap is None or grant >= fair_part(cap, self.processes, self.rank)
+                   for scope, caps in self.caps.items() for cap, grant in zip(caps, self.grants[scope], strict=True))
+
+    async def join(self, timeout_s: float) -> bool:
+        """Rebalance until `settled` (the others shrink at their own calls) or `timeout_s` passes; returns settled.
+        A process that serves before it is settled refuses what its grant cannot hold."""
+        deadline = time.monotonic() + timeout_s
+        await self.rebalance()
+        while not self.settled() and time.monotonic() < deadline:
+            await asyncio.sleep(self.lease_s / 8)
+            await self.rebalance()
+        return self.settled()
+
     def expire(self, now: float) -> bool:
         """Stop admitting when the lease may have expired in Redis (another process may take these grants):
         every grant drops to what is held now. Returns True when it did."""

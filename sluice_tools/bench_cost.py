@@ -18,6 +18,11 @@ load reaches both. The medians over repeats go into the table and the JSON.
 
 Sluice's "path" is admission (with its HTTP edge) + router + scheduler (with its worker link) + Redis; the
 worker is listed apart (with a real GPU it is the engine's own cost, the counterpart of vLLM's engine core).
+"front" is the part that has a counterpart in vLLM's API server process: admission + router + Redis (vLLM's
+scheduler runs in its engine core, which is not counted as its API server's).
+
+`--scale-out 1 2` instead: Sluice alone, one stack per number of admission processes (`admission_procs`,
+sharing one port and the caps), alternated, at the highest concurrency: tokens/s and CPU per token of each.
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ from sluice_tools.stack import REPO_ROOT, Stack, StackConfig
 __all__ = ["Target", "main", "measure"]
 
 SLUICE_PATH = ("admission", "router", "scheduler", "redis")
-"""The processes whose sum is Sluice's front-door path."""
+"""The processes whose sum is Sluice's path."""
+SLUICE_FRONT = ("admission", "router", "redis")
+"""The processes whose counterpart is vLLM's API server process."""
 
 
 @dataclass
@@ -53,6 +60,8 @@ class Target:
     processes: dict[str, list[int]]
     path: tuple[str, ...]
     """The processes summed as this front end's path."""
+    front: tuple[str, ...] = ()
+    """The processes summed as its front (what vLLM's API server does); () = the path."""
     own_only: set[str] = field(default_factory=set)
     """Processes metered without their descendants (vLLM's API server, whose children are the engine)."""
 
@@ -98,6 +107,7 @@ def measure(target: Target, concurrency: int, requests: int, max_tokens: int) ->
     per_token = {name: 1e6 * seconds / tokens for name, seconds in cpu.items()}
     per_token["client"] = 1e6 * result["cpu_s"] / tokens
     per_token["path"] = sum(per_token[name] for name in target.path)
+    per_token["front"] = sum(per_token[name] for name in target.front or target.path)
     return {"tokens": tokens, "events": result["events"], "wall_s": result["wall_s"],
             "tokens_per_s": tokens / result["wall_s"], "us_per_token": per_token}
 
@@ -114,14 +124,15 @@ def _median_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def sluice_targets(stack: Stack, grpc: bool) -> list[Target]:
     """The stack's HTTP edge (and gRPC endpoint) as targets, each with the stack's processes."""
     assert stack.admission is not None and stack.router is not None and stack.redis is not None
-    processes = {"admission": [_pid(stack.admission)], "router": [_pid(stack.router)],
+    processes = {"admission": [_pid(p) for p in stack.admissions], "router": [_pid(stack.router)],
                  "scheduler": [_pid(p) for p in stack.schedulers], "worker": [_pid(p) for p in stack.workers],
                  "redis": [int(stack.redis.pid or 0)]}
     common = ["--model", stack.model_id, "--api-key", stack.api_key]
     targets = [Target("sluice_http", ["--url", stack.http_base_url.removesuffix("/v1"), *common], processes,
-                      SLUICE_PATH)]
+                      SLUICE_PATH, SLUICE_FRONT)]
     if grpc:
-        targets.append(Target("sluice_grpc", ["--grpc", stack.endpoint, *common], processes, SLUICE_PATH))
+        targets.append(Target("sluice_grpc", ["--grpc", stack.endpoint, *common], processes, SLUICE_PATH,
+                              SLUICE_FRONT))
     return targets
 
 
@@ -181,11 +192,33 @@ def table(results: dict[str, Any]) -> str:
     for name, by_level in results.items():
         for level, figures in by_level.items():
             for process, value in figures["us_per_token"].items():
-                bold = f"**{value}**" if process == "path" else str(value)
+                bold = f"**{value}**" if process in ("path", "front") else str(value)
                 lines.append(f"| {name} | {level} | {process} | {bold} |")
             lines.append(f"| {name} | {level} | (tokens/s, SSE events per token) | "
                          f"{figures['tokens_per_s']}, {figures['events_per_token']} |")
     return "\n".join(lines)
+
+
+def _stack_config(run_dir: Path, admission_procs: int = 1) -> StackConfig:
+    return StackConfig(backend="costmodel", model="llama-3-8b", emulate_time=True, http_port=0, log_level="WARNING",
+                       run_dir=run_dir, admission_procs=admission_procs)
+
+
+def scale_out(procs: Sequence[int], concurrency: int, repeats: int, max_tokens: int, requests: int,
+              run_dir: Path) -> dict[str, Any]:
+    """Measure Sluice's HTTP edge with each number of admission processes (a stack each), alternated; return
+    {procs: medians}."""
+    runs: dict[int, list[dict[str, Any]]] = {n: [] for n in procs}
+    for repeat in range(repeats):
+        for n in procs if repeat % 2 == 0 else list(reversed(procs)):
+            with Stack(_stack_config(run_dir / f"stack-{n}", n)) as stack:
+                target = sluice_targets(stack, grpc=False)[0]
+                measure(target, 4, 8, 16)
+                result = measure(target, concurrency, requests, max_tokens)
+                runs[n].append(result)
+                print(f"# {n} admission processes c={concurrency} run {repeat + 1}: {result['tokens_per_s']:.0f} "
+                      f"tokens/s, path {result['us_per_token']['path']:.1f} us/token", file=sys.stderr, flush=True)
+    return {f"admission_procs={n}": {str(concurrency): _median_runs(r)} for n, r in runs.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -200,28 +233,39 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-vllm", action="store_true", help="Sluice only")
     parser.add_argument("--no-grpc", action="store_true", help="HTTP only")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--scale-out", type=int, nargs="+", metavar="N",
+                        help="Sluice only: tokens/s and CPU with N admission processes (one stack each), alternated")
     args = parser.parse_args(argv)
     run_dir = Path(REPO_ROOT / "out" / "bench-cost")
     run_dir.mkdir(parents=True, exist_ok=True)
     vllm: Proc | None = None
-    config = StackConfig(backend="costmodel", model="llama-3-8b", emulate_time=True, http_port=0,
-                         log_level="WARNING", run_dir=run_dir / "stack")
+    started = time.monotonic()
+    if args.scale_out:
+        level = max(args.concurrency)
+        results = scale_out(args.scale_out, level, args.repeats, args.max_tokens,
+                            max(8, level * args.requests_per_stream), run_dir)
+        _report(args, results, started)
+        return
     try:
-        with Stack(config) as stack:
+        with Stack(_stack_config(run_dir / "stack")) as stack:
             targets = sluice_targets(stack, grpc=not args.no_grpc)
             if not args.no_vllm and Path(args.vllm_python).exists():
                 vllm, vllm_target = start_vllm(args.vllm_python, run_dir)
                 targets.insert(1, vllm_target)
             elif not args.no_vllm:
                 print(f"# no vLLM at {args.vllm_python} (make setup-vllm): Sluice only", file=sys.stderr)
-            started = time.monotonic()
             results = run(targets, args.concurrency, args.repeats, args.max_tokens,
                           lambda c: max(8, c * args.requests_per_stream))
     finally:
         if vllm is not None:
             vllm.stop()
+    _report(args, results, started)
+
+
+def _report(args: argparse.Namespace, results: dict[str, Any], started: float) -> None:
     report = {"load": {"concurrency": args.concurrency, "repeats": args.repeats, "max_tokens": args.max_tokens,
-                       "requests_per_stream": args.requests_per_stream, "elapsed_s": round(time.monotonic() - started)},
+                       "requests_per_stream": args.requests_per_stream, "scale_out": args.scale_out,
+                       "elapsed_s": round(time.monotonic() - started)},
               "results": results}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -168,3 +168,22 @@ def test_only_shared_budgets_open_the_shares_key_and_script_to_admission() -> No
     assert "evalsha" in shared[Role.ADMISSION].commands
     assert [key for key in shared[Role.ADMISSION].keys if "budgets" in key] == ["sluice:{ns:budgets}"]
     assert all("evalsha" not in shared[role].commands for role in (Role.ROUTER, Role.SCHEDULER))
+
+
+def test_join_waits_until_the_others_have_made_room(redis_url: str, namespace: str) -> None:
+    """A process joining one that holds the whole cap is settled (its fair part granted) once `join` returns, while
+    the first keeps renewing as it does in service."""
+    async def scenario() -> None:
+        _, (first, second) = await _shares(redis_url, namespace, 2, lease_s=0.4)
+        await first.rebalance()
+        stop = asyncio.Event()
+        renewing = asyncio.create_task(first.run(stop))
+        try:
+            assert await second.join(timeout_s=5.0)
+            assert second.grants[None][0] == 2 and second.settled()
+        finally:
+            stop.set()
+            await renewing
+        assert (first.grants[None][0] or 0) + (second.grants[None][0] or 0) <= CAP
+
+    asyncio.run(scenario())
