@@ -21,13 +21,15 @@ worker is listed apart (with a real GPU it is the engine's own cost, the counter
 "front" is the part that has a counterpart in vLLM's API server process: admission + router + Redis (vLLM's
 scheduler runs in its engine core, which is not counted as its API server's).
 
-`--scale-out 1 2` instead: Sluice alone, one stack per number of admission processes (`admission_procs`,
+`--baseline DIR` adds a second Sluice stack that runs the services of another checkout, alternated with this one:
+a lever's before and after in one run. `--scale-out 1 2` instead: Sluice alone, one stack per number of admission processes (`admission_procs`,
 sharing one port and the caps), alternated, at the highest concurrency: tokens/s and CPU per token of each.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -38,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sluice.config import DEFAULT_API_KEY
 from sluice.redis_server import free_port
 from sluice_tools.bench_peers_procs import CpuMeter, Proc, spawn, wait_http
 from sluice_tools.stack import REPO_ROOT, Stack, StackConfig
@@ -199,9 +202,27 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _stack_config(run_dir: Path, admission_procs: int = 1) -> StackConfig:
+UNBINDING_BUDGETS = f"""
+[budgets]
+max_active_requests = 8192
+max_queue_length = 8192
+max_pending_input_tokens = 16777216
+max_reserved_output_tokens = 16777216
+[tenants.default]
+api_keys = ["{DEFAULT_API_KEY}"]
+"""
+"""Caps far above any load of the bench: what is measured is the path, never a refusal. (With caps that bind,
+N processes hold cap/N each, and an uneven spread of connections over them refuses early: admission_svc/shares.py.)"""
+
+
+def _stack_config(run_dir: Path, admission_procs: int = 1, code: Path | None = None) -> StackConfig:
+    """The bench's stack; `code`: a checkout whose services it runs instead of this one's (a lever's before)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config = run_dir / "budgets.toml"
+    config.write_text(UNBINDING_BUDGETS)
+    env = (("PYTHONPATH", str(code.resolve())),) if code is not None else ()
     return StackConfig(backend="costmodel", model="llama-3-8b", emulate_time=True, http_port=0, log_level="WARNING",
-                       run_dir=run_dir, admission_procs=admission_procs)
+                       run_dir=run_dir, admission_procs=admission_procs, config_file=str(config), env=env)
 
 
 def scale_out(procs: Sequence[int], concurrency: int, repeats: int, max_tokens: int, requests: int,
@@ -233,6 +254,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-vllm", action="store_true", help="Sluice only")
     parser.add_argument("--no-grpc", action="store_true", help="HTTP only")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--baseline", type=Path, metavar="DIR",
+                        help="also a Sluice stack running the services of checkout DIR (e.g. `git worktree add DIR "
+                             "HEAD~1`), alternated with this one: a lever's before and after in one run")
     parser.add_argument("--scale-out", type=int, nargs="+", metavar="N",
                         help="Sluice only: tokens/s and CPU with N admission processes (one stack each), alternated")
     args = parser.parse_args(argv)
@@ -247,8 +271,13 @@ def main(argv: list[str] | None = None) -> None:
         _report(args, results, started)
         return
     try:
-        with Stack(_stack_config(run_dir / "stack")) as stack:
+        with Stack(_stack_config(run_dir / "stack")) as stack, contextlib.ExitStack() as more:
             targets = sluice_targets(stack, grpc=not args.no_grpc)
+            if args.baseline is not None:
+                base = more.enter_context(Stack(_stack_config(run_dir / "baseline", code=args.baseline)))
+                for target in sluice_targets(base, grpc=not args.no_grpc):
+                    target.name += "_baseline"
+                    targets.append(target)
             if not args.no_vllm and Path(args.vllm_python).exists():
                 vllm, vllm_target = start_vllm(args.vllm_python, run_dir)
                 targets.insert(1, vllm_target)
