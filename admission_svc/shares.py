@@ -9,7 +9,8 @@ each process's. So each capped budget is split into *grants*, one per live proce
 * a process is *live* while its lease (`m:<owner>`, an expiry in Redis's own clock) is in the future; every
   call renews its own and deletes the expired ones, and a dead process's grants are dropped with them;
 * a process asks for `requested` = max(what it holds now, its fair part: cap / live processes, the remainder to
-  the first ranks); the script grants min(requested, cap - the other live processes' grants). Hence the grants'
+  the first ranks, as of its last call); the script raises that to the fair part of the processes live now when
+  that is larger (one died) and grants min(requested, cap - the other live processes' grants). Hence the grants'
   sum never exceeds the cap, and a grant never falls below what its process holds (that is never revoked).
 
 Each process admits only within min(its old grant, requested) while a call is in flight and within its new grant
@@ -19,7 +20,8 @@ shares converge within three rebalance intervals (lease_s / 4 each). One that ca
 because the others may take its grant then.
 
 kill -9: the dead process's grants are reclaimed when its lease expires, `lease_s` (6 s) after its last renewal at
-the most, by the next call of any other process; its requests were cancelled before that by their schedulers
+the most, and taken by each other process at its next call (within one more interval: 7.5 s after the kill at
+the most); its requests were cancelled before that by their schedulers
 (their owner lease, 5 s: admission_svc/calls.py). A graceful stop gives its grants back at once (`leave`).
 
 Known limit: a share is a hard cap of its process, so with uneven load one process may refuse while another has
@@ -77,6 +79,10 @@ for i, who in ipairs(names) do if who == owner then rank = i - 1 end end
 local out = {rank, #names}
 for i = 3, #ARGV, 3 do
   local field, cap, requested = 'g:' .. ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+  -- Fewer live processes than the caller knew: its fair part is larger now, and granting it at once is safe
+  -- (the caller admits within min(old grant, requested) meanwhile). More: it shrinks at its next call.
+  local fair = math.floor(cap / #names) + ((rank < cap % #names) and 1 or 0)
+  if lease > 0 and fair > requested then requested = fair end
   local raw = redis.call('HGET', KEYS[1], field)
   local grants = raw and cjson.decode(raw) or {}
   local kept, others = {}, 0

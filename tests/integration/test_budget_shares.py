@@ -119,8 +119,7 @@ def test_a_lapsed_lease_gives_its_grants_to_the_others(redis_url: str, namespace
         await survivor.rebalance()
         assert survivor.grants[None][0] == 3
         await asyncio.sleep(0.7)
-        await survivor.rebalance()  # learns it is alone (the dead lease is deleted) ...
-        await survivor.rebalance()  # ... and asks for, and gets, the whole cap
+        await survivor.rebalance()  # the dead lease is deleted, and its grant given at once
         assert survivor.grants[None][0] == CAP and survivor.processes == 1
 
     asyncio.run(scenario())
