@@ -42,6 +42,7 @@ from typing import Any
 
 from sluice.config import DEFAULT_API_KEY
 from sluice.redis_server import free_port
+from sluice.serve import EVENT_LOOP_ENV
 from sluice_tools.bench_peers_procs import CpuMeter, Proc, spawn, wait_http
 from sluice_tools.stack import REPO_ROOT, Stack, StackConfig
 
@@ -215,24 +216,26 @@ api_keys = ["{DEFAULT_API_KEY}"]
 N processes hold cap/N each, and an uneven spread of connections over them refuses early: admission_svc/shares.py.)"""
 
 
-def _stack_config(run_dir: Path, admission_procs: int = 1, code: Path | None = None) -> StackConfig:
-    """The bench's stack; `code`: a checkout whose services it runs instead of this one's (a lever's before)."""
+def _stack_config(run_dir: Path, admission_procs: int = 1, code: Path | None = None,
+                  event_loop: str = "asyncio") -> StackConfig:
+    """The bench's stack; `code`: a checkout whose services it runs instead of this one's (a lever's before);
+    `event_loop`: $SLUICE_EVENT_LOOP of its services."""
     run_dir.mkdir(parents=True, exist_ok=True)
     config = run_dir / "budgets.toml"
     config.write_text(UNBINDING_BUDGETS)
-    env = (("PYTHONPATH", str(code.resolve())),) if code is not None else ()
+    env = ((EVENT_LOOP_ENV, event_loop), *((("PYTHONPATH", str(code.resolve())),) if code is not None else ()))
     return StackConfig(backend="costmodel", model="llama-3-8b", emulate_time=True, http_port=0, log_level="WARNING",
                        run_dir=run_dir, admission_procs=admission_procs, config_file=str(config), env=env)
 
 
 def scale_out(procs: Sequence[int], concurrency: int, repeats: int, max_tokens: int, requests: int,
-              run_dir: Path) -> dict[str, Any]:
+              run_dir: Path, event_loop: str = "asyncio") -> dict[str, Any]:
     """Measure Sluice's HTTP edge with each number of admission processes (a stack each), alternated; return
     {procs: medians}."""
     runs: dict[int, list[dict[str, Any]]] = {n: [] for n in procs}
     for repeat in range(repeats):
         for n in procs if repeat % 2 == 0 else list(reversed(procs)):
-            with Stack(_stack_config(run_dir / f"stack-{n}", n)) as stack:
+            with Stack(_stack_config(run_dir / f"stack-{n}", n, event_loop=event_loop)) as stack:
                 target = sluice_targets(stack, grpc=False)[0]
                 measure(target, 4, 8, 16)
                 result = measure(target, concurrency, requests, max_tokens)
@@ -254,6 +257,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-vllm", action="store_true", help="Sluice only")
     parser.add_argument("--no-grpc", action="store_true", help="HTTP only")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--event-loop", choices=("asyncio", "uvloop"), default="asyncio",
+                        help="the Sluice services' event loop ($SLUICE_EVENT_LOOP; default asyncio)")
+    parser.add_argument("--baseline-event-loop", choices=("asyncio", "uvloop"), default=None,
+                        help="also a Sluice stack of this checkout on this event loop, alternated: the loop's lever")
     parser.add_argument("--baseline", type=Path, metavar="DIR",
                         help="also a Sluice stack running the services of checkout DIR (e.g. `git worktree add DIR "
                              "HEAD~1`), alternated with this one: a lever's before and after in one run")
@@ -267,14 +274,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.scale_out:
         level = max(args.concurrency)
         results = scale_out(args.scale_out, level, args.repeats, args.max_tokens,
-                            max(8, level * args.requests_per_stream), run_dir)
+                            max(8, level * args.requests_per_stream), run_dir, args.event_loop)
         _report(args, results, started)
         return
     try:
-        with Stack(_stack_config(run_dir / "stack")) as stack, contextlib.ExitStack() as more:
+        with Stack(_stack_config(run_dir / "stack", event_loop=args.event_loop)) as stack, \
+                contextlib.ExitStack() as more:
             targets = sluice_targets(stack, grpc=not args.no_grpc)
-            if args.baseline is not None:
-                base = more.enter_context(Stack(_stack_config(run_dir / "baseline", code=args.baseline)))
+            if args.baseline is not None or args.baseline_event_loop is not None:
+                base = more.enter_context(Stack(_stack_config(run_dir / "baseline", code=args.baseline,
+                                                              event_loop=args.baseline_event_loop or args.event_loop)))
                 for target in sluice_targets(base, grpc=not args.no_grpc):
                     target.name += "_baseline"
                     targets.append(target)
