@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 PROTOS  := $(wildcard protos/sluice/v1/*.proto)
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup setup-vllm setup-dynamo protos redis-tls prometheus images images-smoke test lint demo bench bench-openai bench-http bench-peers fuzz clean
+.PHONY: setup setup-vllm setup-dynamo protos redis-tls prometheus images images-smoke test lint demo bench bench-openai bench-http bench-cost bench-peers fuzz clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -127,6 +127,13 @@ bench-openai: setup $(BENCH_VENV)/bin/aiperf
 # What the HTTP edge adds per token compared with gRPC, both driven at once (p50/p99 side by side, JSON).
 bench-http: setup
 	PYTHONPATH=. $(BIN)/python scripts/bench_http_vs_grpc.py
+
+# CPU per streamed token of each process of the path (admission with its HTTP edge, router, scheduler, worker,
+# Redis; the client apart) at concurrency 1, 16 and 256, beside vLLM's own API server (its engine apart), the two
+# alternated in one run (docs/benchmarks.md). COST_FLAGS="--repeats 3" or "--no-vllm".
+bench-cost: setup
+	PYTHONPATH=. $(BIN)/python -m sluice_tools.bench_cost --vllm-python $(VLLM_VENV)/bin/python \
+	  --json out/bench-cost.json $(COST_FLAGS)
 
 # Sluice beside the routers people run today (sglang-router, vllm-router, round-robin) in front of the same
 # vLLM CPU engines (docs/bench-peers.md). Each peer router is a Rust wheel in a venv of its own; vLLM is the

@@ -21,6 +21,7 @@ from admission_svc.frontdoor import FrontDoor, FrontDoorConfig
 from admission_svc.http_conn import HTTP_HEADER_TIMEOUT_S, HTTP_KEEPALIVE_TIMEOUT_S, HttpTimeouts
 from admission_svc.http_edge import HttpServer, serve_http
 from admission_svc.server import DEFAULT_MAX_MESSAGE_BYTES, build_server
+from admission_svc.shares import SHARES_STREAM, BudgetShares
 from admission_svc.streams import token_reader_loop
 from sluice import serve, services, tls
 from sluice.bus import Bus
@@ -77,6 +78,11 @@ class AdmissionOptions(serve.BusOptions):
     response) is closed."""
     http_keepalive_timeout_s: float = HTTP_KEEPALIVE_TIMEOUT_S
     """An idle keep-alive HTTP connection is closed after this many seconds."""
+    share_budgets: bool = False
+    """Share the configured caps with every admission process of the namespace (admission_svc/shares.py): run
+    several behind one port (SO_REUSEPORT) or one Service and together they never admit more than the caps."""
+    budget_lease_s: float = 6.0
+    """--share-budgets: a process's grants are reclaimed this long after its last renewal (kill -9)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -171,7 +177,10 @@ async def start(ctx: serve.ServiceContext, options: AdmissionOptions) -> serve.S
     bus = await serve.open_bus(ctx, options, ping=True)
     servicer.publish_completion = bus.publish_completion
     ctx.cleanup.push_async_callback(servicer.close)  # before the Redis client closes (the stack is LIFO)
-    server = build_server(servicer, options.max_message_bytes)
+    shares = await _share_budgets(bus, servicer, options)
+    # SO_REUSEPORT is grpc's default on Linux; said explicitly where several processes share the port.
+    server = build_server(servicer, options.max_message_bytes,
+                          (("grpc.so_reuseport", 1),) if options.share_budgets else ())
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if options.public_tls and servicer.tls_files is None:
@@ -188,6 +197,7 @@ async def start(ctx: serve.ServiceContext, options: AdmissionOptions) -> serve.S
         asyncio.create_task(_consume_completions(bus, servicer, stop)),
         asyncio.create_task(_housekeeping(servicer, stop)),
         asyncio.create_task(servicer.migrator.watch(stop)),
+        *([asyncio.create_task(shares.run(stop))] if shares else []),
     ]
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -197,11 +207,33 @@ async def start(ctx: serve.ServiceContext, options: AdmissionOptions) -> serve.S
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await asyncio.gather(server.stop(grace=5.0), *([http.stop()] if http else []))
         await asyncio.gather(*tasks, return_exceptions=True)
+        if shares is not None:
+            with contextlib.suppress(Exception):  # not given back: the lease expires (as after kill -9)
+                await shares.leave()
 
     http_detail = f", OpenAI HTTP API on {_scheme(options)}://{options.host}:{http.port}/v1" if http else ""
     return serve.Started(port, drain=drain, detail=f" (owner {servicer.owner}, model {servicer.model.model_id}"
                                                     f"{http_detail})",
                          health=health_servicer, health_names=("", SERVICE_NAME))
+
+
+async def _share_budgets(bus: Bus, door: FrontDoor, options: AdmissionOptions) -> BudgetShares | None:
+    """With --share-budgets, take this process's grants (before serving, waiting up to --budget-lease-s for the
+    others to make room); raises StartupError when Redis refuses (e.g. an ACL without the budgets key)."""
+    if not options.share_budgets:
+        return None
+    try:
+        shares = BudgetShares(bus.client, bus.key(SHARES_STREAM), door.owner, door.core, options.budget_lease_s)
+        # Serve once the others have made room (each shrinks at its next renewals: a few seconds at most).
+        if not await shares.join(timeout_s=options.budget_lease_s):
+            log.warning("budget shares not settled after %.1f s: serving with grants %s", options.budget_lease_s,
+                        shares.describe())
+    except Exception as exc:
+        raise serve.StartupError(f"cannot share budgets in Redis: {exc}") from exc
+    shares.expose(door.metrics.registry)
+    log.info("sharing budgets as %s: %d live admission processes, grants %s", door.owner, shares.processes,
+             shares.describe())
+    return shares
 
 
 def _scheme(options: AdmissionOptions) -> str:
@@ -216,7 +248,8 @@ async def _start_http(door: FrontDoor, options: AdmissionOptions) -> HttpServer 
     try:
         http = await serve_http(door, options.host, options.http_port, options.max_message_bytes,
                                 door.tls_files if options.public_tls else None,
-                                HttpTimeouts(options.http_header_timeout_s, options.http_keepalive_timeout_s))
+                                HttpTimeouts(options.http_header_timeout_s, options.http_keepalive_timeout_s),
+                                reuse_port=options.share_budgets)
     except OSError as exc:
         raise serve.StartupError(f"cannot serve HTTP on {options.host}:{options.http_port}: {exc}") from exc
     log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", _scheme(options), options.host, http.port)

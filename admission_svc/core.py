@@ -122,6 +122,8 @@ class AdmissionCore:
         self.growths = 0
         self.overcommitted_growths = 0
         self.reclaimed_output_tokens = 0
+        self._shares: dict[str | None, tuple[int | None, ...]] = {}
+        """This process's part of shared caps, by scope (None: global), in _BUDGETS order (admission_svc/shares.py)."""
 
     # ---- identity and validation --------------------------------------------------------
     def authenticate(self, api_key: str | None) -> str:
@@ -252,6 +254,32 @@ class AdmissionCore:
         return (budgets.max_active_requests, budgets.max_queue_length, budgets.max_pending_input_tokens,
                 budgets.max_reserved_output_tokens, budgets.max_reserved_kv_blocks)
 
+    def capped_scopes(self) -> dict[str | None, tuple[int | None, ...]]:
+        """Return the configured caps of every scope that has any (None: global; else a tenant's own), _BUDGETS order."""
+        scopes: list[str | None] = [None, *(t.name for t in self.config.tenants if t.budgets is not None)]
+        return {scope: self._caps(scope) for scope in scopes}
+
+    def usage(self, scope: str | None) -> tuple[int, ...]:
+        """Return what this process holds in `scope` (None: global; else a tenant), _BUDGETS order."""
+        usage = self._total if scope is None else self._per_tenant.get(scope, Usage())
+        return usage.used()
+
+    def set_share(self, scope: str | None, share: tuple[int | None, ...] | None) -> None:
+        """Admit in `scope` only up to `share` (this process's part of caps shared with other admission processes,
+        _BUDGETS order; None in a place: the configured cap); share None: the configured caps again."""
+        if share is None:
+            self._shares.pop(scope, None)
+        else:
+            self._shares[scope] = share
+
+    def _limits(self, scope: str | None) -> tuple[int | None, ...]:
+        """The caps new work must fit in: this process's share where it has one, else the configured cap."""
+        caps = self._caps(scope)
+        share = self._shares.get(scope)
+        if share is None:
+            return caps
+        return tuple(cap if part is None else part for cap, part in zip(caps, share, strict=True))
+
     def _check_fits_ever(self, r: Reservation) -> None:
         for scope in (None, r.tenant):
             caps = self._caps(scope)
@@ -275,7 +303,7 @@ class AdmissionCore:
 
     def _check_budgets(self, r: Reservation, now: float) -> None:
         for scope, usage in self._scopes(r.tenant):
-            full = self._full(self._caps(scope), usage.used(), self._demand(r, usage))
+            full = self._full(self._limits(scope), usage.used(), self._demand(r, usage))
             if full is not None:
                 name, in_use, want, cap = full
                 where = "global" if scope is None else f"tenant {r.tenant!r}"
@@ -342,7 +370,7 @@ class AdmissionCore:
         grown = replace(r, reserved_output_tokens=self.reserver.grown(r.reserved_output_tokens, generated,
                                                                        r.max_tokens))
         extra = (0, 0, 0, grown.reserved_output_tokens - r.reserved_output_tokens, grown.own_blocks - r.own_blocks)
-        full = next(filter(None, (self._full(self._caps(scope), usage.used(), extra)
+        full = next(filter(None, (self._full(self._limits(scope), usage.used(), extra)
                                   for scope, usage in self._scopes(r.tenant))), None)
         self._hold(r, -1)
         self._reservations[request_id] = grown

@@ -418,9 +418,12 @@ class HttpServer:
     """uvicorn serving the edge on a socket of its own, in the running event loop."""
 
     def __init__(self, app: Starlette, host: str, port: int, tls: TlsFiles | None = None,
-                 protocol: type[asyncio.Protocol] | None = None, keepalive_s: float = HTTP_KEEPALIVE_TIMEOUT_S) -> None:
+                 protocol: type[asyncio.Protocol] | None = None, keepalive_s: float = HTTP_KEEPALIVE_TIMEOUT_S,
+                 reuse_port: bool = False) -> None:
         self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:  # several admission processes on one port (--share-budgets): the kernel spreads connections
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         self.socket.bind((host, port))  # OSError when taken: the caller reports it
         self.socket.listen(2048)
         self.socket.setblocking(False)
@@ -449,12 +452,14 @@ class HttpServer:
 
 
 async def serve_http(door: FrontDoor, host: str, port: int, max_body_bytes: int,
-                     tls: TlsFiles | None = None, timeouts: HttpTimeouts | None = None) -> HttpServer:
+                     tls: TlsFiles | None = None, timeouts: HttpTimeouts | None = None,
+                     reuse_port: bool = False) -> HttpServer:
     """Return the started HTTP edge of `door` on host:port (0: a free port; its `.port` says which); HTTPS with `tls`;
-    connections bounded by `timeouts` (admission_svc/http_conn.py)."""
+    connections bounded by `timeouts` (admission_svc/http_conn.py); `reuse_port`: SO_REUSEPORT, so that other
+    processes may serve the same port."""
     timeouts = timeouts or HttpTimeouts()
     server = HttpServer(HttpEdge(door, max_body_bytes).app(), host, port, tls,
-                        protocol_class(timeouts, door.metrics.registry), timeouts.keepalive_s)
+                        protocol_class(timeouts, door.metrics.registry), timeouts.keepalive_s, reuse_port)
     await server.start()
     return server
 

@@ -10,10 +10,11 @@ Theory of operation
   | scheduler | `kv:*`, `completions`, `tokens:*` | XADD (publish tokens, completions, KV events), PING |
   | router | `kv:*` (+ dead letters), `completions` (+ dead letters) | consume (XGROUP CREATE, XREADGROUP, XAUTOCLAIM, XACK, XADD to `:dead`), PING |
   | admission | `completions` (+ dead letters), its own `tokens:<owner>` | consume, XADD (REJECTED completions of abandoned attempts), XREAD, PING |
+  | admission, shared budgets | also `budgets` | also EVALSHA, SCRIPT LOAD (the one script of admission_svc/shares.py) and what it calls: TIME, HGET, HGETALL, HSET, HDEL |
 
   Workers and the planner do not use Redis and get no user. No role may use pub/sub (`resetchannels`),
-  scripts, KEYS/SCAN, DEL, FLUSH*, CONFIG or ACL. The `default` user stays the operator's (every key,
-  every command, the admin password); services never use it.
+  scripts (but admission's shares script under shared budgets), KEYS/SCAN, DEL, FLUSH*, CONFIG or ACL.
+  The `default` user stays the operator's (every key, every command, the admin password); services never use it.
 - What the rules cannot express (Redis 6.2, the embedded server, has no read-only/write-only key
   patterns nor per-key command sets): a scheduler may XADD to any KV shard and any owner's token stream
   (it serves every admission process) but cannot read a single entry (no read command at all); the
@@ -86,12 +87,14 @@ def _stream_and_dead(namespace: str, stream: str) -> tuple[str, str]:
     return key, f"{key}:dead"
 
 
-def rules(namespace: str, *, admission_owner: str | None = None, cluster: bool = False) -> dict[Role, AclRule]:
+def rules(namespace: str, *, admission_owner: str | None = None, cluster: bool = False,
+          shared_budgets: bool = False) -> dict[Role, AclRule]:
     """Return each role's rule for bus namespace `namespace`.
 
     `admission_owner`: the `--owner` of the one admission process, whose token stream alone it may read
     (None: every `tokens:*` stream, for several admission processes sharing the user). `cluster`: allow
-    what a Redis Cluster client needs. Raises ValueError for an empty namespace or one with `:{}`.
+    what a Redis Cluster client needs. `shared_budgets`: admission may also run the one script of
+    admission_svc/shares.py on the `budgets` hash (EVALSHA, SCRIPT LOAD, and the hash commands it calls). Raises ValueError for an empty namespace or one with `:{}`.
     """
     if not namespace or any(c in namespace for c in ":{}"):
         raise ValueError(f"namespace must be non-empty and contain no ':', '{{' or '}}', got {namespace!r}")
@@ -101,11 +104,15 @@ def rules(namespace: str, *, admission_owner: str | None = None, cluster: bool =
               else f"sluice:{{{ns}:tokens:*}}")
     completions = _stream_and_dead(namespace, "completions")
     base = CONNECT_COMMANDS + (CLUSTER_COMMANDS if cluster else ())
+    shares = (_glob_escape(key_of(namespace, "budgets")),) if shared_budgets else ()
+    # A script runs with its caller's rights: the commands it calls must be allowed too (on the budgets key only).
+    share_commands = ("evalsha", "script|load", "time", "hget", "hgetall", "hset", "hdel") if shared_budgets else ()
     return {
         Role.SCHEDULER: AclRule(Role.SCHEDULER.value, (kv_all, completions[0], f"sluice:{{{ns}:tokens:*}}"),
                                 ("xadd", *base)),
         Role.ROUTER: AclRule(Role.ROUTER.value, (kv_all, *completions), (*CONSUME_COMMANDS, *base)),
-        Role.ADMISSION: AclRule(Role.ADMISSION.value, (*completions, tokens), (*CONSUME_COMMANDS, "xread", *base)),
+        Role.ADMISSION: AclRule(Role.ADMISSION.value, (*completions, tokens, *shares),
+                                (*CONSUME_COMMANDS, "xread", *base, *share_commands)),
     }
 
 

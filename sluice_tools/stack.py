@@ -81,6 +81,8 @@ class Stack:
         self.workers: list[Proc] = []
         self.schedulers: list[Proc] = []
         self.admission: Proc | None = None
+        self.admissions: list[Proc] = []
+        """Every admission process (`admission` is the first); more than one with `admission_procs`."""
         self.replicas: dict[str, Replica] = {}
         """Every replica started and not yet retired, by id (workers and schedulers are listed above too)."""
         self._next_replica = 0
@@ -154,8 +156,7 @@ class Stack:
         # Admission reads the tokenizer only and never generates a preset: resolve (generate) it here.
         tokenizer_model = str(resolve_model(c.model if c.backend == "torch" or c.engine == "vllm" else "tiny"))
         admission_args = [*common, "--router", self.router.address, "--model", tokenizer_model,
-                          "--model-id", model_id,
-                          "--owner", self.admission_owner]
+                          "--model-id", model_id]
         if c.config_file:
             admission_args += ["--config", c.config_file]
         if c.public_tls:
@@ -164,9 +165,19 @@ class Stack:
             self.http_address = f"{c.host}:{c.http_port or free_port()}"
             admission_args += ["--http-port", self.http_address.rsplit(":", 1)[1]]
         admission_args += c.admission_args
-        self.admission = self._spawn("admission", "admission_svc", admission_args, port=c.admission_port,
-                                     env=self.bus_env(Role.ADMISSION))
-        self._wait_healthy([self.admission], deadline)
+        if c.admission_procs > 1:
+            admission_args.append("--share-budgets")
+        port = c.admission_port or free_port()
+        for index in range(c.admission_procs):
+            owner = self.admission_owner if index == 0 else f"{self.admission_owner}-{index}"
+            name = "admission" if index == 0 else f"admission-{index}"
+            self.admissions.append(self._spawn(name, "admission_svc", [*admission_args, "--owner", owner], port=port,
+                                               env=self.bus_env(Role.ADMISSION)))
+            self.admission = self.admission or self.admissions[0]
+            # One at a time: each binds the shared ports and takes its first grants before the next one starts.
+            self._wait_healthy([self.admissions[-1]], deadline)
+            if index:  # the port's health answer may be another process's: wait for this one's own word
+                self._wait_listening(self.admissions[-1], deadline)
 
     @property
     def admission_owner(self) -> str:
@@ -183,8 +194,10 @@ class Stack:
             acl_file = self.run_dir / "redis-users.acl"
             fd = os.open(acl_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as out:
-                out.write(acl_file_text(acl_rules(self.config.namespace, admission_owner=self.admission_owner),
-                                        passwords, admin))
+                shared = self.config.admission_procs > 1  # several owners: every tokens:* stream, the shares
+                role_rules = acl_rules(self.config.namespace, admission_owner=None if shared else self.admission_owner,
+                                       shared_budgets=shared)
+                out.write(acl_file_text(role_rules, passwords, admin))
         self.redis = EmbeddedRedis(log_path=self.run_dir / "redis.log", password=admin, acl_file=acl_file)
         self.redis_url = self.redis.start()
         if acl_file is not None:
@@ -283,7 +296,7 @@ class Stack:
 
     def health_files(self, proc: Proc) -> TlsFiles | None:
         """The credentials to ask `proc`'s health with: admission's public port is plaintext unless public_tls."""
-        if proc is self.admission and not self.config.public_tls:
+        if proc in self.admissions and not self.config.public_tls:
             return None
         return self.operator
 
@@ -311,6 +324,17 @@ class Stack:
                                  f"{pending[0].log_tail()}")
             if pending:
                 time.sleep(0.1)
+
+    def _wait_listening(self, proc: Proc, deadline: float) -> None:
+        """Wait until `proc` printed that it listens (sluice.serve's line) and its metrics URL; raises StackError."""
+        while "listening on" not in proc.log_tail(100_000)[-(proc.log_path.stat().st_size - proc.log_start):]:
+            self._check_alive([proc])
+            if time.monotonic() > deadline:
+                raise StackError(f"{proc.name} did not start listening within {self.config.start_timeout_s}s; "
+                                 f"last log:\n{proc.log_tail()}")
+            time.sleep(0.1)
+        if self.config.metrics:
+            proc.metrics_url = proc.printed_metrics_url()
 
     def _wait_replicas_ready(self, deadline: float) -> str:
         """Wait until the router lists every replica READY; return their model id."""
@@ -363,7 +387,7 @@ class Stack:
         if graceful:
             with contextlib.suppress(Exception):
                 self._drain()
-        order = [*([self.admission] if self.admission else []), *self.schedulers, *self.workers,
+        order = [*self.admissions, *self.schedulers, *self.workers,
                  *([self.router] if self.router else [])]
         for proc in order:
             terminate(proc, timeout_s=10.0 if graceful else 3.0)
@@ -387,5 +411,5 @@ class Stack:
                 if not [s for s in self.scheduler_stats() if s.running or s.waiting]:
                     break
                 time.sleep(0.1)
-        if self.admission is not None:
-            terminate(self.admission, timeout_s=10.0)
+        for admission in self.admissions:
+            terminate(admission, timeout_s=10.0)

@@ -50,6 +50,9 @@ class StackConfig:
     """Admission config (API keys, budgets); None = the default tenant and key."""
     admission_port: int = 0
     """Port of the public endpoint; 0 picks a free one."""
+    admission_procs: int = 1
+    """Admission processes serving that port (and the HTTP port) together, SO_REUSEPORT, sharing the caps in Redis
+    (`--share-budgets`: admission_svc/shares.py)."""
     http_port: int | None = None
     """Port of admission's OpenAI-compatible HTTP API; 0 picks a free one; None serves none."""
     host: str = "127.0.0.1"

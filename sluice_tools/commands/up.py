@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the flags of `sluice up`."""
     parser.epilog = EXAMPLES
     parser.add_argument("--replicas", type=int, default=1, help="worker + scheduler pairs (default: 1)")
+    parser.add_argument("--admission-procs", type=int, default=1, metavar="N",
+                        help="admission processes on the one gRPC and HTTP port (SO_REUSEPORT), sharing the budgets' "
+                             "caps in Redis so that together they never admit more (default: 1)")
     parser.add_argument("--engine", choices=("sluice", "vllm"), default="sluice",
                         help="sluice: Sluice's own worker (--backend); vllm: an unmodified vLLM server per replica, "
                              "from the venv of `make setup-vllm`, each behind a Sluice agent (docs/engines.md) "
@@ -103,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     config = StackConfig(replicas=args.replicas, backend=args.backend, model=args.model, redis_url=args.redis_url,
                          config_file=args.config, admission_port=args.port, host=args.host,
+                         admission_procs=args.admission_procs,
                          http_port=None if args.http_port < 0 else args.http_port,
                          run_dir=Path(args.run_dir) if args.run_dir else None, num_blocks=args.num_blocks,
                          emulate_time=args.emulate_time, log_level=args.log_level, metrics=args.metrics,
@@ -187,6 +191,8 @@ def _check_args(args: argparse.Namespace) -> str:
     """Return what is wrong with the flags ("" when nothing): caught here, before any process starts."""
     if args.replicas < 1:
         return f"--replicas must be at least 1, got {args.replicas}"
+    if args.admission_procs < 1:
+        return f"--admission-procs must be at least 1, got {args.admission_procs}"
     if args.config and not Path(args.config).is_file():
         return f"--config {args.config}: no such file"
     problem = _check_config(args.config) or _check_model(args) or _check_engine(args) or _check_redis(args.redis_url)

@@ -1,0 +1,315 @@
+"""`make bench-cost`: CPU per streamed token of each process of the path, Sluice beside vLLM's own API server.
+
+    PYTHONPATH=. .venv/bin/python -m sluice_tools.bench_cost [--concurrency 1 16 256] [--repeats 2]
+        [--vllm-python .venv-vllm/bin/python | --no-vllm] [--json out/bench-cost.json]
+
+What runs, side by side in one run:
+- **Sluice**: a local stack (`Stack`) of one replica with the cost-model worker (Llama-3-8B on an H200, emulated
+  time), so tokens come at a GPU's pace and cost no model CPU: what is measured is the front door. Streamed
+  over the OpenAI HTTP edge (`sluice_http`) and over gRPC with the SDK (`sluice_grpc`).
+- **vLLM**: an unmodified vLLM OpenAI server (`sluice_tools.vllm_engine`, the tiny model on CPU). Its API server
+  (the process the command starts) is measured apart from its engine core and worker (its child processes).
+
+Each measurement: a client process (`sluice_tools.bench_cost_client`) connects, then every process's utime+stime
+is read from /proc/PID/stat, the client streams `requests` completions of `max_tokens` tokens (ignore_eos) at the
+given concurrency, and the CPU is read again. CPU per token = CPU seconds over the window / tokens streamed.
+Targets alternate within each concurrency (and their order flips every repeat), so a change in the machine's
+load reaches both. The medians over repeats go into the table and the JSON.
+
+Sluice's "path" is admission (with its HTTP edge) + router + scheduler (with its worker link) + Redis; the
+worker is listed apart (with a real GPU it is the engine's own cost, the counterpart of vLLM's engine core).
+"front" is the part that has a counterpart in vLLM's API server process: admission + router + Redis (vLLM's
+scheduler runs in its engine core, which is not counted as its API server's).
+
+`--baseline DIR` adds a second Sluice stack that runs the services of another checkout, alternated with this one:
+a lever's before and after in one run. `--scale-out 1 2` instead: Sluice alone, one stack per number of admission processes (`admission_procs`,
+sharing one port and the caps), alternated, at the highest concurrency: tokens/s and CPU per token of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sluice.config import DEFAULT_API_KEY
+from sluice.redis_server import free_port
+from sluice.serve import EVENT_LOOP_ENV
+from sluice_tools.bench_peers_procs import CpuMeter, Proc, spawn, wait_http
+from sluice_tools.stack import REPO_ROOT, Stack, StackConfig
+
+__all__ = ["Target", "main", "measure"]
+
+SLUICE_PATH = ("admission", "router", "scheduler", "redis")
+"""The processes whose sum is Sluice's path."""
+SLUICE_FRONT = ("admission", "router", "redis")
+"""The processes whose counterpart is vLLM's API server process."""
+
+
+@dataclass
+class Target:
+    """One front end to drive: how the client reaches it and which processes to meter (name -> root pids;
+    a meter counts a root with all its descendants unless its name ends in `(self)`)."""
+
+    name: str
+    client_args: list[str]
+    processes: dict[str, list[int]]
+    path: tuple[str, ...]
+    """The processes summed as this front end's path."""
+    front: tuple[str, ...] = ()
+    """The processes summed as its front (what vLLM's API server does); () = the path."""
+    own_only: set[str] = field(default_factory=set)
+    """Processes metered without their descendants (vLLM's API server, whose children are the engine)."""
+
+
+class _OwnCpu(CpuMeter):
+    """utime+stime of the roots alone (no descendants)."""
+
+    def _read(self) -> dict[int, float]:
+        from sluice_tools.bench_peers_procs import TICK, _stat_fields
+
+        out = {}
+        for pid in self.roots:
+            fields = _stat_fields(pid)
+            if fields:
+                out[pid] = (int(fields[11]) + int(fields[12])) / TICK
+        return out
+
+
+def measure(target: Target, concurrency: int, requests: int, max_tokens: int) -> dict[str, Any]:
+    """Run one client against `target`; return tokens, events, wall seconds and CPU µs per token per process.
+    Raises RuntimeError when the client fails or a stream fails."""
+    command = [sys.executable, "-m", "sluice_tools.bench_cost_client", *target.client_args,
+               "--concurrency", str(concurrency), "--requests", str(requests), "--max-tokens", str(max_tokens)]
+    client = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+    assert client.stdin is not None and client.stdout is not None
+    if client.stdout.readline().strip() != "ready":
+        client.kill()
+        raise RuntimeError(f"{target.name} client did not start ({client.wait()})")
+    meters = {name: (_OwnCpu(pids) if name in target.own_only else CpuMeter(pids))
+              for name, pids in target.processes.items()}
+    for meter in meters.values():
+        meter.start()
+    client.stdin.write("go\n")
+    client.stdin.flush()
+    line = client.stdout.readline()
+    cpu = {name: meter.stop() for name, meter in meters.items()}
+    client.wait(30)
+    result = json.loads(line)
+    if result["failed"] or not result["tokens"]:
+        raise RuntimeError(f"{target.name} at concurrency {concurrency}: {result['failed']} failed streams "
+                           f"({result['first_error']})")
+    tokens = result["tokens"]
+    per_token = {name: 1e6 * seconds / tokens for name, seconds in cpu.items()}
+    per_token["client"] = 1e6 * result["cpu_s"] / tokens
+    per_token["path"] = sum(per_token[name] for name in target.path)
+    per_token["front"] = sum(per_token[name] for name in target.front or target.path)
+    return {"tokens": tokens, "events": result["events"], "wall_s": result["wall_s"],
+            "tokens_per_s": tokens / result["wall_s"], "us_per_token": per_token}
+
+
+def _median_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    names = runs[0]["us_per_token"].keys()
+    return {"runs": len(runs), "tokens": runs[0]["tokens"],
+            "events_per_token": round(statistics.median(r["events"] / r["tokens"] for r in runs), 3),
+            "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in runs), 1),
+            "us_per_token": {n: round(statistics.median(r["us_per_token"][n] for r in runs), 1) for n in names},
+            "path_us_per_token_each_run": [round(r["us_per_token"]["path"], 1) for r in runs]}
+
+
+def sluice_targets(stack: Stack, grpc: bool) -> list[Target]:
+    """The stack's HTTP edge (and gRPC endpoint) as targets, each with the stack's processes."""
+    assert stack.admission is not None and stack.router is not None and stack.redis is not None
+    processes = {"admission": [_pid(p) for p in stack.admissions], "router": [_pid(stack.router)],
+                 "scheduler": [_pid(p) for p in stack.schedulers], "worker": [_pid(p) for p in stack.workers],
+                 "redis": [int(stack.redis.pid or 0)]}
+    common = ["--model", stack.model_id, "--api-key", stack.api_key]
+    targets = [Target("sluice_http", ["--url", stack.http_base_url.removesuffix("/v1"), *common], processes,
+                      SLUICE_PATH, SLUICE_FRONT)]
+    if grpc:
+        targets.append(Target("sluice_grpc", ["--grpc", stack.endpoint, *common], processes, SLUICE_PATH,
+                              SLUICE_FRONT))
+    return targets
+
+
+def _pid(proc: Any) -> int:
+    assert proc.popen is not None
+    return int(proc.popen.pid)
+
+
+def start_vllm(python: str, run_dir: Path) -> tuple[Proc, Target]:
+    """Start vLLM's OpenAI server on the tiny model; return it and its target (API server apart from engine)."""
+    from sluice_tools.vllm_engine import VllmEngineSpec, vllm_command, vllm_env
+    from worker_svc.models import resolve_model
+
+    spec = VllmEngineSpec(model_dir=str(resolve_model("tiny")), port=free_port(),
+                          kv_socket=str(run_dir / "vllm-kv.sock"), replay_port=free_port(), dev_mode=False)
+    proc = spawn("vllm", vllm_command(spec, python), run_dir, env=vllm_env(spec), url=spec.url)
+    wait_http(proc, "/health", timeout_s=600)
+    root = proc.popen.pid
+    children = [pid for pid in _descendants(root) if pid != root]
+    target = Target("vllm", ["--url", spec.url, "--model", spec.served_name],
+                    {"api_server": [root], "engine": children}, ("api_server",), own_only={"api_server"})
+    return proc, target
+
+
+def _descendants(root: int) -> list[int]:
+    from sluice_tools.bench_peers_procs import _children
+
+    tree, out, todo = _children(), [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(tree.get(pid, []))
+    return out
+
+
+def run(targets: Sequence[Target], levels: Sequence[int], repeats: int, max_tokens: int,
+        requests_of: Callable[[int], int]) -> dict[str, Any]:
+    """Measure every target at every concurrency, alternated; return {target: {concurrency: medians}}."""
+    runs: dict[str, dict[int, list[dict[str, Any]]]] = {t.name: {c: [] for c in levels} for t in targets}
+    for target in targets:  # warm-up: first connections, caches, compiled paths
+        measure(target, 4, 8, 16)
+    for repeat in range(repeats):
+        for concurrency in levels:
+            order = list(targets) if repeat % 2 == 0 else list(reversed(targets))
+            for target in order:
+                result = measure(target, concurrency, requests_of(concurrency), max_tokens)
+                runs[target.name][concurrency].append(result)
+                print(f"# {target.name} c={concurrency} run {repeat + 1}: path "
+                      f"{result['us_per_token']['path']:.1f} us/token, {result['tokens_per_s']:.0f} tokens/s",
+                      file=sys.stderr, flush=True)
+    return {name: {str(c): _median_runs(r) for c, r in by_level.items()} for name, by_level in runs.items()}
+
+
+def table(results: dict[str, Any]) -> str:
+    """Return the results as a Markdown table: one row per target, concurrency and process."""
+    lines = ["| target | concurrency | process | CPU µs/token |", "|---|---:|---|---:|"]
+    for name, by_level in results.items():
+        for level, figures in by_level.items():
+            for process, value in figures["us_per_token"].items():
+                bold = f"**{value}**" if process in ("path", "front") else str(value)
+                lines.append(f"| {name} | {level} | {process} | {bold} |")
+            lines.append(f"| {name} | {level} | (tokens/s, SSE events per token) | "
+                         f"{figures['tokens_per_s']}, {figures['events_per_token']} |")
+    return "\n".join(lines)
+
+
+UNBINDING_BUDGETS = f"""
+[budgets]
+max_active_requests = 8192
+max_queue_length = 8192
+max_pending_input_tokens = 16777216
+max_reserved_output_tokens = 16777216
+[tenants.default]
+api_keys = ["{DEFAULT_API_KEY}"]
+"""
+"""Caps far above any load of the bench: what is measured is the path, never a refusal. (With caps that bind,
+N processes hold cap/N each, and an uneven spread of connections over them refuses early: admission_svc/shares.py.)"""
+
+
+def _stack_config(run_dir: Path, admission_procs: int = 1, code: Path | None = None,
+                  event_loop: str = "asyncio") -> StackConfig:
+    """The bench's stack; `code`: a checkout whose services it runs instead of this one's (a lever's before);
+    `event_loop`: $SLUICE_EVENT_LOOP of its services."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config = run_dir / "budgets.toml"
+    config.write_text(UNBINDING_BUDGETS)
+    env = ((EVENT_LOOP_ENV, event_loop), *((("PYTHONPATH", str(code.resolve())),) if code is not None else ()))
+    return StackConfig(backend="costmodel", model="llama-3-8b", emulate_time=True, http_port=0, log_level="WARNING",
+                       run_dir=run_dir, admission_procs=admission_procs, config_file=str(config), env=env)
+
+
+def scale_out(procs: Sequence[int], concurrency: int, repeats: int, max_tokens: int, requests: int,
+              run_dir: Path, event_loop: str = "asyncio") -> dict[str, Any]:
+    """Measure Sluice's HTTP edge with each number of admission processes (a stack each), alternated; return
+    {procs: medians}."""
+    runs: dict[int, list[dict[str, Any]]] = {n: [] for n in procs}
+    for repeat in range(repeats):
+        for n in procs if repeat % 2 == 0 else list(reversed(procs)):
+            with Stack(_stack_config(run_dir / f"stack-{n}", n, event_loop=event_loop)) as stack:
+                target = sluice_targets(stack, grpc=False)[0]
+                measure(target, 4, 8, 16)
+                result = measure(target, concurrency, requests, max_tokens)
+                runs[n].append(result)
+                print(f"# {n} admission processes c={concurrency} run {repeat + 1}: {result['tokens_per_s']:.0f} "
+                      f"tokens/s, path {result['us_per_token']['path']:.1f} us/token", file=sys.stderr, flush=True)
+    return {f"admission_procs={n}": {str(concurrency): _median_runs(r)} for n, r in runs.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Start Sluice (and vLLM), measure, print the table; JSON to --json."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 256])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--requests-per-stream", type=int, default=2,
+                        help="requests per concurrent stream (at least 8 in all)")
+    parser.add_argument("--vllm-python", default=str(REPO_ROOT / ".venv-vllm" / "bin" / "python"))
+    parser.add_argument("--no-vllm", action="store_true", help="Sluice only")
+    parser.add_argument("--no-grpc", action="store_true", help="HTTP only")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--event-loop", choices=("asyncio", "uvloop"), default="asyncio",
+                        help="the Sluice services' event loop ($SLUICE_EVENT_LOOP; default asyncio)")
+    parser.add_argument("--baseline-event-loop", choices=("asyncio", "uvloop"), default=None,
+                        help="also a Sluice stack of this checkout on this event loop, alternated: the loop's lever")
+    parser.add_argument("--baseline", type=Path, metavar="DIR",
+                        help="also a Sluice stack running the services of checkout DIR (e.g. `git worktree add DIR "
+                             "HEAD~1`), alternated with this one: a lever's before and after in one run")
+    parser.add_argument("--scale-out", type=int, nargs="+", metavar="N",
+                        help="Sluice only: tokens/s and CPU with N admission processes (one stack each), alternated")
+    args = parser.parse_args(argv)
+    run_dir = Path(REPO_ROOT / "out" / "bench-cost")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    vllm: Proc | None = None
+    started = time.monotonic()
+    if args.scale_out:
+        level = max(args.concurrency)
+        results = scale_out(args.scale_out, level, args.repeats, args.max_tokens,
+                            max(8, level * args.requests_per_stream), run_dir, args.event_loop)
+        _report(args, results, started)
+        return
+    try:
+        with Stack(_stack_config(run_dir / "stack", event_loop=args.event_loop)) as stack, \
+                contextlib.ExitStack() as more:
+            targets = sluice_targets(stack, grpc=not args.no_grpc)
+            if args.baseline is not None or args.baseline_event_loop is not None:
+                base = more.enter_context(Stack(_stack_config(run_dir / "baseline", code=args.baseline,
+                                                              event_loop=args.baseline_event_loop or args.event_loop)))
+                for target in sluice_targets(base, grpc=not args.no_grpc):
+                    target.name += "_baseline"
+                    targets.append(target)
+            if not args.no_vllm and Path(args.vllm_python).exists():
+                vllm, vllm_target = start_vllm(args.vllm_python, run_dir)
+                targets.insert(1, vllm_target)
+            elif not args.no_vllm:
+                print(f"# no vLLM at {args.vllm_python} (make setup-vllm): Sluice only", file=sys.stderr)
+            results = run(targets, args.concurrency, args.repeats, args.max_tokens,
+                          lambda c: max(8, c * args.requests_per_stream))
+    finally:
+        if vllm is not None:
+            vllm.stop()
+    _report(args, results, started)
+
+
+def _report(args: argparse.Namespace, results: dict[str, Any], started: float) -> None:
+    report = {"load": {"concurrency": args.concurrency, "repeats": args.repeats, "max_tokens": args.max_tokens,
+                       "requests_per_stream": args.requests_per_stream, "scale_out": args.scale_out,
+                       "elapsed_s": round(time.monotonic() - started)},
+              "results": results}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
