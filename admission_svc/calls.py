@@ -163,3 +163,5 @@ class Tracked:
     """The key it was started with ("" none): forgotten with the record."""
     submitted: bool = False
     """A scheduler accepted its first Submit (its span has the `submitted` stage)."""
+    submit_sent_s: float = 0.0
+    """When its latest Submit was sent (time.time(); 0: not yet)."""

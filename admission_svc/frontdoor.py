@@ -345,7 +345,7 @@ class FrontDoor:
                                             deadline_unix_s or 0.0, self.model, record.timestamps,
                                             self.core.tenant_weight(record.tenant), self.core.cache_salt(record.tenant))
             submit.owner_incarnation = self.migrator.incarnation  # the request lives while our lease does
-            sent = time.time()
+            sent = record.submit_sent_s = time.time()
             try:
                 await self.scheduler(route.scheduler_address).Submit(submit, metadata=metadata,
                                                                      timeout=self.config.downstream_timeout_s)
@@ -359,14 +359,15 @@ class FrontDoor:
 
     def _submitted(self, record: Tracked, sent: float) -> None:
         """Record the stage of a Submit the scheduler accepted. Its first token can arrive over Redis before the
-        Submit's reply (the scheduler runs it at once): the span then gets `submitted` (stamped when it was sent)
-        before `first_token`, and the status stays RUNNING."""
-        if record.status != common_pb2.RUNNING:
-            record.status = common_pb2.WAITING
+        Submit's reply (the scheduler runs it at once, or even finishes it): the span then gets `submitted`
+        (stamped when it was sent) before `first_token`, and the status is left as the stream set it (setting it
+        to WAITING here turned RUNNING and finished requests back into waiting ones)."""
+        first, record.submitted = not record.submitted, True
+        if record.ended:  # it finished before the reply came: `_end_span` recorded both stages
+            return
         record.span.add_event("submitted", timestamp=_ns(sent))
-        if not record.submitted and record.timestamps.first_token:
+        if first and record.timestamps.first_token:
             record.span.add_event("first_token", timestamp=_ns(record.timestamps.first_token))
-        record.submitted = True
 
     async def _route(self, record: Tracked, call: GenerateCall, ids: list[int], hashes: list[int],
                      metadata: tuple[tuple[str, str], ...]) -> router_pb2.RouteResponse:
@@ -563,6 +564,11 @@ class FrontDoor:
         record.timestamps.finished = completion.timestamps.finished or now
         status_name = common_pb2.RequestStatus.Name(completion.status)
         span = record.span
+        if not record.submitted and record.timestamps.first_token and record.submit_sent_s:
+            # Tokens came, so the scheduler took the Submit whose reply is still on the way: its stages go in first.
+            record.submitted = True
+            span.add_event("submitted", timestamp=_ns(record.submit_sent_s))
+            span.add_event("first_token", timestamp=_ns(record.timestamps.first_token))
         span.set_attribute(telemetry.GEN_AI_USAGE_OUTPUT_TOKENS, completion.usage.output_tokens)
         span.set_attribute(telemetry.GEN_AI_RESPONSE_FINISH_REASONS, [completion.finish_reason])
         span.add_event("completed", attributes={"status": status_name, "missing_tokens":

@@ -252,7 +252,8 @@ def test_bench_drive_records_every_outcome(tmp_path: Path, redis_url: str, names
 def test_a_first_token_before_the_submit_reply_keeps_the_stages_in_order(
         tmp_path: Path, redis_url: str, namespace: str, span_exporter: Any) -> None:
     """When the first token arrives over Redis before the scheduler's Submit reply (a busy scheduler), the root span
-    still has `submitted` before `first_token` with non-decreasing times, and the status is not set back to WAITING."""
+    still has `submitted` before `first_token` with non-decreasing times, and the status (running, or finished when
+    the reply came later still) is not set back to WAITING."""
     async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
         replica.submit_reply_delay_s = 0.3  # the stand-in's first token comes after 20 ms
         async with sdk.AsyncClient(target, api_key="k-acme") as client:
@@ -260,7 +261,7 @@ def test_a_first_token_before_the_submit_reply_keeps_the_stages_in_order(
             first = await anext(stream)
             record = door.records[first.request_id]
             assert await _settle(lambda: record.submitted)
-            assert record.status == common_pb2.RUNNING
+            assert record.status in (common_pb2.RUNNING, common_pb2.FINISHED_LENGTH), record.status
             async for _ in stream:
                 pass
         assert await _settle(lambda: any(s.name.startswith("text_completion") for s in span_exporter.get_finished_spans()))
