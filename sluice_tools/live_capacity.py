@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from sluice.options import fraction, non_negative_float, positive_float, positive_int
 from sluice_tools.capacity import CapacityResult, CapacitySearch, Probe, find_capacity
 
 if TYPE_CHECKING:
@@ -55,22 +56,22 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity", action="store_true",
                         help="find the highest rate (by rate scale) at which --capacity-goal of requests meet "
                              "both SLO targets, probe by probe against the stack")
-    parser.add_argument("--capacity-goal", "--goal", dest="capacity_goal", type=float, default=0.9,
-                        help="SLO attainment to hold (default 0.9)")
-    parser.add_argument("--capacity-tolerance", type=float, default=0.1,
-                        help="stop when the passing and failing rates are within this fraction (default 0.1)")
-    parser.add_argument("--capacity-max-probes", type=int, default=10, help="probes per configuration at most")
-    parser.add_argument("--probe-requests", type=int, default=limits.max_requests,
+    parser.add_argument("--capacity-goal", "--goal", dest="capacity_goal", type=fraction, default=0.9,
+                        help="SLO attainment to hold")
+    parser.add_argument("--capacity-tolerance", type=fraction, default=0.1,
+                        help="stop when the passing and failing rates are within this fraction")
+    parser.add_argument("--capacity-max-probes", type=positive_int, default=10, help="probes per configuration at most")
+    parser.add_argument("--probe-requests", type=positive_int, default=limits.max_requests,
                         help="requests per probe: the workload's first N, the same at every scale")
-    parser.add_argument("--probe-seconds", type=float, default=limits.max_arrival_s,
+    parser.add_argument("--probe-seconds", type=positive_float, default=limits.max_arrival_s,
                         help="leave out requests arriving later than this in a probe (s)")
-    parser.add_argument("--probe-min-seconds", type=float, default=limits.min_arrival_s,
+    parser.add_argument("--probe-min-seconds", type=non_negative_float, default=limits.min_arrival_s,
                         help="offer each probe's rate at least this long (s), repeating its requests")
-    parser.add_argument("--probe-deadline-margin", type=float, default=limits.deadline_margin_s,
+    parser.add_argument("--probe-deadline-margin", type=non_negative_float, default=limits.deadline_margin_s,
                         help="seconds past the latest SLO-meeting finish at which a request is cut")
-    parser.add_argument("--probe-settle", type=float, default=limits.settle_s,
+    parser.add_argument("--probe-settle", type=non_negative_float, default=limits.settle_s,
                         help="seconds to wait between probes against a --target stack")
-    parser.add_argument("--probe-drain-timeout", type=float, default=limits.drain_timeout_s,
+    parser.add_argument("--probe-drain-timeout", type=positive_float, default=limits.drain_timeout_s,
                         help="seconds to wait for a spawned stack to go idle between probes")
 
 

@@ -106,6 +106,12 @@ BAD_FLAGS = {
     "bench --plots FILE": (["bench", WORKLOAD, "--spawn", "--plots", "{file}"], "argument --plots: "),
     "bench --replicas 0": (["bench", WORKLOAD, "--spawn", "--replicas", "0"], "argument --replicas: must be"),
     "bench --max-concurrency 0": (["bench", WORKLOAD, "--max-concurrency", "0"], "argument --max-concurrency"),
+    "bench --capacity-goal 1.5": (["bench", WORKLOAD, "--capacity", "--capacity-goal", "1.5"],
+                                  "argument --capacity-goal/--goal: must be a number in (0, 1]"),
+    "bench --probe-requests 0": (["bench", WORKLOAD, "--capacity", "--probe-requests", "0"],
+                                 "argument --probe-requests: must be a positive integer"),
+    "bench --probe-min-seconds -1": (["bench", WORKLOAD, "--capacity", "--probe-min-seconds", "-1"],
+                                     "argument --probe-min-seconds: must be a number >= 0"),
 }
 
 
