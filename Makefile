@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 PROTOS  := $(wildcard protos/sluice/v1/*.proto)
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup setup-vllm protos redis-tls prometheus images images-smoke test lint demo bench bench-openai bench-http bench-peers fuzz clean
+.PHONY: setup setup-vllm compiled protos redis-tls prometheus images images-smoke test lint demo bench bench-openai bench-http bench-peers fuzz clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -63,7 +63,12 @@ prometheus:
 	  fi; \
 	fi
 
-setup: $(STAMP) sluice/v1/.stamp redis-tls prometheus setup-vllm
+# The pure cores compiled with mypyc (it comes with mypy, the dev extra) into build/compiled, used at import only
+# while their sources are unchanged (sluice/compiled.py); without a C compiler everything runs from source.
+compiled: $(STAMP)
+	$(BIN)/python scripts/compile_cores.py
+
+setup: $(STAMP) sluice/v1/.stamp compiled redis-tls prometheus setup-vllm
 
 protos: sluice/v1/.stamp
 

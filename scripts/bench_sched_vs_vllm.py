@@ -13,7 +13,8 @@ each repeat measures Sluice then vLLM at one size with fresh schedulers and the 
 scheduler service sets it; the report gives each repeat's medians and the ratio of the medians of the
 repeats. vLLM's scheduler is driven standalone, as vLLM's own unit tests drive it: a real `VllmConfig` of
 the tiny preset model (generated into a temporary directory, nothing downloaded), one full-attention KV
-cache group, no model executed.
+cache group, no model executed. Sluice's core runs compiled when `make compiled` built it (the report's
+`sluice_core`), from source with SLUICE_PURE_PYTHON=1.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 
 from scheduler_svc import bench
 from scheduler_svc.collector import tune_collector
+from scheduler_svc.core import COMPILED
 
 CASES = bench.CASES
 BLOCK_SIZE = bench.BLOCK_SIZE
@@ -161,7 +163,8 @@ def run(rounds: int, repeats: int, sizes: tuple[tuple[int, int], ...]) -> dict[s
 
     return {"benchmark": "per decode-only round, CPU time: Sluice schedule()+on_round_result() vs vLLM V1 "
                          "Scheduler schedule()+update_from_output(), alternated in one process",
-            "vllm": vllm.__version__, "python": sys.version.split()[0], "lengths_from": source,
+            "vllm": vllm.__version__, "sluice_core": "compiled (mypyc)" if COMPILED else "pure Python",
+            "python": sys.version.split()[0], "lengths_from": source,
             "repeats": repeats, "target_ratio": 10.0, "cases": cases}
 
 
