@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 PROTOS  := $(wildcard protos/sluice/v1/*.proto)
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup setup-vllm setup-dynamo protos redis-tls prometheus images images-smoke test lint demo bench bench-openai bench-http bench-cost bench-peers fuzz clean
+.PHONY: setup setup-vllm setup-dynamo compiled protos redis-tls prometheus images images-smoke test lint demo bench bench-openai bench-http bench-cost bench-peers fuzz clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -82,7 +82,12 @@ prometheus:
 	  fi; \
 	fi
 
-setup: $(STAMP) sluice/v1/.stamp redis-tls prometheus setup-vllm setup-dynamo
+# The pure cores compiled with mypyc (it comes with mypy, the dev extra) into build/compiled, used at import only
+# while their sources are unchanged (sluice/compiled.py); without a C compiler everything runs from source.
+compiled: $(STAMP)
+	$(BIN)/python scripts/compile_cores.py
+
+setup: $(STAMP) sluice/v1/.stamp compiled redis-tls prometheus setup-vllm setup-dynamo
 
 protos: sluice/v1/.stamp
 
@@ -167,4 +172,4 @@ chaos: setup
 	PYTHONPATH=. $(BIN)/python -m sluice_tools.chaos --duration-s $(CHAOS_S) --json out/chaos.json
 
 clean:
-	rm -rf $(VENV) $(BENCH_VENV) $(VLLM_VENV) $(PEERS_VENV) sluice/v1 .pytest_cache
+	rm -rf $(VENV) $(BENCH_VENV) $(VLLM_VENV) $(PEERS_VENV) sluice/v1 .pytest_cache build/compiled

@@ -6,16 +6,20 @@ gRPC contract, registration and Redis publications, with a gateway queue in fron
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from scheduler_svc.core import COMPILED as core_compiled
 from scheduler_svc.core.config import Policy, PreemptionMode, SchedulerConfig, VictimPolicy
 from scheduler_svc.server import SERVICE_NAME, RunningReplica, start_replica
 from sluice import serve
 from sluice.bus import Bus
 from sluice.prom import SchedulerMetrics
 from sluice.round_budget import derive_round_budget, linear_round_time
+
+log = logging.getLogger(__name__)
 
 _CORE = SchedulerConfig(num_blocks=1)
 """The core's defaults, which the flags share (num_blocks comes from the worker)."""
@@ -137,6 +141,8 @@ async def start(ctx: serve.ServiceContext, options: SchedulerOptions) -> serve.S
     if options.engine == "vllm" and not options.engine_url:
         raise serve.StartupError("--engine-url http://HOST:PORT is required with --engine vllm")
     metrics = SchedulerMetrics()
+    metrics.core_compiled.set(1 if core_compiled else 0)
+    log.info("scheduler core: %s", "compiled (mypyc)" if core_compiled else "pure Python")
     ctx.expose_metrics(metrics.registry)
     bus = await serve.open_bus(ctx, options)
     try:

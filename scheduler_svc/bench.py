@@ -16,7 +16,8 @@ is placed ahead). After each round the events are taken (not timed), as the driv
 simulator do. `--running 64,1024,2048` measures other sizes (4x as many waiting); `--cache-rounds N`
 only runs N rounds per size for callgrind's cache model (`cache_rounds`). Prints JSON to stdout; `--profile`
 adds the top cProfile entries of the largest case and of the 2-running case to stderr. The setup
-uses only the core's public API, so this file also measures older checkouts side by side.
+uses only the core's public API, so this file also measures older checkouts side by side. `core` in the
+report says whether the core ran compiled (`make compiled`) or from source (`SLUICE_PURE_PYTHON=1`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from itertools import starmap
 from pathlib import Path
 
 from scheduler_svc.collector import tune_collector
-from scheduler_svc.core import SchedulerCore
+from scheduler_svc.core import COMPILED, SchedulerCore
 from scheduler_svc.core.config import SchedulerConfig
 from sluice.types import NewRequest, RoundPlan, RoundResult, SamplingParams, SeqOutput
 
@@ -273,6 +274,7 @@ def run(quick: bool, profile: bool, python_gc: bool = False, running_sizes: tupl
         "benchmark": "scheduler core: schedule() + on_round_result() CPU time per decode-only round",
         "lengths_from": source,
         "python": sys.version.split()[0],
+        "core": "compiled (mypyc)" if COMPILED else "pure Python",
         "reference_loop_us": round(reference, 1),
         "collector": "Python defaults" if python_gc else "as the scheduler service sets it (scheduler_svc.collector)",
         f"per_running_{cases_run[-1][0]}_over_{cases_run[0][0]}": round(per_running[-1] / per_running[0], 3),

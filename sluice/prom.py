@@ -211,6 +211,9 @@ class SchedulerMetrics:
         self.round_duration = Histogram("sluice_round_duration_seconds",
                                         "Wall time of one scheduling round (plan, execute, result).",
                                         buckets=ROUND_BUCKETS, registry=r)
+        self.core_compiled = Gauge("sluice_scheduler_core_compiled",
+                                   "1 when the scheduler core runs compiled by mypyc (make compiled), 0 from source.",
+                                   registry=r)
         self._queue_length = Gauge("sluice_queue_length", "Requests waiting.", registry=r)
         self._running = Gauge("sluice_running_requests", "Requests running.", registry=r)
         self.kv_blocks_used = Gauge("sluice_kv_blocks_used", "KV blocks referenced by requests.", registry=r)

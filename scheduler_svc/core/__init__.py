@@ -1,5 +1,14 @@
-"""The pure scheduling core: no asyncio, grpc, redis, clock or environment. `now` is an argument."""
+"""The pure scheduling core: no asyncio, grpc, redis, clock or environment. `now` is an argument.
 
-from scheduler_svc.core.scheduler import SchedulerCore
+Its modules import compiled (mypyc) when `make compiled` built exactly these sources (sluice/compiled.py),
+else from source; `COMPILED` says which.
+"""
 
-__all__ = ["SchedulerCore"]
+from sluice.compiled import use
+
+COMPILED = use(__name__, __path__)
+"""Whether this process runs the core's modules compiled by mypyc (the same code; see sluice.compiled)."""
+
+from scheduler_svc.core.scheduler import SchedulerCore  # noqa: E402 (after the path is set)
+
+__all__ = ["COMPILED", "SchedulerCore"]

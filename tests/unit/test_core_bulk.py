@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import copy
+from collections.abc import Callable
 
 from core_factories import FakeExecutor, check_invariants, make_core, make_request, token_for
 from hypothesis import given, settings
@@ -68,28 +68,41 @@ def _state(core: SchedulerCore) -> object:
             core.pool.cached_block_ids(), core.kv_snapshot())
 
 
-def _advance_and_compare(core: SchedulerCore, rounds: list[RoundPlan], cycles: int) -> CoreEvents:
-    """Advance a steady core by min(cycles, limit) in bulk and a copy one round at a time; assert they agree."""
+Build = Callable[[], tuple[SchedulerCore, "list[RoundPlan] | None"]]
+"""Builds a core and drives it to a steady state; called thrice for three identical cores (the core is
+deterministic; a compiled core cannot be deep-copied)."""
+
+
+def _advance_and_compare(build: Build, cycles: int) -> CoreEvents | None:
+    """Advance a steady core by min(cycles, limit) in bulk and a twin one round at a time; assert they agree.
+
+    None: the build never reached a steady state."""
+    core, rounds = build()
+    if rounds is None:
+        return None
+    single_core, single_rounds = build()
+    quiet_core, _ = build()  # the same advance without token events (the simulator's call)
+    assert rounds is not None and single_rounds is not None
+    assert _state(single_core) == _state(core) == _state(quiet_core)
     steady = core.steady_decodes()
     assert steady is not None
     running, limit = steady
     assert core.decode_run_limit(running) == limit
     k = min(cycles, limit)
-    single_core, single_rounds = copy.deepcopy((core, rounds))
     single, single_pool = _single(single_core, single_rounds, FakeExecutor(), k)
     tokens = [[token_for(r.request_id, len(r.tokens) - r.num_prompt + m) for m in range(k)] for r in running]
-    quiet_core = copy.deepcopy(core)  # the same advance without token events (the simulator's call)
     quiet_running = list(quiet_core.requests.running.values())
     quiet = quiet_core.advance_decodes(quiet_running, tokens, token_events=False)
     bulk_events, older, newer, pool_after = core.advance_decodes(running, tokens)
     assert quiet[0].tokens == [] and quiet[0].kv_events == bulk_events.kv_events
     assert quiet[1:] == (older, newer, pool_after)
-    assert _state(quiet_core) == _state(core) and quiet_core.take_events() == copy.deepcopy(core).take_events()
+    assert _state(quiet_core) == _state(core)
+    left = core.take_events()
+    assert quiet_core.take_events() == left
     assert bulk_events.tokens == [t for e in single for t in e.tokens]
     assert bulk_events.kv_events == [kv for e in single for kv in e.kv_events]
     assert not any(e.lifecycle or e.finished or e.dropped_results for e in single)
     assert pool_after == single_pool
-    left = core.take_events()
     assert left == single_core.take_events()  # what the last placements ahead left
     assert (older if older is not None else rounds[1]) == single_rounds[0]
     assert newer == single_rounds[1]
@@ -117,30 +130,32 @@ def test_advance_equals_single_rounds(block_size: int, num_blocks: int, caching:
                                       lengths: list[tuple[int, int]], shared: bool, cycles: int, skip: int) -> None:
     """On random steady states, one advance of k cycles (block boundaries and full blocks included) gives the same
     state, token and KV events, plans and future as k rounds."""
-    core = make_core(num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=caching, max_kv_read_tokens=kv_cap)
-    for i, (prompt_len, max_tokens) in enumerate(lengths):
-        prompt = tuple(range(1, prompt_len + 1)) if shared else None
-        with contextlib.suppress(RequestRejected):  # one that never fits the pool
-            core.submit(make_request(f"r{i}", prompt_len=prompt_len, max_tokens=max_tokens, prompt=prompt), 0.0)
-    worker = FakeExecutor()
-    rounds = _drive_until_steady(core, worker, skip)
-    if rounds is None:
-        return
-    _advance_and_compare(core, rounds, cycles)
+    def build() -> tuple[SchedulerCore, list[RoundPlan] | None]:
+        core = make_core(num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=caching,
+                         max_kv_read_tokens=kv_cap)
+        for i, (prompt_len, max_tokens) in enumerate(lengths):
+            prompt = tuple(range(1, prompt_len + 1)) if shared else None
+            with contextlib.suppress(RequestRejected):  # one that never fits the pool
+                core.submit(make_request(f"r{i}", prompt_len=prompt_len, max_tokens=max_tokens, prompt=prompt), 0.0)
+        return core, _drive_until_steady(core, FakeExecutor(), skip)
+
+    _advance_and_compare(build, cycles)
 
 
 def test_a_run_that_evicts_cached_blocks_matches_single_rounds() -> None:
     """With the free list empty, blocks crossed into evict cached ones: the REMOVED events come out as k rounds emit them."""
-    core = make_core(num_blocks=6, block_size=4)
-    worker = FakeExecutor()
-    core.submit(make_request("a", prompt_len=8, max_tokens=3), 0.0)
-    rounds = _drive_until_steady(core, worker, limit=50)
-    assert rounds is None  # "a" ran to its end and left its two full blocks cached
-    assert core.pool.num_cached == 2
-    core.submit(make_request("b", prompt_len=4, max_tokens=20), 0.0)
-    rounds = _drive_until_steady(core, worker)
-    assert rounds is not None
-    events = _advance_and_compare(core, rounds, 40)
+    def build() -> tuple[SchedulerCore, list[RoundPlan] | None]:
+        core = make_core(num_blocks=6, block_size=4)
+        worker = FakeExecutor()
+        core.submit(make_request("a", prompt_len=8, max_tokens=3), 0.0)
+        rounds = _drive_until_steady(core, worker, limit=50)
+        assert rounds is None  # "a" ran to its end and left its two full blocks cached
+        assert core.pool.num_cached == 2
+        core.submit(make_request("b", prompt_len=4, max_tokens=20), 0.0)
+        return core, _drive_until_steady(core, worker)
+
+    events = _advance_and_compare(build, 40)
+    assert events is not None
     assert sum(1 for e in events.kv_events if e.kind is KvEventKind.REMOVED) == 2
 
 
