@@ -52,9 +52,10 @@ SLUICE_CONFIGS: dict[str, SluiceConfig] = {
         router_args=("--prefill-weight", "32", "--ttft-target", "1"),
     ),
     "sluice_fair": SluiceConfig(
-        "Sluice for tenants: fair gateway queue (weights gold=2, bronze=1), the router spreading each tenant over "
-        "the replicas (--tenant-spread 1), Sluice's scheduler class ordering vLLM's own queue by the same policy",
-        scheduler_args=("--policy", "fair"), router_args=("--tenant-spread", "1"),
+        "Sluice for tenants: fair gateway queue (weights gold=2, bronze=1) with 4 in flight per engine (the backlog "
+        "waits where the fair queue orders it), the router spreading each tenant over the replicas "
+        "(--tenant-spread 1), Sluice's scheduler class ordering vLLM's own queue by the same policy",
+        scheduler_args=("--policy", "fair", "--max-inflight", "4"), router_args=("--tenant-spread", "1"),
         vllm_scheduler_cls="scheduler_svc.engines.vllm.sched_cls.SluiceScheduler",
         env=(("SLUICE_VLLM_POLICY", "fair"), ("SLUICE_TENANT_WEIGHTS", WEIGHTS)), cells="tenants",
     ),
