@@ -276,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
         fleet = parse_autoscale(args.autoscale) if args.autoscale else None
         if args.equal_resources:
             create_output_dirs("sim", {"--json": args.json}, {})
-            return _run_equal_resources(fleet, args.json)
+            return _run_equal_resources(fleet, args.json, _wants_progress(args))
         if not args.workload:
             raise ValueError("give a WORKLOAD or --scenario NAME")
         workload = load_workload(
@@ -355,7 +355,7 @@ def format_fleet(fleet: dict[str, Any], name: str) -> str:
     return "\n".join(lines)
 
 
-def _run_equal_resources(fleet: Any, json_path: str | None) -> int:
+def _run_equal_resources(fleet: Any, json_path: str | None, progress: bool = True) -> int:
     """Print autoscaled vs static fleets at equal resources on the day-shaped workload."""
     from sluice_tools.report import write_json
     from sluice_tools.sim.fleet_scenarios import (
@@ -369,7 +369,18 @@ def _run_equal_resources(fleet: Any, json_path: str | None) -> int:
         raise ValueError("--equal-resources needs --autoscale MIN:MAX")
     requests = day_workload()
     print(f"day-shaped workload: {len(requests)} requests over 600 s (1 -> 16 -> 1 req/s)", file=sys.stderr)
-    rows = compare_at_equal_resources(requests, fleet_config(fleet.planner.min_replicas, fleet.planner.max_replicas))
+    reporters: list[_Progress] = []
+
+    def report(label: str) -> _Progress:  # one progress line per fleet run; the previous one is done
+        if reporters:
+            reporters[-1].done()
+        reporters.append(_Progress(label, requests))
+        return reporters[-1]
+
+    rows = compare_at_equal_resources(requests, fleet_config(fleet.planner.min_replicas, fleet.planner.max_replicas),
+                                      progress=report if progress else None)
+    if reporters:
+        reporters[-1].done()
     print(equal_resources_table(rows))
     if json_path:
         print(f"wrote {write_json({'equal_resources': rows}, json_path)}", file=sys.stderr)

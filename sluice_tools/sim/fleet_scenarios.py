@@ -141,23 +141,29 @@ def day_workload(duration_s: float = 600.0, low: float = 1.0, high: float = 16.0
                                  duration_s, input_tokens=PROMPT, output_tokens=ANSWER, seed=seed)
 
 
-def compare_at_equal_resources(requests: list[WorkloadRequest], fleet: FleetConfig,
-                               sim: SimConfig = SIM) -> list[dict[str, Any]]:
+def compare_at_equal_resources(requests: list[WorkloadRequest], fleet: FleetConfig, sim: SimConfig = SIM,
+                               progress: Callable[[str], Callable[[float], None]] | None = None,
+                               ) -> list[dict[str, Any]]:
     """Run the autoscaled fleet, then static fleets of its min, its max and its GPU-second-equal size (the
     autoscaled GPU-seconds over the run's span, rarely whole: both neighbours are run, bracketing it).
+    `progress(label)`, if given, returns the callback each run reports its simulated time to (`sluice sim`'s
+    progress lines).
 
     Returns one row per fleet: name, replicas, GPU-seconds, SLO attainment, TTFT p90, requests ok."""
     planner = fleet.planner
-    rows = []
+
+    def run(label: str, simulator: FleetSimulator) -> dict[str, Any]:
+        simulator.on_progress = progress(label) if progress is not None else None
+        return _row(label, simulator, simulator.run(), sim)
+
     auto = FleetSimulator(replace(sim, replicas=planner.min_replicas), requests, fleet)
-    rows.append(_row(f"autoscaled {planner.min_replicas}:{planner.max_replicas}", auto, auto.run(), sim))
+    rows = [run(f"autoscaled {planner.min_replicas}:{planner.max_replicas}", auto)]
     span = max(auto.end_s, 1e-9)
     equal = auto.report.gpu_seconds / span
     bracket = {max(1, math.floor(equal)), max(1, math.ceil(equal))}
     for size in sorted({planner.min_replicas or 1, planner.max_replicas, *bracket}):
         static = FleetSimulator(replace(sim, replicas=size), requests, replace(fleet, autoscale=False))
-        label = f"static {size}" + (f" (GPU-s equal is {equal:.2f})" if size in bracket else "")
-        rows.append(_row(label, static, static.run(), sim))
+        rows.append(run(f"static {size}" + (f" (GPU-s equal is {equal:.2f})" if size in bracket else ""), static))
     return rows
 
 

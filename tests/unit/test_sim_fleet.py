@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from sluice_tools.commands.sim import format_fleet, parse_autoscale
 from sluice_tools.sim.fleet import FleetConfig, rate_profile_workload
-from sluice_tools.sim.fleet_scenarios import fleet_config, sim_config
+from sluice_tools.sim.fleet_scenarios import (
+    compare_at_equal_resources,
+    day_workload,
+    fleet_config,
+    sim_config,
+)
 from sluice_tools.sim.run import simulate
 
 
@@ -40,3 +47,17 @@ def test_a_fleet_that_loses_a_replica_and_repairs_counts_the_replacement_from_it
     span = result.summary["sim"]["simulated_s"]
     assert fleet["gpu_seconds"] == pytest.approx(span + 10.0 + (span - repair["t"]), abs=1e-2)
     assert all(r.status == "ok" and r.output_tokens == 64 for r in result.records)
+
+
+def test_the_equal_resources_comparison_reports_progress_for_every_fleet_it_runs() -> None:
+    """`sluice sim --equal-resources` runs several fleets one after another; each reports its simulated time
+    to its own progress callback (so a long comparison is never silent), and the labels are the rows' names."""
+    seen: dict[str, list[float]] = {}
+
+    def progress(label: str) -> Callable[[float], None]:
+        seen[label] = []
+        return seen[label].append
+
+    rows = compare_at_equal_resources(day_workload(duration_s=60.0, high=4.0), fleet_config(1, 3), progress=progress)
+    assert list(seen) == [row["fleet"] for row in rows]
+    assert all(times and times == sorted(times) and times[-1] > 0 for times in seen.values())
