@@ -231,7 +231,7 @@ class WorkerRuntime:
         finally:
             self._last_end = time.perf_counter()
         self._last_outputs = result.outputs
-        return dataclasses.replace(result, refused=refused) if refused else result
+        return dataclasses.replace(result, refused=refused + result.refused) if refused else result
 
     def _count_tokens(self, plan: RoundPlan) -> None:
         prefill = sum(len(s.token_ids) for s in plan.seqs if s.is_prefill)

@@ -1,0 +1,49 @@
+"""Structured output: the JSON schema a request's output must match, as the text the wire carries and as the
+regular expression the worker's grammar (outlines-core) compiles.
+
+Admission checks a schema here (a schema the grammar cannot express is a 400 naming the field, not a failure
+in the worker); the worker compiles the same regular expression into its token index
+(worker_svc/engine/grammar.py). Whitespace between JSON tokens is at most one space (`[ ]?`), so a model
+cannot fill its output with blanks. outlines-core is imported on first use: the client SDK does not need it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from functools import lru_cache
+from typing import Any
+
+JSON_OBJECT_SCHEMA = '{"type":"object"}'
+"""OpenAI's response_format {"type": "json_object"}: any JSON object."""
+WHITESPACE = "[ ]?"
+"""Whitespace allowed between JSON tokens."""
+
+
+class SchemaError(ValueError):
+    """The schema is not a JSON schema the grammar can express."""
+
+
+def schema_text(schema: Mapping[str, Any]) -> str:
+    """Return a schema's canonical text (sorted keys, no blanks): equal schemas give equal text, one cache key."""
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+@lru_cache(maxsize=256)
+def schema_regex(text: str) -> str:
+    """Return the regular expression of the JSON documents a schema (its text) allows.
+
+    Raises SchemaError when the text is not a JSON object or the grammar cannot express the schema
+    (an unknown type, an unresolvable $ref, ...)."""
+    try:
+        schema = json.loads(text)
+    except ValueError as exc:
+        raise SchemaError(f"the schema is not JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise SchemaError("the schema must be a JSON object")
+    from outlines_core.json_schema import build_regex_from_schema
+
+    try:
+        return str(build_regex_from_schema(text, WHITESPACE))
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise SchemaError(str(exc)[:300]) from None
