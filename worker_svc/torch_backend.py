@@ -227,6 +227,8 @@ class TorchBackend:
         self.cache.clear_blocks(blocks)
         if result.error:
             raise RuntimeError(f"warm-up round failed: {result.error}")
+        if grammar_available():  # json_object's index takes a second to build: not in a client's round
+            self.grammar.warm_up()
 
 
 def model_fingerprint(model_dir: Path) -> str:

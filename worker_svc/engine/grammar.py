@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from sluice.structured import SchemaError, schema_regex
+from sluice.structured import JSON_OBJECT_SCHEMA, SchemaError, schema_regex
 from sluice.tokenizer import TextTokenizer
 
 MAX_INDEXES = 64
@@ -89,6 +89,10 @@ class TokenGrammar:
         if len(self._indexes) > MAX_INDEXES:
             self._indexes.popitem(last=False)
         return index
+
+    def warm_up(self) -> None:
+        """Build the index of response_format json_object's schema (the one every such request shares)."""
+        self._index(JSON_OBJECT_SCHEMA)
 
     def _guide(self, request_id: str, schema: str, history: Sequence[int]) -> _RequestGuide:
         """Return the request's guide, its accepted tokens brought to equal `history`."""
