@@ -57,6 +57,16 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logprob_token_ids": (None, []), "continuous_usage_stats": (None, False), "cache_salt": (None, ""),
 }
 
+ACCEPTED_FIELDS = (
+    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "seed", "stop", "stop_token_ids",
+    "ignore_eos", "n", "best_of", "logprobs", "top_logprobs", "return_tokens_as_token_ids", "echo", "stream",
+    "stream_options", "user", "priority", "sluice_token_times", "response_format", "tools", "tool_choice",
+)
+"""The completions and chat fields the edge reads (docs/usage.md's table lists each, with `_UNSUPPORTED`'s)."""
+KNOWN_FIELDS = frozenset(ACCEPTED_FIELDS) | frozenset(_UNSUPPORTED)
+"""Every completions and chat field the edge knows: read, or refused unless left at its default."""
+
 
 @dataclass(frozen=True)
 class ParsedRequest:
