@@ -28,7 +28,7 @@ CASES: list[dict[str, Any]] = [
     {"temperature": 0, "max_tokens": 12, "logprobs": 0, "presence_penalty": 1.5, "frequency_penalty": 0.5,
      "repetition_penalty": 1.3, "ignore_eos": True},
     {"temperature": 0, "max_tokens": 12, "logprobs": 1, "logit_bias": {"65": 4.0, "66": -100}, "ignore_eos": True},
-    {"temperature": 0, "max_tokens": 24, "stop": ["e"], "ignore_eos": True},
+    {"temperature": 0, "max_tokens": 24, "logprobs": 0, "stop": ["e"], "ignore_eos": True},
     {"temperature": 0.9, "max_tokens": 12, "seed": 1234, "min_p": 0.1, "n": 2, "logprobs": 0, "ignore_eos": True},
 ]
 
@@ -54,13 +54,14 @@ def _choices(answer: dict[str, Any]) -> list[tuple[str, list[str], list[float]]]
 
 @pytest.mark.parametrize("params", CASES, ids=["logprobs", "penalties", "logit_bias", "stop", "seeded_min_p_n"])
 def test_the_same_request_through_sluice_equals_vllm_alone(vllm_stack: Stack, params: dict[str, Any]) -> None:
-    """Text, tokens (`token_id:N`) and log-probabilities (1e-3) of every choice equal vLLM's own answer."""
+    """Tokens (`token_id:N`), log-probabilities (1e-3) and text of every choice equal vLLM's own answer (the text
+    but for a trailing incomplete UTF-8 character: vLLM drops it at the end, Sluice sends it as U+FFFD)."""
     body = {"model": "tiny", "prompt": PROMPT, "return_tokens_as_token_ids": True, **params}
     direct = _choices(_post(engine_url(vllm_stack, 0), body))
     through = _choices(_post(vllm_stack.http_base_url.removesuffix("/v1"), body, api_key="k-gold"))
     assert len(through) == len(direct) == params.get("n", 1)
     for (text, tokens, logprobs), (ref_text, ref_tokens, ref_logprobs) in zip(through, direct, strict=True):
-        assert text == ref_text and tokens == ref_tokens
+        assert tokens == ref_tokens and text.rstrip("\ufffd") == ref_text.rstrip("\ufffd")
         assert all(math.isclose(a, b, abs_tol=1e-3) for a, b in zip(logprobs, ref_logprobs, strict=True))
     if params.get("n", 1) > 1:
         assert through[0][0] != through[1][0]  # seed + j: the samples differ, in vLLM as in Sluice
