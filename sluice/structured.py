@@ -31,8 +31,9 @@ class SchemaError(ValueError):
 
 
 def schema_text(schema: Mapping[str, Any]) -> str:
-    """Return a schema's canonical text (sorted keys, no blanks): equal schemas give equal text, one cache key."""
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """Return a schema's text without blanks, its keys in the client's order (a grammar writes an object's
+    properties in the order the schema lists them, vLLM's as Sluice's)."""
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
 
 
 @lru_cache(maxsize=256)

@@ -12,7 +12,6 @@ import math
 import urllib.request
 from typing import Any
 
-import jsonschema
 import pytest
 
 from sluice_tools.stack import Stack
@@ -70,10 +69,13 @@ def test_the_same_request_through_sluice_equals_vllm_alone(vllm_stack: Stack, pa
 
 
 def test_structured_output_passes_through_to_vllms_grammar(vllm_stack: Stack) -> None:
-    """response_format json_schema through Sluice gives vLLM's own structured answer, valid under the schema."""
+    """response_format json_schema through Sluice gives vLLM's own structured answer, in the schema's property
+    order (vLLM's grammar allows any whitespace, which the random tiny model fills until max_tokens)."""
     body = {"model": "tiny", "prompt": PROMPT, "temperature": 0, "max_tokens": 60,
             "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}}
     direct = _choices(_post(engine_url(vllm_stack, 0), body))[0][0]
     through = _choices(_post(vllm_stack.http_base_url.removesuffix("/v1"), body, api_key="k-gold"))[0][0]
     assert through == direct
-    jsonschema.validate(json.loads(through), SCHEMA)
+    assert "".join(through.split()).startswith('{"ok"')
+    plain = _choices(_post(engine_url(vllm_stack, 0), {**body, "response_format": None}))[0][0]
+    assert not "".join(plain.split()).startswith('{"ok"')  # without the schema vLLM writes no such thing
