@@ -30,7 +30,7 @@ ADD = {"type": "object", "properties": {"a": {"type": "boolean"}, "b": {"enum": 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "add", "parameters": ADD}}]
 CHAT = [{"role": "user", "content": "Answer in JSON please"}]
-GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": 80}
+GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": 100}
 CONFIG = """
 [tenants.acme]
 api_keys = ["k-acme"]
