@@ -74,6 +74,8 @@ class Driver:
         """The worker's vocabulary size, for Submit's token id check; 0: unknown, not checked."""
         self.structured_output = structured_output
         """The worker honours SamplingParams.json_schema (WorkerInfo.structured_output); else Submit refuses it."""
+        self.structured_resume = True
+        """The worker's grammar replays json_prefix_ids, so a migrated structured request resumes mid-document."""
         self.bus = bus
         self.replica_id = replica_id
         self.model_id = model_id

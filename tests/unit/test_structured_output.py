@@ -139,7 +139,8 @@ def test_schemas_the_grammar_cannot_express_are_refused() -> None:
 
 def test_the_cost_model_declares_it_cannot_and_submit_refuses_it(tiny_preset: Path, backend: TorchBackend) -> None:
     """The torch worker declares structured output, the cost model does not; the scheduler's Submit refuses a
-    json_schema on a worker without it, naming response_format, and takes it on one with it."""
+    json_schema on a worker without it, naming response_format, and takes it on one with it; an engine whose grammar
+    cannot resume mid-document (vLLM) refuses a migrated structured request rather than writing a wrong one."""
     assert backend.info().structured_output
     assert not CostModel("llama-3-8b", "h100").info().structured_output
     request = scheduler_pb2.SubmitRequest(request_id="r", prompt_token_ids=[1, 2],
@@ -148,3 +149,7 @@ def test_the_cost_model_declares_it_cannot_and_submit_refuses_it(tiny_preset: Pa
         _check_submission(request, 258, structured_output=False)
     assert info.value.field_name == "response_format"
     _check_submission(request, 258, structured_output=True)
+    request.sampling.json_prefix_ids.extend([123, 34])
+    with pytest.raises(errors.InvalidArgument) as info:
+        _check_submission(request, 258, structured_output=True, structured_resume=False)  # vLLM: no mid-document
+    assert info.value.field_name == "sampling.json_prefix_ids"
