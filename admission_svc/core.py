@@ -45,6 +45,7 @@ from admission_svc.reservations import Growth, Reservation, Usage, make_reserver
 from sluice.config import Budgets, ReservationConfig, TenantConfig
 from sluice.core_errors import CoreError, DuplicateRequest, InvalidRequest, OverBudget, UnknownApiKey
 from sluice.safe_text import SHOWN_CHARS, shown
+from sluice.structured import SchemaError, schema_regex
 from sluice.types import MAX_LOGPROBS, SamplingParams
 
 
@@ -171,7 +172,8 @@ class AdmissionCore:
 
     @staticmethod
     def validate_penalties(sampling: SamplingParams, vocab_size: int) -> None:
-        """Check penalties, min_p, logit_bias and logprobs against vLLM's ranges (vllm/sampling_params.py).
+        """Check penalties, min_p, logit_bias and logprobs against vLLM's ranges (vllm/sampling_params.py), and a
+        structured output's JSON schema against what the grammar can express.
 
         Raises InvalidRequest naming the field and the value."""
         for name, value, low, high in (("presence_penalty", sampling.presence_penalty, -2.0, 2.0),
@@ -191,6 +193,15 @@ class AdmissionCore:
         if sampling.logprobs is not None and not 0 <= sampling.logprobs <= MAX_LOGPROBS:
             raise InvalidRequest("sampling.logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], "
                                                       f"got {sampling.logprobs}")
+        if sampling.json_schema:
+            try:
+                schema_regex(sampling.json_schema)
+            except SchemaError as exc:
+                raise InvalidRequest("sampling.json_schema", f"json_schema cannot be used for structured output: "
+                                                             f"{exc}"[:300]) from None
+            if sampling.ignore_eos:
+                raise InvalidRequest("sampling.ignore_eos", "ignore_eos cannot go with structured output (the "
+                                                            "document ends at EOS)")
 
     # ---- the ledger -------------------------------------------------------------------------
     def admit(self, request_id: str, tenant: str, input_tokens: int, max_tokens: int, now: float, *,

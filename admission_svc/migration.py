@@ -342,7 +342,10 @@ class Migrator:
         record.span.add_event("migrated", attributes={
             "cause": cause.value, "sluice.from_replica_id": old_replica, "sluice.tokens_kept": streamed,
             "sluice.migration": record.migrations})
-        call = dataclasses.replace(placement.call, sampling=dataclasses.replace(sampling, max_tokens=left))
+        sampling = dataclasses.replace(sampling, max_tokens=left)
+        if sampling.json_schema:  # the grammar replays what was made under the schema before this attempt
+            sampling = dataclasses.replace(sampling, json_prefix_ids=tuple(stream.tokens[:streamed]))
+        call = dataclasses.replace(placement.call, sampling=sampling)
         ids = list(placement.prompt_ids) + stream.tokens[:streamed]
         if not await self._place(record, call, ids, placement.deadline_unix_s):
             door.metrics.migration_failures.labels("no_replica").inc()

@@ -4,6 +4,10 @@ choice's text (stop strings cut, the echoed prompt first) and log-probabilities 
 No I/O. Log-probabilities: chat answers `logprobs.content`, one `{token, logprob, bytes, top_logprobs}` per
 output token; completions answer `logprobs` with `tokens`, `token_logprobs`, `top_logprobs` (the chosen token
 and the alternatives, by token text) and `text_offset` (characters into the returned text, echo included).
+
+Tool calls (a chat with tools, admission_svc/openai_tools.py): a choice's text is held back until it finishes,
+then parsed; calls found become `tool_calls` (streamed: in the last chunk, with `finish_reason: "tool_calls"`)
+and the text left is the content.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Any
 
 from admission_svc.calls import Output
 from admission_svc.openai_convert import ParsedRequest
+from admission_svc.openai_tools import openai_tool_calls, parse_tool_calls
 from admission_svc.stops import StopTrimmer
 from sluice.model_spec import ModelSpec
 from sluice.v1 import common_pb2
@@ -60,6 +65,10 @@ class ChoiceText:
         self.offset = len(self.echo)
         """Characters of text before the next token (completions' logprobs.text_offset)."""
         self.first = True
+        self.held = ""
+        """(tools) The text so far, parsed when the choice finishes."""
+        self.tool_calls: list[dict[str, Any]] = []
+        """(tools) The calls parsed from the finished text."""
 
     def piece(self, output: Output) -> tuple[str, dict[str, Any] | None]:
         """Return the text `output` lets show (the echo before the first) and its tokens' log-probabilities."""
@@ -68,9 +77,20 @@ class ChoiceText:
             text += self.trimmer.flush()
         if self.echo:
             text, self.echo = self.echo + text, ""
+        if self.request.tools is not None:
+            text = self._tool_text(text, output.completion is not None)
         if self.request.logprobs is None or output.completion is not None:
             return text, None
         return text, self._logprobs(output.token_ids, output.logprobs)
+
+    def _tool_text(self, text: str, finished: bool) -> str:
+        """Hold the text back until the choice finishes; then return its content with the tool calls cut out."""
+        self.held += text
+        if not finished:
+            return ""
+        assert self.request.tools is not None
+        content, self.tool_calls = parse_tool_calls(self.held, self.request.tools)
+        return content or ""
 
     def _logprobs(self, token_ids: Sequence[int], logprobs: Sequence[common_pb2.TokenLogprobs]) -> dict[str, Any]:
         name = self.token_text
@@ -101,6 +121,11 @@ class ChoiceText:
         self.first = False
         if text is not None:
             content["content"] = text
+        if self.tool_calls and (finish is not None or not self.request.stream):
+            if not self.request.stream and not text:
+                content["content"] = None
+            content["tool_calls"] = openai_tool_calls(self.tool_calls, self.request.stream)
+            finish = "tool_calls" if finish == "stop" else finish
         return {"index": self.index, key: content, "logprobs": logprobs if wanted else None, "finish_reason": finish}
 
 

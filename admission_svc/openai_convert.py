@@ -10,9 +10,13 @@ One body can ask for several choices: `n` samples of each prompt, and (completio
 Each choice is its own request inside (`ParsedRequest.calls`, choice i*n + j is sample j of prompt i, as
 vLLM orders them); sample j of a seeded request uses seed + j, so the n samples differ.
 
-What Sluice cannot do is refused by name rather than ignored: `best_of` other than n, `suffix`, tools,
-function calls, audio, predictions and non-text response formats (400 with the field), and `echo` with
-`logprobs` (prompt log-probabilities). Extension fields (vLLM's): `priority`, `top_k`, `min_p`,
+Structured output: `response_format` json_object or json_schema (chat and completions) becomes the request's
+JSON schema (`SamplingParams.json_schema`, sluice/structured.py), checked here so a schema the grammar cannot
+express is a 400 naming `response_format`. Chat `tools` / `tool_choice`: admission_svc/openai_tools.py.
+
+What Sluice cannot do is refused by name rather than ignored: `best_of` other than n, `suffix`, the legacy
+`functions` / `function_call`, audio, predictions, vLLM's guided_* and structured_outputs fields (400 with the
+field), and `echo` with `logprobs` (prompt log-probabilities). Extension fields (vLLM's): `priority`, `top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, `return_tokens_as_token_ids`; and `sluice_token_times` (each streamed chunk then carries
 `sluice.created_unix_s`, when its first token was made, so a client can measure what the path adds per token).
 """
@@ -26,11 +30,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from admission_svc.calls import GenerateCall
+from admission_svc.openai_tools import ToolPlan, tool_plan
 from admission_svc.ranges import INT64
 from admission_svc.stops import stop_strings_problem
 from sluice import errors
 from sluice.chat_template import ChatTemplateError
 from sluice.model_spec import GenerationDefaults, ModelSpec
+from sluice.structured import JSON_OBJECT_SCHEMA, SchemaError, schema_regex, schema_text
 from sluice.types import MAX_LOGPROBS, SamplingParams
 
 OPENAI_DEFAULTS = GenerationDefaults(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=16)
@@ -42,8 +48,7 @@ MAX_CHOICES = 128
 
 # Field -> the values that mean "not asked for"; anything else is a feature Sluice does not have.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none", "auto"),
-    "functions": (None, []), "function_call": (None, "none", "auto"), "audio": (None,), "prediction": (None,),
+    "suffix": (None, ""), "functions": (None, []), "function_call": (None, "none", "auto"), "audio": (None,), "prediction": (None,),
     "prompt_logprobs": (None, 0), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "structured_outputs": (None,),
     # vLLM extensions Sluice does not have, refused unless left at vLLM's default
@@ -52,6 +57,16 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "bad_words": (None, []), "allowed_token_ids": (None,), "use_beam_search": (None, False),
     "logprob_token_ids": (None, []), "continuous_usage_stats": (None, False), "cache_salt": (None, ""),
 }
+
+ACCEPTED_FIELDS = (
+    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "seed", "stop", "stop_token_ids",
+    "ignore_eos", "n", "best_of", "logprobs", "top_logprobs", "return_tokens_as_token_ids", "echo", "stream",
+    "stream_options", "user", "priority", "sluice_token_times", "response_format", "tools", "tool_choice",
+)
+"""The completions and chat fields the edge reads (docs/usage.md's table lists each, with `_UNSUPPORTED`'s)."""
+KNOWN_FIELDS = frozenset(ACCEPTED_FIELDS) | frozenset(_UNSUPPORTED)
+"""Every completions and chat field the edge knows: read, or refused unless left at its default."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +92,8 @@ class ParsedRequest:
     """Log-probabilities per output token with this many alternatives; None: none asked for."""
     tokens_as_ids: bool = False
     """vLLM's `return_tokens_as_token_ids`: log-probabilities name tokens `token_id:<id>`, not by their text."""
+    tools: ToolPlan | None = None
+    """(chat) how the request uses tools: the answer's text is parsed into tool_calls; None: no tools."""
 
     @property
     def call(self) -> GenerateCall:
@@ -221,6 +238,34 @@ def _sampling(body: Mapping[str, Any], model: ModelSpec, max_tokens_field: str, 
                           logit_bias=_logit_bias(body, model.vocab_size), logprobs=_logprobs(body, chat))
 
 
+def _response_format(body: Mapping[str, Any]) -> str:
+    """Return the JSON schema text `response_format` asks for ("": free text); raises InvalidArgument naming it."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return ""
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise _bad("response_format", "response_format must be an object with a string type")
+    kind = fmt["type"]
+    if kind == "text":
+        return ""
+    if kind == "json_object":
+        return JSON_OBJECT_SCHEMA
+    if kind != "json_schema":
+        raise _bad("response_format.type", f"response_format.type must be text, json_object or json_schema, "
+                                           f"got {kind!r}"[:200])
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise _bad("response_format.json_schema.schema", "response_format json_schema needs json_schema.schema, "
+                                                         "a JSON schema object")
+    text = schema_text(spec["schema"])
+    try:
+        schema_regex(text)
+    except SchemaError as exc:
+        raise _bad("response_format.json_schema.schema", f"the schema cannot be used for structured output: "
+                                                         f"{exc}"[:300]) from None
+    return text
+
+
 def _choices_per_prompt(body: Mapping[str, Any]) -> int:
     n = _number(body, "n", int)
     n = 1 if n is None else n
@@ -234,7 +279,7 @@ def _choices_per_prompt(body: Mapping[str, Any]) -> int:
 
 
 def _request(body: Mapping[str, Any], model: ModelSpec, chat: bool, max_tokens_field: str,
-             prompts: Sequence[str | tuple[int, ...]], idempotency_key: str) -> ParsedRequest:
+             prompts: Sequence[str | tuple[int, ...]], idempotency_key: str, json_schema: str = "") -> ParsedRequest:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise _bad("user", "user must be a string")
@@ -251,6 +296,10 @@ def _request(body: Mapping[str, Any], model: ModelSpec, chat: bool, max_tokens_f
     if sampling.seed is not None and not INT64[0] <= sampling.seed <= INT64[1] - (n - 1):
         raise _bad("seed", f"seed must be in [{INT64[0]}, {INT64[1] - (n - 1)}] (sample j of n uses seed + j), "
                            f"got {sampling.seed}"[:200])
+    if json_schema:
+        if sampling.ignore_eos:
+            raise _bad("ignore_eos", "ignore_eos cannot go with structured output (the document ends at EOS)")
+        sampling = dataclasses.replace(sampling, json_schema=json_schema)
     rest_of_context = chat and body.get(max_tokens_field) is None and sampling.max_tokens == 0
     priority = _number(body, "priority", int) or 0
     calls: list[GenerateCall] = []
@@ -273,7 +322,7 @@ def completion_request(body: Mapping[str, Any], model: ModelSpec, idempotency_ke
     """Return the checked request of a /v1/completions body; raises InvalidArgument naming the field."""
     _refuse_unsupported(body)
     prompts = _prompts(body.get("prompt"))
-    parsed = _request(body, model, False, "max_tokens", prompts, idempotency_key)
+    parsed = _request(body, model, False, "max_tokens", prompts, idempotency_key, _response_format(body))
     if not _flag(body, "echo"):
         return parsed
     if parsed.logprobs is not None:
@@ -304,21 +353,28 @@ def chat_request(body: Mapping[str, Any], model: ModelSpec, idempotency_key: str
     """Return the checked request of a /v1/chat/completions body, its messages rendered with the model's
     chat template; raises InvalidArgument naming the field."""
     _refuse_unsupported(body)
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise _bad("response_format", "only response_format {\"type\": \"text\"} is supported (structured "
-                                      "output is not implemented yet)")
+    json_schema = _response_format(body)
+    source = model.chat_template.source if model.chat_template is not None else None
+    tools = tool_plan(body, source)
+    if tools is not None and tools.forced:
+        if json_schema:
+            raise _bad("response_format", "response_format cannot go with a forced tool call (tool_choice "
+                                          "\"required\" or a named function)")
+        json_schema = tools.call_schema
     if _flag(body, "echo"):
         raise _bad("echo", "echo is a completions field; chat completions do not echo")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "messages must be a non-empty list")
     try:
-        prompt = model.render_chat([_message(m, i) for i, m in enumerate(messages)])
+        prompt = model.render_chat([_message(m, i) for i, m in enumerate(messages)],
+                                   tools=tools.tools if tools is not None else None)
     except ChatTemplateError as exc:
         raise _bad("messages", f"cannot render the chat: {exc}"[:300]) from None
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return _request(body, model, True, field, [prompt], idempotency_key)
+    prompt += tools.prompt_suffix if tools is not None else ""
+    parsed = _request(body, model, True, field, [prompt], idempotency_key, json_schema)
+    return dataclasses.replace(parsed, tools=tools) if tools is not None else parsed
 
 
 def _message(message: Any, index: int) -> dict[str, Any]:

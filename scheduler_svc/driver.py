@@ -67,10 +67,15 @@ class Driver:
                  replica_id: str, model_id: str, eos_token_id: int, metrics: SchedulerMetrics | None = None,
                  clock: Callable[[], float] = time.time, use_stream: bool = True,
                  worker_retry_s: float = 0.5, worker_health: health_pb2_grpc.HealthStub | None = None,
-                 publish_first_max_tokens: int = 64, vocab_size: int = 0, pipeline: bool = True) -> None:
+                 publish_first_max_tokens: int = 64, vocab_size: int = 0, pipeline: bool = True,
+                 structured_output: bool = False) -> None:
         self.core = core
         self.vocab_size = vocab_size
         """The worker's vocabulary size, for Submit's token id check; 0: unknown, not checked."""
+        self.structured_output = structured_output
+        """The worker honours SamplingParams.json_schema (WorkerInfo.structured_output); else Submit refuses it."""
+        self.structured_resume = True
+        """The worker's grammar replays json_prefix_ids, so a migrated structured request resumes mid-document."""
         self.bus = bus
         self.replica_id = replica_id
         self.model_id = model_id

@@ -86,9 +86,18 @@ LEASE_SWEEP_S = 0.5
 """How often requests of owners whose lease lapsed are looked for (and cancelled)."""
 
 
-def _check_submission(request: scheduler_pb2.SubmitRequest, vocab_size: int) -> None:
+def _check_submission(request: scheduler_pb2.SubmitRequest, vocab_size: int, structured_output: bool = True,
+                      structured_resume: bool = True) -> None:
     """Raise InvalidArgument for what the worker would refuse in a plan (worker_svc/validation.py): a refused
-    plan looks like a lost worker to the driver, so one such request would take the replica out of rotation."""
+    plan looks like a lost worker to the driver, so one such request would take the replica out of rotation;
+    and for structured output on an engine that declares it cannot honour it (the cost model)."""
+    if request.sampling.json_schema and not structured_output:
+        raise errors.InvalidArgument("structured output (response_format json_object / json_schema, or a forced "
+                                     "tool call) is not supported by this replica's engine (the cost model "
+                                     "makes no text a grammar could constrain)", field_name="response_format")
+    if request.sampling.json_prefix_ids and not structured_resume:
+        raise errors.InvalidArgument("a structured request cannot resume mid-document on this engine (its grammar "
+                                     "starts at the document's start)", field_name="sampling.json_prefix_ids")
     ids = request.prompt_token_ids
     if vocab_size and ids and (min(ids) < 0 or max(ids) >= vocab_size):
         bad = next(i for i in ids if not 0 <= i < vocab_size)
@@ -136,7 +145,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                                      "could not reach the client", reason="bus_unavailable", retry_after_s=1.0)
         if not request.request_id:
             raise errors.InvalidArgument("request_id is required", field_name="request_id")
-        _check_submission(request, self.driver.vocab_size)
+        _check_submission(request, self.driver.vocab_size, self.driver.structured_output,
+                          self.driver.structured_resume)
         position = self.driver.submit(request, extract_metadata(context.invocation_metadata()))
         self.leases.track(request.request_id, request.owner, request.owner_incarnation, self.driver.clock())
         return scheduler_pb2.SubmitResponse(queue_position=position)
@@ -440,6 +450,7 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
                     model_id=info.model_id, eos_token_id=info.eos_token_id, metrics=metrics, use_stream=use_stream,
                     worker_health=health_pb2_grpc.HealthStub(worker_channel),
                     publish_first_max_tokens=publish_first_max_tokens, vocab_size=info.vocab_size,
+                    structured_output=info.structured_output,
                     pipeline=pipeline)
     health = health_aio.HealthServicer()
     server, bound = await start_scheduler_server(driver, health, port, host, tls_files, bus_alive)

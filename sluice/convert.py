@@ -58,6 +58,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         min_p=msg.min_p,
         logit_bias=tuple(sorted(msg.logit_bias.items())),
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        json_schema=msg.json_schema, json_prefix_ids=tuple(msg.json_prefix_ids),
     )
 
 
@@ -69,7 +70,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         stop_strings=params.stop_strings, ignore_eos=params.ignore_eos,
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         repetition_penalty=0.0 if params.repetition_penalty == 1.0 else params.repetition_penalty,
-        min_p=params.min_p, logit_bias=dict(params.logit_bias),
+        min_p=params.min_p, logit_bias=dict(params.logit_bias), json_schema=params.json_schema,
+        json_prefix_ids=params.json_prefix_ids,
     )
     if params.seed is not None:
         msg.seed = params.seed
@@ -172,7 +174,7 @@ def info_to_proto(info: BackendInfo) -> worker_pb2.WorkerInfo:
         model_id=info.model_id, model_version=info.model_version, block_size=info.block_size,
         num_blocks=info.num_blocks, num_host_blocks=info.num_host_blocks, dtype=info.dtype,
         device=info.device, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
-        eos_token_id=info.eos_token_id, backend=info.backend,
+        eos_token_id=info.eos_token_id, backend=info.backend, structured_output=info.structured_output,
     )
 
 
@@ -182,7 +184,7 @@ def info_from_proto(msg: worker_pb2.WorkerInfo) -> BackendInfo:
         model_id=msg.model_id, model_version=msg.model_version, block_size=msg.block_size,
         num_blocks=msg.num_blocks, num_host_blocks=msg.num_host_blocks, dtype=msg.dtype, device=msg.device,
         max_model_len=msg.max_model_len, vocab_size=msg.vocab_size, eos_token_id=msg.eos_token_id,
-        backend=msg.backend,
+        backend=msg.backend, structured_output=msg.structured_output,
     )
 
 

@@ -334,6 +334,8 @@ class WorkerMetrics:
                                     "Sequences refused from a round (they do not fit the worker; the rest of "
                                     "the round ran), by field.", ["field"], registry=r)
         self.tokens = Counter("sluice_worker_tokens", "Query tokens computed, by kind.", ["kind"], registry=r)
+        self.structured_tokens = Counter("sluice_worker_structured_tokens",
+                                         "Tokens sampled under a structured output's grammar mask.", registry=r)
         self.serving = Gauge("sluice_worker_serving", "1 once weights are loaded and warm-up ran.", registry=r)
         self.idle = Histogram("sluice_worker_idle_seconds",
                               "Device idle between the end of one round and the start of the next "

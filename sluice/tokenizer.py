@@ -62,6 +62,26 @@ class TextTokenizer:
         """Return the id of a token string (e.g. "</s>"), or None when it is not in the vocabulary."""
         return self._tokenizer.token_to_id(token)
 
+    def token_bytes(self) -> dict[int, bytes]:
+        """Return the bytes each token that is not a special token stands for, by id (a grammar's vocabulary).
+
+        Byte-level tokens (GPT-2's convention: bytes shown as visible characters) map back through that
+        table; SentencePiece tokens turn "\u2581" into a space and "<0xNN>" into the byte NN; added tokens
+        that are not special are their own text."""
+        decoder = {char: byte for byte, char in _byte_to_unicode().items()}
+        special = {i for i, added in self._tokenizer.get_added_tokens_decoder().items() if added.special}
+        out: dict[int, bytes] = {}
+        for token, token_id in self._tokenizer.get_vocab(with_added_tokens=True).items():
+            if token_id in special:
+                continue
+            if all(char in decoder for char in token):
+                out[token_id] = bytes(decoder[char] for char in token)
+            elif len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+                out[token_id] = bytes([int(token[3:5], 16)])
+            else:
+                out[token_id] = token.replace("\u2581", " ").encode()
+        return out
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Return the token ids of text; with add_special_tokens, those the post-processor adds (e.g. BOS)."""
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)

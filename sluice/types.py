@@ -91,12 +91,24 @@ class SamplingParams:
     """(token id, bias in [-100, 100]) pairs, sorted by id, added to the logits before sampling."""
     logprobs: int | None = None
     """None: no log-probabilities; 0: the chosen token's; N: also the N most likely tokens."""
+    json_schema: str = ""
+    """Structured output: the output is JSON valid under this JSON schema (its text); "": free text."""
+    json_prefix_ids: tuple[int, ...] = ()
+    """Output tokens made under the schema before a migration (now the end of the prompt): the grammar replays
+    them before this attempt's output."""
 
     @property
     def penalized(self) -> bool:
         """Return whether a penalty needs the request's token history (the whole output, and the prompt
         for the repetition penalty) in every round."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def reads_output(self) -> bool:
+        """Return whether the worker needs the whole output in every round: a penalty counts it, a grammar
+        replays it into the request's matcher when the worker has none for it (after preemption, migration
+        or a restart), so the matcher's state is the request's run-state, not the worker's."""
+        return self.penalized or bool(self.json_schema)
 
 
 @dataclass(slots=True)
@@ -394,6 +406,8 @@ class BackendInfo:
     eos_token_id: int
     backend: str
     """"torch" or "costmodel"."""
+    structured_output: bool = False
+    """Honours `SamplingParams.json_schema` (a grammar masks the tokens); else the scheduler refuses it."""
 
 
 # ---- a replica's presence at the router (sent by the scheduler, kept by the router, played by the simulator) ----

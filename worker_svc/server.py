@@ -231,13 +231,17 @@ class WorkerRuntime:
         finally:
             self._last_end = time.perf_counter()
         self._last_outputs = result.outputs
-        return dataclasses.replace(result, refused=refused) if refused else result
+        for seq in result.refused:  # the backend's own refusals (a schema its grammar cannot follow)
+            self.metrics.refused_seqs.labels(field_kind(seq.field_name)).inc()
+        return dataclasses.replace(result, refused=refused + result.refused) if refused else result
 
     def _count_tokens(self, plan: RoundPlan) -> None:
         prefill = sum(len(s.token_ids) for s in plan.seqs if s.is_prefill)
         decode = sum(len(s.token_ids) for s in plan.seqs if not s.is_prefill)
         self.metrics.tokens.labels("prefill").inc(prefill)
         self.metrics.tokens.labels("decode").inc(decode)
+        if structured := sum(1 for s in plan.seqs if s.sample and s.sampling.json_schema):
+            self.metrics.structured_tokens.inc(structured)
 
     def close(self) -> None:
         """Stop the backend thread (after the round in flight)."""

@@ -2,8 +2,9 @@
 
 A round is: validate the plan (a bad plan changes nothing and comes back as
 `RoundResult.error`), swap out, swap in, one forward over every query token of the round,
-logits for the sampling positions only, sampling, stop-string checks. The backend keeps no
-per-request state: everything it needs is in the plan.
+logits for the sampling positions only, the grammar's token mask of structured requests, sampling, stop-string checks.
+The backend keeps no per-request state it cannot rebuild from the plan: a structured request's guide
+(worker_svc/engine/grammar.py) is replayed from the output the plan carries whenever it is missing or behind.
 """
 
 from __future__ import annotations
@@ -15,11 +16,20 @@ from pathlib import Path
 
 import torch
 
-from sluice.types import RoundPlan, RoundResult, SamplingParams, ScheduledSeq, SeqOutput, TokenLogprobs
+from sluice.types import (
+    RefusedSeq,
+    RoundPlan,
+    RoundResult,
+    SamplingParams,
+    ScheduledSeq,
+    SeqOutput,
+    TokenLogprobs,
+)
 from worker_svc.backend import BackendInfo
 from worker_svc.engine.attention import DEFAULT_MAX_GATHER_BYTES, paged_attention
 from worker_svc.engine.batch import EngineLimits, RoundInputs, build_round_inputs
 from worker_svc.engine.errors import PlanError
+from worker_svc.engine.grammar import GrammarError, TokenGrammar, grammar_available
 from worker_svc.engine.kv_cache import PagedKVCache, blocks_for_budget
 from worker_svc.engine.loader import load_model
 from worker_svc.engine.sampler import sample_tokens, stop_string_hit, token_logprobs
@@ -72,6 +82,7 @@ class TorchBackend:
             block_size, num_blocks, self.config.vocab_size, self.config.max_position_embeddings
         )
         self.generator = torch.Generator().manual_seed(seed)
+        self.grammar = TokenGrammar(self.tokenizer, self.config.eos_token_id, self.sampling_vocab)
         self.model_version = model_fingerprint(self.model_dir)
         self.batched_decode = True
         """Decode attention as one padded batch (True) or one sequence at a time (for measuring)."""
@@ -99,6 +110,7 @@ class TorchBackend:
             vocab_size=self.config.vocab_size,
             eos_token_id=self.config.eos_token_id,
             backend="torch",
+            structured_output=grammar_available(),
         )
 
     def execute(self, plan: RoundPlan) -> RoundResult:
@@ -110,25 +122,46 @@ class TorchBackend:
         with self._lock:
             started = time.perf_counter()
             try:
-                outputs = self._execute(plan)
+                outputs, refused = self._execute(plan)
             except PlanError as exc:
                 return RoundResult(plan.round_id, (), time.perf_counter() - started, error=str(exc))
-            return RoundResult(plan.round_id, outputs, time.perf_counter() - started)
+            return RoundResult(plan.round_id, outputs, time.perf_counter() - started, refused=refused)
 
     @torch.inference_mode()
-    def _execute(self, plan: RoundPlan) -> tuple[SeqOutput, ...]:
+    def _execute(self, plan: RoundPlan) -> tuple[tuple[SeqOutput, ...], tuple[RefusedSeq, ...]]:
         inputs = self._prepare(plan)
         if inputs is None:
-            return ()
+            return (), ()
         logits = self._sampling_logits(inputs)
         sampling = [plan.seqs[i] for i in inputs.sample_seq_indices]
+        refused = self._mask_structured(logits, sampling)
         tokens = dict(
             zip(inputs.sample_seq_indices, sample_tokens(logits, sampling, self.generator), strict=True)
         )
         logprobs = {index: token_logprobs(logits[row], tokens[index], seq.sampling.logprobs)
                     for row, (index, seq) in enumerate(zip(inputs.sample_seq_indices, sampling, strict=True))
                     if seq.sampling.logprobs is not None}
-        return tuple(self._output(seq, tokens.get(index), logprobs.get(index)) for index, seq in enumerate(plan.seqs))
+        for index, seq in zip(inputs.sample_seq_indices, sampling, strict=True):
+            if seq.sampling.json_schema and seq.request_id not in refused:
+                self.grammar.accept(seq.request_id, tokens[index])
+        outputs = tuple(self._output(seq, tokens.get(index), logprobs.get(index))
+                        for index, seq in enumerate(plan.seqs) if seq.request_id not in refused)
+        return outputs, tuple(refused.values())
+
+    def _mask_structured(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> dict[str, RefusedSeq]:
+        """Mask the logits rows of structured sequences to what their schema allows (in place, before sampling
+        and log-probabilities, as vLLM applies its grammar bitmask); return the sequences refused, by request."""
+        refused: dict[str, RefusedSeq] = {}
+        for row, seq in enumerate(seqs):
+            params = seq.sampling
+            if not params.json_schema:
+                continue
+            try:
+                self.grammar.mask_logits(seq.request_id, params.json_schema,
+                                         (*params.json_prefix_ids, *seq.recent_output_ids), logits[row])
+            except GrammarError as exc:
+                refused[seq.request_id] = RefusedSeq(seq.request_id, "sampling.json_schema", str(exc))
+        return refused
 
     @torch.inference_mode()
     def round_logits(self, plan: RoundPlan) -> dict[int, torch.Tensor]:
@@ -194,6 +227,8 @@ class TorchBackend:
         self.cache.clear_blocks(blocks)
         if result.error:
             raise RuntimeError(f"warm-up round failed: {result.error}")
+        if grammar_available():  # json_object's index takes a second to build: not in a client's round
+            self.grammar.warm_up()
 
 
 def model_fingerprint(model_dir: Path) -> str:

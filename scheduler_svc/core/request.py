@@ -72,7 +72,7 @@ class Request:
         self.stop_tail = (
             max(len(s.encode()) for s in sampling.stop_strings) + 1 if sampling.stop_strings else 0
         )
-        if sampling.penalized:  # a penalty reads the whole output (and, for repetition, the prompt) every round
+        if sampling.reads_output:  # a penalty or a grammar reads the whole output every round
             self.stop_tail = sampling.max_tokens + 1
         # An array, not a list: the garbage collector does not walk it (see block_pool.py).
         # Raises OverflowError/TypeError for ids that are not 64-bit integers.

@@ -257,17 +257,6 @@ def test_what_cannot_be_honoured_is_400_naming_it(stack: Stack, field: str, valu
     assert info.value.status_code == 400 and info.value.param == field
 
 
-def test_structured_output_and_tools_are_400(stack: Stack) -> None:
-    """response_format json_object / json_schema and tools are refused by name (no grammar engine yet)."""
-    client = _openai(stack)
-    for field, value in (("response_format", {"type": "json_object"}),
-                         ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}])):
-        with pytest.raises(openai.BadRequestError) as info:
-            client.chat.completions.create(model=stack.model_id, messages=CHAT, max_tokens=2,  # type: ignore[arg-type]
-                                           extra_body={field: value})
-        assert info.value.param == field
-
-
 def test_tokenize_detokenize_version_and_metrics_routes(stack: Stack) -> None:
     """/tokenize and /detokenize round-trip with vLLM's shapes (chat too), /version names the version, /metrics
     is Prometheus text with the admission counters."""

@@ -87,8 +87,8 @@ def test_prompt_forms_and_bad_chats(spec: ModelSpec) -> None:
         assert info.value.field_name == field
     with pytest.raises(errors.InvalidArgument) as info:
         openai_convert.chat_request({"model": "", "messages": [{"role": "user", "content": "x"}],
-                                     "response_format": {"type": "json_object"}}, spec)
-    assert info.value.field_name == "response_format"
+                                     "response_format": {"type": "structural_tag"}}, spec)
+    assert info.value.field_name == "response_format.type"
 
 
 def test_stop_trimmer_cuts_at_a_stop_split_across_pieces() -> None:

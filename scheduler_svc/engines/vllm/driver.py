@@ -64,6 +64,11 @@ class VllmDriver:
         self.model_id = core.config.model_id
         self.vocab_size = 0
         """Token ids are the engine's to check (it refuses an id out of its vocabulary: that request fails)."""
+        self.structured_output = True
+        """vLLM applies structured output itself (the link passes the schema through)."""
+        self.structured_resume = False
+        """vLLM's grammar starts at the document's start: a migrated structured request is refused, not resumed
+        into a wrong document."""
         self.metrics = metrics or SchedulerMetrics()
         self.metrics.bind_model(self.model_id)
         self.clock = clock

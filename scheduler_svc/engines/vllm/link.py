@@ -90,7 +90,7 @@ def request_body(request: Request, served_model: str, priority_passthrough: bool
 
 def _penalties_and_logprobs(body: dict[str, Any], sampling: SamplingParams) -> None:
     """Add what differs from vLLM's defaults: penalties, min_p, logit_bias (vLLM validates the same ranges as
-    admission), and logprobs with the top alternatives named by token id."""
+    admission), logprobs with the top alternatives named by token id, and structured output's JSON schema."""
     for name, default in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
                           ("min_p", 0.0)):
         value = getattr(sampling, name)
@@ -101,6 +101,8 @@ def _penalties_and_logprobs(body: dict[str, Any], sampling: SamplingParams) -> N
     if sampling.logprobs is not None:
         body["logprobs"] = sampling.logprobs
         body["return_tokens_as_token_ids"] = True  # "token_id:N" keys: ids, not text pieces
+    if sampling.json_schema:  # vLLM's own grammar (its structured_outputs backend) applies the schema
+        body["structured_outputs"] = {"json": json.loads(sampling.json_schema)}
 
 
 def _token_id(key: str) -> int:
