@@ -13,7 +13,7 @@ import pytest
 
 from scheduler_svc.server import _check_submission
 from sluice import errors
-from sluice.structured import JSON_OBJECT_SCHEMA, SchemaError, schema_regex, schema_text
+from sluice.structured import JSON_OBJECT_SCHEMA, MAX_REGEX_CHARS, SchemaError, schema_regex, schema_text
 from sluice.types import RoundPlan, SamplingParams, ScheduledSeq
 from sluice.v1 import common_pb2, scheduler_pb2
 from worker_svc.costmodel import CostModel
@@ -135,6 +135,16 @@ def test_schemas_the_grammar_cannot_express_are_refused() -> None:
         with pytest.raises(SchemaError):
             schema_regex(text)
     assert schema_regex('{"type":"boolean"}') == "(true|false)"
+
+
+def test_a_schema_whose_grammar_would_stall_a_replica_is_refused() -> None:
+    """An open nested object compiles to a grammar whose index takes tens of seconds to build on the round
+    thread; it is refused by its size before any worker sees it, while json_object and listed properties pass."""
+    with pytest.raises(SchemaError, match="too large"):
+        schema_regex('{"type":"object","additionalProperties":{"type":"object"}}')
+    listed = {"type": "object", "properties": {f"p{i}": {"type": "string", "maxLength": 20} for i in range(10)}}
+    assert len(schema_regex(JSON_OBJECT_SCHEMA)) <= MAX_REGEX_CHARS
+    assert len(schema_regex(json.dumps(listed))) <= MAX_REGEX_CHARS
 
 
 def test_the_cost_model_declares_it_cannot_and_submit_refuses_it(tiny_preset: Path, backend: TorchBackend) -> None:
