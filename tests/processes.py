@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -48,3 +49,13 @@ def command_line(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return ""
+
+
+def wait_until(condition: Callable[[], object], timeout_s: float, poll_s: float = 0.05) -> bool:
+    """Return True as soon as `condition()` is true, polling every `poll_s`; after `timeout_s`, whether it is then."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(poll_s)
+    return bool(condition())

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sluice import client as sdk
 from sluice.v1 import admission_pb2_grpc
 from sluice_tools.stack import Stack, StackConfig
+from tests.processes import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -53,15 +54,6 @@ def _share(stack: Stack, index: int) -> float:
     return -1.0
 
 
-def _wait(condition, timeout_s: float) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return bool(condition())
-
-
 async def _burst(stack: Stack, requests: int, max_tokens: int) -> tuple[int, int]:
     """Open `requests` streams at once, each on a TCP connection of its own (so the kernel spreads them over the
     processes), no retries; return (admitted and streamed to the end, refused RESOURCE_EXHAUSTED). Anything else
@@ -90,7 +82,7 @@ def test_two_processes_never_admit_more_than_the_cap_and_a_killed_ones_share_ret
     """With max_active_requests 4 split over 2 processes behind one port, 24 simultaneous long streams: exactly 4
     run, 20 are refused; after kill -9 of one process the other's grant grows to 4 within the lease, and 8 new
     streams again see exactly 4 run."""
-    assert _wait(lambda: _share(stack, 0) == CAP / 2 and _share(stack, 1) == CAP / 2, 2 * LEASE_S), \
+    assert wait_until(lambda: _share(stack, 0) == CAP / 2 and _share(stack, 1) == CAP / 2, 2 * LEASE_S), \
         (_share(stack, 0), _share(stack, 1))
     admitted, refused = asyncio.run(_burst(stack, 24, 400))
     assert (admitted, refused) == (CAP, 24 - CAP)
@@ -100,7 +92,7 @@ def test_two_processes_never_admit_more_than_the_cap_and_a_killed_ones_share_ret
     os.kill(killed.popen.pid, signal.SIGKILL)
     killed.popen.wait(10)
     started = time.monotonic()
-    assert _wait(lambda: _share(stack, 0) == CAP, 2 * LEASE_S), _share(stack, 0)
+    assert wait_until(lambda: _share(stack, 0) == CAP, 2 * LEASE_S), _share(stack, 0)
     reclaimed_after_s = time.monotonic() - started
     # The lease (6 s after the last renewal) and the survivor's next renewal (1.5 s), with 1.5 s of slack.
     assert reclaimed_after_s <= LEASE_S + 3.0, reclaimed_after_s

@@ -20,6 +20,7 @@ from sluice import client as sdk
 from sluice_tools.autoscale import Autoscaler, parse_bounds, quick_planner_config
 from sluice_tools.stack import REPO_ROOT, Stack, StackConfig
 from sluice_tools.supervisor import Supervisor
+from tests.processes import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -84,9 +85,9 @@ def test_rising_then_falling_load_adds_and_retires_replicas(tmp_path: Path) -> N
             assert seen is not None and seen.ttft_observed_s is not None and seen.tpot_observed_s is not None, seen
             assert seen.mean_input_tokens == pytest.approx(32, abs=1), seen  # [i + 1, n % 97 + 1] * 16
             assert seen.mean_output_tokens > 0, seen
-            assert _wait(lambda: any("READY replicas: replica-0, replica-1" in line for line in lines), 20), lines
+            assert wait_until(lambda: any("READY replicas: replica-0, replica-1" in line for line in lines), 20), lines
             load.level = 0  # falling
-            assert _wait(lambda: any(e[1] == "scale_down" for e in autoscaler.events)
+            assert wait_until(lambda: any(e[1] == "scale_down" for e in autoscaler.events)
                          and len(stack.replicas) == 1, 40), lines
         assert any("retired" in line for line in lines), lines
         scraped = _scrape(metrics_url)
@@ -122,12 +123,3 @@ def test_autoscale_bounds_are_checked_before_anything_starts() -> None:
                            "llama-3-8b", "--port", "0", "--autoscale", "3:1"], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2 and "--autoscale needs 1 <= MIN <= MAX" in done.stderr
-
-
-def _wait(condition, timeout_s: float) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return bool(condition())

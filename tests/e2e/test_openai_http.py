@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from sluice.model_spec import load_model_spec
 from sluice.telemetry import read_span_file
 from sluice.v1 import router_pb2, router_pb2_grpc
 from sluice_tools.stack import Stack, StackConfig
+from tests.processes import wait_until
 from worker_svc.models import resolve_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -76,12 +76,7 @@ def _raw(stack: Stack, method: str, path: str, body: Any = None, key: str | None
 
 
 def _wait(condition, timeout_s: float = 15.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return bool(condition())
+    return wait_until(condition, timeout_s)
 
 
 def _model(stack: Stack) -> str:

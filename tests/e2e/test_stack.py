@@ -17,6 +17,7 @@ import pytest
 from sluice import client as sdk
 from sluice.telemetry import read_span_file
 from sluice_tools.stack import Stack, StackConfig
+from tests.processes import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -49,12 +50,7 @@ def _client(stack: Stack, key: str = "k-acme") -> sdk.Client:
 
 
 def _wait(condition, timeout_s: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return bool(condition())
+    return wait_until(condition, timeout_s)
 
 
 def _direct_outputs(model: str, prompt: list[int], max_tokens: int, temperature: float,

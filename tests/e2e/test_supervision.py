@@ -12,7 +12,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -23,6 +23,7 @@ from sluice import client as sdk
 from sluice import services
 from sluice_tools.stack import Stack, StackConfig, health_serving
 from sluice_tools.supervisor import Supervisor
+from tests.processes import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -62,15 +63,6 @@ def _until_served(stack: Stack | Target, since: float, limit_s: float = 60.0) ->
             last = exc
         time.sleep(0.05)
     raise AssertionError(f"not serving {limit_s} s after the kill; last error: {last}")
-
-
-def _wait(condition: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
 
 
 def _kill9(pid: int) -> float:
@@ -115,10 +107,10 @@ def test_killed_worker_is_restarted_while_the_other_replica_keeps_streaming(supe
     old_pid = victim.popen.pid  # type: ignore[union-attr]
     killed = _kill9(old_pid)
     recovery = _until_served(stack, killed)
-    assert _wait(lambda: victim.alive() and victim.popen.pid != old_pid, 30)  # type: ignore[union-attr]
+    assert wait_until(lambda: victim.alive() and victim.popen.pid != old_pid, 30)  # type: ignore[union-attr]
     thread.join(60)
     assert outcome.get("status") == "FINISHED_LENGTH" and outcome.get("tokens") == 1500, outcome
-    assert _wait(lambda: stack.fleet.supervisor.restart_counts().get(victim.name) == 1, 10)  # type: ignore[union-attr]
+    assert wait_until(lambda: stack.fleet.supervisor.restart_counts().get(victim.name) == 1, 10)  # type: ignore[union-attr]
     assert any(f"{victim.name} died (killed by SIGKILL)" in line for line in stack.events)  # type: ignore[attr-defined]
     print(json.dumps({"kill": "worker", "recovery_s": round(recovery, 3)}))
 
@@ -131,14 +123,14 @@ def test_killed_scheduler_is_restarted_registers_again_and_serves(supervised: St
     old_pid = victim.popen.pid  # type: ignore[union-attr]
     killed = _kill9(old_pid)
     recovery = _until_served(stack, killed)
-    assert _wait(lambda: victim.alive() and victim.popen.pid != old_pid, 30)  # type: ignore[union-attr]
+    assert wait_until(lambda: victim.alive() and victim.popen.pid != old_pid, 30)  # type: ignore[union-attr]
 
     def both_ready() -> bool:
         from sluice.v1 import router_pb2
 
         return sum(r.state == router_pb2.READY for r in stack.fleet.list_replicas()) == 2
 
-    assert _wait(both_ready, 30)
+    assert wait_until(both_ready, 30)
     back = time.monotonic() - killed
     served: set[str] = set()
 
@@ -224,7 +216,7 @@ def test_killed_router_or_admission_is_restarted_and_serves(supervised: Stack, n
     if name == "router":
         from sluice.v1 import router_pb2
 
-        assert _wait(lambda: sum(r.state == router_pb2.READY for r in stack.fleet.list_replicas()) == 2, 20)
+        assert wait_until(lambda: sum(r.state == router_pb2.READY for r in stack.fleet.list_replicas()) == 2, 20)
     print(json.dumps({"kill": name, "recovery_s": round(recovery, 3)}))
 
 
@@ -241,7 +233,7 @@ def test_a_restarted_process_reports_the_metrics_url_it_bound_again(supervised: 
     old_url, old_pid = victim.metrics_url, victim.popen.pid
     killed = _kill9(old_pid)
     _until_served(stack, killed)
-    assert _wait(lambda: bool(victim.metrics_url) and victim.popen.pid != old_pid, 20)  # type: ignore[union-attr]
+    assert wait_until(lambda: bool(victim.metrics_url) and victim.popen.pid != old_pid, 20)  # type: ignore[union-attr]
     printed = [line[len(METRICS_LINE):].strip() for line in victim.log_path.read_text().splitlines()
                if line.startswith(METRICS_LINE)]
     assert printed[-1] == victim.metrics_url and old_url in printed[:-1]
@@ -260,7 +252,7 @@ def test_while_redis_is_down_services_are_not_serving_and_requests_fail_fast(tmp
         killed = _kill9(stack.redis.pid)  # type: ignore[arg-type]
         checks = [(stack.router.address, services.ROUTER), (stack.schedulers[0].address, services.SCHEDULER),  # type: ignore[union-attr]
                   (stack.admission.address, services.ADMISSION)]  # type: ignore[union-attr]
-        assert _wait(lambda: not any(health_serving(a, s) for a, s in checks), 10)
+        assert wait_until(lambda: not any(health_serving(a, s) for a, s in checks), 10)
         began = time.monotonic()
         with pytest.raises(sdk.SluiceError) as refused:
             _complete(stack, timeout_s=30, idempotency_key="")  # no key: the SDK does not retry, one answer
@@ -277,8 +269,8 @@ def test_while_redis_is_down_services_are_not_serving_and_requests_fail_fast(tmp
             stack.fleet.supervise()  # the first pass notes the death, a later one restarts it once the backoff is due
             return stack.redis is not None and stack.redis.running
 
-        assert _wait(restarted, 10)
-        assert _wait(lambda: all(health_serving(a, s) for a, s in checks), 10)
+        assert wait_until(restarted, 10)
+        assert wait_until(lambda: all(health_serving(a, s) for a, s in checks), 10)
         recovery = _until_served(stack, killed)
         print(json.dumps({"kill": "redis (restart held back)", "unavailable_after_s": round(refused_after, 3),
                           "unavailable_after_sdk_retries_s": round(retried_after, 3),
