@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -59,3 +60,14 @@ def wait_until(condition: Callable[[], object], timeout_s: float, poll_s: float 
             return True
         time.sleep(poll_s)
     return bool(condition())
+
+
+def stop_process(process: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
+    """SIGTERM `process` if it still runs, then SIGKILL after `grace_s`; reaped either way."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice.redis_server import free_port
+from tests.processes import stop_process
 
 
 def prometheus_binary() -> str:
@@ -84,10 +85,4 @@ class Prometheus:
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after 10 s."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
+        stop_process(self.process)

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from sluice.redis_server import free_port
+from tests.processes import stop_process
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -138,13 +139,7 @@ class Service:
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after 10 s."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
+        stop_process(self.process)
 
 
 @pytest.fixture
