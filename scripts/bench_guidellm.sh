@@ -29,18 +29,8 @@ queue_timeout_s = 600        # for up to 10 minutes, instead of an immediate 429
 [tenants.bench]
 api_keys = ["sk-sluice-local"]
 TOML
-read -r GRPC_PORT HTTP_PORT < <("$PY" -c "from sluice.redis_server import free_port; print(free_port(), free_port())")
-"$PY" -m sluice_tools.cli up --backend costmodel --model llama-3-8b --emulate-time --port "$GRPC_PORT" \
-    --http-port "$HTTP_PORT" --config "$OUT/sluice.toml" --run-dir "$OUT/run" > "$OUT/up.log" 2>&1 &
-UP=$!
-trap 'kill -INT $UP 2>/dev/null; wait $UP 2>/dev/null || true' EXIT
-for _ in $(seq 600); do
-    grep -q "Ctrl-C to stop" "$OUT/up.log" && break
-    kill -0 $UP 2>/dev/null || { cat "$OUT/up.log"; exit 1; }
-    sleep 0.2
-done
-grep -q "Ctrl-C to stop" "$OUT/up.log" || { echo "sluice up did not start"; cat "$OUT/up.log"; exit 1; }
-TOKENIZER=$("$PY" -c "from worker_svc.models import resolve_model; print(resolve_model('tiny'))")
+source scripts/lib_sluice_up.sh
+start_costmodel_stack "$OUT" --config "$OUT/sluice.toml"
 
 echo "== guidellm sweep over HTTP ($ISL in / $OSL out, $MAX_SECONDS s per benchmark) =="
 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 "$GUIDELLM" run \

@@ -21,18 +21,8 @@ RATE=${RATE:-4}; N=${N:-200}; ISL=${ISL:-256}; OSL=${OSL:-128}
 OUT=${OUT:-$(mktemp -d /tmp/sluice-bench-openai.XXXXXX)}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD
-read -r GRPC_PORT HTTP_PORT < <("$PY" -c "from sluice.redis_server import free_port; print(free_port(), free_port())")
-"$PY" -m sluice_tools.cli up --backend costmodel --model llama-3-8b --emulate-time --port "$GRPC_PORT" \
-    --http-port "$HTTP_PORT" --run-dir "$OUT/run" > "$OUT/up.log" 2>&1 &
-UP=$!
-trap 'kill -INT $UP 2>/dev/null; wait $UP 2>/dev/null || true' EXIT
-for _ in $(seq 600); do
-    grep -q "Ctrl-C to stop" "$OUT/up.log" && break
-    kill -0 $UP 2>/dev/null || { cat "$OUT/up.log"; exit 1; }
-    sleep 0.2
-done
-grep -q "Ctrl-C to stop" "$OUT/up.log" || { echo "sluice up did not start"; cat "$OUT/up.log"; exit 1; }
-TOKENIZER=$("$PY" -c "from worker_svc.models import resolve_model; print(resolve_model('tiny'))")
+source scripts/lib_sluice_up.sh
+start_costmodel_stack "$OUT"
 
 echo "== aiperf over HTTP (rate $RATE/s Poisson, $N requests, $ISL in / $OSL out) =="
 HF_DATASETS_OFFLINE=1 "$AIPERF" profile \
