@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from router_svc.prefix_index import ReplicaCache
 from sluice.core_errors import IllegalReplicaTransition, NoReplicaAvailable, UnknownModel, UnknownReplica
-from sluice.types import ReplicaInput, ReplicaLoad, ReplicaState
+from sluice.types import ReplicaInput, ReplicaLoad, ReplicaRole, ReplicaState
 
 __all__ = [
     "REPLICA_TRANSITIONS", "Fleet", "Replica", "ReplicaSpec", "ReplicaView", "next_replica_state",
@@ -82,6 +82,8 @@ class ReplicaSpec:
     incarnation: str = ""
     """The scheduler process's incarnation (new on every start; "" = not reported): a registration with
     another one is a restart, and a heartbeat of another one than the registered is refused."""
+    role: ReplicaRole = ReplicaRole.BOTH
+    """Prefill, decode or both (disaggregated serving: router_svc.disagg)."""
 
 
 @dataclass

@@ -44,6 +44,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from router_svc import convert
 from router_svc.core import RouterCore
+from router_svc.disagg import DisaggRouter, is_disaggregated
 from sluice import convert as shared_convert
 from sluice import errors, glue, services, tls
 from sluice.bus import Bus
@@ -73,6 +74,8 @@ class RouterRuntime:
                  snapshot_timeout_s: float = 5.0, tls_files: TlsFiles | None = None,
                  probe_timeout_s: float = 1.0) -> None:
         self.core = core
+        self.pairs = DisaggRouter(core)
+        """Prefill/decode pairs when the fleet has role replicas (router_svc.disagg)."""
         self.tls_files = tls_files
         """Credentials of the router's calls to schedulers (KvSnapshot); None: plaintext."""
         self.bus = bus
@@ -204,6 +207,7 @@ class RouterRuntime:
         """Tell the core that a routed request reached its terminal state."""
         completion = events_pb2.Completion.FromString(payload)
         self.core.on_request_done(completion.replica_id, completion.request_id, self.clock())
+        self.pairs.on_request_done(completion.replica_id, completion.request_id)
 
     # ---- loops ----------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event, *, expiry_interval_s: float = 1.0, block_ms: int = 100) -> None:
@@ -266,11 +270,20 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                                           kind=trace.SpanKind.SERVER) as span:
             span.set_attribute("sluice.request_id", request.request_id)
             span.set_attribute("gen_ai.request.model", request.model)
+            pair = None
             try:
-                decision = self.core.route(query, self.runtime.clock())
+                if is_disaggregated(self.core):
+                    pair = self.runtime.pairs.route_pair(query, self.runtime.clock())
+                    decision = pair.prefill
+                else:
+                    decision = self.core.route(query, self.runtime.clock())
             except Exception:
                 self.runtime.metrics.route_failures.inc()
                 raise
+            if pair is not None:  # the pair is in the trace: where the prompt runs and where the decodes do
+                span.set_attribute("sluice.prefill_replica_id", decision.replica_id)
+                span.set_attribute("sluice.decode_replica_id", pair.decode_replica_id)
+                span.set_attribute("sluice.kv_transfer", pair.transfers)
             span.set_attribute("sluice.replica_id", decision.replica_id)
             span.set_attribute("sluice.cached_blocks", decision.cached_blocks)
             span.set_attribute("sluice.predicted_ttft_s", decision.predicted_ttft_s)
@@ -279,10 +292,18 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         response = convert.decision_to_proto(decision)
         chosen = self.core.fleet.find(decision.replica_id)
         response.incarnation = chosen.spec.incarnation if chosen is not None else ""
+        if pair is not None and pair.transfers:
+            decoder = self.core.fleet.find(pair.decode_replica_id)
+            response.decode_replica_id = pair.decode_replica_id
+            response.decode_scheduler_address = pair.decode_address
+            response.decode_incarnation = decoder.spec.incarnation if decoder is not None else ""
         return response
 
     async def RegisterReplica(self, request: router_pb2.RegisterReplicaRequest,  # noqa: N802
                               context: grpc.aio.ServicerContext) -> router_pb2.RegisterReplicaResponse:
+        if request.replica.role not in router_pb2.ReplicaRole.values():
+            raise errors.InvalidArgument(f"unknown replica role {request.replica.role}; known: "
+                                         f"{sorted(router_pb2.ReplicaRole.values())}", field_name="replica.role")
         spec = convert.spec_from_proto(request.replica)
         if not spec.replica_id or not spec.model:
             raise errors.InvalidArgument("a replica needs replica_id and model", field_name="replica")

@@ -424,6 +424,27 @@ class ReplicaState(enum.Enum):
     """Registered, but its worker is down: no traffic until it reports READY again."""
 
 
+class ReplicaRole(enum.Enum):
+    """What a replica serves (prefill/decode disaggregation, docs/disaggregation.md)."""
+
+    BOTH = "both"
+    """Whole requests: prompt and decodes (the default; aggregated serving)."""
+    PREFILL = "prefill"
+    """Prompts only: the KV blocks then go to a decode replica."""
+    DECODE = "decode"
+    """Decodes only, of requests whose KV blocks a prefill replica sent."""
+
+    @property
+    def prefills(self) -> bool:
+        """Return True when the replica may run prompts."""
+        return self is not ReplicaRole.DECODE
+
+    @property
+    def decodes(self) -> bool:
+        """Return True when the replica may run decodes."""
+        return self is not ReplicaRole.PREFILL
+
+
 class ReplicaInput(enum.Enum):
     """What moves a replica between states (the inputs of the router's replica table)."""
 
