@@ -57,6 +57,7 @@ from sluice_tools.sim.config import (
 )
 from sluice_tools.sim.control_plane import ControlPlaneConfig
 from sluice_tools.sim.scenarios import SCENARIOS
+from sluice_tools.sim.transfer import LINKS
 from sluice_tools.workload import TRACE_NAMES
 from worker_svc.costmodel import load_coefficients
 from worker_svc.gpu_profiles import GPUS, known_models
@@ -148,6 +149,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --autoscale: autoscaled vs static MIN, MAX and GPU-second-equal fleets on a "
                              "day-shaped workload (no WORKLOAD needed)")
     parser.add_argument("--capacity-goal", type=fraction, default=0.9, help="SLO attainment to hold")
+    parser.add_argument("--disagg", metavar="P:D|all",
+                        help="prefill/decode disaggregation: P prefill and D decode replicas (replaces --replicas "
+                             "with P+D); all: aggregated --replicas N beside every P:D split of N, at equal GPUs "
+                             "(docs/disaggregation.md)")
+    parser.add_argument("--kv-link", default="nvlink", choices=sorted(LINKS),
+                        help="with --disagg: the KV transfer link profile")
 
 
 def base_config(args: argparse.Namespace, tenant_weights: dict[str, float]) -> SimConfig:
@@ -291,6 +298,10 @@ def run(args: argparse.Namespace) -> int:
         base = base_config(args, workload.tenant_weights)
         items = [i.strip() for i in args.compare.split(",") if i.strip()] if args.compare else []
         configs = {item: parse_compare_item(item, base) for item in items} or {_label(base): base}
+        if args.disagg:
+            if fleet is not None:
+                raise ValueError("--disagg and --autoscale do not go together yet: give a fixed P:D split")
+            configs = disagg_configs(configs, args.disagg, args.kv_link)
         create_output_dirs("sim", {"--json": args.json}, {"--plots": args.plots})
     except (ValueError, OSError, WorkloadError) as error:
         print(f"sluice sim: {error}", file=sys.stderr)
@@ -325,6 +336,26 @@ def run(args: argparse.Namespace) -> int:
         )
         print(f"wrote {len(files)} plots into {args.plots}", file=sys.stderr)
     return 0
+
+
+def disagg_configs(configs: dict[str, SimConfig], split: str, link: str) -> dict[str, SimConfig]:
+    """Return the configurations `--disagg` asks for: each one at the P:D split (P+D replicas), or with "all" each
+    one aggregated beside every P:D split of its replicas (equal GPUs). Raises ValueError for a bad split."""
+    from sluice_tools.sim.disagg import parse_split
+
+    out: dict[str, SimConfig] = {}
+    for name, config in configs.items():
+        if split.strip() == "all":
+            if config.replicas < 2:
+                raise ValueError(f"--disagg all needs --replicas >= 2 (a prefill and a decode), got {config.replicas}")
+            out[f"{name} aggregated x{config.replicas}"] = config
+            splits = [(p, config.replicas - p) for p in range(1, config.replicas)]
+        else:
+            splits = [parse_split(split)]
+        for prefill, decode in splits:
+            out[f"{name} disagg {prefill}:{decode}"] = replace(config, replicas=prefill + decode,
+                                                                disagg=(prefill, decode), kv_link=link)
+    return out
 
 
 def parse_autoscale(text: str) -> Any:

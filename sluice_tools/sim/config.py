@@ -86,6 +86,11 @@ class SimConfig:
     client_max_tokens: int | None = None
     """max_tokens every client asks for (clamped to the model length, never below its output); None: exactly
     its output length. Admission reserves from it; the replicas still stop at the trace's output length."""
+    disagg: tuple[int, int] | None = None
+    """Prefill/decode disaggregation (sluice_tools/sim/disagg.py): (prefill replicas, decode replicas), whose sum
+    is `replicas`; None: aggregated serving (every replica runs whole requests)."""
+    kv_link: str = "nvlink"
+    """With `disagg`: the KV transfer link profile (sluice_tools/sim/transfer.py: nvlink, rdma)."""
 
     @property
     def tenant_weights(self) -> tuple[tuple[str, float], ...]:

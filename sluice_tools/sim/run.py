@@ -35,7 +35,13 @@ def simulate(
     `progress`, if given, is called with the simulated time once per simulated sample interval.
     Raises ValueError for an unknown model, GPU or a configuration the cores refuse.
     """
-    simulator = Simulator(config, requests) if fleet is None else FleetSimulator(config, requests, fleet)
+    if config.disagg is not None:
+        if fleet is not None:
+            raise ValueError("disaggregated serving (--disagg) does not autoscale yet: give a fixed P:D split")
+        from sluice_tools.sim.disagg import DisaggSimulator  # the disaggregated deployment (its own module)
+        simulator: Simulator = DisaggSimulator(config, requests)
+    else:
+        simulator = Simulator(config, requests) if fleet is None else FleetSimulator(config, requests, fleet)
     simulator.on_progress = progress
     records = simulator.run()
     simulated_s = simulator.end_s
@@ -76,6 +82,8 @@ def simulate(
         "reclaimed_output_tokens": stats.reclaimed_output_tokens,
     }
     summary["ttft_prediction"] = prediction_error(records, simulator.predicted)
+    if config.disagg is not None:
+        summary["disagg"] = simulator.disagg_report()  # type: ignore[attr-defined]
     if isinstance(simulator, FleetSimulator):
         summary["fleet"] = simulator.report.to_dict()
     return SimResult(config, records, simulator.series, summary)
