@@ -38,11 +38,14 @@ from __future__ import annotations
 import enum
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from planner_svc.config import PlannerConfig
 from planner_svc.signals import Observation, ReplicaLoad, Signals, Window, compute_signals
+
+SignalsFn = Callable[[list[Observation], PlannerConfig], Signals]
+"""(window of observations, config) -> signals: `compute_signals`, or a pool's own (planner_svc/pools.py)."""
 
 
 class HoldReason(enum.Enum):
@@ -107,8 +110,9 @@ def choose_victim(replicas: Sequence[ReplicaLoad]) -> str:
 class Planner:
     """Decides the replica count from a window of observations (module docstring: the rules)."""
 
-    def __init__(self, config: PlannerConfig) -> None:
+    def __init__(self, config: PlannerConfig, signals: SignalsFn = compute_signals) -> None:
         self.config = config
+        self._signals = signals
         self._window = Window(config.window_s)
         self._last_change_at: float | None = None
         self.last_signals: Signals | None = None
@@ -140,7 +144,7 @@ class Planner:
             return repair
         if len(observations) < self.config.min_observations:
             return Hold(HoldReason.WINDOW_NOT_FULL)
-        self.last_signals = compute_signals(observations, self.config)
+        self.last_signals = self._signals(observations, self.config)
         if self._last_change_at is not None and now - self._last_change_at < self.config.cooldown_s:
             return Hold(HoldReason.COOLDOWN)
         return self._size(replicas, self.last_signals, now)

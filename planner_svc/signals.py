@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from planner_svc.config import PlannerConfig
+from sluice.types import ReplicaRole
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ class ReplicaLoad:
     """Block hashes of its prefix cache (as the router's prefix index knows them)."""
     draining: bool = False
     """A scale-down is under way: it takes no new work and is leaving the fleet."""
+    role: ReplicaRole = ReplicaRole.BOTH
+    """Prefill, decode or both: which pool it belongs to when the pools are sized apart (planner_svc/pools.py)."""
 
     @property
     def serving(self) -> bool:
