@@ -44,6 +44,8 @@ def test_route_answers_the_pair_and_traces_it(redis_url: str, namespace: str,
             assert routed[0].attributes["sluice.decode_replica_id"] == "D"
             assert routed[0].attributes["sluice.kv_transfer"] is True
             assert "t1" in h.runtime.pairs.claims["D"].claims
+            assert h.runtime.metrics.registry.get_sample_value("sluice_router_decode_routes_total",
+                                                                {"replica": "D"}) == 1.0
             # the completion (published by the decode replica) releases the decode claim
             await h.bus.publish_completion(events_pb2.Completion(request_id="t1", replica_id="D"))
             await _until(lambda: "D" not in h.runtime.pairs.claims)
