@@ -9,7 +9,7 @@ import pytest
 from sluice.types import CoreEvents, ReplicaRole
 from sluice_tools.commands.sim import disagg_configs
 from sluice_tools.metrics import RequestRecord
-from sluice_tools.sim import SimConfig, Simulator, simulate
+from sluice_tools.sim import SimConfig, Simulator, fastforward, simulate
 from sluice_tools.sim.disagg import DisaggSimulator, Flow, parse_split
 from sluice_tools.sim.transfer import LINKS, LinkProfile, transfer_seconds
 from sluice_tools.workload import WorkloadRequest, load_workload
@@ -201,3 +201,29 @@ def test_bad_splits_are_refused_naming_the_problem() -> None:
     assert list(configs) == ["score aggregated x4", "score disagg 1:3", "score disagg 2:2", "score disagg 3:1"]
     assert configs["score disagg 1:3"].disagg == (1, 3) and configs["score disagg 1:3"].kv_link == "rdma"
     assert configs["score aggregated x4"].disagg is None
+
+
+def test_bulk_decodes_give_the_same_run_as_one_event_per_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fast-forward stays exact with a pair: a prefill replica's results and the transfers' ends bound every bulk
+    run of a decode replica, so every record (token times included) equals the round-by-round run's."""
+    requests = load_workload(SMALL, seed=5).requests
+
+    def outcome() -> list[tuple[object, ...]]:
+        records = DisaggSimulator(disagg(2, 3), requests).run()
+        return [(r.request_id, r.status, r.first_token_s, r.finish_s, r.output_tokens, tuple(r.token_times or ()))
+                for r in records]
+
+    runs = []
+    real = fastforward.fast_forward
+
+    def counted(*args: Any) -> bool:
+        taken = real(*args)
+        runs.append(taken)
+        return taken
+
+    monkeypatch.setattr(fastforward, "fast_forward", counted)
+    monkeypatch.setenv("SLUICE_SIM_FASTFORWARD", "1")
+    bulk = outcome()
+    assert sum(runs) > 50  # the bulk path did run on the decode replicas
+    monkeypatch.setenv("SLUICE_SIM_FASTFORWARD", "0")
+    assert outcome() == bulk
