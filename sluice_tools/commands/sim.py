@@ -155,6 +155,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(docs/disaggregation.md)")
     parser.add_argument("--kv-link", default="nvlink", choices=sorted(LINKS),
                         help="with --disagg: the KV transfer link profile")
+    parser.add_argument("--disagg-prefill-chunk", type=positive_int, metavar="N",
+                        help="with --disagg: the prefill replicas' per-request chunk cap (default: the round "
+                             "budget; no decodes run there)")
 
 
 def base_config(args: argparse.Namespace, tenant_weights: dict[str, float]) -> SimConfig:
@@ -301,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
         if args.disagg:
             if fleet is not None:
                 raise ValueError("--disagg and --autoscale do not go together yet: give a fixed P:D split")
-            configs = disagg_configs(configs, args.disagg, args.kv_link)
+            configs = disagg_configs(configs, args.disagg, args.kv_link, args.disagg_prefill_chunk)
         create_output_dirs("sim", {"--json": args.json}, {"--plots": args.plots})
     except (ValueError, OSError, WorkloadError) as error:
         print(f"sluice sim: {error}", file=sys.stderr)
@@ -338,7 +341,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def disagg_configs(configs: dict[str, SimConfig], split: str, link: str) -> dict[str, SimConfig]:
+def disagg_configs(configs: dict[str, SimConfig], split: str, link: str,
+                   prefill_chunk: int | None = None) -> dict[str, SimConfig]:
     """Return the configurations `--disagg` asks for: each one at the P:D split (P+D replicas), or with "all" each
     one aggregated beside every P:D split of its replicas (equal GPUs). Raises ValueError for a bad split."""
     from sluice_tools.sim.disagg import parse_split
@@ -354,7 +358,8 @@ def disagg_configs(configs: dict[str, SimConfig], split: str, link: str) -> dict
             splits = [parse_split(split)]
         for prefill, decode in splits:
             out[f"{name} disagg {prefill}:{decode}"] = replace(config, replicas=prefill + decode,
-                                                                disagg=(prefill, decode), kv_link=link)
+                                                                disagg=(prefill, decode), kv_link=link,
+                                                                disagg_prefill_chunk=prefill_chunk)
     return out
 
 

@@ -91,6 +91,9 @@ class SimConfig:
     is `replicas`; None: aggregated serving (every replica runs whole requests)."""
     kv_link: str = "nvlink"
     """With `disagg`: the KV transfer link profile (sluice_tools/sim/transfer.py: nvlink, rdma)."""
+    disagg_prefill_chunk: int | None = None
+    """With `disagg`: the prefill replicas' per-request prefill chunk cap (tokens of one prompt per round); None:
+    the whole round budget, since no decodes run there for the cap to protect. Decode replicas keep `scheduler`'s."""
 
     @property
     def tenant_weights(self) -> tuple[tuple[str, float], ...]:

@@ -6,7 +6,9 @@ the hand-off between two of them, and the cost model's transfer term (transfer.p
 - routing: `router_svc.disagg.DisaggRouter.route_pair` (prefill side by predicted TTFT, prefix reuse included;
   decode side by KV room and decode load), as the router service does for a fleet with roles;
 - prefill: the request is submitted to the prefill replica's core with max_tokens 1: its prompt is prefilled
-  (chunked, batched with other prompts, by the same round builder) and its first token sampled there;
+  (chunked, batched with other prompts, by the same round builder) and its first token sampled there. The
+  prefill replicas' per-request chunk cap is the round budget unless `disagg_prefill_chunk` says otherwise (the
+  cap bounds decodes' inter-token latency, and no decode runs there);
 - the reader rule across the pair: before the result of the round that completes the prompt is applied, the
   request's blocks are pinned on the prefill pool (`BlockPool.pin`, the explicit-reader pin a swap copy takes).
   The request then ends there as usual, but its blocks stay used until the transfer's last reader is done:
@@ -42,6 +44,7 @@ from typing import Any
 
 from router_svc.core import ReplicaSpec, RouteDecision, RouteQuery
 from router_svc.disagg import DisaggRouter
+from scheduler_svc.core import SchedulerCore
 from sluice.types import CoreEvents, NewRequest, ReplicaRole, RoundPlan, SamplingParams, Stage
 from sluice_tools.metrics import RequestRecord
 from sluice_tools.sim import outputs
@@ -110,6 +113,12 @@ class DisaggSimulator(Simulator):
         super().__init__(config, requests)
         self.roles = {r.replica_id: (ReplicaRole.PREFILL if r.index < prefill else ReplicaRole.DECODE)
                       for r in self.replicas}
+        # The prefill replicas' rounds carry no decodes, so the per-request chunk cap (which bounds the decodes'
+        # inter-token latency) protects nothing there: by default one prompt may fill a round. Same core class.
+        base = self.replicas[0].core.config
+        chunk = config.disagg_prefill_chunk or base.max_num_batched_tokens
+        for replica in self.replicas[:prefill]:
+            replica.core = SchedulerCore(dataclasses.replace(base, max_prefill_chunk=chunk), replica.replica_id)
         self.pairs = DisaggRouter(self.router)
         self.flows: dict[str, Flow] = {}
         self._decode_of: dict[str, Replica] = {}

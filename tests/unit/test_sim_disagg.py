@@ -227,3 +227,13 @@ def test_bulk_decodes_give_the_same_run_as_one_event_per_round(monkeypatch: pyte
     assert sum(runs) > 50  # the bulk path did run on the decode replicas
     monkeypatch.setenv("SLUICE_SIM_FASTFORWARD", "0")
     assert outcome() == bulk
+
+
+def test_prefill_replicas_lift_the_chunk_cap_unless_told() -> None:
+    """The prefill replicas' per-request chunk cap is the round budget by default (nothing to protect there), or the
+    one given; decode replicas keep the scheduler's own."""
+    default = DisaggSimulator(disagg(), [])
+    budget = default.replicas[1].core.config.max_num_batched_tokens
+    assert default.replicas[0].core.config.max_prefill_chunk == budget
+    assert default.replicas[1].core.config.max_prefill_chunk == SimConfig().scheduler.max_prefill_chunk
+    assert DisaggSimulator(disagg(disagg_prefill_chunk=256), []).replicas[0].core.config.max_prefill_chunk == 256
