@@ -199,7 +199,15 @@ class DisaggSimulator(Simulator):
             self._pin_completed_prompts(replica, plan, result)
             super()._on_round_done(payload)
             return
-        super()._on_round_done(payload)
+        fast = self._fast
+        if self._waiting_room[replica.replica_id]:
+            # Transfers wait for this pool's blocks: take its rounds one at a time, so each allocation sees the
+            # pool as of its own time (a bulk run would have spent the later rounds' blocks first).
+            self._fast = False
+        try:
+            super()._on_round_done(payload)
+        finally:
+            self._fast = fast
         self._release_taken(replica)
         self._admit_waiting_transfers(replica)
 

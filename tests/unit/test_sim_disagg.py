@@ -237,3 +237,16 @@ def test_prefill_replicas_lift_the_chunk_cap_unless_told() -> None:
     assert default.replicas[0].core.config.max_prefill_chunk == budget
     assert default.replicas[1].core.config.max_prefill_chunk == SimConfig().scheduler.max_prefill_chunk
     assert DisaggSimulator(disagg(disagg_prefill_chunk=256), []).replicas[0].core.config.max_prefill_chunk == 256
+
+
+def test_transfers_wait_for_room_on_the_decode_side() -> None:
+    """A decode pool that holds one request at a time: the next transfer waits until the one decoding there ends
+    (first come first served), every request still ends ok with its length, and nothing is left held."""
+    requests = [WorkloadRequest(f"w{i}", 0.001 * i, 700, 100) for i in range(3)]  # 50 blocks each with its output
+    sim = DisaggSimulator(disagg(num_blocks=60), requests)
+    records = sim.run()
+    assert [(r.status, r.output_tokens) for r in records] == [("ok", 100)] * 3
+    assert sim.waited_room_total > 0
+    finish = {r.request_id: r.finish_s for r in records}
+    assert finish["w0"] < finish["w1"] < finish["w2"]  # type: ignore[operator]
+    assert_all_released(sim)
