@@ -30,6 +30,10 @@ def _bad_config(tmp_path: Path, name: str, text: str) -> str:
 CASES = {
     "priority out of int32": (["generate", "hi", "--priority", "-99999999999"], "outside the 32-bit range"),
     "synthetic rate not a number": (["sim", "synthetic:gamma?rate=abc"], "rate='abc' is not a number"),
+    "disagg split with an empty side": (["sim", WORKLOAD, "--disagg", "0:8"], "at least one replica on each side"),
+    "disagg split not P:D": (["sim", WORKLOAD, "--disagg", "3"], "--disagg wants P:D"),
+    "disagg with autoscale": (["sim", WORKLOAD, "--disagg", "1:1", "--autoscale", "1:2"],
+                              "--disagg and --autoscale do not go together"),
     "missing model directory": (["up", "--model", "no/such/dir", "--port", "0"], "neither a preset"),
     "unknown cost-model shape": (["up", "--backend", "costmodel", "--model", "gpt9", "--port", "0"],
                                  "unknown model 'gpt9'"),
