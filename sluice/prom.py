@@ -354,6 +354,8 @@ class RouterMetrics:
         self.routes = Counter("sluice_routes", "Requests routed, by replica.", ["replica"], registry=r)
         self.route_failures = Counter("sluice_route_failures", "Route calls with no eligible replica.",
                                       registry=r)
+        self.dry_runs = Counter("sluice_route_dry_runs", "Route calls that only predicted (dry_run: nothing "
+                                "recorded, not counted in sluice_routes).", registry=r)
         self.cached_blocks = Histogram("sluice_route_cached_blocks", "Prefix blocks found on the chosen replica.",
                                        buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
         self.kv_events = Counter("sluice_router_kv_events", "KV events applied to the prefix index.", registry=r)
