@@ -6,15 +6,10 @@ merged: each owner's token deltas as one TokenDeltaBatch, one Redis entry (one X
 many requests and rounds it holds, so under load the queue drains in a few round trips instead of growing.
 A publication's entries (tokens per owner, then completions, then KV events) go out in one round trip
 (`Bus.append`: the XADDs written together on the bus's own connection, the replies read in order).
-A Redis failure is retried until it succeeds, resuming at the first entry Redis did not confirm (the one
-in flight may be repeated: token readers drop deltas they have, completion consumers and the routers'
-KV index are idempotent): events are delayed, never dropped, and never reordered.
-
-KV event batches are coalesced in time: after one goes out, the next waits until `kv_interval_s` has passed
-(whatever arrives meanwhile joins it, in order), so the routers read a few entries per second instead of
-one per round (each costs them a read and an acknowledgement). The routers lose nothing by the wait: they
-count their own routing decisions as cached for `prediction_ttl_s` (2 s), and `flush` and `close` send
-what is held at once. `kv_interval_s` 0 publishes every batch as it comes.
+A Redis failure is retried until it succeeds, with what Redis did not confirm (after a lost connection
+some of it may have gone in and is repeated: token readers drop deltas they have, completion consumers
+and the routers' KV index are idempotent): events are delayed, never dropped, and each stream's entries
+keep their order.
 
 Every completion queued is also remembered (`recent`: the last `recent_limit`, by request id), because
 publishing is not delivery: a Redis restart loses entries nobody had read yet. Admission's watchdog asks
@@ -25,9 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from opentelemetry.context import Context
@@ -35,14 +28,9 @@ from opentelemetry.context import Context
 from sluice.bus import Bus, Entry
 from sluice.v1 import events_pb2
 
-__all__ = ["DEFAULT_KV_INTERVAL_S", "Outgoing", "Publisher", "merge"]
+__all__ = ["Outgoing", "Publisher", "merge"]
 
 log = logging.getLogger(__name__)
-
-DEFAULT_KV_INTERVAL_S = 0.05
-"""KV event publications at most every 50 ms: under load a router reads ~20 KV entries per second per
-replica instead of one per round (a round is 5-30 ms), and 50 ms is 1/40 of the time it counts its own
-decisions as cached."""
 
 
 @dataclass
@@ -79,19 +67,9 @@ def merge(batches: list[Outgoing]) -> Outgoing:
 class Publisher:
     """Publishes queued batches in order from one task. See the module docstring."""
 
-    def __init__(self, bus: Bus, recent_limit: int = 4096, kv_interval_s: float = DEFAULT_KV_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, bus: Bus, recent_limit: int = 4096) -> None:
         self.bus = bus
-        self.kv_interval_s = kv_interval_s
-        """The least time between two KV event publications (see the module docstring)."""
-        self.clock = clock
         self._outbox: asyncio.Queue[Outgoing | None] = asyncio.Queue()
-        self._kv_held: events_pb2.KvEventBatch | None = None
-        """KV events waiting for `kv_interval_s` to pass since the last KV publication."""
-        self._kv_sent_at = -float("inf")
-        self._kv_timer: asyncio.TimerHandle | None = None
-        self._kv_now = False
-        """Send held KV events with the next publication, whatever the interval (`flush`)."""
         self.recent_limit = recent_limit
         self.recent: OrderedDict[str, events_pb2.Completion] = OrderedDict()
         """The last `recent_limit` completions queued, by request id (oldest first)."""
@@ -110,34 +88,8 @@ class Publisher:
         await self._outbox.put(None)
 
     async def flush(self) -> None:
-        """Wait until every batch queued so far, held KV events included, has been handed to Redis."""
-        self._kv_now = True  # read by the iteration of `run` that takes this marker (or the items before it)
-        self._outbox.put_nowait(Outgoing())
+        """Wait until every batch queued so far has been handed to Redis."""
         await self._outbox.join()
-
-    def _hold_kv(self, out: Outgoing, last: bool) -> None:
-        """Keep `out`'s KV events back while the interval since the last KV publication runs (merged with any
-        held before, in order); put the held ones into `out` once it has passed, or at the end."""
-        now, self._kv_now = last or self._kv_now, False
-        if last and self._kv_timer is not None:
-            self._kv_timer.cancel()
-            self._kv_timer = None
-        if self._kv_held is not None:
-            if out.kv is not None:
-                self._kv_held.events.extend(out.kv.events)
-            out.kv, self._kv_held = self._kv_held, None
-        if out.kv is None:
-            return
-        wait = self._kv_sent_at + self.kv_interval_s - self.clock()
-        if wait <= 0 or now:
-            return
-        self._kv_held, out.kv = out.kv, None
-        if self._kv_timer is None:  # an empty batch wakes `run` when the interval is over
-            self._kv_timer = asyncio.get_running_loop().call_later(wait, self._kv_due)
-
-    def _kv_due(self) -> None:
-        self._kv_timer = None
-        self._outbox.put_nowait(Outgoing())
 
     async def run(self) -> None:
         """Publish queued batches in order until `close`; retry Redis failures forever."""
@@ -146,16 +98,12 @@ class Publisher:
             while not self._outbox.empty():
                 batches.append(self._outbox.get_nowait())
             last = batches[-1] is None
-            out = merge([b for b in batches if b is not None] or [Outgoing()])
-            self._hold_kv(out, last)
-            entries = self._entries(out)
+            entries = self._entries(merge([b for b in batches if b is not None]))
             try:
                 delay = 0.05
                 while entries:
                     try:
-                        await self.bus.append(entries)  # one round trip; a retry resumes at the first unconfirmed
-                        if out.kv is not None:
-                            self._kv_sent_at = self.clock()
+                        await self.bus.append(entries)  # one round trip; a retry sends what was not confirmed
                     except Exception as exc:  # Redis down: keep what is left of the batch, in order
                         log.error("publishing to Redis failed (%s); retrying in %.2f s", exc, delay)
                         await asyncio.sleep(delay)

@@ -279,11 +279,14 @@ class Bus:
         return Entry(self.key(self.tokens_stream(owner)), {TOKEN_BATCH_FIELD: payload})
 
     async def append(self, entries: list[Entry]) -> None:
-        """Append `entries` in order, each to its stream (trimmed to about maxlen), removing each from the list once
-        Redis has confirmed it. One server: every command written at once and the replies read in order (one round
-        trip, on a connection of the bus's own); a cluster: one XADD after the other. Raises what Redis raises,
-        with the entries not confirmed left in `entries` (one in flight may have gone in: retrying repeats it,
-        which every reader of these streams tolerates)."""
+        """Append `entries` in order, each to its stream (trimmed to about maxlen), removing from the list each one
+        Redis confirmed. One server: every command written at once and the replies read in order (one round trip,
+        on a connection of the bus's own); a cluster: one XADD after the other.
+
+        Raises what Redis raises, with what it did not confirm left in `entries`, in order: after an error reply
+        (e.g. WRONGTYPE), the entries it refused (those after them went in, the replies say so); after a lost
+        connection, every entry from the first whose reply did not come (some may have gone in: a retry repeats
+        them, which every reader of these streams tolerates)."""
         if isinstance(self.client, RedisCluster):
             while entries:
                 await self.client.xadd(entries[0].key, entries[0].fields, maxlen=self.maxlen, approximate=True)
@@ -294,15 +297,25 @@ class Bus:
             connection = self._writer = await self.client.connection_pool.get_connection()
         maxlen = self.maxlen
         commands = [("XADD", entry.key, "MAXLEN", "~", maxlen, "*", *_pairs(entry.fields)) for entry in entries]
+        refused: list[Entry] = []
+        error: ResponseError | None = None
         try:
             await connection.send_packed_command(connection.pack_commands(commands), check_health=False)
             while entries:
-                await connection.read_response()
+                try:
+                    await connection.read_response()
+                except ResponseError as exc:  # this entry only: the connection is still in step
+                    refused.append(entries[0])
+                    error = error or exc
                 del entries[0]
         except BaseException:
             # What the connection still holds (replies not read) belongs to nobody: a new one next time.
             await connection.disconnect(nowait=True)
             raise
+        finally:
+            entries[:0] = refused
+        if error is not None:
+            raise error
 
     async def publish_kv(self, batch: events_pb2.KvEventBatch, *, context: Context | None = None) -> str:
         """Publish one replica's batch of KV events on its `kv` shard stream; return the entry id."""
