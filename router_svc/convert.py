@@ -65,7 +65,7 @@ def query_from_proto(msg: router_pb2.RouteRequest) -> RouteQuery:
     """Return the core RouteQuery of a Route call."""
     return RouteQuery(request_id=msg.request_id, model=msg.model, adapter_version=msg.adapter_version,
                       block_hashes=tuple(msg.block_hashes), prompt_tokens=msg.prompt_tokens,
-                      max_tokens=msg.max_tokens, tenant=msg.tenant)
+                      max_tokens=msg.max_tokens, tenant=msg.tenant, dry_run=msg.dry_run)
 
 
 def decision_to_proto(decision: RouteDecision) -> router_pb2.RouteResponse:

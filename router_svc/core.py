@@ -27,7 +27,15 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from router_svc.fleet import REPLICA_TRANSITIONS, Fleet, Replica, ReplicaSpec, ReplicaView, next_replica_state
+from router_svc.fleet import (
+    REPLICA_TRANSITIONS,
+    Fleet,
+    Replica,
+    ReplicaSpec,
+    ReplicaView,
+    forget_inflight,
+    next_replica_state,
+)
 from router_svc.prefix_index import PrefixIndex
 from router_svc.scoring import RouteDecision, RouteQuery, RoutingPolicy, make_policy, predict_ttft
 from sluice.core_errors import IllegalReplicaTransition, NoReplicaAvailable, UnknownModel, UnknownReplica
@@ -87,6 +95,8 @@ class RouterCore:
                                   load_bound=self.config.load_bound, tenant_spread=self.config.tenant_spread,
                                   ttft_target_s=self.config.ttft_target_s)
         self.routed = 0
+        self.stale_routes = 0
+        """Routed requests forgotten because their replica reported itself idle long after (Fleet.heartbeat)."""
 
     # ---- fleet ----------------------------------------------------------------------------
     def register(self, spec: ReplicaSpec, now: float) -> ReplicaState:
@@ -125,8 +135,11 @@ class RouterCore:
         return self.transition(replica_id, ReplicaInput.REMOVE, now)
 
     def heartbeat(self, replica_id: str, load: ReplicaLoad, now: float) -> ReplicaState:
-        """Record the replica's load; routed-but-unreported work is now part of the report."""
-        return self.fleet.heartbeat(replica_id, load, now)
+        """Record the replica's load; routed-but-unreported work is now part of the report. A replica that reports
+        itself idle holds none of the requests routed there over a heartbeat timeout ago: they are forgotten
+        (counted in `stale_routes`)."""
+        self.stale_routes += len(self.fleet.heartbeat(replica_id, load, now, self.config.heartbeat_timeout_s))
+        return self.fleet.get(replica_id).state
 
     def expire(self, now: float) -> list[str]:
         """Remove replicas whose heartbeat is older than the timeout; returns their ids."""
@@ -175,20 +188,22 @@ class RouterCore:
 
     # ---- routing --------------------------------------------------------------------------
     def route(self, query: RouteQuery, now: float) -> RouteDecision:
-        """Choose a replica for `query`. Raises UnknownModel (no replica of that model/adapter at
-        all) or NoReplicaAvailable (none READY)."""
+        """Choose a replica for `query` and record it there (unless `query.dry_run`). Raises UnknownModel (no
+        replica of that model/adapter at all) or NoReplicaAvailable (none READY)."""
         self.index.prune(now)
         ready = self.fleet.ready_for(query.model, query.adapter_version)
         chosen = self.policy.choose(ready, query, now)
         cached = self.index.cached(chosen.cache, query.block_hashes, now)
         ttft, queue_wait, prefill = predict_ttft(chosen, query, cached)
         decision = RouteDecision(chosen.spec.replica_id, chosen.spec.address, ttft, queue_wait, prefill, cached)
-        self._record(chosen, query, cached, now)
+        if not query.dry_run:
+            self._record(chosen, query, cached, now)
         return decision
 
     def _record(self, replica: Replica, query: RouteQuery, cached: int, now: float) -> None:
         uncached = max(query.prompt_tokens - cached * replica.spec.block_size, 0)
         replica.inflight[query.request_id] = uncached
+        replica.routed_at[query.request_id] = now
         if query.tenant:
             replica.inflight_tenants[query.request_id] = query.tenant
             replica.tenant_inflight[query.tenant] = replica.tenant_inflight.get(query.tenant, 0) + 1
@@ -204,12 +219,4 @@ class RouterCore:
         must not stay predicted work until the next heartbeat (after one, the report is the truth)."""
         replica = self.fleet.find(replica_id)
         if replica is not None:
-            replica.inflight.pop(request_id, None)
-            tenant = replica.inflight_tenants.pop(request_id, None)
-            if tenant is not None:
-                left = replica.tenant_inflight.get(tenant, 0) - 1
-                if left > 0:
-                    replica.tenant_inflight[tenant] = left
-                else:
-                    replica.tenant_inflight.pop(tenant, None)
-            replica.unreported_tokens -= replica.unreported.pop(request_id, 0)
+            forget_inflight(replica, request_id)

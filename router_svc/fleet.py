@@ -11,7 +11,9 @@ Rules
 * A heartbeat replaces the replica's load and clears its routed-but-unreported tokens (they are
   part of the report now); a request done (refused, failed, cancelled or finished) before that takes
   its own back (`RouterCore.on_request_done`); what a heartbeat's reported state does to the table is
-  `sluice.glue.reconcile`. A replica silent for longer than the timeout is `stale`.
+  `sluice.glue.reconcile`. A replica silent for longer than the timeout is `stale`. A heartbeat that
+  reports the replica idle also forgets the requests routed there over a grace ago: it holds none of
+  them (they ended, or their caller died between Route and Submit), and none may weigh on it for good.
 * A replica registers with its scheduler's incarnation (new on every process start). Registering
   again with another incarnation is a restart: the row is replaced (the old one's routed requests are
   gone with it), and a heartbeat that names another incarnation than the registered one is refused
@@ -24,6 +26,7 @@ Pure: no clock, no I/O; `now` is an argument.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from router_svc.prefix_index import ReplicaCache
@@ -31,7 +34,7 @@ from sluice.core_errors import IllegalReplicaTransition, NoReplicaAvailable, Unk
 from sluice.types import ReplicaInput, ReplicaLoad, ReplicaRole, ReplicaState
 
 __all__ = [
-    "REPLICA_TRANSITIONS", "Fleet", "Replica", "ReplicaSpec", "ReplicaView", "next_replica_state",
+    "REPLICA_TRANSITIONS", "Fleet", "Replica", "ReplicaSpec", "ReplicaView", "forget_inflight", "next_replica_state",
 ]
 
 REPLICA_TRANSITIONS: dict[tuple[ReplicaState, ReplicaInput], ReplicaState] = {
@@ -102,10 +105,27 @@ class Replica:
     done before the next heartbeat reports it)."""
     inflight: dict[str, int] = field(default_factory=dict)
     """Routed requests not yet done: request id -> uncached prompt tokens."""
+    routed_at: dict[str, float] = field(default_factory=dict)
+    """When each of `inflight` was routed (an idle report forgets the ones it cannot be holding)."""
     inflight_tenants: dict[str, str] = field(default_factory=dict)
     """Routed requests not yet done that named a tenant: request id -> tenant."""
     tenant_inflight: dict[str, int] = field(default_factory=dict)
     """Routed requests not yet done, per tenant (what --tenant-spread balances)."""
+
+
+def forget_inflight(replica: Replica, request_id: str) -> None:
+    """Forget one routed request of the replica (done, refused after routing, or never arrived); unknown ids
+    are ignored. Its uncached prompt tokens leave the replica's unreported work too."""
+    replica.inflight.pop(request_id, None)
+    replica.routed_at.pop(request_id, None)
+    tenant = replica.inflight_tenants.pop(request_id, None)
+    if tenant is not None:
+        left = replica.tenant_inflight.get(tenant, 0) - 1
+        if left > 0:
+            replica.tenant_inflight[tenant] = left
+        else:
+            replica.tenant_inflight.pop(tenant, None)
+    replica.unreported_tokens -= replica.unreported.pop(request_id, 0)
 
 
 @dataclass(frozen=True)
@@ -158,14 +178,25 @@ class Fleet:
         known = self.get(replica_id).spec.incarnation
         return not incarnation or not known or incarnation == known
 
-    def heartbeat(self, replica_id: str, load: ReplicaLoad, now: float) -> ReplicaState:
-        """Record the replica's load; routed-but-unreported work is now part of the report. Raises UnknownReplica."""
+    def heartbeat(self, replica_id: str, load: ReplicaLoad, now: float, grace_s: float = math.inf) -> list[str]:
+        """Record the replica's load; routed-but-unreported work is now part of the report. Raises UnknownReplica.
+
+        A report of an idle replica (nothing waiting or running) also forgets the in-flight requests routed there
+        more than `grace_s` ago and returns their ids: it holds none of them, so each either ended (its completion
+        is still on the way, and is ignored when it comes) or never arrived (its caller died between Route and
+        Submit, or only probed). Without this such a request would weigh on the replica's score for good."""
         replica = self.get(replica_id)
         replica.load = load
         replica.last_heartbeat = now
         replica.unreported_tokens = 0
         replica.unreported.clear()
-        return replica.state
+        if load.waiting or load.running or not replica.inflight:
+            return []
+        limit = now - grace_s
+        gone = [rid for rid, at in replica.routed_at.items() if at < limit]
+        for request_id in gone:
+            forget_inflight(replica, request_id)
+        return gone
 
     def stale(self, now: float, timeout_s: float) -> list[str]:
         """Return the ids of replicas whose last heartbeat is older than `timeout_s`."""

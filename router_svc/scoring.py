@@ -71,6 +71,8 @@ class RouteQuery:
     prompt_tokens: int = 0
     max_tokens: int = 0
     tenant: str = ""
+    dry_run: bool = False
+    """Predict only: route() records nothing (RouteRequest.dry_run)."""
 
 
 @dataclass(frozen=True)

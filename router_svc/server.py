@@ -287,8 +287,13 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             span.set_attribute("sluice.replica_id", decision.replica_id)
             span.set_attribute("sluice.cached_blocks", decision.cached_blocks)
             span.set_attribute("sluice.predicted_ttft_s", decision.predicted_ttft_s)
-        self.runtime.metrics.routes.labels(decision.replica_id).inc()
-        self.runtime.metrics.cached_blocks.observe(decision.cached_blocks)
+            if request.dry_run:
+                span.set_attribute("sluice.dry_run", True)
+        if request.dry_run:
+            self.runtime.metrics.dry_runs.inc()
+        else:
+            self.runtime.metrics.routes.labels(decision.replica_id).inc()
+            self.runtime.metrics.cached_blocks.observe(decision.cached_blocks)
         response = convert.decision_to_proto(decision)
         chosen = self.core.fleet.find(decision.replica_id)
         response.incarnation = chosen.spec.incarnation if chosen is not None else ""

@@ -225,7 +225,8 @@ class Driver:
     @staticmethod
     async def _let_publisher_send() -> None:
         """Let the publisher put the tokens just queued on the wire before any other work. Two turns of the
-        loop: redis-py writes a command at the publisher's second step, not its first."""
+        loop: on one server `Bus.append` writes at the publisher's first step; on a cluster it goes through
+        redis-py's XADD, which wrote at the second step when every server went that way."""
         await asyncio.sleep(0)
         await asyncio.sleep(0)
 

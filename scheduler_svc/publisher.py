@@ -4,8 +4,12 @@ Batches are queued by the loop (`put`) and go out from one task (`run`), so roun
 published while round N+1 executes. Whatever queued up while a publication was in flight goes out
 merged: each owner's token deltas as one TokenDeltaBatch, one Redis entry (one XADD) per owner, however
 many requests and rounds it holds, so under load the queue drains in a few round trips instead of growing.
-A Redis failure is retried until it succeeds, resuming where it failed: events are delayed, never
-dropped, and never reordered.
+A publication's entries (tokens per owner, then completions, then KV events) go out in one round trip
+(`Bus.append`: the XADDs written together on the bus's own connection, the replies read in order).
+A Redis failure is retried until it succeeds, with what Redis did not confirm (after a lost connection
+some of it may have gone in and is repeated: token readers drop deltas they have, completion consumers
+and the routers' KV index are idempotent): events are delayed, never dropped, and each stream's entries
+keep their order.
 
 Every completion queued is also remembered (`recent`: the last `recent_limit`, by request id), because
 publishing is not delivery: a Redis restart loses entries nobody had read yet. Admission's watchdog asks
@@ -21,7 +25,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry.context import Context
 
-from sluice.bus import Bus
+from sluice.bus import Bus, Entry
 from sluice.v1 import events_pb2
 
 __all__ = ["Outgoing", "Publisher", "merge"]
@@ -94,13 +98,12 @@ class Publisher:
             while not self._outbox.empty():
                 batches.append(self._outbox.get_nowait())
             last = batches[-1] is None
-            out = merge([b for b in batches if b is not None])
+            entries = self._entries(merge([b for b in batches if b is not None]))
             try:
                 delay = 0.05
-                while True:
+                while entries:
                     try:
-                        await self._publish(out)
-                        break
+                        await self.bus.append(entries)  # one round trip; a retry sends what was not confirmed
                     except Exception as exc:  # Redis down: keep what is left of the batch, in order
                         log.error("publishing to Redis failed (%s); retrying in %.2f s", exc, delay)
                         await asyncio.sleep(delay)
@@ -111,18 +114,13 @@ class Publisher:
             if last:
                 return
 
-    async def _publish(self, out: Outgoing) -> None:
-        """Publish a batch; what went out is removed from it, so a retry resumes where it failed."""
-        while out.tokens:
-            owner, deltas = next(iter(out.tokens.items()))
-            if owner and deltas.deltas:
-                await self.bus.publish_token_batch(owner, deltas)
-            del out.tokens[owner]
-        # Tokens before completions: an owner never sees a request end before its last tokens.
-        while out.completions:
-            completion, context = out.completions[0]
-            await self.bus.publish_completion(completion, context=context)
-            out.completions.pop(0)
+    def _entries(self, out: Outgoing) -> list[Entry]:
+        """Return `out` as the stream entries that publish it, in order: tokens (one entry per owner), then
+        completions (an owner never sees a request end before its last tokens), then KV events."""
+        bus = self.bus
+        entries = [bus.token_batch_entry(owner, deltas) for owner, deltas in out.tokens.items()
+                   if owner and deltas.deltas]
+        entries += (bus.completion_entry(completion, context) for completion, context in out.completions)
         if out.kv is not None:
-            await self.bus.publish_kv(out.kv)
-            out.kv = None
+            entries.append(bus.kv_entry(out.kv))
+        return entries

@@ -48,6 +48,7 @@ import logging
 import os
 import zlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -60,7 +61,7 @@ from redis.exceptions import ResponseError
 from sluice.telemetry import TRACE_FIELDS, extract_fields, inject_fields
 from sluice.v1 import events_pb2
 
-__all__ = ["Bus", "DEFAULT_KV_SHARDS", "Handler", "PAYLOAD_FIELD", "PASSWORD_FILE_ENV", "RedisClient",
+__all__ = ["Bus", "DEFAULT_KV_SHARDS", "Entry", "Handler", "PAYLOAD_FIELD", "PASSWORD_FILE_ENV", "RedisClient",
            "TOKEN_BATCH_FIELD", "redact_url", "redis_client", "split_cluster_url", "token_deltas_of"]
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,21 @@ end
 return n
 """
 Handler = Callable[[str, bytes, Context], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One stream entry to append: the Redis key of its stream and its fields."""
+
+    key: str
+    fields: dict[Any, Any]
+
+
+def _pairs(fields: Mapping[Any, Any]) -> list[Any]:
+    out: list[Any] = []
+    for name, value in fields.items():
+        out += (name, value)
+    return out
 
 
 def _str(value: bytes | str) -> str:
@@ -192,6 +208,8 @@ class Bus:
         """Entries skipped because they do not parse, per logical stream (see the module docstring)."""
         self._poison_counter: Any = None
         self._poison_seen: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
+        self._writer: Any = None
+        """The connection `append` writes on (one server only; made on first use, again after a failure)."""
 
     def count_poison_in(self, registry: Any) -> None:
         """Also count poison entries in `sluice_bus_poison_entries_total{stream}` of a Prometheus registry."""
@@ -247,6 +265,58 @@ class Bus:
                                           maxlen=self.maxlen, approximate=True)
         return _str(entry_id)
 
+    def kv_entry(self, batch: events_pb2.KvEventBatch, context: Context | None = None) -> Entry:
+        """Return the entry that publishes one replica's batch of KV events on its `kv` shard stream."""
+        return Entry(self.key(self.kv_stream(batch.replica_id)), self._entry(batch.SerializeToString(), context))
+
+    def completion_entry(self, completion: events_pb2.Completion, context: Context | None = None) -> Entry:
+        """Return the entry that publishes a request's terminal record on `completions`."""
+        return Entry(self.key("completions"), self._entry(completion.SerializeToString(), context))
+
+    def token_batch_entry(self, owner: str, batch: events_pb2.TokenDeltaBatch | bytes) -> Entry:
+        """Return the entry that publishes every delta of `batch` to `tokens:{owner}` (field `d`, no trace context)."""
+        payload = batch if isinstance(batch, bytes) else batch.SerializeToString()
+        return Entry(self.key(self.tokens_stream(owner)), {TOKEN_BATCH_FIELD: payload})
+
+    async def append(self, entries: list[Entry]) -> None:
+        """Append `entries` in order, each to its stream (trimmed to about maxlen), removing from the list each one
+        Redis confirmed. One server: every command written at once and the replies read in order (one round trip,
+        on a connection of the bus's own); a cluster: one XADD after the other.
+
+        Raises what Redis raises, with what it did not confirm left in `entries`, in order: after an error reply
+        (e.g. WRONGTYPE), the entries it refused (those after them went in, the replies say so); after a lost
+        connection, every entry from the first whose reply did not come (some may have gone in: a retry repeats
+        them, which every reader of these streams tolerates)."""
+        if isinstance(self.client, RedisCluster):
+            while entries:
+                await self.client.xadd(entries[0].key, entries[0].fields, maxlen=self.maxlen, approximate=True)
+                del entries[0]
+            return
+        connection = self._writer
+        if connection is None:  # taken from the pool for good, so that closing the client closes it too
+            connection = self._writer = await self.client.connection_pool.get_connection()
+        maxlen = self.maxlen
+        commands = [("XADD", entry.key, "MAXLEN", "~", maxlen, "*", *_pairs(entry.fields)) for entry in entries]
+        refused: list[Entry] = []
+        error: ResponseError | None = None
+        try:
+            await connection.send_packed_command(connection.pack_commands(commands), check_health=False)
+            while entries:
+                try:
+                    await connection.read_response()
+                except ResponseError as exc:  # this entry only: the connection is still in step
+                    refused.append(entries[0])
+                    error = error or exc
+                del entries[0]
+        except BaseException:
+            # What the connection still holds (replies not read) belongs to nobody: a new one next time.
+            await connection.disconnect(nowait=True)
+            raise
+        finally:
+            entries[:0] = refused
+        if error is not None:
+            raise error
+
     async def publish_kv(self, batch: events_pb2.KvEventBatch, *, context: Context | None = None) -> str:
         """Publish one replica's batch of KV events on its `kv` shard stream; return the entry id."""
         return await self.publish(self.kv_stream(batch.replica_id), batch.SerializeToString(), context=context)
@@ -282,9 +352,8 @@ class Bus:
     async def publish_token_batch(self, owner: str, batch: events_pb2.TokenDeltaBatch | bytes) -> str:
         """Publish every delta of `batch` (a TokenDeltaBatch or its bytes) to `tokens:{owner}` as one entry (field
         `d`, no trace context); return the entry id. One XADD, whatever the number of requests."""
-        payload = batch if isinstance(batch, bytes) else batch.SerializeToString()
-        entry_id = await self.client.xadd(self.key(self.tokens_stream(owner)), {TOKEN_BATCH_FIELD: payload},
-                                          maxlen=self.maxlen, approximate=True)
+        entry = self.token_batch_entry(owner, batch)
+        entry_id = await self.client.xadd(entry.key, entry.fields, maxlen=self.maxlen, approximate=True)
         return _str(entry_id)
 
     async def read_tokens(self, stream: str, last_id: str, *, count: int = 512,

@@ -30,6 +30,9 @@ from __future__ import annotations
 import socket
 import ssl
 import threading
+from bisect import bisect_left
+from collections import Counter as Counter_
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -75,6 +78,24 @@ class Fanout:
         """Observe `value` in every histogram."""
         for metric in self.metrics:
             metric.observe(value)
+
+    def observe_many(self, values: Sequence[float]) -> None:
+        """Observe every one of `values` in every histogram: the same bucket counts, count and sum as one `observe`
+        each, for one increment per bucket touched and one of the sum per histogram (a round's inter-token gaps;
+        prometheus_client has no bulk observe, so this writes its histogram's own bucket and sum values)."""
+        if not values:
+            return
+        total = sum(values)
+        counted: dict[tuple[float, ...], Counter_[int]] = {}
+        for metric in self.metrics:
+            bounds = tuple(metric._upper_bounds)  # the same for both twins: counted once
+            counts = counted.get(bounds)
+            if counts is None:
+                counts = counted[bounds] = Counter_(bisect_left(bounds, value) for value in values)
+            metric._sum.inc(total)
+            buckets = metric._buckets
+            for index, count in counts.items():
+                buckets[index].inc(count)
 
     def inc(self, amount: float = 1.0) -> None:
         """Add `amount` to every counter or gauge."""
@@ -354,6 +375,8 @@ class RouterMetrics:
         self.routes = Counter("sluice_routes", "Requests routed, by replica.", ["replica"], registry=r)
         self.route_failures = Counter("sluice_route_failures", "Route calls with no eligible replica.",
                                       registry=r)
+        self.dry_runs = Counter("sluice_route_dry_runs", "Route calls that only predicted (dry_run: nothing "
+                                "recorded, not counted in sluice_routes).", registry=r)
         self.cached_blocks = Histogram("sluice_route_cached_blocks", "Prefix blocks found on the chosen replica.",
                                        buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
         self.kv_events = Counter("sluice_router_kv_events", "KV events applied to the prefix index.", registry=r)

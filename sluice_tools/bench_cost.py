@@ -42,7 +42,7 @@ from typing import Any
 
 from sluice.config import DEFAULT_API_KEY
 from sluice.redis_server import free_port
-from sluice.serve import EVENT_LOOP_ENV
+from sluice.serve import EVENT_LOOP_ENV, default_event_loop
 from sluice_tools.bench_peers_procs import CpuMeter, Proc, spawn, wait_http
 from sluice_tools.stack import REPO_ROOT, Stack, StackConfig
 
@@ -217,9 +217,9 @@ N processes hold cap/N each, and an uneven spread of connections over them refus
 
 
 def _stack_config(run_dir: Path, admission_procs: int = 1, code: Path | None = None,
-                  event_loop: str = "asyncio") -> StackConfig:
+                  event_loop: str = "") -> StackConfig:
     """The bench's stack; `code`: a checkout whose services it runs instead of this one's (a lever's before);
-    `event_loop`: $SLUICE_EVENT_LOOP of its services."""
+    `event_loop`: $SLUICE_EVENT_LOOP of its services ("": their default)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     config = run_dir / "budgets.toml"
     config.write_text(UNBINDING_BUDGETS)
@@ -229,7 +229,7 @@ def _stack_config(run_dir: Path, admission_procs: int = 1, code: Path | None = N
 
 
 def scale_out(procs: Sequence[int], concurrency: int, repeats: int, max_tokens: int, requests: int,
-              run_dir: Path, event_loop: str = "asyncio") -> dict[str, Any]:
+              run_dir: Path, event_loop: str = "") -> dict[str, Any]:
     """Measure Sluice's HTTP edge with each number of admission processes (a stack each), alternated; return
     {procs: medians}."""
     runs: dict[int, list[dict[str, Any]]] = {n: [] for n in procs}
@@ -257,8 +257,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-vllm", action="store_true", help="Sluice only")
     parser.add_argument("--no-grpc", action="store_true", help="HTTP only")
     parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--event-loop", choices=("asyncio", "uvloop"), default="asyncio",
-                        help="the Sluice services' event loop ($SLUICE_EVENT_LOOP; default asyncio)")
+    parser.add_argument("--event-loop", choices=("asyncio", "uvloop"), default=default_event_loop(),
+                        help="the Sluice services' event loop ($SLUICE_EVENT_LOOP; default: the services' own, "
+                             "uvloop when installed)")
     parser.add_argument("--baseline-event-loop", choices=("asyncio", "uvloop"), default=None,
                         help="also a Sluice stack of this checkout on this event loop, alternated: the loop's lever")
     parser.add_argument("--baseline", type=Path, metavar="DIR",

@@ -99,7 +99,7 @@ def test_routing_follows_vllms_events_and_the_predicted_hit_is_the_hit_vllm_repo
             while True:
                 route = router.Route(router_pb2.RouteRequest(
                     request_id=uuid.uuid4().hex, model="tiny", block_hashes=hashes, prompt_tokens=len(sibling_prompt),
-                    max_tokens=4), timeout=5)
+                    max_tokens=4, dry_run=True), timeout=5)  # a probe: it must not weigh on the real route
                 if route.cached_blocks >= 4 or time.monotonic() > deadline:
                     break
                 time.sleep(0.2)

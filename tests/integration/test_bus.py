@@ -11,6 +11,7 @@ import textwrap
 import pytest
 import redis.asyncio as aioredis
 from opentelemetry import trace
+from redis.exceptions import ResponseError
 
 from sluice.bus import Bus
 from sluice.telemetry import get_tracer
@@ -223,6 +224,47 @@ def test_token_batches_and_single_deltas_read_back_in_order(redis_url: str, name
         assert entries[0][1] == [single]
         assert entries[1][1] == list(batch.deltas) == entries[2][1]
         assert await bus.read_tokens(stream, entries[-1][0], block_ms=20) == []
+        await client.aclose()
+    asyncio.run(body())
+
+
+def test_append_writes_every_entry_in_order_in_one_call_and_resumes_after_a_refused_one(
+        redis_url: str, namespace: str, span_exporter: object) -> None:
+    """`append` puts tokens, a completion (with its trace context) and KV events on their streams in order and
+    empties the list; when Redis refuses an entry (its key is not a stream) the entries it confirmed, before and
+    after that one, are gone from the list, the refused one stays, and a retry once the cause is gone publishes
+    exactly it, on the same connection."""
+    async def body() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        bus = Bus(client, namespace)
+        batch = events_pb2.TokenDeltaBatch()
+        batch.deltas.add(request_id="a", index=0, token_ids=[5, 6])
+        completion = events_pb2.Completion(request_id="a")
+        with get_tracer("test").start_as_current_span("publish"):
+            entries = [bus.token_batch_entry("adm-1", batch), bus.completion_entry(completion),
+                       bus.kv_entry(_batch("r1", 1))]
+        await bus.append(entries)
+        assert entries == []
+        [(_, deltas)] = await bus.read_tokens(bus.tokens_stream("adm-1"), "0", block_ms=10)
+        assert deltas == list(batch.deltas)
+        [(_, payload, fields)] = await bus.read_stream("completions", "0", block_ms=10)
+        assert events_pb2.Completion.FromString(payload) == completion and "traceparent" in fields
+        [(_, payload, _)] = await bus.read_stream(bus.kv_stream("r1"), "0", block_ms=10)
+        assert events_pb2.KvEventBatch.FromString(payload) == _batch("r1", 1)
+
+        await client.set(bus.key("kv:0"), "not a stream")  # the refused entry's key
+        on_kv0 = next(f"r{i}" for i in range(100) if bus.kv_stream(f"r{i}") == "kv:0")
+        blocked = events_pb2.KvEventBatch(replica_id=on_kv0)
+        entries = [bus.token_batch_entry("adm-1", batch), bus.kv_entry(blocked), bus.token_batch_entry("adm-2", batch)]
+        with pytest.raises(ResponseError, match="WRONGTYPE"):
+            await bus.append(entries)
+        assert [entry.key for entry in entries] == [bus.key("kv:0")], "only the refused entry is left"
+        await client.delete(bus.key("kv:0"))
+        await bus.append(entries)
+        assert entries == []
+        assert await client.xlen(bus.key(bus.tokens_stream("adm-1"))) == 2, "confirmed entries are not repeated"
+        assert await client.xlen(bus.key(bus.tokens_stream("adm-2"))) == 1
+        assert await client.xlen(bus.key("kv:0")) == 1
         await client.aclose()
     asyncio.run(body())
 

@@ -44,6 +44,19 @@ def test_grpc_and_redis_round_trips_run_on_uvloop(redis_url: str) -> None:
     assert asyncio.run(asyncio.sleep(0, "ok")) == "ok"
 
 
+def test_a_service_runs_on_uvloop_unless_told_otherwise() -> None:
+    """With $SLUICE_EVENT_LOOP unset a service runs on uvloop (installed by the server extra); `asyncio` is the
+    way back to asyncio's own loop."""
+    code = ("import asyncio, os; from sluice import serve; "
+            "serve.use_event_loop(os.environ.get(serve.EVENT_LOOP_ENV) or serve.default_event_loop()); "
+            "print(asyncio.run(asyncio.sleep(0, type(asyncio.new_event_loop()).__module__)))")
+    unset = {k: v for k, v in os.environ.items() if k != serve.EVENT_LOOP_ENV}
+    for env, expected in ((unset, "uvloop"), ({**unset, serve.EVENT_LOOP_ENV: "asyncio"}, "asyncio")):
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip().startswith(expected), done.stdout
+
+
 def test_an_unknown_event_loop_stops_the_service_with_the_variable_named() -> None:
     """SLUICE_EVENT_LOOP=tokio: the router exits 2 at once, its message naming the variable and the choices."""
     env = {**os.environ, serve.EVENT_LOOP_ENV: "tokio", "SLUICE_REDIS_URL": "redis://127.0.0.1:1/0"}

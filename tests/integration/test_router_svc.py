@@ -149,6 +149,26 @@ def test_design_example_queue_outweighs_prefix_reuse(redis_url: str, namespace: 
     asyncio.run(body())
 
 
+def test_a_dry_run_route_answers_like_a_route_and_leaves_nothing_behind(redis_url: str, namespace: str) -> None:
+    """Over gRPC, RouteRequest.dry_run gets the choice and prediction a route would, but the replica shows no
+    request in flight afterwards and the probe is counted as a dry run, not as a route."""
+    async def body() -> None:
+        async with _router(redis_url, namespace, config=RouterConfig(prediction_ttl_s=0)) as h:
+            await _register(h, "A", queued_prefill_tokens=0)
+            await _register(h, "B", queued_prefill_tokens=800)
+            for i in range(5):
+                probe = await h.stub.Route(router_pb2.RouteRequest(request_id=f"p{i}", model="m", block_hashes=PREFIX,
+                                                                   prompt_tokens=16 * len(PREFIX), dry_run=True))
+                assert probe.replica_id == "A"
+            assert [view.inflight for view in h.runtime.core.replicas()] == [0, 0]
+            routed = await _route(h, "real")
+            assert (routed.replica_id, routed.predicted_ttft_s) == ("A", probe.predicted_ttft_s)
+            metrics = h.runtime.metrics.registry
+            assert metrics.get_sample_value("sluice_route_dry_runs_total") == 5
+            assert metrics.get_sample_value("sluice_routes_total", {"replica": "A"}) == 1
+    asyncio.run(body())
+
+
 def test_only_ready_compatible_replicas_get_traffic(redis_url: str, namespace: str) -> None:
     """The router reports SERVING over gRPC health; WARMING replicas and replicas of another model get no
     requests; with no READY replica Route is UNAVAILABLE, and for a model nobody serves it is NOT_FOUND."""

@@ -235,7 +235,7 @@ def test_small_rounds_tokens_go_to_redis_before_the_round_after_next_is_planned(
         async with _replica(redis_url, namespace, emulate_time=True) as r:
             driver = r.replica.driver
             log: list[str] = []
-            send, receive, publish = driver.link.send, driver.link.receive, driver.publisher.bus.publish_token_batch
+            send, receive, append = driver.link.send, driver.link.receive, driver.publisher.bus.append
 
             async def sending(plan, *args, **kwargs):  # type: ignore[no-untyped-def]
                 log.append("send")
@@ -246,12 +246,13 @@ def test_small_rounds_tokens_go_to_redis_before_the_round_after_next_is_planned(
                 log.append("answer" if result is not None and any(o.token_ids for o in result.outputs) else "idle")
                 return result
 
-            async def publishing(owner, batch):  # type: ignore[no-untyped-def]
-                log.append("publish")
-                return await publish(owner, batch)
+            async def publishing(entries):  # type: ignore[no-untyped-def]
+                if any(":tokens:" in entry.key for entry in entries):
+                    log.append("publish")
+                return await append(entries)
 
             driver.link.send, driver.link.receive = sending, receiving  # type: ignore[method-assign]
-            driver.publisher.bus.publish_token_batch = publishing  # type: ignore[method-assign]
+            driver.publisher.bus.append = publishing  # type: ignore[method-assign]
             await r.stub.Submit(_submit("a", max_tokens=8))
             [done] = await _completions(r.bus, 1)
             assert done.status == common_pb2.FINISHED_LENGTH

@@ -14,8 +14,8 @@ from scheduler_svc.reporting import MAX_ROUND_TRACES, Reporter
 from scheduler_svc.server import make_core
 from sluice import convert, telemetry
 from sluice.prom import SchedulerMetrics
-from sluice.types import RoundPlan, SamplingParams, ScheduledSeq
-from sluice.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from sluice.types import CoreEvents, RoundPlan, SamplingParams, ScheduledSeq
+from sluice.v1 import common_pb2, scheduler_pb2, worker_pb2, worker_pb2_grpc
 from worker_svc.costmodel import CostModel
 from worker_svc.server import WorkerRuntime, start_worker_server
 
@@ -133,3 +133,38 @@ def test_a_cancel_ends_a_request_span_without_error_and_a_failure_with_one(span_
            for s in span_exporter.get_finished_spans()}
     assert got == {"FINISHED_STOP": ("FINISHED_STOP", "UNSET", None), "CANCELLED": ("CANCELLED", "UNSET", None),
                    "FAILED": ("FAILED", "ERROR", "FAILED"), "TIMED_OUT": ("TIMED_OUT", "ERROR", "TIMED_OUT")}
+
+
+def test_gauges_follow_the_core_when_only_changes_are_written() -> None:
+    """The replica's gauges (both names) equal the core's stats after every hand-over, though only what changed
+    is written: the first hand-over writes all (free blocks are not 0), a value that goes back is written back."""
+    reporter = _reporter()
+    core, value = reporter.core, reporter.metrics.registry.get_sample_value
+    reporter.metrics.bind_model("m")
+
+    def check() -> None:
+        stats = core.stats()
+        assert (value("sluice_queue_length"), value("sluice_running_requests"), value("sluice_kv_blocks_used"),
+                value("sluice_kv_blocks_free"), value("sluice_kv_blocks_cached")) == (
+            stats.waiting, stats.running, stats.kv_blocks_used, stats.kv_blocks_free, stats.kv_blocks_cached)
+        twin = {"model_name": "m"}
+        assert (value("vllm:num_requests_waiting", twin), value("vllm:num_requests_running", twin)) == (
+            stats.waiting, stats.running)
+        assert value("vllm:kv_cache_usage_perc", twin) == stats.kv_blocks_used / stats.kv_blocks_total
+
+    reporter.handle(CoreEvents(), 0.0)
+    check()
+    assert value("sluice_kv_blocks_free") == 64
+    msg = scheduler_pb2.SubmitRequest(request_id="a", tenant="t", owner="o", prompt_token_ids=list(range(1, 21)),
+                                      sampling=common_pb2.SamplingParams(max_tokens=4))
+    core.submit(convert.new_request_from_proto(msg, 1.0, 0), 1.0)
+    reporter.handle(core.take_events(), 1.0)
+    check()
+    assert value("sluice_queue_length") == 1
+    plan = core.schedule(2.0)
+    reporter.handle(core.take_events(), 2.0)
+    check()
+    assert value("sluice_running_requests") == 1 and value("sluice_kv_blocks_used") > 0
+    reporter.handle(core.on_round_lost(plan.round_id, 3.0), 3.0)  # back to waiting, its blocks freed
+    check()
+    assert (value("sluice_queue_length"), value("sluice_running_requests"), value("sluice_kv_blocks_used")) == (1, 0, 0)

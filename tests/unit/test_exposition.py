@@ -5,10 +5,12 @@ from __future__ import annotations
 import urllib.request
 
 import pytest
+from prometheus_client import generate_latest
 
 from sluice.prom import (
     OPENMETRICS_CONTENT_TYPE,
     TEXT_CONTENT_TYPE,
+    TPOT_BUCKETS,
     AdmissionMetrics,
     RouterMetrics,
     SchedulerMetrics,
@@ -88,3 +90,24 @@ def test_the_endpoint_binds_loopback_by_default_and_negotiates_over_http() -> No
     with pytest.raises(urllib.error.HTTPError) as missing:
         urllib.request.urlopen(f"http://127.0.0.1:{port}/other", timeout=5)
     assert missing.value.code == 404
+
+
+def test_observe_many_counts_exactly_what_one_observe_each_would() -> None:
+    """A round's inter-token gaps fed at once give the same buckets, count and sum in both histogram twins
+    (Sluice's and vLLM's names) as one observation per gap, values on a bucket's bound included."""
+    gaps = [0.0, 0.004, TPOT_BUCKETS[0], 0.02, 0.02, TPOT_BUCKETS[3], 0.3, 2.5, 99.0, 1e9]
+    each, bulk = SchedulerMetrics(), SchedulerMetrics()
+    each.bind_model("m")
+    bulk.bind_model("m")
+    for gap in gaps:
+        each.itl.observe(gap)
+    bulk.itl.observe_many(gaps)
+    bulk.itl.observe_many([])
+
+    def itl_lines(metrics: SchedulerMetrics) -> list[str]:
+        text = generate_latest(metrics.registry).decode()
+        return [line for line in text.splitlines() if "inter_token_latency" in line and not line.startswith("#") and "_created" not in line]
+
+    assert itl_lines(bulk) == itl_lines(each)
+    assert any("vllm:inter_token_latency_seconds_count" in line and line.endswith(f" {float(len(gaps))}")
+               for line in itl_lines(bulk))

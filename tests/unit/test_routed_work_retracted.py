@@ -64,3 +64,42 @@ def test_early_refusals_on_an_idle_fleet_do_not_make_later_requests_refused() ->
     assert all(records[r.request_id].status == "rejected" for r in long_ones)
     assert [records[r.request_id].status for r in short_ones] == ["ok"] * len(short_ones)
     assert all(r.unreported_tokens == 0 and not r.unreported for r in simulator.router.fleet._replicas.values())
+
+
+def test_a_dry_run_route_predicts_the_same_choice_and_records_nothing() -> None:
+    """A dry run (a probe, or an operator asking where a request would go) answers what a route would, but
+    leaves no in-flight request, no unreported work and no predicted blocks: fifty probes in a row do not move
+    the next real request's prediction or choice (the bug they caught: a test's probes weighed on the replica
+    they probed until the real request went elsewhere)."""
+    router = make_router("a", "b")
+    router.heartbeat("b", ReplicaLoad(waiting=1, queued_prefill_tokens=500), now=0.0)  # "a" wins, but not by much
+    hashes = (11, 12, 13)
+    probe = RouteQuery("probe", "m", block_hashes=hashes, prompt_tokens=1000, dry_run=True)
+    first = router.route(probe, now=0.0)
+    for _ in range(50):
+        assert router.route(probe, now=0.0) == first
+    assert all(not r.inflight and not r.unreported and r.unreported_tokens == 0 and not r.routed_at
+               for r in router.fleet._replicas.values())
+    assert router.cached_blocks(first.replica_id, hashes, now=0.0) == 0  # nothing predicted from a probe
+    real = router.route(RouteQuery("real", "m", block_hashes=hashes, prompt_tokens=1000), now=0.0)
+    assert (real.replica_id, real.predicted_ttft_s) == (first.replica_id, first.predicted_ttft_s)
+    assert router.fleet.get(real.replica_id).inflight == {"real": 1000}
+    assert router.cached_blocks(real.replica_id, hashes, now=0.0) == 3
+
+
+def test_an_idle_report_forgets_requests_routed_long_before_and_only_those() -> None:
+    """A request whose caller died between Route and Submit never reaches the replica: the first heartbeat that
+    reports the replica idle over a heartbeat timeout after the route forgets it, so it stops counting as load.
+    A busy report, or an idle one within the grace (the Submit may still be on its way), keeps it."""
+    router = make_router("a")
+    timeout = router.config.heartbeat_timeout_s
+    router.route(RouteQuery("orphan", "m", prompt_tokens=1000), now=0.0)
+    router.route(RouteQuery("recent", "m", prompt_tokens=1000), now=timeout)
+    replica = router.fleet.get("a")
+    router.heartbeat("a", ReplicaLoad(waiting=1), now=timeout + 1)  # busy: it may hold both
+    assert set(replica.inflight) == {"orphan", "recent"}
+    router.heartbeat("a", ReplicaLoad(), now=timeout + 1)  # idle, but "recent" is within the grace
+    assert set(replica.inflight) == {"recent"} and set(replica.routed_at) == {"recent"}
+    assert router.stale_routes == 1
+    router.on_request_done("a", "orphan", now=timeout + 2)  # a completion that comes after all changes nothing
+    assert set(replica.inflight) == {"recent"} and router.stale_routes == 1
