@@ -92,7 +92,7 @@ class DisaggRouter:
         """Pairs routed whose two ends differ."""
 
     def route_pair(self, query: RouteQuery, now: float) -> PairDecision:
-        """Choose a prefill and a decode replica for `query`. Raises UnknownModel (no replica of that model at
+        """Choose a prefill and a decode replica for `query` and record both (unless `query.dry_run`). Raises UnknownModel (no replica of that model at
         all) or NoReplicaAvailable (no READY replica that prefills, or none that decodes)."""
         core = self.core
         core.index.prune(now)
@@ -107,14 +107,16 @@ class DisaggRouter:
         ttft, queue_wait, prefill = predict_ttft(chosen, query, cached)
         prefill_decision = RouteDecision(chosen.spec.replica_id, chosen.spec.address, ttft, queue_wait, prefill,
                                          cached)
-        core._record(chosen, query, cached, now)  # the same bookkeeping as RouterCore.route
+        if not query.dry_run:
+            core._record(chosen, query, cached, now)  # the same bookkeeping as RouterCore.route
         need = -(-(query.prompt_tokens + query.max_tokens) // max(chosen.spec.block_size, 1))
         decoder = self._choose_decoder(decoders, chosen, need)
-        claims = self.claims.setdefault(decoder.spec.replica_id, DecodeClaims())
-        room_key = decode_key(decoder, claims, need)
-        claims.claims[query.request_id] = (need, now)
+        room_key = decode_key(decoder, self.claims.get(decoder.spec.replica_id, DecodeClaims()), need)
         pair = PairDecision(prefill_decision, decoder.spec.replica_id, decoder.spec.address, -room_key[2],
                             room_key[1])
+        if query.dry_run:  # a prediction: nothing is claimed on either side
+            return pair
+        self.claims.setdefault(decoder.spec.replica_id, DecodeClaims()).claims[query.request_id] = (need, now)
         if pair.transfers:
             self.transfers += 1
         return pair

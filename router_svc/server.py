@@ -298,7 +298,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         chosen = self.core.fleet.find(decision.replica_id)
         response.incarnation = chosen.spec.incarnation if chosen is not None else ""
         if pair is not None and pair.transfers:
-            self.runtime.metrics.decode_routes.labels(pair.decode_replica_id).inc()
+            if not request.dry_run:
+                self.runtime.metrics.decode_routes.labels(pair.decode_replica_id).inc()
             decoder = self.core.fleet.find(pair.decode_replica_id)
             response.decode_replica_id = pair.decode_replica_id
             response.decode_scheduler_address = pair.decode_address

@@ -128,3 +128,13 @@ def test_role_round_trips_the_wire_and_an_unknown_role_is_named() -> None:
     assert spec_from_proto(router_pb2.Replica(replica_id="x", model="m")).role is B
     with pytest.raises(ValueError, match="unknown replica role 7"):
         role_from_proto(7)
+
+
+def test_a_dry_run_pair_records_nothing() -> None:
+    """A dry-run query answers the pair a real one would get and leaves no routed work and no decode claim."""
+    router = make_pairs({"p0": P, "d0": D})
+    dry = router.route_pair(RouteQuery("a", "m", prompt_tokens=160, max_tokens=16, dry_run=True), now=1.0)
+    assert (dry.prefill.replica_id, dry.decode_replica_id) == ("p0", "d0")
+    replica = router.core.fleet.get("p0")
+    assert not replica.inflight and replica.unreported_tokens == 0
+    assert not router.claims and router.transfers == 0
