@@ -17,7 +17,6 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
