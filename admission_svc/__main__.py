@@ -18,7 +18,12 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from admission_svc.core import AdmissionConfig, AdmissionCore
 from admission_svc.frontdoor import FrontDoor, FrontDoorConfig
-from admission_svc.http_conn import HTTP_HEADER_TIMEOUT_S, HTTP_KEEPALIVE_TIMEOUT_S, HttpTimeouts
+from admission_svc.http_conn import (
+    HTTP_BODY_TIMEOUT_S,
+    HTTP_HEADER_TIMEOUT_S,
+    HTTP_KEEPALIVE_TIMEOUT_S,
+    HttpTimeouts,
+)
 from admission_svc.http_edge import HttpServer, serve_http
 from admission_svc.server import DEFAULT_MAX_MESSAGE_BYTES, build_server
 from admission_svc.shares import SHARES_STREAM, BudgetShares
@@ -78,6 +83,9 @@ class AdmissionOptions(serve.BusOptions):
     response) is closed."""
     http_keepalive_timeout_s: float = HTTP_KEEPALIVE_TIMEOUT_S
     """An idle keep-alive HTTP connection is closed after this many seconds."""
+    http_body_timeout_s: float = HTTP_BODY_TIMEOUT_S
+    """An HTTP request whose whole body has not arrived this many seconds after its head is answered 408 and its
+    connection closed."""
     share_budgets: bool = False
     """Share the configured caps with every admission process of the namespace (admission_svc/shares.py): run
     several behind one port (SO_REUSEPORT) or one Service and together they never admit more than the caps."""
@@ -151,7 +159,8 @@ def build_servicer(ctx: serve.ServiceContext, options: AdmissionOptions) -> Fron
     for flag, value in (("--max-finished-records", options.max_finished_records),
                         ("--finished-record-ttl-s", options.finished_record_ttl_s),
                         ("--http-header-timeout-s", options.http_header_timeout_s),
-                        ("--http-keepalive-timeout-s", options.http_keepalive_timeout_s)):
+                        ("--http-keepalive-timeout-s", options.http_keepalive_timeout_s),
+                        ("--http-body-timeout-s", options.http_body_timeout_s)):
         if not value > 0:
             raise serve.StartupError(f"{flag} must be positive, got {value}")
     try:
@@ -248,7 +257,8 @@ async def _start_http(door: FrontDoor, options: AdmissionOptions) -> HttpServer 
     try:
         http = await serve_http(door, options.host, options.http_port, options.max_message_bytes,
                                 door.tls_files if options.public_tls else None,
-                                HttpTimeouts(options.http_header_timeout_s, options.http_keepalive_timeout_s),
+                                HttpTimeouts(options.http_header_timeout_s, options.http_keepalive_timeout_s,
+                                             options.http_body_timeout_s),
                                 reuse_port=options.share_budgets)
     except OSError as exc:
         raise serve.StartupError(f"cannot serve HTTP on {options.host}:{options.http_port}: {exc}") from exc

@@ -6,8 +6,10 @@ few seconds (slowloris), holds a socket and its buffers for as long as it likes 
 them). `TimedH11Protocol` arms a deadline when a connection opens and again after each response: the whole
 request head must have arrived by then, or the connection is closed (counted in
 `sluice_admission_http_connections_closed_total{reason="header_timeout"}`). The body is read by the route
-under the size limit; a response being streamed is never cut. Idle keep-alive connections close after
-`keepalive_s` (uvicorn's own timer, reason "keepalive" is not counted: it is the normal end of one).
+under the size limit and a deadline (`body_s`, from when the route starts reading it): a body sent a few bytes
+at a time (slowloris on the body) is answered 408 and its connection closed (reason="body_timeout"; the route
+does it, admission_svc/http_edge.py). A response being streamed is never cut. Idle keep-alive connections close
+after `keepalive_s` (uvicorn's own timer, reason "keepalive" is not counted: it is the normal end of one).
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ HTTP_HEADER_TIMEOUT_S = 10.0
 """Default seconds a connection has to send a whole request head (from opening, or from its last response)."""
 HTTP_KEEPALIVE_TIMEOUT_S = 5.0
 """Default seconds an idle keep-alive connection stays open (uvicorn's default)."""
+HTTP_BODY_TIMEOUT_S = 30.0
+"""Default seconds a request has to send its whole body once its head is in: the largest body admission takes
+(max_message_bytes, 2 MiB) at ~70 KB/s, far slower than any real client on the links admission serves."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,9 @@ class HttpTimeouts:
     was sent, is closed."""
     keepalive_s: float = HTTP_KEEPALIVE_TIMEOUT_S
     """An idle keep-alive connection is closed after this long."""
+    body_s: float = HTTP_BODY_TIMEOUT_S
+    """A request whose whole body has not arrived this long after its route started reading it is answered 408 and
+    its connection closed."""
 
 
 class TimedH11Protocol(H11Protocol):
@@ -83,8 +91,12 @@ class TimedH11Protocol(H11Protocol):
         self.transport.close()
 
 
-def protocol_class(timeouts: HttpTimeouts, registry: CollectorRegistry) -> type[TimedH11Protocol]:
+def closed_counter(registry: CollectorRegistry) -> Counter:
+    """Return the counter of connections the edge closes, by reason (header_timeout, body_timeout)."""
+    return Counter("sluice_admission_http_connections_closed", "HTTP connections the edge closed, by reason",
+                   ["reason"], registry=registry)
+
+
+def protocol_class(timeouts: HttpTimeouts, closed: Counter) -> type[TimedH11Protocol]:
     """Return the protocol class for one server: its header deadline, and the counter of connections it closes."""
-    closed = Counter("sluice_admission_http_connections_closed", "HTTP connections the edge closed, by reason",
-                     ["reason"], registry=registry)
     return type("ServerH11Protocol", (TimedH11Protocol,), {"header_timeout_s": timeouts.header_s, "closed": closed})

@@ -39,7 +39,13 @@ from starlette.routing import Route
 from admission_svc import http_body, openai_answers, openai_convert
 from admission_svc.calls import Caller, Output, Tracked
 from admission_svc.frontdoor import FrontDoor
-from admission_svc.http_conn import HTTP_KEEPALIVE_TIMEOUT_S, HttpTimeouts, protocol_class
+from admission_svc.http_conn import (
+    HTTP_BODY_TIMEOUT_S,
+    HTTP_KEEPALIVE_TIMEOUT_S,
+    HttpTimeouts,
+    closed_counter,
+    protocol_class,
+)
 from admission_svc.openai_convert import ParsedRequest
 from admission_svc.server import api_key_of
 from sluice import errors, telemetry
@@ -118,12 +124,29 @@ def _param(field: str, chat: bool) -> str:
     return field
 
 
+class BodyTimeout(Exception):
+    """The request's body did not arrive within the body deadline (slowloris on the body): 408, connection closed."""
+
+    def __init__(self, timeout_s: float, received_bytes: int) -> None:
+        super().__init__(f"request body not received within {timeout_s:g} s ({received_bytes} bytes arrived); "
+                         "the connection is closed")
+
+    def response(self) -> JSONResponse:
+        """Return the 408 answer, which closes the connection (its body was never read to the end)."""
+        return JSONResponse({"error": {"message": str(self), "type": "timeout_error", "param": None,
+                                       "code": "body_timeout"}}, status_code=408, headers={"connection": "close"})
+
+
 class HttpEdge:
     """The Starlette routes around one FrontDoor."""
 
-    def __init__(self, door: FrontDoor, max_body_bytes: int) -> None:
+    def __init__(self, door: FrontDoor, max_body_bytes: int, body_timeout_s: float = HTTP_BODY_TIMEOUT_S,
+                 closed: Counter | None = None) -> None:
         self.door = door
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
+        self.closed = closed if closed is not None else closed_counter(door.metrics.registry)
+        """Connections the edge closed, by reason (the protocol's head deadline shares it)."""
         self.created = int(time.time())
         self._token_texts: dict[int, str] = {}
         self.requests = Counter("sluice_admission_http_requests", "HTTP requests by route and status",
@@ -189,6 +212,9 @@ class HttpEdge:
             response = await handle(request)
         except ClientDisconnect:  # gone before its body arrived (a benchmark ending its run): nobody to answer
             response = Response(status_code=499)
+        except BodyTimeout as exc:
+            self.closed.labels("body_timeout").inc()
+            response = exc.response()
         except Exception as exc:
             if not isinstance(exc, CoreError | errors.SluiceError):
                 log.exception("%s failed", route)
@@ -266,13 +292,19 @@ class HttpEdge:
         return [started[i // n] if i % n == 0 else next(later) for i in range(len(parsed.calls))]
     async def _body(self, request: Request) -> dict[str, Any]:
         """Return the JSON object of the body; InvalidArgument when it is over the limit or not one (too deep, or
-        text that is not UTF-8 scalar values: admission_svc/http_body.py)."""
+        text that is not UTF-8 scalar values: admission_svc/http_body.py); BodyTimeout when it has not all arrived
+        within body_timeout_s."""
         raw = bytearray()
-        async for piece in request.stream():
-            raw += piece
-            if len(raw) > self.max_body_bytes:
-                raise errors.InvalidArgument(f"request body is over max_message_bytes = {self.max_body_bytes} bytes",
-                                             reason="message_too_large", metadata={"limit": "max_message_bytes"})
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                async for piece in request.stream():
+                    raw += piece
+                    if len(raw) > self.max_body_bytes:
+                        raise errors.InvalidArgument(f"request body is over max_message_bytes = {self.max_body_bytes} "
+                                                     "bytes", reason="message_too_large",
+                                                     metadata={"limit": "max_message_bytes"})
+        except TimeoutError:
+            raise BodyTimeout(self.body_timeout_s, len(raw)) from None
         return http_body.parse_object(raw)
 
     async def _cancel_if_abandoned(self, records: Sequence[Tracked], api_key: str | None) -> None:
@@ -458,10 +490,11 @@ async def serve_http(door: FrontDoor, host: str, port: int, max_body_bytes: int,
     connections bounded by `timeouts` (admission_svc/http_conn.py); `reuse_port`: SO_REUSEPORT, so that other
     processes may serve the same port."""
     timeouts = timeouts or HttpTimeouts()
-    server = HttpServer(HttpEdge(door, max_body_bytes).app(), host, port, tls,
-                        protocol_class(timeouts, door.metrics.registry), timeouts.keepalive_s, reuse_port)
+    closed = closed_counter(door.metrics.registry)
+    server = HttpServer(HttpEdge(door, max_body_bytes, timeouts.body_s, closed).app(), host, port, tls,
+                        protocol_class(timeouts, closed), timeouts.keepalive_s, reuse_port)
     await server.start()
     return server
 
 
-__all__: Sequence[str] = ("HTTP_STATUS", "HttpEdge", "HttpServer", "http_error", "serve_http")
+__all__: Sequence[str] = ("HTTP_STATUS", "BodyTimeout", "HttpEdge", "HttpServer", "http_error", "serve_http")

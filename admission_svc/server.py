@@ -29,6 +29,14 @@ room for every other field."""
 HARD_LIMIT_FACTOR = 4
 """gRPC's own receive limit, as a multiple of max_message_bytes: above it gRPC answers
 RESOURCE_EXHAUSTED itself (nothing can change its status); between the two we answer INVALID_ARGUMENT."""
+UNREQUESTED_CALL_LIMIT_S = 3600
+"""How long gRPC core keeps a call that arrived but that the server's event loop has not picked up yet
+(`grpc.server_max_unrequested_time_in_server`). Core's default is 30 s, after which it cancels the call itself:
+the client gets a bare CANCELLED (no status details, no RetryInfo) and admission never hears of it. Under
+overload admission's event loop picks calls up slower than they arrive (one per loop iteration), so calls did
+wait that long: 0 to ~5,500 requests a 60 s run at 3x overload ended so. With an hour, every call reaches
+the handlers and gets an explicit answer (served, or refused RESOURCE_EXHAUSTED with RetryInfo); a call that
+waited past its own deadline ends DEADLINE_EXCEEDED at the client, which is what its deadline asked for."""
 
 
 def api_key_of(metadata: Any) -> str | None:
@@ -79,7 +87,8 @@ class AdmissionServicer(admission_pb2_grpc.AdmissionServiceServicer):
 def build_server(door: FrontDoor, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  extra_options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Server:
     """Return a gRPC server (not started, no port) serving `door` behind the ErrorInterceptor and the size limits."""
-    options = [("grpc.max_receive_message_length", HARD_LIMIT_FACTOR * max_message_bytes), *extra_options]
+    options = [("grpc.max_receive_message_length", HARD_LIMIT_FACTOR * max_message_bytes),
+               ("grpc.server_max_unrequested_time_in_server", UNREQUESTED_CALL_LIMIT_S), *extra_options]
     server = grpc_server(services.ADMISSION, interceptors=[ErrorInterceptor(max_message_bytes=max_message_bytes)],
                          options=options)
     admission_pb2_grpc.add_AdmissionServiceServicer_to_server(AdmissionServicer(door), server)

@@ -46,6 +46,27 @@ __all__ = [
 ]
 
 DEFAULT_TARGET = "localhost:50051"
+_STATUS_DETAILS = "grpc-status-details-bin"
+"""The trailer that carries a google.rpc.Status: admission sends it with every refusal and every ended request."""
+DROPPED_RETRY_S = 1.0
+"""Retry delay the SDK gives a call gRPC's transport dropped before admission answered it (`_opening_error`)."""
+
+
+def _opening_error(exc: grpc.RpcError) -> SluiceError:
+    """Return the error of a Generate call that failed before its first chunk.
+
+    A CANCELLED that carries none of the server's status details (every refusal and every ended request from
+    admission carries them) is not admission's answer: the server's gRPC transport cancelled a call admission's
+    handlers never saw (measured under 3x overload: docs/operations.md, "Overload"). Nothing was streamed, so it
+    is reported as what it is for the caller, Unavailable (retryable) with a retry delay, instead of a bare
+    CANCELLED that reads as if someone had cancelled the request."""
+    error = error_from_rpc(exc)
+    trailing = exc.trailing_metadata() if callable(getattr(exc, "trailing_metadata", None)) else ()
+    if error.code is grpc.StatusCode.CANCELLED and not any(key == _STATUS_DETAILS for key, _ in trailing or ()):
+        return Unavailable(grpc.StatusCode.UNAVAILABLE, "the server's gRPC transport cancelled the call before "
+                           f"admission answered it (overload; was: {error.message}); nothing was streamed",
+                           DROPPED_RETRY_S)
+    return error
 
 
 @dataclass(frozen=True)
@@ -266,7 +287,7 @@ class Client:
                 try:
                     return call, next(call, None)
                 except grpc.RpcError as exc:
-                    raise error_from_rpc(exc) from None
+                    raise _opening_error(exc) from None
         raise AssertionError("unreachable: tenacity reraises")
 
     def generate_text(self, prompt: str | Sequence[int], *, timeout: float | None = None,
@@ -347,7 +368,7 @@ class AsyncClient:
                 try:
                     return call, await call.read()
                 except grpc.RpcError as exc:
-                    raise error_from_rpc(exc) from None
+                    raise _opening_error(exc) from None
         raise AssertionError("unreachable: tenacity reraises")
 
     async def generate_text(self, prompt: str | Sequence[int], *, timeout: float | None = None,

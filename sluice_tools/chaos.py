@@ -256,7 +256,9 @@ def _settled_leaks(stack: Stack, settle_s: float) -> dict[str, Any]:
 
 def run(config: ChaosConfig) -> dict[str, Any]:
     """Run the chaos load and faults, check the invariants; return the report (see the module docstring)."""
-    run_dir = Path(config.run_dir) if config.run_dir else Path(f"out/chaos-{int(time.time())}")
+    # Absolute: the embedded Redis moves to a directory of its own (`dir`) before it reads its ACL file by this path
+    # (`make chaos`, with the default relative out/chaos-*, ended at once: "redis-server exited with code 1").
+    run_dir = (Path(config.run_dir) if config.run_dir else Path(f"out/chaos-{int(time.time())}")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     tenants = run_dir / "tenants.toml"
     tenants.write_text(TENANTS)

@@ -21,7 +21,12 @@ Theory of operation. `find_capacity` asks for probes at rate scales; one live pr
   summary `sluice sim` makes, turned into a Probe by the same `probe_of`;
 - no overlap: after the replay a spawned stack is polled until every scheduler reports nothing
   waiting and nothing running (at most `--probe-drain-timeout`); a `--target` stack, whose schedulers
-  the bench cannot ask, gets `--probe-settle` seconds.
+  the bench cannot ask, gets `--probe-settle` seconds;
+- the hold check: once the search has its figure, one more probe offers the reported rate for
+  `--capacity-hold-seconds` (30 s; 0 skips it) at the same rate scale with fresh prompts, and says whether
+  the goal still holds there (requests and offered tokens). The search's probes are shorter and a bisection can land on a
+  rate that passed by luck of the draw; the hold line and the JSON's `hold` say whether the figure is
+  one the stack keeps up with.
 
 Configurations (`--spawn --compare round_robin,score`): an item is `+`-joined words, a router policy
 (router_svc RoutingPolicy), a scheduler queue policy (scheduler_svc Policy) or `replicas=N`. Each item
@@ -48,6 +53,8 @@ if TYPE_CHECKING:
 
 Settle = Callable[[], tuple[float, bool]]
 """Waits until the stack is idle after a probe; returns (seconds waited, whether it reported idle)."""
+HOLD_S = 30.0
+"""Default seconds the hold check offers the reported capacity (at least the 20 s a figure must hold for)."""
 
 
 def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +80,8 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds to wait between probes against a --target stack")
     parser.add_argument("--probe-drain-timeout", type=positive_float, default=limits.drain_timeout_s,
                         help="seconds to wait for a spawned stack to go idle between probes")
+    parser.add_argument("--capacity-hold-seconds", type=non_negative_float, default=HOLD_S,
+                        help="offer the reported capacity this long (s) and say whether it holds (0: no check)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +193,19 @@ class Endpoint:
     vocab_size: int = 256
 
 
+@dataclasses.dataclass
+class HoldCheck:
+    """Whether the reported capacity holds when its rate is offered for `seconds` (the JSON's `hold`)."""
+
+    holds: bool
+    """The hold probe met the goal too (requests and offered tokens within SLO)."""
+    seconds: float
+    """Seconds the hold probe offered the rate (at least --capacity-hold-seconds, less one gap)."""
+    run: ProbeRun
+    token_attainment: float | None
+    p99_ttft_s: float | None
+
+
 class LiveProber:
     """The `probe(scale)` of `find_capacity` for a live stack; keeps a ProbeRun per call in `runs`."""
 
@@ -196,18 +218,44 @@ class LiveProber:
         self.limits = limits
         self.settle = settle
         self.runs: list[ProbeRun] = []
+        self.probes_made = 0
+        """Probes run so far, hold included: each one's number seeds its fresh prompts."""
+
+    def hold(self, result: CapacityResult, goal: float, seconds: float) -> HoldCheck | None:
+        """Offer the capacity `result` reports for `seconds` and return whether the goal still holds there; None
+        when there is no figure to hold (the search found no passing rate) or `seconds` is 0."""
+        if result.capacity_rps <= 0 or seconds <= 0:
+            return None
+        searched = self.limits
+        self.limits = dataclasses.replace(searched, min_arrival_s=seconds,
+                                          max_arrival_s=max(searched.max_arrival_s, seconds))
+        try:
+            probe = self._probe(result.scale, "hold")
+        finally:
+            self.limits = searched
+        run = self.runs.pop()  # the search's runs stay the search's
+        check = HoldCheck(probe.passes(goal), run.offered_s, run, probe.token_attainment, probe.p99_ttft_s)
+        print(f"  {self.name}: capacity {result.capacity_rps:.2f} req/s "
+              + ("holds" if check.holds else "does NOT hold") + f" for {run.offered_s:.0f} s "
+              f"({probe.attainment:.1%} of requests, {probe.token_attainment or 0:.1%} of offered tokens within "
+              f"SLO; goal {goal:.0%})", file=sys.stderr)
+        return check
 
     def __call__(self, scale: float) -> Probe:
         """Replay the workload at `scale`, wait for the stack to go idle, return the Probe."""
+        return self._probe(scale, "probe")
+
+    def _probe(self, scale: float, kind: str) -> Probe:
         from sluice_tools.capacity import token_attainment
         from sluice_tools.commands.bench import drive, records_of
         from sluice_tools.commands.sim import probe_of
         from sluice_tools.metrics import summarize
         from sluice_tools.workload import offered_rate
 
-        requests = probe_requests(self.requests, scale, len(self.runs) + 1, self.limits, self.slo)
+        self.probes_made += 1
+        requests = probe_requests(self.requests, scale, self.probes_made, self.limits, self.slo)
         if not requests:
-            raise ValueError(f"probe at x{scale:.3g}: no request arrives within --probe-seconds "
+            raise ValueError(f"{kind} at x{scale:.3g}: no request arrives within --probe-seconds "
                              f"{self.limits.max_arrival_s}")
         e = self.endpoint
         outcomes = asyncio.run(drive(e.target, e.api_key, requests, max_concurrency=e.max_concurrency,
@@ -225,7 +273,7 @@ class LiveProber:
         self.runs.append(ProbeRun(scale, rate, len(requests), counts, probe.attainment, offered, wall, drain_s,
                                   drained))
         p99 = "-" if probe.p99_ttft_s is None else f"{probe.p99_ttft_s:.2f} s"
-        print(f"  {self.name}: x{scale:.3g} ({rate:.2f} req/s for {offered:.0f} s, {len(requests)} requests) -> "
+        print(f"  {self.name}: {kind} x{scale:.3g} ({rate:.2f} req/s for {offered:.0f} s, {len(requests)} requests) -> "
               f"{probe.attainment:.1%} of requests, {probe.token_attainment:.1%} of offered tokens within SLO, "
               f"p99 TTFT {p99}, {counts}; idle after {drain_s:.1f} s"
               + ("" if drained else " (NOT drained)"), file=sys.stderr)
@@ -325,13 +373,23 @@ def run_capacity(args: argparse.Namespace, workload: Workload) -> int:
             return 2
         endpoint = Endpoint(target, args.api_key, args.tls_ca, args.max_concurrency, args.vocab_size)
         prober = LiveProber(target, endpoint, requests, slo, limits, settle_for(limits.settle_s))
-        searched = {args.name or target: (find_capacity(prober, search), prober.runs)}
+        searched = {args.name or target: _searched(prober, search, args.capacity_hold_seconds)}
     return _report(args, workload, requests, searched, limits)
 
 
+Searched = tuple[CapacityResult, list[ProbeRun], HoldCheck | None]
+"""One configuration's search: its result, the runs of its probes, and its hold check (None: not made)."""
+
+
+def _searched(prober: LiveProber, search: CapacitySearch, hold_s: float) -> Searched:
+    """Return the capacity `prober` finds, its runs, and whether that capacity holds for `hold_s`."""
+    result = find_capacity(prober, search)
+    return result, prober.runs, prober.hold(result, search.goal, hold_s)
+
+
 def _search_spawned(args: argparse.Namespace, requests: Sequence[WorkloadRequest], search: CapacitySearch,
-                    limits: ProbeLimits, slo: tuple[float, float]) -> dict[str, tuple[CapacityResult, list[ProbeRun]]]:
-    """Return name -> (result, runs): one stack per configuration, started, searched, stopped."""
+                    limits: ProbeLimits, slo: tuple[float, float]) -> dict[str, Searched]:
+    """Return name -> (result, runs, hold check): one stack per configuration, started, searched, stopped."""
     from sluice_tools.commands.bench import run_name
     from sluice_tools.stack import Stack, StackConfig
 
@@ -343,31 +401,37 @@ def _search_spawned(args: argparse.Namespace, requests: Sequence[WorkloadRequest
         with Stack(config) as stack:
             endpoint = Endpoint(stack.endpoint, stack.api_key, None, args.max_concurrency, args.vocab_size)
             prober = LiveProber(name, endpoint, requests, slo, limits, _drainer(stack, limits.drain_timeout_s))
-            out[name] = (find_capacity(prober, search), prober.runs)
+            out[name] = _searched(prober, search, args.capacity_hold_seconds)
     return out
 
 
 def _report(args: argparse.Namespace, workload: Workload, requests: Sequence[WorkloadRequest],
-            searched: Mapping[str, tuple[CapacityResult, list[ProbeRun]]], limits: ProbeLimits) -> int:
+            searched: Mapping[str, Searched], limits: ProbeLimits) -> int:
     """Print the table, write the JSON and the plot; returns 1 when no request of any probe succeeded."""
     from sluice_tools.report import format_capacity, write_capacity_plot, write_json
     from sluice_tools.workload import ideal_prefix_hit_rate
 
-    results = {name: result for name, (result, _) in searched.items()}
+    results = {name: result for name, (result, _, _) in searched.items()}
     probed = list(requests[:limits.max_requests])
     print(format_capacity(results, ideal_prefix_hit_rate=ideal_prefix_hit_rate(probed)))
+    for name, (result, _, hold) in searched.items():
+        if hold is not None:
+            print(f"{name}: {result.capacity_rps:.2f} req/s " + ("holds" if hold.holds else "does NOT hold")
+                  + f" for {hold.seconds:.0f} s ({hold.run.attainment:.1%} of requests, "
+                  f"{hold.token_attainment or 0:.1%} of offered tokens within SLO)")
     if args.json:
         payload: dict[str, Any] = {
             "workload": workload.describe(), "probe_limits": dataclasses.asdict(limits),
             "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot},
-            "capacity": {name: {**result.to_dict(), "runs": [dataclasses.asdict(r) for r in runs]}
-                         for name, (result, runs) in searched.items()},
+            "capacity": {name: {**result.to_dict(), "runs": [dataclasses.asdict(r) for r in runs],
+                                "hold": None if hold is None else dataclasses.asdict(hold)}
+                         for name, (result, runs, hold) in searched.items()},
         }
         print(f"JSON: {write_json(payload, args.json)}")
     if args.plots:
         name = workload.name if len(workload.name) <= 60 else workload.name[:57] + "..."  # fits the chart
         print(f"plot: {write_capacity_plot(results, args.plots, title=f'{name} (live)')}")
-    if not any(run.counts.get("ok") for _, runs in searched.values() for run in runs):
+    if not any(run.counts.get("ok") for _, runs, _ in searched.values() for run in runs):
         print("sluice bench: error: no request of any probe succeeded (see the statuses above)", file=sys.stderr)
         return 1
     return 0

@@ -3,7 +3,8 @@
 The workload is prefill-bound (2,000-token prompts, 2 output tokens) on one emulated llama-3-8b replica,
 so the replica serves about one request per modelled prefill time: its service rate is what the cost
 model says a 2,000-token prefill takes. The capacity at a 500 ms TTFT target must lie within a small
-factor of that rate; bad flag combinations end in one line and exit 2.
+factor of that rate, and the hold check that follows the search offers the reported rate for 20 s and says
+whether it holds, in its output and its JSON; bad flag combinations end in one line and exit 2.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ import pytest
 
 from worker_svc.costmodel import CostModel, RoundShape
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = 2000
 WORKLOAD = f"synthetic:poisson?rate=16&n=32&input=fixed:{PROMPT}&output=fixed:2"
 
 
-def _sluice(tmp_path: Path, *args: str, timeout: float = 150) -> subprocess.CompletedProcess[str]:
+def _sluice(tmp_path: Path, *args: str, timeout: float = 210) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("SLUICE_DEBUG", None)
     return subprocess.run([sys.executable, "-m", "sluice_tools.cli", *args], cwd=tmp_path, env=env,
@@ -43,7 +44,7 @@ def test_live_capacity_is_bracketed_and_near_the_modelled_service_rate(tmp_path:
     done = _sluice(tmp_path, "bench", WORKLOAD, "--capacity", "--spawn", "--backend", "costmodel",
                    "--model", "llama-3-8b", "--emulate-time", "--slo-ttft-ms", "500", "--slo-tpot-ms", "100",
                    "--capacity-tolerance", "0.25", "--capacity-max-probes", "6", "--probe-min-seconds", "4",
-                   "--json", "cap.json",
+                   "--capacity-hold-seconds", "20", "--json", "cap.json",
                    "--plots", "plots")
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "plots" / "capacity.png").stat().st_size > 0
@@ -62,6 +63,14 @@ def test_live_capacity_is_bracketed_and_near_the_modelled_service_rate(tmp_path:
     service_rate = _modelled_service_rate()
     assert service_rate / 3 <= result["capacity_rps"] <= 2 * service_rate, (result["capacity_rps"], service_rate)
     assert name in done.stdout and "capacity req/s" in done.stdout
+    hold = result["hold"]
+    assert hold["seconds"] >= 20 - 2 / result["capacity_rps"], "the hold offers the rate 20 s"
+    assert hold["run"]["scale"] == result["scale"], "the hold offers the reported rate"
+    assert hold["run"]["rate_rps"] == pytest.approx(result["capacity_rps"], rel=0.1)
+    assert hold["run"]["drained"] and hold["run"]["requests"] >= 20 * result["capacity_rps"] - 1
+    assert hold["holds"] == (hold["run"]["attainment"] >= 0.9 and hold["token_attainment"] >= 0.9), hold
+    verdict = "holds" if hold["holds"] else "does NOT hold"
+    assert f"{result['capacity_rps']:.2f} req/s {verdict} for" in done.stdout, done.stdout[-2000:]
 
 
 BAD = {

@@ -1,9 +1,9 @@
 """End to end: hostile input against a running stack (costmodel replica, real processes) is refused precisely.
 
 Numbers beyond their wire type, lone surrogates, deep JSON, a NaN or negative top_p, invalid UTF-8 on gRPC,
-an idempotency key reused for another request, and slow or idle HTTP connections. Each refusal must name its
-field (400 `param` / INVALID_ARGUMENT BadRequest) and leave no traceback in admission's log; before these
-checks existed each of them was a 500 after routing, a silent change of meaning, or a connection held forever.
+an idempotency key reused for another request, and slow or idle HTTP connections (a slow head, a slow body).
+Each refusal must name its field (400 `param` / INVALID_ARGUMENT BadRequest) and leave no traceback in admission's
+log; before these checks existed each of them was a 500 after routing, a silent change of meaning, or a connection held forever.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 KEY = "k-acme"
 HEADER_TIMEOUT_S = 1.5
 KEEPALIVE_TIMEOUT_S = 1.0
+BODY_TIMEOUT_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     config.write_text(f'[tenants.acme]\napi_keys = ["{KEY}"]\n')
     with Stack(StackConfig(replicas=1, backend="costmodel", config_file=str(config), run_dir=run_dir, http_port=0,
                            admission_args=("--http-header-timeout-s", str(HEADER_TIMEOUT_S),
-                                           "--http-keepalive-timeout-s", str(KEEPALIVE_TIMEOUT_S)))) as running:
+                                           "--http-keepalive-timeout-s", str(KEEPALIVE_TIMEOUT_S),
+                                           "--http-body-timeout-s", str(BODY_TIMEOUT_S)))) as running:
         yield running
 
 
@@ -214,6 +216,39 @@ def test_slow_and_idle_http_connections_are_closed(stack: Stack) -> None:
         assert b"200 OK" in kept.recv(65536)
         assert _closed_after(kept) >= KEEPALIVE_TIMEOUT_S - 0.1
     assert _metric(stack, 'sluice_admission_http_connections_closed_total{reason="header_timeout"}') == 2
+
+
+def test_a_body_sent_slowly_is_answered_408_and_its_connection_closed(stack: Stack) -> None:
+    """A request whose head is whole but whose body trickles in a byte every 0.25 s (slowloris on the body, which the
+    head deadline does not cover: each byte would reset an idle timer) is answered 408 with OpenAI's error shape at
+    the body deadline, and the server closes the connection; before, only the fd limit bounded such connections."""
+    body = json.dumps({"model": "tiny", "prompt": "x" * 400, "max_tokens": 1}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    before = _metric(stack, 'sluice_admission_http_connections_closed_total{reason="body_timeout"}')
+    with _http_socket(stack) as slow:
+        slow.sendall(head)
+        start = time.monotonic()
+        sent = 0
+        # Trickle until just before the deadline, then wait: a byte sent after the server closed would be answered
+        # with a reset that can discard the 408 before it is read (TCP, not the server).
+        while time.monotonic() - start < BODY_TIMEOUT_S - 0.5:
+            slow.sendall(body[sent:sent + 1])
+            sent += 1
+            time.sleep(0.25)
+        answer = b""
+        slow.settimeout(30)
+        while chunk := slow.recv(65536):  # b"" once the server closes
+            answer += chunk
+        took = time.monotonic() - start
+    assert BODY_TIMEOUT_S - 0.1 <= took < BODY_TIMEOUT_S + 10, took
+    assert 0 < sent < len(body)  # it was cut off before the body was whole
+    status_line, _, rest = answer.partition(b"\r\n")
+    assert status_line.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b"connection: close" in rest.lower()
+    error = json.loads(rest.split(b"\r\n\r\n", 1)[1])["error"]
+    assert error["code"] == "body_timeout" and error["type"] == "timeout_error", error
+    assert _metric(stack, 'sluice_admission_http_connections_closed_total{reason="body_timeout"}') == before + 1
 
 
 def _metric(stack: Stack, line_start: str) -> float:

@@ -19,7 +19,9 @@ from grpc_status import rpc_status
 
 from sluice._retry import RetryBudget, RetryPolicy
 from sluice.client import (
+    DROPPED_RETRY_S,
     AsyncClient,
+    Cancelled,
     Client,
     InvalidArgument,
     ResourceExhausted,
@@ -182,3 +184,28 @@ def test_async_client_streams_and_types_errors(serve) -> None:
 
     texts, message = asyncio.run(main())
     assert texts == ["he", "y"] and message == "unknown API key"
+
+
+def test_a_bare_cancelled_before_any_chunk_is_unavailable_with_a_retry_delay(serve) -> None:
+    """A CANCELLED without the server's status details before the first chunk (gRPC's transport dropping a call
+    admission never answered, seen under 3x overload) is raised as Unavailable with the SDK's retry delay, and is
+    retried like any overload answer when the request has an idempotency key."""
+    bare = grpc.Status()
+    bare.code, bare.details, bare.trailing_metadata = grpc.StatusCode.CANCELLED, "CANCELLED", ()
+    with Client(serve(ScriptedAdmission(1, bare)), retry=RetryPolicy(max_attempts=1)) as client, \
+            pytest.raises(Unavailable) as raised:
+        client.generate_text("hi")
+    assert raised.value.retryable and raised.value.retry_delay_s == DROPPED_RETRY_S
+    assert "before admission answered it" in raised.value.message
+    servicer = ScriptedAdmission(1, bare)
+    with Client(serve(servicer), retry=RetryPolicy(initial_backoff_s=0.001)) as client:
+        assert client.generate_text("hi", idempotency_key="k-1").text == "hey"
+    assert len(servicer.calls) == 2
+
+
+def test_a_cancelled_request_stays_cancelled(serve) -> None:
+    """Admission's own CANCELLED (it carries status details) is still raised as Cancelled, not retried."""
+    servicer = ScriptedAdmission(1, _status(code_pb2.CANCELLED, "request r1 CANCELLED after 0 output tokens"))
+    with Client(serve(servicer), retry=RetryPolicy(initial_backoff_s=0.001)) as client, pytest.raises(Cancelled):
+        client.generate_text("hi", idempotency_key="k-2")
+    assert len(servicer.calls) == 1
