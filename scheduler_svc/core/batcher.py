@@ -175,7 +175,9 @@ class Batcher:
             blocks = self._pool.allocate(need)
             if blocks is not None:
                 request.block_ids.extend(blocks)
-                request.block_table = tuple(request.block_ids)
+                # The table grows by the new blocks: tuple(block_ids) would box every id of the array again
+                # (a new int per block per boundary: most of a decode's cost at a block boundary).
+                request.block_table += tuple(blocks)
                 return True
             victim = self._pick_victim(request, rnd.round_id)
             self._preempt(victim, rnd, now)
