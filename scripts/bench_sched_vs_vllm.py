@@ -10,8 +10,9 @@ are done and the waiting requests queued, each case times decode-only rounds: CP
 (time.process_time_ns) of Sluice's `schedule()` + `on_round_result()` and of vLLM's `schedule()` +
 `update_from_output()`. The fake executors (one token per sequence) are not timed. The two alternate:
 each repeat measures Sluice then vLLM at one size with fresh schedulers and the collector as the
-scheduler service sets it; the report gives each repeat's medians and the ratio of the medians of the
-repeats. vLLM's scheduler is driven standalone, as vLLM's own unit tests drive it: a real `VllmConfig` of
+scheduler service sets it; the report gives each repeat's medians, the ratio of the medians of the
+repeats and the median of the repeats' own ratios (`paired_ratio_median`: each pair ran back to
+back). vLLM's scheduler is driven standalone, as vLLM's own unit tests drive it: a real `VllmConfig` of
 the tiny preset model (generated into a temporary directory, nothing downloaded), one full-attention KV
 cache group, no model executed. Sluice's core runs compiled when `make compiled` built it (the report's
 `sluice_core`), from source with SLUICE_PURE_PYTHON=1.
@@ -153,9 +154,14 @@ def run(rounds: int, repeats: int, sizes: tuple[tuple[int, int], ...]) -> dict[s
                 del scheduler
                 gc.collect()
             s, v = statistics.median(sluice_us), statistics.median(vllm_us)
+            # Each repeat's two measurements are back to back: their ratio cancels the machine's drift
+            # between repeats, which the ratio of the two medians does not.
+            paired = [vu / su for su, vu in zip(sluice_us, vllm_us, strict=True)]
             cases.append({"running": running, "waiting": waiting, "rounds": rounds,
                           "sluice_median_us": round(s, 1), "vllm_median_us": round(v, 1),
                           "vllm_over_sluice": round(v / s, 2),
+                          "paired_ratio_median": round(statistics.median(paired), 2),
+                          "paired_ratios": [round(r, 2) for r in paired],
                           "sluice_runs_us": [round(x, 1) for x in sluice_us],
                           "vllm_runs_us": [round(x, 1) for x in vllm_us]})
             print(json.dumps(cases[-1]), file=sys.stderr, flush=True)

@@ -42,7 +42,7 @@ def place_ahead(request: Request, rnd: RoundBuilder, in_flight: dict[int, InFlig
         if blocks is None:
             return False
         request.block_ids.extend(blocks)
-        request.block_table = tuple(request.block_ids)
+        request.block_table += tuple(blocks)  # not tuple(block_ids): see Batcher._grow
     rnd.seqs.append(new_scheduled_seq(request.request_id, request.epoch, PENDING, start,
                                       request.block_table, request.sampling, True,
                                       start + 1 - request.num_prompt, (), ()))
@@ -80,5 +80,5 @@ def chunk_ahead(request: Request, rnd: RoundBuilder, in_flight: dict[int, InFlig
         if blocks is None:
             return None
         request.block_ids.extend(blocks)
-        request.block_table = tuple(request.block_ids)
+        request.block_table += tuple(blocks)  # not tuple(block_ids): see Batcher._grow
     return start, num

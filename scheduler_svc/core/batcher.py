@@ -80,6 +80,10 @@ class Batcher:
         running_status = RequestStatus.RUNNING
         seqs, entries, round_id = rnd.seqs, rnd.entries, rnd.round_id
         tokens_left, seqs_left, kv_left, decodes = rnd.tokens_left, rnd.seqs_left, rnd.kv_left, 0
+        # Compiled, a module global is a dict lookup per use and an `int | None` attribute stores a boxed int:
+        # the constructor and the boxed round id are taken once per round, not once per decode.
+        build_seq = new_scheduled_seq
+        in_flight: int | None = round_id
         for request in list(self._table.running.values()):
             if request.in_flight_round is not None or request.status is not running_status:
                 if not overlap or request.in_flight_prev is not None or not seqs_left or not tokens_left:
@@ -95,12 +99,12 @@ class Batcher:
                     and kv_left > start
                 ):
                     # _place_ahead's common case, inlined like the plain decodes below.
-                    seqs.append(new_scheduled_seq(request.request_id, request.epoch, PENDING, start,
-                                                  request.block_table, request.sampling, True,
-                                                  start + 1 - request.num_prompt, (), ()))
+                    seqs.append(build_seq(request.request_id, request.epoch, PENDING, start,
+                                          request.block_table, request.sampling, True,
+                                          start + 1 - request.num_prompt, (), ()))
                     entries.append(request)
                     request.in_flight_prev = request.in_flight_round
-                    request.in_flight_round = round_id
+                    request.in_flight_round = in_flight
                     tokens_left -= 1
                     seqs_left -= 1
                     kv_left -= start + 1
@@ -132,7 +136,7 @@ class Batcher:
                 if kv_left <= start:
                     break
                 seqs.append(
-                    new_scheduled_seq(
+                    build_seq(
                         request.request_id,
                         request.epoch,
                         request.last_token_ids,  # (tokens[start],): the last token is an output token
@@ -146,7 +150,7 @@ class Batcher:
                     )
                 )
                 entries.append(request)
-                request.in_flight_round = round_id
+                request.in_flight_round = in_flight
                 # Separate statements: a four-name tuple assignment builds and unpacks a tuple.
                 tokens_left -= 1
                 seqs_left -= 1
@@ -171,7 +175,9 @@ class Batcher:
             blocks = self._pool.allocate(need)
             if blocks is not None:
                 request.block_ids.extend(blocks)
-                request.block_table = tuple(request.block_ids)
+                # The table grows by the new blocks: tuple(block_ids) would box every id of the array again
+                # (a new int per block per boundary: most of a decode's cost at a block boundary).
+                request.block_table += tuple(blocks)
                 return True
             victim = self._pick_victim(request, rnd.round_id)
             self._preempt(victim, rnd, now)

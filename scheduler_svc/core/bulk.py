@@ -235,8 +235,8 @@ def _tables(running: Sequence[Request]) -> list[tuple[int, ...]]:
     tables = []
     for request in running:
         table = request.block_table
-        if len(table) != len(request.block_ids):  # blocks were only appended
-            table = request.block_table = tuple(request.block_ids)
+        if len(table) != len(request.block_ids):  # blocks were only appended: box only the new ids
+            table = request.block_table = table + tuple(request.block_ids[len(table):])
         tables.append(table)
     return tables
 

@@ -19,6 +19,7 @@ call: `submit`, `schedule`, `on_round_result`, `on_round_lost`, `on_worker_resta
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from scheduler_svc.core import bulk
 from scheduler_svc.core.backlog import Backlog
@@ -77,8 +78,14 @@ class SchedulerCore:
         self.batcher = Batcher(parts, self.outcomes)
 
     # ---- submission ------------------------------------------------------------------------
-    def submit(self, request: NewRequest, now: float) -> None:
-        """Queue a new request. Raises RequestRejected (and changes nothing) when it is refused."""
+    def submit(self, request: NewRequest, now: float, prompt_hashes: Sequence[int] = (), hashes_salt: int = 0) -> None:
+        """Queue a new request. Raises RequestRejected (and changes nothing) when it is refused.
+
+        `prompt_hashes`: the block-hash chain of the prompt's full blocks (`sluice.hashing.hash_chain` of the
+        prompt with this core's block size and the salt `hashes_salt`), when the caller computed it already
+        for routing (the simulator does): used instead of hashing the prompt again when `hashes_salt` is the
+        request's own salt, else ignored. Trusted: a wrong chain makes wrong prefix-cache hits.
+        """
         self._check_admissible(request)
         try:
             live = Request(request, self.requests.next_arrival_seq())
@@ -88,6 +95,9 @@ class SchedulerCore:
             ) from None
         live.salt = (salt_of(self.config.model_id, self.config.adapter_version, request.cache_salt)
                      if request.cache_salt else self._salt)
+        if prompt_hashes and hashes_salt == live.salt and self.pool.caching:
+            # Exactly the blocks the cache lookup below would hash, so the chain is what hashing gives.
+            live.block_hashes.extend(prompt_hashes[: (len(live.tokens) - 1) // self._block_size])
         self.requests.add(live)
         if self.backlog.account is not None:
             self.backlog.queue.on_live(live.tenant, 1)

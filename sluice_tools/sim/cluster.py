@@ -244,16 +244,20 @@ class Simulator:
         if self._cpu is not None:
             delay = self._cpu.submit_delay(now, delay)
         if delay > 0:
-            self.push(now + delay, _SUBMIT, (replica, request, record, prompt))
+            self.push(now + delay, _SUBMIT, (replica, request, record, prompt, hashes))
             return
-        self._submit(replica, request, record, prompt)
+        self._submit(replica, request, record, prompt, hashes)
 
-    def _on_submit(self, payload: tuple[_Replica, WorkloadRequest, RequestRecord, tuple[int, ...]]) -> None:
+    def _on_submit(
+        self, payload: tuple[_Replica, WorkloadRequest, RequestRecord, tuple[int, ...], tuple[int, ...]]
+    ) -> None:
         self._submit(*payload)
 
     def _submit(
-        self, replica: _Replica, request: WorkloadRequest, record: RequestRecord, prompt: tuple[int, ...]
+        self, replica: _Replica, request: WorkloadRequest, record: RequestRecord, prompt: tuple[int, ...],
+        hashes: tuple[int, ...] = (),
     ) -> None:
+        """Submit to the replica's core; `hashes`, the prompt's chain hashed for routing, spares the core hashing it again."""
         rid, now = request.request_id, self.now
         replica.reported_idle = False  # the router counted this request as unreported work
         deadline = None if request.deadline_s is None else record.arrival_s + request.deadline_s
@@ -269,7 +273,7 @@ class Simulator:
             tenant_weight=self.admission.tenant_weight(request.tenant),  # as admission_svc sends it
         )
         try:
-            replica.core.submit(new, now)
+            replica.core.submit(new, now, hashes, self._salt)
         except RequestRejected as error:
             self.admission.release(rid, now)
             self._forget_routed(replica, rid)
