@@ -3,7 +3,12 @@
 A round is built in phases:
   1. `_schedule_running`: requests already running (decodes and unfinished prefill chunks) in the
      order they started, skipping any still in an in-flight round; a block boundary needs one new
-     block, and when none is left `_preempt` frees the victim the victim rule picks.
+     block, and when none is left `_preempt` frees the victim the victim rule picks. A victim that is
+     swapped out frees its device blocks only when its round has run: if the needy request is then the
+     rule's only victim left while a swap-out is under way, it keeps its blocks and waits a round for them
+     instead of preempting itself. (Preempting itself let two requests that do not fit together throw
+     their own work away by turns for ever: each swap freed nothing in time, so the needy one recomputed
+     and the swapped one came back in; the stateful test's livelock, 96 preemptions and no end.)
   2. `_schedule_waiting`: waiting and resumed requests in policy order, within what is left of the
      query-token, sequence and KV-read budgets, stopping at the first head that does not fit
      (head-of-line blocking is the policies' semantics). Skipped in a round that had to preempt.
@@ -169,7 +174,8 @@ class Batcher:
         rnd.decode_tokens += decodes
 
     def _grow(self, request: Request, end: int, rnd: RoundBuilder, now: float) -> bool:
-        """Give `request` blocks up to position `end`, preempting others; False if it was preempted."""
+        """Give `request` blocks up to position `end`, preempting others; False if it was preempted or waits a
+        round for the blocks a swap-out is freeing."""
         need = -(-end // self._block_size) - len(request.block_ids)
         while True:
             blocks = self._pool.allocate(need)
@@ -180,6 +186,12 @@ class Batcher:
                 request.block_table += tuple(blocks)
                 return True
             victim = self._pick_victim(request, rnd.round_id)
+            if victim is request and self._table.swapping:
+                # Blocks a swap-out still pins come back once its round has run: wait a round for them with
+                # the work done so far, rather than throw that work away (see the module docstring); and
+                # admit nobody new into them meanwhile.
+                rnd.preempted = True
+                return False
             self._preempt(victim, rnd, now)
             if victim is request:
                 return False
