@@ -165,15 +165,15 @@ class DisaggSimulator(Simulator):
 
     # ---- prefill ----------------------------------------------------------------------------
     def _submit(self, replica: Replica, request: WorkloadRequest, record: RequestRecord,
-                prompt: tuple[int, ...]) -> None:
+                prompt: tuple[int, ...], hashes: tuple[int, ...] = ()) -> None:
         decode = self._decode_of.pop(request.request_id)
         if request.output_length <= 1:  # nothing to decode: the prefill replica serves it whole
             self.pairs.on_request_done(decode.replica_id, request.request_id)
-            super()._submit(replica, request, record, prompt)
+            super()._submit(replica, request, record, prompt, hashes)
             return
         flow = Flow(request, record, prompt, replica, decode)
         self.flows[request.request_id] = flow
-        super()._submit(replica, dataclasses.replace(request, output_length=1), record, prompt)
+        super()._submit(replica, dataclasses.replace(request, output_length=1), record, prompt, hashes)
         if not record.replica and request.request_id in self.flows:  # refused by the prefill core
             del self.flows[request.request_id]
             self.pairs.on_request_done(decode.replica_id, request.request_id)
