@@ -339,7 +339,12 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             raise errors.NotFound(f"replica {report.replica_id!r} heartbeats as incarnation "
                                   f"{request.incarnation!r}, not the registered one: register again",
                                   reason="unknown_incarnation")
+        stale = self.core.stale_routes
         before, after = glue.apply_heartbeat(self.core, report, self.runtime.clock())
+        if self.core.stale_routes > stale:
+            self.runtime.metrics.stale_routes.inc(self.core.stale_routes - stale)
+            log.info("replica %s reports itself idle: %d routed requests that never arrived are forgotten",
+                     report.replica_id, self.core.stale_routes - stale)
         if before is not after and after is ReplicaState.UNHEALTHY:
             log.warning("replica %s reports its worker down: UNHEALTHY, no traffic", report.replica_id)
         elif before is ReplicaState.UNHEALTHY and after is ReplicaState.READY:

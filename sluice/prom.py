@@ -375,6 +375,9 @@ class RouterMetrics:
         self.routes = Counter("sluice_routes", "Requests routed, by replica.", ["replica"], registry=r)
         self.route_failures = Counter("sluice_route_failures", "Route calls with no eligible replica.",
                                       registry=r)
+        self.stale_routes = Counter("sluice_router_stale_routes", "Routed requests forgotten because their replica "
+                                    "reported itself idle over a heartbeat timeout after the route (their caller "
+                                    "died between Route and Submit).", registry=r)
         self.dry_runs = Counter("sluice_route_dry_runs", "Route calls that only predicted (dry_run: nothing "
                                 "recorded, not counted in sluice_routes).", registry=r)
         self.cached_blocks = Histogram("sluice_route_cached_blocks", "Prefix blocks found on the chosen replica.",

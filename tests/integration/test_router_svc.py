@@ -169,6 +169,25 @@ def test_a_dry_run_route_answers_like_a_route_and_leaves_nothing_behind(redis_ur
     asyncio.run(body())
 
 
+def test_an_idle_report_forgets_a_route_that_never_arrived_and_counts_it(redis_url: str, namespace: str) -> None:
+    """A request routed but never submitted (its caller gone) stops counting on its replica at the first idle report
+    over a heartbeat timeout later, and sluice_router_stale_routes_total counts it."""
+    async def body() -> None:
+        async with _router(redis_url, namespace, config=RouterConfig(heartbeat_timeout_s=1.0)) as h:
+            await _register(h, "A")
+            await _route(h, "orphan")
+            assert [view.inflight for view in h.runtime.core.replicas()] == [1]
+            for _ in range(5):  # busy reports keep it, and keep the replica alive past the timeout
+                await h.stub.Heartbeat(router_pb2.HeartbeatRequest(
+                    replica_id="A", state=router_pb2.READY, load=router_pb2.ReplicaLoad(waiting=1)))
+                await asyncio.sleep(0.3)
+            assert [view.inflight for view in h.runtime.core.replicas()] == [1]
+            await _heartbeat(h, "A", router_pb2.READY)
+            assert [view.inflight for view in h.runtime.core.replicas()] == [0]
+            assert h.runtime.metrics.registry.get_sample_value("sluice_router_stale_routes_total") == 1
+    asyncio.run(body())
+
+
 def test_only_ready_compatible_replicas_get_traffic(redis_url: str, namespace: str) -> None:
     """The router reports SERVING over gRPC health; WARMING replicas and replicas of another model get no
     requests; with no READY replica Route is UNAVAILABLE, and for a model nobody serves it is NOT_FOUND."""
