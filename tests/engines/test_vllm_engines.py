@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import signal
 import threading
 import time
 import uuid
@@ -223,8 +224,19 @@ def test_a_cancel_aborts_the_request_in_vllm_and_frees_its_kv(vllm_stack: Stack)
         stream = client.generate(random_prompt(random.Random(3), 40), max_tokens=1500, ignore_eos=True, timeout=120)
         first = next(iter(stream))
         request_id = first.request_id
-        # Cancel at once: on a quiet machine vLLM streams the tiny model's 1,500 tokens in a few seconds.
-        assert client.cancel(request_id) in ("CANCELLED", "CANCELLING")
+        # On a quiet machine vLLM streams the tiny model's 1,500 tokens in about a second, less than a loaded
+        # round trip to cancel (CI once saw FINISHED_LENGTH here). The engine core of the request's replica is
+        # frozen while the cancel goes through: it cannot finish the request meanwhile, and when it runs again its
+        # loop reads the API server's abort (the agent closed the connection) before its next step.
+        replica_id = client.get_request(request_id).replica_id
+        engine = vllm_stack.replicas[replica_id].worker
+        assert engine.popen is not None
+        core_pid = engine_core_pid(engine.popen.pid)
+        os.kill(core_pid, signal.SIGSTOP)
+        try:
+            assert client.cancel(request_id) in ("CANCELLED", "CANCELLING")
+        finally:
+            os.kill(core_pid, signal.SIGCONT)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             busy = [engine_metric(vllm_stack, i, "vllm:num_requests_running") for i in (0, 1)]
@@ -302,8 +314,6 @@ def test_kill_9_of_an_engine_mid_stream_loses_and_duplicates_no_token(vllm_stack
     """kill -9 of an engine's API server or engine core while greedy streams run: every stream ends FINISHED_LENGTH
     with exactly the tokens an unfaulted run gives (the lost engine's requests move with prompt + streamed tokens);
     the engine is restarted and routed to again only once it answers."""
-    import signal
-
     rng = random.Random(hash(victim) & 0xFFFF)
     prompts = [random_prompt(rng, 24 + i) for i in range(6)]
     expected = references(vllm_stack, prompts, STREAM_TOKENS)
