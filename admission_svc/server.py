@@ -38,6 +38,15 @@ wait that long: 0 to ~5,500 requests a 60 s run at 3x overload ended so. With an
 the handlers and gets an explicit answer (served, or refused RESOURCE_EXHAUSTED with RetryInfo); a call that
 waited past its own deadline ends DEADLINE_EXCEEDED at the client, which is what its deadline asked for."""
 
+PENDING_CALL_LIMIT = 65536
+"""How many calls may wait in gRPC core for admission's event loop to pick them up (`grpc.server.max_pending_requests`
+and `..._hard_limit`, both). Core's defaults are 1,000 and 3,000: above 1,000 waiting calls it drops a growing share
+of new ones at random, and every one above 3,000, by destroying the call before the application sees it, so the
+client gets a bare CANCELLED (details `CANCELLED`, no status details, no RetryInfo). Under 3x overload the backlog
+passes 1,000 whenever admission's loop falls behind (docs/operations.md, "Overload"). With soft = hard there is no
+random early drop: every call reaches the handlers, which refuse what they cannot serve explicitly (RESOURCE_EXHAUSTED
+with RetryInfo). The bound stays, so a flood cannot queue without limit in core."""
+
 
 def api_key_of(metadata: Any) -> str | None:
     """Return the bearer key of a call's metadata (`authorization: Bearer <key>`, or a bare key), or None."""
@@ -88,7 +97,10 @@ def build_server(door: FrontDoor, max_message_bytes: int = DEFAULT_MAX_MESSAGE_B
                  extra_options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Server:
     """Return a gRPC server (not started, no port) serving `door` behind the ErrorInterceptor and the size limits."""
     options = [("grpc.max_receive_message_length", HARD_LIMIT_FACTOR * max_message_bytes),
-               ("grpc.server_max_unrequested_time_in_server", UNREQUESTED_CALL_LIMIT_S), *extra_options]
+               ("grpc.server_max_unrequested_time_in_server", UNREQUESTED_CALL_LIMIT_S),
+               ("grpc.server.max_pending_requests", PENDING_CALL_LIMIT),
+               ("grpc.server.max_pending_requests_hard_limit", PENDING_CALL_LIMIT),
+               *extra_options]
     server = grpc_server(services.ADMISSION, interceptors=[ErrorInterceptor(max_message_bytes=max_message_bytes)],
                          options=options)
     admission_pb2_grpc.add_AdmissionServiceServicer_to_server(AdmissionServicer(door), server)

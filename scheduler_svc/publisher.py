@@ -11,6 +11,11 @@ some of it may have gone in and is repeated: token readers drop deltas they have
 and the routers' KV index are idempotent): events are delayed, never dropped, and each stream's entries
 keep their order.
 
+Stopping (`close`, then `wait_closed`) publishes what is queued, but waits for Redis only `PUBLISH_GRACE_S`:
+a process told to stop while Redis is unreachable logs what it could not publish and stops, instead of
+retrying forever and outliving its SIGTERM (admission's watchdog asks the replica's Lookup, or the request
+migrates, as when a replica dies).
+
 Every completion queued is also remembered (`recent`: the last `recent_limit`, by request id), because
 publishing is not delivery: a Redis restart loses entries nobody had read yet. Admission's watchdog asks
 for the completion of a request that went quiet (the Lookup RPC) and so gets it again.
@@ -19,6 +24,7 @@ for the completion of a request that went quiet (the Lookup RPC) and so gets it 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -28,9 +34,12 @@ from opentelemetry.context import Context
 from sluice.bus import Bus, Entry
 from sluice.v1 import events_pb2
 
-__all__ = ["Outgoing", "Publisher", "merge"]
+__all__ = ["PUBLISH_GRACE_S", "Outgoing", "Publisher", "merge"]
 
 log = logging.getLogger(__name__)
+
+PUBLISH_GRACE_S = 10.0
+"""Seconds a stopping publisher keeps trying to publish what is queued when Redis does not answer."""
 
 
 @dataclass
@@ -86,6 +95,18 @@ class Publisher:
     async def close(self) -> None:
         """Queue the end marker: `run` publishes what is queued before it and returns."""
         await self._outbox.put(None)
+
+    async def wait_closed(self, run: asyncio.Task[None], grace_s: float = PUBLISH_GRACE_S) -> None:
+        """After `close`: wait for `run` to publish everything queued before it, up to `grace_s`; past that (Redis
+        unreachable) log what is left unpublished and cancel `run`. Raises what `run` raised."""
+        done, _ = await asyncio.wait([run], timeout=grace_s)
+        if done:
+            return run.result()
+        log.error("stopping with %d queued publications Redis has not confirmed after %.1f s; they are dropped",
+                  self._outbox.qsize() + 1, grace_s)  # + the one in flight
+        run.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await run
 
     async def flush(self) -> None:
         """Wait until every batch queued so far has been handed to Redis."""

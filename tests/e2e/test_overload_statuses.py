@@ -11,6 +11,7 @@ would, while gRPC core keeps accepting) for longer than that, with calls arrivin
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import textwrap
@@ -29,6 +30,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 KEY = "k-acme"
 STALL_S = 33.0
 """Longer than gRPC core's default 30 s limit on a call nobody picked up."""
+SHORT_STALL_S = 8.0
+"""Long enough for a backlog of thousands of calls to build up in gRPC core while admission's loop is stalled."""
+BACKLOG_CALLS = 4000
+"""More than gRPC core's default limit on calls waiting to be picked up (`grpc.server.max_pending_requests_hard_limit`,
+3,000; above `grpc.server.max_pending_requests`, 1,000, core drops a growing share of them at random)."""
 
 _STALL_HOOK = """
 import signal, time
@@ -36,7 +42,11 @@ import signal, time
 def _stall(signum, frame):
     time.sleep({stall_s})  # releases the GIL: gRPC core's threads keep accepting calls meanwhile
 
+def _short_stall(signum, frame):
+    time.sleep({short_stall_s})
+
 signal.signal(signal.SIGUSR1, _stall)
+signal.signal(signal.SIGUSR2, _short_stall)
 """
 
 
@@ -46,7 +56,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     run_dir = tmp_path_factory.mktemp("overload")
     hook = run_dir / "hook"
     hook.mkdir()
-    (hook / "sitecustomize.py").write_text(textwrap.dedent(_STALL_HOOK.format(stall_s=STALL_S)))
+    (hook / "sitecustomize.py").write_text(textwrap.dedent(_STALL_HOOK.format(stall_s=STALL_S, short_stall_s=SHORT_STALL_S)))
     config = run_dir / "sluice.toml"
     config.write_text(f'[tenants.acme]\napi_keys = ["{KEY}"]\n')
     pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), str(hook), os.environ.get("PYTHONPATH")) if p)
@@ -89,3 +99,47 @@ def _explicit(result: object) -> bool:
     if isinstance(result, sdk.Generation):
         return len(result.token_ids) == 8
     return isinstance(result, sdk.ResourceExhausted) and result.retry_delay_s is not None
+
+
+async def _backlog_outcomes(endpoint: str) -> list[str]:
+    """Open BACKLOG_CALLS Generate calls at once on one plain gRPC channel (no SDK: what any gRPC client sees);
+    return, per call, "ok" or its status code name, "+details" when it carries admission's status details."""
+    import grpc
+
+    from sluice.v1 import admission_pb2_grpc
+
+    request = sdk.build_request("hello there", max_tokens=1)
+    metadata = (("authorization", f"Bearer {KEY}"),)
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        stub = admission_pb2_grpc.AdmissionServiceStub(channel)
+
+        async def one() -> str:
+            call = stub.Generate(request, timeout=90, metadata=metadata)
+            try:
+                async for _ in call:
+                    pass
+            except grpc.aio.AioRpcError as exc:
+                details = any(key == "grpc-status-details-bin" for key, _ in exc.trailing_metadata() or ())
+                return exc.code().name + ("+details" if details else "")
+            return "ok"
+
+        return await asyncio.gather(*(one() for _ in range(BACKLOG_CALLS)))
+
+
+def test_a_backlog_of_thousands_of_calls_gets_explicit_answers(stack: Stack) -> None:
+    """Thousands of calls that pile up in gRPC core while admission's event loop is stalled (as under 3x overload)
+    are all answered by admission: served, or refused with status details. Before, core dropped those beyond its
+    pending-call limits (1,000 soft, 3,000 hard) with a bare CANCELLED that admission never saw."""
+    warm: list[object] = []
+    _generate(stack, warm)
+    assert isinstance(warm[0], sdk.Generation), warm
+    assert stack.admission is not None and stack.admission.popen is not None
+    os.kill(stack.admission.popen.pid, signal.SIGUSR2)
+    time.sleep(0.3)  # the loop is in the stall before the calls arrive
+    started = time.monotonic()
+    outcomes = asyncio.run(_backlog_outcomes(stack.endpoint))
+    counts: dict[str, int] = {}
+    for outcome in outcomes:
+        counts[outcome] = counts.get(outcome, 0) + 1
+    assert time.monotonic() - started > SHORT_STALL_S - 1, f"the calls did not wait for the stall: {counts}"
+    assert set(counts) <= {"ok", "RESOURCE_EXHAUSTED+details"}, counts
