@@ -10,17 +10,23 @@ under the size limit and a deadline (`body_s`, from when the route starts readin
 at a time (slowloris on the body) is answered 408 and its connection closed (reason="body_timeout"; the route
 does it, admission_svc/http_edge.py). A response being streamed is never cut. Idle keep-alive connections close
 after `keepalive_s` (uvicorn's own timer, reason "keepalive" is not counted: it is the normal end of one).
+
+The protocol also puts a weak reference to each request's cycle in its scope, so that a streamed response can
+write its events straight to the connection (admission_svc/sse.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import h11
 from prometheus_client import CollectorRegistry, Counter
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from admission_svc.sse import CYCLE_SCOPE_KEY
 
 HTTP_HEADER_TIMEOUT_S = 10.0
 """Default seconds a connection has to send a whole request head (from opening, or from its last response)."""
@@ -67,6 +73,13 @@ class TimedH11Protocol(H11Protocol):
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:  # the head is complete (or the connection is over)
             self._disarm_head_deadline()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        cycle = self.cycle
+        if cycle is not None and CYCLE_SCOPE_KEY not in cycle.scope:
+            # lets a streamed response write its events straight to the connection (admission_svc/sse.py)
+            cycle.scope[CYCLE_SCOPE_KEY] = weakref.ref(cycle)  # type: ignore[literal-required]
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

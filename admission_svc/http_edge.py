@@ -18,12 +18,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.metadata
-import json
 import logging
 import math
 import socket
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -33,7 +32,7 @@ from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from admission_svc import http_body, openai_answers, openai_convert
@@ -46,8 +45,10 @@ from admission_svc.http_conn import (
     closed_counter,
     protocol_class,
 )
+from admission_svc.openai_answers import sse_event
 from admission_svc.openai_convert import ParsedRequest
 from admission_svc.server import api_key_of
+from admission_svc.sse import EventStream
 from sluice import errors, telemetry
 from sluice.core_errors import CoreError
 from sluice.tls import TlsFiles
@@ -255,9 +256,8 @@ class HttpEdge:
         records = await self._start_all(parsed, caller)
         abandoned = BackgroundTask(self._cancel_if_abandoned, records, caller.api_key)
         if parsed.stream:
-            return StreamingResponse(self._events(records, parsed), media_type="text/event-stream",
-                                     headers={"cache-control": "no-cache", "x-request-id": records[0].request_id},
-                                     background=abandoned)
+            return EventStream(self._events(records, parsed), background=abandoned,
+                               headers={"cache-control": "no-cache", "x-request-id": records[0].request_id})
         outputs = await _unless_disconnected(request, self._collect_all(records))
         if outputs is None:  # the client went away: the streams were closed, so the requests are cancelled
             await abandoned()
@@ -324,31 +324,35 @@ class HttpEdge:
         async with contextlib.aclosing(self.door.stream(record)) as outputs:
             return [output async for output in outputs]
 
-    async def _events(self, records: Sequence[Tracked], parsed: ParsedRequest) -> AsyncIterator[str]:
+    async def _events(self, records: Sequence[Tracked], parsed: ParsedRequest) -> AsyncGenerator[bytes, None]:
         """Yield the server-sent events of a streamed request, every choice's chunks as they come. Closing it
-        (Starlette does when the client disconnects) closes the front door's streams, which cancels the requests."""
+        (the response does when the client disconnects) closes the front door's streams, which cancels the
+        requests. A choice's plain text chunks come from a template (openai_answers.TextChunks)."""
         model_id, request_id = self.door.model.model_id, records[0].request_id
         answers = [openai_answers.ChoiceText(parsed, index, self._token_text) for index in range(len(records))]
+        texts = openai_answers.TextChunks(parsed, model_id, request_id)
         usages: dict[int, Any] = {}
         try:
             async with contextlib.aclosing(self._choice_outputs(records)) as outputs:
                 async for index, output in outputs:
                     answer = answers[index]
                     text, logprobs = answer.piece(output)
-                    if text or logprobs:
-                        yield _event(openai_answers.chunk_body(parsed, model_id, request_id, answer.choice(
+                    if text and texts.applies and not (parsed.chat and answer.first):
+                        yield texts.event(index, text)
+                    elif text or logprobs:
+                        yield sse_event(openai_answers.chunk_body(parsed, model_id, request_id, answer.choice(
                             text, None, logprobs), created_unix_s=output.created_unix_s))
                     if output.completion is not None:
                         usages[index] = output.completion.usage
-                        yield _event(openai_answers.chunk_body(parsed, model_id, request_id, answer.choice(
+                        yield sse_event(openai_answers.chunk_body(parsed, model_id, request_id, answer.choice(
                             None if parsed.chat else "", openai_answers.finish_reason(output.completion.finish_reason),
                             None)))
             if parsed.include_usage:
-                yield _event(openai_answers.chunk_body(parsed, model_id, request_id, None, with_usage=openai_answers.
+                yield sse_event(openai_answers.chunk_body(parsed, model_id, request_id, None, with_usage=openai_answers.
                                                        total_usage(parsed, [usages[i] for i in sorted(usages)])))
         except (CoreError, errors.SluiceError) as exc:
-            yield _event(http_error(exc, parsed.chat).body)
-        yield "data: [DONE]\n\n"
+            yield sse_event(http_error(exc, parsed.chat).body)
+        yield b"data: [DONE]\n\n"
 
     async def _choice_outputs(self, records: Sequence[Tracked]) -> AsyncGenerator[tuple[int, Output], None]:
         """Yield (choice index, output) of every record as they come (one record: straight from its stream).
@@ -400,10 +404,6 @@ class HttpEdge:
                                        "type": "not_found_error" if status == 404 else "invalid_request_error",
                                        "param": None, "code": "unknown_route" if status == 404 else str(status)}},
                             status_code=status)
-
-
-def _event(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
 
 def _api_key(request: Request) -> str | None:

@@ -12,6 +12,7 @@ and the text left is the content.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -183,6 +184,33 @@ def chunk_body(request: ParsedRequest, model_id: str, request_id: str, choice: d
     if request.token_times and created_unix_s:
         body["sluice"] = {"created_unix_s": created_unix_s}
     return body
+
+
+def sse_event(body: dict[str, Any]) -> bytes:
+    """Return `body` as one server-sent event (compact JSON, ASCII: non-ASCII text is escaped)."""
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
+
+
+class TextChunks:
+    """The streamed chunk of one choice's new text as a server-sent event, from a template in which only the
+    text, the choice index and the second change: byte for byte `sse_event(chunk_body(...))` of that choice
+    with no finish reason and no log-probabilities. `applies` says when a request's chunks have that shape
+    (no log-probabilities, no tools, no token times; a chat's first delta, which names the role, excepted)."""
+
+    def __init__(self, request: ParsedRequest, model_id: str, request_id: str) -> None:
+        dumps = json.dumps
+        self.applies = request.logprobs is None and request.tools is None and not request.token_times
+        self._head = (f'data: {{"id":{dumps(response_id(request, request_id))},"object":'
+                      f'{dumps("chat.completion.chunk" if request.chat else "text_completion")},"created":')
+        self._model = f',"model":{dumps(model_id)},"choices":[{{"index":'
+        self._text = ',"delta":{"content":' if request.chat else ',"text":'
+        self._tail = ('}' if request.chat else '') + ',"logprobs":null,"finish_reason":null}]' + (
+            ',"usage":null' if request.include_usage else '') + '}\n\n'
+
+    def event(self, index: int, text: str) -> bytes:
+        """Return the event of choice `index`'s `text` (a chat's delta after its first)."""
+        return (f"{self._head}{int(time.time())}{self._model}{index}{self._text}{json.dumps(text)}"
+                f"{self._tail}").encode()
 
 
 def models_body(model: ModelSpec, created: int) -> dict[str, Any]:
