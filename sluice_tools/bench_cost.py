@@ -223,7 +223,11 @@ def _stack_config(run_dir: Path, admission_procs: int = 1, code: Path | None = N
     run_dir.mkdir(parents=True, exist_ok=True)
     config = run_dir / "budgets.toml"
     config.write_text(UNBINDING_BUDGETS)
-    env = ((EVENT_LOOP_ENV, event_loop), *((("PYTHONPATH", str(code.resolve())),) if code is not None else ()))
+    env: tuple[tuple[str, str], ...] = ((EVENT_LOOP_ENV, event_loop),)
+    if code is not None:
+        # The stack starts its services with `python -m` in this checkout's root, and -m puts the working
+        # directory first on sys.path: without PYTHONSAFEPATH the "baseline" would import this checkout's code.
+        env += (("PYTHONPATH", str(code.resolve())), ("PYTHONSAFEPATH", "1"))
     return StackConfig(backend="costmodel", model="llama-3-8b", emulate_time=True, http_port=0, log_level="WARNING",
                        run_dir=run_dir, admission_procs=admission_procs, config_file=str(config), env=env)
 

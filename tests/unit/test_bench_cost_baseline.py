@@ -1,0 +1,25 @@
+"""`bench_cost --baseline DIR` runs DIR's services, not this checkout's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from sluice_tools.bench_cost import _stack_config
+from sluice_tools.stack import REPO_ROOT
+
+
+def test_baseline_services_import_the_other_checkout(tmp_path: Path) -> None:
+    """A service started the way the stack starts it (`python -m`, in this checkout's root) with the baseline's
+    environment imports the baseline checkout's package, although this checkout has one of the same name."""
+    code = tmp_path / "before"
+    (code / "admission_svc").mkdir(parents=True)
+    (code / "admission_svc" / "__init__.py").write_text("")
+    (code / "admission_svc" / "__main__.py").write_text("print('the baseline checkout')\n")
+    config = _stack_config(tmp_path / "run", code=code)
+    env = {**os.environ, **dict(config.env)}
+    ran = subprocess.run([sys.executable, "-m", "admission_svc", "--help"], cwd=str(REPO_ROOT), env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert ran.stdout.strip() == "the baseline checkout", ran.stdout + ran.stderr
