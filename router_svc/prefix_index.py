@@ -3,8 +3,8 @@
 Rules
 -----
 * Block hashes are sluice.hashing chains. Each replica's view is a `ReplicaCache` (the hashes it
-  holds, the hashes the router predicts it holds, the last applied event id); the index maps every
-  held hash to the ids of its holders.
+  holds, the hashes the router predicts it holds, the last applied event id); a hash's holders are
+  the replicas whose set has it (a lookup asks one replica, so an event is one set update).
 * A replica's events are applied in event-id order: an id at or below the last applied one is a
   duplicate of an at-least-once delivery and is skipped; an id that skips ahead is a gap, so
   `apply_events` stops there and returns False (the caller fetches a snapshot). `apply_snapshot`
@@ -64,20 +64,32 @@ class PrefixIndex:
 
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s
-        self._holders: dict[int, frozenset[str]] = {}
-        """Immutable: nearly every hash has one holder, whose frozenset({id}) every such hash shares (no set each)."""
-        self._alone: dict[str, frozenset[str]] = {}
+        self._caches: dict[str, ReplicaCache] = {}
+        """Every replica's cache the index has seen, by id: the holders of a hash are the caches whose set has it.
+        No hash -> holders map is kept: a lookup asks one replica's set, so a KV event costs one set update."""
         self._predictions: deque[tuple[float, ReplicaCache, tuple[int, ...]]] = deque()
         self.gaps = 0
         """Event-id gaps seen (each one asks the caller for a snapshot)."""
 
     def __len__(self) -> int:
-        return len(self._holders)
+        """Return the number of distinct block hashes held by any replica (a union over replicas: for reports)."""
+        return len(set().union(*(cache.hashes for cache in self._caches.values())))
+
+    def holders(self) -> dict[int, list[str]]:
+        """Return every held block hash with the ids of the replicas that hold it, sorted (for tests and reports)."""
+        held: dict[int, list[str]] = {}
+        for replica_id in sorted(self._caches):
+            for block_hash in self._caches[replica_id].hashes:
+                held.setdefault(block_hash, []).append(replica_id)
+        return held
 
     # ---- events and snapshots -------------------------------------------------------------
     def apply_events(self, cache: ReplicaCache, events: Sequence[KvEvent]) -> bool:
         """Apply a replica's KV events in order; return False on an event-id gap (nothing after it applied)."""
+        self._caches[cache.replica_id] = cache
         last = cache.last_event_id
+        held = cache.hashes
+        gpu, stored, removed = KvMedium.GPU, KvEventKind.STORED, KvEventKind.REMOVED
         for event in events:
             event_id = event.event_id
             if event_id <= last:
@@ -88,12 +100,12 @@ class PrefixIndex:
                 return False
             last = event_id
             kind = event.kind
-            if event.medium is not KvMedium.GPU and kind is not KvEventKind.ALL_CLEARED:
+            if event.medium is not gpu and kind is not KvEventKind.ALL_CLEARED:
                 continue  # host copies of a swapped-out request: no other request can hit them (ids still count)
-            if kind is KvEventKind.STORED:
-                self._add(cache, event.block_hashes)
-            elif kind is KvEventKind.REMOVED:
-                self._remove(cache, event.block_hashes)
+            if kind is stored:
+                held.update(event.block_hashes)
+            elif kind is removed:
+                held.difference_update(event.block_hashes)
             else:
                 self.purge(cache)
         cache.last_event_id = last
@@ -102,41 +114,13 @@ class PrefixIndex:
     def apply_snapshot(self, cache: ReplicaCache, last_event_id: int, hashes: Iterable[int]) -> None:
         """Replace what is known of the replica's cache with a snapshot taken at `last_event_id`."""
         self.purge(cache)
-        self._add(cache, hashes)
+        self._caches[cache.replica_id] = cache
+        cache.hashes.update(hashes)
         cache.last_event_id = last_event_id
-
-    def _alone_of(self, replica_id: str) -> frozenset[str]:
-        """Return frozenset({replica_id}), one object per replica."""
-        alone = self._alone.get(replica_id)
-        if alone is None:
-            alone = self._alone[replica_id] = frozenset((replica_id,))
-        return alone
-
-    def _add(self, cache: ReplicaCache, hashes: Iterable[int]) -> None:
-        # Plain loops with the lookups hoisted: a simulated trace stores and removes millions of blocks.
-        rid, held, holders, alone = cache.replica_id, cache.hashes, self._holders, self._alone_of(cache.replica_id)
-        for block_hash in hashes:
-            held.add(block_hash)
-            holding = holders.get(block_hash)
-            if holding is None:
-                holders[block_hash] = alone
-            elif rid not in holding:
-                holders[block_hash] = holding | alone
-
-    def _remove(self, cache: ReplicaCache, hashes: Iterable[int]) -> None:
-        rid, held, holders, alone = cache.replica_id, cache.hashes, self._holders, self._alone_of(cache.replica_id)
-        for block_hash in hashes:
-            held.discard(block_hash)
-            holding = holders.get(block_hash)
-            if holding is not None and rid in holding:
-                if len(holding) == 1:
-                    del holders[block_hash]
-                else:
-                    holders[block_hash] = holding - alone
 
     def purge(self, cache: ReplicaCache) -> None:
         """Forget everything the replica holds or is predicted to hold."""
-        self._remove(cache, list(cache.hashes))
+        cache.hashes.clear()
         cache.predicted.clear()
 
     # ---- lookups --------------------------------------------------------------------------
@@ -144,7 +128,7 @@ class PrefixIndex:
         """Return the replica's cached prefix of `block_hashes`, in blocks; the hot lookup of scoring."""
         if not block_hashes:
             return 0
-        if cache.replica_id not in self._holders.get(block_hashes[0], ()) and not cache.predicted:
+        if block_hashes[0] not in cache.hashes and not cache.predicted:
             return 0
         return prefix_len(cache, block_hashes, now)
 

@@ -5,7 +5,7 @@
 Compiles every module but `__init__` (and the few it excludes) of each package in `sluice.compiled.PACKAGES` (mypyc needs only the
 type hints the cores already have), puts the extension modules under build/compiled/ (never beside the
 sources, where a stale one would shadow an edited file) and writes MANIFEST.json with the SHA-256 of each
-source compiled, which `sluice.compiled.use` checks at import. Nothing is downloaded: mypyc comes with mypy
+source compiled and of `sluice.compiled.DEPENDS`, which `sluice.compiled.use` checks at import. Nothing is downloaded: mypyc comes with mypy
 (the dev extra) and a C compiler is the system's. Without a compiler or mypyc it says so and exits 0:
 everything runs from source, only slower. `--check`: exit 1 unless the build is current.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sluice.compiled import BUILD_DIR, PACKAGES, digest, sources  # noqa: E402
+from sluice.compiled import BUILD_DIR, PACKAGES, depends, digest, sources  # noqa: E402
 
 
 def manifest() -> dict[str, object]:
@@ -32,7 +32,7 @@ def manifest() -> dict[str, object]:
     for package in PACKAGES:
         folder = ROOT.joinpath(*package.split("."))
         packages[package] = {p.name: digest(p) for p in sources(package, folder)}
-    return {"python": sys.implementation.cache_tag, "packages": packages}
+    return {"python": sys.implementation.cache_tag, "packages": packages, "depends": depends()}
 
 
 def current() -> bool:

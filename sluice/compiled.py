@@ -2,8 +2,8 @@
 
 `make compiled` (part of `make setup`; scripts/compile_cores.py) compiles every module of each package in
 `PACKAGES` but its `__init__` (and the few it lists) into build/compiled/, out of the source tree, with a manifest of the SHA-256 of
-each source file it compiled. A package's `__init__` calls `use(__name__, __path__)`: when the manifest lists
-the package and every one of its sources is unchanged, the compiled folder goes first on the package's
+each source file it compiled (and of the few files in `DEPENDS` whose annotations the compiled code checks). A package's `__init__` calls `use(__name__, __path__)`: when the manifest lists
+the package and every one of its sources (and `DEPENDS`) is unchanged, the compiled folder goes first on the package's
 `__path__`, so its modules import compiled; otherwise (no build, an edited or checked-out file, another
 Python, `SLUICE_PURE_PYTHON=1`) they import from source, as before. The code is the same either way: the
 compiled modules are the same files, type-checked and translated to C by mypyc; the pure-Python path is what a
@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["BUILD_DIR", "ENV_PURE", "PACKAGES", "active", "sources", "use"]
+__all__ = ["BUILD_DIR", "DEPENDS", "ENV_PURE", "PACKAGES", "ROOT", "active", "depends", "sources", "use"]
 
 ENV_PURE = "SLUICE_PURE_PYTHON"
 """Environment variable: "1" imports every core from source even where a matching build exists."""
@@ -28,7 +28,16 @@ PACKAGES: dict[str, tuple[str, ...]] = {"scheduler_svc.core": ("config.py",)}
 as source: the configuration dataclass takes enum names as strings where its hints say enum members, which a
 compiled dataclass's constructor would refuse, and is read once per round at most."""
 
-BUILD_DIR = Path(__file__).resolve().parents[1] / "build" / "compiled"
+DEPENDS: tuple[str, ...] = ("sluice/types.py",)
+"""Files outside the packages (from the checkout's root) whose annotations the compiled code checks when it reads
+their objects' fields: mypyc casts a field it reads to its declared type, so a build against an older annotation
+refuses what the new one allows (a `NewRequest.prompt_token_ids` that is an array, not a tuple). Their digests are
+in the manifest too: a build is used only while they are unchanged as well."""
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The checkout's root (DEPENDS are relative to it)."""
+
+BUILD_DIR = ROOT / "build" / "compiled"
 """Where scripts/compile_cores.py puts the extension modules and MANIFEST.json (a checkout's build/)."""
 
 _active: set[str] = set()
@@ -45,6 +54,11 @@ def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def depends() -> dict[str, str]:
+    """Return the SHA-256 of each file in `DEPENDS` (by its path from the root), as the manifest holds them."""
+    return {name: digest(ROOT / name) for name in DEPENDS}
+
+
 def use(package: str, path: list[str]) -> bool:
     """Put `package`'s compiled modules first on its `__path__` if a build of exactly its sources exists.
 
@@ -55,7 +69,7 @@ def use(package: str, path: list[str]) -> bool:
     try:
         manifest = json.loads((BUILD_DIR / "MANIFEST.json").read_text())
         built = manifest["packages"][package]
-        if manifest["python"] != sys.implementation.cache_tag:
+        if manifest["python"] != sys.implementation.cache_tag or manifest.get("depends", {}) != depends():
             return False
         source_dir = Path(path[0])
         current = {p.name: digest(p) for p in sources(package, source_dir)}

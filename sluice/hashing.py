@@ -71,13 +71,6 @@ def _packer(count: int) -> Any:
     return struct.Struct(f"<{count}i").pack
 
 
-def _digest(keyed: Any, parent: bytes, packed_tokens: bytes | memoryview) -> bytes:
-    state = keyed.copy()
-    state.update(parent + packed_tokens)
-    digest: bytes = state.digest()
-    return digest if digest != _ZERO else _ONE
-
-
 _last_block_key: tuple[Any, ...] = (None, None, 0, None)
 """(salt, its keyed state, block length, its packer) of the last `block_hash` call. One tuple, replaced
 whole (threads see one consistent entry); one salt and block size is nearly every call of a replica,
@@ -92,7 +85,7 @@ def _block_key(salt: int, count: int) -> tuple[Any, ...]:
 
 def block_hash(parent: int, salt: int, tokens: Sequence[int]) -> int:
     """Return the hash of one full block given its parent's hash (NO_PARENT for the first)."""
-    # Inlined (no _digest call): the scheduler core calls this each time one of its requests fills a block.
+    # Inlined (one keyed copy, one update): the scheduler core calls this each time one of its requests fills a block.
     key = _last_block_key
     count = len(tokens)
     if salt is not key[0] or count != key[2]:
@@ -107,13 +100,25 @@ def hash_chain(token_ids: Sequence[int], block_size: int, salt: int, parent: int
     full = len(token_ids) - len(token_ids) % block_size
     if full == 0:
         return []
+    return hash_packed(_packer(full)(*token_ids[:full]), block_size, salt, parent)
+
+
+def hash_packed(packed: bytes, block_size: int, salt: int, parent: int = NO_PARENT) -> list[int]:
+    """Return `hash_chain` of the tokens whose full blocks `packed` holds as little-endian int32 (4 bytes a
+    token; a partial last block is ignored). For a caller that has the ids as an array: no int per token."""
     keyed = _keyed(salt)
-    packed = memoryview(_packer(full)(*token_ids[:full]))
+    view = memoryview(packed)
     step = 4 * block_size
+    end = len(view) - len(view) % step
     digests: list[bytes] = []
     previous = parent.to_bytes(8, "little")
-    for start in range(0, 4 * full, step):
-        previous = _digest(keyed, previous, packed[start : start + step])
-        digests.append(previous)
+    zero, one, append = _ZERO, _ONE, digests.append
+    for start in range(0, end, step):  # a loop of plain calls: a prompt of ~70 blocks at every arrival
+        state = keyed.copy()
+        state.update(previous + view[start : start + step])
+        previous = state.digest()
+        if previous == zero:
+            previous = one
+        append(previous)
     from_bytes = int.from_bytes
     return [from_bytes(d, "little") for d in digests]

@@ -8,7 +8,7 @@ GPU figures are the vendor's dense (no sparsity) BF16 tensor-core peak and HBM b
   PCIe Gen5 x16, 64 GB/s per direction. Source: NVIDIA H200 Tensor Core GPU datasheet.
 
 Model shapes are the published `config.json` numbers of Meta Llama 3 (8B and 70B). The repo's own
-presets (`tiny`, `small-100m`) come from `worker_svc.engine.presets` when that module exists, so
+presets (`tiny`, `small-100m`) come from `worker_svc.engine.preset_configs` (torch-free) when that module exists, so
 the cost model and the torch engine agree on one definition; the fallbacks below are used otherwise.
 """
 
@@ -98,7 +98,7 @@ LLAMA_SHAPES: dict[str, ModelShape] = {
     "llama-3.1-70b": ModelShape("llama-3.1-70b", 80, 8192, 64, 8, 28672, 128256, 131072, 128001),
 }
 
-# Used only when worker_svc.engine.presets is absent; keep in step with it.
+# Used only when worker_svc.engine.preset_configs is absent; keep in step with it.
 _FALLBACK_PRESETS: dict[str, ModelShape] = {
     "tiny": ModelShape("tiny", 4, 128, 4, 2, 352, 258, 2048, 257),
     "small-100m": ModelShape("small-100m", 12, 768, 12, 4, 2048, 32000, 2048, 257, tie_embeddings=True),
@@ -131,7 +131,7 @@ def _shape_from_config(name: str, config: Mapping[str, object]) -> ModelShape:
 
 def _engine_presets() -> Mapping[str, Mapping[str, object]]:
     try:
-        module = importlib.import_module("worker_svc.engine.presets")
+        module = importlib.import_module("worker_svc.engine.preset_configs")  # torch-free
     except ImportError:
         return {}
     presets = getattr(module, "PRESETS", {})

@@ -446,10 +446,12 @@ def _run_capacity(args: argparse.Namespace, workload: Any, configs: dict[str, Si
         print(f"capacity of {name} ...", file=sys.stderr)
         results[name] = find_capacity(probe, search)
     ideal = ideal_prefix_hit_rate(workload.requests)
-    bounds = _compute_bounds(next(iter(configs.values())), workload.requests)
+    bounds = _compute_bounds(next(iter(configs.values())), workload.requests, args.capacity_goal)
     print(format_capacity(results, ideal_prefix_hit_rate=ideal, compute_bound_rps=bounds["ideal_cache"]))
     print(f"compute bound: {bounds['ideal_cache']:.2f} req/s with one infinite prefix cache, "
-          f"{bounds['no_cache']:.2f} without (every replica busy on FLOPs alone)")
+          f"{bounds['no_cache']:.2f} without (every replica busy on FLOPs alone); pooled bound "
+          f"{bounds['pooled']:.2f} req/s (one server with the fleet's FLOPs, prefills in arrival order, "
+          f"the late refused)")
     payload = {"workload": workload.describe(), "ideal_prefix_hit_rate": ideal, "compute_bound_rps": bounds,
                "capacity": {name: result.to_dict() for name, result in results.items()}}
     if args.json:
@@ -459,12 +461,24 @@ def _run_capacity(args: argparse.Namespace, workload: Any, configs: dict[str, Si
     return 0
 
 
-def _compute_bounds(config: SimConfig, requests: Any) -> dict[str, float]:
-    """Return the workload's compute-bound rates (sluice_tools.sim.bound) with and without an ideal cache."""
-    from sluice_tools.sim.bound import compute_bound_rps
+def _compute_bounds(config: SimConfig, requests: Any, goal: float = 0.9) -> dict[str, float]:
+    """Return the workload's compute-bound rates (sluice_tools.sim.bound) with and without an ideal cache, and
+    the pooled bound: the capacity, by the same search and measure, of one ideal server with every replica's
+    FLOPs that refuses what it would serve late (`pooled_attainment`; bursts bind it where the window's
+    mean rate does not bind the compute bound)."""
+    from sluice_tools.capacity import CapacitySearch, Probe, find_capacity
+    from sluice_tools.sim.bound import compute_bound_rps, pooled_attainment
+    from sluice_tools.workload import offered_rate, transform
 
+    def probe(scale: float) -> Probe:
+        scaled = transform(requests, rate_scale=scale)
+        by_requests, by_tokens = pooled_attainment(config, scaled)
+        return Probe(scale, offered_rate(scaled), by_requests, None, token_attainment=by_tokens)
+
+    pooled = find_capacity(probe, CapacitySearch(goal=goal, max_probes=24, max_scale=4096.0))
     return {"ideal_cache": compute_bound_rps(config, requests),
-            "no_cache": compute_bound_rps(config, requests, ideal_cache=False)}
+            "no_cache": compute_bound_rps(config, requests, ideal_cache=False),
+            "pooled": pooled.capacity_rps}
 
 
 def probe_of(summary: dict[str, Any], scale: float, rate_rps: float, token_attainment: float | None = None) -> Any:

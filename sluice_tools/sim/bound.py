@@ -50,3 +50,43 @@ def compute_bound_rps(config: SimConfig, requests: Sequence[WorkloadRequest], *,
             seen.update(request.hash_ids)
         flops += cost.flops_and_bytes(request_shape(request, cached))[0]
     return config.replicas * len(requests) * flops_per_s / flops if flops else float("inf")
+
+
+def pooled_attainment(config: SimConfig, requests: Sequence[WorkloadRequest]) -> tuple[float, float]:
+    """Return (request share, offered-token share) within the TTFT SLO on one pooled ideal server.
+
+    The pooled server has every replica's FLOP rate and computes prefills (past what one infinite
+    prefix cache holds) in arrival order; a request's first token comes when the work ahead of it and
+    its own prefill are done at the pooled rate, and never sooner than its own prefill alone takes at one
+    replica's rate (a prompt runs on one replica). A request that would be late is refused, so it adds
+    no work (admission's early refusal, with a perfect prediction). Decodes, round overheads and
+    memory-bound rounds are left out, so every one of these is optimistic."""
+    cost = CostModel(config.model, config.gpu, block_size=config.scheduler.block_size,
+                     coefficients=config.cost_coefficients, max_model_len=config.max_model_len)
+    one = cost.gpu.peak_flops * cost.tensor_parallel * cost.coefficients.compute_efficiency
+    pooled, slo = one * config.replicas, config.slo_ttft_s
+    seen: set[int] = set()
+    backlog_flops, clock = 0.0, None
+    served = served_tokens = offered_tokens = 0
+    for request in sorted(requests, key=lambda r: r.arrival_s):
+        cached = 0
+        for block in request.hash_ids:
+            if block not in seen:
+                break
+            cached += request.hash_block_tokens
+        n = request.input_length
+        fresh = n - min(cached, n - 1)
+        shape = RoundShape(fresh, fresh * (n - fresh) + fresh * (fresh + 1) // 2, n - fresh, fresh, 1)
+        own = cost.flops_and_bytes(shape)[0]
+        if clock is not None:
+            backlog_flops = max(backlog_flops - (request.arrival_s - clock) * pooled, 0.0)
+        clock = request.arrival_s
+        offered_tokens += n + request.output_length
+        if max((backlog_flops + own) / pooled, own / one) <= slo:
+            backlog_flops += own
+            seen.update(request.hash_ids)
+            served += 1
+            served_tokens += n + request.output_length
+    if not requests:
+        return 1.0, 1.0
+    return served / len(requests), served_tokens / offered_tokens if offered_tokens else 1.0

@@ -24,7 +24,8 @@ cost model. Everything that decides anything is the cores' code, unchanged:
 - every `heartbeat_interval_s` each replica heartbeats as the services do, through the one glue
   (`sluice.glue`): `heartbeat_report` from its core's `stats()` and the `RoundRates` measured from
   its rounds' modelled times, then `apply_heartbeat` (the router servicer's reconciliation); only a
-  heartbeat that would change nothing the router holds is skipped (`_on_heartbeat`);
+  heartbeat that would change nothing the router holds, or whose writes the next tick redoes before any
+  route reads them, is skipped (`_on_heartbeat`);
 - a request refused after routing (admission's early TTFT refusal) or by the replica's core is
   forgotten by `RouterCore.on_request_done`, the path the router service takes for the REJECTED
   completion admission publishes: its routed work is taken back at once;
@@ -47,7 +48,7 @@ from scheduler_svc.collector import tune_collector
 from scheduler_svc.core import SchedulerCore
 from sluice import glue
 from sluice.core_errors import RequestRejected
-from sluice.hashing import hash_chain, salt_of
+from sluice.hashing import hash_packed, salt_of
 from sluice.types import CoreEvents, NewRequest, ReplicaState, RoundPlan, SamplingParams
 from sluice_tools.metrics import RequestRecord
 from sluice_tools.sim import fastforward, outputs
@@ -65,6 +66,10 @@ _FAST_KINDS = (_ROUND_DONE, _HEARTBEAT, _SAMPLE)  # what fastforward.py needs to
 
 class Simulator:
     """One simulated deployment; `run()` plays a workload through it and returns the records."""
+
+    superseded_heartbeats = True
+    """Leave out a replica's heartbeat that the next tick replaces before anything reads the router's loads (a
+    route: an arrival or a retry), see `_on_heartbeat`. A subclass whose own events read them sets this False."""
 
     def __init__(self, config: SimConfig, requests: Sequence[WorkloadRequest]) -> None:
         """Build the cores and the cost model; raises ValueError for unknown names or a bad config."""
@@ -97,6 +102,10 @@ class Simulator:
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = 0
         self._next_arrival = 0
+        self._arrival_at = float("inf")
+        """When the arrival on the heap is (one at a time); inf once every request arrived."""
+        self._retries = 0
+        """Retries on the heap (each one routes again)."""
         self._token_times: dict[str, array] = {}
         self._placement: dict[str, _Replica] = {}
         self._hash_prompts = config.router.policy.uses_prefix
@@ -185,7 +194,10 @@ class Simulator:
         if self._next_arrival < len(self.requests):
             request = self.requests[self._next_arrival]
             self._next_arrival += 1
+            self._arrival_at = max(request.arrival_s, self.now)  # as push() puts it
             self.push(request.arrival_s, _ARRIVAL, request)
+        else:
+            self._arrival_at = float("inf")
 
     # ---- arrivals ---------------------------------------------------------------------------
     def _on_arrival(self, request: WorkloadRequest) -> None:
@@ -202,6 +214,7 @@ class Simulator:
 
     def _on_retry(self, payload: tuple[WorkloadRequest, RequestRecord]) -> None:
         request, record = payload
+        self._retries -= 1
         record.retries += 1
         record.status = "ok"
         self._admit(request, record)
@@ -210,6 +223,7 @@ class Simulator:
         self, request: WorkloadRequest, record: RequestRecord, detail: str, retry_after: float | None
     ) -> None:
         if retry_after is not None and record.retries < self.config.max_retries:
+            self._retries += 1
             self.push(self.now + retry_after, _RETRY, (request, record))
             return
         record.status, record.finish_s, record.detail = "rejected", self.now, detail
@@ -224,8 +238,11 @@ class Simulator:
         except OverBudget as error:
             self._reject(request, record, f"over budget {error.budget}", error.retry_after_s)
             return
-        prompt = request.prompt_token_ids(self.vocab_size)
-        hashes = tuple(hash_chain(prompt, self.config.scheduler.block_size, self._salt)) if self._hash_prompts else ()
+        # The ids as an array: packed for hashing and copied into the core's own array as bytes, no int per token.
+        ids = request.prompt_ids(self.vocab_size)
+        prompt = array("q", ids.tobytes())
+        hashes = tuple(hash_packed(ids.astype("<i4").tobytes(), self.config.scheduler.block_size, self._salt)
+                       ) if self._hash_prompts else ()
         query = RouteQuery(rid, self.config.model, "", hashes, request.input_length, request.output_length)
         try:
             decision = self._route(query)
@@ -249,12 +266,12 @@ class Simulator:
         self._submit(replica, request, record, prompt, hashes)
 
     def _on_submit(
-        self, payload: tuple[_Replica, WorkloadRequest, RequestRecord, tuple[int, ...], tuple[int, ...]]
+        self, payload: tuple[_Replica, WorkloadRequest, RequestRecord, Sequence[int], tuple[int, ...]]
     ) -> None:
         self._submit(*payload)
 
     def _submit(
-        self, replica: _Replica, request: WorkloadRequest, record: RequestRecord, prompt: tuple[int, ...],
+        self, replica: _Replica, request: WorkloadRequest, record: RequestRecord, prompt: Sequence[int],
         hashes: tuple[int, ...] = (),
     ) -> None:
         """Submit to the replica's core; `hashes`, the prompt's chain hashed for routing, spares the core hashing it again."""
@@ -358,6 +375,11 @@ class Simulator:
     def _on_heartbeat(self, _: object) -> None:
         now = self.now
         fleet = self.router.fleet
+        busy = self._busy()
+        following = now + self.config.heartbeat_interval_s
+        # Superseded: the next tick comes before the next route (the only reader of the loads a heartbeat writes;
+        # what else touches the router meanwhile, completions and KV events, comes out the same after it).
+        superseded = busy and self.superseded_heartbeats and following < self._next_route_at()
         for replica in self.replicas:
             if replica.reported_idle and not replica.busy and not replica.core.has_unfinished():
                 seen = fleet.find(replica.replica_id)
@@ -369,9 +391,26 @@ class Simulator:
                     # lightly loaded fleet. Work routed here since (refused, or not yet submitted) is reset by
                     # the heartbeat as live.
                     continue
+            if superseded and self._replaced_by_next(replica, now):
+                continue
             self._heartbeat(replica)
-        if self._busy():
-            self.push(now + self.config.heartbeat_interval_s, _HEARTBEAT)
+        if busy:
+            self.push(following, _HEARTBEAT)
+
+    def _next_route_at(self) -> float:
+        """Return the time of the next event that routes (the arrival on the heap, or a retry)."""
+        if not self._retries:
+            return self._arrival_at
+        return min(self._arrival_at, *(when for when, _, kind, _ in self._heap if kind == _RETRY))
+
+    def _replaced_by_next(self, replica: _Replica, now: float) -> bool:
+        """True when the replica's heartbeat now does nothing the next one (before any route) does not redo: the load,
+        the heartbeat time and the reset of unreported work are written again, read by no one in between. Not so
+        for a state change (the report reconciles it) or an idle report that would forget stale routes."""
+        seen = self.router.fleet.find(replica.replica_id)
+        if seen is None or seen.state is not ReplicaState.READY or replica.state is not ReplicaState.READY:
+            return False
+        return not seen.routed_at or min(seen.routed_at.values()) >= now - self.router.config.heartbeat_timeout_s
 
     def _on_sample(self, _: object) -> None:
         outputs.sample(self)

@@ -139,18 +139,7 @@ def fast_forward(sim: Simulator, replica: _Replica, plan: RoundPlan, result: Rou
         return False
     n = len(running)
     context = sum(len(request.tokens) for request in running)
-    times = [now]
-    walls: list[float] = []
-    when = now
-    decode_time, m = cost.decode_time, 1
-    while m < limit:
-        wall = decode_time(n, context + m * n)  # round m reads each start + 1 = len + m
-        when = when + gap + wall
-        if when >= horizon:
-            break
-        times.append(when)
-        walls.append(wall)
-        m += 1
+    times, walls = cost.decode_run(n, context, now, gap, horizon, limit - 1)  # round m reads each len + m
     if len(times) > 1:
         periodic = _periodic_times(sim, times[-1], kinds)
         for m in range(1, len(times)):
@@ -177,7 +166,7 @@ def fast_forward(sim: Simulator, replica: _Replica, plan: RoundPlan, result: Rou
     if events.kv_events and not sim.router.apply_kv_events(replica.replica_id, events.kv_events, now):
         raise AssertionError(f"fast-forward on {replica.replica_id}: a gap in the replica's own KV events")
     delay = sim._token_delay
-    token_times = [t + delay for t in times]
+    token_times = [t + delay for t in times] if delay else times  # t + 0.0 is t
     record_times = sim._token_times
     for request in running:
         record_times[request.request_id].extend(token_times)

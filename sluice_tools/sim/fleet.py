@@ -106,6 +106,8 @@ class FleetReport:
 class FleetSimulator(Simulator):
     """A Simulator whose replica set the planner changes (see the module docstring)."""
 
+    superseded_heartbeats = False  # its own events read the router's loads (see Simulator)
+
     def __init__(self, config: SimConfig, requests: Sequence[WorkloadRequest], fleet: FleetConfig) -> None:
         super().__init__(config, requests)
         self.fleet = fleet

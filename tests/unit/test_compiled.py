@@ -58,6 +58,7 @@ def test_a_stale_or_foreign_build_is_never_used(tmp_path: Path, monkeypatch: pyt
     (build / "pkg").mkdir(parents=True)
     monkeypatch.setattr(compiled, "BUILD_DIR", build)
     monkeypatch.setattr(compiled, "PACKAGES", {"pkg": ()})
+    monkeypatch.setattr(compiled, "DEPENDS", ())
     monkeypatch.delenv(compiled.ENV_PURE, raising=False)
 
     def manifest(python: str, digest: str) -> None:
@@ -77,6 +78,31 @@ def test_a_stale_or_foreign_build_is_never_used(tmp_path: Path, monkeypatch: pyt
     assert not compiled.use("pkg", path) and path == [str(source)]
     (build / "MANIFEST.json").write_text("{not json")
     monkeypatch.delenv(compiled.ENV_PURE)
+    assert not compiled.use("pkg", path) and path == [str(source)]
+
+
+def test_a_build_against_an_older_floor_is_never_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file in DEPENDS (the floor types whose annotations the compiled code casts to) edited since the build
+    leaves the package on its source path, as an edited source of its own does."""
+    source = tmp_path / "src" / "pkg"
+    source.mkdir(parents=True)
+    (source / "__init__.py").write_text("")
+    (source / "mod.py").write_text("X = 1\n")
+    (tmp_path / "types.py").write_text("A = 1\n")
+    build = tmp_path / "build"
+    (build / "pkg").mkdir(parents=True)
+    monkeypatch.setattr(compiled, "BUILD_DIR", build)
+    monkeypatch.setattr(compiled, "ROOT", tmp_path)
+    monkeypatch.setattr(compiled, "PACKAGES", {"pkg": ()})
+    monkeypatch.setattr(compiled, "DEPENDS", ("types.py",))
+    monkeypatch.delenv(compiled.ENV_PURE, raising=False)
+    built = {"python": sys.implementation.cache_tag, "packages": {"pkg": {"mod.py": compiled.digest(source / "mod.py")}},
+             "depends": compiled.depends()}
+    (build / "MANIFEST.json").write_text(json.dumps(built))
+    path = [str(source)]
+    assert compiled.use("pkg", path) and path == [str(build / "pkg"), str(source)]
+    (tmp_path / "types.py").write_text("A = 2\n")  # the floor changed since the build
+    path = [str(source)]
     assert not compiled.use("pkg", path) and path == [str(source)]
 
 

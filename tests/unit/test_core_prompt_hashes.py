@@ -4,6 +4,7 @@ again, and changes nothing: the same chain, the same cache hits and KV events; a
 from __future__ import annotations
 
 import dataclasses
+from array import array
 
 from core_factories import make_core, make_request, step
 
@@ -14,12 +15,16 @@ from sluice.types import CoreEvents
 BLOCK = 16
 
 
-def _run(prompt_len: int, chain_salt: int | None, cache_salt: str = "") -> tuple[list[int], list[CoreEvents], int]:
+def _run(prompt_len: int, chain_salt: int | None, cache_salt: str = "",
+         as_array: bool = False) -> tuple[list[int], list[CoreEvents], int]:
     """Two requests with one prompt, the second after the first finished; return (the second's hash chain,
-    every round's events, the second's cached tokens). `chain_salt`: hand each its chain with that salt."""
+    every round's events, the second's cached tokens). `chain_salt`: hand each its chain with that salt;
+    `as_array`: the prompt as an `array('q')`, as the simulator gives it."""
     core: SchedulerCore = make_core()
     events: list[CoreEvents] = []
     first = dataclasses.replace(make_request("a", prompt_len, max_tokens=2), cache_salt=cache_salt)
+    if as_array:
+        first = dataclasses.replace(first, prompt_token_ids=array("q", first.prompt_token_ids))
     second = dataclasses.replace(make_request("b", max_tokens=2), cache_salt=cache_salt,
                                  prompt_token_ids=first.prompt_token_ids)
     cached = 0
@@ -48,3 +53,12 @@ def test_a_chain_of_another_salt_is_ignored() -> None:
     """A chain hashed with another salt (a tenant's cache salt, another model) is not used: the core hashes."""
     assert _run(3 * BLOCK, salt_of("other-model")) == _run(3 * BLOCK, None)
     assert _run(3 * BLOCK, salt_of("tiny"), cache_salt="t1") == _run(3 * BLOCK, None, cache_salt="t1")
+
+
+def test_a_prompt_given_as_an_array_is_the_same_request() -> None:
+    """A prompt as an `array('q')` (the simulator's, copied as bytes) schedules, hashes, hits and emits exactly as
+    the same ids in a tuple, with the chain handed over or hashed by the core."""
+    salt = salt_of("tiny")
+    for prompt_len in (BLOCK - 1, 3 * BLOCK + 5):
+        assert _run(prompt_len, salt, as_array=True) == _run(prompt_len, salt)
+        assert _run(prompt_len, None, as_array=True) == _run(prompt_len, None)

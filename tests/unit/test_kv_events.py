@@ -127,3 +127,22 @@ def test_router_index_counts_cpu_events_but_indexes_gpu_blocks_only() -> None:
                                       KvEvent(3, KvEventKind.REMOVED, (7,), medium=KvMedium.CPU)])
     assert cache.last_event_id == 3 and cache.hashes == {7}
     assert index.apply_events(cache, [KvEvent(4, KvEventKind.REMOVED, (7,))]) and cache.hashes == set()
+
+
+def test_index_holders_are_the_replicas_sets() -> None:
+    """Two replicas sharing hashes: the holders, the distinct count and each replica's lookup follow their STORED,
+    REMOVED, ALL_CLEARED events and snapshots (the index keeps no map of its own beside the replicas' sets)."""
+    index, a, b = PrefixIndex(ttl_s=0.0), ReplicaCache("a"), ReplicaCache("b")
+    assert index.apply_events(a, [KvEvent(1, KvEventKind.STORED, (1, 2, 3)), KvEvent(2, KvEventKind.STORED, (4,))])
+    assert index.apply_events(b, [KvEvent(1, KvEventKind.STORED, (1, 2))])
+    assert index.holders() == {1: ["a", "b"], 2: ["a", "b"], 3: ["a"], 4: ["a"]} and len(index) == 4
+    assert (index.cached(a, (1, 2, 3, 4), 0.0), index.cached(b, (1, 2, 3, 4), 0.0)) == (4, 2)
+    assert index.apply_events(a, [KvEvent(3, KvEventKind.REMOVED, (3, 4))])
+    assert index.holders() == {1: ["a", "b"], 2: ["a", "b"]} and len(index) == 2
+    assert index.cached(a, (1, 2, 3, 4), 0.0) == 2
+    assert index.apply_events(b, [KvEvent(2, KvEventKind.ALL_CLEARED), KvEvent(3, KvEventKind.STORED, (9,))])
+    assert index.holders() == {1: ["a"], 2: ["a"], 9: ["b"]} and index.cached(b, (1, 2), 0.0) == 0
+    index.apply_snapshot(a, 7, [5, 6])
+    assert index.holders() == {5: ["a"], 6: ["a"], 9: ["b"]} and len(index) == 3 and a.last_event_id == 7
+    index.purge(b)
+    assert index.holders() == {5: ["a"], 6: ["a"]} and index.cached(b, (9,), 0.0) == 0

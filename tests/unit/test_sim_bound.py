@@ -1,13 +1,17 @@
-"""The compute bound of a capacity counts each request's FLOPs once and what an ideal cache would not compute."""
+"""The compute bound of a capacity counts each request's FLOPs once and what an ideal cache would not compute; the
+pooled bound serves prefills in arrival order at the fleet's FLOP rate and refuses what it would serve late."""
 
 from __future__ import annotations
+
+import math
+from dataclasses import replace
 
 import pytest
 
 from sluice_tools.sim import SimConfig
-from sluice_tools.sim.bound import compute_bound_rps, request_shape
+from sluice_tools.sim.bound import compute_bound_rps, pooled_attainment, request_shape
 from sluice_tools.workload import WorkloadRequest
-from worker_svc.costmodel import CostModel
+from worker_svc.costmodel import CostModel, RoundShape
 
 
 def test_request_shape_sums_the_prefill_and_every_decode_round() -> None:
@@ -29,3 +33,39 @@ def test_compute_bound_is_the_fleets_flop_rate_over_the_requests_flops_and_an_id
     cached_flops = flops / 2 + cost.flops_and_bytes(request_shape(requests[1], 512))[0]
     assert compute_bound_rps(config, requests) == pytest.approx(2 * 2 * rate / cached_flops)
     assert compute_bound_rps(config, requests) > compute_bound_rps(config, requests, ideal_cache=False)
+
+
+def _prefill_s(config: SimConfig, tokens: int) -> float:
+    """Seconds one replica's FLOP rate takes to prefill `tokens` uncached prompt tokens."""
+    cost = CostModel("llama-3-8b", "h200")
+    rate = cost.gpu.peak_flops * cost.tensor_parallel * cost.coefficients.compute_efficiency
+    return pooled_flops(tokens) / rate
+
+
+def pooled_flops(tokens: int) -> float:
+    """FLOPs of a fresh prefill of `tokens` tokens (the shape pooled_attainment charges)."""
+    cost = CostModel("llama-3-8b", "h200")
+    return cost.flops_and_bytes(RoundShape(tokens, tokens * (tokens + 1) // 2, 0, tokens, 1))[0]
+
+
+def test_pooled_bound_serves_a_burst_only_as_far_as_the_fleets_flops_reach_within_the_slo() -> None:
+    """Ten 4,000-token prompts at one instant on 2 replicas: the pooled server finishes them one after another at
+    twice one replica's rate, so exactly floor(SLO / (own / 2)) of them are on time and the rest are refused."""
+    config = SimConfig(replicas=2)
+    own = _prefill_s(config, 4000)
+    config = replace(config, slo_ttft_s=3.5 * own)  # 7 fit at half an own prefill each
+    burst = [WorkloadRequest(f"r{i}", 0.0, 4000, 100) for i in range(10)]
+    by_requests, by_tokens = pooled_attainment(config, burst)
+    assert by_requests == pytest.approx(math.floor(3.5 * 2) / 10)
+    assert by_tokens == pytest.approx(by_requests)
+    spread = [WorkloadRequest(f"r{i}", 10.0 * i * own, 4000, 100) for i in range(10)]
+    assert pooled_attainment(config, spread) == (1.0, 1.0)
+
+
+def test_pooled_bound_refuses_a_prompt_one_replica_cannot_prefill_within_the_slo() -> None:
+    """A prompt runs on one replica: one whose own prefill there takes longer than the SLO is refused however many
+    replicas the pool has, and it weighs in the token share by its size."""
+    config = SimConfig(replicas=64)
+    config = replace(config, slo_ttft_s=0.9 * _prefill_s(config, 6000))
+    requests = [WorkloadRequest("long", 0.0, 6000, 0), WorkloadRequest("short", 1.0, 2000, 0)]
+    assert pooled_attainment(config, requests) == (0.5, pytest.approx(2000 / 8000))

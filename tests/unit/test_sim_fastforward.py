@@ -59,7 +59,7 @@ def _run(config: SimConfig, spec: str, fast: bool, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(glue, "apply_heartbeat", heartbeat)
     records = sim.run()
     rows = [{**{f.name: getattr(r, f.name) for f in fields(r)}, "token_times": list(r.token_times or ())} for r in records]
-    index = {h: sorted(holders) for h, holders in sim.router.index._holders.items()}
+    index = sim.router.index.holders()
     return {"records": rows, "kv": kv_seen, "index": index, "stats": sim.replica_stats(), "series": sim.series,
             "rounds": sim.rounds, "end": sim.end_s, "rates": [r.rates for r in sim.replicas],
             "core": [r.core.stats() for r in sim.replicas], "heartbeats": heartbeats, "bulk_calls": calls}

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sluice.hashing import hash_chain, salt_of
+from sluice.hashing import hash_chain, hash_packed, salt_of
 from sluice_tools.workload import (
     WorkloadError,
     WorkloadRequest,
@@ -59,6 +59,19 @@ def test_same_hash_ids_give_the_same_prefix_and_block_hashes() -> None:
     salt = salt_of("llama-3-8b")
     assert hash_chain(ta, 16, salt)[:32] == hash_chain(tb, 16, salt)[:32]
     assert hash_chain(ta, 16, salt)[32] != hash_chain(tb, 16, salt)[32]
+
+
+def test_prompt_ids_are_the_prompt_as_one_array_and_hash_packed_is_its_chain() -> None:
+    """`prompt_ids` (the simulator's: no int per token) holds exactly `prompt_token_ids` for unique, shared and
+    partly shared prompts, and `hash_packed` of its int32 bytes is `hash_chain` of the prompt."""
+    salt = salt_of("llama-3-8b")
+    for request in (WorkloadRequest("u", 0.0, 1000, 5), WorkloadRequest("s", 0.0, 1024, 5, hash_ids=(7, 8)),
+                    WorkloadRequest("p", 0.0, 1100, 5, hash_ids=(7, 8, 9)),
+                    WorkloadRequest("c", 0.0, 900, 5, hash_ids=(7, 8), prefix_tokens=600, seed=3)):
+        ids, tokens = request.prompt_ids(128256), request.prompt_token_ids(128256)
+        assert ids.dtype == np.int64 and tuple(ids.tolist()) == tokens and len(tokens) == request.input_length
+        assert hash_packed(ids.astype("<i4").tobytes(), 16, salt) == hash_chain(tokens, 16, salt)
+    assert hash_packed(b"", 16, salt) == [] and hash_packed(bytes(4 * 20), 16, salt) == hash_chain([0] * 20, 16, salt)
 
 
 def test_prompts_are_deterministic_and_below_vocab() -> None:

@@ -19,9 +19,11 @@ from safetensors.torch import save_file
 from sluice.tokenizer import BOS_TOKEN, EOS_TOKEN, build_byte_tokenizer
 from worker_svc.engine.config import LlamaConfig
 from worker_svc.engine.model import LlamaForCausalLM
+from worker_svc.engine.preset_configs import BYTE_VOCAB, PRESETS
 
-BYTE_VOCAB = 258
-"""256 byte tokens, then <s> (256) and </s> (257)."""
+__all__ = ["BYTE_VOCAB", "CHAT_TEMPLATE", "DEFAULT_SEED", "PRESETS", "preset_config", "random_weights", "write_json",
+           "write_preset"]
+
 LOGIT_SCALE = 2.0
 """Standard deviation the output logits aim at."""
 EMBED_STD = 0.1
@@ -30,37 +32,6 @@ on the context (with std 1 the residual stream is dominated by the current token
 the model degenerates into a bigram table: 3 distinct greedy tokens over 64 random contexts for
 the tiny preset, against about 50 with 0.1)."""
 
-PRESETS: dict[str, LlamaConfig] = {
-    "tiny": LlamaConfig(
-        vocab_size=BYTE_VOCAB,
-        hidden_size=128,
-        intermediate_size=352,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
-        bos_token_id=256,
-        eos_token_id=257,
-        torch_dtype="float32",
-    ),
-    # ~100M parameters; the vocabulary is padded to 32000, ids past the tokenizer are never sampled.
-    "small-100m": LlamaConfig(
-        vocab_size=32000,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        head_dim=64,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        bos_token_id=256,
-        eos_token_id=257,
-        torch_dtype="bfloat16",
-    ),
-}
 DEFAULT_SEED = 0
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
