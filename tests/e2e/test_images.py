@@ -99,8 +99,10 @@ def image_python(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Pa
             venv = work / ("venv-" + ("-".join(wanted) or "base"))
             assert _run([sys.executable, "-m", "venv", str(venv)], cwd=work).returncode == 0
             spec = f"{wheel}[{','.join(wanted)}]" if wanted else str(wheel)
-            installed = _run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", spec], cwd=work,
-                             env=clean_env())
+            # --no-compile: pip byte-compiles every module it installs (torch's several thousand), most never
+            # imported here; the interpreter compiles what a service imports when it imports it
+            installed = _run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-compile", spec],
+                             cwd=work, env=clean_env())
             assert installed.returncode == 0, installed.stderr[-3000:]
             venvs[wanted] = venv / "bin" / "python"
         return venvs[wanted]
