@@ -93,6 +93,19 @@ class Placement:
 
 
 @dataclass(frozen=True)
+class HandOff:
+    """A placed prefill half of a disaggregated pair: where its KV is held and where its decode half goes."""
+
+    prefill_attempt: str
+    """The prefill attempt's id (its scheduler holds the KV blocks under it)."""
+    prefill_replica_id: str
+    prefill_address: str
+    decode_replica_id: str
+    decode_address: str
+    decode_incarnation: str = ""
+
+
+@dataclass(frozen=True)
 class Caller:
     """What the transport knows about the call itself."""
 
@@ -154,7 +167,11 @@ class Tracked:
     attempt_id: str = ""
     """Downstream id of the current attempt ("" until placed; the request id for the first)."""
     migrations: int = 0
-    """Times it moved to another replica."""
+    """Times it moved to another replica (its attempt number; planned hand-offs included)."""
+    handoffs: int = 0
+    """Planned prefill -> decode hand-offs among `migrations` (they do not count against the migration limit)."""
+    handoff: HandOff | None = None
+    """The current attempt is a prefill half: its decode half follows its FINISHED_LENGTH completion."""
     migrating: bool = False
     """A move is under way (the watchdog and a hand-off must not start a second)."""
     settling: bool = False

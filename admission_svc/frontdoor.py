@@ -44,6 +44,7 @@ from admission_svc import convert
 from admission_svc.calls import Caller, FrontDoorConfig, GenerateCall, Output, Placement, Tracked
 from admission_svc.core import AdmissionCore
 from admission_svc.front_queue import FrontQueue
+from admission_svc.handoff import HandOffs, is_prefill_done, pair_of
 from admission_svc.migration import MigrationCause, Migrator, handed_off
 from admission_svc.prompts import PromptReader
 from admission_svc.ranges import check_wire_ranges
@@ -116,6 +117,7 @@ class FrontDoor:
         self.metrics.reserved_output_tokens.set_function(lambda: self.core.stats(time.monotonic()).reserved_output_tokens)
         self.metrics.reserved_kv_blocks.set_function(lambda: self.core.stats(time.monotonic()).reserved_kv_blocks)
         self.migrator = Migrator(self)
+        self.handoffs = HandOffs(self)
         self.queue = FrontQueue(self.metrics.registry)
 
     # ---- what transports call -------------------------------------------------------------------
@@ -345,6 +347,10 @@ class FrontDoor:
                                             deadline_unix_s or 0.0, self.model, record.timestamps,
                                             self.core.tenant_weight(record.tenant), self.core.cache_salt(record.tenant))
             submit.owner_incarnation = self.migrator.incarnation  # the request lives while our lease does
+            record.handoff = pair_of(record, route, call.sampling.max_tokens)
+            if record.handoff is not None:  # the prefill half of a pair (admission_svc/handoff.py)
+                submit.sampling.max_tokens = 1
+                submit.hold_kv = True
             sent = record.submit_sent_s = time.time()
             try:
                 await self.scheduler(route.scheduler_address).Submit(submit, metadata=metadata,
@@ -381,7 +387,7 @@ class FrontDoor:
         record.incarnation = route.incarnation
         record.span.add_event("routed", timestamp=_ns(record.timestamps.routed), attributes={
             "sluice.replica_id": route.replica_id, "sluice.cached_blocks": route.cached_blocks,
-            "sluice.predicted_ttft_s": route.predicted_ttft_s})
+            "sluice.predicted_ttft_s": route.predicted_ttft_s, "sluice.decode_replica_id": route.decode_replica_id})
         return route
 
     def _check_ttft(self, record: Tracked, predicted_ttft_s: float) -> None:
@@ -530,6 +536,9 @@ class FrontDoor:
                 return  # an attempt the request has moved away from
             if record.completion is None and handed_off(record, completion):
                 self.spawn(self.migrator.migrate(record, MigrationCause.HANDED_OFF))
+                return
+            if is_prefill_done(record, completion):  # its decode half follows, on the pair's decode replica
+                self.spawn(self.handoffs.hand_off(record, completion))
                 return
             completion = self.migrator.whole(record, completion)
             if self.migrator.held(record, completion):

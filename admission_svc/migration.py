@@ -53,7 +53,7 @@ import enum
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -146,6 +146,18 @@ def handed_off(record: Tracked, completion: events_pb2.Completion) -> bool:
     """True when a draining replica handed the request over (and admission did not ask to cancel it)."""
     return (completion.status == common_pb2.CANCELLED and completion.detail == DRAIN_HANDOFF
             and not record.timestamps.cancel_requested)
+
+
+async def one_move_at_a_time(record: Tracked, move: Callable[[], Awaitable[None]]) -> None:
+    """Run `move` (a migration or a hand-off of `record`) unless one is under way or the request has ended;
+    `record.migrating` says one is under way while it runs."""
+    if record.migrating or record.completion is not None or record.ended:
+        return
+    record.migrating = True
+    try:
+        await move()
+    finally:
+        record.migrating = False
 
 
 class Migrator:
@@ -312,13 +324,7 @@ class Migrator:
     # ---- the move -------------------------------------------------------------------------------
     async def migrate(self, record: Tracked, cause: MigrationCause) -> None:
         """Move the request to another replica, or end it FAILED when it may not or cannot move."""
-        if record.migrating or record.completion is not None or record.ended:
-            return
-        record.migrating = True
-        try:
-            await self._move(record, cause)
-        finally:
-            record.migrating = False
+        await one_move_at_a_time(record, lambda: self._move(record, cause))
 
     async def _move(self, record: Tracked, cause: MigrationCause) -> None:
         door, stream, placement = self.door, record.stream, record.placement
@@ -326,10 +332,10 @@ class Migrator:
         if placement is None:
             self.end_locally(record, common_pb2.FAILED, f"replica lost ({cause.value}) before it was placed")
             return
-        if record.migrations >= door.config.migration_limit:
+        if record.migrations - record.handoffs >= door.config.migration_limit:
             door.metrics.migration_failures.labels("migration_limit").inc()
             self.end_locally(record, common_pb2.FAILED, f"migration_limit: replica lost ({cause.value}) after "
-                                                        f"{record.migrations} migrations")
+                                                        f"{record.migrations - record.handoffs} migrations")
             return
         sampling = placement.call.sampling
         left = sampling.max_tokens - streamed
@@ -392,7 +398,7 @@ class Migrator:
         """After the record's Submit failed with `exc`: when the scheduler was unreachable and the request
         may move again, report it to the router and switch to a new attempt; returns whether to route again."""
         door = self.door
-        if (exc.code() not in REROUTE_CODES or record.migrations >= door.config.migration_limit
+        if (exc.code() not in REROUTE_CODES or record.migrations - record.handoffs >= door.config.migration_limit
                 or record.completion is not None):
             return False
         replica_id, address, old_attempt = record.replica_id, record.scheduler_address, record.attempt_id

@@ -14,7 +14,7 @@ only that pool's replicas, and judged by its own signals (each 1.0 at its target
                  prefill_demand  arrival rate x mean input tokens / ready prefill replicas / prefill rate
   decode pool    kv              mean KV use of ready decode replicas / kv_target
                  decode_load     requests in flight per ready decode replica / decode_seqs_per_replica
-                 tpot            max(observed, predicted) TPOT / TPOT SLO
+                 tpot            max(observed, predicted) TPOT / TPOT SLO, observed on the decode replicas
                  decode_demand   arrival rate x w x mean output tokens / ready decode replicas / replica rate
 
 `step(observation)` returns a `PoolDecisions`: one decision per pool (ScaleUp n replicas *of that role*,
@@ -66,8 +66,14 @@ class PoolDecisions:
 
 
 def pool_observation(observation: Observation, role: ReplicaRole) -> Observation:
-    """Return `observation` with only the replicas of `role` (the fleet-wide rates and latencies are kept)."""
-    return replace(observation, replicas=tuple(r for r in observation.replicas if r.role is role))
+    """Return `observation` with only the replicas of `role` (the fleet-wide rates and latencies are kept, but for
+    the decode pool's TPOT: the decode replicas' own, `decode_tpot_observed_s`). The TPOT a client sees includes the
+    hand-off (the gap between the prefill replica's first token and the decode replica's next), which grows with a
+    busy prefill pool; counted as decode pressure it grew the decode pool under a prefill-heavy load."""
+    replicas = tuple(r for r in observation.replicas if r.role is role)
+    if role is ReplicaRole.DECODE:
+        return replace(observation, replicas=replicas, tpot_observed_s=observation.decode_tpot_observed_s)
+    return replace(observation, replicas=replicas)
 
 
 def _mean(values: list[float]) -> float:

@@ -75,6 +75,9 @@ class Observation:
     tpot_observed_s: float | None = None
     tpot_predicted_s: float | None = None
     """None when nothing was measured or predicted in this interval (it then adds no pressure)."""
+    decode_tpot_observed_s: float | None = None
+    """A disaggregated fleet's TPOT as its decode replicas measured it (first to last token there, so the hand-off
+    from the prefill pool is not in it); the decode pool is judged by it (planner_svc/pools.py)."""
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ Rules
   arrive with the transfer.
 * A pair whose two ends are one BOTH replica is aggregated serving of that request: no transfer.
 * `on_request_done` forgets a request's decode-side claim (the services call it with the router core's own).
+  Claims are keyed by the request's own id (`origin_request_id`): the decode half runs as a later attempt.
 
 Pure: no clock, no I/O; `now` is an argument; the tie-breaks are deterministic.
 """
@@ -28,7 +29,7 @@ from router_svc.core import RouterCore
 from router_svc.fleet import Replica
 from router_svc.scoring import RouteDecision, RouteQuery, predict_ttft
 from sluice.core_errors import NoReplicaAvailable
-from sluice.types import ReplicaRole
+from sluice.types import ReplicaRole, origin_request_id
 
 __all__ = ["DecodeClaims", "DisaggRouter", "PairDecision", "decode_key", "is_disaggregated"]
 
@@ -116,7 +117,9 @@ class DisaggRouter:
                             room_key[1])
         if query.dry_run:  # a prediction: nothing is claimed on either side
             return pair
-        self.claims.setdefault(decoder.spec.replica_id, DecodeClaims()).claims[query.request_id] = (need, now)
+        # Keyed by the request's own id: its decode half runs as a later attempt (`{id}#{n}`, admission's hand-off).
+        self.claims.setdefault(decoder.spec.replica_id, DecodeClaims()).claims[origin_request_id(query.request_id)] = (
+            need, now)
         if pair.transfers:
             self.transfers += 1
         return pair
@@ -136,6 +139,6 @@ class DisaggRouter:
         ignored."""
         claims = self.claims.get(decode_replica_id)
         if claims is not None:
-            claims.claims.pop(request_id, None)
+            claims.claims.pop(origin_request_id(request_id), None)
             if not claims.claims:
                 del self.claims[decode_replica_id]

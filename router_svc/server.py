@@ -53,7 +53,7 @@ from sluice.prom import RouterMetrics
 from sluice.serve import grpc_server
 from sluice.telemetry import extract_metadata, get_tracer
 from sluice.tls import TlsFiles
-from sluice.types import KvEvent, ReplicaState
+from sluice.types import KV_HELD, KvEvent, ReplicaState
 from sluice.v1 import events_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = ["RouterRuntime", "RouterServicer"]
@@ -207,7 +207,12 @@ class RouterRuntime:
         """Tell the core that a routed request reached its terminal state."""
         completion = events_pb2.Completion.FromString(payload)
         self.core.on_request_done(completion.replica_id, completion.request_id, self.clock())
-        self.pairs.on_request_done(completion.replica_id, completion.request_id)
+        if completion.detail == KV_HELD:
+            return  # a prefill half whose KV goes to its decode replica: that side's claim stands
+        # Any other end (the decode half's, or a request that ended on its prefill replica) forgets the request's
+        # decode-side claim wherever it is.
+        for replica_id in list(self.pairs.claims):
+            self.pairs.on_request_done(replica_id, completion.request_id)
 
     # ---- loops ----------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event, *, expiry_interval_s: float = 1.0, block_ms: int = 100) -> None:

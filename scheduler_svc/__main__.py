@@ -18,6 +18,7 @@ from sluice import serve
 from sluice.bus import Bus
 from sluice.prom import SchedulerMetrics
 from sluice.round_budget import derive_round_budget, linear_round_time
+from sluice.types import ReplicaRole
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,9 @@ class SchedulerOptions(serve.BusOptions):
     """This replica's id at the router."""
     worker: str = ""
     """Worker HOST:PORT (--engine sluice)."""
+    kv_worker_address: str = ""
+    """The worker's HOST:PORT as other replicas' workers reach it to pull KV blocks (a hand-off's HeldKv answers it;
+    in Kubernetes the pod's IP, where --worker is 127.0.0.1 in the pod); empty: --worker."""
     engine: str = "sluice"
     """What executes the requests: sluice (the worker at --worker) or vllm (the server at --engine-url)."""
     engine_url: str = ""
@@ -87,6 +91,15 @@ class SchedulerOptions(serve.BusOptions):
     prefill_pair_s: float = 0.0
     """Attention seconds per (token, earlier token) pair of a prompt, told to the router for its TTFT prediction of
     long prompts (router_svc.scoring.predict_ttft); 0 leaves that term out."""
+    role: ReplicaRole = ReplicaRole.BOTH
+    """What this replica serves: both (whole requests), prefill (prompts; their KV goes to a decode replica) or
+    decode (docs/disaggregation.md)."""
+    kv_hold: float = 30.0
+    """Prefill side: seconds a finished prompt's KV blocks stay pinned for a decode replica that never releases
+    them."""
+    kv_room_wait: float = 5.0
+    """Decode side: seconds a hand-off waits for room here when the KV pool is full (bounded by the hold's expiry and
+    the Submit's deadline) before the prompt is recomputed here instead; 0: recompute at once."""
     heartbeat_interval: float = 1.0
     """Seconds between heartbeats to the router."""
     drain_timeout: float = 30.0
@@ -127,7 +140,7 @@ def core_overrides(options: SchedulerOptions) -> dict[str, object]:
         "max_num_batched_tokens": tokens, "max_num_seqs": options.max_num_seqs,
         "max_prefill_chunk": options.max_prefill_chunk, "max_kv_read_tokens": options.max_kv_read_tokens,
         "max_waiting": options.max_waiting, "enable_prefix_caching": not options.no_prefix_caching,
-        "kv_event_token_ids": options.kv_event_token_ids,
+        "kv_event_token_ids": options.kv_event_token_ids, "kv_hold_s": options.kv_hold,
     }
 
 
@@ -148,13 +161,14 @@ async def start(ctx: serve.ServiceContext, options: SchedulerOptions) -> serve.S
     try:
         replica = await (_start_vllm(options, bus, metrics, ctx) if options.engine == "vllm" else start_replica(
             replica_id=options.replica_id, worker_address=options.worker, bus=bus, router_address=options.router,
+            kv_worker_address=options.kv_worker_address, kv_room_wait_s=options.kv_room_wait,
             port=options.port, host=options.host, advertise_host=options.advertise_host,
             core_overrides=core_overrides(options), metrics=metrics, heartbeat_interval_s=options.heartbeat_interval,
             prefill_tokens_per_s=options.prefill_tokens_per_s, decode_round_s=options.decode_round_s,
             prefill_pair_s=options.prefill_pair_s, use_stream=not options.unary,
             publish_first_max_tokens=options.publish_first_max_tokens,
             tls_files=serve.tls_files(options, "scheduler"), bus_alive=_bus_alive(ctx),
-            drain_timeout_s=options.drain_timeout, pipeline=not options.no_pipeline))
+            drain_timeout_s=options.drain_timeout, pipeline=not options.no_pipeline, role=options.role))
     except (TimeoutError, ValueError) as exc:
         raise serve.StartupError(str(exc)) from exc
 

@@ -68,8 +68,12 @@ class Driver:
                  clock: Callable[[], float] = time.time, use_stream: bool = True,
                  worker_retry_s: float = 0.5, worker_health: health_pb2_grpc.HealthStub | None = None,
                  publish_first_max_tokens: int = 64, vocab_size: int = 0, pipeline: bool = True,
-                 structured_output: bool = False) -> None:
+                 structured_output: bool = False, worker_incarnation: str = "") -> None:
         self.core = core
+        self.worker_incarnation = worker_incarnation
+        """The worker's incarnation (WorkerInfo.incarnation) whose KV cache the core's blocks describe: updated when
+        a restarted worker is found back, in the same step that forgets the old cache (so a hold never names the
+        wrong one; the KV hand-off's pull is fenced by it)."""
         self.vocab_size = vocab_size
         """The worker's vocabulary size, for Submit's token id check; 0: unknown, not checked."""
         self.structured_output = structured_output
@@ -98,6 +102,9 @@ class Driver:
                                on_change=self.wake_up)
         self.publisher = Publisher(bus)
         self.reporter = Reporter(core, self.publisher, self.metrics, replica_id)
+        self.on_scheduled: Callable[[], None] | None = None
+        """Called after each round is planned (the KV hand-off's receiver drops the references of received blocks
+        whose request the core has placed: scheduler_svc/handoff.py)."""
 
     @property
     def worker_serving(self) -> bool:
@@ -157,7 +164,7 @@ class Driver:
             self.link.drop_stream()
             self.reporter.flush_deferred()
             await self.publisher.close()
-            await publisher
+            await self.publisher.wait_closed(publisher)  # bounded: Redis may be gone
 
     async def _run_pipelined(self, stop: asyncio.Event) -> None:
         """The pipelined loop: plan and send round N+1, then read round N's answer (see the module docstring)."""
@@ -179,6 +186,8 @@ class Driver:
             if deadline is not None and deadline <= now:
                 self.core.expire(now)
             plan = self.core.schedule(now, overlap=in_flight is not None)
+            if self.on_scheduled is not None:
+                self.on_scheduled()
             scheduled = self.core.take_events()
             if plan.is_empty:
                 reporter.handle(scheduled, now)
@@ -249,6 +258,8 @@ class Driver:
             if deadline is not None and deadline <= now:
                 self.core.expire(now)
             plan = self.core.schedule(now)
+            if self.on_scheduled is not None:
+                self.on_scheduled()
             scheduled = self.core.take_events()
             if plan.is_empty:
                 self.reporter.handle(scheduled, now)
@@ -294,12 +305,18 @@ class Driver:
                 self.core.expire(now)
                 self.reporter.handle(self.core.take_events(), now)
             if not stop.is_set() and await self.link.probe():
-                self._on_worker_back()
+                incarnation = await self.link.incarnation()
+                if incarnation is None:  # serving, but its Info did not answer: try again (the fence needs it)
+                    continue
+                self._on_worker_back(incarnation)
                 return
 
-    def _on_worker_back(self) -> None:
-        # A restarted worker holds no KV: running requests are recomputed, host copies are dropped and the
-        # cached prefixes are forgotten (the router gets ALL_CLEARED).
+    def _on_worker_back(self, incarnation: str | None = None) -> None:
+        # A restarted worker holds no KV: running requests are recomputed, host copies are dropped, the
+        # cached prefixes are forgotten (the router gets ALL_CLEARED) and every KV hold ends; no await between
+        # the new incarnation and the reset, so no HeldKv answer pairs old blocks with the new incarnation.
+        if incarnation is not None:
+            self.worker_incarnation = incarnation
         if self.core.num_running:
             log.warning("the worker is back while %d requests were running: they are recomputed",
                         self.core.num_running)

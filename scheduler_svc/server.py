@@ -51,6 +51,7 @@ from scheduler_svc.collector import tune_collector
 from scheduler_svc.core import SchedulerCore
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.driver import Driver
+from scheduler_svc.handoff import KvReceiver
 from scheduler_svc.leases import OwnerLeases
 from sluice import convert, errors, glue, services, telemetry, tls
 from sluice.bus import Bus
@@ -58,7 +59,7 @@ from sluice.prom import SchedulerMetrics
 from sluice.serve import grpc_server
 from sluice.telemetry import extract_metadata
 from sluice.tls import TlsFiles
-from sluice.types import DRAIN_HANDOFF, ReplicaState
+from sluice.types import DRAIN_HANDOFF, ReplicaRole, ReplicaState, RequestStatus
 from sluice.v1 import (
     router_pb2,
     router_pb2_grpc,
@@ -113,8 +114,11 @@ def _check_submission(request: scheduler_pb2.SubmitRequest, vocab_size: int, str
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     """Thin servicer over the Driver."""
 
-    def __init__(self, driver: Driver, bus_alive: Callable[[], bool] = lambda: True) -> None:
+    def __init__(self, driver: Driver, bus_alive: Callable[[], bool] = lambda: True,
+                 receiver: KvReceiver | None = None) -> None:
         self.driver = driver
+        self.receiver = receiver
+        """Both sides of prefill/decode hand-offs (scheduler_svc/handoff.py); None: Submit refuses kv_source."""
         self.bus_alive = bus_alive
         """False while Redis does not answer (sluice.serve.BusWatch): tokens could not be delivered."""
         self.leases = OwnerLeases()
@@ -147,13 +151,28 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             raise errors.InvalidArgument("request_id is required", field_name="request_id")
         _check_submission(request, self.driver.vocab_size, self.driver.structured_output,
                           self.driver.structured_resume)
-        position = self.driver.submit(request, extract_metadata(context.invocation_metadata()))
+        parent = extract_metadata(context.invocation_metadata())
+        if request.HasField("kv_source"):
+            if self.receiver is None:
+                raise errors.InvalidArgument("this replica takes no KV hand-off", field_name="kv_source")
+            if not request.kv_source.scheduler_address or not request.kv_source.request_id:
+                raise errors.InvalidArgument("kv_source needs scheduler_address and request_id",
+                                             field_name="kv_source")
+            position = await self.receiver.receive(request, parent, context.time_remaining())
+        else:
+            position = self.driver.submit(request, parent)
         self.leases.track(request.request_id, request.owner, request.owner_incarnation, self.driver.clock())
         return scheduler_pb2.SubmitResponse(queue_position=position)
 
     async def Cancel(self, request: scheduler_pb2.CancelRequest,  # noqa: N802
                      context: grpc.aio.ServicerContext) -> scheduler_pb2.CancelResponse:
+        released = 0
+        if self.receiver is not None:
+            await self.receiver.cancel(request.request_id)  # a decode half whose blocks are on their way
+            released = self.receiver.release(request.request_id, "cancelled")  # a held prefill half
         status = self.driver.cancel(request.request_id)
+        if status is None and released:
+            status = RequestStatus.FINISHED_LENGTH  # a held prefill half: it ended, its hold did now
         if status is None:
             raise errors.NotFound(f"request {request.request_id!r} is not known to replica "
                                   f"{self.driver.replica_id}", reason="unknown_request")
@@ -162,8 +181,23 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     async def Stats(self, request: scheduler_pb2.StatsRequest,  # noqa: N802
                     context: grpc.aio.ServicerContext) -> scheduler_pb2.SchedulerStats:
         core = self.driver.core
-        return convert.stats_to_proto(core.stats(), self.driver.replica_id, core.config.max_num_batched_tokens,
-                                      core.config.max_num_seqs)
+        stats = convert.stats_to_proto(core.stats(), self.driver.replica_id, core.config.max_num_batched_tokens,
+                                       core.config.max_num_seqs)
+        stats.kv_blocks_held = core.handoffs.held_blocks
+        return stats
+
+    async def HeldKv(self, request: scheduler_pb2.HeldKvRequest,  # noqa: N802
+                     context: grpc.aio.ServicerContext) -> scheduler_pb2.HeldKvResponse:
+        held = None if self.receiver is None else self.receiver.held(request.request_id)
+        if held is None:
+            raise errors.NotFound(f"replica {self.driver.replica_id} holds no KV blocks for request "
+                                  f"{request.request_id!r}", reason="no_held_kv")
+        return held
+
+    async def ReleaseKv(self, request: scheduler_pb2.ReleaseKvRequest,  # noqa: N802
+                        context: grpc.aio.ServicerContext) -> scheduler_pb2.ReleaseKvResponse:
+        blocks = 0 if self.receiver is None else self.receiver.release(request.request_id, request.reason)
+        return scheduler_pb2.ReleaseKvResponse(blocks=blocks)
 
     async def Lookup(self, request: scheduler_pb2.LookupRequest,  # noqa: N802
                      context: grpc.aio.ServicerContext) -> scheduler_pb2.LookupResponse:
@@ -320,14 +354,15 @@ class ReplicaAgent:
 async def start_scheduler_server(driver: Driver, health: health_aio.HealthServicer, port: int = 0,
                                  host: str = "127.0.0.1",
                                  tls_files: TlsFiles | None = None,
-                                 bus_alive: Callable[[], bool] = lambda: True) -> tuple[grpc.aio.Server, int]:
+                                 bus_alive: Callable[[], bool] = lambda: True,
+                                 receiver: KvReceiver | None = None) -> tuple[grpc.aio.Server, int]:
     """Start the scheduler's gRPC server with gRPC health SERVING (its worker is SERVING by then).
 
     Returns the server and its bound port. Raises RuntimeError if the port is taken.
     """
     authorize = tls.authorizer() if tls_files is not None else None
     server = grpc_server(SERVICE_NAME, interceptors=[errors.ErrorInterceptor(authorize=authorize)])
-    servicer = SchedulerServicer(driver, bus_alive)
+    servicer = SchedulerServicer(driver, bus_alive, receiver)
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     bound = tls.listen(server, f"{host}:{port}", tls_files)
@@ -430,6 +465,7 @@ async def _not_serving_when_retired(agent: ReplicaAgent, health: health_aio.Heal
 
 
 async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, router_address: str = "",
+                        kv_worker_address: str = "", kv_room_wait_s: float = 5.0,
                         port: int = 0, host: str = "127.0.0.1", advertise_host: str = "127.0.0.1",
                         core_overrides: dict[str, object] | None = None, metrics: SchedulerMetrics | None = None,
                         heartbeat_interval_s: float = 1.0, prefill_tokens_per_s: float = 10_000.0,
@@ -437,7 +473,8 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
                         worker_timeout_s: float = 120.0, publish_first_max_tokens: int = 64,
                         tls_files: TlsFiles | None = None,
                         bus_alive: Callable[[], bool] = lambda: True,
-                        drain_timeout_s: float = 30.0, pipeline: bool = True) -> RunningReplica:
+                        drain_timeout_s: float = 30.0, pipeline: bool = True,
+                        role: ReplicaRole = ReplicaRole.BOTH) -> RunningReplica:
     """Wait for the worker, build the core from its Info, serve, run the driver, register with the router.
 
     Raises TimeoutError (worker never SERVING), ValueError (bad core settings), RuntimeError (port taken).
@@ -450,10 +487,15 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
                     model_id=info.model_id, eos_token_id=info.eos_token_id, metrics=metrics, use_stream=use_stream,
                     worker_health=health_pb2_grpc.HealthStub(worker_channel),
                     publish_first_max_tokens=publish_first_max_tokens, vocab_size=info.vocab_size,
-                    structured_output=info.structured_output,
+                    structured_output=info.structured_output, worker_incarnation=info.incarnation,
                     pipeline=pipeline)
+    # Both sides of KV hand-offs (a BOTH replica may be either end of a pair whose other end differs).
+    # The worker as other replicas' workers reach it for KV pulls (its pod address in Kubernetes).
+    receiver = KvReceiver(driver, worker_pb2_grpc.WorkerServiceStub(worker_channel),
+                          kv_worker_address or worker_address, tls_files, room_wait_s=kv_room_wait_s)
+    driver.on_scheduled = receiver.on_scheduled
     health = health_aio.HealthServicer()
-    server, bound = await start_scheduler_server(driver, health, port, host, tls_files, bus_alive)
+    server, bound = await start_scheduler_server(driver, health, port, host, tls_files, bus_alive, receiver)
     stop = asyncio.Event()
     tasks = [asyncio.create_task(driver.run(stop))]
     channels = [worker_channel]
@@ -465,7 +507,7 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
             replica_id=replica_id, model=info.model_id, scheduler_address=f"{advertise_host}:{bound}",
             state=router_pb2.WARMING, block_size=info.block_size, num_blocks=info.num_blocks,
             max_num_batched_tokens=core.config.max_num_batched_tokens, prefill_tokens_per_s=prefill_tokens_per_s,
-            decode_round_s=decode_round_s, prefill_pair_s=prefill_pair_s)
+            decode_round_s=decode_round_s, prefill_pair_s=prefill_pair_s, role=router_pb2.ReplicaRole.Value(f"REPLICA_ROLE_{role.name}"))
         agent = ReplicaAgent(driver, router_pb2_grpc.RouterServiceStub(router_channel), replica,
                              heartbeat_interval_s, drain_timeout_s=drain_timeout_s)
         ready = asyncio.Event()

@@ -87,6 +87,14 @@ class WorkerLink:
             self.set_serving(False)
         return serving
 
+    async def incarnation(self) -> str | None:
+        """Return the worker's incarnation (WorkerInfo.incarnation), or None when its Info does not answer."""
+        try:
+            reply = await self.stub.Info(worker_pb2.InfoRequest(), timeout=2.0)
+        except grpc.aio.AioRpcError:
+            return None
+        return reply.incarnation
+
     async def send(self, plan: RoundPlan, sent: Callable[[], None],
                    traces: Sequence[worker_pb2.RequestTrace] = ()) -> bool:
         """Write `plan` on the round stream (opened if needed) without waiting for its answer; call `sent()`

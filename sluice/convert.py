@@ -215,6 +215,7 @@ def new_request_from_proto(msg: scheduler_pb2.SubmitRequest, now: float, default
         eos_token_id=msg.eos_token_id or default_eos,
         tenant_weight=msg.tenant_weight if msg.tenant_weight > 0 else None,
         cache_salt=msg.cache_salt,
+        hold_kv=msg.hold_kv,
     )
 
 

@@ -235,6 +235,29 @@ class SchedulerMetrics:
         self.core_compiled = Gauge("sluice_scheduler_core_compiled",
                                    "1 when the scheduler core runs compiled by mypyc (make compiled), 0 from source.",
                                    registry=r)
+        # prefill/decode hand-offs (docs/disaggregation.md): the decode side counts its pulls, the prefill side holds
+        self.kv_transfers = Counter("sluice_kv_transfers", "KV hand-offs this replica pulled as the decode side, by "
+                                    "outcome (received; empty: a prompt shorter than a block, nothing to move; failed, "
+                                    "no_room, cancelled: the prompt is recomputed here or the request ends).",
+                                    ["outcome"], registry=r)
+        self.kv_room_waits = Counter("sluice_kv_room_waits", "Decode side: hand-offs that found no room here and waited "
+                                     "for it, by outcome (room: blocks freed in time and the transfer went on; timeout: "
+                                     "the prompt is recomputed here; cancelled).", ["outcome"], registry=r)
+        for outcome in ("room", "timeout", "cancelled"):
+            self.kv_room_waits.labels(outcome)
+        self.kv_room_wait_duration = Histogram("sluice_kv_room_wait_seconds", "Decode side: how long a hand-off waited "
+                                               "for room here.", buckets=ROUND_BUCKETS, registry=r)
+        self.kv_transfer_blocks = Counter("sluice_kv_transfer_blocks", "KV blocks received from prefill replicas.",
+                                          registry=r)
+        self.kv_transfer_bytes = Counter("sluice_kv_transfer_bytes", "KV bytes received from prefill replicas.",
+                                         registry=r)
+        self.kv_transfer_duration = Histogram("sluice_kv_transfer_seconds", "Decode side: from the hand-off's Submit "
+                                              "to the blocks registered here (HeldKv + the workers' stream).",
+                                              buckets=ROUND_BUCKETS, registry=r)
+        self.kv_held_blocks = Gauge("sluice_kv_held_blocks", "Prefill side: KV blocks pinned for hand-offs not yet "
+                                    "received.", registry=r)
+        self.kv_holds_ended = Counter("sluice_kv_holds_ended", "Prefill side: hand-off holds ended, by reason "
+                                      "(received, failed, no_room, cancelled, expired).", ["reason"], registry=r)
         self._queue_length = Gauge("sluice_queue_length", "Requests waiting.", registry=r)
         self._running = Gauge("sluice_running_requests", "Requests running.", registry=r)
         self.kv_blocks_used = Gauge("sluice_kv_blocks_used", "KV blocks referenced by requests.", registry=r)
@@ -358,6 +381,13 @@ class WorkerMetrics:
         self.structured_tokens = Counter("sluice_worker_structured_tokens",
                                          "Tokens sampled under a structured output's grammar mask.", registry=r)
         self.serving = Gauge("sluice_worker_serving", "1 once weights are loaded and warm-up ran.", registry=r)
+        self.kv_transfer_blocks = Counter("sluice_worker_kv_transfer_blocks", "KV blocks moved between workers "
+                                          "(prefill/decode hand-offs), by direction (sent, received).",
+                                          ["direction"], registry=r)
+        self.kv_transfer_bytes = Counter("sluice_worker_kv_transfer_bytes", "KV bytes moved between workers, by "
+                                         "direction (sent, received).", ["direction"], registry=r)
+        self.kv_transfer_failures = Counter("sluice_worker_kv_transfer_failures", "KV pulls whose source stream "
+                                            "broke or ended early.", registry=r)
         self.idle = Histogram("sluice_worker_idle_seconds",
                               "Device idle between the end of one round and the start of the next "
                               "(the control plane's gap; long ones are a replica without work).",
@@ -443,6 +473,11 @@ class AdmissionMetrics:
         self.reroutes = Counter("sluice_admission_reroutes",
                                 "Submits that could not reach the routed scheduler and were routed again, by the "
                                 "failed call's status code (admission_svc/migration.py).", ["code"], registry=r)
+        self.handoffs = Counter("sluice_admission_kv_handoffs", "Prefill/decode hand-offs: a prefill half that "
+                                "finished and its decode half submitted to the pair's decode replica (submitted), or "
+                                "that decode Submit refused (failed: the request is placed again and recomputed).",
+                                ["outcome"], registry=r)
+        zero_series(self.handoffs, ("submitted", "failed"))
         self.migration_failures = Counter("sluice_admission_migration_failures",
                                           "Requests ended FAILED instead of moving, by reason.", ["reason"],
                                           registry=r)

@@ -49,10 +49,17 @@ CALLERS: Mapping[str, frozenset[str]] = {
     "/sluice.v1.SchedulerService/KvSnapshot": frozenset({"router"}),
     "/sluice.v1.SchedulerService/Lookup": frozenset({"admission", "operator"}),
     "/sluice.v1.SchedulerService/RenewLease": frozenset({"admission"}),
+    # prefill/decode hand-off: the decode replica's scheduler asks the prefill one; admission releases a hold it
+    # abandons (its decode Submit failed)
+    "/sluice.v1.SchedulerService/HeldKv": frozenset({"scheduler"}),
+    "/sluice.v1.SchedulerService/ReleaseKv": frozenset({"scheduler", "admission"}),
     # worker
     "/sluice.v1.WorkerService/Execute": frozenset({"scheduler"}),
     "/sluice.v1.WorkerService/ExecuteStream": frozenset({"scheduler"}),
     "/sluice.v1.WorkerService/Info": frozenset({"scheduler", "operator"}),
+    # KV transfer: the decode scheduler asks its worker to pull; that worker reads the prefill worker's blocks
+    "/sluice.v1.WorkerService/PullKv": frozenset({"scheduler"}),
+    "/sluice.v1.WorkerService/ReadKv": frozenset({"worker"}),
 }
 """Per internal RPC, the roles that may call it; an RPC not listed here is refused to everyone."""
 

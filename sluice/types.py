@@ -9,6 +9,7 @@ simulator, so changes are contract changes.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 ATTEMPT_SEPARATOR = "#"
@@ -17,6 +18,11 @@ ATTEMPT_SEPARATOR = "#"
 
 DRAIN_HANDOFF = "drain timeout: handed to migration"
 """Detail of the CANCELLED completion a drained replica ends a request with that it hands to migration."""
+
+
+KV_HELD = "kv held for a hand-off"
+"""Detail of the FINISHED_LENGTH completion of a prefill request (`NewRequest.hold_kv`) whose prompt's KV blocks
+stay pinned for the decode replica (docs/disaggregation.md): the request itself goes on there."""
 
 
 def origin_request_id(downstream_id: str) -> str:
@@ -116,7 +122,8 @@ class NewRequest:
     """A request as submitted to a replica's scheduler."""
 
     request_id: str
-    prompt_token_ids: tuple[int, ...]
+    prompt_token_ids: Sequence[int]
+    """A tuple, or an `array('q')` (the simulator's: the core copies it into its own array as bytes)."""
     sampling: SamplingParams = field(default_factory=SamplingParams)
     tenant: str = "default"
     priority: int = 0
@@ -133,6 +140,9 @@ class NewRequest:
     """The tenant's fair-share weight as admission's configuration sets it (None: the scheduler's own)."""
     cache_salt: str = ""
     """The tenant's prefix-cache salt ("": cached prefixes are shared with every tenant of the model)."""
+    hold_kv: bool = False
+    """The prefill half of a disaggregated pair: when it ends FINISHED_LENGTH, its prompt's full blocks stay pinned
+    for the decode replica's transfer (scheduler_svc/core/handoffs.py)."""
 
 
 PENDING_TOKEN = -1

@@ -23,6 +23,12 @@ Theory of operation
   Not observed: cached prefix blocks (the victim is chosen by in-flight requests and queue length).
 - `Autoscaler.tick(now)` runs `PlannerLoop.tick` every `period_s` and reports each scale event and
   each change of the fleet's READY count as one line.
+- `sluice up --disagg P:D --autoscale MIN:MAX`: `PoolAutoscaler` runs `PoolPlannerLoop` (planner_svc/pools.py)
+  instead, each pool kept within MIN..MAX: the observations carry each replica's role (its pool), queued
+  prefill tokens, queued requests and TTFT size the prefill pool, KV use, requests in flight and TPOT the decode
+  pool (the TPOT its decode schedulers measure, `sluice_time_per_output_token_seconds`: admission's would count
+  the hand-off as decode time); a pool's ScaleUp starts replicas of its role (`PoolLauncher`: `StackFleet.add_replica(role)`) and its
+  ScaleDown drains the replica of that pool it names. Each event line names the pool.
 - `Autoscaler.serve_metrics()` serves the planner's metrics (`PlannerMetrics`: decisions, pressure by
   signal, current/desired replicas, the next retirement) on a loopback port; `sluice up --autoscale`
   prints the URL with the other services' (the Grafana row "Fleet: planner, drains, migration").
@@ -32,7 +38,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -40,14 +46,17 @@ import grpc
 from planner_svc.config import PlannerConfig
 from planner_svc.connectors import LocalProcessConnector
 from planner_svc.core import Planner, ScaleDown, ScaleUp
-from planner_svc.driver import PlannerLoop
+from planner_svc.driver import PlannerLoop, PoolPlannerLoop
+from planner_svc.pools import PoolPlanner, PoolsConfig
 from planner_svc.signals import Observation, ReplicaLoad
 from sluice.prom import serve_metrics
+from sluice.types import ReplicaRole
 from sluice.v1 import router_pb2, scheduler_pb2, scheduler_pb2_grpc
 from sluice_tools.scrape import Scraper
 from sluice_tools.stack import Stack
 
-__all__ = ["Autoscaler", "StackLauncher", "StackObservations", "local_planner_config", "parse_bounds", "quick_planner_config"]
+__all__ = ["Autoscaler", "PoolAutoscaler", "PoolLauncher", "StackLauncher", "StackObservations", "local_planner_config",
+           "local_pools_config", "parse_bounds", "quick_planner_config", "quick_pools_config"]
 
 
 def parse_bounds(text: str) -> tuple[int, int]:
@@ -83,6 +92,22 @@ def quick_planner_config(min_replicas: int, max_replicas: int) -> PlannerConfig:
                          cooldown_s=4.0, load_time_s=1.0, warmup_s=0.5, queue_per_replica=2.0)
 
 
+def local_pools_config(min_replicas: int, max_replicas: int, load_time_s: float = 3.0) -> PoolsConfig:
+    """The two pools of `sluice up --disagg P:D --autoscale MIN:MAX`: each `local_planner_config`, each pool kept
+    within MIN..MAX."""
+    pool = local_planner_config(min_replicas, max_replicas, load_time_s)
+    return PoolsConfig(prefill=pool, decode=pool)
+
+
+def quick_pools_config(min_replicas: int, max_replicas: int) -> PoolsConfig:
+    """Pools for tests on cost-model replicas: `quick_planner_config` each, with `local_planner_config`'s
+    scale-down threshold (a nearly empty queue, 0.15): a pool's queue collapses as soon as one more replica
+    serves, and at 0.5 the pool retired the replica it had just asked for while that one still warmed up. Decode
+    load pressure 1 at 8 requests in flight per decode replica (not a GPU's 128), for a small test load."""
+    pool = replace(quick_planner_config(min_replicas, max_replicas), scale_down_pressure=0.15, target_pressure=0.5)
+    return PoolsConfig(prefill=pool, decode=pool, decode_seqs_per_replica=8.0)
+
+
 class StackLauncher:
     """Starts and retires replicas of a running Stack (planner_svc.connectors.ReplicaLauncher)."""
 
@@ -97,6 +122,24 @@ class StackLauncher:
 
     def replica_ids(self) -> Sequence[str]:
         return [rid for rid, replica in self.stack.replicas.items() if not replica.retiring]
+
+
+class PoolLauncher:
+    """Starts and retires the replicas of one pool (one role) of a running disaggregated Stack
+    (planner_svc.connectors.ReplicaLauncher)."""
+
+    def __init__(self, stack: Stack, role: ReplicaRole) -> None:
+        self.stack, self.role = stack, role
+
+    def start_replica(self) -> str:
+        return self.stack.fleet.add_replica(self.role.value)
+
+    def stop_replica(self, replica_id: str) -> None:
+        self.stack.fleet.retire_replica(replica_id)
+
+    def replica_ids(self) -> Sequence[str]:
+        return [rid for rid, replica in self.stack.replicas.items()
+                if not replica.retiring and replica.role == self.role.value]
 
 
 @dataclass
@@ -114,6 +157,9 @@ class StackObservations:
         self._admission = Scraper(lambda: [admission.metrics_url] if admission is not None else [], ADMISSION_SERIES)
         self._schedulers = Scraper(lambda: [r.scheduler.metrics_url for r in self.stack.replicas.values()
                                             if r.scheduler is not None], SCHEDULER_SERIES)
+        self._decoders = Scraper(lambda: [r.scheduler.metrics_url for r in self.stack.replicas.values()
+                                          if r.scheduler is not None and r.role == ReplicaRole.DECODE.value],
+                                 DECODE_SERIES)
 
     def observe(self, now: float) -> Observation:
         try:
@@ -124,7 +170,7 @@ class StackObservations:
         for replica_id, replica in self.stack.replicas.items():
             stats = self._stats(replica.scheduler.address) if replica.scheduler is not None else None
             state = listed.get(replica_id)
-            loads.append(_load(replica_id, state, stats, replica.retiring))
+            loads.append(_load(replica_id, state, stats, replica.retiring, ReplicaRole(replica.role)))
             if stats is not None:
                 seen = stats.finished + stats.cancelled + stats.timed_out + stats.waiting + stats.running
                 arrivals += max(0, seen - self._arrived.get(replica_id, 0))
@@ -138,7 +184,8 @@ class StackObservations:
     def _latency_and_lengths(self) -> dict[str, Any]:
         """The Observation fields read from the services' metrics since the previous observation."""
         a, s = self._admission.delta(), self._schedulers.delta()
-        return {"ttft_observed_s": _ratio(a, "sluice_admission_time_to_first_token_seconds"),
+        return {"decode_tpot_observed_s": _ratio(self._decoders.delta(), "sluice_time_per_output_token_seconds"),
+                "ttft_observed_s": _ratio(a, "sluice_admission_time_to_first_token_seconds"),
                 "tpot_observed_s": _ratio(a, "sluice_admission_time_per_output_token_seconds"),
                 "ttft_predicted_s": _ratio(a, "sluice_admission_predicted_ttft_seconds"),
                 "mean_input_tokens": _per(s, "vllm:prompt_tokens_total", "vllm:time_to_first_token_seconds_count"),
@@ -157,6 +204,8 @@ ADMISSION_SERIES = tuple(f"{name}_{part}" for name in ("sluice_admission_time_to
                                                        "sluice_admission_time_per_output_token_seconds",
                                                        "sluice_admission_predicted_ttft_seconds")
                          for part in ("sum", "count"))
+DECODE_SERIES = ("sluice_time_per_output_token_seconds_sum", "sluice_time_per_output_token_seconds_count")
+"""What the decode replicas measure of their own TPOT (their first token there to their last: no hand-off)."""
 SCHEDULER_SERIES = ("vllm:prompt_tokens_total", "vllm:time_to_first_token_seconds_count",
                     "vllm:generation_tokens_total")
 
@@ -174,15 +223,15 @@ def _per(delta: dict[str, float], total: str, count: str) -> float:
 
 
 def _load(replica_id: str, state: int | None, stats: scheduler_pb2.SchedulerStats | None,
-          retiring: bool) -> ReplicaLoad:
-    """One replica as the planner sees it: ready only when the router routes to it."""
+          retiring: bool, role: ReplicaRole = ReplicaRole.BOTH) -> ReplicaLoad:
+    """One replica as the planner sees it: ready only when the router routes to it; `role`: its pool."""
     draining = retiring or state == router_pb2.DRAINING
     if stats is None:
-        return ReplicaLoad(replica_id, ready=False, draining=draining)
+        return ReplicaLoad(replica_id, ready=False, draining=draining, role=role)
     kv = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
     return ReplicaLoad(replica_id, ready=state == router_pb2.READY, queue_length=stats.waiting,
                        queued_prefill_tokens=stats.queued_prefill_tokens, in_flight=stats.waiting + stats.running,
-                       kv_used_fraction=kv, draining=draining)
+                       kv_used_fraction=kv, draining=draining, role=role)
 
 
 @dataclass
@@ -215,15 +264,67 @@ class Autoscaler:
         self._next_at = now + self.period_s
         decision = self.loop.tick(now)
         count = len(self.launcher.replica_ids())
-        if isinstance(decision, ScaleUp):
-            self.events.append((now, "scale_up", count))
-            self.on_event(f"autoscale: scale up by {decision.n} ({decision.signal} pressure "
-                          f"{decision.pressure:.2f}) -> {count} replicas")
-        elif isinstance(decision, ScaleDown):
-            self.events.append((now, "scale_down", count))
-            self.on_event(f"autoscale: scale down: draining {decision.replica_id} ({decision.signal} pressure "
-                          f"{decision.pressure:.2f}) -> {count} replicas")
+        if (change := _change(decision, count)) is not None:
+            self.events.append((now, change[0], count))
+            self.on_event(change[1])
         ready = tuple(r.replica_id for r in self.source.last.replicas if r.serving) if self.source.last else ()
+        if ready != self._ready:
+            self._ready = ready
+            self.on_event(f"autoscale: READY replicas: {', '.join(ready) or 'none'}")
+
+
+
+def _change(decision: object, count: int, pool: str = "") -> tuple[str, str] | None:
+    """Return ("scale_up"/"scale_down", the line that reports it) for a decision that changed the fleet (a pool's
+    when `pool` names one; `count` its replicas after), or None."""
+    prefix, unit = (f"{pool} pool: ", f"{pool} replicas") if pool else ("", "replicas")
+    if isinstance(decision, ScaleUp):
+        return "scale_up", (f"autoscale: {prefix}scale up by {decision.n} ({decision.signal} pressure "
+                            f"{decision.pressure:.2f}) -> {count} {unit}")
+    if isinstance(decision, ScaleDown):
+        return "scale_down", (f"autoscale: {prefix}scale down: draining {decision.replica_id} ({decision.signal} "
+                              f"pressure {decision.pressure:.2f}) -> {count} {unit}")
+    return None
+
+
+@dataclass
+class PoolAutoscaler:
+    """The pool planner loop on a running disaggregated Stack, ticked from the supervisor's pass every `period_s`
+    (the module docstring): the prefill and decode pools sized apart."""
+
+    stack: Stack
+    config: PoolsConfig
+    period_s: float = 1.0
+    on_event: Callable[[str], None] = field(default=lambda line: print(line, file=sys.stderr, flush=True))
+    events: list[tuple[float, str, str, int]] = field(default_factory=list)
+    """(time, pool, "scale_up"/"scale_down", the pool's replicas after) for each change."""
+
+    def __post_init__(self) -> None:
+        self.source = StackObservations(self.stack)
+        self.launchers = {role: PoolLauncher(self.stack, role) for role in (ReplicaRole.PREFILL, ReplicaRole.DECODE)}
+        self.loop = PoolPlannerLoop(PoolPlanner(self.config), self.source,
+                                    {role: LocalProcessConnector(launcher) for role, launcher in self.launchers.items()})
+        self._next_at: float | None = None
+        self._ready: tuple[str, ...] = ()
+
+    def serve_metrics(self, port: int = 0, addr: str = "127.0.0.1") -> str:
+        """Serve the pool planner's metrics over HTTP (a daemon thread); return the URL."""
+        bound = serve_metrics(self.loop.metrics.registry, port, addr)
+        return f"http://{addr}:{bound}/metrics"
+
+    def tick(self, now: float) -> None:
+        """Run the pool planner if its period is due; report each pool's changes and the READY replicas."""
+        if self._next_at is not None and now < self._next_at:
+            return
+        self._next_at = now + self.period_s
+        decisions = self.loop.tick(now)
+        for role, decision in ((ReplicaRole.PREFILL, decisions.prefill), (ReplicaRole.DECODE, decisions.decode)):
+            count = len(self.launchers[role].replica_ids())
+            if (change := _change(decision, count, role.value)) is not None:
+                self.events.append((now, role.value, change[0], count))
+                self.on_event(change[1])
+        ready = tuple(f"{r.replica_id} ({r.role.value})" for r in self.source.last.replicas if r.serving) \
+            if self.source.last else ()
         if ready != self._ready:
             self._ready = ready
             self.on_event(f"autoscale: READY replicas: {', '.join(ready) or 'none'}")

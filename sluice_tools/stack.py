@@ -30,6 +30,7 @@ port with the same password. Replicas can be added and retired while the stack r
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import secrets
 import sys
@@ -40,6 +41,7 @@ from types import TracebackType
 
 import grpc
 
+from scheduler_svc.core.config import SchedulerConfig
 from sluice.bus import redact_url
 from sluice.config import DEFAULT_API_KEY
 from sluice.lifeline import lifeline_command
@@ -57,6 +59,7 @@ from sluice_tools.stack_parts import (
     StackError,
     health_serving,
     proc_serving,
+    replica_role,
     terminate,
 )
 from worker_svc.models import resolve_model
@@ -68,6 +71,13 @@ class Stack:
     """Starts, watches and stops the processes of one deployment. A context manager."""
 
     def __init__(self, config: StackConfig) -> None:
+        if config.disagg is not None:
+            prefill, decode = config.disagg
+            if prefill < 1 or decode < 1:
+                raise ValueError(f"disagg P:D needs at least one replica on each side, got {prefill}:{decode}")
+            if config.engine != "sluice":
+                raise ValueError("disagg needs Sluice workers (engine sluice): KV blocks move between them")
+            config = dataclasses.replace(config, replicas=prefill + decode)
         self.config = config
         self.run_dir = Path(config.run_dir or tempfile.mkdtemp(prefix="sluice-run-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -207,13 +217,17 @@ class Stack:
         """The environment that hands a service of `role` its Redis URL (its own user's, when there is one)."""
         return {"SLUICE_REDIS_URL": self.role_urls.get(role, self.redis_url)}
 
-    def spawn_worker(self) -> Replica:
-        """Start the worker of a new replica (a fresh id); its scheduler follows once it serves."""
+    def spawn_worker(self, role: str | None = None) -> Replica:
+        """Start the worker of a new replica (a fresh id); its scheduler follows once it serves. `role`: its
+        scheduler's --role (None: the split's, `replica_role`: prefill for the first P of a disaggregated stack)."""
         c = self.config
         index = self._next_replica
         self._next_replica += 1
         if c.engine == "vllm":
             return self._spawn_engine(index)
+        role = role or replica_role(c, index)
+        if role not in ("both", "prefill", "decode"):
+            raise ValueError(f"replica role {role!r}: known roles are both, prefill and decode")
         worker_args = ["--backend", c.backend, "--model", c.model, "--log-level", c.log_level]
         if c.num_blocks is not None:
             worker_args += ["--num-blocks", str(c.num_blocks)]
@@ -223,7 +237,7 @@ class Stack:
         threads = str(max(1, (os.cpu_count() or 1) // c.replicas))
         worker = self._spawn(f"worker-{index}", "worker_svc", worker_args,
                              env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)})
-        replica = Replica(f"replica-{index}", worker)
+        replica = Replica(f"replica-{index}", worker, role=role)
         worker.replica_id = replica.replica_id
         self.workers.append(worker)
         self.replicas[replica.replica_id] = replica
@@ -267,7 +281,8 @@ class Stack:
         index = replica.replica_id.removeprefix("replica-")
         scheduler = self._spawn(f"scheduler-{index}", "scheduler_svc", [
             "--namespace", c.namespace, "--log-level", c.log_level, *self._engine_flags(replica),
-            "--router", self.router.address, "--replica-id", replica.replica_id, *c.scheduler_args],
+            "--router", self.router.address, "--replica-id", replica.replica_id,
+            *self._role_flags(replica.role), *c.scheduler_args],
             env=self.bus_env(Role.SCHEDULER))
         scheduler.replica_id = replica.replica_id
         replica.scheduler = scheduler
@@ -364,12 +379,27 @@ class Stack:
         lines = [f"  {'redis':<12} {redact_url(self.redis_url)}" + (embedded if self.redis is not None else "")]
         for proc in self.procs:
             pid = proc.popen.pid if proc.popen is not None else "?"
-            role = "  <- the endpoint clients call (gRPC)" if proc is self.admission else ""
+            role = "  <- the endpoint clients call (gRPC)" if proc is self.admission else self._role_note(proc)
             metrics = f"  metrics {proc.metrics_url}" if proc.metrics_url else ""
             lines.append(f"  {proc.name:<12} {proc.address:<21} pid {pid}{metrics}{role}")
             if proc is self.admission and self.http_address:
                 lines.append(f"  {'':<12} {self.http_address:<21} {'':<{len(f'pid {pid}')}}  <- OpenAI-compatible HTTP")
         return "\n".join(lines)
+
+    def _role_flags(self, role: str) -> list[str]:
+        """The scheduler's --role; a prefill replica's per-request chunk cap is also the whole round budget (the cap
+        bounds the decodes' inter-token latency, and none run there: as the simulator's prefill replicas), unless
+        scheduler_args set one (they come after, and the last flag wins)."""
+        if role != "prefill":
+            return ["--role", role]
+        return ["--role", role, "--max-prefill-chunk", str(SchedulerConfig.max_num_batched_tokens)]
+
+    def _role_note(self, proc: Proc) -> str:
+        """`  (prefill)` / `  (decode)` after a disaggregated replica's scheduler; "" otherwise."""
+        replica = self.replicas.get(proc.replica_id)
+        if self.config.disagg is None or proc not in self.schedulers or replica is None:
+            return ""
+        return f"  ({replica.role})"
 
     def scheduler_stats(self) -> list[scheduler_pb2.SchedulerStats]:
         """Return every scheduler's Stats (KV blocks, queue, counters)."""

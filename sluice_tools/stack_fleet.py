@@ -82,10 +82,11 @@ class StackFleet:
             raise RuntimeError(f"{proc.name} is still running")
         proc.launch()
 
-    def add_replica(self) -> str:
+    def add_replica(self, role: str | None = None) -> str:
         """Start a new replica (worker now, its scheduler once the worker serves, see `advance_replicas`);
-        return its id. It registers with the router and is routed to once READY."""
-        return self.stack.spawn_worker().replica_id
+        return its id. It registers with the router (with `role`: prefill or decode joins that pool of a
+        disaggregated stack; None: the stack's default) and is routed to once READY."""
+        return self.stack.spawn_worker(role).replica_id
 
     def retire_replica(self, replica_id: str) -> None:
         """Drain and stop a replica: the router stops routing to it, its scheduler gets SIGTERM (it finishes its

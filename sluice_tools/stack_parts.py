@@ -27,7 +27,7 @@ from sluice.tls import TlsFiles, sync_channel
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 __all__ = ["REPO_ROOT", "Proc", "Replica", "StackConfig", "StackError", "health_serving", "proc_serving",
-           "terminate"]
+           "replica_role", "terminate"]
 
 
 class StackError(RuntimeError):
@@ -39,7 +39,10 @@ class StackConfig:
     """What to start."""
 
     replicas: int = 1
-    """Worker + scheduler pairs."""
+    """Worker + scheduler pairs (with `disagg`, its P + D)."""
+    disagg: tuple[int, int] | None = None
+    """Prefill/decode disaggregation (docs/disaggregation.md): P replicas register role prefill (the first P) and D
+    role decode; None: every replica is aggregated (role both)."""
     backend: str = "torch"
     """Worker backend: "torch" or "costmodel"."""
     model: str = "tiny"
@@ -93,6 +96,14 @@ class StackConfig:
     """vLLM's own --scheduling-policy (engine "vllm"): fcfs or priority (then priorities pass through)."""
     vllm_scheduler_cls: str = ""
     """vLLM's --scheduler-cls (engine "vllm"), e.g. scheduler_svc.engines.vllm.sched_cls.SluiceScheduler."""
+
+
+def replica_role(config: StackConfig, index: int) -> str:
+    """Return the scheduler's --role of replica number `index`: both, or prefill for the first P of a P:D split and
+    decode for the rest."""
+    if config.disagg is None:
+        return "both"
+    return "prefill" if index < config.disagg[0] else "decode"
 
 
 @dataclass
@@ -188,6 +199,8 @@ class Replica:
     """The VllmEngineSpec of a vLLM replica (sluice_tools.vllm_engine); None for a Sluice worker."""
     retiring: bool = False
     """Being drained and stopped (a scale-down): not restarted, not counted."""
+    role: str = "both"
+    """Its scheduler's --role: both, or prefill / decode in a disaggregated stack (its pool)."""
 
 
 

@@ -1,9 +1,10 @@
-"""Helpers for tests that look at real processes through /proc (Linux)."""
+"""Helpers for tests that look at real processes: /proc (Linux) and their metrics endpoints."""
 
 from __future__ import annotations
 
 import subprocess
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -71,3 +72,16 @@ def stop_process(process: subprocess.Popen[bytes], grace_s: float = 10.0) -> Non
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(5)
+
+
+def scraped_metrics(url: str) -> dict[str, float]:
+    """Every sample of a Prometheus text exposition at `url`, by its series (name and labels as printed)."""
+    with urllib.request.urlopen(url, timeout=5) as reply:  # noqa: S310 (loopback URL from the stack)
+        text = reply.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+

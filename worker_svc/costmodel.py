@@ -191,6 +191,8 @@ class CostModel:
         self.num_host_blocks = int(host_kv_bytes // (block_size * self.kv_bytes_per_token))
         self.max_model_len = max_model_len or self.shape.max_position
         self._bases: dict[str, int] = {}
+        self._periods: dict[int, list[int]] = {}
+        """A token base modulo the text size -> the tokens of positions 0 .. size-1 (`decode_tokens`)."""
         self._inline_tokens = self._tokens_are_plain_text()
         self._set_rates()
 
@@ -221,6 +223,26 @@ class CostModel:
         self._swap_s_per_block = (
             self.block_size * self.kv_bytes_per_token / (self.gpu.host_link_bandwidth * tp)
         )
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Return the bytes one KV block of the modelled replica holds (block_size x KV bytes per token)."""
+        return int(self.block_size * self.kv_bytes_per_token)
+
+    def read_kv_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
+        """Return one block-sized message per block (its id, then zeros): the cost model holds no tensors, but a
+        transfer moves the bytes a real one would, so its cost on the wire is real."""
+        size = self.kv_block_bytes
+        return [block.to_bytes(8, "little").ljust(size, b"\0") for block in block_ids]
+
+    def write_kv_blocks(self, block_ids: Sequence[int], data: Sequence[bytes | memoryview]) -> None:
+        """Accept blocks `read_kv_blocks` gave (nothing is stored). Raises ValueError for a size that is not one
+        block's or a block id out of range."""
+        size = self.kv_block_bytes
+        for block, chunk in zip(block_ids, data, strict=True):
+            if not 0 <= block < self.num_blocks or len(chunk) != size:
+                raise ValueError(f"KV block {block} with {len(chunk)} bytes: blocks are 0..{self.num_blocks - 1} "
+                                 f"of {size} bytes")
 
     def info(self) -> BackendInfo:
         """Return the modelled replica's model and KV capacity."""
@@ -305,6 +327,30 @@ class CostModel:
         in all (the sum of each one's start position + 1); the same arithmetic, without a plan."""
         return self._time(seqs, context, context, seqs)
 
+    def decode_run(self, seqs: int, context: int, start: float, gap: float, horizon: float,
+                   count: int) -> tuple[list[float], list[float]]:
+        """Return ([start, t_1, ...], [wall_1, ...]) for up to `count` successive rounds of `seqs` plain decodes:
+        round m (from 1) reads `context + m * seqs` positions in all, takes `decode_time` of that (wall_m) and ends at
+        t_m = t_(m-1) + gap + wall_m (t_0 = start); the first round that would end at or after `horizon` and those
+        after it are left out. The same floats as that loop over `decode_time` (its arithmetic inlined: the
+        simulator's bulk decode step runs it for every round it takes)."""
+        overhead, per_pair, per_flop = self.coefficients.overhead_s, self._flops_per_pair, self._seconds_per_flop
+        weights, per_token, per_byte = self.weight_bytes, self.kv_bytes_per_token, self._seconds_per_byte
+        fixed = self._flops_per_query_token * seqs + self._flops_per_sample * seqs  # _time's first two terms
+        times, walls = [start], []
+        when, pairs = start, context
+        for _ in range(count):
+            pairs += seqs
+            compute = (fixed + per_pair * pairs) * per_flop
+            memory = (weights + per_token * (pairs + seqs)) * per_byte
+            wall = (compute if compute > memory else memory) + overhead
+            when = when + gap + wall
+            if when >= horizon:
+                break
+            times.append(when)
+            walls.append(wall)
+        return times, walls
+
     def decode_tokens(self, request_id: str, first: int, count: int) -> list[int] | None:
         """Return the tokens `execute` samples for `request_id` at positions first .. first+count-1,
         or None when this model's tokens are not the inline text rule (`eos_after`, a small vocabulary)."""
@@ -313,8 +359,14 @@ class CostModel:
         base = self._bases.get(request_id)
         if base is None:
             base = self._base_of(request_id)
-        start, size, stride = TEXT_TOKENS.start, len(TEXT_TOKENS), _TOKEN_STRIDE
-        return [start + (base + position * stride) % size for position in range(first, first + count)]
+        # A position's token depends on the position modulo the text size only: one period, repeated and cut.
+        size = len(TEXT_TOKENS)
+        period = self._periods.get(base % size)
+        if period is None:
+            start, stride = TEXT_TOKENS.start, _TOKEN_STRIDE
+            period = self._periods[base % size] = [start + (base + j * stride) % size for j in range(size)]
+        offset = first % size
+        return (period * ((offset + count) // size + 1))[offset : offset + count]
 
     def execute(self, plan: RoundPlan) -> RoundResult:
         """Return the round's tokens (one per sampling seq) with `elapsed_s` = modelled time."""

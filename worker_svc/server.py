@@ -42,6 +42,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -52,7 +53,7 @@ from grpc_health.v1.health import aio as health_aio
 from opentelemetry import trace
 
 from sluice import convert, services, telemetry, tls
-from sluice.errors import ErrorInterceptor, InvalidArgument, Unavailable
+from sluice.errors import ErrorInterceptor, FailedPrecondition, InvalidArgument, Unavailable
 from sluice.prom import WorkerMetrics
 from sluice.serve import grpc_server
 from sluice.tls import TlsFiles
@@ -64,6 +65,7 @@ from sluice.types import (
 )
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.backend import Backend, BackendInfo
+from worker_svc.engine.errors import PlanError
 from worker_svc.rounds import PENDING, field_kind, filled, wait_until, warmup_plan
 from worker_svc.validation import validate_plan
 
@@ -84,6 +86,9 @@ class WorkerRuntime:
         self._num_blocks = num_blocks
         self._emulate_time = emulate_time
         self.metrics = metrics or WorkerMetrics()
+        self.incarnation = uuid.uuid4().hex[:16]
+        """New on every start: the epoch of this worker's KV cache (WorkerInfo.incarnation). A ReadKv for blocks
+        named under another incarnation is refused: a restarted worker's blocks do not hold them."""
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-backend")
         self._backend: Backend | None = None
         self._info: BackendInfo | None = None
@@ -243,16 +248,141 @@ class WorkerRuntime:
         if structured := sum(1 for s in plan.seqs if s.sample and s.sampling.json_schema):
             self.metrics.structured_tokens.inc(structured)
 
+    # ---- KV transfer (prefill/decode disaggregation) ----------------------------------------------
+    def kv_block_bytes(self) -> int:
+        """Return the bytes of one transferred block. Raises Unavailable before the warm-up round, InvalidArgument
+        for a backend that cannot move KV blocks."""
+        return int(self._kv_backend().kv_block_bytes)
+
+    def _kv_backend(self) -> Any:
+        if not self.ready.is_set() or self._backend is None:
+            raise Unavailable("the worker is not ready (loading or warming up)", reason="WORKER_LOADING")
+        if not hasattr(self._backend, "read_kv_blocks"):
+            raise InvalidArgument("this worker's backend cannot transfer KV blocks", field_name="block_ids")
+        return self._backend
+
+    async def read_kv(self, block_ids: list[int]) -> list[bytes]:
+        """Return the raw bytes of each block (off the event loop; the backend's lock keeps rounds out)."""
+        backend = self._kv_backend()
+        limit = self.info().num_blocks
+        if any(not 0 <= block < limit for block in block_ids):
+            bad = next(block for block in block_ids if not 0 <= block < limit)
+            raise InvalidArgument(f"KV block {bad} is out of range 0..{limit - 1}", field_name="block_ids")
+        data: list[bytes] = await asyncio.to_thread(backend.read_kv_blocks, block_ids)
+        self.metrics.kv_transfer_blocks.labels("sent").inc(len(block_ids))
+        self.metrics.kv_transfer_bytes.labels("sent").inc(sum(len(d) for d in data))
+        return data
+
+    async def write_kv(self, block_ids: list[int], data: list[bytes] | list[memoryview]) -> None:
+        """Store received blocks. Raises InvalidArgument for a block that does not fit this worker."""
+        backend = self._kv_backend()
+        try:
+            await asyncio.to_thread(backend.write_kv_blocks, block_ids, data)
+        except (ValueError, PlanError) as exc:
+            raise InvalidArgument(str(exc), field_name="block_ids") from None
+        self.metrics.kv_transfer_blocks.labels("received").inc(len(block_ids))
+        self.metrics.kv_transfer_bytes.labels("received").inc(sum(len(d) for d in data))
+
     def close(self) -> None:
         """Stop the backend thread (after the round in flight)."""
         self._executor.shutdown(wait=True, cancel_futures=True)
 
 
+KV_MESSAGE_BYTES = (4 << 20) - (64 << 10)
+"""Most payload of one ReadKv message when the caller names no batch: whole blocks, under gRPC's default 4 MiB
+receive limit with room for the framing (a bigger block goes alone; the pulling channel accepts up to
+KV_MAX_MESSAGE_BYTES)."""
+KV_MAX_MESSAGE_BYTES = 256 << 20
+
+
+def blocks_per_message(asked: int, block_bytes: int) -> int:
+    """Return the blocks one ReadKv message carries for a caller's `blocks_per_message` (0: about 4 MiB of whole
+    blocks); a negative count, or one whose message would pass KV_MAX_MESSAGE_BYTES (protobuf cannot encode a
+    message over 2 GiB at all), is INVALID_ARGUMENT naming the field."""
+    if asked < 0:
+        raise InvalidArgument(f"blocks_per_message must be >= 0, got {asked}", field_name="blocks_per_message")
+    if asked == 0:
+        return max(1, KV_MESSAGE_BYTES // max(block_bytes, 1))
+    if asked > 1 and asked * block_bytes > KV_MAX_MESSAGE_BYTES:
+        raise InvalidArgument(f"blocks_per_message {asked} of {block_bytes}-byte blocks passes the "
+                              f"{KV_MAX_MESSAGE_BYTES}-byte message limit", field_name="blocks_per_message")
+    return asked
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     """Thin servicer: convert the plan, run it on the runtime, convert the result back."""
 
-    def __init__(self, runtime: WorkerRuntime) -> None:
+    def __init__(self, runtime: WorkerRuntime, tls_files: TlsFiles | None = None) -> None:
         self.runtime = runtime
+        self.tls_files = tls_files
+        self._peers: dict[str, grpc.aio.Channel] = {}
+        """Channels to other workers this one pulled KV blocks from, by address."""
+
+    async def ReadKv(self, request: worker_pb2.ReadKvRequest,  # noqa: N802
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.KvChunk]:
+        """Stream the blocks' raw K/V bytes, `blocks_per_message` blocks per message (0: about 4 MiB each).
+        Raises FailedPrecondition when the request names another incarnation of this worker (the fence)."""
+        size = self.runtime.kv_block_bytes()
+        if request.incarnation and request.incarnation != self.runtime.incarnation:
+            self.runtime.metrics.kv_transfer_failures.inc()
+            raise FailedPrecondition(f"the KV blocks were named by worker incarnation {request.incarnation}; this "
+                                     f"worker is incarnation {self.runtime.incarnation} (it restarted: they are "
+                                     "gone)", reason="kv_incarnation_changed", field_name="incarnation")
+        per = blocks_per_message(request.blocks_per_message, size)
+        ids = list(request.block_ids)
+        for start in range(0, len(ids), per):
+            batch = ids[start:start + per]
+            data = await self.runtime.read_kv(batch)
+            yield worker_pb2.KvChunk(block_ids=batch, data=b"".join(data), block_bytes=size)
+
+    async def PullKv(self, request: worker_pb2.PullKvRequest,  # noqa: N802
+                     context: grpc.aio.ServicerContext) -> worker_pb2.PullKvResponse:
+        """Read blocks from the worker at `source_address` and write them into `block_ids` here, in order. A broken
+        stream answers UNAVAILABLE (what arrived before the break is written but the caller must not use it); a
+        source of another incarnation than `source_incarnation` answers FAILED_PRECONDITION (nothing written)."""
+        if len(request.source_block_ids) != len(request.block_ids):
+            raise InvalidArgument(f"{len(request.source_block_ids)} source blocks for {len(request.block_ids)} "
+                                  "destination blocks", field_name="block_ids")
+        if not request.source_address:
+            raise InvalidArgument("source_address is required", field_name="source_address")
+        size = self.runtime.kv_block_bytes()
+        blocks_per_message(request.blocks_per_message, size)  # refused here, before the source is asked
+        started = time.perf_counter()
+        stub = worker_pb2_grpc.WorkerServiceStub(self._peer(request.source_address))
+        destination = list(request.block_ids)
+        done = moved = 0
+        try:
+            async for chunk in stub.ReadKv(worker_pb2.ReadKvRequest(
+                    block_ids=request.source_block_ids, blocks_per_message=request.blocks_per_message,
+                    incarnation=request.source_incarnation)):
+                count, data = len(chunk.block_ids), chunk.data  # read the field once: each read copies it
+                if chunk.block_bytes != size or len(data) != count * size or done + count > len(destination):
+                    raise InvalidArgument(f"the source sends {chunk.block_bytes}-byte blocks, this worker's are "
+                                          f"{size} bytes", field_name="source_address")
+                view = memoryview(data)
+                await self.runtime.write_kv(destination[done:done + count],
+                                            [view[i * size:(i + 1) * size] for i in range(count)])
+                done += count
+                moved += len(data)
+        except grpc.aio.AioRpcError as exc:
+            self.runtime.metrics.kv_transfer_failures.inc()
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise FailedPrecondition(f"the KV source {request.source_address} refused the pull: {exc.details()}",
+                                         reason="kv_incarnation_changed", field_name="source_incarnation") from None
+            raise Unavailable(f"the KV stream from {request.source_address} broke after {done} of "
+                              f"{len(destination)} blocks: {exc.code().name} {exc.details()}",
+                              reason="kv_source_unavailable") from None
+        if done != len(destination):
+            self.runtime.metrics.kv_transfer_failures.inc()
+            raise Unavailable(f"the KV stream from {request.source_address} ended after {done} of "
+                              f"{len(destination)} blocks", reason="kv_source_unavailable")
+        return worker_pb2.PullKvResponse(blocks=done, bytes=moved, elapsed_s=time.perf_counter() - started)
+
+    def _peer(self, address: str) -> grpc.aio.Channel:
+        if address not in self._peers:
+            self._peers[address] = tls.aio_channel(address, self.tls_files, (
+                ("grpc.max_receive_message_length", KV_MAX_MESSAGE_BYTES),))
+        return self._peers[address]
 
     async def Execute(self, request: worker_pb2.RoundPlan,  # noqa: N802 (gRPC method name)
                       context: grpc.aio.ServicerContext) -> worker_pb2.RoundResult:
@@ -332,7 +462,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def Info(self, request: worker_pb2.InfoRequest,  # noqa: N802
                    context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
-        return convert.info_to_proto(self.runtime.info())
+        reply = convert.info_to_proto(self.runtime.info())
+        reply.incarnation = self.runtime.incarnation
+        return reply
 
 
 @dataclasses.dataclass
@@ -362,7 +494,7 @@ async def start_worker_server(runtime: WorkerRuntime, port: int = 0, host: str =
     """
     authorize = tls.authorizer() if tls_files is not None else None
     server = grpc_server(SERVICE_NAME, interceptors=[ErrorInterceptor(authorize=authorize)])
-    worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(runtime), server)
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(runtime, tls_files), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     for name in ("", SERVICE_NAME):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -95,6 +96,21 @@ class TorchBackend:
             free, _total = torch.cuda.mem_get_info(self.device)
             return int(free * DEFAULT_CUDA_KV_FRACTION)
         return DEFAULT_CPU_KV_BYTES
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Return the bytes of one transferred KV block (all layers' K and V)."""
+        return self.cache.block_bytes
+
+    def read_kv_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
+        """Return the raw K/V bytes of each block (KV transfer to a decode replica's worker)."""
+        with self._lock:
+            return self.cache.read_blocks(block_ids)
+
+    def write_kv_blocks(self, block_ids: Sequence[int], data: Sequence[bytes | memoryview]) -> None:
+        """Store blocks another worker's `read_kv_blocks` gave. Raises PlanError for a bad size or block id."""
+        with self._lock:
+            self.cache.write_blocks(block_ids, data)
 
     def info(self) -> BackendInfo:
         """Return the model and the KV capacity of this worker."""

@@ -80,5 +80,8 @@ class SchedulerConfig:
     kv_event_token_ids: bool = False
     """Put each stored block's token ids in its KV event (vLLM's BlockStored.token_ids): what a KV indexer
     needs to rebuild hashes of its own, at block_size extra integers per stored block."""
+    kv_hold_s: float = 30.0
+    """How long a finished prefill request's KV blocks stay pinned for its decode replica's transfer when nobody
+    releases them (a decode side that died or never asked; docs/disaggregation.md)."""
     max_lost_rounds: int = 3
     """A request lost with the worker in more than this many consecutive rounds fails (bounded retry)."""

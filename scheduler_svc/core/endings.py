@@ -16,12 +16,13 @@ from array import array
 from scheduler_svc.core.backlog import Backlog
 from scheduler_svc.core.block_pool import BlockPool
 from scheduler_svc.core.deadlines import DeadlineHeap
+from scheduler_svc.core.handoffs import HandOffs
 from scheduler_svc.core.host_blocks import HostBlocks
 from scheduler_svc.core.outbox import Outbox
 from scheduler_svc.core.request import Request
 from scheduler_svc.core.state import Input, apply
 from scheduler_svc.core.table import RequestTable
-from sluice.types import Finished, RequestStatus, Stage
+from sluice.types import KV_HELD, Finished, RequestStatus, Stage
 
 _FINISH_REASON = {
     RequestStatus.FINISHED_STOP: "stop",
@@ -35,7 +36,7 @@ _FINISH_REASON = {
 class Endings:
     """Ends requests of one core: cancel, expire, finish, fail, and deferred releases."""
 
-    __slots__ = ("_table", "_backlog", "_pool", "_host", "_outbox", "_deadlines", "_deferred_detail")
+    __slots__ = ("_table", "_backlog", "_pool", "_host", "_outbox", "_deadlines", "_deferred_detail", "handoffs")
 
     def __init__(
         self,
@@ -45,6 +46,7 @@ class Endings:
         host: HostBlocks,
         outbox: Outbox,
         deadlines: DeadlineHeap,
+        handoffs: HandOffs | None = None,
     ) -> None:
         self._table = table
         self._backlog = backlog
@@ -54,6 +56,8 @@ class Endings:
         self._deadlines = deadlines
         self._deferred_detail: dict[str, str] = {}
         """Detail of a cancel that waits for its round (CANCELLING), for the Finished record."""
+        self.handoffs = handoffs if handoffs is not None else HandOffs(pool, 30.0, 1)
+        """Prompt blocks of finished prefill requests held for a decode replica's transfer (handoffs.py)."""
 
     def cancel(self, request_id: str, now: float, detail: str = "") -> RequestStatus | None:
         """Cancel a request and return its status afterwards (None for an unknown id).
@@ -64,6 +68,7 @@ class Endings:
         """
         request = self._table.live.get(request_id)
         if request is None:
+            self.handoffs.release(request_id)  # a held prefill: cancelling it ends the hand-off too
             return self._table.ended_status(request_id)
         if request.status is RequestStatus.CANCELLING:
             return request.status
@@ -116,6 +121,9 @@ class Endings:
         backlog = self._backlog
         if request.pending_prefill:
             backlog.set_pending(request, 0)
+        if self.handoffs.on_end(request.request_id, status is RequestStatus.FINISHED_LENGTH,
+                                tuple(request.block_ids), request.num_prompt, now) and not detail:
+            detail = KV_HELD
         released = self._release_blocks(request)
         self._table.forget(request, status)
         if backlog.account is not None:

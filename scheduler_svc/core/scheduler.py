@@ -28,6 +28,7 @@ from scheduler_svc.core.block_pool import BlockPool
 from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.deadlines import QUEUE_DEADLINE, TOTAL_DEADLINE, DeadlineHeap
 from scheduler_svc.core.endings import Endings
+from scheduler_svc.core.handoffs import HandOffs
 from scheduler_svc.core.host_blocks import HostBlocks
 from scheduler_svc.core.outbox import Outbox
 from scheduler_svc.core.outcomes import RoundOutcomes
@@ -72,7 +73,9 @@ class SchedulerCore:
         self.deadlines = DeadlineHeap(self.requests)
         self.host = HostBlocks(config.num_host_blocks, self.pool)
         self.outbox = Outbox()
-        self.endings = Endings(self.requests, self.backlog, self.pool, self.host, self.outbox, self.deadlines)
+        self.handoffs = HandOffs(self.pool, config.kv_hold_s, config.block_size)
+        self.endings = Endings(self.requests, self.backlog, self.pool, self.host, self.outbox, self.deadlines,
+                               self.handoffs)
         parts = CoreParts(config, self.requests, self.backlog, self.pool, self.host, self.outbox, self.endings)
         self.outcomes = RoundOutcomes(parts)
         self.batcher = Batcher(parts, self.outcomes)
@@ -99,6 +102,8 @@ class SchedulerCore:
             # Exactly the blocks the cache lookup below would hash, so the chain is what hashing gives.
             live.block_hashes.extend(prompt_hashes[: (len(live.tokens) - 1) // self._block_size])
         self.requests.add(live)
+        if request.hold_kv:
+            self.handoffs.want(live.request_id)
         if self.backlog.account is not None:
             self.backlog.queue.on_live(live.tenant, 1)
             if request.tenant_weight is not None:
@@ -200,6 +205,8 @@ class SchedulerCore:
         rounds fails instead, so a plan that kills the worker cannot loop forever. A late result
         for the round is dropped (unknown round, older epoch). An unknown round changes nothing.
         """
+        if round_id in self.outcomes.in_flight:
+            self.handoffs.release_all()  # the worker's KV is gone: no held prompt is there any more
         self.outcomes.on_round_lost(round_id, now)
         return self.take_events()
 
@@ -213,6 +220,7 @@ class SchedulerCore:
         between rounds, with no round lost.
         """
         self.outcomes.forget_worker_kv(now)
+        self.handoffs.release_all()  # a held prompt's KV went with the worker
         self.pool.reset_cache()
         self.host.forget_hashes()
         return self.take_events()
@@ -257,12 +265,30 @@ class SchedulerCore:
         return self.endings.cancel(request_id, now, detail)
 
     def expire(self, now: float) -> list[str]:
-        """Time out every request whose queue or total deadline is <= now; return their ids."""
+        """Time out every request whose queue or total deadline is <= now and end the KV holds past their expiry
+        (`handoffs.py`); return the ids of the requests timed out."""
+        if self.handoffs.held_blocks:
+            self.handoffs.expire(now)
         return self.endings.expire(now)
 
     def next_deadline(self) -> float | None:
-        """Return the earliest pending queue or total deadline, or None when there is none."""
-        return self.deadlines.next()
+        """Return the earliest pending queue or total deadline or KV hold expiry, or None when there is none."""
+        deadline = self.deadlines.next()
+        if not self.handoffs.held_blocks:
+            return deadline
+        expiry = self.handoffs.next_expiry()
+        return expiry if deadline is None or (expiry is not None and expiry < deadline) else deadline
+
+    # ---- prefill/decode hand-offs (handoffs.py) ----------------------------------------------
+    def held_kv(self, request_id: str) -> tuple[int, ...] | None:
+        """Return the full prompt blocks a finished prefill request holds for its decode replica, or None."""
+        held = self.handoffs.held(request_id)
+        return None if held is None else held.block_ids
+
+    def release_held_kv(self, request_id: str) -> int:
+        """End a prefill request's hold (its decode replica has the blocks, or gave up); return the blocks
+        unpinned (0: nothing was held)."""
+        return self.handoffs.release(request_id)
 
     # ---- views -----------------------------------------------------------------------------
     def take_events(self) -> CoreEvents:

@@ -25,6 +25,8 @@ examples:
   sluice up --backend costmodel --model llama-3-8b --emulate-time   # GPU-like timing, no torch
   sluice up --backend costmodel --model llama-3-8b --emulate-time --autoscale 1:3   # the planner adds/retires replicas
   sluice up --engine vllm --replicas 2        # 2 unmodified vLLM servers (make setup-vllm) under Sluice
+  sluice up --disagg 1:1                      # a prefill and a decode replica: prompts' KV moves between workers
+  sluice up --backend costmodel --model llama-3-8b --emulate-time --disagg 1:1 --autoscale 1:3   # pools sized apart
 
 It prints the gRPC endpoint, the OpenAI-compatible HTTP endpoint, an API key, and a `sluice generate`
 command and a curl command to try, then runs until Ctrl-C.
@@ -87,9 +89,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics", action=argparse.BooleanOptionalAction, default=True,
                         help="every service serves Prometheus metrics on a free port, printed with its address "
                              "(default: on)")
+    parser.add_argument("--disagg", metavar="P:D", default=None,
+                        help="prefill/decode disaggregation: P prefill and D decode replicas (replaces --replicas); "
+                             "each prompt runs on a prefill replica, its KV blocks move to a decode replica "
+                             "(docs/disaggregation.md)")
     parser.add_argument("--autoscale", metavar="MIN:MAX", default=None,
                         help="run the planner: start with MIN replicas, add and retire replicas within MIN..MAX "
-                             "from queues, prefill backlog and KV use (docs/planner.md); scale events are printed")
+                             "from queues, prefill backlog and KV use (docs/planner.md); scale events are printed. "
+                             "With --disagg P:D, each pool (prefill, decode) is sized apart within MIN..MAX")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,11 +107,12 @@ def run(args: argparse.Namespace) -> int:
     args.config = str(Path(args.config).resolve()) if args.config else None
     if (args.backend == "torch" or args.engine == "vllm") and Path(args.model).exists():
         args.model = str(Path(args.model).resolve())
-    problem = _check_args(args) or _check_autoscale(args)
+    problem = _check_disagg(args) or _check_args(args) or _check_autoscale(args)
     if problem:
         print(f"sluice up: {problem}", file=sys.stderr)
         return 2
-    config = StackConfig(replicas=args.replicas, backend=args.backend, model=args.model, redis_url=args.redis_url,
+    config = StackConfig(replicas=args.replicas, disagg=args.disagg_split, backend=args.backend, model=args.model,
+                         redis_url=args.redis_url,
                          config_file=args.config, admission_port=args.port, host=args.host,
                          admission_procs=args.admission_procs,
                          http_port=None if args.http_port < 0 else args.http_port,
@@ -117,7 +125,9 @@ def run(args: argparse.Namespace) -> int:
     stack = Stack(config)
     pair = f"(vLLM server + Sluice agent) ({args.model})" if args.engine == "vllm" else \
         f"(worker + scheduler) ({args.backend}, {args.model})"
-    print(f"starting Redis, router, {args.replicas} x {pair} and admission; logs in {stack.run_dir}",
+    replicas = f"{args.replicas} x" if args.disagg_split is None else \
+        f"{args.disagg_split[0]} prefill + {args.disagg_split[1]} decode x"
+    print(f"starting Redis, router, {replicas} {pair} and admission; logs in {stack.run_dir}",
           file=sys.stderr, flush=True)
     # While starting, Ctrl-C or SIGTERM interrupts the start (Stack.start stops what it started).
     for sig in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a shell's background job starts with it ignored
@@ -141,16 +151,28 @@ def _supervise_until_stopped(stack: Stack, stop: threading.Event, autoscale: str
     """Restart what dies (and run the planner with --autoscale) until Ctrl-C/SIGTERM; stop; return the exit code.
 
     Supervision runs in this, the main, thread: processes it restarts die with it (sluice.lifeline)."""
-    from sluice_tools.autoscale import Autoscaler, local_planner_config, parse_bounds
+    from sluice_tools.autoscale import (
+        Autoscaler,
+        PoolAutoscaler,
+        local_planner_config,
+        local_pools_config,
+        parse_bounds,
+    )
     from sluice_tools.supervisor import Supervisor
 
     stack.fleet.supervisor = Supervisor(stack, on_event=_print_event)
     if autoscale:
         low, high = parse_bounds(autoscale)
         warmup = stack.measured_warmup_s() or 3.0  # measured from this stack's own starts
-        autoscaler = Autoscaler(stack, local_planner_config(low, high, load_time_s=warmup), on_event=_print_event)
+        autoscaler: Autoscaler | PoolAutoscaler
+        if stack.config.disagg is not None:
+            autoscaler = PoolAutoscaler(stack, local_pools_config(low, high, load_time_s=warmup), on_event=_print_event)
+            kept = f"{low} to {high} replicas in each pool (prefill, decode)"
+        else:
+            autoscaler = Autoscaler(stack, local_planner_config(low, high, load_time_s=warmup), on_event=_print_event)
+            kept = f"{low} to {high} replicas"
         stack.fleet.supervisor.hooks.append(autoscaler.tick)
-        print(f"autoscale: the planner keeps {low} to {high} replicas (a replica starts in {warmup:.1f} s, measured)",
+        print(f"autoscale: the planner keeps {kept} (a replica starts in {warmup:.1f} s, measured)",
               file=sys.stderr, flush=True)
         if stack.config.metrics:
             print(f"autoscale: planner metrics {autoscaler.serve_metrics()}", file=sys.stderr, flush=True)
@@ -174,7 +196,7 @@ def _print_event(line: str) -> None:
 
 def _check_autoscale(args: argparse.Namespace) -> str:
     """Return what is wrong with --autoscale ("" when nothing); with it, start with MIN replicas (or --replicas
-    when that lies within MIN..MAX)."""
+    when that lies within MIN..MAX); with --disagg P:D, each side of the split brought within MIN..MAX."""
     if not args.autoscale:
         return ""
     from sluice_tools.autoscale import parse_bounds
@@ -183,7 +205,29 @@ def _check_autoscale(args: argparse.Namespace) -> str:
         low, high = parse_bounds(args.autoscale)
     except ValueError as exc:
         return str(exc)
+    if args.disagg_split is not None:
+        args.disagg_split = tuple(min(max(side, low), high) for side in args.disagg_split)
+        args.replicas = sum(args.disagg_split)
+        return ""
     args.replicas = min(max(args.replicas, low), high)
+    return ""
+
+
+def _check_disagg(args: argparse.Namespace) -> str:
+    """Return what is wrong with --disagg ("" when nothing); sets `args.disagg_split` (None without it) and, with it,
+    `args.replicas` to P + D."""
+    args.disagg_split = None
+    if args.disagg is None:
+        return ""
+    from sluice_tools.sim.disagg import parse_split
+
+    try:
+        args.disagg_split = parse_split(args.disagg)
+    except ValueError as exc:
+        return str(exc)
+    if args.engine != "sluice":
+        return "--disagg needs Sluice workers (--engine sluice): KV blocks move between them"
+    args.replicas = sum(args.disagg_split)
     return ""
 
 

@@ -79,7 +79,7 @@ class Flow:
 
     request: WorkloadRequest
     record: RequestRecord
-    prompt: tuple[int, ...]
+    prompt: Sequence[int]
     prefill: Replica
     decode: Replica
     state: str = PREFILLING
@@ -101,6 +101,8 @@ class Flow:
 
 class DisaggSimulator(Simulator):
     """The Simulator with `config.disagg = (P, D)`: replicas 0..P-1 prefill, P..P+D-1 decode (module docstring)."""
+
+    superseded_heartbeats = False  # its own events read the router's loads (see Simulator)
 
     def __init__(self, config: SimConfig, requests: Sequence[WorkloadRequest]) -> None:
         if config.disagg is None:
@@ -165,7 +167,7 @@ class DisaggSimulator(Simulator):
 
     # ---- prefill ----------------------------------------------------------------------------
     def _submit(self, replica: Replica, request: WorkloadRequest, record: RequestRecord,
-                prompt: tuple[int, ...], hashes: tuple[int, ...] = ()) -> None:
+                prompt: Sequence[int], hashes: tuple[int, ...] = ()) -> None:
         decode = self._decode_of.pop(request.request_id)
         if request.output_length <= 1:  # nothing to decode: the prefill replica serves it whole
             self.pairs.on_request_done(decode.replica_id, request.request_id)

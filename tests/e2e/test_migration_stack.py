@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pytest
 from sluice import client as sdk
 from sluice.v1 import router_pb2, router_pb2_grpc
 from sluice_tools.stack import Proc, Stack, StackConfig, health_serving
+from tests.processes import scraped_metrics
 from worker_svc.costmodel import CostModel
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -99,14 +99,7 @@ def _assert_exact(outs: list[Streamed]) -> None:
 
 
 def _metrics(proc: Proc) -> dict[str, float]:
-    with urllib.request.urlopen(proc.metrics_url, timeout=5) as reply:  # noqa: S310 (loopback URL from the stack)
-        text = reply.read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    return values
+    return scraped_metrics(proc.metrics_url)
 
 
 def _assert_budgets_return_to_zero(stack: Stack) -> dict[str, float]:

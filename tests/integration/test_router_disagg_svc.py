@@ -9,6 +9,7 @@ import pytest
 
 from sluice.errors import details_of
 from sluice.telemetry import get_tracer, inject_metadata
+from sluice.types import KV_HELD
 from sluice.v1 import events_pb2, router_pb2
 from tests.integration.test_router_svc import Harness, _router, _until
 
@@ -26,7 +27,8 @@ async def _register_role(h: Harness, replica_id: str, role: int) -> None:
 def test_route_answers_the_pair_and_traces_it(redis_url: str, namespace: str,
                                              span_exporter) -> None:  # type: ignore[no-untyped-def]
     """With a prefill and a decode replica registered, Route names the prefill replica as the replica and the decode
-    one in the decode fields; ListReplicas carries the roles; the "routed" span has both ids."""
+    one in the decode fields; ListReplicas carries the roles; the "routed" span has both ids; the decode claim
+    outlives the prefill half's KV_HELD completion and ends with the decode half's."""
     async def body() -> None:
         async with _router(redis_url, namespace, replicas=("P", "D")) as h:
             await _register_role(h, "P", router_pb2.REPLICA_ROLE_PREFILL)
@@ -46,8 +48,12 @@ def test_route_answers_the_pair_and_traces_it(redis_url: str, namespace: str,
             assert "t1" in h.runtime.pairs.claims["D"].claims
             assert h.runtime.metrics.registry.get_sample_value("sluice_router_decode_routes_total",
                                                                 {"replica": "D"}) == 1.0
-            # the completion (published by the decode replica) releases the decode claim
-            await h.bus.publish_completion(events_pb2.Completion(request_id="t1", replica_id="D"))
+            # the prefill half's completion (its KV held for the hand-off) leaves the decode claim standing ...
+            await h.bus.publish_completion(events_pb2.Completion(request_id="t1", replica_id="P", detail=KV_HELD))
+            await _until(lambda: "t1" not in h.runtime.core.fleet.find("P").inflight)
+            assert "t1" in h.runtime.pairs.claims["D"].claims
+            # ... the decode half's (a later attempt, published by the decode replica) releases it
+            await h.bus.publish_completion(events_pb2.Completion(request_id="t1#1", replica_id="D"))
             await _until(lambda: "D" not in h.runtime.pairs.claims)
     asyncio.run(body())
 

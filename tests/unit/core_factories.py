@@ -98,6 +98,10 @@ def check_invariants(core: SchedulerCore) -> None:
     for request in held.values():
         assert request.status.is_terminal and request.in_flight_round in core.outcomes.in_flight
         expected.update(request.held_blocks)
+    handoffs = core.handoffs.holds()  # finished prefill requests' prompt blocks, pinned for a decode replica
+    for hold in handoffs:
+        expected.update(hold.block_ids)
+    assert core.handoffs.held_blocks == sum(len(hold.block_ids) for hold in handoffs)
     for block in range(pool.num_blocks):
         assert pool.refcount(block) >= 0
         assert pool.refcount(block) == expected[block], f"block {block}: refcount vs holders"
@@ -108,6 +112,8 @@ def check_invariants(core: SchedulerCore) -> None:
         pinned.update(request.swap_pinned)
     for request in held.values():
         pinned.update(request.held_blocks)
+    for hold in handoffs:
+        pinned.update(hold.block_ids)
     assert all(pool.pin_count(b) == pinned[b] for b in range(pool.num_blocks))
     _check_places(core)
     _check_host(core)

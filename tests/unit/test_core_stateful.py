@@ -65,6 +65,7 @@ class CoreMachine(RuleBasedStateMachine):
             tenant_weights=(("b", 2.0),),
             max_model_len=40,
             max_lost_rounds=max_lost,
+            kv_hold_s=2.0,
         )
         self.core = SchedulerCore(self.config)
         self.now = 0.0
@@ -90,8 +91,10 @@ class CoreMachine(RuleBasedStateMachine):
         eos=st.booleans(),
         deadline=st.sampled_from([None, 2.0, 6.0]),
         queue_deadline=st.sampled_from([None, 1.0]),
+        hold=st.sampled_from([False, False, True]),
     )
-    def submit(self, prompt_len, max_tokens, priority, tenant, shared, eos, deadline, queue_deadline) -> None:  # type: ignore[no-untyped-def]
+    def submit(self, prompt_len, max_tokens, priority, tenant, shared, eos, deadline, queue_deadline,  # type: ignore[no-untyped-def]
+               hold=False) -> None:
         self.next_id += 1
         rid = f"r{self.next_id}"
         own = tuple(range(self.next_id * 100, self.next_id * 100 + prompt_len))
@@ -106,6 +109,7 @@ class CoreMachine(RuleBasedStateMachine):
             deadline=None if deadline is None else self.now + deadline,
             queue_deadline=None if queue_deadline is None else self.now + queue_deadline,
             eos_token_id=EOS if eos else None,
+            hold_kv=hold,  # a prefill half: a FINISHED_LENGTH end pins its full prompt blocks (handoffs.py)
         )
         before = (self.core.stats(), self.core.num_waiting)
         try:
@@ -203,6 +207,16 @@ class CoreMachine(RuleBasedStateMachine):
         ids = sorted(self.accepted)
         self.core.cancel(ids[index % len(ids)], self.now)
 
+    @precondition(lambda self: self.accepted)
+    @rule(index=st.integers(0, 1000))
+    def release_hold(self, index: int) -> None:
+        """The decode side has the blocks (or gave up): the hold ends once, whatever the request's state."""
+        ids = sorted(self.accepted)
+        rid = ids[index % len(ids)]
+        held = self.core.held_kv(rid)
+        assert self.core.release_held_kv(rid) == (len(held) if held else 0)
+        assert self.core.held_kv(rid) is None
+
     @rule(dt=st.sampled_from([0.25, 1.0, 3.0]))
     def advance_and_expire(self, dt: float) -> None:
         self.now += dt
@@ -265,9 +279,12 @@ class CoreMachine(RuleBasedStateMachine):
             else:
                 self.schedule()
             self.now += 0.25
+            self.core.handoffs.expire(self.now)  # as the driver does at a hold's expiry: a hold may keep a request out
         self._absorb(self.core.take_events())
         check_invariants(self.core)
         assert not self.core.has_unfinished(), "the core drains at quiescence"
+        self.core.expire(self.now + self.config.kv_hold_s)  # holds nobody released lapse
+        assert self.core.handoffs.held_blocks == 0 and not self.core.handoffs.holds()
         assert self.core.stats().kv_blocks_used == 0, "every block is back"
         assert all(self.finished[rid] == 1 for rid in self.accepted)
 
@@ -401,9 +418,12 @@ class PipelinedCoreMachine(CoreMachine):
             if self.pending:
                 self.answer(0, "none")
             self.now += 0.25
+            self.core.handoffs.expire(self.now)  # as the driver does at a hold's expiry
         self._absorb(self.core.take_events())
         check_invariants(self.core)
         assert not self.pending and not self.core.has_unfinished(), "the pipelined core drains at quiescence"
+        self.core.expire(self.now + self.config.kv_hold_s)  # holds nobody released lapse
+        assert self.core.handoffs.held_blocks == 0
         assert self.core.stats().kv_blocks_used == 0, "every block is back"
         assert all(self.finished[rid] == 1 for rid in self.accepted)
 

@@ -200,3 +200,31 @@ def test_presets_come_from_the_engine_definition() -> None:
         config.vocab_size,
     )
     assert CostModel("tiny", "h100").info().eos_token_id == config.eos_token_id
+
+
+@pytest.mark.parametrize("model", ["llama-3-8b", "llama-3-70b"])
+def test_decode_run_is_the_loop_over_decode_time(model: str) -> None:
+    """`decode_run` gives the very floats of the per-round loop over `decode_time` (memory- and compute-bound
+    batches, with and without a gap), and stops before the first round ending at or after the horizon."""
+    cost = CostModel(model, "h200")
+    for seqs, context, start, gap, horizon, count in [
+        (1, 1200, 0.0, 0.0, float("inf"), 300), (3, 9000, 17.25, 0.0007, 17.4, 500), (512, 600_000, 3.5, 0.0, 5.0, 40),
+        (7, 77, 1e3, 0.002, 1e3 + 0.05, 10_000), (2, 100, 1.0, 0.0, 1.0 + 1e-9, 5), (1, 10, 0.0, 0.0, 1.0, 0)]:
+        times, walls, when = [start], [], start
+        for m in range(1, count + 1):
+            wall = cost.decode_time(seqs, context + m * seqs)
+            when = when + gap + wall
+            if when >= horizon:
+                break
+            times.append(when)
+            walls.append(wall)
+        assert cost.decode_run(seqs, context, start, gap, horizon, count) == (times, walls)
+
+
+def test_decode_tokens_repeat_one_period_of_the_text_rule() -> None:
+    """`decode_tokens` equals `token_for`'s text rule at every position, across the period of the text size."""
+    cost = CostModel("llama-3-8b", "h200")
+    for request_id, first, count in [("a", 0, 1), ("a", 0, 400), ("b", 94, 2), ("b", 95, 190), ("c", 8000, 0),
+                                     ("d", 12_345, 97)]:
+        assert cost.decode_tokens(request_id, first, count) == [
+            cost.token_for(request_id, position) for position in range(first, first + count)]

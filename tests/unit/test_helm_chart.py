@@ -180,6 +180,28 @@ def test_engine_vllm_runs_vllms_image_beside_the_sluice_agent() -> None:
     assert "--worker" not in agent
 
 
+def test_the_scheduler_advertises_its_pods_worker_for_kv_pulls_and_replicas_may_reach_each_other() -> None:
+    """A Sluice replica's scheduler dials its worker on the pod's loopback but tells decode replicas (HeldKv) the
+    worker's pod DNS name on the worker's port (--kv-worker-address, from the downward API's pod name and namespace,
+    a name the worker's certificate can carry); the replica NetworkPolicy lets replica pods reach each other's
+    scheduler and worker ports (KV hand-offs) and nothing else of each other."""
+    docs = rendered("defaults")
+    [replica] = [spec for name, spec in pods(docs) if name == "replica"]
+    containers = {c["name"]: c for c in replica["containers"]}
+    args = parse("scheduler", containers["scheduler"]["args"])
+    worker_port = next(p["containerPort"] for p in containers["worker"]["ports"] if p["name"] == "grpc")
+    assert args.worker == f"127.0.0.1:{worker_port}"
+    assert args.kv_worker_address == f"$(POD_NAME).replica.$(POD_NAMESPACE).svc.cluster.local:{worker_port}"
+    env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in containers["scheduler"]["env"]}
+    assert (env["POD_NAME"], env["POD_NAMESPACE"]) == ("metadata.name", "metadata.namespace")
+    assert replica["subdomain"] == "replica"  # the headless Service that gives each pod that DNS name
+    [policy] = [d["spec"] for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "replica"]
+    def ports(rules: list[dict[str, Any]], side: str) -> set[int]:
+        return {p["port"] for rule in rules for peer in rule.get(side, [])
+                if peer.get("podSelector", {}).get("matchLabels") == {"app": "replica"} for p in rule["ports"]}
+    assert ports(policy["ingress"], "from") == ports(policy["egress"], "to") == {args.port, worker_port}
+
+
 def test_the_dashboard_in_the_chart_is_the_one_in_deploy_grafana() -> None:
     """The chart ships a copy (Helm reads only files inside the chart): it must not drift from the original."""
     copy = (CHART / "files" / "sluice-dashboard.json").read_text()

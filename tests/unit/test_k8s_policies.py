@@ -67,7 +67,11 @@ def test_network_policies_allow_exactly_the_calls_each_service_makes() -> None:
     policies = [d for d in load() if d["kind"] == "NetworkPolicy"]
     opened = {(s, t, port) for s in APPS for t in APPS for port in PORTS if s != t and allowed(policies, s, t, port)}
     assert opened == CALLS, f"extra: {sorted(opened - CALLS)}; missing: {sorted(CALLS - opened)}"
-    assert not allowed(policies, "admission", "replica", 50061)   # the worker: its scheduler's loopback only
+    assert not allowed(policies, "admission", "replica", 50061)   # the worker: its scheduler's and other workers' only
+    # KV hand-offs between replica pods (a caller and callee of the same app, so not in the loop above): the decode
+    # scheduler's HeldKv/ReleaseKv to the prefill scheduler, the decode worker's ReadKv from the prefill worker.
+    assert allowed(policies, "replica", "replica", 50071) and allowed(policies, "replica", "replica", 50061)
+    assert not allowed(policies, "replica", "replica", 9464)
     assert not allowed(policies, "replica", "admission", 50051)
     assert not allowed(policies, "admission", "redis", 6380)
 

@@ -59,13 +59,22 @@ def test_decode_load_grows_the_decode_pool() -> None:
 
 
 def test_latency_signals_go_to_their_own_pool() -> None:
-    """A TTFT over its SLO is the prefill pool's signal; a TPOT over its SLO is the decode pool's."""
+    """A TTFT over its SLO is the prefill pool's signal; a TPOT over its SLO, as the decode replicas measure it, is
+    the decode pool's."""
     late_first = run(PoolPlanner(CONFIG), fleet(), ttft_observed_s=2.0)
     assert isinstance(late_first.prefill, ScaleUp) and late_first.prefill.signal == "ttft"
     assert not isinstance(late_first.decode, ScaleUp)
-    slow_decode = run(PoolPlanner(CONFIG), fleet(), tpot_observed_s=0.1)
+    slow_decode = run(PoolPlanner(CONFIG), fleet(), tpot_observed_s=0.1, decode_tpot_observed_s=0.1)
     assert isinstance(slow_decode.decode, ScaleUp) and slow_decode.decode.signal == "tpot"
     assert not isinstance(slow_decode.prefill, ScaleUp)
+
+
+def test_a_slow_hand_off_is_not_decode_pressure() -> None:
+    """The TPOT clients see (admission's) includes the hand-off from the prefill pool; when the decode replicas'
+    own TPOT is on target, a client TPOT of twice the SLO does not grow the decode pool."""
+    decisions = run(PoolPlanner(CONFIG), fleet(in_flight=5), tpot_observed_s=0.1, decode_tpot_observed_s=0.02)
+    assert not isinstance(decisions.decode, ScaleUp), decisions.decode
+    assert run(PoolPlanner(CONFIG), fleet(in_flight=5), tpot_observed_s=0.1).decode == decisions.decode
 
 
 def test_each_pool_retires_its_own_replica() -> None:

@@ -138,3 +138,15 @@ def test_a_dry_run_pair_records_nothing() -> None:
     replica = router.core.fleet.get("p0")
     assert not replica.inflight and replica.unreported_tokens == 0
     assert not router.claims and router.transfers == 0
+
+
+def test_a_decode_claim_is_the_requests_own_whatever_attempt_ends_it() -> None:
+    """The claim made when attempt `a` was routed is released by the decode half's completion, attempt `a#1`
+    (admission's hand-off runs the decode half as a later attempt)."""
+    router = make_pairs({"p0": P, "d0": D})
+    router.route_pair(query("a"), now=1.0)
+    router.route_pair(query("b#2"), now=1.0)
+    assert set(router.claims["d0"].claims) == {"a", "b"}
+    router.on_request_done("d0", "a#1")
+    router.on_request_done("d0", "b#3")
+    assert "d0" not in router.claims

@@ -100,6 +100,39 @@ class PagedKVCache:
                 self.key[layer][dst] = self.host_key[layer][src.cpu()].to(self.device, non_blocking=True)
                 self.value[layer][dst] = self.host_value[layer][src.cpu()].to(self.device, non_blocking=True)
 
+    @property
+    def block_bytes(self) -> int:
+        """Return the bytes one block takes across all layers (K and V): one transferred block's size."""
+        return 2 * len(self.key) * self.key[0][0].numel() * self.key[0].element_size()
+
+    def read_blocks(self, block_ids: Sequence[int]) -> list[bytes]:
+        """Return each block's raw K/V bytes: every layer's K then V, in the cache's dtype (a KV transfer)."""
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        # [blocks, layers, 2, block_size, kv_heads, head_dim]
+        stacked = torch.stack([torch.stack((k.index_select(0, index), v.index_select(0, index)), dim=1)
+                               for k, v in zip(self.key, self.value, strict=True)], dim=1)
+        raw = stacked.contiguous().view(torch.uint8).reshape(len(block_ids), -1).cpu().numpy()
+        return [raw[i].tobytes() for i in range(len(block_ids))]
+
+    def write_blocks(self, block_ids: Sequence[int], data: Sequence[bytes | memoryview]) -> None:
+        """Store raw K/V bytes (`read_blocks`' layout) into the given blocks. Raises PlanError for a size that is
+        not one block's or a block id out of range."""
+        size = self.block_bytes
+        for block, chunk in zip(block_ids, data, strict=True):
+            if not 0 <= block < self.num_blocks:
+                raise PlanError(f"KV block {block} is out of range (the cache has {self.num_blocks} blocks)")
+            if len(chunk) != size:
+                raise PlanError(f"KV block data of {len(chunk)} bytes; one block is {size} bytes")
+        if not block_ids:
+            return
+        layers, shape = len(self.key), self.key[0].shape[1:]
+        raw = torch.frombuffer(bytearray(b"".join(data)), dtype=torch.uint8)
+        blocks = raw.view(self.dtype).reshape(len(block_ids), layers, 2, *shape).to(self.device)
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        for layer in range(layers):
+            self.key[layer].index_copy_(0, index, blocks[:, layer, 0])
+            self.value[layer].index_copy_(0, index, blocks[:, layer, 1])
+
     def clear_blocks(self, block_ids: Sequence[int]) -> None:
         """Zero the given device blocks (used after the warm-up round's scratch use)."""
         index = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
