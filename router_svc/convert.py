@@ -7,32 +7,10 @@ from __future__ import annotations
 
 from router_svc.fleet import ReplicaSpec, ReplicaView
 from router_svc.scoring import RouteDecision, RouteQuery
-from sluice.convert import replica_state_to_proto
-from sluice.types import ReplicaRole
+from sluice.convert import replica_state_to_proto, role_from_proto, role_to_proto
 from sluice.v1 import router_pb2
 
-__all__ = ["decision_to_proto", "query_from_proto", "replica_to_proto", "role_from_proto", "role_to_proto",
-           "spec_from_proto"]
-
-_ROLE_TO_PROTO: dict[ReplicaRole, router_pb2.ReplicaRole] = {
-    ReplicaRole.BOTH: router_pb2.REPLICA_ROLE_BOTH,
-    ReplicaRole.PREFILL: router_pb2.REPLICA_ROLE_PREFILL,
-    ReplicaRole.DECODE: router_pb2.REPLICA_ROLE_DECODE,
-}
-_ROLE_FROM_PROTO: dict[int, ReplicaRole] = {int(v): k for k, v in _ROLE_TO_PROTO.items()}
-
-
-def role_to_proto(role: ReplicaRole) -> router_pb2.ReplicaRole:
-    """Return the wire ReplicaRole."""
-    return _ROLE_TO_PROTO[role]
-
-
-def role_from_proto(value: int) -> ReplicaRole:
-    """Return the core ReplicaRole of a wire value; raises ValueError naming it when it is not one."""
-    try:
-        return _ROLE_FROM_PROTO[int(value)]
-    except KeyError:
-        raise ValueError(f"unknown replica role {value}; known: {sorted(_ROLE_FROM_PROTO)}") from None
+__all__ = ["decision_to_proto", "query_from_proto", "replica_to_proto", "spec_from_proto"]
 
 
 def spec_from_proto(msg: router_pb2.Replica) -> ReplicaSpec:

@@ -24,6 +24,7 @@ from sluice.types import (
     NewRequest,
     RefusedSeq,
     ReplicaLoad,
+    ReplicaRole,
     ReplicaState,
     RequestStatus,
     RoundPlan,
@@ -389,6 +390,27 @@ def replica_state_to_proto(state: ReplicaState | None) -> router_pb2.ReplicaStat
 def replica_state_from_proto(value: int) -> ReplicaState | None:
     """Return the ReplicaState of a wire value (None for UNSPECIFIED)."""
     return _REPLICA_STATE_FROM_PROTO.get(value)
+
+
+_ROLE_TO_PROTO: dict[ReplicaRole, router_pb2.ReplicaRole] = {
+    ReplicaRole.BOTH: router_pb2.REPLICA_ROLE_BOTH,
+    ReplicaRole.PREFILL: router_pb2.REPLICA_ROLE_PREFILL,
+    ReplicaRole.DECODE: router_pb2.REPLICA_ROLE_DECODE,
+}
+_ROLE_FROM_PROTO: dict[int, ReplicaRole] = {int(v): k for k, v in _ROLE_TO_PROTO.items()}
+
+
+def role_to_proto(role: ReplicaRole) -> router_pb2.ReplicaRole:
+    """Return the wire ReplicaRole."""
+    return _ROLE_TO_PROTO[role]
+
+
+def role_from_proto(value: int) -> ReplicaRole:
+    """Return the core ReplicaRole of a wire value; raises ValueError naming it when it is not one."""
+    try:
+        return _ROLE_FROM_PROTO[int(value)]
+    except KeyError:
+        raise ValueError(f"unknown replica role {value}; known: {sorted(_ROLE_FROM_PROTO)}") from None
 
 
 def load_to_proto(load: ReplicaLoad) -> router_pb2.ReplicaLoad:

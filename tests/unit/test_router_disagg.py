@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from router_svc.convert import replica_to_proto, role_from_proto, spec_from_proto
+from router_svc.convert import replica_to_proto, spec_from_proto
 from router_svc.core import NoReplicaAvailable, ReplicaLoad, ReplicaSpec, RouteQuery, RouterConfig, RouterCore
 from router_svc.disagg import DisaggRouter, is_disaggregated
+from sluice.convert import role_from_proto
 from sluice.hashing import hash_chain, salt_of
 from sluice.types import KvEvent, KvEventKind, ReplicaRole
 from sluice.v1 import router_pb2
