@@ -6,6 +6,13 @@ Every `--period` seconds it observes the fleet through the router and the replic
 or `--kubeconfig`), `prometheus` only publishes `sluice_planner_desired_replicas` for an external
 autoscaler (docs/planner.md). Its gRPC port serves only gRPC health (SERVING while the loop runs), for
 `python -m sluice.healthcheck PORT --role planner`; `--metrics-port` serves PlannerMetrics.
+
+`--pools` sizes a disaggregated fleet (schedulers with `--role prefill` and `--role decode`) as two pools
+apart: `PoolPlannerLoop` over the pool planner (planner_svc/pools.py), each pool within `--min-replicas`..
+`--max-replicas`, each pool's decision carried out by its own connector: `kubernetes` scales
+`--prefill-deployment` and `--decode-deployment`, `prometheus` publishes `sluice_planner_pool_desired_replicas`
+per pool; `--metrics-port` then serves PoolPlannerMetrics. A flag that does not go with the others ends the
+process at once with one line naming it (exit 2).
 """
 
 from __future__ import annotations
@@ -17,18 +24,37 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from planner_svc.config import PlannerConfig
-from planner_svc.connectors import KubernetesConnector, PrometheusConnector, ReplicaConnector
+from planner_svc.connectors import (
+    KubernetesConnector,
+    PoolPrometheusConnector,
+    PrometheusConnector,
+    ReplicaConnector,
+)
 from planner_svc.core import Planner
-from planner_svc.driver import PlannerLoop, PlannerMetrics
+from planner_svc.driver import (
+    ObservationSource,
+    PlannerLoop,
+    PlannerMetrics,
+    PoolPlannerLoop,
+    PoolPlannerMetrics,
+)
 from planner_svc.observe import RouterObservations
+from planner_svc.pools import PoolPlanner, PoolsConfig
 from sluice import serve
+from sluice.types import ReplicaRole
+
+if TYPE_CHECKING:
+    from kubernetes.client import ApiClient
+    from prometheus_client import CollectorRegistry
 
 log = logging.getLogger("sluice.planner")
 _DEFAULTS = PlannerConfig()
 CONNECTORS = ("kubernetes", "prometheus")
+DEPLOYMENT = "replica"
+POOL_DEPLOYMENTS = {ReplicaRole.PREFILL: "replica-prefill", ReplicaRole.DECODE: "replica-decode"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,8 +69,15 @@ class PlannerOptions(serve.ServiceOptions):
     """How a decision is carried out: kubernetes (scale the Deployment) or prometheus (publish the figure only)."""
     kube_namespace: str = field(default="sluice", metadata={"env": "POD_NAMESPACE"})
     """Kubernetes namespace of the replica Deployment."""
-    deployment: str = "replica"
-    """Name of the replica Deployment the kubernetes connector scales."""
+    deployment: str = DEPLOYMENT
+    """Name of the replica Deployment the kubernetes connector scales (an aggregated fleet; not with --pools)."""
+    pools: bool = False
+    """Size the prefill and decode pools of a disaggregated fleet apart, each within --min-replicas..--max-replicas:
+    kubernetes scales --prefill-deployment and --decode-deployment, prometheus publishes a figure per pool."""
+    prefill_deployment: str | None = None
+    """With --pools: the Deployment of the prefill replicas (--role prefill); None: replica-prefill."""
+    decode_deployment: str | None = None
+    """With --pools: the Deployment of the decode replicas (--role decode); None: replica-decode."""
     kubeconfig: str = ""
     """kubeconfig file for the kubernetes connector; empty: the pod's in-cluster service account."""
     period: float = 5.0
@@ -75,8 +108,35 @@ def build_parser() -> Any:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> PlannerOptions:
-    """Return the planner's options (argparse exits with a usage message on bad flags)."""
-    return serve.load_options(PlannerOptions, build_parser(), argv)
+    """Return the planner's options. argparse exits 2 with a usage message on a bad flag; a combination of flags
+    that does not go together exits 2 with one line naming the flag (`options_problem`)."""
+    parser = build_parser()
+    options = serve.load_options(PlannerOptions, parser, argv)
+    problem = options_problem(options)
+    if problem:
+        parser.exit(2, f"{parser.prog}: error: {problem}\n")
+    return options
+
+
+def options_problem(options: PlannerOptions) -> str:
+    """Return what is wrong with the combination of flags, naming the flag ("" when nothing)."""
+    if not options.pools:
+        named = [flag for flag, value in (("--prefill-deployment", options.prefill_deployment),
+                                          ("--decode-deployment", options.decode_deployment)) if value is not None]
+        return f"{named[0]} names a pool's Deployment: it needs --pools" if named else ""
+    if options.deployment != DEPLOYMENT:
+        return ("--deployment names the one Deployment of an aggregated fleet; with --pools name "
+                "--prefill-deployment and --decode-deployment")
+    prefill, decode = pool_deployments(options).values()
+    if prefill == decode:
+        return f"--prefill-deployment and --decode-deployment must name two Deployments, both name {prefill!r}"
+    return ""
+
+
+def pool_deployments(options: PlannerOptions) -> dict[ReplicaRole, str]:
+    """Return the Deployment of each pool (prefill, then decode) that --pools with the kubernetes connector scales."""
+    return {ReplicaRole.PREFILL: options.prefill_deployment or POOL_DEPLOYMENTS[ReplicaRole.PREFILL],
+            ReplicaRole.DECODE: options.decode_deployment or POOL_DEPLOYMENTS[ReplicaRole.DECODE]}
 
 
 def planner_config(options: PlannerOptions) -> PlannerConfig:
@@ -96,6 +156,22 @@ def build_connector(options: PlannerOptions, metrics: PlannerMetrics) -> Replica
     """Return the connector the options name; raises serve.StartupError when Kubernetes credentials are missing."""
     if options.connector == "prometheus":
         return PrometheusConnector(metrics)
+    return KubernetesConnector(kubernetes_api(options), namespace=options.kube_namespace, deployment=options.deployment)
+
+
+def build_pool_connectors(options: PlannerOptions, metrics: PoolPlannerMetrics) -> dict[ReplicaRole, ReplicaConnector]:
+    """Return each pool's connector (--pools): the kubernetes connector of its Deployment (`pool_deployments`), or
+    the prometheus connector of its figure. Raises serve.StartupError when Kubernetes credentials are missing."""
+    if options.connector == "prometheus":
+        return {role: PoolPrometheusConnector(metrics, role.value) for role in POOL_DEPLOYMENTS}
+    api = kubernetes_api(options)
+    return {role: KubernetesConnector(api, namespace=options.kube_namespace, deployment=deployment)
+            for role, deployment in pool_deployments(options).items()}
+
+
+def kubernetes_api(options: PlannerOptions) -> ApiClient:
+    """Return a Kubernetes API client: --kubeconfig's, else the pod's service account. Raises serve.StartupError
+    when there are no credentials."""
     from kubernetes import client, config
 
     try:
@@ -107,10 +183,43 @@ def build_connector(options: PlannerOptions, metrics: PlannerMetrics) -> Replica
     except (config.ConfigException, OSError) as exc:
         raise serve.StartupError(f"no Kubernetes credentials ({exc}); run in a pod with a service account, "
                                  "pass --kubeconfig, or use --connector prometheus") from exc
-    return KubernetesConnector(api, namespace=options.kube_namespace, deployment=options.deployment)
+    return api
 
 
-async def run_loop(loop: PlannerLoop, period_s: float, stop: asyncio.Event) -> None:
+class PlannerTicks(Protocol):
+    """What the service runs every period: PlannerLoop, or PoolPlannerLoop with --pools."""
+
+    def tick(self, now: float) -> object:
+        """Observe at `now`, decide, carry out the change(s); return the decision(s)."""
+        ...
+
+
+def build_loop(options: PlannerOptions, config: PlannerConfig,
+               source: ObservationSource) -> tuple[PlannerTicks, CollectorRegistry]:
+    """Return the planner loop the options ask for and the registry of its metrics: one fleet, or with --pools the
+    prefill and decode pools, each sized by `config`. Raises serve.StartupError when Kubernetes credentials are
+    missing."""
+    if options.pools:
+        pool_metrics = PoolPlannerMetrics()
+        planner = PoolPlanner(PoolsConfig(prefill=config, decode=config))
+        connectors = build_pool_connectors(options, pool_metrics)
+        return PoolPlannerLoop(planner, source, connectors, pool_metrics), pool_metrics.registry
+    metrics = PlannerMetrics()
+    return PlannerLoop(Planner(config), source, build_connector(options, metrics), metrics), metrics.registry
+
+
+def describe_sizing(options: PlannerOptions, config: PlannerConfig) -> str:
+    """Return what the planner sizes, for the start-up line."""
+    bounds = f"{config.min_replicas}..{config.max_replicas} replicas"
+    if not options.pools:
+        return bounds
+    if options.connector == "prometheus":
+        return f"prefill and decode pools, each {bounds}"
+    prefill, decode = pool_deployments(options).values()
+    return f"prefill pool {prefill} and decode pool {decode}, each {bounds}"
+
+
+async def run_loop(loop: PlannerTicks, period_s: float, stop: asyncio.Event) -> None:
     """Tick the planner every `period_s` (in a thread: the connectors block) until `stop`; a failed action is logged."""
     while not stop.is_set():
         try:
@@ -129,12 +238,9 @@ async def start(ctx: serve.ServiceContext, options: PlannerOptions) -> serve.Sta
     from sluice import tls
 
     config = planner_config(options)
-    metrics = PlannerMetrics()
     files = serve.tls_files(options, "planner")
-    connector = build_connector(options, metrics)
-    ctx.expose_metrics(metrics.registry)
-    source = RouterObservations(options.router, files)
-    loop = PlannerLoop(Planner(config), source, connector, metrics)
+    loop, registry = build_loop(options, config, RouterObservations(options.router, files))
+    ctx.expose_metrics(registry)
     server = serve.grpc_server()
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -152,7 +258,7 @@ async def start(ctx: serve.ServiceContext, options: PlannerOptions) -> serve.Sta
 
     return serve.Started(port, drain=drain, watched=[task], health=health_servicer,
                          detail=f" (router {options.router}, connector {options.connector}, "
-                                f"{config.min_replicas}..{config.max_replicas} replicas)")
+                                f"{describe_sizing(options, config)})")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

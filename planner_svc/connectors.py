@@ -8,9 +8,11 @@ how many replicas there are, add n, remove this one. `apply_decision` maps a dec
   resourceVersion it read, and a 409 Conflict is read again and retried). To remove one named
   replica it first lowers that pod's `controller.kubernetes.io/pod-deletion-cost`, so the
   ReplicaSet deletes that pod and not another; the pod's SIGTERM then drains its scheduler.
-  RBAC it needs: deploy/k8s/60-planner.yaml.
+  RBAC it needs: deploy/k8s/70-planner-rbac.yaml. The pool planner gets one per pool, each scaling
+  its pool's Deployment (`python -m planner_svc --pools`).
 * `PrometheusConnector` acts on nothing: the planner loop's desired and current replica gauges
   are the output, for clusters whose own autoscaler (an HPA on an external metric) does the scaling.
+  `PoolPrometheusConnector` is the same for one pool of the pool planner (its gauges' `pool` label).
 * `LocalProcessConnector` adapts a `ReplicaLauncher` (start, stop, list replica processes on this
   machine), which `sluice up --autoscale` implements.
 
@@ -27,7 +29,7 @@ from planner_svc.core import Decision, ScaleDown, ScaleUp
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient
 
-    from planner_svc.driver import PlannerMetrics
+    from planner_svc.driver import PlannerMetrics, PoolPlannerMetrics
 
 # Lower than any cost a pod gets by default (0): the ReplicaSet deletes this pod first on scale-down.
 POD_DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
@@ -126,6 +128,25 @@ class PrometheusConnector:
 
     def remove(self, replica_id: str) -> None:
         """Nothing to do: the loop has lowered the desired gauge and named the retire candidate."""
+
+
+class PoolPrometheusConnector:
+    """PrometheusConnector for one pool of the pool planner: its figure is the pool's
+    `sluice_planner_pool_desired_replicas{pool}` (PoolPlannerMetrics, set by PoolPlannerLoop), for an external
+    autoscaler of that pool's Deployment; `current_replicas` is the pool's count the loop last observed."""
+
+    def __init__(self, metrics: PoolPlannerMetrics, pool: str) -> None:
+        self.metrics, self.pool = metrics, pool
+
+    def current_replicas(self) -> int:
+        value = self.metrics.registry.get_sample_value("sluice_planner_pool_current_replicas", {"pool": self.pool})
+        return int(value or 0)
+
+    def add(self, n: int) -> None:
+        """Nothing to do: the loop has raised the pool's desired gauge; the external autoscaler acts on it."""
+
+    def remove(self, replica_id: str) -> None:
+        """Nothing to do: the loop has lowered the pool's desired gauge."""
 
 
 class ReplicaLauncher(Protocol):

@@ -7,8 +7,10 @@ that does not answer within `timeout_s` counts as a replica that is not ready (i
 a router that does not answer gives an observation with no replicas, on which the core holds.
 
 The arrival rate is the growth, between two observations, of the requests each scheduler has seen
-(finished + cancelled + timed out + waiting + running). Latency inputs (TTFT, TPOT) are not observed
-here; the queue, backlog, KV and demand signals drive the decisions (docs/planner.md).
+(finished + cancelled + timed out + waiting + running). Each replica carries the role it registered
+(`Replica.role`: prefill, decode or both), which is its pool for the pool planner (`--pools`). Latency
+inputs (TTFT, TPOT) are not observed here; the queue, backlog, KV and demand signals drive the decisions
+(docs/planner.md).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from planner_svc.signals import Observation, ReplicaLoad
+from sluice.convert import role_from_proto
 from sluice.tls import TlsFiles, sync_channel
 from sluice.v1 import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -28,14 +31,15 @@ log = logging.getLogger("sluice.planner")
 
 
 def replica_load(replica: router_pb2.Replica, stats: scheduler_pb2.SchedulerStats | None) -> ReplicaLoad:
-    """One replica as the planner sees it: ready only when the router routes to it and its scheduler answered."""
-    draining = replica.state == router_pb2.DRAINING
+    """One replica as the planner sees it: ready only when the router routes to it and its scheduler answered; in
+    the pool of the role it registered. Raises ValueError for a role this planner does not know."""
+    draining, role = replica.state == router_pb2.DRAINING, role_from_proto(replica.role)
     if stats is None:
-        return ReplicaLoad(replica.replica_id, ready=False, draining=draining)
+        return ReplicaLoad(replica.replica_id, ready=False, draining=draining, role=role)
     kv = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
     return ReplicaLoad(replica.replica_id, ready=replica.state == router_pb2.READY, queue_length=stats.waiting,
                        queued_prefill_tokens=stats.queued_prefill_tokens, in_flight=stats.waiting + stats.running,
-                       kv_used_fraction=kv, draining=draining)
+                       kv_used_fraction=kv, draining=draining, role=role)
 
 
 def seen_requests(stats: scheduler_pb2.SchedulerStats) -> int:

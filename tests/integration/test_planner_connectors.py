@@ -6,11 +6,14 @@ import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import pytest
+import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from planner_svc.__main__ import build_loop, parse_args, planner_config
 from planner_svc.config import PlannerConfig
 from planner_svc.connectors import (
     POD_DELETION_COST_ANNOTATION,
@@ -22,8 +25,10 @@ from planner_svc.connectors import (
 )
 from planner_svc.core import Hold, HoldReason, Planner, ScaleDown, ScaleUp
 from planner_svc.driver import PlannerLoop, PlannerMetrics
+from planner_svc.pools import PoolDecisions
 from planner_svc.signals import Observation, ReplicaLoad
 from sluice.prom import serve_metrics
+from sluice.types import ReplicaRole
 from tests.integration.fake_kube_api import ClusterState, serve
 
 
@@ -101,6 +106,45 @@ def test_a_hold_touches_nothing(cluster: tuple[ClusterState, KubernetesConnector
     state, connector = cluster
     assert apply_decision(connector, Hold(HoldReason.COOLDOWN)) is False
     assert state.requests == []
+
+
+class UnevenPools:
+    """Pods of the two pools as the router lists them: one prefill replica, three decode replicas (the idle one,
+    replica-decode-c, is the cheapest to retire)."""
+
+    def observe(self, now: float) -> Observation:
+        decode = tuple(ReplicaLoad(f"replica-decode-{name}", in_flight=0 if name == "c" else 2, role=ReplicaRole.DECODE)
+                       for name in "abc")
+        return Observation(at=now, arrival_rate=1.0,
+                           replicas=(ReplicaLoad("replica-prefill-a", role=ReplicaRole.PREFILL), *decode))
+
+
+def test_the_planner_service_with_pools_scales_each_pools_deployment(tmp_path: Path) -> None:
+    """`python -m planner_svc --pools` (kubernetes connector, credentials from --kubeconfig) against the API server:
+    the prefill pool under its minimum raises Deployment replica-prefill's scale, the decode pool over its maximum
+    marks its idle pod and lowers replica-decode's, and neither touches the other's Deployment."""
+    state = ClusterState(deployments={"replica-prefill": 1, "replica-decode": 3, "replica": 5},
+                         pods={f"replica-decode-{name}": {} for name in "abc"})
+    server = serve(state)
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+        "clusters": [{"name": "fake", "cluster": {"server": f"http://127.0.0.1:{server.server_port}"}}],
+        "users": [{"name": "planner", "user": {"token": "t"}}],
+        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "planner"}}]}))
+    try:
+        options = parse_args(["--pools", "--kubeconfig", str(kubeconfig), "--kube-namespace", "sluice",
+                              "--min-replicas", "2", "--max-replicas", "2"])
+        loop, _registry = build_loop(options, planner_config(options), UnevenPools())
+        assert loop.tick(0.0) == PoolDecisions(ScaleUp(1, "bounds"), ScaleDown("replica-decode-c", "bounds"))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert state.deployments == {"replica-prefill": 2, "replica-decode": 2, "replica": 5}
+    assert state.pods["replica-decode-c"] == {POD_DELETION_COST_ANNOTATION: VICTIM_DELETION_COST}
+    assert state.pods["replica-decode-a"] == state.pods["replica-decode-b"] == {}
+    scaled = {path.rsplit("/", 2)[-2] for method, path, _, _ in state.requests if method == "PUT"}
+    assert scaled == {"replica-prefill", "replica-decode"}
 
 
 def _scrape(port: int) -> dict[str, float]:

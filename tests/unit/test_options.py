@@ -12,6 +12,8 @@ import pytest
 
 from admission_svc.__main__ import AdmissionOptions
 from admission_svc.__main__ import build_parser as admission_parser
+from planner_svc.__main__ import PlannerOptions
+from planner_svc.__main__ import build_parser as planner_parser
 from router_svc.__main__ import RouterOptions
 from router_svc.__main__ import build_parser as router_parser
 from router_svc.core import RouterConfig
@@ -75,7 +77,8 @@ def test_help_is_the_field_docstring_and_env_sets_a_default(monkeypatch: pytest.
 
 
 @pytest.mark.parametrize("cls, parser", [(AdmissionOptions, admission_parser), (RouterOptions, router_parser),
-                                         (SchedulerOptions, scheduler_parser), (WorkerOptions, worker_parser)])
+                                         (SchedulerOptions, scheduler_parser), (WorkerOptions, worker_parser),
+                                         (PlannerOptions, planner_parser)])
 def test_every_service_flag_has_a_documented_field(cls: type, parser: object) -> None:
     """Every service's flags are exactly its options' fields, each with a one-line help text."""
     docs = field_docs(cls)
