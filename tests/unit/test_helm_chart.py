@@ -1,7 +1,8 @@
 """deploy/helm/sluice renders (with the test-only renderer, tests/helm_render.py, which test_helm_sdk.py matches to Helm's)
 into manifests that validate against the Kubernetes schemas, run every container locked down, start each Sluice
-service with flags its parser accepts, expose the OpenAI HTTP port, deploy the planner, and run vLLM's own image
-beside the Sluice agent when engine is vllm."""
+service with flags its parser accepts, expose the OpenAI HTTP port, deploy the planner, run vLLM's own image
+beside the Sluice agent when engine is vllm, and with disagg.enabled run the prefill and decode pools as two
+Deployments that the planner sizes apart."""
 
 from __future__ import annotations
 
@@ -17,9 +18,13 @@ import yaml
 
 from admission_svc.__main__ import build_parser as admission_parser
 from planner_svc.__main__ import build_parser as planner_parser
+from planner_svc.__main__ import parse_args as planner_args
+from planner_svc.__main__ import pool_deployments
 from router_svc.__main__ import build_parser as router_parser
 from scheduler_svc.__main__ import build_parser as scheduler_parser
-from tests.helm_render import render_chart
+from sluice.types import ReplicaRole
+from tests.helm_render import RenderFailed, render_chart
+from tests.unit.test_k8s_policies import selects
 from worker_svc.__main__ import build_parser as worker_parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,6 +39,7 @@ VARIANTS = {
                                                "planner": {"enabled": False}, "admission": {"publicTls": True}},
     "bare": {"ingress": {"enabled": False}, "networkPolicies": {"enabled": False},
              "prometheus": {"scrapeConfig": False}, "grafana": {"dashboard": False}},
+    "disagg": {"disagg": {"enabled": True}},
 }
 VLLM_COMMAND = ["vllm", "serve", "Qwen/Qwen3-0.6B", "--host", "127.0.0.1", "--port", "8000", "--kv-events-config",
                 '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557",'
@@ -101,7 +107,7 @@ def parse(service: str, args: list[str]) -> argparse.Namespace:
         pytest.fail(f"python -m {service}_svc rejects {args}")
 
 
-@pytest.mark.parametrize("variant", ["defaults", "external-redis, no planner, public TLS"])
+@pytest.mark.parametrize("variant", ["defaults", "external-redis, no planner, public TLS", "disagg"])
 def test_sluice_containers_start_with_flags_their_parsers_accept_and_probe_their_own_port(variant: str) -> None:
     """Each Sluice container's args parse; its gRPC containerPort is the port it listens on, and its probes are
     sluice.healthcheck on that port with its own role."""
@@ -119,7 +125,7 @@ def test_sluice_containers_start_with_flags_their_parsers_accept_and_probe_their
                 if probe in container:
                     assert container[probe]["exec"]["command"] == [
                         "python", "-m", "sluice.healthcheck", str(args.port), "--role", service], (service, probe)
-    expected = {"admission", "router", "scheduler", "worker"} | ({"planner"} if variant == "defaults" else set())
+    expected = {"admission", "router", "scheduler", "worker"} | ({"planner"} if "no planner" not in variant else set())
     assert seen == expected
 
 
@@ -235,6 +241,9 @@ def test_the_renderer_refuses_what_it_does_not_understand(tmp_path: Path) -> Non
     (tmp_path / "templates" / "x.yaml").write_text("v: {{ .Values.a.c }}\n")
     with pytest.raises(KeyError, match="no such value"):
         render_chart(tmp_path)
+    (tmp_path / "templates" / "x.yaml").write_text('v: {{ include "nowhere" . }}\n')
+    with pytest.raises(KeyError, match="no such define"):
+        render_chart(tmp_path)
 
 
 CHART_CALLS = {
@@ -245,7 +254,7 @@ CHART_CALLS = {
 }
 
 
-@pytest.mark.parametrize("variant", ["defaults", "vllm"])
+@pytest.mark.parametrize("variant", ["defaults", "vllm", "disagg"])
 def test_the_charts_network_policies_allow_exactly_the_calls_each_service_makes(variant: str) -> None:
     """Among the release's pods, the allowed (caller, callee, port) triples are exactly the call graph (the
     evaluator of tests/unit/test_k8s_policies.py); the worker's port and reverse calls stay closed."""
@@ -256,3 +265,133 @@ def test_the_charts_network_policies_allow_exactly_the_calls_each_service_makes(
     ports = {50051, 50052, 50061, 50071, 50081, 6379, 8000, 9464, 9465}
     opened = {(s, t, port) for s in apps for t in apps for port in ports if s != t and allowed(policies, s, t, port)}
     assert opened == CHART_CALLS, f"extra: {sorted(opened - CHART_CALLS)}; missing: {sorted(CHART_CALLS - opened)}"
+
+
+def deployments(docs: list[dict[str, Any]], app: str) -> dict[str, dict[str, Any]]:
+    """Deployment name -> Deployment, for the Deployments whose pods carry label app=`app`."""
+    return {d["metadata"]["name"]: d for d in docs
+            if d["kind"] == "Deployment" and d["spec"]["template"]["metadata"]["labels"]["app"] == app}
+
+
+def scheduler_args(deployment: dict[str, Any]) -> list[str]:
+    [scheduler] = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "scheduler"]
+    return list(scheduler["args"])
+
+
+def planner_role_rules(docs: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """Resource -> the resourceNames the planner's Role grants on it (apps group)."""
+    [binding] = [d for d in docs if d["kind"] == "RoleBinding" and d["subjects"][0]["name"] == "planner"]
+    [role] = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == binding["roleRef"]["name"]]
+    return {rule["resources"][0]: rule["resourceNames"] for rule in role["rules"] if rule["apiGroups"] == ["apps"]}
+
+
+DISAGG = {"disagg": {"enabled": True, "prefill": {"replicas": 3}, "decode": {"replicas": 2}}}
+
+
+def test_disagg_runs_a_prefill_and_a_decode_deployment_instead_of_the_replica_one() -> None:
+    """disagg.enabled: exactly two replica Deployments, replica-prefill and replica-decode, sized by their values,
+    whose schedulers start with --role prefill (with the whole round budget as chunk cap, as `sluice up --disagg`)
+    and --role decode; each selector takes its own pods only; the headless Service still names every pod of both
+    (the scheduler's --advertise-host and --kv-worker-address are that DNS name)."""
+    docs = render_chart(CHART, DISAGG)
+    replicas = deployments(docs, "replica")
+    assert set(replicas) == {"replica-prefill", "replica-decode"}
+    assert {name: d["spec"]["replicas"] for name, d in replicas.items()} == {"replica-prefill": 3, "replica-decode": 2}
+    prefill, decode = (parse("scheduler", scheduler_args(replicas[name])) for name in ("replica-prefill", "replica-decode"))
+    assert (ReplicaRole(prefill.role), ReplicaRole(decode.role)) == (ReplicaRole.PREFILL, ReplicaRole.DECODE)
+    assert prefill.max_prefill_chunk == prefill.max_num_batched_tokens == 2048
+    assert decode.max_prefill_chunk == parse("scheduler", ["--replica-id", "r"]).max_prefill_chunk  # the default
+    pod_labels = {name: d["spec"]["template"]["metadata"]["labels"] for name, d in replicas.items()}
+    for name, deployment in replicas.items():
+        assert {other for other, labels in pod_labels.items()
+                if selects(deployment["spec"]["selector"], labels)} == {name}
+        assert deployment["spec"]["template"]["spec"]["subdomain"] == "replica"
+    [service] = [d["spec"] for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "replica"]
+    assert all(selects({"matchLabels": service["selector"]}, labels) for labels in pod_labels.values())
+    for args in (prefill, decode):
+        assert args.kv_worker_address == "$(POD_NAME).replica.$(POD_NAMESPACE).svc.cluster.local:50061"
+
+
+def _without_role(deployment: dict[str, Any]) -> dict[str, Any]:
+    """The pod template with its pool's marks taken out: the role label and the scheduler's role flags."""
+    template = json.loads(json.dumps(deployment["spec"]["template"]))
+    template["metadata"]["labels"].pop("sluice.io/role")
+    for container in template["spec"]["containers"]:
+        if container["name"] == "scheduler":
+            args = container["args"]
+            for flag in ("--role", "--max-prefill-chunk"):
+                if flag in args:
+                    del args[args.index(flag):args.index(flag) + 2]
+    return dict(template)
+
+
+def test_the_pools_pod_templates_are_the_aggregated_one_plus_their_role() -> None:
+    """Both pools' pods are the replica pod of an aggregated release but for their role (one pod template, not two
+    copies that drift); a pool's own worker resources, when set, replace worker.resources there only."""
+    [aggregated] = deployments(rendered("defaults"), "replica").values()
+    decode_resources = {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"cpu": "8", "memory": "64Gi"}}
+    values = {"disagg": {"enabled": True, "decode": {"resources": decode_resources}}}
+    replicas = deployments(render_chart(CHART, values), "replica")
+    assert _without_role(replicas["replica-prefill"]) == aggregated["spec"]["template"]
+    decode = _without_role(replicas["replica-decode"])
+    [worker] = [c for c in decode["spec"]["containers"] if c["name"] == "worker"]
+    assert worker["resources"] == decode_resources
+    worker["resources"] = yaml.safe_load((CHART / "values.yaml").read_text())["worker"]["resources"]
+    assert decode == aggregated["spec"]["template"]
+
+
+def test_without_disagg_the_chart_renders_the_one_aggregated_replica_deployment() -> None:
+    """disagg off (the default): one Deployment `replica` of `replicas` pods selected by app=replica alone, no
+    --role (the scheduler's default, both), and the planner scales that one Deployment."""
+    docs = render_chart(CHART, {"replicas": 3})
+    [(name, replica)] = deployments(docs, "replica").items()
+    assert (name, replica["spec"]["replicas"], replica["spec"]["selector"]) == ("replica", 3,
+                                                                                {"matchLabels": {"app": "replica"}})
+    assert "sluice.io/role" not in replica["spec"]["template"]["metadata"]["labels"]
+    args = scheduler_args(replica)
+    assert "--role" not in args and ReplicaRole(parse("scheduler", args).role) is ReplicaRole.BOTH
+    [planner] = [spec for name, spec in pods(docs) if name == "planner"]
+    options = planner_args([*_entrypoint("planner"), *planner["containers"][0]["args"]])
+    assert (options.pools, options.deployment) == (False, "replica")
+    assert planner_role_rules(docs) == {"deployments/scale": ["replica"], "deployments": ["replica"]}
+
+
+@pytest.mark.parametrize("connector", ["kubernetes", "prometheus"])
+def test_with_disagg_the_planner_sizes_each_pool_and_may_scale_exactly_their_deployments(connector: str) -> None:
+    """The planner runs with --pools and names the two rendered Deployments as its pools' (a combination its
+    own parser accepts), and its Role lets it read and scale those two and no other Deployment."""
+    docs = render_chart(CHART, {**DISAGG, "planner": {"connector": connector}})
+    [planner] = [spec for name, spec in pods(docs) if name == "planner"]
+    options = planner_args([*_entrypoint("planner"), *planner["containers"][0]["args"]])
+    assert options.pools is True and options.connector == connector
+    names = set(deployments(docs, "replica"))
+    assert set(pool_deployments(options).values()) == names
+    assert pool_deployments(options) == {ReplicaRole.PREFILL: "replica-prefill", ReplicaRole.DECODE: "replica-decode"}
+    rules = planner_role_rules(docs)
+    assert set(rules) == {"deployments/scale", "deployments"}
+    assert all(sorted(granted) == sorted(names) for granted in rules.values())
+
+
+def test_disagg_with_engine_vllm_fails_rendering_naming_the_values() -> None:
+    """engine vllm and disagg.enabled refuse to render, with a message naming both values (as `sluice up --disagg
+    --engine vllm` refuses): vLLM engines cannot be either side of a KV hand-off yet."""
+    with pytest.raises(RenderFailed, match=r"disagg\.enabled needs engine: sluice") as failed:
+        render_chart(CHART, {"engine": "vllm", "disagg": {"enabled": True}})
+    assert "disagg.enabled to false" in str(failed.value)
+    assert deployments(render_chart(CHART, {"engine": "vllm", "disagg": {"enabled": False}}), "replica")
+
+
+def test_the_pools_replicas_may_reach_each_others_kv_ports_and_nothing_else_of_each_other() -> None:
+    """The chart's replica NetworkPolicy admits a prefill pod and a decode pod to each other's scheduler (HeldKv,
+    ReleaseKv) and worker (ReadKv) ports, both ways, and to no other port of each other (the evaluator of
+    tests/unit/test_k8s_policies.py, on the pods' rendered labels)."""
+    from tests.unit.test_k8s_policies import allowed
+
+    docs = render_chart(CHART, DISAGG)
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    labels = [d["spec"]["template"]["metadata"]["labels"] for d in deployments(docs, "replica").values()]
+    assert len(labels) == 2
+    for source, target in (labels, labels[::-1]):
+        opened = {port for port in (50051, 50052, 50061, 50071, 50081, 6379, 8000, 9464, 9465)
+                  if allowed(policies, source, target, port)}
+        assert opened == {50061, 50071}, (source, target)

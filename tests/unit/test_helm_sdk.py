@@ -12,7 +12,7 @@ import helm_python as helm
 import pytest
 import yaml
 
-from tests.helm_render import render_chart
+from tests.helm_render import RenderFailed, render_chart
 from tests.unit.test_helm_chart import CHART, VARIANTS
 
 
@@ -37,3 +37,13 @@ def test_helm_renders_what_the_test_renderer_renders(variant: str) -> None:
     by_helm = [doc for text in manifests.values() for doc in yaml.safe_load_all(text) if doc]
     assert len(by_helm) > 10
     assert _canonical(by_helm) == _canonical(render_chart(CHART, VARIANTS[variant]))
+
+
+def test_helm_refuses_disagg_with_engine_vllm_with_the_test_renderers_message() -> None:
+    """engine vllm with disagg.enabled: Helm's engine stops at the chart's `fail` too, with the same message."""
+    values = {"engine": "vllm", "disagg": {"enabled": True}}
+    with pytest.raises(RenderFailed) as ours:
+        render_chart(CHART, values)
+    with pytest.raises(helm.HelmRenderError) as helms:
+        helm.Chart.load(str(CHART)).render(values, name="sluice", namespace="sluice", is_install=True)
+    assert str(ours.value) in str(helms.value) and "disagg.enabled" in str(ours.value)

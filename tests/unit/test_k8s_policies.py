@@ -38,13 +38,22 @@ def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
     return True
 
 
-def rule_allows(rules: list[dict[str, Any]], side: str, peer: str, port: int) -> bool:
-    """Return whether one of the ingress/egress rules admits the in-namespace pod app=peer on TCP port."""
+Pod = str | dict[str, str]
+"""A pod: its app label (app=NAME), or all its labels."""
+
+
+def labels_of(pod: Pod) -> dict[str, str]:
+    """Return the labels of a pod given as its app name or as its labels."""
+    return {"app": pod} if isinstance(pod, str) else pod
+
+
+def rule_allows(rules: list[dict[str, Any]], side: str, peer: Pod, port: int) -> bool:
+    """Return whether one of the ingress/egress rules admits the in-namespace pod `peer` on TCP port."""
     for rule in rules:
         peers = rule.get(side)
         ports = rule.get("ports")
         peer_ok = peers is None or any(
-            "podSelector" in p and "namespaceSelector" not in p and selects(p["podSelector"], {"app": peer})
+            "podSelector" in p and "namespaceSelector" not in p and selects(p["podSelector"], labels_of(peer))
             for p in peers)
         port_ok = ports is None or any(p.get("protocol", "TCP") == "TCP" and p.get("port") == port for p in ports)
         if peer_ok and port_ok:
@@ -52,10 +61,10 @@ def rule_allows(rules: list[dict[str, Any]], side: str, peer: str, port: int) ->
     return False
 
 
-def allowed(policies: list[dict[str, Any]], source: str, target: str, port: int) -> bool:
-    """Return whether the policies let pod app=source open TCP port on pod app=target (both directions checked)."""
-    def side(app: str, kind: str, field: str, peer: str) -> bool:
-        chosen = [p["spec"] for p in policies if selects(p["spec"]["podSelector"], {"app": app})
+def allowed(policies: list[dict[str, Any]], source: Pod, target: Pod, port: int) -> bool:
+    """Return whether the policies let pod `source` open TCP port on pod `target` (both directions checked)."""
+    def side(pod: Pod, kind: str, field: str, peer: Pod) -> bool:
+        chosen = [p["spec"] for p in policies if selects(p["spec"]["podSelector"], labels_of(pod))
                   and kind in p["spec"]["policyTypes"]]
         return not chosen or any(rule_allows(spec.get(field, []), "to" if field == "egress" else "from", peer, port)
                                  for spec in chosen)
