@@ -12,8 +12,11 @@ import pytest
 
 from admission_svc.__main__ import build_parser as admission_parser
 from planner_svc.__main__ import build_parser as planner_parser
+from planner_svc.__main__ import parse_args as planner_args
+from planner_svc.__main__ import pool_deployments
 from router_svc.__main__ import build_parser as router_parser
 from scheduler_svc.__main__ import build_parser as scheduler_parser
+from sluice.types import ReplicaRole
 from worker_svc.__main__ import build_parser as worker_parser
 
 yaml = pytest.importorskip("yaml")
@@ -168,3 +171,55 @@ def test_both_containers_of_a_replica_pod_are_scraped() -> None:
     monitor = yaml.safe_load((DEPLOY / "k8s/extras/podmonitor.yaml").read_text())
     assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} == names
     assert ".*metrics" in (DEPLOY / "k8s/extras/prometheus-scrape-config.yaml").read_text()
+
+
+def _k8s_documents(path: str) -> dict[tuple[str, str], dict]:  # type: ignore[type-arg]
+    """(kind, name) -> document of one manifest file under deploy/k8s."""
+    return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all((DEPLOY / "k8s" / path).read_text()) if d}
+
+
+def _without_pool(template: dict) -> dict:  # type: ignore[type-arg]
+    """A copy of a pool's pod template without its pool's marks: the role label, the scheduler's role flags."""
+    template = json.loads(json.dumps(template))
+    template["metadata"]["labels"].pop("sluice.io/role")
+    for container in template["spec"]["containers"]:
+        for flag in ("--role", "--max-prefill-chunk"):
+            if flag in container.get("args", []):
+                at = container["args"].index(flag)
+                del container["args"][at:at + 2]
+    return template  # type: ignore[no-any-return]
+
+
+def test_the_disagg_example_runs_the_replica_pod_in_two_pools_and_the_planner_sizes_them_apart() -> None:
+    """extras/disagg-replicas.yaml: Deployments replica-prefill and replica-decode, each 30-replica.yaml's pod plus
+    its role (the scheduler's --role, a label its own selector takes and the other's does not), and the planner of
+    75-planner.yaml but for flags naming exactly those two as its pools (a combination its parser accepts), under
+    70-planner-rbac.yaml's binding to a Role that may scale those two and no other Deployment."""
+    extras, base = _k8s_documents("extras/disagg-replicas.yaml"), _k8s_documents("30-replica.yaml")
+    pools = {name: d for (kind, name), d in extras.items() if kind == "Deployment" and name != "planner"}
+    assert set(pools) == {"replica-prefill", "replica-decode"}
+    aggregated = base[("Deployment", "replica")]["spec"]["template"]
+    for name, deployment in pools.items():
+        role = name.removeprefix("replica-")
+        template = deployment["spec"]["template"]
+        assert template["metadata"]["labels"] == {"app": "replica", "sluice.io/role": role}
+        assert deployment["spec"]["selector"] == {"matchLabels": template["metadata"]["labels"]}
+        [scheduler] = [c for c in template["spec"]["containers"] if c["name"] == "scheduler"]
+        args = parse("scheduler", scheduler["args"])
+        assert ReplicaRole(args.role) is ReplicaRole(role)
+        default = parse("scheduler", ["--replica-id", "r"]).max_prefill_chunk
+        assert args.max_prefill_chunk == (args.max_num_batched_tokens if role == "prefill" else default)
+        assert _without_pool(template) == aggregated, name
+    [planner] = extras[("Deployment", "planner")]["spec"]["template"]["spec"]["containers"]
+    options = planner_args([*entrypoint("planner"), *planner["args"]])
+    assert options.pools and set(pool_deployments(options).values()) == set(pools)
+    assert pool_deployments(options)[ReplicaRole.PREFILL] == "replica-prefill"
+    original = _k8s_documents("75-planner.yaml")[("Deployment", "planner")]
+    changed = json.loads(json.dumps(extras[("Deployment", "planner")]))
+    changed["spec"]["template"]["spec"]["containers"][0]["args"] = original["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert changed == original
+    binding = _k8s_documents("70-planner-rbac.yaml")[("RoleBinding", "planner-scale-replicas")]
+    role = extras[("Role", binding["roleRef"]["name"])]
+    apps = [rule for rule in role["rules"] if rule["apiGroups"] == ["apps"]]
+    assert {tuple(rule["resources"]) for rule in apps} == {("deployments/scale",), ("deployments",)}
+    assert all(sorted(rule["resourceNames"]) == sorted(pools) for rule in apps)

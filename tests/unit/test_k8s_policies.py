@@ -85,6 +85,24 @@ def test_network_policies_allow_exactly_the_calls_each_service_makes() -> None:
     assert not allowed(policies, "admission", "redis", 6380)
 
 
+def test_the_disagg_examples_pools_are_governed_as_replica_pods() -> None:
+    """The pods of extras/disagg-replicas.yaml (prefill and decode pools) reach each other's 50071 and 50061 (KV
+    hand-offs) both ways and no other port of each other, and admission, the router and the planner reach both
+    pools' schedulers as they reach 30-replica.yaml's: 60-network-policies.yaml, unchanged, covers them."""
+    policies = [d for d in load() if d["kind"] == "NetworkPolicy"]
+    pools = [d["spec"]["template"]["metadata"]["labels"] for d in load("extras/disagg-replicas.yaml")
+             if d["kind"] == "Deployment" and d["metadata"]["name"] != "planner"]
+    assert [labels.get("sluice.io/role") for labels in pools] == ["prefill", "decode"]
+    for source, target in (pools, pools[::-1]):
+        assert {port for port in PORTS if allowed(policies, source, target, port)} == {50061, 50071}
+    others = [app for app in APPS if app != "replica"]  # replica pods to and from a pool: the KV ports, as above
+    for pool in pools:
+        assert {(caller, port) for caller in others for port in PORTS if allowed(policies, caller, pool, port)} == {
+            (caller, port) for caller, callee, port in CALLS if callee == "replica"}
+        assert {(callee, port) for callee in others for port in PORTS if allowed(policies, pool, callee, port)} == {
+            (callee, port) for caller, callee, port in CALLS if caller == "replica"}
+
+
 def test_the_evaluator_sees_a_policy_that_opens_too_much() -> None:
     """Adding an allow-all ingress on Redis makes the call-graph check fail: the check is not vacuous."""
     policies = [d for d in load() if d["kind"] == "NetworkPolicy"]
