@@ -163,7 +163,7 @@ def advance_decodes(core: SchedulerCore, running: list[Request], tokens: Sequenc
     computed0 = [request.num_computed for request in running]
     for request, row in zip(running, tokens, strict=True):
         request.tokens.extend(row)
-    register = core.outcomes._register_full_blocks
+    outcomes = core.outcomes  # its method called on it, not as a bound method: compiled, a native call, no argument parsing
     older_tables: list[tuple[int, ...]] | None = None
     pool_after: list[tuple[int, int]] = []
     for m, phase, i in steps:
@@ -172,7 +172,7 @@ def advance_decodes(core: SchedulerCore, running: list[Request], tokens: Sequenc
         request = running[i]
         if phase == 0:
             request.num_computed = computed0[i] + m + 1
-            register(request)
+            outcomes._register_full_blocks(request)
             continue
         if m == k - 1 and older_tables is None:
             # the k-th result's take: everything so far; the last placements ahead are the next round's

@@ -251,15 +251,15 @@ class RoundOutcomes:
         """Register the hash of each block that became full and computed (STORED events)."""
         full = request.num_computed // self._block_size
         hashes = block_hashes_upto(request, full, self._block_size, request.salt)
-        register = self._pool.register
+        pool = self._pool  # `pool.register(...)`, not a bound method in a local: compiled, a native call without argument parsing
         if self._event_token_ids:
             size, tokens = self._block_size, request.tokens
             for index in range(request.num_registered, full):
-                register(request.block_ids[index], hashes[index], hashes[index - 1] if index else 0,
-                         tokens[index * size : (index + 1) * size])
+                pool.register(request.block_ids[index], hashes[index], hashes[index - 1] if index else 0,
+                              tokens[index * size : (index + 1) * size])
         else:
             for index in range(request.num_registered, full):
-                register(request.block_ids[index], hashes[index], hashes[index - 1] if index else 0)
+                pool.register(request.block_ids[index], hashes[index], hashes[index - 1] if index else 0)
         request.num_registered = full
 
     def _finish_swaps(self, record: InFlightRound, now: float, copied: bool = True) -> None:
