@@ -234,8 +234,36 @@ def _load(replica_id: str, state: int | None, stats: scheduler_pb2.SchedulerStat
                        kv_used_fraction=kv, draining=draining, role=role)
 
 
+class _Ticking:
+    """What both autoscalers share: the period gate, the metrics server and the READY line."""
+
+    loop: PlannerLoop | PoolPlannerLoop
+    period_s: float
+    on_event: Callable[[str], None]
+    _next_at: float | None = None
+    _ready: tuple[str, ...] = ()
+
+    def serve_metrics(self, port: int = 0, addr: str = "127.0.0.1") -> str:
+        """Serve the planner's metrics over HTTP (a daemon thread); return the URL."""
+        bound = serve_metrics(self.loop.metrics.registry, port, addr)
+        return f"http://{addr}:{bound}/metrics"
+
+    def _due(self, now: float) -> bool:
+        """True (and the next tick scheduled) when the planner's period is due at `now`."""
+        if self._next_at is not None and now < self._next_at:
+            return False
+        self._next_at = now + self.period_s
+        return True
+
+    def _report_ready(self, ready: tuple[str, ...]) -> None:
+        """Print the READY replicas when they changed since the last tick."""
+        if ready != self._ready:
+            self._ready = ready
+            self.on_event(f"autoscale: READY replicas: {', '.join(ready) or 'none'}")
+
+
 @dataclass
-class Autoscaler:
+class Autoscaler(_Ticking):
     """The planner loop on a running Stack, ticked from the supervisor's pass every `period_s`."""
 
     stack: Stack
@@ -248,30 +276,20 @@ class Autoscaler:
     def __post_init__(self) -> None:
         self.source = StackObservations(self.stack)
         self.launcher = StackLauncher(self.stack)
-        self.loop = PlannerLoop(Planner(self.config), self.source, LocalProcessConnector(self.launcher))
-        self._next_at: float | None = None
-        self._ready: tuple[str, ...] = ()
-
-    def serve_metrics(self, port: int = 0, addr: str = "127.0.0.1") -> str:
-        """Serve the planner's metrics over HTTP (a daemon thread); return the URL."""
-        bound = serve_metrics(self.loop.metrics.registry, port, addr)
-        return f"http://{addr}:{bound}/metrics"
+        self.loop: PlannerLoop = PlannerLoop(Planner(self.config), self.source,
+                                             LocalProcessConnector(self.launcher))
 
     def tick(self, now: float) -> None:
         """Run the planner if its period is due; report changes of the fleet and of its READY replicas."""
-        if self._next_at is not None and now < self._next_at:
+        if not self._due(now):
             return
-        self._next_at = now + self.period_s
         decision = self.loop.tick(now)
         count = len(self.launcher.replica_ids())
         if (change := _change(decision, count)) is not None:
             self.events.append((now, change[0], count))
             self.on_event(change[1])
-        ready = tuple(r.replica_id for r in self.source.last.replicas if r.serving) if self.source.last else ()
-        if ready != self._ready:
-            self._ready = ready
-            self.on_event(f"autoscale: READY replicas: {', '.join(ready) or 'none'}")
-
+        self._report_ready(tuple(r.replica_id for r in self.source.last.replicas if r.serving)
+                           if self.source.last else ())
 
 
 def _change(decision: object, count: int, pool: str = "") -> tuple[str, str] | None:
@@ -288,7 +306,7 @@ def _change(decision: object, count: int, pool: str = "") -> tuple[str, str] | N
 
 
 @dataclass
-class PoolAutoscaler:
+class PoolAutoscaler(_Ticking):
     """The pool planner loop on a running disaggregated Stack, ticked from the supervisor's pass every `period_s`
     (the module docstring): the prefill and decode pools sized apart."""
 
@@ -302,29 +320,19 @@ class PoolAutoscaler:
     def __post_init__(self) -> None:
         self.source = StackObservations(self.stack)
         self.launchers = {role: PoolLauncher(self.stack, role) for role in (ReplicaRole.PREFILL, ReplicaRole.DECODE)}
-        self.loop = PoolPlannerLoop(PoolPlanner(self.config), self.source,
-                                    {role: LocalProcessConnector(launcher) for role, launcher in self.launchers.items()})
-        self._next_at: float | None = None
-        self._ready: tuple[str, ...] = ()
-
-    def serve_metrics(self, port: int = 0, addr: str = "127.0.0.1") -> str:
-        """Serve the pool planner's metrics over HTTP (a daemon thread); return the URL."""
-        bound = serve_metrics(self.loop.metrics.registry, port, addr)
-        return f"http://{addr}:{bound}/metrics"
+        self.loop: PoolPlannerLoop = PoolPlannerLoop(
+            PoolPlanner(self.config), self.source,
+            {role: LocalProcessConnector(launcher) for role, launcher in self.launchers.items()})
 
     def tick(self, now: float) -> None:
         """Run the pool planner if its period is due; report each pool's changes and the READY replicas."""
-        if self._next_at is not None and now < self._next_at:
+        if not self._due(now):
             return
-        self._next_at = now + self.period_s
         decisions = self.loop.tick(now)
         for role, decision in ((ReplicaRole.PREFILL, decisions.prefill), (ReplicaRole.DECODE, decisions.decode)):
             count = len(self.launchers[role].replica_ids())
             if (change := _change(decision, count, role.value)) is not None:
                 self.events.append((now, role.value, change[0], count))
                 self.on_event(change[1])
-        ready = tuple(f"{r.replica_id} ({r.role.value})" for r in self.source.last.replicas if r.serving) \
-            if self.source.last else ()
-        if ready != self._ready:
-            self._ready = ready
-            self.on_event(f"autoscale: READY replicas: {', '.join(ready) or 'none'}")
+        self._report_ready(tuple(f"{r.replica_id} ({r.role.value})" for r in self.source.last.replicas if r.serving)
+                           if self.source.last else ())
