@@ -10,13 +10,14 @@ pair changes in the fleet's life:
   replicas of its role (WARMING, holding a GPU, READY after that pool's load + warm-up), its ScaleDown drains the
   replica of that pool it names;
 - a draining replica is routed nothing new (`RouterCore.drain`: the pair router takes READY replicas only) and
-  retires when its core is empty *and* no transfer touches it: a prefill replica while prompts it computed are
-  pinned for a transfer (waiting for room or moving), a decode replica while transfers to it wait, move or are
-  held for its core;
+  retires when its core is empty *and* the pair ties no request to it: a prefill replica while prompts it
+  computed are pinned for a transfer (waiting for room or moving), a decode replica while requests whose decode
+  half is bound for it are still prefilling elsewhere, wait for room, move, or are held for its core;
 - at the drain timeout the fleet hands the core's requests to migration, as for an aggregated replica; what the
   pair adds: a prompt pinned on the replica or bound for it and still waiting for room is moved at once (its pin
-  released, its prompt + first token recomputed elsewhere), and a transfer that lands on a decode replica past
-  its timeout is handed over as it lands. A moved request goes through a new pair (prefill with prompt + streamed
+  released, its prompt + first token recomputed elsewhere), a request bound for a decode replica and still
+  prefilling is handed over at its prefill replica, and a transfer that lands on a decode replica past its
+  timeout is handed over as it lands. A moved request goes through a new pair (prefill with prompt + streamed
   tokens, transfer, decode), so its tokens continue and none is lost or counted twice (fleet.py's migration);
 - GPU-seconds and a timeline per replica, summed per pool in the report's `fleet.pools`.
 
@@ -38,7 +39,15 @@ from sluice.core_errors import RequestRejected
 from sluice.types import ReplicaRole, ReplicaState
 from sluice_tools.metrics import RequestRecord
 from sluice_tools.sim.config import SimConfig
-from sluice_tools.sim.disagg import DECODING, ENDED, TRANSFERRING, WAITING_ROOM, DisaggSimulator, Flow
+from sluice_tools.sim.disagg import (
+    DECODING,
+    ENDED,
+    PREFILLING,
+    TRANSFERRING,
+    WAITING_ROOM,
+    DisaggSimulator,
+    Flow,
+)
 from sluice_tools.sim.fleet import FleetConfig, FleetSimulator
 from sluice_tools.sim.replica import Replica
 from sluice_tools.workload import WorkloadRequest
@@ -83,18 +92,17 @@ class DisaggFleetSimulator(DisaggSimulator, FleetSimulator):
         return self._pool_config(role).ready_delay_s
 
     def _holds_more(self, replica: Replica) -> bool:
-        """True while a transfer touches the replica: prompts pinned on it, or KV bound for or held on it."""
-        replica_id = replica.replica_id
-        if self._waiting_room[replica_id] or self._held[replica_id]:
+        """True while the pair ties a request to the replica outside its core: a prompt computed there and pinned
+        for its transfer, or a request whose decode half is bound for it (still prefilling elsewhere, waiting for
+        room, moving, or held until its core takes the blocks)."""
+        if self._held[replica.replica_id]:
             return True
-        return any(flow.state in (WAITING_ROOM, TRANSFERRING) and (flow.prefill is replica or flow.decode is replica)
-                   for flow in self.flows.values())
-
-    def _stranded(self, replica: Replica) -> list[str]:
-        """As the fleet's, less the transfers under way to it (each is handed over when it lands)."""
-        flows = self.flows
-        return [rid for rid in super()._stranded(replica)
-                if rid not in flows or flows[rid].state is not TRANSFERRING]
+        for flow in self.flows.values():
+            if flow.decode is replica and flow.state != DECODING:
+                return True
+            if flow.prefill is replica and flow.state in (WAITING_ROOM, TRANSFERRING):
+                return True
+        return False
 
     def _submit_moved(self, replica: Replica, request: WorkloadRequest, prompt: tuple[int, ...],
                       max_tokens: int) -> None:
@@ -121,16 +129,16 @@ class DisaggFleetSimulator(DisaggSimulator, FleetSimulator):
         if replica.state is ReplicaState.DRAINING:
             self._expired.add(replica.replica_id)
             self._move_waiting()
+            # Requests whose decode half is bound here and still prefilling elsewhere: handed over where they are.
+            for flow in [f for f in self.flows.values() if f.decode is replica and f.state == PREFILLING]:
+                self._hand_over(flow.prefill, [flow.request.request_id])
         super()._on_drain_deadline(replica)
-
-    def _hand_off(self, flow: Flow, finished: Any) -> None:
-        super()._hand_off(flow, finished)
-        if flow.decode.replica_id in self._expired:
-            self._move_waiting()
 
     def _move_waiting(self) -> None:
         """Move every prompt waiting for room whose prefill or decode replica is past its drain timeout: its pin is
-        released and the request placed again (prompt + first token recomputed on a new pair)."""
+        released and the request placed again (prompt + first token recomputed on a new pair). Nothing waits for a
+        replica past its timeout afterwards: the router pairs it with nothing new, and what was bound for it and
+        still prefilling was handed over at the timeout."""
         expired = self._expired
         stuck = [flow for room in self._waiting_room.values() for flow in room
                  if flow.prefill.replica_id in expired or flow.decode.replica_id in expired]
@@ -161,6 +169,12 @@ class DisaggFleetSimulator(DisaggSimulator, FleetSimulator):
         super()._end_cancelled_transfer(flow)
         self._retire_if_drained(flow.prefill)
         self._retire_if_drained(flow.decode)
+
+    def _finish(self, replica: Replica, finished: Any) -> None:
+        flow = self.flows.get(finished.request_id)
+        super()._finish(replica, finished)
+        if flow is not None and flow.decode is not replica:  # a prompt ended: its decode replica may be free now
+            self._retire_if_drained(flow.decode)
 
     def _on_round_done(self, payload: tuple[Replica, Any, Any]) -> None:
         super()._on_round_done(payload)
