@@ -20,6 +20,8 @@ load, warm-up, drain and migration modelled (sluice_tools/sim/fleet.py states th
 report adds GPU-seconds, scale events, time to ready and drain durations. With `--equal-resources` it
 instead compares, on a day-shaped workload (rate rising and falling), the autoscaled fleet with static
 fleets of MIN, MAX and the GPU-second-equal size (sluice_tools/sim/fleet_scenarios.py; times / 5).
+With `--disagg P:D` the pool planner (planner_svc/pools.py) sizes the prefill and decode pools apart, each within
+MIN..MAX from P and D (sluice_tools/sim/disagg_fleet.py); the report adds each pool's GPU-seconds and replicas.
 """
 
 from __future__ import annotations
@@ -144,7 +146,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--capacity-goal of the requests and of the offered tokens meet both SLO targets "
                              "(refusals are misses); the request-only figure is reported beside it")
     parser.add_argument("--autoscale", metavar="MIN:MAX",
-                        help="let the planner size the fleet between MIN and MAX replicas (starts at MIN)")
+                        help="let the planner size the fleet between MIN and MAX replicas (starts at MIN); with "
+                             "--disagg P:D, each pool apart within MIN..MAX (starts at P and D, brought within)")
     parser.add_argument("--equal-resources", action="store_true",
                         help="with --autoscale: autoscaled vs static MIN, MAX and GPU-second-equal fleets on a "
                              "day-shaped workload (no WORKLOAD needed)")
@@ -302,8 +305,8 @@ def run(args: argparse.Namespace) -> int:
         items = [i.strip() for i in args.compare.split(",") if i.strip()] if args.compare else []
         configs = {item: parse_compare_item(item, base) for item in items} or {_label(base): base}
         if args.disagg:
-            if fleet is not None:
-                raise ValueError("--disagg and --autoscale do not go together yet: give a fixed P:D split")
+            if fleet is not None and args.disagg.strip() == "all":
+                raise ValueError("--disagg all compares fixed splits; with --autoscale give one P:D split")
             configs = disagg_configs(configs, args.disagg, args.kv_link, args.disagg_prefill_chunk)
         create_output_dirs("sim", {"--json": args.json}, {"--plots": args.plots})
     except (ValueError, OSError, WorkloadError) as error:
@@ -316,7 +319,7 @@ def run(args: argparse.Namespace) -> int:
     for name, config in configs.items():
         print(f"simulating {name} ...", file=sys.stderr)
         if fleet is not None:
-            config = replace(config, replicas=max(1, fleet.planner.min_replicas))
+            config = fleet_start(config, fleet)
         reporter = _Progress(name, workload.requests) if _wants_progress(args) else None
         results[name] = simulate(config, workload.requests, include_series=bool(args.json or args.plots), fleet=fleet,
                                  progress=reporter)
@@ -363,6 +366,16 @@ def disagg_configs(configs: dict[str, SimConfig], split: str, link: str,
     return out
 
 
+def fleet_start(config: SimConfig, fleet: Any) -> SimConfig:
+    """Return the deployment an autoscaled run starts from: MIN replicas, or with --disagg P:D each pool's P and D
+    brought within MIN..MAX (as `sluice up --disagg P:D --autoscale MIN:MAX` does)."""
+    low, high = fleet.planner.min_replicas, fleet.planner.max_replicas
+    if config.disagg is None:
+        return replace(config, replicas=max(1, low))
+    prefill, decode = (min(max(side, low), high) for side in config.disagg)
+    return replace(config, replicas=prefill + decode, disagg=(prefill, decode))
+
+
 def parse_autoscale(text: str) -> Any:
     """Return the FleetConfig of `--autoscale MIN:MAX` (the planner's default times); raises ValueError."""
     from planner_svc.config import PlannerConfig
@@ -386,9 +399,20 @@ def format_fleet(fleet: dict[str, Any], name: str) -> str:
              f"{fleet['scale_ups']} scale-ups, {fleet['scale_downs']} scale-downs",
              f"  time to ready: {', '.join(f'{t:.0f} s' for t in ready) or '-'}; "
              f"drains: {', '.join(f'{d:.1f} s' for d in drains) or '-'}; migrations: {fleet['migrations'] or 0}"]
+    for pool, figures in (fleet.get("pools") or {}).items():
+        lives = ", ".join(_life(r) for r in figures["replicas"])
+        lines.append(f"  {pool} pool: {figures['gpu_seconds']:.0f} GPU-seconds, peak {figures['peak_replicas']}, "
+                     f"{figures['scale_ups']} scale-ups, {figures['scale_downs']} scale-downs; {lives}")
     lines += [f"  t={e['t']:>8.1f} s {e['kind']:<10} {e['what']:<12} {e['signal']} {e['pressure']}"
+              + (f" ({e['pool']} pool: {e['pool_replicas_after']})" if "pool" in e else "")
               for e in fleet["scale_events"]]
     return "\n".join(lines)
+
+
+def _life(replica: dict[str, Any]) -> str:
+    """One replica's life in a pool line: `replica-2 4-66 s` (asked for to retired; `end`: still there)."""
+    ended = "end" if replica["ended_s"] is None else f"{replica['ended_s']:.0f}"
+    return f"{replica['replica']} {replica['started_s']:.0f}-{ended} s"
 
 
 def _run_equal_resources(fleet: Any, json_path: str | None, progress: bool = True) -> int:

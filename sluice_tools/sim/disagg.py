@@ -104,7 +104,8 @@ class DisaggSimulator(Simulator):
 
     superseded_heartbeats = False  # its own events read the router's loads (see Simulator)
 
-    def __init__(self, config: SimConfig, requests: Sequence[WorkloadRequest]) -> None:
+    def __init__(self, config: SimConfig, requests: Sequence[WorkloadRequest], **more: Any) -> None:
+        """`more` goes on to the next class's constructor: the fleet's (`fleet=`) in DisaggFleetSimulator."""
         if config.disagg is None:
             raise ValueError("DisaggSimulator needs config.disagg = (prefill, decode) replicas")
         prefill, decode = config.disagg
@@ -112,15 +113,16 @@ class DisaggSimulator(Simulator):
             raise ValueError(f"disagg {prefill}:{decode} must have both sides >= 1 and sum to replicas "
                              f"({config.replicas})")
         self.link = link_profile(config.kv_link)
-        super().__init__(config, requests)
+        super().__init__(config, requests, **more)
         self.roles = {r.replica_id: (ReplicaRole.PREFILL if r.index < prefill else ReplicaRole.DECODE)
                       for r in self.replicas}
         # The prefill replicas' rounds carry no decodes, so the per-request chunk cap (which bounds the decodes'
         # inter-token latency) protects nothing there: by default one prompt may fill a round. Same core class.
-        base = self.replicas[0].core.config
+        self._decode_core_config = base = self.replicas[0].core.config
         chunk = config.disagg_prefill_chunk or base.max_num_batched_tokens
+        self._prefill_core_config = dataclasses.replace(base, max_prefill_chunk=chunk)
         for replica in self.replicas[:prefill]:
-            replica.core = SchedulerCore(dataclasses.replace(base, max_prefill_chunk=chunk), replica.replica_id)
+            replica.core = self._core_for(ReplicaRole.PREFILL, replica.replica_id)
         self.pairs = DisaggRouter(self.router)
         self.flows: dict[str, Flow] = {}
         self._decode_of: dict[str, Replica] = {}
@@ -137,6 +139,11 @@ class DisaggSimulator(Simulator):
         self.held_block_peak = 0
         self._moving = 0
         """Flows waiting for room or in transfer (no core holds them: `_busy` must still say so)."""
+
+    def _core_for(self, role: ReplicaRole, replica_id: str) -> SchedulerCore:
+        """A fresh scheduler core for a replica of `role` (a prefill one with the lifted chunk cap)."""
+        config = self._prefill_core_config if role is ReplicaRole.PREFILL else self._decode_core_config
+        return SchedulerCore(config, replica_id)
 
     def _is_prefill(self, replica: Replica) -> bool:
         return self.roles[replica.replica_id] is ReplicaRole.PREFILL
@@ -235,9 +242,11 @@ class DisaggSimulator(Simulator):
             flow.first_token = sampled[seq.request_id][0]
 
     def _finish(self, replica: Replica, finished: Any) -> None:
+        # Every end goes on to super()._finish (the Simulator's outputs.finish; the fleet's, which moves a request
+        # its drain handed off, when composed in DisaggFleetSimulator).
         flow = self.flows.get(finished.request_id)
         if flow is None:
-            outputs.finish(self, replica, finished)
+            super()._finish(replica, finished)
             return
         if replica is flow.prefill and flow.state == PREFILLING:
             if outputs.STATUS[finished.status] == "ok" and flow.pinned:
@@ -246,7 +255,7 @@ class DisaggSimulator(Simulator):
             self._unpin(flow)
             self.pairs.on_request_done(flow.decode.replica_id, finished.request_id)
             del self.flows[finished.request_id]
-            outputs.finish(self, replica, finished)
+            super()._finish(replica, finished)
             return
         # the decode side's end: the whole request's record (the prefill's token and reuse included)
         usage = finished.usage
@@ -257,7 +266,7 @@ class DisaggSimulator(Simulator):
         flow.state = ENDED
         del self.flows[finished.request_id]
         self.pairs.on_request_done(replica.replica_id, finished.request_id)
-        outputs.finish(self, replica, finished)
+        super()._finish(replica, finished)
 
     # ---- the hand-off -----------------------------------------------------------------------
     def _hand_off(self, flow: Flow, finished: Any) -> None:

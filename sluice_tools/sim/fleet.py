@@ -39,13 +39,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from planner_svc.config import PlannerConfig
-from planner_svc.core import Planner, ScaleDown, ScaleUp
+from planner_svc.core import Decision, Planner, ScaleDown, ScaleUp
+from planner_svc.pools import PoolsConfig
 from planner_svc.signals import Observation, ReplicaLoad
 from router_svc.core import NoReplicaAvailable, RouteQuery
 from scheduler_svc.core import SchedulerCore
 from sluice import glue
 from sluice.core_errors import RequestRejected
-from sluice.types import HeartbeatReport, NewRequest, ReplicaState, RequestStatus, SamplingParams
+from sluice.types import HeartbeatReport, NewRequest, ReplicaRole, ReplicaState, RequestStatus, SamplingParams
 from sluice.types import ReplicaLoad as RouterLoad
 from sluice_tools.metrics import RequestRecord
 from sluice_tools.sim.cluster import _READY, _RETRY, Simulator, _Replica
@@ -78,6 +79,13 @@ class FleetConfig:
     crash_replica: str = "replica-0"
     autoscale: bool = True
     """False: a static fleet of `SimConfig.replicas` (crashes and the report still apply)."""
+    pools: PoolsConfig | None = None
+    """With `SimConfig.disagg`: the prefill and decode pools' planners (planner_svc/pools.py); None: each pool is
+    planned with `planner` (disagg_fleet.py)."""
+
+    def pools_config(self) -> PoolsConfig:
+        """Return the pools' planners: `pools`, or `planner` for each pool."""
+        return self.pools if self.pools is not None else PoolsConfig(prefill=self.planner, decode=self.planner)
 
 
 @dataclass
@@ -92,15 +100,21 @@ class FleetReport:
     migration_failures: int = 0
     gpu_seconds: float = 0.0
     peak_replicas: int = 0
+    pools: dict[str, dict[str, Any]] | None = None
+    """Pools sized apart (disagg_fleet.py): per pool, its GPU-seconds, scale-ups and -downs, peak and each
+    replica's timeline; None for an aggregated fleet."""
 
     def to_dict(self) -> dict[str, Any]:
         """Return the report as plain data (the summary's "fleet" section)."""
         ups = sum(1 for e in self.scale_events if e["kind"] == "scale_up")
-        return {"gpu_seconds": self.gpu_seconds, "scale_ups": ups,
-                "scale_downs": sum(1 for e in self.scale_events if e["kind"] == "scale_down"),
-                "peak_replicas": self.peak_replicas, "time_to_ready_s": self.time_to_ready_s,
-                "drain_s": self.drain_s, "migrations": dict(self.migrations),
-                "migration_failures": self.migration_failures, "scale_events": self.scale_events}
+        out = {"gpu_seconds": self.gpu_seconds, "scale_ups": ups,
+               "scale_downs": sum(1 for e in self.scale_events if e["kind"] == "scale_down"),
+               "peak_replicas": self.peak_replicas, "time_to_ready_s": self.time_to_ready_s,
+               "drain_s": self.drain_s, "migrations": dict(self.migrations),
+               "migration_failures": self.migration_failures, "scale_events": self.scale_events}
+        if self.pools is not None:
+            out["pools"] = self.pools
+        return out
 
 
 class FleetSimulator(Simulator):
@@ -117,6 +131,8 @@ class FleetSimulator(Simulator):
         self._scheduler_config = config.scheduler_config(self.num_blocks, info.num_host_blocks, self.max_model_len)
         self._by_id = {r.request_id: r for r in self.requests}
         self._started_at = {r.replica_id: 0.0 for r in self.replicas}
+        self._ready_at: dict[str, float] = {}
+        self._drain_began: dict[str, float] = {}
         self._ended_at: dict[str, float] = {}
         self._dead: set[str] = set()
         self._draining: dict[str, float] = {}
@@ -134,10 +150,21 @@ class FleetSimulator(Simulator):
         if self.fleet.crash_at_s is not None:
             self.push(self.fleet.crash_at_s, _CRASH, self.fleet.crash_replica)
         records = super().run()
-        end = self.end_s  # the run's span, as the summary's simulated_s
-        self.report.gpu_seconds = sum(max(0.0, min(self._ended_at.get(rid, end), end) - start)
-                                      for rid, start in self._started_at.items())
+        self.report.gpu_seconds = sum(self._gpu_seconds(rid) for rid in self._started_at)
         return records
+
+    def _gpu_seconds(self, replica_id: str) -> float:
+        """The replica's GPU time: from its request to its retirement, crash, or the end of the run's span."""
+        end = self.end_s  # the run's span, as the summary's simulated_s
+        return max(0.0, min(self._ended_at.get(replica_id, end), end) - self._started_at[replica_id])
+
+    def _timeline(self, replica_id: str) -> dict[str, Any]:
+        """The replica's life: asked for, READY, draining and ended (None: not reached in the run)."""
+        def at(times: dict[str, float]) -> float | None:
+            return round(times[replica_id], 3) if replica_id in times else None
+        return {"replica": replica_id, "started_s": at(self._started_at), "ready_s": at(self._ready_at),
+                "draining_s": at(self._drain_began), "ended_s": at(self._ended_at),
+                "gpu_seconds": self._gpu_seconds(replica_id)}
 
     def _handlers(self) -> dict[int, Callable[[Any], None]]:
         handlers = super()._handlers()
@@ -179,6 +206,7 @@ class FleetSimulator(Simulator):
         if replica.replica_id in self._dead or replica.state is not ReplicaState.WARMING:
             return
         super()._on_ready(replica)
+        self._ready_at[replica.replica_id] = self.now
         if self.now > 0:
             self.report.time_to_ready_s.append(self.now - self._started_at[replica.replica_id])
 
@@ -201,16 +229,28 @@ class FleetSimulator(Simulator):
 
     # ---- the planner ----------------------------------------------------------------------------
     def _on_plan(self, _: object) -> None:
-        decision = self.planner.step(self._observe())
-        if isinstance(decision, ScaleUp):
-            for _ in range(decision.n):
-                self._add_replica()
-            self._event("scale_up", f"+{decision.n}", decision.signal, decision.pressure)
-        elif isinstance(decision, ScaleDown):
-            self._drain(decision.replica_id)
-            self._event("scale_down", decision.replica_id, decision.signal, decision.pressure)
+        for role, decision in self._decide(self._observe()):
+            self._apply(role, decision)
         if self._busy():
             self.push(self.now + self.fleet.planner_interval_s, _PLAN)
+
+    def _decide(self, observation: Observation) -> list[tuple[ReplicaRole, Decision]]:
+        """The planner's decisions, each with the role of the replicas it concerns (one fleet: BOTH)."""
+        return [(ReplicaRole.BOTH, self.planner.step(observation))]
+
+    def _apply(self, role: ReplicaRole, decision: Decision) -> None:
+        """Carry a decision out: start n replicas of `role`, or drain the one named."""
+        if isinstance(decision, ScaleUp):
+            for _ in range(decision.n):
+                self._add_replica(role)
+            self._event("scale_up", f"+{decision.n}", decision.signal, decision.pressure, role)
+        elif isinstance(decision, ScaleDown):
+            self._drain(decision.replica_id)
+            self._event("scale_down", decision.replica_id, decision.signal, decision.pressure, role)
+
+    def _role_of(self, replica: _Replica) -> ReplicaRole:
+        """The replica's pool (an aggregated fleet has one: BOTH)."""
+        return ReplicaRole.BOTH
 
     def _observe(self) -> Observation:
         now, arrivals = self.now, self._arrivals
@@ -223,25 +263,38 @@ class FleetSimulator(Simulator):
             loads.append(ReplicaLoad(
                 replica.replica_id, ready=replica.state is not ReplicaState.WARMING, queue_length=stats.waiting,
                 queued_prefill_tokens=stats.queued_prefill_tokens, in_flight=stats.waiting + stats.running,
-                kv_used_fraction=stats.kv_blocks_used / total, draining=replica.replica_id in self._draining))
+                kv_used_fraction=stats.kv_blocks_used / total, draining=replica.replica_id in self._draining,
+                role=self._role_of(replica)))
         count = len(arrivals) or 1
         return Observation(now, len(arrivals) / elapsed, tuple(loads),
                            mean_input_tokens=sum(r.input_length for r in arrivals) / count,
                            mean_output_tokens=sum(r.output_length for r in arrivals) / count)
 
-    def _event(self, kind: str, what: str, signal: str, pressure: float) -> None:
-        serving = sum(1 for r in self._live() if r.replica_id not in self._draining)
-        self.report.peak_replicas = max(self.report.peak_replicas, serving)
-        self.report.scale_events.append({"t": round(self.now, 3), "kind": kind, "what": what, "signal": signal,
-                                         "pressure": round(pressure, 3), "replicas_after": serving})
+    def _event(self, kind: str, what: str, signal: str, pressure: float,
+               role: ReplicaRole = ReplicaRole.BOTH) -> None:
+        serving = [r for r in self._live() if r.replica_id not in self._draining]
+        self.report.peak_replicas = max(self.report.peak_replicas, len(serving))
+        event: dict[str, Any] = {"t": round(self.now, 3), "kind": kind, "what": what, "signal": signal,
+                                 "pressure": round(pressure, 3), "replicas_after": len(serving)}
+        if role is not ReplicaRole.BOTH:  # pools sized apart: which pool, and its size after
+            event["pool"] = role.value
+            event["pool_replicas_after"] = sum(1 for r in serving if self._role_of(r) is role)
+        self.report.scale_events.append(event)
 
-    def _add_replica(self) -> None:
-        index = len(self.replicas)
-        replica = _Replica(index, f"replica-{index}", SchedulerCore(self._scheduler_config, f"replica-{index}"))
+    def _add_replica(self, role: ReplicaRole = ReplicaRole.BOTH) -> None:
+        replica = self._new_replica(len(self.replicas), role)
         self.replicas.append(replica)
         self._started_at[replica.replica_id] = self.now
         self._register(replica)
-        self.push(self.now + self.fleet.planner.ready_delay_s, _READY, replica)
+        self.push(self.now + self._ready_delay_s(role), _READY, replica)
+
+    def _new_replica(self, index: int, role: ReplicaRole) -> _Replica:
+        """The replica a ScaleUp starts: its id and a fresh scheduler core of the deployment's configuration."""
+        return _Replica(index, f"replica-{index}", SchedulerCore(self._scheduler_config, f"replica-{index}"))
+
+    def _ready_delay_s(self, role: ReplicaRole) -> float:
+        """Seconds from a new replica's request to READY: the planner's load + warm-up."""
+        return self.fleet.planner.ready_delay_s
 
     # ---- drain and retirement -----------------------------------------------------------------
     def _drain(self, replica_id: str) -> None:
@@ -249,20 +302,35 @@ class FleetSimulator(Simulator):
         self.router.drain(replica_id, self.now)
         replica.state = ReplicaState.DRAINING
         self._draining[replica_id] = self.now
+        self._drain_began[replica_id] = self.now
         self.push(self.now + self.fleet.drain_timeout_s, _DRAIN_DEADLINE, replica)
         self._retire_if_drained(replica)
 
     def _on_drain_deadline(self, replica: _Replica) -> None:
         if replica.state is not ReplicaState.DRAINING or replica.replica_id in self._dead:
             return
-        for rid in [rid for rid, where in self._placement.items() if where is replica]:
+        self._hand_over(replica, self._stranded(replica))
+
+    def _stranded(self, replica: _Replica) -> list[str]:
+        """The requests a draining replica still has at its drain timeout: those placed on it."""
+        return [rid for rid, where in self._placement.items() if where is replica]
+
+    def _hand_over(self, replica: _Replica, request_ids: list[str]) -> None:
+        """Cancel the requests at the replica, to be moved by migration (`_finish`); retire it if it is empty."""
+        for rid in request_ids:
             self._handing_off.add(rid)
             replica.core.cancel(rid, self.now)
         self._absorb(replica, replica.core.take_events())
         self._retire_if_drained(replica)
 
+    def _holds_more(self, replica: _Replica) -> bool:
+        """True while the replica holds work its core does not show (an aggregated replica: none)."""
+        return False
+
     def _retire_if_drained(self, replica: _Replica) -> None:
         if replica.state is not ReplicaState.DRAINING or replica.busy or replica.core.has_unfinished():
+            return
+        if self._holds_more(replica):
             return
         rid = replica.replica_id
         replica.state = ReplicaState.GONE
@@ -310,12 +378,8 @@ class FleetSimulator(Simulator):
             self.push(self.now + 0.5, _MOVE, (rid, cause))
             return
         prompt = request.prompt_token_ids(self.vocab_size) + (1,) * streamed
-        deadline = None if request.deadline_s is None else record.arrival_s + request.deadline_s
-        new = NewRequest(rid, prompt, SamplingParams(max_tokens=left, ignore_eos=True), tenant=request.tenant,
-                         priority=request.priority, arrival_time=self.now, deadline=deadline, eos_token_id=None,
-                         tenant_weight=self.admission.tenant_weight(request.tenant))
         try:
-            replica.core.submit(new, self.now)
+            self._submit_moved(replica, request, prompt, left)
         except RequestRejected as error:
             self.router.on_request_done(replica.replica_id, rid, self.now)
             self._end_moved(record, "failed", streamed, f"{error.reason.value}: {error.detail}")
@@ -326,6 +390,16 @@ class FleetSimulator(Simulator):
         self._absorb(replica, replica.core.take_events())
         self._watch_deadline(replica)
         self._kick(replica)
+
+    def _submit_moved(self, replica: _Replica, request: WorkloadRequest, prompt: tuple[int, ...],
+                      max_tokens: int) -> None:
+        """Submit a moved request's new attempt to the replica's core; raises RequestRejected as the core does."""
+        record = self.records[request.request_id]
+        deadline = None if request.deadline_s is None else record.arrival_s + request.deadline_s
+        new = NewRequest(request.request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                         tenant=request.tenant, priority=request.priority, arrival_time=self.now, deadline=deadline,
+                         eos_token_id=None, tenant_weight=self.admission.tenant_weight(request.tenant))
+        replica.core.submit(new, self.now)
 
     def _end_moved(self, record: RequestRecord, status: str, streamed: int, detail: str) -> None:
         if status == "failed":

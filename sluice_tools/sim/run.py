@@ -31,15 +31,18 @@ def simulate(
     The summary carries a "ttft_prediction" section (the router's predicted TTFT against the actual
     one, `sluice_tools.metrics.prediction_error`) and a "sim" section: simulated seconds, wall seconds, their ratio, rounds.
     With `fleet`, the planner sizes the fleet (sluice_tools/sim/fleet.py) and the summary has a "fleet"
-    section (GPU-seconds, scale events, time to ready, drain durations, migrations).
+    section (GPU-seconds, scale events, time to ready, drain durations, migrations); with `fleet` and
+    `config.disagg`, the pool planner sizes the prefill and decode pools apart (sluice_tools/sim/disagg_fleet.py)
+    and the "fleet" section adds "pools" (per pool: GPU-seconds, scale events, each replica's timeline).
     `progress`, if given, is called with the simulated time once per simulated sample interval.
     Raises ValueError for an unknown model, GPU or a configuration the cores refuse.
     """
-    if config.disagg is not None:
-        if fleet is not None:
-            raise ValueError("disaggregated serving (--disagg) does not autoscale yet: give a fixed P:D split")
+    if config.disagg is not None and fleet is not None:
+        from sluice_tools.sim.disagg_fleet import DisaggFleetSimulator  # pools sized apart (its own module)
+        simulator: Simulator = DisaggFleetSimulator(config, requests, fleet)
+    elif config.disagg is not None:
         from sluice_tools.sim.disagg import DisaggSimulator  # the disaggregated deployment (its own module)
-        simulator: Simulator = DisaggSimulator(config, requests)
+        simulator = DisaggSimulator(config, requests)
     else:
         simulator = Simulator(config, requests) if fleet is None else FleetSimulator(config, requests, fleet)
     simulator.on_progress = progress
