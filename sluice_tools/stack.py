@@ -389,7 +389,10 @@ class Stack:
     def _role_flags(self, role: str) -> list[str]:
         """The scheduler's --role; a prefill replica's per-request chunk cap is also the whole round budget (the cap
         bounds the decodes' inter-token latency, and none run there: as the simulator's prefill replicas), unless
-        scheduler_args set one (they come after, and the last flag wins)."""
+        scheduler_args set one (they come after, and the last flag wins). The default role, both, passes no flag, so
+        the stack still starts a checkout older than the roles (bench_cost's --baseline)."""
+        if role == "both":
+            return []
         if role != "prefill":
             return ["--role", role]
         return ["--role", role, "--max-prefill-chunk", str(SchedulerConfig.max_num_batched_tokens)]
