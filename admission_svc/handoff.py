@@ -11,7 +11,9 @@ Rules
   retargeted first, so a late token of the old attempt is dropped and no token is lost or repeated): the prompt
   plus the tokens streamed so far, max_tokens what is left, and `kv_source` naming the prefill replica, its
   scheduler and the prefill attempt. The decode scheduler pulls the blocks (or recomputes them) before queueing.
-* Any other end of the prefill half (a stop token, a cancel, a failure) ends the request as usual.
+* Any other end of the prefill half (a stop token, a cancel, a failure) ends the request as usual. A second copy
+  of the FINISHED_LENGTH completion (the bus delivers at least once; a Lookup fetches one) is the hand-off under
+  way, never the request's end: `record.handoff` stays set until the attempt moves.
 * The hand-off does not count against the migration limit (`Tracked.handoffs`).
 * The decode Submit failing (the decode replica died, refused, did not answer): the hold is released at the
   prefill side (best effort; its expiry ends it otherwise), the failed attempt is forgotten at the router, and
@@ -78,13 +80,20 @@ class HandOffs:
     async def _hand_off(self, record: Tracked, completion: events_pb2.Completion) -> None:
         door, stream, pair = self.door, record.stream, record.handoff
         migrator = door.migrator
-        record.handoff = None
         assert pair is not None
+        # `record.handoff` stays set while this waits: a copy of the prefill half's completion (the bus delivers at
+        # least once, and a Lookup fetches one of a completion Redis held up) is then this hand-off again, which
+        # one_move_at_a_time drops, and not the request's end (FINISHED_LENGTH after its first token).
         placement = await self._placement(record)
-        if placement is None:  # its first Submit's reply never came back (FrontDoor._admit abandons it then)
+        arrived = placement is not None and await self._tokens_arrived(
+            record, stream.offset + completion.usage.output_tokens)
+        record.handoff = None  # from here the attempt moves, or the hand-off ends, before anything is awaited
+        if placement is None or record.completion is not None or record.ended:
+            # Its first Submit's reply never came back (FrontDoor._admit abandons it then), or the request ended
+            # meanwhile: no decode half.
             self._release(pair, "failed")
             return
-        if not await self._tokens_arrived(record, stream.offset + completion.usage.output_tokens):
+        if not arrived:
             self._release(pair, "failed")
             await migrator._move(record, MigrationCause.TOKEN_GAP)  # noqa: SLF001 (the one move, shared)
             return

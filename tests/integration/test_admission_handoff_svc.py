@@ -1,0 +1,35 @@
+"""Admission's prefill/decode hand-off against a stand-in pair (admission_svc/handoff.py): a request ends once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from admission_harness import OUTPUT, StandInReplica, run, settle
+
+from admission_svc.frontdoor import FrontDoor
+from sluice import client as sdk
+from sluice.bus import Bus
+
+NO_RETRY = sdk.RetryPolicy(max_attempts=1)
+
+
+def test_a_second_copy_of_the_prefill_completion_does_not_end_the_request(tmp_path: Path, redis_url: str,
+                                                                          namespace: str) -> None:
+    """The prefill half's FINISHED_LENGTH completion arrives twice while its hand-off waits for the first Submit's
+    reply (a Lookup's copy of a completion Redis held up, then the bus's own: found by `sluice_tools.chaos --disagg
+    1:1`, where the client got FINISHED_LENGTH after 1 of 64 tokens): the copy is the hand-off already under way, not
+    the request's end, so the client gets every token, and the decode half is submitted once."""
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
+        replica.pair, replica.prefill_completion_copies, replica.submit_reply_delay_s = True, 2, 0.3
+        async with sdk.AsyncClient(target, api_key="k-acme", retry=NO_RETRY) as client:
+            generation = await client.generate_text("hi", max_tokens=5)
+        assert (generation.finish_reason, generation.usage.output_tokens) == ("length", 5)
+        request_id = generation.request_id
+        prefill, *decode = replica.submitted
+        assert (prefill.request_id, prefill.hold_kv, prefill.sampling.max_tokens) == (request_id, True, 1)
+        assert [(s.request_id, s.kv_source.request_id, s.sampling.max_tokens) for s in decode] == [
+            (f"{request_id}#1", request_id, 4)]
+        assert list(decode[0].prompt_token_ids) == [*prefill.prompt_token_ids, OUTPUT[0]]
+        assert await settle(lambda: door.core.stats(0).active == 0) and door.core.released == 1
+
+    run(tmp_path, redis_url, namespace, body)
