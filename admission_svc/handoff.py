@@ -170,7 +170,12 @@ class HandOffs:
         log.warning("request %s: its decode half's Submit to %s failed (%s: %s); placing it again",
                     record.request_id, pair.decode_replica_id, exc.code().name, exc.details())
         self._release(pair, "failed")
-        migrator.forget_attempt(record, record.attempt_id, pair.decode_replica_id, f"hand-off: {exc.code().name}")
+        refused = record.attempt_id
+        # The next attempt first, before anything is awaited (as Migrator.reroute): the REJECTED completion that
+        # makes the router forget the refused attempt comes back to admission too, and must be another attempt's
+        # by then; while the refused one was current it ended the request (REJECTED after its first token).
+        migrator._next_attempt(record, len(record.stream.tokens))  # noqa: SLF001
+        migrator.forget_attempt(record, refused, pair.decode_replica_id, f"hand-off: {exc.code().name}")
         if exc.code() in REROUTE_CODES:
             with contextlib.suppress(grpc.aio.AioRpcError):
                 await door.router.ReportUnreachable(router_pb2.ReportUnreachableRequest(
@@ -180,9 +185,9 @@ class HandOffs:
             migrator.end_locally(record, common_pb2.CANCELLED, "cancelled during the hand-off",
                                  finish_reason="cancelled")
             return
-        migrator._next_attempt(record, len(record.stream.tokens))  # noqa: SLF001
-        if not await migrator._place(record, call, ids, record.placement.deadline_unix_s  # noqa: SLF001
-                                     if record.placement else None):
+        placed = await migrator._place(record, call, ids, record.placement.deadline_unix_s  # noqa: SLF001
+                                       if record.placement else None)
+        if not placed and record.completion is None:  # not when it ended meanwhile (a cancel): no second end
             migrator.end_locally(record, common_pb2.FAILED, f"hand-off to {pair.decode_replica_id} failed and no "
                                                             f"replica took the request within "
                                                             f"{door.config.migration_retry_s} s")

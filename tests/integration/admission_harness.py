@@ -62,6 +62,11 @@ class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.S
         """A prefill half (hold_kv) publishes its token, then its completion this many times, 50 ms apart (the bus
         delivers at least once; a Lookup fetches a copy of a completion that Redis held up, and the bus's own
         arrives after it)."""
+        self.refused_decode_halves = 0
+        """Submit refuses this many more decode halves (kv_source set) UNAVAILABLE, as a decode scheduler that lost
+        Redis does."""
+        self.report_delay_s = 0.0
+        """ReportUnreachable answers this late (a router busy probing)."""
         self.submit_reply_delay_s = 0.0
         """Submit answers this long after the request started generating (as a busy scheduler's reply can lag
         its first token on the bus)."""
@@ -83,6 +88,7 @@ class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.S
     async def ReportUnreachable(self, request: router_pb2.ReportUnreachableRequest,
                                 context: Any) -> router_pb2.ReportUnreachableResponse:
         self.reports.append(request)
+        await asyncio.sleep(self.report_delay_s)
         return router_pb2.ReportUnreachableResponse(state=router_pb2.UNHEALTHY)
 
     async def ListReplicas(self, request: Any, context: Any) -> router_pb2.ListReplicasResponse:
@@ -91,6 +97,9 @@ class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.S
 
     async def Submit(self, request: scheduler_pb2.SubmitRequest, context: Any) -> scheduler_pb2.SubmitResponse:
         self.submitted.append(request)
+        if request.HasField("kv_source") and self.refused_decode_halves > 0:
+            self.refused_decode_halves -= 1
+            await errors.abort(context, errors.Unavailable("Redis does not answer"))
         self.tasks[request.request_id] = asyncio.create_task(self._run(request))
         if self.submit_reply_delay_s:
             await asyncio.sleep(self.submit_reply_delay_s)

@@ -33,3 +33,25 @@ def test_a_second_copy_of_the_prefill_completion_does_not_end_the_request(tmp_pa
         assert await settle(lambda: door.core.stats(0).active == 0) and door.core.released == 1
 
     run(tmp_path, redis_url, namespace, body)
+
+
+def test_a_refused_decode_half_is_placed_again_even_when_the_routers_answer_is_slow(tmp_path: Path, redis_url: str,
+                                                                                   namespace: str) -> None:
+    """The decode half's Submit is refused UNAVAILABLE and the router's ReportUnreachable answers late: the REJECTED
+    completion that tells the router to forget the refused attempt lands meanwhile, and is that attempt's, not the
+    request's end (found by `sluice_tools.chaos --disagg 2:2`: such requests ended at once, REJECTED, instead of
+    being placed again): the request is placed again (a new pair) and the client gets every token."""
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
+        door.publish_completion = bus.publish_completion
+        replica.pair, replica.refused_decode_halves, replica.report_delay_s = True, 1, 0.3
+        async with sdk.AsyncClient(target, api_key="k-acme", retry=NO_RETRY) as client:
+            generation = await client.generate_text("hi", max_tokens=5)
+        assert (generation.finish_reason, generation.usage.output_tokens) == ("length", 5)
+        request_id = generation.request_id
+        assert [(s.request_id, s.hold_kv, s.HasField("kv_source")) for s in replica.submitted] == [
+            (request_id, True, False), (f"{request_id}#1", False, True),  # refused
+            (f"{request_id}#2", True, False), (f"{request_id}#3", False, True)]
+        assert [r.replica_id for r in replica.reports] == ["r1"]
+        assert await settle(lambda: door.core.stats(0).active == 0) and door.core.released == 1
+
+    run(tmp_path, redis_url, namespace, body)
