@@ -14,7 +14,8 @@ Rules
 * Any other end of the prefill half (a stop token, a cancel, a failure) ends the request as usual. A second copy
   of the FINISHED_LENGTH completion (the bus delivers at least once; a Lookup fetches one) is the hand-off under
   way, never the request's end: `record.handoff` stays set until the attempt moves.
-* The hand-off does not count against the migration limit (`Tracked.handoffs`).
+* The hand-off does not count against the migration limit (`Tracked.handoffs`); placing the request again after a
+  refused decode half does (a decode side that keeps refusing ends it FAILED `migration_limit`, as re-routes do).
 * The decode Submit failing (the decode replica died, refused, did not answer): the hold is released at the
   prefill side (best effort; its expiry ends it otherwise), the failed attempt is forgotten at the router, and
   the request is placed again through routing, as a migration places it (a new pair: the prompt and the tokens
@@ -171,6 +172,15 @@ class HandOffs:
                     record.request_id, pair.decode_replica_id, exc.code().name, exc.details())
         self._release(pair, "failed")
         refused = record.attempt_id
+        moves = record.migrations - record.handoffs
+        if moves >= door.config.migration_limit:  # each refusal's new placement is a move, as a re-route is
+            door.metrics.migration_failures.labels("migration_limit").inc()
+            migrator.end_locally(record, common_pb2.FAILED, f"migration_limit: its decode half was refused at "
+                                                            f"{pair.decode_replica_id} ({exc.code().name}) after "
+                                                            f"{moves} migrations")
+            # After the end: the REJECTED completion of the current attempt would otherwise end it REJECTED.
+            migrator.forget_attempt(record, refused, pair.decode_replica_id, f"hand-off: {exc.code().name}")
+            return
         # The next attempt first, before anything is awaited (as Migrator.reroute): the REJECTED completion that
         # makes the router forget the refused attempt comes back to admission too, and must be another attempt's
         # by then; while the refused one was current it ended the request (REJECTED after its first token).

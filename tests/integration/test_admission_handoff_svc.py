@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from admission_harness import OUTPUT, StandInReplica, run, settle
 
-from admission_svc.frontdoor import FrontDoor
+from admission_svc.frontdoor import FrontDoor, FrontDoorConfig
 from sluice import client as sdk
 from sluice.bus import Bus
 
@@ -55,3 +56,26 @@ def test_a_refused_decode_half_is_placed_again_even_when_the_routers_answer_is_s
         assert await settle(lambda: door.core.stats(0).active == 0) and door.core.released == 1
 
     run(tmp_path, redis_url, namespace, body)
+
+
+def test_decode_halves_refused_again_and_again_end_the_request_at_the_migration_limit(
+        tmp_path: Path, redis_url: str, namespace: str) -> None:
+    """Each refused decode half places the request again (a new prefill half recomputing the prompt), and each such
+    move counts against migration_limit as a re-route does: past it the request ends FAILED (migration_limit)
+    instead of cycling prefill, refusal, prefill for as long as the decode side refuses (found by
+    `sluice_tools.chaos --disagg 1:1`: up to 20 cycles of one request while the decode scheduler had lost Redis)."""
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
+        door.publish_completion = bus.publish_completion
+        replica.pair, replica.refused_decode_halves = True, 10
+        async with sdk.AsyncClient(target, api_key="k-acme", retry=NO_RETRY) as client:
+            with pytest.raises(sdk.SluiceError) as info:
+                await client.generate_text("hi", max_tokens=5)
+        assert "migration_limit" in info.value.message and "FAILED" in info.value.message
+        first = replica.submitted[0].request_id
+        assert [(s.request_id, s.HasField("kv_source")) for s in replica.submitted] == [
+            (first, False), (f"{first}#1", True), (f"{first}#2", False), (f"{first}#3", True),
+            (f"{first}#4", False), (f"{first}#5", True)]
+        assert await settle(lambda: door.core.stats(0).active == 0) and door.core.released == 1
+        assert door.metrics.migration_failures.labels("migration_limit")._value.get() == 1
+
+    run(tmp_path, redis_url, namespace, body, door_config=FrontDoorConfig(migration_limit=2))
