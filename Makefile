@@ -165,11 +165,13 @@ fuzz: setup
 # scheduler, router, admission, Redis) is killed -9 or stalled every few seconds for CHAOS_S seconds; then the
 # invariants (every request ended once, exact or with an explicit status; none hung, no wrong token; nothing
 # left reserved, running, in KV or pending in Redis) and each process's memory, as JSON in out/chaos.json.
-# A short version runs in `make test` (tests/e2e/test_chaos.py).
+# A short version runs in `make test` (tests/e2e/test_chaos.py). CHAOS_ARGS="--disagg 1:1" runs it on a
+# prefill/decode stack (both sides' workers and schedulers faulted; no KV hold left; hand-offs counted).
 CHAOS_S ?= 600
+CHAOS_ARGS ?=
 .PHONY: chaos
 chaos: setup
-	PYTHONPATH=. $(BIN)/python -m sluice_tools.chaos --duration-s $(CHAOS_S) --json out/chaos.json
+	PYTHONPATH=. $(BIN)/python -m sluice_tools.chaos --duration-s $(CHAOS_S) $(CHAOS_ARGS) --json out/chaos.json
 
 clean:
 	rm -rf $(VENV) $(BENCH_VENV) $(VLLM_VENV) $(PEERS_VENV) sluice/v1 .pytest_cache build/compiled

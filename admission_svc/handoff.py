@@ -11,8 +11,11 @@ Rules
   retargeted first, so a late token of the old attempt is dropped and no token is lost or repeated): the prompt
   plus the tokens streamed so far, max_tokens what is left, and `kv_source` naming the prefill replica, its
   scheduler and the prefill attempt. The decode scheduler pulls the blocks (or recomputes them) before queueing.
-* Any other end of the prefill half (a stop token, a cancel, a failure) ends the request as usual.
-* The hand-off does not count against the migration limit (`Tracked.handoffs`).
+* Any other end of the prefill half (a stop token, a cancel, a failure) ends the request as usual. A second copy
+  of the FINISHED_LENGTH completion (the bus delivers at least once; a Lookup fetches one) is the hand-off under
+  way, never the request's end: `record.handoff` stays set until the attempt moves.
+* The hand-off does not count against the migration limit (`Tracked.handoffs`); placing the request again after a
+  refused decode half does (a decode side that keeps refusing ends it FAILED `migration_limit`, as re-routes do).
 * The decode Submit failing (the decode replica died, refused, did not answer): the hold is released at the
   prefill side (best effort; its expiry ends it otherwise), the failed attempt is forgotten at the router, and
   the request is placed again through routing, as a migration places it (a new pair: the prompt and the tokens
@@ -78,13 +81,20 @@ class HandOffs:
     async def _hand_off(self, record: Tracked, completion: events_pb2.Completion) -> None:
         door, stream, pair = self.door, record.stream, record.handoff
         migrator = door.migrator
-        record.handoff = None
         assert pair is not None
+        # `record.handoff` stays set while this waits: a copy of the prefill half's completion (the bus delivers at
+        # least once, and a Lookup fetches one of a completion Redis held up) is then this hand-off again, which
+        # one_move_at_a_time drops, and not the request's end (FINISHED_LENGTH after its first token).
         placement = await self._placement(record)
-        if placement is None:  # its first Submit's reply never came back (FrontDoor._admit abandons it then)
+        arrived = placement is not None and await self._tokens_arrived(
+            record, stream.offset + completion.usage.output_tokens)
+        record.handoff = None  # from here the attempt moves, or the hand-off ends, before anything is awaited
+        if placement is None or record.completion is not None or record.ended:
+            # Its first Submit's reply never came back (FrontDoor._admit abandons it then), or the request ended
+            # meanwhile: no decode half.
             self._release(pair, "failed")
             return
-        if not await self._tokens_arrived(record, stream.offset + completion.usage.output_tokens):
+        if not arrived:
             self._release(pair, "failed")
             await migrator._move(record, MigrationCause.TOKEN_GAP)  # noqa: SLF001 (the one move, shared)
             return
@@ -161,7 +171,21 @@ class HandOffs:
         log.warning("request %s: its decode half's Submit to %s failed (%s: %s); placing it again",
                     record.request_id, pair.decode_replica_id, exc.code().name, exc.details())
         self._release(pair, "failed")
-        migrator.forget_attempt(record, record.attempt_id, pair.decode_replica_id, f"hand-off: {exc.code().name}")
+        refused = record.attempt_id
+        moves = record.migrations - record.handoffs
+        if moves >= door.config.migration_limit:  # each refusal's new placement is a move, as a re-route is
+            door.metrics.migration_failures.labels("migration_limit").inc()
+            migrator.end_locally(record, common_pb2.FAILED, f"migration_limit: its decode half was refused at "
+                                                            f"{pair.decode_replica_id} ({exc.code().name}) after "
+                                                            f"{moves} migrations")
+            # After the end: the REJECTED completion of the current attempt would otherwise end it REJECTED.
+            migrator.forget_attempt(record, refused, pair.decode_replica_id, f"hand-off: {exc.code().name}")
+            return
+        # The next attempt first, before anything is awaited (as Migrator.reroute): the REJECTED completion that
+        # makes the router forget the refused attempt comes back to admission too, and must be another attempt's
+        # by then; while the refused one was current it ended the request (REJECTED after its first token).
+        migrator._next_attempt(record, len(record.stream.tokens))  # noqa: SLF001
+        migrator.forget_attempt(record, refused, pair.decode_replica_id, f"hand-off: {exc.code().name}")
         if exc.code() in REROUTE_CODES:
             with contextlib.suppress(grpc.aio.AioRpcError):
                 await door.router.ReportUnreachable(router_pb2.ReportUnreachableRequest(
@@ -171,9 +195,9 @@ class HandOffs:
             migrator.end_locally(record, common_pb2.CANCELLED, "cancelled during the hand-off",
                                  finish_reason="cancelled")
             return
-        migrator._next_attempt(record, len(record.stream.tokens))  # noqa: SLF001
-        if not await migrator._place(record, call, ids, record.placement.deadline_unix_s  # noqa: SLF001
-                                     if record.placement else None):
+        placed = await migrator._place(record, call, ids, record.placement.deadline_unix_s  # noqa: SLF001
+                                       if record.placement else None)
+        if not placed and record.completion is None:  # not when it ended meanwhile (a cancel): no second end
             migrator.end_locally(record, common_pb2.FAILED, f"hand-off to {pair.decode_replica_id} failed and no "
                                                             f"replica took the request within "
                                                             f"{door.config.migration_retry_s} s")

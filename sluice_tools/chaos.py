@@ -1,6 +1,7 @@
 """A chaos run: a steady mixed load on a local stack while processes are killed and stalled, then the invariants.
 
-    python -m sluice_tools.chaos [--duration-s 600] [--fault-interval-s 4] [--clients 6] [--seed 0] [--json FILE]
+    python -m sluice_tools.chaos [--duration-s 600] [--fault-interval-s 4] [--clients 6] [--seed 0] [--disagg P:D]
+                                 [--json FILE]
 
 What it does
 - Starts a supervised stack (`sluice_tools.stack.Stack`, cost-model workers with emulated round times, the embedded
@@ -8,15 +9,23 @@ What it does
 - Load: `clients` threads, each issuing one request after another over gRPC, without client retries (each
   request is one attempt, so every outcome is seen): two tenants, output lengths drawn from `max_tokens`,
   greedy with ignore_eos, and a `cancel_fraction` of them dropped by their client after a few tokens.
+- With `disagg` (P:D), the same run on a disaggregated stack (docs/disaggregation.md, "Live mode"): P prefill and D
+  decode replicas, every request's prompt on a prefill replica, its KV blocks pulled by the decode replica's worker.
 - Faults, every `fault_interval_s`, one drawn from `faults`: `kill:<role>` is kill -9 of a worker, scheduler,
   the router, admission or Redis; `stop:<role>` stalls a scheduler or Redis (SIGSTOP for `stall_s`, then SIGCONT).
+  A disaggregated run draws each side's workers and schedulers apart (`kill:prefill-worker`,
+  `stop:decode-scheduler`...: `faults_for`), so both sides are hit alike whatever the split.
 - The invariants, checked once the load stops and the stack has settled:
   every request ended exactly once, as its client saw it: `exact` (FINISHED with exactly the tokens an unfaulted
   run gives: the cost model's token depends only on the request and the position, `CostModel.token_for`),
   `cancelled` (by its own client), or `failed` with an explicit status; `hung` (the client's deadline passed with
   no end) and `wrong` (a token that is not the model's at its index, or an index out of order) must be 0; no
   reservation left in admission, no request or KV block left on a scheduler, no Redis pending entry left in any
-  consumer group of `completions`; the resident memory of every process at the start and the end.
+  consumer group of `completions`; no KV hold left on a prefill scheduler (`Stats.kv_blocks_held`); the resident
+  memory of every process at the start and the end.
+- Counted from the schedulers' metrics, read every `scrape_interval_s` (a scheduler killed loses what it counted
+  since the last read): the hand-offs by outcome (`sluice_kv_transfers_total{outcome}`: received, failed, stale,
+  no_room, empty, cancelled) and the holds ended by reason (`sluice_kv_holds_ended_total{reason}`).
 - Prints (and with --json writes) one JSON report with the counts.
 """
 
@@ -40,15 +49,22 @@ import grpc
 import redis
 
 from sluice import client as sdk
+from sluice_tools.scrape import Scraper
 from sluice_tools.stack import Proc, Stack, StackConfig
 from sluice_tools.supervisor import RestartPolicy, Supervisor
 from worker_svc.costmodel import CostModel
 
-__all__ = ["FAULTS", "ChaosConfig", "run"]
+__all__ = ["DISAGG_FAULTS", "FAULTS", "ChaosConfig", "faults_for", "run", "stack_config"]
 
 FAULTS = ("kill:worker", "kill:scheduler", "kill:router", "kill:admission", "kill:redis", "stop:redis",
           "stop:scheduler")
-"""Every fault the run knows (see the module docstring)."""
+"""Every fault of an aggregated run (see the module docstring)."""
+DISAGG_FAULTS = ("kill:prefill-worker", "kill:decode-worker", "kill:prefill-scheduler", "kill:decode-scheduler",
+                 "kill:router", "kill:admission", "kill:redis", "stop:redis", "stop:prefill-scheduler",
+                 "stop:decode-scheduler")
+"""Every fault of a disaggregated run: each side's workers and schedulers drawn apart."""
+HANDOFF_COUNTERS = ("sluice_kv_transfers_total", "sluice_kv_holds_ended_total")
+"""The schedulers' hand-off counters the report sums (decode side: by outcome; prefill side: by reason)."""
 MODEL = "llama-3-8b"
 TENANTS = """
 [tenants.acme]
@@ -73,18 +89,36 @@ class ChaosConfig:
     seed: int = 0
     """Seed of the load and of the faults drawn."""
     replicas: int = 2
+    """Aggregated replicas (without `disagg`)."""
+    disagg: tuple[int, int] | None = None
+    """Prefill:decode replicas of a disaggregated stack (None: `replicas` aggregated ones)."""
     max_tokens: tuple[int, ...] = (16, 64, 200, 500)
     """Output lengths drawn from for each request."""
     cancel_fraction: float = 0.15
     """Requests whose client goes away after a few tokens."""
     stall_s: float = 3.0
     """How long a `stop:` fault stalls its process."""
-    faults: tuple[str, ...] = FAULTS
+    faults: tuple[str, ...] | None = None
+    """The faults drawn from (None: `faults_for(disagg)`)."""
     request_timeout_s: float = 120.0
     """A client's deadline: a request not ended by then counts as hung."""
     settle_s: float = 30.0
     """After the load: how long the stack gets to release everything before the leak checks fail."""
+    scrape_interval_s: float = 1.0
+    """How often the schedulers' hand-off counters are read."""
     run_dir: str | None = None
+
+
+def faults_for(disagg: tuple[int, int] | None) -> tuple[str, ...]:
+    """Return the faults a run draws from: `FAULTS`, or `DISAGG_FAULTS` on a disaggregated stack."""
+    return FAULTS if disagg is None else DISAGG_FAULTS
+
+
+def stack_config(config: ChaosConfig, run_dir: Path, tenants: Path) -> StackConfig:
+    """Return the stack a chaos run starts: cost-model workers with emulated round times, `replicas` aggregated
+    ones or the `disagg` split."""
+    return StackConfig(replicas=config.replicas, disagg=config.disagg, backend="costmodel", model=MODEL,
+                       emulate_time=True, run_dir=run_dir, config_file=str(tenants), start_timeout_s=90)
 
 
 @dataclass
@@ -164,9 +198,7 @@ def _inject(stack: Stack, fault: str, rng: random.Random, stall_s: float) -> str
         assert stack.redis is not None
         pid = stack.redis.pid if stack.redis.running else None
     else:
-        procs: dict[str, list[Proc | None]] = {"worker": list(stack.workers), "scheduler": list(stack.schedulers),
-                                               "router": [stack.router], "admission": [stack.admission]}
-        proc = rng.choice([p for p in procs[role] if p is not None])
+        proc = rng.choice(_targets(stack, role))
         pid = proc.popen.pid if proc.popen is not None and proc.alive() else None
         role = proc.name
     if pid is None:
@@ -183,6 +215,19 @@ def _inject(stack: Stack, fault: str, rng: random.Random, stall_s: float) -> str
     except ProcessLookupError:  # it died just before (an earlier fault): its supervisor restarts it
         return f"{fault}: {role} (pid {pid}) already gone, skipped"
     return f"SIGSTOP {role} (pid {pid}) for {stall_s} s"
+
+
+def _targets(stack: Stack, role: str) -> list[Proc]:
+    """Return the processes a fault on `role` may hit: `worker`, `scheduler` (every replica's), `prefill-worker`,
+    `decode-scheduler`... (one side's), `router`, `admission`."""
+    side, _, kind = role.rpartition("-")
+    procs: dict[str, list[Proc | None]] = {"worker": list(stack.workers), "scheduler": list(stack.schedulers),
+                                           "router": [stack.router], "admission": [stack.admission]}
+    found = [p for p in procs[kind] if p is not None
+             and (not side or stack.replicas[p.replica_id].role == side)]
+    if not found:
+        raise ValueError(f"fault on {role!r}: no such process in this stack")
+    return found
 
 
 def _rss_kb(stack: Stack) -> dict[str, int]:
@@ -232,12 +277,30 @@ def _leaks(stack: Stack) -> dict[str, Any]:
     return {"admission_reserved": {k: v for k, v in budgets.items() if v},
             "scheduler_requests": sum(s.running + s.waiting for s in stats),
             "kv_blocks_used": sum(s.kv_blocks_used for s in stats),
+            "kv_blocks_held": sum(s.kv_blocks_held for s in stats),
             "redis_pending": {g: n for g, n in pending.items() if n}}
 
 
 def _nothing_held(leaks: dict[str, Any]) -> bool:
     return "unreadable" not in leaks and not leaks["admission_reserved"] and not leaks["scheduler_requests"] \
-        and not leaks["kv_blocks_used"] and not leaks["redis_pending"]
+        and not leaks["kv_blocks_used"] and not leaks["kv_blocks_held"] and not leaks["redis_pending"]
+
+
+def _handoff_scraper(stack: Stack) -> Scraper:
+    """A reader of every scheduler's hand-off counters (by label set), the restarted ones' new endpoints included."""
+    return Scraper(lambda: [p.metrics_url for p in stack.schedulers], HANDOFF_COUNTERS, by_series=True)
+
+
+def _handoffs(counts: Counter[str]) -> dict[str, dict[str, int]]:
+    """Return the hand-off counts of the report: transfers by outcome, holds ended by reason."""
+    out: dict[str, dict[str, int]] = {"transfers": {}, "holds_ended": {}}
+    for series, value in sorted(counts.items()):
+        name, _, labels = series.partition("{")
+        section = "transfers" if name == "sluice_kv_transfers_total" else "holds_ended"
+        label = labels.rstrip("}").partition("=")[2].strip('"')
+        if value:
+            out[section][label] = int(value)
+    return out
 
 
 def _settled_leaks(stack: Stack, settle_s: float) -> dict[str, Any]:
@@ -254,6 +317,13 @@ def _settled_leaks(stack: Stack, settle_s: float) -> dict[str, Any]:
         time.sleep(1.0)
 
 
+def _scrape_loop(scraper: Scraper, interval_s: float, stop: threading.Event, counts: Counter[str]) -> None:
+    """Add the counters' growth to `counts` every `interval_s` until `stop`, and once more after it."""
+    while not stop.wait(interval_s):
+        counts.update(scraper.delta())
+    counts.update(scraper.delta())
+
+
 def run(config: ChaosConfig) -> dict[str, Any]:
     """Run the chaos load and faults, check the invariants; return the report (see the module docstring)."""
     # Absolute: the embedded Redis moves to a directory of its own (`dir`) before it reads its ACL file by this path
@@ -263,15 +333,18 @@ def run(config: ChaosConfig) -> dict[str, Any]:
     tenants = run_dir / "tenants.toml"
     tenants.write_text(TENANTS)
     events: list[str] = []
-    stack_config = StackConfig(replicas=config.replicas, backend="costmodel", model=MODEL, emulate_time=True,
-                               run_dir=run_dir, config_file=str(tenants), start_timeout_s=90)
-    with Stack(stack_config) as stack:
+    faults = config.faults or faults_for(config.disagg)
+    handoff_counts: Counter[str] = Counter()
+    with Stack(stack_config(config, run_dir, tenants)) as stack:
         # Never given up on: chaos tests the data path under faults, not the supervisor's crash-loop limit (a
         # process faulted 5 times within 30 s of its restarts would be given up on and the stack would stop).
         stack.fleet.supervisor = Supervisor(stack, RestartPolicy(max_backoff_s=2.0, max_restarts=1_000_000),
                                             on_event=events.append)
         stack.fleet.start_supervising(0.1)
-        rss_start, tally, stop = _rss_kb(stack), Tally(), threading.Event()
+        rss_start, tally, stop, scraped = _rss_kb(stack), Tally(), threading.Event(), threading.Event()
+        scraper = threading.Thread(target=_scrape_loop, args=(_handoff_scraper(stack), config.scrape_interval_s,
+                                                              scraped, handoff_counts), daemon=True)
+        scraper.start()
         clients = [threading.Thread(target=_client_loop, args=(stack.endpoint, config.seed * 1000 + i, config,
                                                                stop, tally), daemon=True)
                    for i in range(config.clients)]
@@ -280,7 +353,7 @@ def run(config: ChaosConfig) -> dict[str, Any]:
         rng, started = random.Random(config.seed), time.monotonic()
         while time.monotonic() - started < config.duration_s:
             time.sleep(config.fault_interval_s)
-            fault = rng.choice(config.faults)
+            fault = rng.choice(faults)
             tally.faults.append(_inject(stack, fault, rng, config.stall_s))
             tally.fault_kinds[fault] += 1
         stop.set()
@@ -288,21 +361,29 @@ def run(config: ChaosConfig) -> dict[str, Any]:
             thread.join(config.request_timeout_s + 30)
         hung_clients = sum(thread.is_alive() for thread in clients)
         leaks = _settled_leaks(stack, config.settle_s)
+        scraped.set()
+        scraper.join(30)
         rss_end = _rss_kb(stack)
         restarts = stack.fleet.supervisor.restart_counts()
     outcomes = tally.outcomes
     offered = sum(outcomes.values())
     return {
-        "duration_s": config.duration_s, "faults_injected": len(tally.faults), "fault_kinds": dict(tally.fault_kinds),
+        "duration_s": config.duration_s, "disagg": _split_text(config.disagg),
+        "faults_injected": len(tally.faults), "fault_kinds": dict(tally.fault_kinds),
         "offered": offered, "exact": outcomes["exact"], "cancelled_by_client": outcomes["cancelled"],
         "failed_explicitly": {k.removeprefix("failed:"): v for k, v in outcomes.items() if k.startswith("failed:")},
         "hung": outcomes["hung"] + hung_clients, "wrong_tokens": outcomes["wrong"], "examples": tally.wrong,
-        "failure_examples": tally.failure_examples,
+        "failure_examples": tally.failure_examples, "handoffs": _handoffs(handoff_counts),
         "leaks": leaks, "restarts": restarts,
-        "supervisor_problems": [e for e in events if "given up" in e or "could not be restarted" in e], "rss_kb_start": rss_start, "rss_kb_end": rss_end,
+        "supervisor_problems": [e for e in events if "given up" in e or "could not be restarted" in e],
+        "rss_kb_start": rss_start, "rss_kb_end": rss_end,
         "ok": outcomes["hung"] + hung_clients + outcomes["wrong"] == 0 and _nothing_held(leaks),
         "config": {k: v for k, v in asdict(config).items() if k != "run_dir"}, "run_dir": str(run_dir),
     }
+
+
+def _split_text(disagg: tuple[int, int] | None) -> str | None:
+    return None if disagg is None else f"{disagg[0]}:{disagg[1]}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -313,11 +394,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--fault-interval-s", type=float, default=ChaosConfig.fault_interval_s)
     parser.add_argument("--clients", type=int, default=ChaosConfig.clients)
     parser.add_argument("--seed", type=int, default=ChaosConfig.seed)
+    parser.add_argument("--disagg", default=None, metavar="P:D",
+                        help="a disaggregated stack of P prefill and D decode replicas (docs/disaggregation.md)")
     parser.add_argument("--run-dir", default=None)
     parser.add_argument("--json", default=None, help="also write the report to this file")
     args = parser.parse_args(argv)
+    from sluice_tools.sim.disagg import parse_split  # the one P:D parser (`sluice up`, `sluice sim`)
+
+    try:
+        disagg = parse_split(args.disagg) if args.disagg is not None else None
+    except ValueError as exc:
+        parser.error(str(exc))
     report = run(ChaosConfig(duration_s=args.duration_s, fault_interval_s=args.fault_interval_s,
-                             clients=args.clients, seed=args.seed, run_dir=args.run_dir))
+                             clients=args.clients, seed=args.seed, disagg=disagg, run_dir=args.run_dir))
     text = json.dumps(report, indent=2)
     print(text)
     if args.json:

@@ -23,5 +23,5 @@ def test_a_short_chaos_run_ends_every_request_once_exact_or_explicit_and_leaks_n
     assert (report["hung"], report["wrong_tokens"]) == (0, 0), report["examples"]
     assert report["exact"] >= 1 and report["offered"] >= report["exact"]
     assert report["leaks"] == {"admission_reserved": {}, "scheduler_requests": 0, "kv_blocks_used": 0,
-                               "redis_pending": {}}
+                               "kv_blocks_held": 0, "redis_pending": {}}
     assert report["ok"]

@@ -39,6 +39,8 @@ class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.S
         self.address = ""
         self.submitted: list[scheduler_pb2.SubmitRequest] = []
         self.cancelled: list[str] = []
+        self.released: list[str] = []
+        """ReleaseKv calls received (request ids)."""
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.ready = True
         self.end_status: int | None = None
@@ -54,6 +56,17 @@ class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.S
         self.dead_address = ""
         self.reports: list[router_pb2.ReportUnreachableRequest] = []
         """ReportUnreachable calls received."""
+        self.pair = False
+        """Route answers a prefill/decode pair (decode replica "r1", this same stand-in): a prefill half follows."""
+        self.prefill_completion_copies = 1
+        """A prefill half (hold_kv) publishes its token, then its completion this many times, 50 ms apart (the bus
+        delivers at least once; a Lookup fetches a copy of a completion that Redis held up, and the bus's own
+        arrives after it)."""
+        self.refused_decode_halves = 0
+        """Submit refuses this many more decode halves (kv_source set) UNAVAILABLE, as a decode scheduler that lost
+        Redis does."""
+        self.report_delay_s = 0.0
+        """ReportUnreachable answers this late (a router busy probing)."""
         self.submit_reply_delay_s = 0.0
         """Submit answers this long after the request started generating (as a busy scheduler's reply can lag
         its first token on the bus)."""
@@ -65,12 +78,17 @@ class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.S
         if self.dead_routes > 0:
             self.dead_routes -= 1
             return router_pb2.RouteResponse(replica_id="r-dead", scheduler_address=self.dead_address)
+        if self.pair:
+            return router_pb2.RouteResponse(replica_id="r0", scheduler_address=self.address,
+                                            decode_replica_id="r1", decode_scheduler_address=self.address,
+                                            predicted_ttft_s=self.predicted_ttft_s)
         return router_pb2.RouteResponse(replica_id="r0", scheduler_address=self.address,
                                         predicted_ttft_s=self.predicted_ttft_s)
 
     async def ReportUnreachable(self, request: router_pb2.ReportUnreachableRequest,
                                 context: Any) -> router_pb2.ReportUnreachableResponse:
         self.reports.append(request)
+        await asyncio.sleep(self.report_delay_s)
         return router_pb2.ReportUnreachableResponse(state=router_pb2.UNHEALTHY)
 
     async def ListReplicas(self, request: Any, context: Any) -> router_pb2.ListReplicasResponse:
@@ -79,12 +97,18 @@ class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.S
 
     async def Submit(self, request: scheduler_pb2.SubmitRequest, context: Any) -> scheduler_pb2.SubmitResponse:
         self.submitted.append(request)
+        if request.HasField("kv_source") and self.refused_decode_halves > 0:
+            self.refused_decode_halves -= 1
+            await errors.abort(context, errors.Unavailable("Redis does not answer"))
         self.tasks[request.request_id] = asyncio.create_task(self._run(request))
         if self.submit_reply_delay_s:
             await asyncio.sleep(self.submit_reply_delay_s)
         return scheduler_pb2.SubmitResponse()
 
     async def _run(self, request: scheduler_pb2.SubmitRequest) -> None:
+        if request.hold_kv and self.prefill_completion_copies > 1:
+            await self._prefill_completed_more_than_once(request)
+            return
         produced = 0
         status, reason = common_pb2.FINISHED_LENGTH, "length"
         try:
@@ -103,6 +127,22 @@ class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.S
             owner=request.owner, detail=self.end_detail if self.end_status is not None else "",
             usage=common_pb2.Usage(input_tokens=len(request.prompt_token_ids),
                                                         output_tokens=produced)))
+
+    async def _prefill_completed_more_than_once(self, request: scheduler_pb2.SubmitRequest) -> None:
+        await self.bus.publish_tokens(request.owner, [events_pb2.TokenDelta(
+            request_id=request.request_id, index=0, token_ids=[self.output[0]])])
+        done = events_pb2.Completion(request_id=request.request_id, tenant=request.tenant,
+                                     status=common_pb2.FINISHED_LENGTH, finish_reason="length", owner=request.owner,
+                                     usage=common_pb2.Usage(input_tokens=len(request.prompt_token_ids),
+                                                            output_tokens=1))
+        for _ in range(self.prefill_completion_copies):
+            await asyncio.sleep(0.05)
+            await self.bus.publish_completion(done)
+
+    async def ReleaseKv(self, request: scheduler_pb2.ReleaseKvRequest,
+                        context: Any) -> scheduler_pb2.ReleaseKvResponse:
+        self.released.append(request.request_id)
+        return scheduler_pb2.ReleaseKvResponse()
 
     async def Cancel(self, request: scheduler_pb2.CancelRequest, context: Any) -> scheduler_pb2.CancelResponse:
         self.cancelled.append(request.request_id)

@@ -35,3 +35,21 @@ def test_delta_is_growth_since_the_last_read_over_endpoints_and_labels() -> None
     urls[1] = url_c  # b restarted on a new port: its replacement counts from zero
     tokens_c.labels("x").inc(6)
     assert scraper.delta()["t_tokens_total"] == 6.0
+
+
+def test_delta_by_series_keeps_label_sets_apart_and_counts_a_restart_from_zero() -> None:
+    """With by_series each label set grows on its own, keyed `name{label="value"}`, summed over endpoints; a series
+    not seen yet is absent, and an endpoint whose counters went down (restarted in place) counts from zero."""
+    (url_a, tokens_a, _), (url_b, tokens_b, _) = _endpoint(), _endpoint()
+    urls = [url_a, url_b]
+    scraper = Scraper(lambda: urls, ["t_tokens_total"], by_series=True)
+    tokens_a.labels("x").inc(5)
+    tokens_b.labels("x").inc(1)
+    tokens_b.labels("y").inc(2)
+    assert scraper.delta() == {'t_tokens_total{model="x"}': 6.0, 't_tokens_total{model="y"}': 2.0}
+    tokens_a.labels("y").inc(3)
+    assert scraper.delta() == {'t_tokens_total{model="x"}': 0.0, 't_tokens_total{model="y"}': 3.0}
+    (url_c, tokens_c, _), urls[1] = _endpoint(), ""
+    urls.append(url_c)
+    tokens_c.labels("y").inc(1)
+    assert scraper.delta()['t_tokens_total{model="y"}'] == 1.0

@@ -1,0 +1,74 @@
+"""The chaos run's configuration (sluice_tools/chaos.py): `--disagg P:D` is the same run on a disaggregated stack."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from sluice_tools.chaos import (
+    DISAGG_FAULTS,
+    FAULTS,
+    ChaosConfig,
+    _handoffs,
+    _nothing_held,
+    faults_for,
+    main,
+    stack_config,
+)
+from sluice_tools.stack_parts import replica_role
+
+NOTHING = {"admission_reserved": {}, "scheduler_requests": 0, "kv_blocks_used": 0, "kv_blocks_held": 0,
+           "redis_pending": {}}
+
+
+@pytest.mark.parametrize(("disagg", "roles", "faults"), [
+    (None, ["both", "both"], FAULTS),
+    ((1, 1), ["prefill", "decode"], DISAGG_FAULTS),
+    ((2, 2), ["prefill", "prefill", "decode", "decode"], DISAGG_FAULTS),
+    ((1, 3), ["prefill", "decode", "decode", "decode"], DISAGG_FAULTS),
+])
+def test_the_split_changes_only_the_stack_roles_and_the_faults(disagg: tuple[int, int] | None, roles: list[str],
+                                                               faults: tuple[str, ...], tmp_path: Path) -> None:
+    """Aggregated or P:D, the stack is the same cost-model one with emulated time; the split decides the roles of
+    its replicas (the first P prefill) and the faults drawn (each side's workers and schedulers apart)."""
+    config = stack_config(ChaosConfig(disagg=disagg), tmp_path, tmp_path / "tenants.toml")
+    assert (config.backend, config.emulate_time, config.disagg, config.config_file) == (
+        "costmodel", True, disagg, str(tmp_path / "tenants.toml"))
+    assert [replica_role(config, i) for i in range(sum(disagg) if disagg else config.replicas)] == roles
+    assert faults_for(disagg) == faults
+
+
+def test_a_disaggregated_run_faults_both_sides_and_everything_else_as_an_aggregated_one() -> None:
+    """Every fault of an aggregated run has a disaggregated twin: a worker or scheduler fault on each side, the
+    router, admission and Redis as they are."""
+    split = {f.replace("prefill-", "").replace("decode-", "") for f in DISAGG_FAULTS}
+    assert split == set(FAULTS)
+    assert {f for f in DISAGG_FAULTS if "prefill-" in f} == {f.replace("decode-", "prefill-")
+                                                             for f in DISAGG_FAULTS if "decode-" in f}
+
+
+@pytest.mark.parametrize("leak", [{"kv_blocks_held": 2}, {"kv_blocks_used": 1}, {"scheduler_requests": 1},
+                                  {"redis_pending": {"router": 1}}, {"admission_reserved": {"active": 1.0}}])
+def test_a_hold_left_on_a_prefill_scheduler_fails_the_run_as_any_leak(leak: dict[str, object]) -> None:
+    """Nothing held passes; a held KV block left on a scheduler fails the leak check like every other leak."""
+    assert _nothing_held(NOTHING)
+    assert not _nothing_held({**NOTHING, **leak})
+
+
+def test_handoff_counts_are_reported_by_outcome_and_by_reason() -> None:
+    """The schedulers' series become the report's transfers by outcome and holds ended by reason (zeros left out)."""
+    counts = Counter({'sluice_kv_transfers_total{outcome="received"}': 40.0,
+                      'sluice_kv_transfers_total{outcome="stale"}': 2.0,
+                      'sluice_kv_transfers_total{outcome="failed"}': 0.0,
+                      'sluice_kv_holds_ended_total{reason="expired"}': 1.0})
+    assert _handoffs(counts) == {"transfers": {"received": 40, "stale": 2}, "holds_ended": {"expired": 1}}
+
+
+@pytest.mark.parametrize("split", ["0:1", "2", "a:b"])
+def test_a_bad_split_ends_in_one_line_naming_the_flag(split: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """--disagg that is not P:D with both sides >= 1 exits 2 before anything starts, naming --disagg."""
+    with pytest.raises(SystemExit) as ended:
+        main(["--disagg", split])
+    assert ended.value.code == 2 and "--disagg" in capsys.readouterr().err
