@@ -19,7 +19,11 @@ Rules
 * The decode Submit failing (the decode replica died, refused, did not answer): the hold is released at the
   prefill side (best effort; its expiry ends it otherwise), the failed attempt is forgotten at the router, and
   the request is placed again through routing, as a migration places it (a new pair: the prompt and the tokens
-  streamed so far are recomputed on its prefill replica). A client cancel during the hand-off reaches the decode
+  streamed so far are recomputed on its prefill replica). A refusal that says when to come back (RetryInfo: a
+  decode scheduler whose Redis is away answers 1 s) is waited for, at most `REFUSAL_PAUSE_MAX_S`, before that
+  placement: placing at once would find the same decode side still refusing and spend the migration limit in a
+  fraction of a second (the chaos run's FAILED `migration_limit` during 3 s Redis stalls). A client cancel during
+  the hand-off reaches the decode
   scheduler (the record points there before the Submit is sent), which stops the transfer and releases both
   sides; one that came before the move ends the request CANCELLED here.
 * Span events on the request's root span: `kv_held` (the prefill half is done, its blocks wait), `handed_off`
@@ -41,7 +45,7 @@ from opentelemetry import trace
 from admission_svc import convert
 from admission_svc.calls import HandOff, Placement
 from admission_svc.migration import REROUTE_CODES, MigrationCause, one_move_at_a_time
-from sluice import telemetry
+from sluice import errors, telemetry
 from sluice.v1 import common_pb2, events_pb2, router_pb2, scheduler_pb2
 
 if TYPE_CHECKING:
@@ -50,7 +54,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HandOffs", "is_prefill_done", "pair_of"]
+__all__ = ["REFUSAL_PAUSE_MAX_S", "HandOffs", "is_prefill_done", "pair_of"]
+
+REFUSAL_PAUSE_MAX_S = 2.0
+"""The longest wait, after a refused decode half, for the retry delay the refusal named before placing again."""
 
 
 def pair_of(record: Tracked, route: router_pb2.RouteResponse, max_tokens: int) -> HandOff | None:
@@ -191,6 +198,11 @@ class HandOffs:
                 await door.router.ReportUnreachable(router_pb2.ReportUnreachableRequest(
                     replica_id=pair.decode_replica_id, scheduler_address=pair.decode_address,
                     detail=f"{exc.code().name}: {exc.details()}"), timeout=door.config.downstream_timeout_s)
+        pause = errors.details_of(exc).retry_after_s
+        if pause and not record.timestamps.cancel_requested:
+            await asyncio.sleep(min(pause, REFUSAL_PAUSE_MAX_S))
+        if record.completion is not None:  # it ended while this waited (its deadline): nothing to place
+            return
         if record.timestamps.cancel_requested:
             migrator.end_locally(record, common_pb2.CANCELLED, "cancelled during the hand-off",
                                  finish_reason="cancelled")

@@ -38,6 +38,8 @@ class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.S
         self.bus = bus
         self.address = ""
         self.submitted: list[scheduler_pb2.SubmitRequest] = []
+        self.submitted_at: dict[str, float] = {}
+        """When each Submit arrived, by request id (the loop's clock)."""
         self.cancelled: list[str] = []
         self.released: list[str] = []
         """ReleaseKv calls received (request ids)."""
@@ -65,6 +67,8 @@ class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.S
         self.refused_decode_halves = 0
         """Submit refuses this many more decode halves (kv_source set) UNAVAILABLE, as a decode scheduler that lost
         Redis does."""
+        self.refusal_retry_after_s: float | None = None
+        """The retry delay (RetryInfo) those refusals name; None: none (a real scheduler without Redis says 1 s)."""
         self.report_delay_s = 0.0
         """ReportUnreachable answers this late (a router busy probing)."""
         self.submit_reply_delay_s = 0.0
@@ -97,9 +101,11 @@ class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.S
 
     async def Submit(self, request: scheduler_pb2.SubmitRequest, context: Any) -> scheduler_pb2.SubmitResponse:
         self.submitted.append(request)
+        self.submitted_at[request.request_id] = asyncio.get_running_loop().time()
         if request.HasField("kv_source") and self.refused_decode_halves > 0:
             self.refused_decode_halves -= 1
-            await errors.abort(context, errors.Unavailable("Redis does not answer"))
+            await errors.abort(context, errors.Unavailable("Redis does not answer",
+                                                           retry_after_s=self.refusal_retry_after_s))
         self.tasks[request.request_id] = asyncio.create_task(self._run(request))
         if self.submit_reply_delay_s:
             await asyncio.sleep(self.submit_reply_delay_s)

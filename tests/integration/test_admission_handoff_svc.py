@@ -79,3 +79,23 @@ def test_decode_halves_refused_again_and_again_end_the_request_at_the_migration_
         assert door.metrics.migration_failures.labels("migration_limit")._value.get() == 1
 
     run(tmp_path, redis_url, namespace, body, door_config=FrontDoorConfig(migration_limit=2))
+
+
+def test_a_decode_half_refused_with_a_retry_delay_is_placed_again_after_that_delay(
+        tmp_path: Path, redis_url: str, namespace: str) -> None:
+    """A decode side that refuses UNAVAILABLE naming a retry delay (a scheduler whose Redis is away says 1 s) is given
+    that delay before the request is placed again, so a short outage does not spend the migration limit in a
+    fraction of a second (the chaos run's FAILED `migration_limit` during 3 s Redis stalls); the request then
+    completes with every token."""
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
+        door.publish_completion = bus.publish_completion
+        replica.pair, replica.refused_decode_halves, replica.refusal_retry_after_s = True, 2, 0.4
+        async with sdk.AsyncClient(target, api_key="k-acme", retry=NO_RETRY) as client:
+            generation = await client.generate_text("hi", max_tokens=5)
+        assert (generation.finish_reason, generation.usage.output_tokens) == ("length", 5)
+        first = generation.request_id
+        at = replica.submitted_at
+        assert at[f"{first}#2"] - at[f"{first}#1"] >= 0.4 and at[f"{first}#4"] - at[f"{first}#3"] >= 0.4
+        assert f"{first}#5" in at and await settle(lambda: door.core.stats(0).active == 0)
+
+    run(tmp_path, redis_url, namespace, body, door_config=FrontDoorConfig(migration_limit=2))
