@@ -120,9 +120,10 @@ class Driver:
         """Ask the worker whether it serves and return the answer (marks it down when not)."""
         return await self.link.probe()
 
-    async def flush(self) -> None:
-        """Wait until every publication queued so far has been handed to Redis."""
-        await self.publisher.flush()
+    async def flush(self) -> bool:
+        """Wait until every publication queued so far has been handed to Redis, at most the publisher's grace;
+        return whether it was (Publisher.flush)."""
+        return await self.publisher.flush()
 
     # ---- requests -------------------------------------------------------------------------
     def submit(self, msg: scheduler_pb2.SubmitRequest, parent: Context | None) -> int:

@@ -11,7 +11,8 @@ some of it may have gone in and is repeated: token readers drop deltas they have
 and the routers' KV index are idempotent): events are delayed, never dropped, and each stream's entries
 keep their order.
 
-Stopping (`close`, then `wait_closed`) publishes what is queued, but waits for Redis only `PUBLISH_GRACE_S`:
+Stopping (`close`, then `wait_closed`) publishes what is queued, but waits for Redis only `PUBLISH_GRACE_S` (and
+so does `flush`, which a drain calls):
 a process told to stop while Redis is unreachable logs what it could not publish and stops, instead of
 retrying forever and outliving its SIGTERM (admission's watchdog asks the replica's Lookup, or the request
 migrates, as when a replica dies).
@@ -108,9 +109,17 @@ class Publisher:
         with contextlib.suppress(asyncio.CancelledError):
             await run
 
-    async def flush(self) -> None:
-        """Wait until every batch queued so far has been handed to Redis."""
-        await self._outbox.join()
+    async def flush(self, grace_s: float = PUBLISH_GRACE_S) -> bool:
+        """Wait until every batch queued so far has been handed to Redis, at most `grace_s`; return whether it was.
+        Bounded because the callers are drains: a replica told to stop while Redis is gone waited here for ever (its
+        publications are retried by `run` meanwhile, and `wait_closed` drops what is left when the process stops)."""
+        try:
+            await asyncio.wait_for(self._outbox.join(), grace_s)
+        except TimeoutError:
+            log.error("%d publications not confirmed by Redis after %.1f s; going on without them",
+                      self._outbox.qsize(), grace_s)
+            return False
+        return True
 
     async def run(self) -> None:
         """Publish queued batches in order until `close`; retry Redis failures forever."""

@@ -60,3 +60,32 @@ def test_stopping_with_redis_gone_ends_after_the_grace(tmp_path) -> None:  # typ
         assert asyncio.run(scenario())
     finally:
         redis.stop()
+
+
+def test_a_flush_with_redis_gone_gives_up_after_its_grace(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """With Redis stopped and a batch queued, flush() returns False after its grace instead of waiting for ever (a
+    drain flushes: a scheduler told to stop while Redis was gone never exited), and True once Redis took all."""
+    redis = EmbeddedRedis(log_path=tmp_path / "redis.log")
+    redis.start()
+
+    async def scenario() -> tuple[bool, bool, float]:
+        bus = Bus(redis_client(redis.url), "gone")
+        publisher = Publisher(bus)
+        run = asyncio.create_task(publisher.run())
+        publisher.put(_tokens("before"))
+        took_all = await publisher.flush()
+        redis.stop()
+        publisher.put(_tokens("after"))
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        gave_up = not await asyncio.wait_for(publisher.flush(grace_s=0.5), 30.0)
+        waited = loop.time() - began
+        await publisher.close()
+        await publisher.wait_closed(run, grace_s=0.1)
+        return took_all, gave_up, waited
+
+    try:
+        took_all, gave_up, waited = asyncio.run(scenario())
+        assert took_all and gave_up and 0.5 <= waited < 5.0
+    finally:
+        redis.stop()

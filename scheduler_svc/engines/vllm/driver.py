@@ -96,10 +96,11 @@ class VllmDriver:
             self._engine_down("GET /health failed")
         return ok
 
-    async def flush(self) -> None:
-        """Wait until every publication queued so far has been handed to Redis."""
+    async def flush(self) -> bool:
+        """Wait until every publication queued so far has been handed to Redis, at most the publisher's grace;
+        return whether it was (Publisher.flush)."""
         self._hand_over()
-        await self.publisher.flush()
+        return await self.publisher.flush()
 
     def wake_up(self) -> None:
         self._wake.set()
