@@ -25,6 +25,7 @@ import dataclasses
 import gc
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -285,6 +286,11 @@ def run(args: argparse.Namespace) -> int:
     except (WorkloadError, OSError, ValueError) as exc:
         print(f"sluice bench: error: {exc}", file=sys.stderr)
         return 2
+    if args.spawn:
+        # SIGTERM stops what --spawn started in order, as Ctrl-C does (the stacks are stopped on the way out and
+        # cli.main reports the interrupt); by default it ended this process at once and left the services to stop
+        # on their own through their lifelines.
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     args.slo_ttft = args.slo_ttft if args.slo_ttft_ms is None else args.slo_ttft_ms / 1000.0
     args.slo_tpot = args.slo_tpot if args.slo_tpot_ms is None else args.slo_tpot_ms / 1000.0
     if args.capacity:

@@ -68,3 +68,36 @@ def test_every_child_of_a_sigkilled_sluice_up_exits(tmp_path: Path) -> None:
     left = wait_gone(started, 30.0)
     _kill_leftovers(left)
     assert left == [], f"outlived `sluice up`: {[command_line(p) for p in left]}"
+
+
+def test_a_sigtermed_sluice_bench_stops_its_spawned_stack_before_it_exits(tmp_path: Path) -> None:
+    """SIGTERM to `sluice bench --spawn` mid-run stops the stack it spawned, as Ctrl-C does, before the command exits
+    (exit 130): nothing of it is left running. Before, SIGTERM ended the command at once and its services, told by
+    their lifelines, were still draining after it had gone."""
+    bench = subprocess.Popen([sys.executable, "-m", "sluice_tools.cli", "bench",
+                              "synthetic:poisson?rate=20&n=4000&input=fixed:32&output=fixed:200", "--spawn",
+                              "--backend", "costmodel", "--model", "llama-3-8b", "--emulate-time"],
+                             cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert bench.stderr is not None
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and "[bench]" not in (line := bench.stderr.readline()) and line:
+        pass
+    time.sleep(2.0)  # requests in flight, their tokens on the way
+    started = children(bench.pid)
+    assert len(started) == 5, " ".join(command_line(pid) for pid in started)
+    bench.send_signal(signal.SIGTERM)
+    try:
+        code = bench.wait(60)
+    finally:
+        bench.kill()
+    left = [pid for pid in started if Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid)]
+    _kill_leftovers(left)
+    assert (code, left) == (130, []), f"exit {code}; still running: {[command_line(p) for p in left]}"
+
+
+def _state(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("State:"):
+                return line.lower()
+    return "gone"
