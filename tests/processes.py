@@ -85,3 +85,15 @@ def scraped_metrics(url: str) -> dict[str, float]:
             values[name] = float(value)
     return values
 
+
+def read_until(process: subprocess.Popen[str], marker: str, timeout_s: float) -> list[str]:
+    """Read `process`'s stdout a line at a time until a line holds `marker`, the output ends, or `timeout_s` passes
+    (checked between lines); return the lines read, the marker's line included."""
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and process.stdout is not None:
+        line = process.stdout.readline()
+        lines.append(line)
+        if marker in line or not line:
+            break
+    return lines

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from sluice.redis_server import free_port
-from tests.processes import children, wait_gone
+from tests.processes import children, read_until, wait_gone
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,13 +34,7 @@ def test_up_generate_and_ctrl_c(tmp_path: Path) -> None:
                                   "--http-port", str(http_port), "--run-dir", str(tmp_path)),
                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        lines = []
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and up.stdout is not None:
-            line = up.stdout.readline()
-            lines.append(line)
-            if "Ctrl-C to stop" in line or not line:
-                break
+        lines = read_until(up, "Ctrl-C to stop", 90)
         banner = "".join(lines)
         assert f"endpoint: 127.0.0.1:{port}" in banner and "sk-sluice-local" in banner, banner
         # Every service's Prometheus endpoint, on the free port it bound (--metrics on by default).

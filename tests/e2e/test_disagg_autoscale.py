@@ -12,7 +12,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from dataclasses import replace
 from pathlib import Path
@@ -25,7 +24,7 @@ from sluice.v1 import scheduler_pb2, scheduler_pb2_grpc
 from sluice_tools.autoscale import PoolAutoscaler, quick_pools_config
 from sluice_tools.stack import REPO_ROOT, Stack, StackConfig
 from sluice_tools.supervisor import Supervisor
-from tests.processes import wait_until
+from tests.processes import read_until, wait_until
 from worker_svc.costmodel import CostModel
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -178,13 +177,7 @@ def test_disagg_with_autoscale_starts_from_the_command_line(tmp_path: Path) -> N
                            "--run-dir", str(tmp_path)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
     try:
-        lines = []
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and up.stdout is not None:
-            line = up.stdout.readline()
-            lines.append(line)
-            if "replicas in each pool" in line or not line:
-                break
+        lines = read_until(up, "replicas in each pool", 120)
         assert any("1 to 2 replicas in each pool (prefill, decode)" in line for line in lines), "".join(lines)
     finally:
         up.send_signal(2)

@@ -31,7 +31,7 @@ from sluice.telemetry import read_span_file
 from sluice.v1 import scheduler_pb2, scheduler_pb2_grpc
 from sluice_tools.stack import Proc, Stack, StackConfig
 from sluice_tools.stack_parts import proc_serving
-from tests.processes import scraped_metrics
+from tests.processes import read_until, scraped_metrics
 from worker_svc.costmodel import CostModel
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -399,13 +399,7 @@ def test_sluice_up_disagg_through_the_command_line(tmp_path: Path) -> None:
                            str(port), "--http-port", "-1", "--run-dir", str(tmp_path)],
                           cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        lines = []
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and up.stdout is not None:
-            line = up.stdout.readline()
-            lines.append(line)
-            if "Ctrl-C to stop" in line or not line:
-                break
+        lines = read_until(up, "Ctrl-C to stop", 120)
         banner = "".join(lines)
         assert "1 prefill + 1 decode x" in banner, banner
         roles = {line.split()[0]: line.split()[-1] for line in lines if line.strip().startswith("scheduler-")}
