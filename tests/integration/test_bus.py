@@ -186,6 +186,37 @@ def test_failing_handler_is_retried_then_dead_lettered(redis_url: str, namespace
     asyncio.run(body())
 
 
+def test_a_read_is_acknowledged_in_one_xack_and_a_failed_entry_stays_pending(redis_url: str,
+                                                                             namespace: str) -> None:
+    """Twenty entries read at once are acknowledged with one XACK (not one each), and an entry whose handler
+    raised is left out of it: it alone stays in the consumer's pending list."""
+    async def body() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        bus = Bus(client, namespace)
+        ids = [await bus.publish_completion(events_pb2.Completion(request_id=str(i))) for i in range(20)]
+        handled: list[str] = []
+        stop = asyncio.Event()
+
+        async def handler(entry_id: str, payload: bytes, _ctx: object) -> None:
+            request_id = events_pb2.Completion.FromString(payload).request_id
+            if request_id == "7":
+                raise ValueError("not now")
+            handled.append(request_id)
+            if len(handled) == 19:
+                stop.set()
+
+        before = (await client.info("commandstats")).get("cmdstat_xack", {}).get("calls", 0)
+        await asyncio.wait_for(bus.consume("completions", "g", "c", handler, stop=stop, block_ms=20,
+                                           max_attempts=1000), 10)
+        xacks = (await client.info("commandstats"))["cmdstat_xack"]["calls"] - before
+        assert handled == [str(i) for i in range(20) if i != 7]
+        assert 1 <= xacks <= 3  # one per read that handled something; one per entry would be 19
+        pending = await client.xpending_range(bus.key("completions"), "g", min="-", max="+", count=100)
+        assert [entry["message_id"] for entry in pending] == [ids[7].encode()]
+        await client.aclose()
+    asyncio.run(body())
+
+
 def test_token_deltas_read_in_order_with_trace_fields(redis_url: str, namespace: str,
                                                       span_exporter: object) -> None:
     """Token deltas published in one pipelined call are read back by XREAD in order, each with trace fields."""
