@@ -75,3 +75,44 @@ def test_a_service_refuses_to_start_on_an_unknown_exporter(tmp_path: Path) -> No
                           env={**clean, "PYTHONPATH": str(ROOT), "OTEL_TRACES_EXPORTER": "jaeger"})
     assert done.returncode == 2, done.stderr
     assert "OTEL_TRACES_EXPORTER='jaeger': unknown exporter 'jaeger'" in done.stderr
+
+
+_UNEXPORTED = """
+import json
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from sluice.telemetry import get_tracer, inject_metadata, setup_tracing
+provider = setup_tracing('sluice-admission')
+tracer = get_tracer('t')
+out = {}
+root = tracer.start_span('root')
+out['root_recording'] = root.is_recording()
+with trace.use_span(root):
+    out['propagated'] = dict(inject_metadata()).get('traceparent', '')
+remote = trace.set_span_in_context(trace.NonRecordingSpan(trace.SpanContext(
+    0x1234, 0x5678, is_remote=True, trace_flags=trace.TraceFlags(trace.TraceFlags.SAMPLED))))
+out['sampled_child_recording'] = tracer.start_span('child', context=remote).is_recording()
+exporter = InMemorySpanExporter()
+provider.add_span_processor(SimpleSpanProcessor(exporter))
+later = tracer.start_span('later')
+out['root_recording_once_exported'] = later.is_recording()
+later.end()
+out['exported'] = [span.name for span in exporter.get_finished_spans()]
+print(json.dumps(out))
+"""
+
+
+def test_a_process_that_exports_nothing_samples_no_trace_of_its_own() -> None:
+    """With no exporter, a root span is a no-op and propagates "not sampled" (no span work for nobody); a span
+    continuing someone's sampled trace is still recorded; once a processor is added, roots are recorded again."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "SLUICE_TRACE"))}
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run([sys.executable, "-c", _UNEXPORTED], env=env, capture_output=True, text=True,
+                          check=True, timeout=60)
+    out = json.loads(done.stdout)
+    assert out["root_recording"] is False
+    version, trace_id, _span_id, flags = out["propagated"].split("-")
+    assert int(trace_id, 16) and not int(flags, 16) & 0x01  # a valid trace id, flagged not sampled
+    assert out["sampled_child_recording"] is True
+    assert out["root_recording_once_exported"] is True and out["exported"] == ["later"]
