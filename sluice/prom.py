@@ -27,8 +27,10 @@ rather than "no data", and the first event's increase is seen (a series born at 
 
 from __future__ import annotations
 
+import logging
 import socket
 import ssl
+import sys
 import threading
 from bisect import bisect_left
 from collections import Counter as Counter_
@@ -42,6 +44,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.openmetrics import exposition as openmetrics_exposition
 
 from sluice.types import RejectReason
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "REQUEST_DURATION_BUCKETS", "TOKEN_USAGE_BUCKETS", "TPOT_BUCKETS", "TTFT_BUCKETS", "VLLM_FINISH_REASONS",
@@ -176,7 +180,21 @@ def _handler(registry: CollectorRegistry) -> type[BaseHTTPRequestHandler]:
     return MetricsHandler
 
 
-class _ThreadingHTTPServerV6(ThreadingHTTPServer):
+class _MetricsServer(ThreadingHTTPServer):
+    """The metrics server, which takes a scraper that went away as a fact of life: a scrape timed out while this
+    process was paused (SIGSTOP, a long GC, a loaded node) is answered after its scraper closed the connection,
+    and the write fails. `socketserver` printed that traceback to stderr for each one; it is one debug line here.
+    Other errors are logged with their traceback."""
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        failure = sys.exc_info()[1]
+        if isinstance(failure, (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)):
+            log.debug("metrics scrape from %s: the scraper left before the answer (%s)", client_address, failure)
+            return
+        log.error("metrics scrape from %s failed", client_address, exc_info=True)
+
+
+class _MetricsServerV6(_MetricsServer):
     address_family = socket.AF_INET6
 
 
@@ -187,7 +205,7 @@ def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "127.0.0.1
 
     Raises OSError when the port is taken or the address is not this machine's.
     """
-    server_class = _ThreadingHTTPServerV6 if ":" in addr else ThreadingHTTPServer
+    server_class = _MetricsServerV6 if ":" in addr else _MetricsServer
     server = server_class((addr, port), _handler(registry))
     server.daemon_threads = True
     if ssl_context is not None:
