@@ -44,7 +44,7 @@ from opentelemetry import trace
 
 from admission_svc import convert
 from admission_svc.calls import HandOff, Placement
-from admission_svc.migration import REROUTE_CODES, MigrationCause, one_move_at_a_time
+from admission_svc.migration import REFUSAL_PAUSE_MAX_S, REROUTE_CODES, MigrationCause, one_move_at_a_time
 from sluice import errors, telemetry
 from sluice.v1 import common_pb2, events_pb2, router_pb2, scheduler_pb2
 
@@ -56,8 +56,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["REFUSAL_PAUSE_MAX_S", "HandOffs", "is_prefill_done", "pair_of"]
 
-REFUSAL_PAUSE_MAX_S = 2.0
-"""The longest wait, after a refused decode half, for the retry delay the refusal named before placing again."""
 
 
 def pair_of(record: Tracked, route: router_pb2.RouteResponse, max_tokens: int) -> HandOff | None:

@@ -28,12 +28,16 @@ Rules
   before anything is awaited, so a late token of the old attempt is dropped and the new attempt's
   token 0 is output index `streamed`; the old attempt is cancelled at its scheduler, best effort.
 * Re-routing: a Submit that cannot reach its scheduler (UNAVAILABLE: refused connection, or a refusal
-  such as draining; DEADLINE_EXCEEDED: no answer) is placed again at once (`Migrator.reroute`), as a new
-  attempt: the router is told (ReportUnreachable: it probes and takes a dead scheduler out of routing,
-  instead of routing to it until its heartbeats time out), the abandoned attempt gets a REJECTED
+  such as draining; DEADLINE_EXCEEDED: no answer) is placed again (`Migrator.reroute`), as a new attempt, at
+  once, or after the retry delay a refusal named (at most `REFUSAL_PAUSE_MAX_S`): the router is told
+  (ReportUnreachable: it probes and takes a dead scheduler out of routing, instead of routing to it until
+  its heartbeats time out), the abandoned attempt gets a REJECTED
   completion (the router forgets it) and a best-effort Cancel, and the request is routed again. This
   covers the ~10 s after a scheduler dies, before the router drops it; metric
   `sluice_admission_reroutes_total{code}`, span event "rerouted".
+* Placing a moved request again after no replica took it backs off from 0.1 s (doubling, at most 1 s), and
+  waits longer when the refusal said when to come back (RetryInfo, at most `REFUSAL_PAUSE_MAX_S`): a
+  scheduler whose Redis is away answers 1 s, and asking again sooner only spends the retry window.
 * A request moves (migrations and re-routes together) at most `migration_limit` times; one more loss
   ends it FAILED (`migration_limit`) or, not yet placed, refuses it with the Submit's status,
   as does not finding a replica within `migration_retry_s`, or a stream with a token gap (nothing
@@ -61,6 +65,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.context import Context
 
+from sluice import errors
 from sluice.prom import zero_series
 from sluice.types import ATTEMPT_SEPARATOR, DRAIN_HANDOFF
 from sluice.v1 import common_pb2, events_pb2, router_pb2, scheduler_pb2
@@ -72,7 +77,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["REROUTE_CODES", "Listed", "MigrationCause", "Migrator", "Stalled", "attempt_id", "decide"]
+__all__ = ["REFUSAL_PAUSE_MAX_S", "REROUTE_CODES", "Listed", "MigrationCause", "Migrator", "Stalled", "attempt_id",
+           "decide"]
+
+REFUSAL_PAUSE_MAX_S = 2.0
+"""The longest wait for the retry delay a refusal named (RetryInfo) before placing a moved request again."""
 
 REROUTE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 """Submit failures after which admission routes the request again: the scheduler did not take it
@@ -373,11 +382,13 @@ class Migrator:
                 await self.door.route_and_submit(record, call, ids, deadline_unix_s)  # type: ignore[arg-type]
                 return True
             except grpc.aio.AioRpcError as exc:
-                log.info("request %s: placing its migration failed (%s); retrying", record.request_id,
-                         exc.code().name)
-            if loop.time() + pause > give_up or record.completion is not None:
+                asked = errors.details_of(exc).retry_after_s or 0.0
+                log.info("request %s: placing its migration failed (%s, retry in %.1f s); retrying",
+                         record.request_id, exc.code().name, asked)
+            wait = max(pause, min(asked, REFUSAL_PAUSE_MAX_S))
+            if loop.time() + wait > give_up or record.completion is not None:
                 return False
-            await asyncio.sleep(pause)
+            await asyncio.sleep(wait)
             pause = min(pause * 2, 1.0)
 
     def _next_attempt(self, record: Tracked, offset: int, cancel_old: bool = True) -> None:
@@ -419,7 +430,13 @@ class Migrator:
             await door.router.ReportUnreachable(router_pb2.ReportUnreachableRequest(
                 replica_id=replica_id, scheduler_address=address, detail=f"{exc.code().name}: {exc.details()}"),
                 timeout=door.config.downstream_timeout_s)
-        return True
+        asked = errors.details_of(exc).retry_after_s
+        if asked and not record.timestamps.cancel_requested:
+            # A scheduler that answered with a refusal saying when to come back (draining 0.1 s, its worker down
+            # 0.5 s, its Redis away 1 s): until the router stops listing it, routing again at once meets the same
+            # refusal and spends the migration limit in milliseconds.
+            await asyncio.sleep(min(asked, REFUSAL_PAUSE_MAX_S))
+        return record.completion is None  # it may have ended meanwhile (its deadline)
 
     def forget_attempt(self, record: Tracked, attempt: str, replica_id: str, detail: str) -> None:
         """Publish a REJECTED completion of an attempt that was routed but never placed, so that the router

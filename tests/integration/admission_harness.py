@@ -67,6 +67,11 @@ class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.S
         self.refused_decode_halves = 0
         """Submit refuses this many more decode halves (kv_source set) UNAVAILABLE, as a decode scheduler that lost
         Redis does."""
+        self.refused_submits = 0
+        """Submit refuses this many more submissions of any kind UNAVAILABLE with `refusal_retry_after_s` (a scheduler
+        whose Redis is away)."""
+        self.submit_times: list[float] = []
+        """When each Submit arrived, in order, refused ones included (the loop's clock)."""
         self.refusal_retry_after_s: float | None = None
         """The retry delay (RetryInfo) those refusals name; None: none (a real scheduler without Redis says 1 s)."""
         self.report_delay_s = 0.0
@@ -102,6 +107,11 @@ class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.S
     async def Submit(self, request: scheduler_pb2.SubmitRequest, context: Any) -> scheduler_pb2.SubmitResponse:
         self.submitted.append(request)
         self.submitted_at[request.request_id] = asyncio.get_running_loop().time()
+        self.submit_times.append(self.submitted_at[request.request_id])
+        if self.refused_submits > 0:
+            self.refused_submits -= 1
+            await errors.abort(context, errors.Unavailable("Redis does not answer", reason="bus_unavailable",
+                                                           retry_after_s=self.refusal_retry_after_s))
         if request.HasField("kv_source") and self.refused_decode_halves > 0:
             self.refused_decode_halves -= 1
             await errors.abort(context, errors.Unavailable("Redis does not answer",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import grpc
@@ -123,3 +124,21 @@ def test_a_scheduler_back_on_its_address_takes_the_next_submit_at_once(tmp_path:
         assert len(replica.reports) == 1 and door.metrics.reroutes.labels("UNAVAILABLE")._value.get() == 1
 
     run(tmp_path, redis_url, namespace, body)
+
+
+def test_a_refused_submit_is_routed_again_after_the_delay_the_refusal_named(tmp_path: Path, redis_url: str,
+                                                                           namespace: str) -> None:
+    """A Submit refused UNAVAILABLE with a retry delay (a scheduler whose Redis is away says 1 s) is routed again
+    after that delay, not at once (which met the same refusal and spent the migration limit in milliseconds):
+    two refusals naming 0.4 s, then the request finishes whole, the three Submits spaced by the delay."""
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
+        replica.refused_submits, replica.refusal_retry_after_s = 2, 0.4
+        async with sdk.AsyncClient(target, api_key="k-acme", retry=NO_RETRY) as client:
+            answer = await client.generate_text("hi", max_tokens=5)
+        assert answer.text == bytes(OUTPUT[:5]).decode() and answer.status == "FINISHED_LENGTH"
+        times = replica.submit_times
+        assert len(times) == 3
+        assert all(later - earlier >= 0.35 for earlier, later in itertools.pairwise(times)), times
+        assert door.metrics.reroutes.labels("UNAVAILABLE")._value.get() == 2
+
+    run(tmp_path, redis_url, namespace, body, door_config=FrontDoorConfig(migration_limit=3))
