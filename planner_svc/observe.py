@@ -8,24 +8,32 @@ a router that does not answer gives an observation with no replicas, on which th
 
 The arrival rate is the growth, between two observations, of the requests each scheduler has seen
 (finished + cancelled + timed out + waiting + running). Each replica carries the role it registered
-(`Replica.role`: prefill, decode or both), which is its pool for the pool planner (`--pools`). Latency
-inputs (TTFT, TPOT) are not observed here; the queue, backlog, KV and demand signals drive the decisions
-(docs/planner.md).
+(`Replica.role`: prefill, decode or both), which is its pool for the pool planner (`--pools`).
+
+The length mix and the latencies come the same way, from the running totals each scheduler reports
+(`SchedulerStats.input_tokens`, `max_output_tokens`, TTFT and TPOT sums and counts): an interval's mean is the
+growth of a sum over the growth of its count. The prompt lengths and TTFT are read where prompts are computed
+(replicas of role both and prefill: a decode half's "first token" is its KV transfer), the output lengths and
+TPOT where tokens are decoded (both and decode); `decode_tpot_observed_s` is the decode replicas' alone (the
+decode pool's signal). A counter that went down is a restarted scheduler: its totals since the restart are the
+interval's. TTFT here is the replica's (submit to first token), without admission's and the router's time.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
 
 import grpc
 
 from planner_svc.signals import Observation, ReplicaLoad
 from sluice.convert import role_from_proto
 from sluice.tls import TlsFiles, sync_channel
+from sluice.types import ReplicaRole
 from sluice.v1 import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
-__all__ = ["RouterObservations", "replica_load"]
+__all__ = ["Counters", "RouterObservations", "interval_figures", "replica_load"]
 
 log = logging.getLogger("sluice.planner")
 
@@ -47,6 +55,55 @@ def seen_requests(stats: scheduler_pb2.SchedulerStats) -> int:
     return stats.finished + stats.cancelled + stats.timed_out + stats.waiting + stats.running
 
 
+@dataclass(frozen=True)
+class Counters:
+    """A scheduler's running totals as one Stats answer gives them (see the module docstring)."""
+
+    seen: int = 0
+    input_tokens: int = 0
+    max_output_tokens: int = 0
+    ttft_s: float = 0.0
+    ttft_count: int = 0
+    tpot_s: float = 0.0
+    tpot_count: int = 0
+
+    @classmethod
+    def of(cls, stats: scheduler_pb2.SchedulerStats) -> Counters:
+        return cls(seen_requests(stats), stats.input_tokens, stats.max_output_tokens, stats.ttft_seconds_sum,
+                   stats.ttft_count, stats.tpot_seconds_sum, stats.tpot_count)
+
+    def since(self, earlier: Counters | None) -> Counters:
+        """The growth since `earlier` (None: nothing yet); all of self when a counter went down (a restart)."""
+        if earlier is None:
+            return Counters()
+        pairs = [(getattr(self, f.name), getattr(earlier, f.name)) for f in fields(self)]
+        if any(now < then for now, then in pairs):
+            return self
+        return Counters(*(now - then for now, then in pairs))  # type: ignore[arg-type]
+
+
+def _ratio(parts: Iterable[tuple[float, float]]) -> float | None:
+    top = bottom = 0.0
+    for num, den in parts:
+        top, bottom = top + num, bottom + den
+    return top / bottom if bottom > 0 else None
+
+
+def interval_figures(growth: list[tuple[ReplicaRole, Counters]]) -> dict[str, float | None]:
+    """The interval's length mix and latencies from each replica's growth (see the module docstring): the
+    `Observation` fields of those names (None: nothing measured; the lengths are then 0)."""
+    prompts = [g for role, g in growth if role is not ReplicaRole.DECODE]
+    decodes = [g for role, g in growth if role is not ReplicaRole.PREFILL]
+    return {
+        "mean_input_tokens": _ratio((g.input_tokens, g.seen) for g in prompts) or 0.0,
+        "mean_output_tokens": _ratio((g.max_output_tokens, g.seen) for g in decodes) or 0.0,
+        "ttft_observed_s": _ratio((g.ttft_s, g.ttft_count) for g in prompts),
+        "tpot_observed_s": _ratio((g.tpot_s, g.tpot_count) for g in decodes),
+        "decode_tpot_observed_s": _ratio((g.tpot_s, g.tpot_count) for role, g in growth
+                                         if role is ReplicaRole.DECODE),
+    }
+
+
 @dataclass
 class RouterObservations:
     """Observations of a deployed fleet through its router (see the module docstring)."""
@@ -56,23 +113,25 @@ class RouterObservations:
     tls_files: TlsFiles | None = None
     timeout_s: float = 2.0
     last: Observation | None = None
-    _seen: dict[str, int] = field(default_factory=dict)
+    _seen: dict[str, Counters] = field(default_factory=dict)
     _last_at: float | None = None
 
     def observe(self, now: float) -> Observation:
         """The fleet at `now` (never raises for an RPC failure: see the module docstring)."""
-        loads, arrivals = [], 0
+        loads, growth = [], []
         for replica in self._replicas():
             stats = self._stats(replica.scheduler_address)
-            loads.append(replica_load(replica, stats))
+            load = replica_load(replica, stats)
+            loads.append(load)
             if stats is not None:
-                seen = seen_requests(stats)
-                arrivals += max(0, seen - self._seen.get(replica.replica_id, seen))
-                self._seen[replica.replica_id] = seen
+                counters = Counters.of(stats)
+                growth.append((load.role, counters.since(self._seen.get(replica.replica_id))))
+                self._seen[replica.replica_id] = counters
         elapsed = now - self._last_at if self._last_at is not None else 0.0
         self._last_at = now
+        arrivals = sum(g.seen for _, g in growth)
         self.last = Observation(at=now, arrival_rate=arrivals / elapsed if elapsed > 0 else 0.0,
-                                replicas=tuple(loads))
+                                replicas=tuple(loads), **interval_figures(growth))  # type: ignore[arg-type]
         return self.last
 
     def _replicas(self) -> list[router_pb2.Replica]:

@@ -21,7 +21,7 @@ from sluice.prom import SchedulerMetrics
 from sluice.types import CoreEvents, Finished, LifecycleEvent, NewRequest, RequestStatus, RoundPlan, Stage
 from sluice.v1 import common_pb2, scheduler_pb2, worker_pb2
 
-__all__ = ["MAX_ROUND_TRACES", "Reporter"]
+__all__ = ["MAX_ROUND_TRACES", "Reporter", "Totals"]
 
 MAX_ROUND_TRACES = 32
 """Requests whose trace context one round carries to the worker (its round span links to them): a bound, so
@@ -34,6 +34,23 @@ _TERMINAL_EVENT = {
     RequestStatus.FINISHED_STOP: "finished", RequestStatus.FINISHED_LENGTH: "finished",
     RequestStatus.CANCELLED: "cancelled", RequestStatus.TIMED_OUT: "timed_out", RequestStatus.FAILED: "failed",
 }
+
+
+@dataclass
+class Totals:
+    """Running totals since start, reported by the Stats RPC (`SchedulerStats.input_tokens` ...): an observer takes
+    an interval's means from two reads, as the deployed planner does (planner_svc/observe.py)."""
+
+    input_tokens: int = 0
+    """Prompt tokens of the requests submitted here."""
+    max_output_tokens: int = 0
+    """The max_tokens those requests asked for."""
+    ttft_s: float = 0.0
+    ttft_count: int = 0
+    """Submit to first token, summed over the requests that got one, and how many."""
+    tpot_s: float = 0.0
+    tpot_count: int = 0
+    """First to last token per token after the first, summed over the finished requests with two or more."""
 
 
 @dataclass
@@ -66,6 +83,7 @@ class Reporter:
         self._last_stats = core.stats()
         self._gauges_unset = True
         """No gauge written yet: the first update writes every one."""
+        self.totals = Totals()
 
     def track(self, request_id: str, owner: str, span: trace.Span, timestamps: common_pb2.LifecycleTimestamps,
               arrival: float, prompt_tokens: int = 0) -> None:
@@ -89,6 +107,8 @@ class Reporter:
         timestamps = common_pb2.LifecycleTimestamps()
         timestamps.CopyFrom(msg.timestamps)
         self.track(msg.request_id, msg.owner, span, timestamps, now, len(request.prompt_token_ids))
+        self.totals.input_tokens += len(request.prompt_token_ids)
+        self.totals.max_output_tokens += msg.sampling.max_tokens
 
     def round_traces(self, plan: RoundPlan) -> list[worker_pb2.RequestTrace]:
         """Return the trace contexts the round `plan` carries to the worker: sampled requests only, at most
@@ -170,7 +190,10 @@ class Reporter:
         elif stage is Stage.KV_RELEASED:
             tracked.timestamps.kv_released = event.time
         elif stage is Stage.FIRST_TOKEN:
-            self.metrics.ttft.observe(event.time - tracked.arrival)
+            ttft = event.time - tracked.arrival
+            self.metrics.ttft.observe(ttft)
+            self.totals.ttft_s += ttft
+            self.totals.ttft_count += 1
             self.metrics.prompt_tokens.inc(tracked.prompt_tokens)
         elif stage is Stage.FIRST_SCHEDULED:
             self.metrics.queue_time.observe(event.time - tracked.arrival)
@@ -236,7 +259,10 @@ class Reporter:
             m.timeouts.inc()
         outputs = finished.usage.output_tokens
         if finished.first_token_time is not None and outputs > 1:
-            m.tpot.observe((finished.finish_time - finished.first_token_time) / (outputs - 1))
+            tpot = (finished.finish_time - finished.first_token_time) / (outputs - 1)
+            m.tpot.observe(tpot)
+            self.totals.tpot_s += tpot
+            self.totals.tpot_count += 1
 
     def _update_gauges(self) -> None:
         """Bring the gauges and the core's counters up to date; only what changed since the last call is written

@@ -142,3 +142,13 @@ def test_every_dashboard_query_returns_data_on_a_running_stack(scraped: tuple[St
     empty = [(title, expr) for title, expr in queries if not prometheus.query(substitute(expr, variables))]
     assert empty == [], "\n".join(f"{title}: {expr}" for title, expr in empty)
     print(json.dumps({"dashboard_queries": len(queries), "with_data": len(queries) - len(empty)}))
+
+
+def test_the_deployed_planner_sees_the_load_s_lengths_and_latencies(scraped: tuple[Stack, Prometheus]) -> None:
+    """The deployed planner takes its demand, TTFT and TPOT signals from the schedulers' running totals (Stats):
+    under the fixture's load each rose above 0 in the window Prometheus holds (before, all three stayed 0 in a
+    deployment: no length or latency was observed)."""
+    _stack, prometheus = scraped
+    for signal in ("demand", "ttft", "tpot"):
+        [series] = prometheus.query(f'max_over_time(sluice_planner_pressure{{signal="{signal}"}}[10m])')
+        assert float(series["value"][1]) > 0, signal

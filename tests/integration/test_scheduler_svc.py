@@ -746,3 +746,23 @@ def test_a_failed_worker_probe_with_rounds_in_flight_loses_them_and_every_reques
                 assert await _output_tokens(r.bus, rid) == [model.token_for(rid, 40 + i) for i in range(120)]
             assert all(c.usage.preemptions >= 1 for c in done), "the in-flight rounds were lost and recomputed"
     asyncio.run(body())
+
+
+def test_stats_report_running_totals_of_lengths_and_latencies(redis_url: str, namespace: str) -> None:
+    """Stats carries the totals an observer takes an interval's means from: the prompt tokens and max_tokens of
+    the requests submitted, and TTFT and TPOT sums and counts that match each completion's own timestamps."""
+    async def body() -> None:
+        async with _replica(redis_url, namespace, emulate_time=True) as r:
+            await r.stub.Submit(_submit("a", prompt_len=40, max_tokens=6))
+            await r.stub.Submit(_submit("b", prompt_len=24, max_tokens=1))
+            done = {c.request_id: c for c in await _completions(r.bus, 2)}
+            stats = await r.stub.Stats(scheduler_pb2.StatsRequest())
+            assert (stats.input_tokens, stats.max_output_tokens) == (64, 7)
+            assert stats.ttft_count == 2  # both got a first token
+            ttfts = [c.timestamps.first_token - c.timestamps.enqueued for c in done.values()]
+            assert stats.ttft_seconds_sum == pytest.approx(sum(ttfts), abs=0.01)
+            assert stats.tpot_count == 1  # "b" made one token: no time per output token
+            a = done["a"]
+            assert stats.tpot_seconds_sum == pytest.approx(
+                (a.timestamps.finished - a.timestamps.first_token) / 5, abs=0.005)
+    asyncio.run(body())

@@ -92,3 +92,38 @@ def test_the_deployed_planner_sees_the_role_each_replica_registered(wire: int, r
     stats = scheduler_pb2.SchedulerStats(waiting=2, running=1, kv_blocks_used=1, kv_blocks_total=4)
     assert replica_load(replica, stats).role is role
     assert replica_load(replica, None).role is role
+
+
+def test_an_interval_s_means_are_growths_of_sums_over_growths_of_counts() -> None:
+    """Two reads of a scheduler's totals give the interval's length mix and latencies; a first read gives
+    nothing yet, and a counter that went down (a restart) makes the totals since then the interval's."""
+    from planner_svc.observe import Counters, interval_figures
+
+    first = Counters(seen=10, input_tokens=1000, max_output_tokens=500, ttft_s=2.0, ttft_count=10,
+                     tpot_s=0.5, tpot_count=10)
+    later = Counters(seen=14, input_tokens=1800, max_output_tokens=700, ttft_s=3.2, ttft_count=14,
+                     tpot_s=0.9, tpot_count=12)
+    assert first.since(None) == Counters()
+    growth = later.since(first)
+    assert (growth.seen, growth.input_tokens, growth.ttft_count) == (4, 800, 4)
+    figures = interval_figures([(ReplicaRole.BOTH, growth)])
+    assert figures["mean_input_tokens"] == pytest.approx(200) and figures["mean_output_tokens"] == pytest.approx(50)
+    assert figures["ttft_observed_s"] == pytest.approx(0.3) and figures["tpot_observed_s"] == pytest.approx(0.2)
+    assert figures["decode_tpot_observed_s"] is None
+    restarted = Counters(seen=3, input_tokens=300, max_output_tokens=30, ttft_s=0.3, ttft_count=3)
+    assert restarted.since(later) == restarted
+    assert interval_figures([(ReplicaRole.BOTH, Counters())])["ttft_observed_s"] is None
+
+
+def test_a_disaggregated_fleet_s_prompts_are_read_on_prefill_replicas_and_its_decoding_on_decode_ones() -> None:
+    """Prompt lengths and TTFT come from the prefill pool (a decode half's first token is its KV transfer), output
+    lengths and TPOT from the decode pool, whose TPOT is also the decode pool's own signal."""
+    from planner_svc.observe import Counters, interval_figures
+
+    prefill = Counters(seen=4, input_tokens=4000, max_output_tokens=4, ttft_s=2.0, ttft_count=4)
+    decode = Counters(seen=4, input_tokens=4000, max_output_tokens=400, ttft_s=0.04, ttft_count=4,
+                      tpot_s=0.12, tpot_count=4)
+    figures = interval_figures([(P, prefill), (D, decode)])
+    assert figures["mean_input_tokens"] == pytest.approx(1000) and figures["mean_output_tokens"] == pytest.approx(100)
+    assert figures["ttft_observed_s"] == pytest.approx(0.5)
+    assert figures["tpot_observed_s"] == pytest.approx(0.03) and figures["decode_tpot_observed_s"] == pytest.approx(0.03)
