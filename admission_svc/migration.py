@@ -28,8 +28,9 @@ Rules
   before anything is awaited, so a late token of the old attempt is dropped and the new attempt's
   token 0 is output index `streamed`; the old attempt is cancelled at its scheduler, best effort.
 * Re-routing: a Submit that cannot reach its scheduler (UNAVAILABLE: refused connection, or a refusal
-  such as draining; DEADLINE_EXCEEDED: no answer) is placed again (`Migrator.reroute`), as a new attempt, at
-  once, or after the retry delay a refusal named (at most `REFUSAL_PAUSE_MAX_S`): the router is told
+  such as draining; DEADLINE_EXCEEDED: no answer) is placed again (`Migrator.reroute`), as a new attempt: at
+  once, or, for a stream with tokens out, after the retry delay a refusal named (at most
+  `REFUSAL_PAUSE_MAX_S`): the router is told
   (ReportUnreachable: it probes and takes a dead scheduler out of routing, instead of routing to it until
   its heartbeats time out), the abandoned attempt gets a REJECTED
   completion (the router forgets it) and a best-effort Cancel, and the request is routed again. This
@@ -431,10 +432,12 @@ class Migrator:
                 replica_id=replica_id, scheduler_address=address, detail=f"{exc.code().name}: {exc.details()}"),
                 timeout=door.config.downstream_timeout_s)
         asked = errors.details_of(exc).retry_after_s
-        if asked and not record.timestamps.cancel_requested:
-            # A scheduler that answered with a refusal saying when to come back (draining 0.1 s, its worker down
-            # 0.5 s, its Redis away 1 s): until the router stops listing it, routing again at once meets the same
-            # refusal and spends the migration limit in milliseconds.
+        if asked and record.stream.tokens and not record.timestamps.cancel_requested:
+            # A stream under way, refused by a scheduler that said when to come back (draining 0.1 s, its worker
+            # down 0.5 s, its Redis away 1 s): until the router stops listing it, routing again at once meets the
+            # same refusal and spends the migration limit in milliseconds, ending a stream the client cannot
+            # resume by retrying. A request with no token out yet is routed again at once and, at the limit,
+            # refused fast with the retry delay (its client retries; docs/operations.md, "Redis down").
             await asyncio.sleep(min(asked, REFUSAL_PAUSE_MAX_S))
         return record.completion is None  # it may have ended meanwhile (its deadline)
 

@@ -107,8 +107,11 @@ def test_config_weights_one_to_two_give_backlogged_tenants_one_to_two_service(tm
         for thread in threads:
             thread.join(30)
     assert not recorder.errors, recorder.errors[:3]
-    # Each tenant has at most STREAMS_PER_TENANT requests in flight: more waiting means both tenants wait.
-    assert min(waiting) > STREAMS_PER_TENANT, f"not both backlogged throughout: waiting {waiting}"
+    # Each tenant has at most STREAMS_PER_TENANT requests in flight: more waiting means both tenants wait. A sample
+    # may catch client threads between requests on a loaded machine (one of 60 read 12 against 20 expected): the
+    # premise is a queue full of both tenants nearly all the window, not at every half second.
+    backlogged = sum(w > STREAMS_PER_TENANT for w in waiting)
+    assert backlogged >= 0.9 * len(waiting), f"not both backlogged through the window: waiting {waiting}"
     served = recorder.service(start, end)
     assert served["silver"] > 0, served
     ratio = served["gold"] / served["silver"]

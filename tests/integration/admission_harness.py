@@ -47,6 +47,8 @@ class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.S
         self.ready = True
         self.end_status: int | None = None
         """When set, each request ends after one token with this status instead of finishing."""
+        self.end_first_attempts_only = False
+        """With `end_status`: only first attempts end so (a moved attempt, `id#n`, runs to its end)."""
         self.predicted_ttft_s = 0.0
         """The time to first token the stand-in router predicts for every request."""
         self.output = OUTPUT
@@ -129,7 +131,8 @@ class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.S
         status, reason = common_pb2.FINISHED_LENGTH, "length"
         try:
             for index in range(min(request.sampling.max_tokens, len(self.output))):
-                if self.end_status is not None and index == 1:
+                if self.end_status is not None and index == 1 and not (
+                        self.end_first_attempts_only and "#" in request.request_id):
                     status, reason = self.end_status, "error"
                     break
                 await asyncio.sleep(0.02)

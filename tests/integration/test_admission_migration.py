@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from pathlib import Path
 
@@ -126,19 +127,48 @@ def test_a_scheduler_back_on_its_address_takes_the_next_submit_at_once(tmp_path:
     run(tmp_path, redis_url, namespace, body)
 
 
-def test_a_refused_submit_is_routed_again_after_the_delay_the_refusal_named(tmp_path: Path, redis_url: str,
-                                                                           namespace: str) -> None:
-    """A Submit refused UNAVAILABLE with a retry delay (a scheduler whose Redis is away says 1 s) is routed again
-    after that delay, not at once (which met the same refusal and spent the migration limit in milliseconds):
-    two refusals naming 0.4 s, then the request finishes whole, the three Submits spaced by the delay."""
+def test_a_refused_move_of_a_stream_under_way_waits_the_delay_the_refusal_named(tmp_path: Path, redis_url: str,
+                                                                                namespace: str) -> None:
+    """A stream with tokens out, handed off, whose new attempt is refused UNAVAILABLE with a retry delay (a
+    scheduler whose Redis is away says 1 s), is routed again after that delay, not at once (which met the same
+    refusal and spent the migration limit in milliseconds): two refusals naming 0.4 s, then the stream goes on
+    after its token and gets all five, the three Submits of the move spaced by the delay."""
     async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
-        replica.refused_submits, replica.refusal_retry_after_s = 2, 0.4
+        replica.end_status, replica.end_detail = common_pb2.CANCELLED, DRAIN_HANDOFF
+        replica.end_first_attempts_only = True
+        replica.refused_submits, replica.refusal_retry_after_s = 0, 0.4
+        first_token = asyncio.Event()
+
+        async def refuse_the_move() -> None:
+            await first_token.wait()
+            replica.refused_submits = 2
+
+        refusing = asyncio.create_task(refuse_the_move())
+        tokens: list[int] = []
+        async with sdk.AsyncClient(target, api_key="k-acme", retry=NO_RETRY) as client:
+            async for chunk in client.generate("hi", max_tokens=5):
+                tokens.extend(chunk.token_ids)
+                first_token.set()
+        await refusing
+        assert tokens == [OUTPUT[0], *OUTPUT[:4]]  # the stand-in starts its output again for the moved attempt
+        assert [s.sampling.max_tokens for s in replica.submitted] == [5, 4, 4, 4]
+        moves = replica.submit_times[1:]
+        assert len(moves) == 3
+        assert all(later - earlier >= 0.35 for earlier, later in itertools.pairwise(moves)), moves
+        assert door.metrics.reroutes.labels("UNAVAILABLE")._value.get() == 2
+
+    run(tmp_path, redis_url, namespace, body, door_config=FrontDoorConfig(migration_limit=4))
+
+
+def test_a_refused_first_attempt_is_routed_again_at_once(tmp_path: Path, redis_url: str, namespace: str) -> None:
+    """A request with no token out yet, refused with a retry delay, is routed again at once (its client can still
+    retry, so it is answered fast): two refusals naming 1 s, then it finishes, the Submits well under 1 s apart."""
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
+        replica.refused_submits, replica.refusal_retry_after_s = 2, 1.0
         async with sdk.AsyncClient(target, api_key="k-acme", retry=NO_RETRY) as client:
             answer = await client.generate_text("hi", max_tokens=5)
         assert answer.text == bytes(OUTPUT[:5]).decode() and answer.status == "FINISHED_LENGTH"
         times = replica.submit_times
-        assert len(times) == 3
-        assert all(later - earlier >= 0.35 for earlier, later in itertools.pairwise(times)), times
-        assert door.metrics.reroutes.labels("UNAVAILABLE")._value.get() == 2
+        assert len(times) == 3 and times[-1] - times[0] < 0.5, times
 
     run(tmp_path, redis_url, namespace, body, door_config=FrontDoorConfig(migration_limit=3))
