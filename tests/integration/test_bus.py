@@ -217,6 +217,25 @@ def test_a_read_is_acknowledged_in_one_xack_and_a_failed_entry_stays_pending(red
     asyncio.run(body())
 
 
+def test_a_read_cancelled_while_it_blocks_leaves_no_reply_for_the_next(redis_url: str, namespace: str) -> None:
+    """A blocking token read cancelled mid-BLOCK (a stopping reader) gives up its connection: the reply Redis
+    still sends for it (stream A's entry) never answers the next read (stream B's), which gets its own entry."""
+    async def body() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        bus = Bus(client, namespace)
+        waiting = asyncio.create_task(bus.read_tokens("tokens:a", "$", block_ms=5000))
+        await asyncio.sleep(0.1)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await bus.publish_token_batch("a", events_pb2.TokenDeltaBatch())
+        b_id = await bus.publish_token_batch("b", events_pb2.TokenDeltaBatch())
+        [(entry_id, _deltas)] = await bus.read_tokens("tokens:b", "0", block_ms=100)
+        assert entry_id == b_id
+        await client.aclose()
+    asyncio.run(body())
+
+
 def test_token_deltas_read_in_order_with_trace_fields(redis_url: str, namespace: str,
                                                       span_exporter: object) -> None:
     """Token deltas published in one pipelined call are read back by XREAD in order, each with trace fields."""
