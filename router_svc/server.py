@@ -62,6 +62,11 @@ log = logging.getLogger(__name__)
 tracer = get_tracer("sluice.router")
 
 SERVICE_NAME = services.ROUTER
+KV_READ_INTERVAL_S = 0.05
+"""The KV shards are read at most every 50 ms (`Bus.consume`'s min_interval_s): a replica publishes a KV entry in
+most decode rounds (a block fills every 16 tokens of each request), and reading each alone cost the router a read
+and an acknowledgement per round per replica. The index loses nothing by it: the router counts its own routing
+decisions as cached for `prediction_ttl_s` (2 s), 40 times the wait."""
 OWN_CONNECTION = (("grpc.use_local_subchannel_pool", 1),)
 """Channel option: connections not shared with other channels, so that a new channel dials afresh."""
 
@@ -219,7 +224,7 @@ class RouterRuntime:
         """Run the consumers (one per `kv` shard, one for completions) and the expiry loop until `stop` is set;
         a consumer that fails is restarted."""
         tasks = [
-            *(asyncio.create_task(self._supervise(stream, self.on_kv_entry, stop, block_ms))
+            *(asyncio.create_task(self._supervise(stream, self.on_kv_entry, stop, block_ms, KV_READ_INTERVAL_S))
               for stream in self.bus.kv_streams()),
             asyncio.create_task(self._supervise("completions", self.on_completion, stop, block_ms)),
             asyncio.create_task(self._expire_loop(stop, expiry_interval_s)),
@@ -233,11 +238,11 @@ class RouterRuntime:
                 await channel.close()
 
     async def _supervise(self, stream: str, handler: Callable[[str, bytes, Context], object],
-                         stop: asyncio.Event, block_ms: int) -> None:
+                         stop: asyncio.Event, block_ms: int, min_interval_s: float = 0.0) -> None:
         while not stop.is_set():
             try:
                 await self.bus.consume(stream, self.group, self.router_id, handler,  # type: ignore[arg-type]
-                                       stop=stop, block_ms=block_ms)
+                                       stop=stop, block_ms=block_ms, min_interval_s=min_interval_s)
             # ClusterDownError: a Redis Cluster whose slot has no primary yet (a failover in progress).
             except (RedisConnectionError, RedisTimeoutError, ClusterDownError) as exc:
                 log.error("%s consumer lost Redis (%s); retrying in 1 s", stream, exc)

@@ -445,33 +445,43 @@ class Bus:
 
     async def consume(self, stream: str, group: str, consumer: str, handler: Handler, *,
                       stop: asyncio.Event, count: int = 128, block_ms: int = 200,
-                      claim_idle_ms: int = 10_000, start_id: str = "0", max_attempts: int = 5) -> None:
+                      claim_idle_ms: int = 10_000, start_id: str = "0", max_attempts: int = 5,
+                      min_interval_s: float = 0.0) -> None:
         """Deliver entries of `stream` to `handler(entry_id, payload, context)` until `stop` is set.
 
         At-least-once: an entry is acknowledged only after its handler returns. Returns when `stop` is set;
         raises what Redis raises (e.g. ConnectionError) so that the caller can restart it.
+        `min_interval_s`: after a read that returned entries, the next one starts no sooner than this after it
+        began, so a stream written every few milliseconds is read (and acknowledged) in batches, at the cost of
+        that much delay; 0 reads again at once.
         """
         await self.ensure_group(stream, group, start_id)
         consumer_state = _ConsumerState(self, stream, group, consumer, handler, max_attempts)
         try:
             # Our own pending entries first: a restart under the same consumer name resumes them.
             await consumer_state.drain_own_pending(count)
-            await self._consume(consumer_state, stream, group, stop, count, block_ms, claim_idle_ms)
+            await self._consume(consumer_state, stream, group, stop, count, block_ms, claim_idle_ms, min_interval_s)
         finally:
             if consumer_state.line is not None:
                 await consumer_state.line.close()
 
     async def _consume(self, consumer_state: _ConsumerState, stream: str, group: str, stop: asyncio.Event,
-                       count: int, block_ms: int, claim_idle_ms: int) -> None:
+                       count: int, block_ms: int, claim_idle_ms: int, min_interval_s: float) -> None:
         loop = asyncio.get_running_loop()
         next_claim = 0.0
         claim_every_s = max(claim_idle_ms / 4000.0, block_ms / 1000.0)
+        next_read = 0.0
         while not stop.is_set():
             try:
                 if loop.time() >= next_claim:
                     await consumer_state.autoclaim(claim_idle_ms, count)
                     next_claim = loop.time() + claim_every_s
+                wait = next_read - loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                began = loop.time()
                 entries = await consumer_state.read(">", count, block_ms)
+                next_read = began + min_interval_s if entries else 0.0
             except ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise

@@ -236,6 +236,36 @@ def test_a_read_cancelled_while_it_blocks_leaves_no_reply_for_the_next(redis_url
     asyncio.run(body())
 
 
+def test_a_minimum_interval_reads_a_busy_stream_in_batches(redis_url: str, namespace: str) -> None:
+    """Entries written every 5 ms for 0.4 s, consumed with min_interval_s 0.1: every one handled, in order, in a
+    handful of reads (one per entry or so without it, as each write wakes the blocked read)."""
+    async def body() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        bus = Bus(client, namespace)
+        reads_before = (await client.info("commandstats")).get("cmdstat_xreadgroup", {}).get("calls", 0)
+        handled: list[str] = []
+        stop = asyncio.Event()
+
+        async def handler(entry_id: str, payload: bytes, _ctx: object) -> None:
+            handled.append(events_pb2.Completion.FromString(payload).request_id)
+            if len(handled) == 80:
+                stop.set()
+
+        consuming = asyncio.create_task(bus.consume("completions", "g", "c", handler, stop=stop, block_ms=50,
+                                                    min_interval_s=0.1))
+        await asyncio.sleep(0.05)
+        for i in range(80):
+            await bus.publish_completion(events_pb2.Completion(request_id=str(i)))
+            await asyncio.sleep(0.005)
+        await asyncio.wait_for(consuming, 10)
+        reads = (await client.info("commandstats"))["cmdstat_xreadgroup"]["calls"] - reads_before
+        assert handled == [str(i) for i in range(80)]
+        assert reads <= 15, reads  # ~0.4-0.8 s of writes at one read per 0.1 s, and the pending-list reads
+        assert (await client.xpending(bus.key("completions"), "g"))["pending"] == 0
+        await client.aclose()
+    asyncio.run(body())
+
+
 def test_token_deltas_read_in_order_with_trace_fields(redis_url: str, namespace: str,
                                                       span_exporter: object) -> None:
     """Token deltas published in one pipelined call are read back by XREAD in order, each with trace fields."""
