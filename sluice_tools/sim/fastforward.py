@@ -34,6 +34,7 @@ from bisect import bisect_left, bisect_right
 from typing import TYPE_CHECKING
 
 from sluice.glue import RoundRates
+from sluice.slots import slot_constructor
 from sluice.types import CoreStats, RoundPlan, RoundResult
 from sluice_tools.sim.replica import RatesLog
 
@@ -116,10 +117,14 @@ def load_at(replica: _Replica, now: float) -> tuple[RoundRates, CoreStats]:
     return rates, stats
 
 
+_new_stats = slot_constructor(CoreStats)
+"""CoreStats's fields written as slots (sluice/slots.py): its frozen __init__ pays object.__setattr__ for each of 18."""
+
+
 def _with_blocks(stats: CoreStats, free: int, cached: int) -> CoreStats:
     """Return `stats` with the free and cached blocks replaced (used follows); `dataclasses.replace`, faster."""
     s = stats
-    return CoreStats(s.waiting, s.running, s.kv_blocks_total, s.kv_blocks_total - free - cached, free, cached,
+    return _new_stats(s.waiting, s.running, s.kv_blocks_total, s.kv_blocks_total - free - cached, free, cached,
                      s.host_blocks_total, s.host_blocks_used, s.preemptions, s.recomputed_tokens, s.dropped_results,
                      s.rounds, s.queued_prefill_tokens, s.finished, s.cancelled, s.timed_out, s.prefix_hit_tokens,
                      s.prefix_query_tokens)
