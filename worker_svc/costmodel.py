@@ -383,7 +383,10 @@ class CostModel:
             start, stride = TEXT_TOKENS.start, _TOKEN_STRIDE
             period = self._periods[base % size] = [start + (base + j * stride) % size for j in range(size)]
         offset = first % size
-        return (period * ((offset + count) // size + 1))[offset : offset + count]
+        end = offset + count
+        if end <= size:  # a bulk run's few dozen tokens mostly fit in the period: no repeated copy to cut
+            return period[offset:end]
+        return (period * (end // size + 1))[offset:end]
 
     def execute(self, plan: RoundPlan) -> RoundResult:
         """Return the round's tokens (one per sampling seq) with `elapsed_s` = modelled time."""
