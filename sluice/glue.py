@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from sluice.slots import slot_constructor
+from sluice.slots import retyping_constructor
 from sluice.types import CoreStats, HeartbeatReport, ReplicaInput, ReplicaLoad, ReplicaState, RoundPlan
 
 __all__ = [
@@ -36,10 +36,10 @@ __all__ = [
 ]
 
 
-# Positional constructors that write the slots (sluice/slots.py): a frozen dataclass's __init__ pays
+# Positional constructors (sluice/slots.py, through a shell class): a frozen dataclass's __init__ pays
 # object.__setattr__ per field, and the simulator sends a heartbeat per busy replica every 50 ms.
-_new_load = slot_constructor(ReplicaLoad)
-_new_report = slot_constructor(HeartbeatReport)
+_new_load = retyping_constructor(ReplicaLoad)
+_new_report = retyping_constructor(HeartbeatReport)
 
 
 @dataclass

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sluice.slots import slot_constructor
+from sluice.slots import retyping_constructor
 from sluice.types import RoundPlan, RoundResult, SeqOutput, TokenLogprobs, origin_request_id
 from worker_svc.backend import BackendInfo
 from worker_svc.gpu_profiles import GpuProfile, ModelShape, gpu_profile, model_shape
@@ -140,14 +140,14 @@ _TOKEN_STRIDE = 2654435761
 """Multiplier of the position in a made-up token (Knuth's multiplicative hash constant)."""
 
 # One SeqOutput per simulated sequence, one RoundResult per simulated round.
-_new_output = slot_constructor(SeqOutput)
+_new_output = retyping_constructor(SeqOutput)
 
 
 def _certain(token: int, top: int) -> TokenLogprobs:
     """Return the log-probabilities of a deterministic token: it has probability 1 (logprob 0), and it is the one
     alternative listed (`top` > 0): the cost model's tokens are not drawn from a distribution."""
     return TokenLogprobs(0.0, (token,), (0.0,)) if top > 0 else TokenLogprobs(0.0)
-_new_result = slot_constructor(RoundResult)
+_new_result = retyping_constructor(RoundResult)
 
 
 class CostModel:

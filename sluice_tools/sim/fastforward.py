@@ -34,7 +34,7 @@ from bisect import bisect_left, bisect_right
 from typing import TYPE_CHECKING
 
 from sluice.glue import RoundRates
-from sluice.slots import slot_constructor
+from sluice.slots import retyping_constructor
 from sluice.types import CoreStats, RoundPlan, RoundResult
 from sluice_tools.sim.replica import RatesLog
 
@@ -117,8 +117,8 @@ def load_at(replica: _Replica, now: float) -> tuple[RoundRates, CoreStats]:
     return rates, stats
 
 
-_new_stats = slot_constructor(CoreStats)
-"""CoreStats's fields written as slots (sluice/slots.py): its frozen __init__ pays object.__setattr__ for each of 18."""
+_new_stats = retyping_constructor(CoreStats)
+"""CoreStats built through a shell class (sluice/slots.py): its frozen __init__ pays object.__setattr__ for each of 18."""
 
 
 def _with_blocks(stats: CoreStats, free: int, cached: int) -> CoreStats:
