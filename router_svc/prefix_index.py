@@ -150,6 +150,7 @@ class PrefixIndex:
         predictions = self._predictions
         while predictions and predictions[0][0] <= now:
             expiry, cache, hashes = predictions.popleft()
+            predicted = cache.predicted
             for block_hash in hashes:
-                if cache.predicted.get(block_hash) == expiry:
-                    del cache.predicted[block_hash]
+                if predicted.get(block_hash) == expiry:
+                    del predicted[block_hash]
