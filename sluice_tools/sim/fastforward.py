@@ -147,13 +147,11 @@ def fast_forward(sim: Simulator, replica: _Replica, plan: RoundPlan, result: Rou
         return False
     running, limit = steady
     cost, gap, now = sim.cost, sim._gap, sim.now
-    first_end = now + gap + cost.decode_time(budget.num_decode_tokens, budget.used_kv_read_tokens)
     horizon, periodic = _horizon(sim, kinds)
-    if first_end >= horizon or any(first_end == when for when, _ in periodic):
-        return False
-    n = len(running)
-    context = sum(len(request.tokens) for request in running)
-    times, walls = cost.decode_run(n, context, now, gap, horizon, limit - 1)  # round m reads each len + m
+    context = sum([len(request.tokens) for request in running])
+    # times[1] is the end of the round planned ahead (its plan reads context + len(running) positions): a run
+    # whose first round ends at the horizon or at a heartbeat's or sample's time stops at k = 1 below.
+    times, walls = cost.decode_run(len(running), context, now, gap, horizon, limit - 1)  # round m reads each len + m
     k = _first_tie(times, periodic) if len(times) > 1 else len(times)
     if k < len(times):  # a tie with a heartbeat or a sample: their order is the heap's
         del times[k:], walls[k - 1:]
