@@ -337,7 +337,8 @@ class CostModel:
         overhead, per_pair, per_flop = self.coefficients.overhead_s, self._flops_per_pair, self._seconds_per_flop
         weights, per_token, per_byte = self.weight_bytes, self.kv_bytes_per_token, self._seconds_per_byte
         fixed = self._flops_per_query_token * seqs + self._flops_per_sample * seqs  # _time's first two terms
-        times, walls = [start], []
+        times: list[float] = [start]
+        walls: list[float] = []
         when, read = start, context + seqs  # read: the round's pairs + seqs (its memory term's positions)
         # Rounds that are memory-bound for sure skip the compute term (a decode of a few sequences is, by far):
         # both terms grow with the round's pairs and IEEE rounding is monotone, so a round whose pairs are at
