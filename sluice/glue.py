@@ -27,12 +27,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from sluice.slots import retyping_constructor
 from sluice.types import CoreStats, HeartbeatReport, ReplicaInput, ReplicaLoad, ReplicaState, RoundPlan
 
 __all__ = [
     "HEARTBEAT_INPUTS", "LoadView", "RoundRates", "apply_heartbeat", "heartbeat_report", "reconcile",
     "replica_load", "reported_state",
 ]
+
+
+# Positional constructors (sluice/slots.py, through a shell class): a frozen dataclass's __init__ pays
+# object.__setattr__ per field, and the simulator sends a heartbeat per busy replica every 50 ms.
+_new_load = retyping_constructor(ReplicaLoad)
+_new_report = retyping_constructor(HeartbeatReport)
 
 
 @dataclass
@@ -102,10 +109,8 @@ def replica_load(stats: CoreStats, rates: RoundRates) -> ReplicaLoad:
     Free blocks are the allocatable ones: free plus cached-but-unreferenced (evictable on demand),
     so a replica whose memory holds a warm prefix cache does not look full to the router.
     """
-    return ReplicaLoad(waiting=stats.waiting, running=stats.running,
-                       queued_prefill_tokens=stats.queued_prefill_tokens,
-                       kv_blocks_free=stats.kv_blocks_free + stats.kv_blocks_cached,
-                       prefill_tokens_per_s=rates.prefill_tokens_per_s, decode_round_s=rates.decode_round_s)
+    return _new_load(stats.waiting, stats.running, stats.queued_prefill_tokens,
+                     stats.kv_blocks_free + stats.kv_blocks_cached, rates.prefill_tokens_per_s, rates.decode_round_s)
 
 
 def reported_state(state: ReplicaState, worker_serving: bool) -> ReplicaState:
@@ -118,7 +123,8 @@ def reported_state(state: ReplicaState, worker_serving: bool) -> ReplicaState:
 def heartbeat_report(replica_id: str, state: ReplicaState, worker_serving: bool, stats: CoreStats,
                      rates: RoundRates) -> HeartbeatReport:
     """Return the heartbeat a replica sends: its reported state and its load."""
-    return HeartbeatReport(replica_id, reported_state(state, worker_serving), replica_load(stats, rates))
+    return _new_report(replica_id, reported_state(state, worker_serving), replica_load(stats, rates))
+
 
 
 HEARTBEAT_INPUTS: dict[tuple[ReplicaState, ReplicaState], ReplicaInput] = {

@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import heapq
 import os
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from typing import TYPE_CHECKING
 
 from sluice.glue import RoundRates
+from sluice.slots import retyping_constructor
 from sluice.types import CoreStats, RoundPlan, RoundResult
 from sluice_tools.sim.replica import RatesLog
 
@@ -59,36 +60,45 @@ def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0"
 
 
-def _horizon(sim: Simulator, kinds: _Kinds) -> tuple[float, set[float]]:
-    """Return (the earliest heap event that bounds a run, the heap's pass-through times).
+def _horizon(sim: Simulator, kinds: _Kinds) -> tuple[float, list[tuple[float, float]]]:
+    """Return (the earliest heap event that bounds a run, the heap's pass-through events as (time, interval)).
 
     Bounds: every event but round results, heartbeats and samples (they read a running replica's load and
     stats: constant in a steady run but for `decode_round_s` and the free, cached and used blocks, which
-    `load_at` gives as of their time)."""
+    `load_at` gives as of their time). Heartbeats and samples come back with the interval the loop pushes
+    the next one at (`_first_tie`); one scan of the heap gives both."""
     horizon = float("inf")
-    passing: set[float] = set()
+    periodic: list[tuple[float, float]] = []
     round_done, heartbeat, sample = kinds
     for when, _, kind, _ in sim._heap:
         if kind == round_done:
             continue
-        if kind in (heartbeat, sample):
-            passing.add(when)
+        if kind == heartbeat:
+            periodic.append((when, sim.config.heartbeat_interval_s))
+        elif kind == sample:
+            periodic.append((when, sim.config.sample_interval_s))
         elif when < horizon:
             horizon = when
-    return horizon, passing
+    return horizon, periodic
 
 
-def _periodic_times(sim: Simulator, until: float, kinds: _Kinds) -> set[float]:
-    """Return the times of the heartbeats and samples up to `until`, as the loop will push them (now + interval)."""
-    times: set[float] = set()
-    intervals = {kinds[1]: sim.config.heartbeat_interval_s, kinds[2]: sim.config.sample_interval_s}
-    for when, _, kind, _ in sim._heap:
-        if kind in intervals:
-            times.add(when)
-            while intervals[kind] > 0 and when <= until:
-                times.add(when)
-                when = when + intervals[kind]
-    return times
+def _first_tie(times: list[float], periodic: list[tuple[float, float]]) -> int:
+    """Return the first m >= 1 whose `times[m]` is a heartbeat's or a sample's time, else len(times).
+
+    Their times are those on the heap and the ones the loop will push after them (when + interval, again
+    and again); each is looked up in the ascending `times` by bisection (a few per run, not a set lookup
+    per round)."""
+    end = len(times)
+    for when, interval in periodic:
+        while when <= times[end - 1]:
+            m = bisect_left(times, when, 1, end)
+            if m < end and times[m] == when:
+                end = m  # this chain's later times are past it
+                break
+            if interval <= 0:
+                break
+            when = when + interval
+    return end
 
 
 def load_at(replica: _Replica, now: float) -> tuple[RoundRates, CoreStats]:
@@ -107,10 +117,14 @@ def load_at(replica: _Replica, now: float) -> tuple[RoundRates, CoreStats]:
     return rates, stats
 
 
+_new_stats = retyping_constructor(CoreStats)
+"""CoreStats built through a shell class (sluice/slots.py): its frozen __init__ pays object.__setattr__ for each of 18."""
+
+
 def _with_blocks(stats: CoreStats, free: int, cached: int) -> CoreStats:
     """Return `stats` with the free and cached blocks replaced (used follows); `dataclasses.replace`, faster."""
     s = stats
-    return CoreStats(s.waiting, s.running, s.kv_blocks_total, s.kv_blocks_total - free - cached, free, cached,
+    return _new_stats(s.waiting, s.running, s.kv_blocks_total, s.kv_blocks_total - free - cached, free, cached,
                      s.host_blocks_total, s.host_blocks_used, s.preemptions, s.recomputed_tokens, s.dropped_results,
                      s.rounds, s.queued_prefill_tokens, s.finished, s.cancelled, s.timed_out, s.prefix_hit_tokens,
                      s.prefix_query_tokens)
@@ -133,20 +147,14 @@ def fast_forward(sim: Simulator, replica: _Replica, plan: RoundPlan, result: Rou
         return False
     running, limit = steady
     cost, gap, now = sim.cost, sim._gap, sim.now
-    first_end = now + gap + cost.decode_time(budget.num_decode_tokens, budget.used_kv_read_tokens)
-    horizon, passing = _horizon(sim, kinds)
-    if first_end >= horizon or first_end in passing:
-        return False
-    n = len(running)
-    context = sum(len(request.tokens) for request in running)
-    times, walls = cost.decode_run(n, context, now, gap, horizon, limit - 1)  # round m reads each len + m
-    if len(times) > 1:
-        periodic = _periodic_times(sim, times[-1], kinds)
-        for m in range(1, len(times)):
-            if times[m] in periodic:  # a tie with a heartbeat or a sample: their order is the heap's
-                del times[m:], walls[m - 1:]
-                break
-    k = len(times)
+    horizon, periodic = _horizon(sim, kinds)
+    context = sum([len(request.tokens) for request in running])
+    # times[1] is the end of the round planned ahead (its plan reads context + len(running) positions): a run
+    # whose first round ends at the horizon or at a heartbeat's or sample's time stops at k = 1 below.
+    times, walls = cost.decode_run(len(running), context, now, gap, horizon, limit - 1)  # round m reads each len + m
+    k = _first_tie(times, periodic) if len(times) > 1 else len(times)
+    if k < len(times):  # a tie with a heartbeat or a sample: their order is the heap's
+        del times[k:], walls[k - 1:]
     if k < MIN_CYCLES:
         return False
     tokens = []

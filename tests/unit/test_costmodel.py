@@ -209,7 +209,8 @@ def test_decode_run_is_the_loop_over_decode_time(model: str) -> None:
     cost = CostModel(model, "h200")
     for seqs, context, start, gap, horizon, count in [
         (1, 1200, 0.0, 0.0, float("inf"), 300), (3, 9000, 17.25, 0.0007, 17.4, 500), (512, 600_000, 3.5, 0.0, 5.0, 40),
-        (7, 77, 1e3, 0.002, 1e3 + 0.05, 10_000), (2, 100, 1.0, 0.0, 1.0 + 1e-9, 5), (1, 10, 0.0, 0.0, 1.0, 0)]:
+        (7, 77, 1e3, 0.002, 1e3 + 0.05, 10_000), (2, 100, 1.0, 0.0, 1.0 + 1e-9, 5), (1, 10, 0.0, 0.0, 1.0, 0),
+        (256, 30_000, 2.0, 0.0, float("inf"), 200)]:  # the last: compute-bound, then memory-bound within the run
         times, walls, when = [start], [], start
         for m in range(1, count + 1):
             wall = cost.decode_time(seqs, context + m * seqs)
