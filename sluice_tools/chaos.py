@@ -248,6 +248,8 @@ def _rss_kb(stack: Stack) -> dict[str, int]:
 def _admission_budgets(stack: Stack) -> dict[str, float]:
     assert stack.admission is not None
     url = stack.admission.metrics_url or stack.admission.printed_metrics_url()
+    if not url:  # restarted by the last fault and not serving its metrics yet: read again while settling
+        raise OSError("admission has not printed its metrics URL yet (restarting)")
     with urllib.request.urlopen(url, timeout=5) as reply:  # noqa: S310 (the stack's loopback URL)
         text = reply.read().decode()
     values = {}

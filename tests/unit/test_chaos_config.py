@@ -72,3 +72,19 @@ def test_a_bad_split_ends_in_one_line_naming_the_flag(split: str, capsys: pytest
     with pytest.raises(SystemExit) as ended:
         main(["--disagg", split])
     assert ended.value.code == 2 and "--disagg" in capsys.readouterr().err
+
+
+def test_an_admission_restarting_at_the_leak_check_is_read_again_not_a_crash(tmp_path: Path) -> None:
+    """The leak check reads admission's budgets from its metrics; one restarted by the last fault has not printed
+    its metrics URL yet: that is an OSError the settle loop reads again (a chaos run ended in ValueError
+    'unknown url type' instead)."""
+    from types import SimpleNamespace
+
+    from sluice_tools.chaos import _admission_budgets
+    from sluice_tools.stack_parts import Proc
+
+    log = tmp_path / "admission.log"
+    log.write_text("starting\n")
+    restarting = Proc("admission", ["python", "-m", "admission_svc"], log)
+    with pytest.raises(OSError, match="metrics URL"):
+        _admission_budgets(SimpleNamespace(admission=restarting))  # type: ignore[arg-type]
