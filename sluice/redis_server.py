@@ -12,8 +12,10 @@ that has it (`tls_redis_server_binary`, e.g. Debian's, which `make setup` instal
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
+import random
 import shutil
 import socket
 import ssl
@@ -36,11 +38,45 @@ class EmbeddedRedisError(RuntimeError):
     """The embedded Redis server could not be found, started or reached."""
 
 
+_LOCAL_PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_handed_out: collections.deque[int] = collections.deque(maxlen=4096)
+"""Ports this process handed out lately: a service may not have bound the last one yet when the next is asked for."""
+
+
 def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago (the OS picks it; a race is possible but rare)."""
+    """Return a TCP port on 127.0.0.1 that was free a moment ago, for a process about to listen on it.
+
+    Chosen below the kernel's ephemeral range: outgoing connections take their source ports from that range, and
+    one made between this call and the listener's bind took the port (a stack's router exited "Address already in
+    use" on 127.0.0.1:40313 while the stack's own clients were connecting). Below it only a process binding that
+    very port can race. Where the range is unknown, the OS picks (port 0)."""
+    low = _ephemeral_low()
+    if low > 2048:
+        for _ in range(100):
+            port = random.randrange(max(1024, low - 16384), low)
+            if port not in _handed_out and _bindable(port):
+                _handed_out.append(port)
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (0 when it cannot be read)."""
+    try:
+        return int(_LOCAL_PORT_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def redis_server_binary() -> str:
