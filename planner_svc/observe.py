@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import grpc
 
 from planner_svc.signals import Observation, ReplicaLoad
-from sluice.convert import role_from_proto
+from sluice.convert import role_from_proto, totals_from_proto
 from sluice.tls import TlsFiles, sync_channel
-from sluice.types import ReplicaRole
+from sluice.types import ReplicaRole, RequestTotals
 from sluice.v1 import router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = ["Counters", "RouterObservations", "interval_figures", "replica_load"]
@@ -57,29 +57,23 @@ def seen_requests(stats: scheduler_pb2.SchedulerStats) -> int:
 
 @dataclass(frozen=True)
 class Counters:
-    """A scheduler's running totals as one Stats answer gives them (see the module docstring)."""
+    """A scheduler's requests seen and running totals, as one Stats answer gives them (see the module docstring)."""
 
     seen: int = 0
-    input_tokens: int = 0
-    max_output_tokens: int = 0
-    ttft_s: float = 0.0
-    ttft_count: int = 0
-    tpot_s: float = 0.0
-    tpot_count: int = 0
+    totals: RequestTotals = field(default_factory=RequestTotals)
 
     @classmethod
     def of(cls, stats: scheduler_pb2.SchedulerStats) -> Counters:
-        return cls(seen_requests(stats), stats.input_tokens, stats.max_output_tokens, stats.ttft_seconds_sum,
-                   stats.ttft_count, stats.tpot_seconds_sum, stats.tpot_count)
+        return cls(seen_requests(stats), totals_from_proto(stats))
 
     def since(self, earlier: Counters | None) -> Counters:
         """The growth since `earlier` (None: nothing yet); all of self when a counter went down (a restart)."""
         if earlier is None:
             return Counters()
-        pairs = [(getattr(self, f.name), getattr(earlier, f.name)) for f in fields(self)]
-        if any(now < then for now, then in pairs):
+        grown = self.totals.since(earlier.totals)
+        if grown is None or self.seen < earlier.seen:
             return self
-        return Counters(*(now - then for now, then in pairs))  # type: ignore[arg-type]
+        return Counters(self.seen - earlier.seen, grown)
 
 
 def _ratio(parts: Iterable[tuple[float, float]]) -> float | None:
@@ -92,14 +86,14 @@ def _ratio(parts: Iterable[tuple[float, float]]) -> float | None:
 def interval_figures(growth: list[tuple[ReplicaRole, Counters]]) -> dict[str, float | None]:
     """The interval's length mix and latencies from each replica's growth (see the module docstring): the
     `Observation` fields of those names (None: nothing measured; the lengths are then 0)."""
-    prompts = [g for role, g in growth if role is not ReplicaRole.DECODE]
-    decodes = [g for role, g in growth if role is not ReplicaRole.PREFILL]
+    prompts = [(g.seen, g.totals) for role, g in growth if role is not ReplicaRole.DECODE]
+    decodes = [(g.seen, g.totals) for role, g in growth if role is not ReplicaRole.PREFILL]
     return {
-        "mean_input_tokens": _ratio((g.input_tokens, g.seen) for g in prompts) or 0.0,
-        "mean_output_tokens": _ratio((g.max_output_tokens, g.seen) for g in decodes) or 0.0,
-        "ttft_observed_s": _ratio((g.ttft_s, g.ttft_count) for g in prompts),
-        "tpot_observed_s": _ratio((g.tpot_s, g.tpot_count) for g in decodes),
-        "decode_tpot_observed_s": _ratio((g.tpot_s, g.tpot_count) for role, g in growth
+        "mean_input_tokens": _ratio((t.input_tokens, seen) for seen, t in prompts) or 0.0,
+        "mean_output_tokens": _ratio((t.max_output_tokens, seen) for seen, t in decodes) or 0.0,
+        "ttft_observed_s": _ratio((t.ttft_s, t.ttft_count) for _, t in prompts),
+        "tpot_observed_s": _ratio((t.tpot_s, t.tpot_count) for _, t in decodes),
+        "decode_tpot_observed_s": _ratio((g.totals.tpot_s, g.totals.tpot_count) for role, g in growth
                                          if role is ReplicaRole.DECODE),
     }
 

@@ -18,10 +18,19 @@ from scheduler_svc.core import SchedulerCore
 from scheduler_svc.publisher import Outgoing, Publisher
 from sluice import convert, telemetry
 from sluice.prom import SchedulerMetrics
-from sluice.types import CoreEvents, Finished, LifecycleEvent, NewRequest, RequestStatus, RoundPlan, Stage
+from sluice.types import (
+    CoreEvents,
+    Finished,
+    LifecycleEvent,
+    NewRequest,
+    RequestStatus,
+    RequestTotals,
+    RoundPlan,
+    Stage,
+)
 from sluice.v1 import common_pb2, scheduler_pb2, worker_pb2
 
-__all__ = ["MAX_ROUND_TRACES", "Reporter", "Totals"]
+__all__ = ["MAX_ROUND_TRACES", "Reporter"]
 
 MAX_ROUND_TRACES = 32
 """Requests whose trace context one round carries to the worker (its round span links to them): a bound, so
@@ -34,23 +43,6 @@ _TERMINAL_EVENT = {
     RequestStatus.FINISHED_STOP: "finished", RequestStatus.FINISHED_LENGTH: "finished",
     RequestStatus.CANCELLED: "cancelled", RequestStatus.TIMED_OUT: "timed_out", RequestStatus.FAILED: "failed",
 }
-
-
-@dataclass
-class Totals:
-    """Running totals since start, reported by the Stats RPC (`SchedulerStats.input_tokens` ...): an observer takes
-    an interval's means from two reads, as the deployed planner does (planner_svc/observe.py)."""
-
-    input_tokens: int = 0
-    """Prompt tokens of the requests submitted here."""
-    max_output_tokens: int = 0
-    """The max_tokens those requests asked for."""
-    ttft_s: float = 0.0
-    ttft_count: int = 0
-    """Submit to first token, summed over the requests that got one, and how many."""
-    tpot_s: float = 0.0
-    tpot_count: int = 0
-    """First to last token per token after the first, summed over the finished requests with two or more."""
 
 
 @dataclass
@@ -83,7 +75,8 @@ class Reporter:
         self._last_stats = core.stats()
         self._gauges_unset = True
         """No gauge written yet: the first update writes every one."""
-        self.totals = Totals()
+        self.totals = RequestTotals()
+        """What the Stats RPC reports of the requests taken (sluice.types.RequestTotals)."""
 
     def track(self, request_id: str, owner: str, span: trace.Span, timestamps: common_pb2.LifecycleTimestamps,
               arrival: float, prompt_tokens: int = 0) -> None:

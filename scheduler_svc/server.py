@@ -184,10 +184,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         stats = convert.stats_to_proto(core.stats(), self.driver.replica_id, core.config.max_num_batched_tokens,
                                        core.config.max_num_seqs)
         stats.kv_blocks_held = core.handoffs.held_blocks
-        totals = self.driver.reporter.totals
-        stats.input_tokens, stats.max_output_tokens = totals.input_tokens, totals.max_output_tokens
-        stats.ttft_seconds_sum, stats.ttft_count = totals.ttft_s, totals.ttft_count
-        stats.tpot_seconds_sum, stats.tpot_count = totals.tpot_s, totals.tpot_count
+        convert.totals_to_proto(self.driver.reporter.totals, stats)
         return stats
 
     async def HeldKv(self, request: scheduler_pb2.HeldKvRequest,  # noqa: N802

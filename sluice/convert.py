@@ -27,6 +27,7 @@ from sluice.types import (
     ReplicaRole,
     ReplicaState,
     RequestStatus,
+    RequestTotals,
     RoundPlan,
     RoundResult,
     SamplingParams,
@@ -235,6 +236,19 @@ def stats_to_proto(stats: CoreStats, replica_id: str, max_num_batched_tokens: in
         queued_prefill_tokens=stats.queued_prefill_tokens, finished=stats.finished, cancelled=stats.cancelled,
         timed_out=stats.timed_out, prefix_hit_rate=hit_rate,
     )
+
+
+def totals_to_proto(totals: RequestTotals, stats: scheduler_pb2.SchedulerStats) -> None:
+    """Write a scheduler's running totals into its wire SchedulerStats."""
+    stats.input_tokens, stats.max_output_tokens = totals.input_tokens, totals.max_output_tokens
+    stats.ttft_seconds_sum, stats.ttft_count = totals.ttft_s, totals.ttft_count
+    stats.tpot_seconds_sum, stats.tpot_count = totals.tpot_s, totals.tpot_count
+
+
+def totals_from_proto(stats: scheduler_pb2.SchedulerStats) -> RequestTotals:
+    """Return the running totals a wire SchedulerStats carries."""
+    return RequestTotals(stats.input_tokens, stats.max_output_tokens, stats.ttft_seconds_sum, stats.ttft_count,
+                         stats.tpot_seconds_sum, stats.tpot_count)
 
 
 def lora_id_of(lora_name: str) -> int | None:

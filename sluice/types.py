@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 ATTEMPT_SEPARATOR = "#"
 """A migrated request runs on its new replica as attempt `{request_id}#{n}` (admission_svc/migration.py)."""
@@ -376,6 +376,31 @@ class CoreEvents:
     """Results dropped since the last take: late (request gone) or stale (old epoch)."""
     logprobs: dict[tuple[str, int], TokenLogprobs] = field(default_factory=dict)
     """(request_id, output index) -> that token's log-probabilities, for requests that ask for them."""
+
+
+@dataclass(slots=True)
+class RequestTotals:
+    """Running totals of the requests one scheduler took since it started, as its Stats RPC reports them
+    (`SchedulerStats.input_tokens` ...): an observer takes an interval's means from two reads (the deployed planner,
+    planner_svc/observe.py)."""
+
+    input_tokens: int = 0
+    """Prompt tokens of the requests submitted."""
+    max_output_tokens: int = 0
+    """The max_tokens those requests asked for."""
+    ttft_s: float = 0.0
+    ttft_count: int = 0
+    """Submit to first token, summed over the requests that got one, and how many."""
+    tpot_s: float = 0.0
+    tpot_count: int = 0
+    """First to last token per token after the first, summed over the finished requests with two or more."""
+
+    def since(self, earlier: RequestTotals) -> RequestTotals | None:
+        """The growth since `earlier`; None when a total went down (the scheduler restarted)."""
+        pairs = [(getattr(self, f.name), getattr(earlier, f.name)) for f in fields(self)]
+        if any(now < then for now, then in pairs):
+            return None
+        return RequestTotals(*(now - then for now, then in pairs))
 
 
 @dataclass(frozen=True, slots=True)

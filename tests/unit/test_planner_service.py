@@ -9,10 +9,10 @@ import pytest
 from planner_svc.__main__ import build_loop, parse_args, planner_config, pool_deployments
 from planner_svc.core import ScaleDown, ScaleUp
 from planner_svc.driver import PlannerLoop, PoolPlannerLoop
-from planner_svc.observe import replica_load
+from planner_svc.observe import Counters, interval_figures, replica_load
 from planner_svc.pools import PoolDecisions
 from planner_svc.signals import Observation, ReplicaLoad
-from sluice.types import ReplicaRole
+from sluice.types import ReplicaRole, RequestTotals
 from sluice.v1 import router_pb2, scheduler_pb2
 
 P, D = ReplicaRole.PREFILL, ReplicaRole.DECODE
@@ -94,23 +94,26 @@ def test_the_deployed_planner_sees_the_role_each_replica_registered(wire: int, r
     assert replica_load(replica, None).role is role
 
 
+def _counters(seen: int, **totals: float) -> Counters:
+    """A scheduler's Counters (planner_svc.observe) of `seen` requests and the running totals named."""
+    return Counters(seen, RequestTotals(**totals))  # type: ignore[arg-type]
+
+
 def test_an_interval_s_means_are_growths_of_sums_over_growths_of_counts() -> None:
     """Two reads of a scheduler's totals give the interval's length mix and latencies; a first read gives
     nothing yet, and a counter that went down (a restart) makes the totals since then the interval's."""
-    from planner_svc.observe import Counters, interval_figures
-
-    first = Counters(seen=10, input_tokens=1000, max_output_tokens=500, ttft_s=2.0, ttft_count=10,
+    first = _counters(10, input_tokens=1000, max_output_tokens=500, ttft_s=2.0, ttft_count=10,
                      tpot_s=0.5, tpot_count=10)
-    later = Counters(seen=14, input_tokens=1800, max_output_tokens=700, ttft_s=3.2, ttft_count=14,
+    later = _counters(14, input_tokens=1800, max_output_tokens=700, ttft_s=3.2, ttft_count=14,
                      tpot_s=0.9, tpot_count=12)
     assert first.since(None) == Counters()
     growth = later.since(first)
-    assert (growth.seen, growth.input_tokens, growth.ttft_count) == (4, 800, 4)
+    assert (growth.seen, growth.totals.input_tokens, growth.totals.ttft_count) == (4, 800, 4)
     figures = interval_figures([(ReplicaRole.BOTH, growth)])
     assert figures["mean_input_tokens"] == pytest.approx(200) and figures["mean_output_tokens"] == pytest.approx(50)
     assert figures["ttft_observed_s"] == pytest.approx(0.3) and figures["tpot_observed_s"] == pytest.approx(0.2)
     assert figures["decode_tpot_observed_s"] is None
-    restarted = Counters(seen=3, input_tokens=300, max_output_tokens=30, ttft_s=0.3, ttft_count=3)
+    restarted = _counters(3, input_tokens=300, max_output_tokens=30, ttft_s=0.3, ttft_count=3)
     assert restarted.since(later) == restarted
     assert interval_figures([(ReplicaRole.BOTH, Counters())])["ttft_observed_s"] is None
 
@@ -118,10 +121,8 @@ def test_an_interval_s_means_are_growths_of_sums_over_growths_of_counts() -> Non
 def test_a_disaggregated_fleet_s_prompts_are_read_on_prefill_replicas_and_its_decoding_on_decode_ones() -> None:
     """Prompt lengths and TTFT come from the prefill pool (a decode half's first token is its KV transfer), output
     lengths and TPOT from the decode pool, whose TPOT is also the decode pool's own signal."""
-    from planner_svc.observe import Counters, interval_figures
-
-    prefill = Counters(seen=4, input_tokens=4000, max_output_tokens=4, ttft_s=2.0, ttft_count=4)
-    decode = Counters(seen=4, input_tokens=4000, max_output_tokens=400, ttft_s=0.04, ttft_count=4,
+    prefill = _counters(4, input_tokens=4000, max_output_tokens=4, ttft_s=2.0, ttft_count=4)
+    decode = _counters(4, input_tokens=4000, max_output_tokens=400, ttft_s=0.04, ttft_count=4,
                       tpot_s=0.12, tpot_count=4)
     figures = interval_figures([(P, prefill), (D, decode)])
     assert figures["mean_input_tokens"] == pytest.approx(1000) and figures["mean_output_tokens"] == pytest.approx(100)
