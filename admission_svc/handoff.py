@@ -20,7 +20,7 @@ Rules
   prefill side (best effort; its expiry ends it otherwise), the failed attempt is forgotten at the router, and
   the request is placed again through routing, as a migration places it (a new pair: the prompt and the tokens
   streamed so far are recomputed on its prefill replica). A refusal that says when to come back (RetryInfo: a
-  decode scheduler whose Redis is away answers 1 s) is waited for, at most `REFUSAL_PAUSE_MAX_S`, before that
+  decode scheduler whose Redis is away answers 1 s) is waited for, at most `migration.REFUSAL_PAUSE_MAX_S`, before that
   placement: placing at once would find the same decode side still refusing and spend the migration limit in a
   fraction of a second (the chaos run's FAILED `migration_limit` during 3 s Redis stalls). A client cancel during
   the hand-off reaches the decode
@@ -44,8 +44,13 @@ from opentelemetry import trace
 
 from admission_svc import convert
 from admission_svc.calls import HandOff, Placement
-from admission_svc.migration import REFUSAL_PAUSE_MAX_S, REROUTE_CODES, MigrationCause, one_move_at_a_time
-from sluice import errors, telemetry
+from admission_svc.migration import (
+    REROUTE_CODES,
+    MigrationCause,
+    one_move_at_a_time,
+    refusal_pause_s,
+)
+from sluice import telemetry
 from sluice.v1 import common_pb2, events_pb2, router_pb2, scheduler_pb2
 
 if TYPE_CHECKING:
@@ -54,7 +59,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["REFUSAL_PAUSE_MAX_S", "HandOffs", "is_prefill_done", "pair_of"]
+__all__ = ["HandOffs", "is_prefill_done", "pair_of"]
 
 
 
@@ -196,9 +201,9 @@ class HandOffs:
                 await door.router.ReportUnreachable(router_pb2.ReportUnreachableRequest(
                     replica_id=pair.decode_replica_id, scheduler_address=pair.decode_address,
                     detail=f"{exc.code().name}: {exc.details()}"), timeout=door.config.downstream_timeout_s)
-        pause = errors.details_of(exc).retry_after_s
+        pause = refusal_pause_s(exc)
         if pause and not record.timestamps.cancel_requested:
-            await asyncio.sleep(min(pause, REFUSAL_PAUSE_MAX_S))
+            await asyncio.sleep(pause)
         if record.completion is not None:  # it ended while this waited (its deadline): nothing to place
             return
         if record.timestamps.cancel_requested:

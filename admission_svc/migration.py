@@ -79,10 +79,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["REFUSAL_PAUSE_MAX_S", "REROUTE_CODES", "Listed", "MigrationCause", "Migrator", "Stalled", "attempt_id",
-           "decide"]
+           "decide", "refusal_pause_s"]
 
 REFUSAL_PAUSE_MAX_S = 2.0
 """The longest wait for the retry delay a refusal named (RetryInfo) before placing a moved request again."""
+
+
+def refusal_pause_s(exc: grpc.aio.AioRpcError) -> float:
+    """The wait a refused call asks for before the next try: its RetryInfo, at most `REFUSAL_PAUSE_MAX_S`; 0 for
+    none (a connection refused, or a refusal that names no delay)."""
+    return min(errors.details_of(exc).retry_after_s or 0.0, REFUSAL_PAUSE_MAX_S)
 
 REROUTE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 """Submit failures after which admission routes the request again: the scheduler did not take it
@@ -383,10 +389,10 @@ class Migrator:
                 await self.door.route_and_submit(record, call, ids, deadline_unix_s)  # type: ignore[arg-type]
                 return True
             except grpc.aio.AioRpcError as exc:
-                asked = errors.details_of(exc).retry_after_s or 0.0
+                asked = refusal_pause_s(exc)
                 log.info("request %s: placing its migration failed (%s, retry in %.1f s); retrying",
                          record.request_id, exc.code().name, asked)
-            wait = max(pause, min(asked, REFUSAL_PAUSE_MAX_S))
+            wait = max(pause, asked)
             if loop.time() + wait > give_up or record.completion is not None:
                 return False
             await asyncio.sleep(wait)
@@ -431,14 +437,14 @@ class Migrator:
             await door.router.ReportUnreachable(router_pb2.ReportUnreachableRequest(
                 replica_id=replica_id, scheduler_address=address, detail=f"{exc.code().name}: {exc.details()}"),
                 timeout=door.config.downstream_timeout_s)
-        asked = errors.details_of(exc).retry_after_s
+        asked = refusal_pause_s(exc)
         if asked and record.stream.tokens and not record.timestamps.cancel_requested:
             # A stream under way, refused by a scheduler that said when to come back (draining 0.1 s, its worker
             # down 0.5 s, its Redis away 1 s): until the router stops listing it, routing again at once meets the
             # same refusal and spends the migration limit in milliseconds, ending a stream the client cannot
             # resume by retrying. A request with no token out yet is routed again at once and, at the limit,
             # refused fast with the retry delay (its client retries; docs/operations.md, "Redis down").
-            await asyncio.sleep(min(asked, REFUSAL_PAUSE_MAX_S))
+            await asyncio.sleep(asked)
         return record.completion is None  # it may have ended meanwhile (its deadline)
 
     def forget_attempt(self, record: Tracked, attempt: str, replica_id: str, detail: str) -> None:
