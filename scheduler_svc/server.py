@@ -183,7 +183,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         core = self.driver.core
         stats = convert.stats_to_proto(core.stats(), self.driver.replica_id, core.config.max_num_batched_tokens,
                                        core.config.max_num_seqs)
-        stats.kv_blocks_held = core.handoffs.held_blocks
+        handoffs = getattr(core, "handoffs", None)  # a vLLM engine's gateway core takes part in no hand-off
+        stats.kv_blocks_held = handoffs.held_blocks if handoffs is not None else 0
         convert.totals_to_proto(self.driver.reporter.totals, stats)
         return stats
 

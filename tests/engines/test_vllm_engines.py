@@ -57,6 +57,16 @@ def test_the_openai_client_works_unchanged_against_a_vllm_stack(vllm_stack: Stac
     assert completion.choices[0].finish_reason == "length"
 
 
+def test_stats_answers_on_a_vllm_replica_and_counts_its_requests(vllm_stack: Stack) -> None:
+    """A vLLM replica's agent answers Stats (it raised AttributeError: its gateway core holds no hand-offs), with no
+    blocks held and the running totals of the requests it took."""
+    with sdk.Client(vllm_stack.endpoint, api_key="k-gold") as client:
+        client.generate_text("stats of a vllm replica", max_tokens=4, timeout=120)
+    stats = vllm_stack.scheduler_stats()
+    assert len(stats) == len(vllm_stack.schedulers) and all(s.kv_blocks_held == 0 for s in stats)
+    assert sum(s.ttft_count for s in stats) >= 1 and sum(s.max_output_tokens for s in stats) >= 4
+
+
 def test_block_hashes_recomputed_outside_vllm_equal_the_ones_it_publishes(vllm_stack: Stack) -> None:
     """vLLM's BlockStored ids for a fresh prompt are sha256 of (parent, block tokens, None), chained from the seed."""
     spec = vllm_stack.replicas["replica-0"].engine
