@@ -57,12 +57,14 @@ from google.protobuf.message import DecodeError
 from opentelemetry.context import Context
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from sluice.telemetry import TRACE_FIELDS, extract_fields, inject_fields
 from sluice.v1 import events_pb2
 
-__all__ = ["Bus", "DEFAULT_KV_SHARDS", "Entry", "Handler", "PAYLOAD_FIELD", "PASSWORD_FILE_ENV", "RedisClient",
-           "TOKEN_BATCH_FIELD", "redact_url", "redis_client", "split_cluster_url", "token_deltas_of"]
+__all__ = ["Bus", "DEFAULT_KV_SHARDS", "Entry", "Handler", "PAYLOAD_FIELD", "PASSWORD_FILE_ENV", "PING_FAILED",
+           "PING_LATE", "PING_OK", "RedisClient", "TOKEN_BATCH_FIELD", "redact_url", "redis_client",
+           "split_cluster_url", "token_deltas_of"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +80,9 @@ CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 """URL schemes that ask for a cluster client, and the plain scheme each stands for."""
 
 RedisClient = aioredis.Redis | RedisCluster
+
+PING_OK, PING_LATE, PING_FAILED = "ok", "late", "failed"
+"""What `Bus.probe` saw: an answer, no answer in time, or a failure (refused, reset, auth)."""
 """A client of one Redis server or of a Redis Cluster: the bus uses only commands both route alike."""
 
 # Appends many entries to one stream in one call. Measured against a pipeline of XADDs for 256 token
@@ -502,10 +507,18 @@ class Bus:
 
     async def ping(self, timeout_s: float = 0.5) -> bool:
         """Return True when Redis answers PING within `timeout_s` (a liveness probe; never raises)."""
+        return await self.probe(timeout_s) == PING_OK
+
+    async def probe(self, timeout_s: float = 0.5) -> str:
+        """PING once: `PING_OK`, `PING_LATE` (no answer within `timeout_s`: Redis stalled, or this process's
+        own event loop too busy to read the answer in time) or `PING_FAILED` (refused, reset, auth: Redis is
+        not usable). Never raises."""
         try:
-            return bool(await asyncio.wait_for(self.client.ping(), timeout_s))
-        except Exception:  # any failure to answer (refused, reset, timeout, auth) means the bus is not usable
-            return False
+            return PING_OK if await asyncio.wait_for(self.client.ping(), timeout_s) else PING_FAILED
+        except (TimeoutError, RedisTimeoutError):
+            return PING_LATE
+        except Exception:  # any other failure to answer means the bus is not usable
+            return PING_FAILED
 
     async def read_stream(self, stream: str, last_id: str, *, count: int = 512,
                           block_ms: int = 200) -> list[tuple[str, bytes, dict[str, str]]]:

@@ -16,7 +16,8 @@ Every `python -m <service>` is the same life, told once here:
    core's benchmark saw 13-23 ms full collections without it).
 4. It serves until SIGTERM or SIGINT, then awaits `Started.drain` (the graceful part), or until a
    watched task fails (a bug: exit 1, no drain), and finally closes `ctx.cleanup`.
-5. A service on the bus (`open_bus`) gets a `BusWatch`: a PING every second with a short timeout.
+5. A service on the bus (`open_bus`) gets a `BusWatch`: a PING every second with a short timeout
+   (down at once when the PING fails, after two in a row when it is only late).
    While Redis does not answer, `Started.health` reports NOT_SERVING for `Started.health_names`
    (SERVING again when it answers), the change is logged, and `sluice_bus_up` (0/1) and
    `sluice_bus_down_total` are set in the registry given to `expose_metrics`. The service's loops
@@ -310,18 +311,34 @@ async def _serve(name: str, options: ServiceOptions, start: Start) -> int:
 
 
 class BusWatch:
-    """Liveness of the bus: `alive` is False while Redis does not answer a PING (see step 5 above)."""
+    """Liveness of the bus: `alive` is False while Redis does not answer a PING (see step 5 above).
 
-    def __init__(self, bus: Bus, interval_s: float = 1.0, timeout_s: float = 0.5) -> None:
-        self.bus, self.interval_s, self.timeout_s = bus, interval_s, timeout_s
+    A PING that fails (connection refused or reset, auth) marks the bus down at once. A PING not answered
+    within `timeout_s` is ambiguous: Redis may be stalled, or this process's own event loop too busy (a CPU
+    engine beside it) to read the answer in time; only `late_limit` such misses in a row mark it down, so one
+    slow probe does not make the scheduler refuse work it could deliver.
+    """
+
+    def __init__(self, bus: Bus, interval_s: float = 1.0, timeout_s: float = 0.5, late_limit: int = 2) -> None:
+        self.bus, self.interval_s, self.timeout_s, self.late_limit = bus, interval_s, timeout_s, late_limit
         self.alive = True
-        """False from the first unanswered PING until one is answered again."""
+        """False from a failed PING, or `late_limit` late ones in a row, until one is answered again."""
+        self.late = 0
+        """Late PINGs in a row (reset by an answer)."""
         self.listeners: list[Callable[[bool], Awaitable[None]]] = []
         """Awaited with the new state on every change."""
 
     async def probe(self) -> bool:
         """PING once; on a change of state log it and tell the listeners; return the state."""
-        alive = await self.bus.ping(self.timeout_s)
+        from sluice.bus import PING_LATE, PING_OK
+
+        seen = await self.bus.probe(self.timeout_s)
+        self.late = self.late + 1 if seen == PING_LATE else 0
+        if seen == PING_LATE and self.late < self.late_limit:
+            log.warning("Redis answered no PING within %.1f s (%d in a row; down at %d)", self.timeout_s,
+                        self.late, self.late_limit)
+            return self.alive
+        alive = seen == PING_OK
         if alive != self.alive:
             self.alive = alive
             if alive:

@@ -80,6 +80,51 @@ def test_bus_watch_reports_down_and_back_and_drives_health(own_redis: EmbeddedRe
     asyncio.run(body())
 
 
+def test_one_late_ping_is_not_down_two_in_a_row_are(own_redis: EmbeddedRedis, namespace: str) -> None:
+    """A stalled Redis (SIGSTOP: the connection is open, nothing answers) is down after `late_limit` late PINGs in a
+    row, not after the first (a busy event loop can miss one timeout); an answer resets the count."""
+    async def body() -> None:
+        client = aioredis.Redis.from_url(own_redis.url)
+        watch = BusWatch(Bus(client, namespace), timeout_s=0.3, late_limit=2)
+        seen: list[bool] = []
+
+        async def listener(alive: bool) -> None:
+            seen.append(alive)
+
+        watch.listeners.append(listener)
+        assert await watch.probe()
+        assert own_redis.pid is not None
+        os.kill(own_redis.pid, signal.SIGSTOP)
+        try:
+            assert await watch.probe() and watch.alive and watch.late == 1 and seen == []
+            assert not await watch.probe() and not watch.alive and seen == [False]
+        finally:
+            os.kill(own_redis.pid, signal.SIGCONT)
+        assert await _eventually(watch) and seen == [False, True] and watch.late == 0
+        os.kill(own_redis.pid, signal.SIGSTOP)
+        try:
+            assert await watch.probe() and watch.late == 1
+        finally:
+            os.kill(own_redis.pid, signal.SIGCONT)
+        assert await _eventually(watch) and watch.late == 0
+        os.kill(own_redis.pid, signal.SIGSTOP)
+        try:
+            assert await watch.probe() and watch.alive and seen == [False, True]  # the answer in between reset it
+        finally:
+            os.kill(own_redis.pid, signal.SIGCONT)
+        await client.aclose()
+
+    asyncio.run(body())
+
+
+async def _eventually(watch: BusWatch) -> bool:
+    """Probe until the watch says alive (the late PINGs' replies arrive first once Redis runs again)."""
+    for _ in range(20):
+        if await watch.probe():
+            return True
+    return False
+
+
 def test_consumer_recreates_a_lost_group_and_keeps_consuming(redis_url: str, namespace: str) -> None:
     """A group that vanishes under a running consumer (as with a restarted Redis) is created again and what is
     published afterwards is delivered (without the fix, the consumer dies of NOGROUP)."""
