@@ -230,23 +230,26 @@ def test_sluices_scheduler_class_inside_vllm_orders_its_queue_two_to_one(vllm_st
 
 def test_a_cancel_aborts_the_request_in_vllm_and_frees_its_kv(vllm_stack: Stack) -> None:
     """Cancelling a long stream through Sluice ends it CANCELLED and vLLM stops running it (its KV use drops to 0)."""
+    # On a quiet machine vLLM streams the tiny model's 1,500 tokens in about a second, less than a loaded round
+    # trip to cancel (CI once saw FINISHED_LENGTH here, and later once more while the test still asked which
+    # replica ran the request before freezing it). Every replica's engine core is frozen as soon as the first
+    # token is seen, with pids read beforehand: no engine can finish the request while the cancel goes through,
+    # and when it runs again its loop reads the API server's abort (the agent closed the connection) first.
+    cores = []
+    for replica in vllm_stack.replicas.values():
+        assert replica.worker.popen is not None
+        cores.append(engine_core_pid(replica.worker.popen.pid))
     with sdk.Client(vllm_stack.endpoint, api_key="k-gold") as client:
         stream = client.generate(random_prompt(random.Random(3), 40), max_tokens=1500, ignore_eos=True, timeout=120)
         first = next(iter(stream))
-        request_id = first.request_id
-        # On a quiet machine vLLM streams the tiny model's 1,500 tokens in about a second, less than a loaded
-        # round trip to cancel (CI once saw FINISHED_LENGTH here). The engine core of the request's replica is
-        # frozen while the cancel goes through: it cannot finish the request meanwhile, and when it runs again its
-        # loop reads the API server's abort (the agent closed the connection) before its next step.
-        replica_id = client.get_request(request_id).replica_id
-        engine = vllm_stack.replicas[replica_id].worker
-        assert engine.popen is not None
-        core_pid = engine_core_pid(engine.popen.pid)
-        os.kill(core_pid, signal.SIGSTOP)
+        for pid in cores:
+            os.kill(pid, signal.SIGSTOP)
         try:
+            request_id = first.request_id
             assert client.cancel(request_id) in ("CANCELLED", "CANCELLING")
         finally:
-            os.kill(core_pid, signal.SIGCONT)
+            for pid in cores:
+                os.kill(pid, signal.SIGCONT)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             busy = [engine_metric(vllm_stack, i, "vllm:num_requests_running") for i in (0, 1)]
