@@ -111,6 +111,9 @@ class Replica:
     """Routed requests not yet done that named a tenant: request id -> tenant."""
     tenant_inflight: dict[str, int] = field(default_factory=dict)
     """Routed requests not yet done, per tenant (what --tenant-spread balances)."""
+    predictions: dict[str, tuple[float, tuple[int, ...]]] = field(default_factory=dict)
+    """Routed requests not yet done whose blocks the prefix index counts as held here: request id -> (the
+    prediction's expiry, its block hashes), for `PrefixIndex.retract` when the request never runs."""
 
 
 def forget_inflight(replica: Replica, request_id: str) -> None:
@@ -126,6 +129,7 @@ def forget_inflight(replica: Replica, request_id: str) -> None:
         else:
             replica.tenant_inflight.pop(tenant, None)
     replica.unreported_tokens -= replica.unreported.pop(request_id, 0)
+    replica.predictions.pop(request_id, None)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ Rules
   replaces what is known with a snapshot taken at an event id.
 * Between events, the router's own routing decisions count as held for `ttl_s`
   (`predict`), so sibling requests sent right after see the prefix at once; `prune` forgets
-  expired predictions in expiry order.
+  expired predictions in expiry order, and `retract` takes back one whose request never ran
+  (refused after routing), so that its replica is not chosen for a cache it does not have.
 * A replica's cached prefix is found by binary search over the request's chain, which assumes
   the cached set is prefix-closed (a block is cached only with its parents; engines evict
   children first): O(log blocks) lookups per candidate.
@@ -135,15 +136,43 @@ class PrefixIndex:
         return prefix_len(cache, block_hashes, now)
 
     # ---- the router's own decisions -------------------------------------------------------
-    def predict(self, cache: ReplicaCache, block_hashes: tuple[int, ...], now: float) -> None:
-        """Count `block_hashes` as held by the replica until now + ttl (no-op with ttl 0)."""
+    def predict(self, cache: ReplicaCache, block_hashes: tuple[int, ...], now: float) -> float | None:
+        """Count `block_hashes` as held by the replica until now + ttl; return that expiry (None with no hashes
+        or ttl 0: nothing predicted)."""
         if not block_hashes or self.ttl_s <= 0:
-            return
+            return None
         expiry = now + self.ttl_s
         predicted = cache.predicted
         for block_hash in block_hashes:
             predicted[block_hash] = expiry
         self._predictions.append((expiry, cache, block_hashes))
+        return expiry
+
+    def retract(self, cache: ReplicaCache, block_hashes: tuple[int, ...], expiry: float) -> None:
+        """Take back the prediction `predict` made with these very hashes and expiry (a routed request that never
+        ran there: refused after routing). A hash that another live prediction for the replica also covers stays
+        predicted until the latest of those; one already pruned or retracted changes nothing."""
+        predictions = self._predictions
+        for position, (until, held_by, hashes) in enumerate(predictions):
+            if until == expiry and held_by is cache and hashes is block_hashes:
+                del predictions[position]
+                break
+        else:
+            return
+        predicted = cache.predicted
+        gone: set[int] = set()
+        for block_hash in block_hashes:
+            if predicted.get(block_hash) == expiry:
+                del predicted[block_hash]
+                gone.add(block_hash)
+        if not gone:
+            return
+        never = -math.inf
+        for until, held_by, hashes in predictions:
+            if held_by is cache:
+                for block_hash in hashes:
+                    if block_hash in gone and predicted.get(block_hash, never) < until:
+                        predicted[block_hash] = until
 
     def prune(self, now: float) -> None:
         """Forget the predictions that expired at or before `now`."""

@@ -54,7 +54,7 @@ from sluice.serve import grpc_server
 from sluice.telemetry import extract_metadata, get_tracer
 from sluice.tls import TlsFiles
 from sluice.types import KV_HELD, KvEvent, ReplicaState
-from sluice.v1 import events_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from sluice.v1 import common_pb2, events_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = ["RouterRuntime", "RouterServicer"]
 
@@ -211,7 +211,8 @@ class RouterRuntime:
     async def on_completion(self, entry_id: str, payload: bytes, context: Context) -> None:
         """Tell the core that a routed request reached its terminal state."""
         completion = events_pb2.Completion.FromString(payload)
-        self.core.on_request_done(completion.replica_id, completion.request_id, self.clock())
+        self.core.on_request_done(completion.replica_id, completion.request_id, self.clock(),
+                                  ran=completion.status != common_pb2.REJECTED)
         if completion.detail == KV_HELD:
             return  # a prefill half whose KV goes to its decode replica: that side's claim stands
         # Any other end (the decode half's, or a request that ended on its prefill replica) forgets the request's

@@ -471,7 +471,7 @@ class Simulator:
     def _forget_routed(self, replica: _Replica, request_id: str) -> None:
         """A routed request was refused before it ran: the router takes its work back, as the router service
         does for the REJECTED completion admission publishes (`RouterRuntime.on_completion`)."""
-        self.router.on_request_done(replica.replica_id, request_id, self.now)
+        self.router.on_request_done(replica.replica_id, request_id, self.now, ran=False)
 
     def _route(self, query: RouteQuery) -> RouteDecision:
         """Route one request (the router servicer's Route, without the wire)."""

@@ -381,7 +381,7 @@ class FleetSimulator(Simulator):
         try:
             self._submit_moved(replica, request, prompt, left)
         except RequestRejected as error:
-            self.router.on_request_done(replica.replica_id, rid, self.now)
+            self.router.on_request_done(replica.replica_id, rid, self.now, ran=False)
             self._end_moved(record, "failed", streamed, f"{error.reason.value}: {error.detail}")
             return
         replica.reported_idle = False

@@ -71,7 +71,7 @@ def finish(sim: Simulator, replica: Replica, finished: Any) -> None:
     sim._placement.pop(rid, None)
     finished_ok = record.status == "ok"  # admission learns the lengths of finished requests only
     sim.front_door.release(rid, now, usage.output_tokens if finished_ok else None)
-    sim.router.on_request_done(replica.replica_id, rid, now)
+    sim.router.on_request_done(replica.replica_id, rid, now, ran=finished.status is not RequestStatus.REJECTED)
 
 
 def finish_stragglers(sim: Simulator) -> None:

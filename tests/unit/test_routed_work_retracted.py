@@ -103,3 +103,44 @@ def test_an_idle_report_forgets_requests_routed_long_before_and_only_those() -> 
     assert router.stale_routes == 1
     router.on_request_done("a", "orphan", now=timeout + 2)  # a completion that comes after all changes nothing
     assert set(replica.inflight) == {"recent"} and router.stale_routes == 1
+
+
+def _cached_on(router: RouterCore, hashes: tuple[int, ...], now: float) -> dict[str, int]:
+    return {view.spec.replica_id: router.cached_blocks(view.spec.replica_id, hashes, now) for view in router.replicas()}
+
+
+def test_a_refused_request_takes_its_predicted_blocks_back_a_finished_one_does_not() -> None:
+    """Routing counts a prompt's blocks as held by its replica for the prediction's TTL. A REJECTED request
+    (`ran=False`: refused after routing, nothing computed) takes that back at once, so a sibling is not drawn to a
+    cache that does not exist; a sibling routed there with the same prefix keeps the blocks predicted; a request
+    that ran (finished) leaves its prediction to expire (its KV events confirm or remove the blocks)."""
+    router = make_router("a", "b")
+    hashes = (11, 12, 13, 14)
+    first = router.route(RouteQuery("first", "m", prompt_tokens=64, block_hashes=hashes), now=0.0)
+    home = first.replica_id
+    assert _cached_on(router, hashes, 0.1)[home] == 4
+    router.on_request_done(home, "first", now=0.1, ran=False)
+    assert _cached_on(router, hashes, 0.1) == {"a": 0, "b": 0}
+    assert not router.fleet.get(home).cache.predicted
+
+    # Siblings on one replica: refusing one of them keeps the other's prediction, whichever was routed last.
+    router = make_router("a")
+    router.route(RouteQuery("one", "m", prompt_tokens=64, block_hashes=hashes), now=0.2)
+    assert router.route(RouteQuery("two", "m", prompt_tokens=64, block_hashes=hashes[:2]), now=0.3).cached_blocks == 2
+    router.on_request_done("a", "two", now=0.4, ran=False)
+    assert _cached_on(router, hashes, 0.4) == {"a": 4}
+    router.on_request_done("a", "one", now=0.4, ran=False)
+    assert _cached_on(router, hashes, 0.4) == {"a": 0}
+
+    router.route(RouteQuery("three", "m", prompt_tokens=64, block_hashes=hashes[:2]), now=0.5)
+    assert router.route(RouteQuery("four", "m", prompt_tokens=64, block_hashes=hashes), now=0.6).cached_blocks == 2
+    router.on_request_done("a", "four", now=0.7, ran=False)  # the later, longer one goes; the shorter one stays
+    assert _cached_on(router, hashes, 0.7) == {"a": 2}
+
+    router.on_request_done("a", "three", now=0.8)  # it ran: the prediction stands until it expires
+    assert _cached_on(router, hashes, 0.8) == {"a": 2}
+    router.on_request_done("a", "three", now=0.8, ran=False)  # a late duplicate changes nothing
+    assert _cached_on(router, hashes, 0.8) == {"a": 2}
+    assert not router.fleet.get("a").predictions
+    router.index.prune(10.0)
+    assert _cached_on(router, hashes, 10.0) == {"a": 0} and not router.fleet.get("a").cache.predicted
