@@ -214,17 +214,20 @@ class RouterCore:
         if expiry is not None:
             replica.predictions[query.request_id] = (expiry, query.block_hashes)
 
-    def on_request_done(self, replica_id: str, request_id: str, now: float, ran: bool = True) -> None:
+    def on_request_done(self, replica_id: str, request_id: str, now: float, ran: bool = True) -> bool:
         """Forget a routed request (refused after routing, failed, cancelled or finished); unknown ids are
         ignored. Its uncached prompt tokens leave the replica's unreported work if no heartbeat has
         reported the replica since it was routed: a request refused (or ended) before it queued there
         must not stay predicted work until the next heartbeat (after one, the report is the truth).
         `ran` False (a REJECTED request: refused after routing, nothing computed) also takes back the
         prediction that the replica holds its prompt's blocks, which would otherwise draw its siblings
-        there for `prediction_ttl_s`, to a cache it does not have."""
+        there for `prediction_ttl_s`, to a cache it does not have. Returns True when it took one back."""
         replica = self.fleet.find(replica_id)
-        if replica is not None:
-            prediction = None if ran else replica.predictions.get(request_id)
-            forget_inflight(replica, request_id)
-            if prediction is not None:
-                self.index.retract(replica.cache, prediction[1], prediction[0])
+        if replica is None:
+            return False
+        prediction = None if ran else replica.predictions.get(request_id)
+        forget_inflight(replica, request_id)
+        if prediction is None:
+            return False
+        self.index.retract(replica.cache, prediction[1], prediction[0])
+        return True

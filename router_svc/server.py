@@ -211,8 +211,9 @@ class RouterRuntime:
     async def on_completion(self, entry_id: str, payload: bytes, context: Context) -> None:
         """Tell the core that a routed request reached its terminal state."""
         completion = events_pb2.Completion.FromString(payload)
-        self.core.on_request_done(completion.replica_id, completion.request_id, self.clock(),
-                                  ran=completion.status != common_pb2.REJECTED)
+        if self.core.on_request_done(completion.replica_id, completion.request_id, self.clock(),
+                                     ran=completion.status != common_pb2.REJECTED):
+            self.metrics.predictions_retracted.inc()
         if completion.detail == KV_HELD:
             return  # a prefill half whose KV goes to its decode replica: that side's claim stands
         # Any other end (the decode half's, or a request that ended on its prefill replica) forgets the request's

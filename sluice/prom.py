@@ -432,6 +432,9 @@ class RouterMetrics:
                                        buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
         self.kv_events = Counter("sluice_router_kv_events", "KV events applied to the prefix index.", registry=r)
         self.kv_gaps = Counter("sluice_router_kv_gaps", "Event-id gaps that triggered a snapshot.", registry=r)
+        self.predictions_retracted = Counter("sluice_router_predictions_retracted", "Routed requests refused before "
+                                             "they ran (REJECTED) whose predicted prefix blocks were taken back.",
+                                             registry=r)
         self.decode_routes = Counter("sluice_router_decode_routes", "Disaggregated routes whose decodes go to another "
                                      "replica than the prompt (a KV transfer), by decode replica.", ["replica"],
                                      registry=r)

@@ -17,7 +17,7 @@ from router_svc.server import RouterRuntime, start_router_server
 from sluice.bus import Bus
 from sluice.errors import details_of
 from sluice.telemetry import get_tracer, inject_metadata
-from sluice.v1 import events_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from sluice.v1 import common_pb2, events_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 pytestmark = pytest.mark.redis
 
@@ -185,6 +185,30 @@ def test_an_idle_report_forgets_a_route_that_never_arrived_and_counts_it(redis_u
             await _heartbeat(h, "A", router_pb2.READY)
             assert [view.inflight for view in h.runtime.core.replicas()] == [0]
             assert h.runtime.metrics.registry.get_sample_value("sluice_router_stale_routes_total") == 1
+    asyncio.run(body())
+
+
+def test_a_rejected_completion_takes_back_the_routes_predicted_blocks(redis_url: str, namespace: str) -> None:
+    """Over the completions stream: a FINISHED completion leaves the route's predicted prefix in place (the request
+    ran there); a REJECTED one (refused after routing) takes it back at once, and
+    sluice_router_predictions_retracted_total counts it."""
+    async def body() -> None:
+        async with _router(redis_url, namespace, replicas=("A",)) as h:
+            await _register(h, "A")
+            await _route(h, "ran")
+            await _route(h, "refused", hashes=PREFIX[:30] + [9000 + i for i in range(5)])
+            core, metrics = h.runtime.core, h.runtime.metrics.registry
+            assert core.cached_blocks("A", PREFIX, 0) == 40
+            await h.bus.publish_completion(events_pb2.Completion(request_id="ran", replica_id="A",
+                                                                 status=common_pb2.FINISHED_LENGTH))
+            await _until(lambda: [view.inflight for view in core.replicas()] == [1])
+            assert core.cached_blocks("A", PREFIX, 0) == 40
+            await h.bus.publish_completion(events_pb2.Completion(request_id="refused", replica_id="A",
+                                                                 status=common_pb2.REJECTED))
+            await _until(lambda: [view.inflight for view in core.replicas()] == [0])
+            assert core.cached_blocks("A", PREFIX, 0) == 40  # "ran"'s own prediction, not the refused one's
+            assert core.cached_blocks("A", PREFIX[:30] + [9000], 0) == 30
+            assert metrics.get_sample_value("sluice_router_predictions_retracted_total") == 1
     asyncio.run(body())
 
 
