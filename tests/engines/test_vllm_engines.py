@@ -7,6 +7,7 @@ behind its Sluice agent (scheduler_svc/engines/vllm). The destructive tests (kil
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -14,6 +15,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -229,37 +231,62 @@ def test_sluices_scheduler_class_inside_vllm_orders_its_queue_two_to_one(vllm_st
 
 
 def test_a_cancel_aborts_the_request_in_vllm_and_frees_its_kv(vllm_stack: Stack) -> None:
-    """Cancelling a long stream through Sluice ends it CANCELLED and vLLM stops running it (its KV use drops to 0)."""
-    # On a quiet machine vLLM streams the tiny model's 1,500 tokens in about a second, less than a loaded round
-    # trip to cancel (CI once saw FINISHED_LENGTH here, and later once more while the test still asked which
-    # replica ran the request before freezing it). Every replica's engine core is frozen as soon as the first
-    # token is seen, with pids read beforehand: no engine can finish the request while the cancel goes through,
-    # and when it runs again its loop reads the API server's abort (the agent closed the connection) first.
+    """Cancelling a long stream through Sluice ends it CANCELLED and vLLM stops running it: it generates fewer than
+    the 1,500 tokens asked for (its own counter says so) and its KV use drops to 0."""
+    # On a quiet machine vLLM streams the tiny model's 1,500 tokens in about a second, and under load the first
+    # token can reach the client after the last one was made (CI saw FINISHED_LENGTH here twice, once with every
+    # engine core frozen as soon as the first token was seen). So the engine cores run throttled, a fifth of the
+    # time: the stream takes several seconds, the cancel goes through while vLLM is still generating, and when a
+    # core runs again its loop reads the API server's abort (the agent closed the connection) before its next step.
     cores = []
     for replica in vllm_stack.replicas.values():
         assert replica.worker.popen is not None
         cores.append(engine_core_pid(replica.worker.popen.pid))
-    with sdk.Client(vllm_stack.endpoint, api_key="k-gold") as client:
+    generated = sum(engine_metric(vllm_stack, i, "vllm:generation_tokens_total") for i in (0, 1))
+    with sdk.Client(vllm_stack.endpoint, api_key="k-gold") as client, throttled(cores):
         stream = client.generate(random_prompt(random.Random(3), 40), max_tokens=1500, ignore_eos=True, timeout=120)
         first = next(iter(stream))
-        for pid in cores:
-            os.kill(pid, signal.SIGSTOP)
-        try:
-            request_id = first.request_id
-            assert client.cancel(request_id) in ("CANCELLED", "CANCELLING")
-        finally:
-            for pid in cores:
-                os.kill(pid, signal.SIGCONT)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            busy = [engine_metric(vllm_stack, i, "vllm:num_requests_running") for i in (0, 1)]
-            usage = [engine_metric(vllm_stack, i, "vllm:kv_cache_usage_perc") for i in (0, 1)]
-            if sum(busy) == 0 and max(usage) == 0:
-                break
-            time.sleep(0.2)
-        assert sum(busy) == 0 and max(usage) == 0, (busy, usage)
+        request_id = first.request_id
+        assert client.cancel(request_id) in ("CANCELLED", "CANCELLING"), len(first.token_ids)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        busy = [engine_metric(vllm_stack, i, "vllm:num_requests_running") for i in (0, 1)]
+        usage = [engine_metric(vllm_stack, i, "vllm:kv_cache_usage_perc") for i in (0, 1)]
+        if sum(busy) == 0 and max(usage) == 0:
+            break
+        time.sleep(0.2)
+    assert sum(busy) == 0 and max(usage) == 0, (busy, usage)
+    with sdk.Client(vllm_stack.endpoint, api_key="k-gold") as client:
         info = client.get_request(request_id)
+    made = sum(engine_metric(vllm_stack, i, "vllm:generation_tokens_total") for i in (0, 1)) - generated
     assert info.status == "CANCELLED" and info.usage.output_tokens < 1500
+    assert made < 1500, f"vLLM generated {made} tokens: it ran the cancelled request to its end"
+
+
+@contextlib.contextmanager
+def throttled(pids: list[int], run_s: float = 0.01, stopped_s: float = 0.04) -> Iterator[None]:
+    """Let the processes run `run_s` in every `run_s + stopped_s` (SIGSTOP / SIGCONT from a thread); all of them run
+    freely again on leaving, whatever happened inside."""
+    done = threading.Event()
+
+    def cycle() -> None:
+        while not done.is_set():
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            done.wait(stopped_s)
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+            done.wait(run_s)
+
+    thread = threading.Thread(target=cycle, name="throttle", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
 
 
 # ---- faults and drain: these change the fleet, so they run last ---------------------------------------------------
