@@ -61,6 +61,12 @@ class SchedulerConfig:
     """Weighted fair share: cost of one input (prefill) token."""
     fair_output_weight: float = 2.0
     """Weighted fair share: cost of one output token."""
+    fair_return_credit: float = 2048.0
+    """Weighted fair share: how much of the service it was owed (in weighted tokens, the counters' unit) a tenant
+    keeps when it is back within `fair_return_window_s` of its last live request's end; 0 forfeits it all."""
+    fair_return_window_s: float = 5.0
+    """Weighted fair share: a gap up to this long keeps `fair_return_credit`; after a longer one the tenant
+    starts at the active minimum (idleness banks nothing). See policies.FairQueue."""
     tenant_weights: tuple[tuple[str, float], ...] = ()
     """Share weight per tenant; unnamed tenants weigh 1."""
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE

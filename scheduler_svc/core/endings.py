@@ -127,7 +127,7 @@ class Endings:
         released = self._release_blocks(request)
         self._table.forget(request, status)
         if backlog.account is not None:
-            backlog.queue.on_live(request.tenant, -1)
+            backlog.queue.on_live(request.tenant, -1, now)
         usage = request.usage
         usage.output_tokens = request.num_outputs
         outbox = self._outbox

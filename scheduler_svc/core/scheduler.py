@@ -105,7 +105,7 @@ class SchedulerCore:
         if request.hold_kv:
             self.handoffs.want(live.request_id)
         if self.backlog.account is not None:
-            self.backlog.queue.on_live(live.tenant, 1)
+            self.backlog.queue.on_live(live.tenant, 1, now)
             if request.tenant_weight is not None:
                 self.backlog.queue.set_tenant_weight(live.tenant, request.tenant_weight)
         self.backlog.enqueue(live, self._cached_prefix_tokens(live))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from scheduler_svc.core.config import Policy, SchedulerConfig
@@ -81,6 +83,50 @@ def test_fair_serves_smallest_counter_and_lifts_a_waking_tenant() -> None:
     queue.push(_req("i1", 0.0, tenant="idle"))
     assert queue.counters["idle"] == pytest.approx(50.0), "lifted to the smallest active counter"
     assert queue.pop().request_id == "g1"
+
+
+def test_a_tenant_back_after_a_gap_keeps_at_most_the_return_credit() -> None:
+    """A tenant whose last live request ended less than `fair_return_window_s` ago comes back lifted to the active
+    minimum less `fair_return_credit`: it keeps what it was owed up to the credit (a closed-loop client's next
+    request on its way must not forfeit its share), never more; with credit 0, or after a longer gap, it keeps
+    nothing, as a new tenant does."""
+    for credit, gap, expected in ((300.0, 0.5, 700.0), (0.0, 0.5, 1000.0), (5000.0, 0.5, 100.0), (300.0, 1.5, 1000.0)):
+        config = SchedulerConfig(num_blocks=1, policy=Policy.FAIR, fair_return_credit=credit, fair_return_window_s=1.0)
+        queue = make_queue(config.policy, config)
+        queue.on_live("a", 1, 0.0)
+        queue.push(_req("a1", 0.0, tenant="a"))
+        queue.on_live("b", 1, 0.0)
+        queue.push(_req("b1", 0.0, tenant="b"))
+        assert queue.pop().request_id == "a1"
+        queue.on_service("a", 100, 0)   # a: 100
+        queue.on_live("a", -1, 1.0)     # a's request ended at 1.0; its next one is on its way
+        queue.on_service("b", 1000, 0)  # b: 1000, served meanwhile
+        queue.on_live("a", 1, 1.0 + gap)
+        queue.push(_req("a2", 1.0 + gap, tenant="a"))
+        assert queue.counters["a"] == pytest.approx(expected), (credit, gap)
+        assert queue.peek().request_id == ("a2" if expected < 1000 else "b1")  # a tie: the earlier arrival
+
+
+def test_a_tenant_with_requests_running_keeps_the_credit_when_its_queue_empties() -> None:
+    """A tenant still live (a request decoding) whose queue emptied never left: its next request is lifted with
+    the credit even when it came back from a long gap before."""
+    config = SchedulerConfig(num_blocks=1, policy=Policy.FAIR, fair_return_credit=300.0, fair_return_window_s=1.0)
+    queue = make_queue(config.policy, config)
+    queue.on_live("b", 1, 0.0)
+    queue.push(_req("b1", 0.0, tenant="b"))
+    queue.on_live("a", 1, 0.0)
+    queue.push(_req("a1", 0.0, tenant="a"))  # a new tenant: starts at b's counter
+    assert [queue.pop().request_id, queue.pop().request_id] == ["b1", "a1"]  # a tie: the earlier queued first
+    queue.on_service("b", 1000, 0)
+    queue.on_live("a", 1, 2.0)
+    queue.push(_req("a2", 2.0, tenant="a"))  # a1 still running: a is owed 1000, keeps 300
+    assert queue.counters["a"] == pytest.approx(700.0)
+
+
+def test_the_return_credit_must_be_finite_and_not_negative() -> None:
+    for bad in (-1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="fair_return_credit"):
+            make_queue(Policy.FAIR, SchedulerConfig(num_blocks=1, policy=Policy.FAIR, fair_return_credit=bad))
 
 
 def test_srpf_orders_by_remaining_prefill_aged_by_arrival() -> None:

@@ -165,7 +165,7 @@ class GatewayCore:
         request.pending_prefill = prompt
         if new.tenant_weight is not None:
             self._queue.set_tenant_weight(new.tenant, new.tenant_weight)
-        self._queue.on_live(new.tenant, 1)
+        self._queue.on_live(new.tenant, 1, now)
         self._queue.push(request)
         self._live[new.request_id] = request
         self._lifecycle(request, Stage.ENQUEUED, now)
@@ -359,7 +359,7 @@ class GatewayCore:
             self._queue.remove(request)
         dispatched = self._running.pop(request.request_id, None) is not None
         del self._live[request.request_id]
-        self._queue.on_live(request.tenant, -1)
+        self._queue.on_live(request.tenant, -1, now)
         counters = self._counters
         if status is RequestStatus.CANCELLED:
             counters.cancelled += 1

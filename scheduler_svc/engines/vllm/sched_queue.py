@@ -23,6 +23,7 @@ into vLLM's scheduler; this module is pure and imports neither vLLM nor any I/O)
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -79,7 +80,7 @@ class PolicyRequestQueue:
         shadow = self._shadows.get(request.request_id)
         if shadow is None:
             shadow = self._shadow(request)
-            self._queue.on_live(shadow.tenant, 1)
+            self._queue.on_live(shadow.tenant, 1, time.monotonic())
         self._engine[request.request_id] = request
         self._queue.push(shadow)
 
@@ -143,7 +144,7 @@ class PolicyRequestQueue:
         if request_id in self._engine and self._queue.remove(shadow):  # aborted while queued
             del self._engine[request_id]
         self._charged.discard(request_id)
-        self._queue.on_live(shadow.tenant, -1)
+        self._queue.on_live(shadow.tenant, -1, time.monotonic())
 
     def _shadow(self, request: Any) -> Request:
         self._seq += 1
