@@ -9,6 +9,8 @@ A round is built in phases:
      instead of preempting itself. (Preempting itself let two requests that do not fit together throw
      their own work away by turns for ever: each swap freed nothing in time, so the needy one recomputed
      and the swapped one came back in; the stateful test's livelock, 96 preemptions and no end.)
+     Decodes first: a prefill chunk leaves one token for each running request after it, and a chunk
+     deep into a long prompt pays for its attention out of the token budget (`round.chunk_tokens`).
   2. `_schedule_waiting`: waiting and resumed requests in policy order, within what is left of the
      query-token, sequence and KV-read budgets, stopping at the first head that does not fit
      (head-of-line blocking is the policies' semantics). Skipped in a round that had to preempt.
