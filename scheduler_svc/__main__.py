@@ -74,10 +74,17 @@ class SchedulerOptions(serve.BusOptions):
     """Prompt tokens of one sequence in one round at most (chunked prefill)."""
     max_kv_read_tokens: int | None = _CORE.max_kv_read_tokens
     """KV tokens one round may read at most (bounds inter-token latency); None: no limit."""
+    attention_pairs_per_token: int | None = _CORE.attention_pairs_per_token
+    """A prefill chunk pays one token of the round's budget per this many (token, earlier token) pairs of its
+    attention beyond --attention-free-context (a deep chunk of a long prompt shrinks to fit the round); None: not
+    charged."""
+    attention_free_context: int = _CORE.attention_free_context
+    """Context before a chunk whose attention is not charged (--attention-pairs-per-token)."""
     tpot_slo_ms: float = 0.0
     """Above 0: derive the round's token budget from this TPOT target and the registered rates
     (--prefill-tokens-per-s, --decode-round-s; sluice.round_budget.linear_round_time) at start,
-    instead of --max-num-batched-tokens."""
+    instead of --max-num-batched-tokens; with --prefill-pair-s above 0 also the attention charge, instead of
+    --attention-pairs-per-token."""
     max_waiting: int = _CORE.max_waiting
     """Waiting requests at most; more are refused with QUEUE_FULL."""
     no_prefix_caching: bool = not _CORE.enable_prefix_caching
@@ -128,17 +135,23 @@ def core_overrides(options: SchedulerOptions) -> dict[str, object]:
     """Return the SchedulerConfig fields the flags set (the rest come from the worker's Info).
 
     With --tpot-slo-ms the token budget is derived from the target and the rates the replica registers
-    with (the router predicts with the same ones); raises ValueError when the target cannot be met.
+    with (the router predicts with the same ones), and the attention charge too when --prefill-pair-s is set;
+    raises ValueError when the target cannot be met.
     """
     tokens = options.max_num_batched_tokens
+    per_token, free_context = options.attention_pairs_per_token, options.attention_free_context
     if options.tpot_slo_ms > 0:
-        model = linear_round_time(options.prefill_tokens_per_s, options.decode_round_s)
-        tokens = derive_round_budget(options.tpot_slo_ms / 1000.0, model, max_num_seqs=options.max_num_seqs,
-                                     context_tokens=0).max_num_batched_tokens
+        model = linear_round_time(options.prefill_tokens_per_s, options.decode_round_s, options.prefill_pair_s)
+        budget = derive_round_budget(options.tpot_slo_ms / 1000.0, model, max_num_seqs=options.max_num_seqs,
+                                     context_tokens=0)
+        tokens = budget.max_num_batched_tokens
+        if budget.attention_pairs_per_token is not None:
+            per_token, free_context = budget.attention_pairs_per_token, budget.attention_free_context
     return {
         "policy": options.policy, "preemption_mode": options.preemption, "victim_policy": options.victim_policy,
         "max_num_batched_tokens": tokens, "max_num_seqs": options.max_num_seqs,
         "max_prefill_chunk": options.max_prefill_chunk, "max_kv_read_tokens": options.max_kv_read_tokens,
+        "attention_pairs_per_token": per_token, "attention_free_context": free_context,
         "max_waiting": options.max_waiting, "enable_prefix_caching": not options.no_prefix_caching,
         "kv_event_token_ids": options.kv_event_token_ids, "kv_hold_s": options.kv_hold,
     }

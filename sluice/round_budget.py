@@ -10,6 +10,18 @@ the target (short rounds) or misses it (on 4 x H200 with Llama-3-8B a full 2,048
             <= headroom * tpot_slo
     max_kv_read_tokens     = largest R (a multiple of `granule`) with
         round_time(query=seqs, attended_pairs=R, kv_read=R, sampled=seqs) <= headroom * tpot_slo
+    attention_pairs_per_token = largest K with, for the deepest chunk (start D = max_context) that the
+        charge lets into a round, n = B * K / (K + D - context):
+        round_time(query=n, attended_pairs=n * D + n * (n + 1) / 2, kv_read=D + n, sampled=1)
+            <= headroom * tpot_slo
+
+The token budget B is sized for a chunk attending to `context` earlier tokens; a chunk of a long prompt
+attends to tens of thousands (Mooncake), and a round of B such tokens takes 2-4x the target. So the core
+charges a chunk starting at s > context ceil(n * (s - context) / K) tokens of the round's budget on top of
+its n tokens (`SchedulerConfig.attention_pairs_per_token`): K is how many (query, earlier token) pairs cost
+as much as one query token. With a compute time linear in tokens and pairs (the roofline's compute side),
+a round that fits at depth `context` (B) and at the deepest depth D fits at every depth between, since
+n * (1 + (s - context) / K) = B holds the compute of the chunk's tokens plus its extra pairs constant.
 
 `round_time(query_tokens, attended_pairs, kv_read_tokens, sampled_seqs)` is whatever knows the
 replica's rounds: the cost model of its model and GPU (`worker_svc.costmodel.CostModel._time`, in
@@ -17,7 +29,8 @@ the simulator) or a line through the measured rates (`linear_round_time`: a deco
 prefill tokens at the measured rate, in the scheduler service, which sees no model or GPU). The
 cost model is a roofline (compute and memory traffic overlap, the larger wins), so the token and
 the KV-read limits are found separately and a round at both limits still fits; `headroom` covers
-what the model leaves out. A linear model has no KV-read term, so it sets no KV-read budget.
+what the model leaves out. A linear model has no KV-read term, so it sets no KV-read budget, and no
+attention charge unless it is given a time per pair (`pair_s`).
 
 Pure: no clock, no I/O.
 """
@@ -43,15 +56,21 @@ class RoundBudget:
     """Context tokens one round may read; None: the time model has no KV-read term (no cap)."""
     target_s: float
     """The round time the budgets were sized for (headroom x TPOT target)."""
+    attention_pairs_per_token: int | None = None
+    """Attention pairs charged as one query token beyond `attention_free_context`; None: pairs cost nothing in
+    the time model (no charge)."""
+    attention_free_context: int = 0
+    """Context depth the token budget was sized at (`context_tokens`): attention within it is not charged."""
 
 
-def linear_round_time(prefill_tokens_per_s: float, decode_round_s: float) -> RoundTime:
-    """Return a round-time model from measured rates: one decode round plus the query tokens at the prefill rate."""
-    if prefill_tokens_per_s <= 0:
-        raise ValueError(f"prefill_tokens_per_s must be > 0, got {prefill_tokens_per_s}")
+def linear_round_time(prefill_tokens_per_s: float, decode_round_s: float, pair_s: float = 0.0) -> RoundTime:
+    """Return a round-time model from measured rates: one decode round plus the query tokens at the prefill rate,
+    plus `pair_s` seconds per attended (query token, earlier token) pair (0: attention is free)."""
+    if prefill_tokens_per_s <= 0 or pair_s < 0:
+        raise ValueError(f"need prefill_tokens_per_s > 0 and pair_s >= 0, got {prefill_tokens_per_s}, {pair_s}")
 
     def round_time(query: int, pairs: int, read: int, sampled: int) -> float:
-        return decode_round_s + query / prefill_tokens_per_s
+        return decode_round_s + query / prefill_tokens_per_s + pairs * pair_s
 
     round_time.has_kv_term = False  # type: ignore[attr-defined]
     return round_time
@@ -73,13 +92,16 @@ def _largest(fits: Callable[[int], bool], granule: int, limit: int) -> int:
 
 def derive_round_budget(tpot_slo_s: float, round_time: RoundTime, *, max_num_seqs: int = 256,
                         context_tokens: int = 2048, granule: int = 64, headroom: float = 0.9,
-                        max_tokens: int = 16384, max_kv_read: int = 1 << 24, min_kv_read: int = 0) -> RoundBudget:
+                        max_tokens: int = 16384, max_kv_read: int = 1 << 24, min_kv_read: int = 0,
+                        max_context: int = 1 << 17) -> RoundBudget:
     """Return the largest per-round budgets whose rounds take at most `headroom * tpot_slo_s` (module docstring).
 
-    `context_tokens`: context a prefill chunk attends to besides itself (the chunk of a long prompt
-    reads the part before it); `max_num_seqs`: decodes sampled in a KV-bound round; `min_kv_read`:
-    the KV-read budget is never below it (pass max_model_len: the core refuses a request whose whole
-    context exceeds the cap, and one long request alone decodes well within the target). Raises
+    `context_tokens`: context a prefill chunk attends to besides itself, what the token budget is sized
+    for (a chunk of a long prompt reads more: the attention charge pays for the rest); `max_num_seqs`:
+    decodes sampled in a KV-bound round; `min_kv_read`: the KV-read budget is never below it (pass
+    max_model_len: the core refuses a request whose whole context exceeds the cap, and one long request
+    alone decodes well within the target); `max_context`: the deepest position a chunk starts at (pass
+    max_model_len), where the attention charge is sized. Raises
     ValueError when the target is not positive or even the smallest round misses it (say so, do
     not run rounds that cannot meet it).
     """
@@ -100,4 +122,22 @@ def derive_round_budget(tpot_slo_s: float, round_time: RoundTime, *, max_num_seq
                          f"{target * 1e3:.1f} ms target: the TPOT target cannot be met on this replica")
     tokens = _largest(tokens_fit, granule, max_tokens)
     kv_read = max(_largest(kv_fits, granule, max_kv_read), min_kv_read) if has_kv_term else None
-    return RoundBudget(tokens, kv_read, target)
+    pairs_per_token = _attention_pairs_per_token(round_time, target, tokens, context_tokens, max_context)
+    return RoundBudget(tokens, kv_read, target, pairs_per_token, context_tokens)
+
+
+def _attention_pairs_per_token(round_time: RoundTime, target: float, tokens: int, context: int,
+                               depth: int) -> int | None:
+    """Return the largest charge rate K (pairs per token) at which the deepest chunk the charge lets in fits
+    `target` (module docstring); None when attention costs nothing (any K fits) or no chunk is deeper."""
+    if depth <= context:
+        return None
+
+    def deepest_fits(per_token: int) -> bool:
+        n = max(tokens * per_token // (per_token + depth - context), 1)
+        return round_time(n, n * depth + n * (n + 1) // 2, depth + n, 1) <= target
+
+    unbounded = 1 << 40
+    if deepest_fits(unbounded):
+        return None
+    return _largest(deepest_fits, 1, unbounded)

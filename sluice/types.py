@@ -198,6 +198,9 @@ class RoundBudget:
     used_kv_read_tokens: int
     num_prefill_tokens: int
     num_decode_tokens: int
+    attention_tokens: int
+    """Tokens of the query budget that deep prefill chunks paid for their attention (not in used_query_tokens;
+    SchedulerConfig.attention_pairs_per_token)."""
 
 
 @dataclass(frozen=True, slots=True)

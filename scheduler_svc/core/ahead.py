@@ -9,8 +9,9 @@ round. See docs/scheduler-core.md, "Overlap scheduling".
 from __future__ import annotations
 
 from scheduler_svc.core.block_pool import BlockPool
+from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.core.request import Request
-from scheduler_svc.core.round import InFlightRound, RoundBuilder, new_scheduled_seq
+from scheduler_svc.core.round import InFlightRound, RoundBuilder, chunk_tokens, new_scheduled_seq
 from sluice.types import PENDING_TOKEN, RequestStatus
 
 PENDING = (PENDING_TOKEN,)
@@ -54,13 +55,13 @@ def place_ahead(request: Request, rnd: RoundBuilder, in_flight: dict[int, InFlig
 
 
 def chunk_ahead(request: Request, rnd: RoundBuilder, in_flight: dict[int, InFlightRound], pool: BlockPool,
-                block_size: int, max_chunk: int) -> tuple[int, int] | None:
+                config: SchedulerConfig, reserve: int) -> tuple[int, int] | None:
     """Return (start, tokens) of the prefill chunk to place ahead of `request`'s in-flight chunk, or None.
 
     Only a running request whose one in-flight round computes a chunk that does not sample (its
-    prompt tokens after it are known) gets one: the next chunk, capped as the batcher caps a chunk by
-    `max_chunk` and what is left of the round's token and KV-read budgets. Its blocks come from the
-    pool without preempting anyone (else it waits a round); the caller places it (`Batcher._place`).
+    prompt tokens after it are known) gets one: the next chunk, sized as the batcher sizes a chunk
+    (`round.chunk_tokens`, with `reserve` tokens kept for the running requests after it). Its blocks come
+    from the pool without preempting anyone (else it waits a round); the caller places it (`Batcher._place`).
     """
     if request.status is not RequestStatus.RUNNING:
         return None
@@ -71,10 +72,10 @@ def chunk_ahead(request: Request, rnd: RoundBuilder, in_flight: dict[int, InFlig
     if sample:
         return None
     start = request.num_computed + num
-    num = min(len(request.tokens) - start, max_chunk, rnd.tokens_left, rnd.kv_left - start)
+    num = chunk_tokens(config, rnd, start, len(request.tokens) - start, reserve)
     if num <= 0:
         return None
-    need = -(-(start + num) // block_size) - len(request.block_ids)
+    need = -(-(start + num) // config.block_size) - len(request.block_ids)
     if need > 0:
         blocks = pool.allocate(need)
         if blocks is None:

@@ -9,6 +9,8 @@ A round is built in phases:
      instead of preempting itself. (Preempting itself let two requests that do not fit together throw
      their own work away by turns for ever: each swap freed nothing in time, so the needy one recomputed
      and the swapped one came back in; the stateful test's livelock, 96 preemptions and no end.)
+     Decodes first: a prefill chunk leaves one token for each running request after it, and a chunk
+     deep into a long prompt pays for its attention out of the token budget (`round.chunk_tokens`).
   2. `_schedule_waiting`: waiting and resumed requests in policy order, within what is left of the
      query-token, sequence and KV-read budgets, stopping at the first head that does not fit
      (head-of-line blocking is the policies' semantics). Skipped in a round that had to preempt.
@@ -30,7 +32,15 @@ from scheduler_svc.core.config import PreemptionMode
 from scheduler_svc.core.outcomes import RoundOutcomes
 from scheduler_svc.core.parts import CoreParts
 from scheduler_svc.core.request import Request, block_hashes_upto
-from scheduler_svc.core.round import DECODE, RoundBuilder, new_round_budget, new_round_plan, new_scheduled_seq
+from scheduler_svc.core.round import (
+    DECODE,
+    RoundBuilder,
+    attention_charge,
+    chunk_tokens,
+    new_round_budget,
+    new_round_plan,
+    new_scheduled_seq,
+)
 from scheduler_svc.core.state import Input, apply
 from scheduler_svc.core.victims import make_victim_rule
 from sluice.types import BlockCopy, RequestStatus, RoundPlan, Stage
@@ -81,7 +91,7 @@ class Batcher:
         works on local copies of the budgets; anything else syncs them back to `rnd` and goes
         through `_grow` / `_place`.
         """
-        max_chunk, block_size = self._config.max_prefill_chunk, self._block_size
+        config, block_size = self._config, self._block_size
         running_status = RequestStatus.RUNNING
         seqs, entries, round_id = rnd.seqs, rnd.entries, rnd.round_id
         tokens_left, seqs_left, kv_left, decodes = rnd.tokens_left, rnd.seqs_left, rnd.kv_left, 0
@@ -89,7 +99,9 @@ class Batcher:
         # the constructor and the boxed round id are taken once per round, not once per decode.
         build_seq = new_scheduled_seq
         in_flight: int | None = round_id
-        for request in list(self._table.running.values()):
+        running = list(self._table.running.values())
+        last = len(running) - 1
+        for index, request in enumerate(running):
             if request.in_flight_round is not None or request.status is not running_status:
                 if not overlap or request.in_flight_prev is not None or not seqs_left or not tokens_left:
                     continue
@@ -121,7 +133,9 @@ class Batcher:
                     continue
                 if not request.pending_prefill:  # no prompt left past its in-flight chunk (a decode)
                     continue
-                chunk = chunk_ahead(request, rnd, self._outcomes.in_flight, self._pool, block_size, max_chunk)
+                # Decodes first: one token is kept for each running request after this one.
+                chunk = chunk_ahead(request, rnd, self._outcomes.in_flight, self._pool, config,
+                                    min(last - index, seqs_left - 1))
                 if chunk is not None:
                     request.in_flight_prev = request.in_flight_round
                     self._place(request, *chunk, rnd, now)
@@ -164,7 +178,7 @@ class Batcher:
                 continue
             rnd.tokens_left, rnd.seqs_left, rnd.kv_left = tokens_left, seqs_left, kv_left
             rnd.decode_tokens, decodes = rnd.decode_tokens + decodes, 0
-            num = min(len(tokens) - start, max_chunk, tokens_left, kv_left - start)
+            num = chunk_tokens(config, rnd, start, len(tokens) - start, min(last - index, seqs_left - 1))
             if num <= 0:
                 break
             if len(request.block_ids) * block_size >= start + num or self._grow(request, start + num, rnd, now):
@@ -262,7 +276,7 @@ class Batcher:
         if pool.caching:
             hits = pool.lookup(block_hashes_upto(request, (len(request.tokens) - 1) // size, size, request.salt))
         start = len(hits) * size
-        num = min(len(request.tokens) - start, self._config.max_prefill_chunk, rnd.tokens_left, rnd.kv_left - start)
+        num = chunk_tokens(self._config, rnd, start, len(request.tokens) - start)
         need = -(-(start + num) // size) - len(hits)
         if num <= 0 or need + pool.count_unreferenced(hits) > pool.num_allocatable:
             return False
@@ -293,7 +307,7 @@ class Batcher:
     def _resume_swapped(self, request: Request, rnd: RoundBuilder, now: float) -> bool:
         """Bring a swapped-out request back: device blocks, swap-in copies, then its next chunk."""
         start = request.num_computed
-        num = min(len(request.tokens) - start, self._config.max_prefill_chunk, rnd.tokens_left, rnd.kv_left - start)
+        num = chunk_tokens(self._config, rnd, start, len(request.tokens) - start)
         need = -(-(start + num) // self._block_size)
         if num <= 0 or need > self._pool.num_allocatable:
             return False
@@ -351,6 +365,14 @@ class Batcher:
             rnd.decode_tokens += 1
         else:
             rnd.prefill_tokens += num
+            # A chunk floored at one block may not fit its whole charge: what is left is charged.
+            charge = min(attention_charge(self._config, start, num), rnd.tokens_left)
+            if charge:
+                rnd.tokens_left -= charge
+                rnd.attention_tokens += charge
+                if rnd.charges is None:
+                    rnd.charges = {}
+                rnd.charges[request] = charge
 
     def _unplace(self, request: Request, rnd: RoundBuilder) -> None:
         """Take a request placed earlier in this round back out (it is being preempted)."""
@@ -369,6 +391,9 @@ class Batcher:
             rnd.decode_tokens -= 1
         else:
             rnd.prefill_tokens -= num
+            charge = rnd.charges.pop(request, 0) if rnd.charges is not None else 0
+            rnd.tokens_left += charge
+            rnd.attention_tokens -= charge
             self._backlog.set_pending(request, len(request.tokens) - seq.start_position)
 
     def _seal(self, rnd: RoundBuilder, now: float) -> RoundPlan:
@@ -378,13 +403,14 @@ class Batcher:
         # Positional, in RoundBudget's field order (new_round_budget writes the slots directly).
         budget = new_round_budget(
             config.max_num_batched_tokens,
-            config.max_num_batched_tokens - rnd.tokens_left,
+            config.max_num_batched_tokens - rnd.tokens_left - rnd.attention_tokens,
             config.max_num_seqs,
             config.max_num_seqs - rnd.seqs_left,
             config.max_kv_read_tokens,
             (config.max_kv_read_tokens or 1 << 62) - rnd.kv_left,
             rnd.prefill_tokens,
             rnd.decode_tokens,
+            rnd.attention_tokens,
         )
         swap_out, swap_in, seqs = rnd.swap_out, rnd.swap_in, rnd.seqs
         plan = new_round_plan(rnd.round_id, tuple(seqs), swap_out, swap_in, budget)
@@ -401,9 +427,13 @@ class Batcher:
         # Emitted when the round is sealed, so a chunk taken back by a preemption never shows up.
         account = self._backlog.account
         chunks = rnd.chunks or {}
+        charges = rnd.charges or {}
         for seq, request in zip(rnd.seqs, rnd.entries, strict=True):
             if request in chunks:
                 num = chunks[request][0]
-                self._outbox.event(request, Stage.PREFILL_CHUNK, now, (("tokens", num), ("start", seq.start_position)))
+                attributes: tuple[tuple[str, int], ...] = (("tokens", num), ("start", seq.start_position))
+                if request in charges:  # the round's time budget shrank this chunk for its attention
+                    attributes += (("attention_tokens", charges[request]),)
+                self._outbox.event(request, Stage.PREFILL_CHUNK, now, attributes)
                 if account is not None:
                     account(request.tenant, num, 0)

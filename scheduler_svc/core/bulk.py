@@ -260,5 +260,5 @@ def _ahead_plan(core: SchedulerCore, round_id: int, running: list[Request], back
         used += start + 1
     n = len(running)
     budget = new_round_budget(config.max_num_batched_tokens, n, config.max_num_seqs, n,
-                              config.max_kv_read_tokens, used, 0, n)
+                              config.max_kv_read_tokens, used, 0, n, 0)
     return new_round_plan(round_id, tuple(seqs), (), (), budget)

@@ -48,6 +48,13 @@ class SchedulerConfig:
     """Most prefill tokens one request may take in one round (chunked prefill)."""
     max_kv_read_tokens: int | None = None
     """Optional cap on context tokens read by one round (bounds inter-token latency)."""
+    attention_pairs_per_token: int | None = None
+    """Optional: a prefill chunk pays for its attention to context deeper than `attention_free_context` out of
+    the round's token budget, one token per this many (query token, earlier token) pairs, so that a chunk of a
+    long prompt shrinks to what fits the round's time (sluice.round_budget derives it); None: not charged."""
+    attention_free_context: int = 0
+    """Context before a chunk that the token budget already pays for (the depth it was sized at): only the
+    attention beyond it is charged."""
     max_waiting: int = 4096
     """Bounded waiting queue: a submission is rejected with QUEUE_FULL when the queue plus the running and
     swapped-out requests (which a preemption sends back to it) reach this, so the queue never exceeds it."""

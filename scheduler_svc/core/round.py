@@ -54,6 +54,8 @@ class RoundBuilder(InFlightRound):
         "kv_left",
         "prefill_tokens",
         "decode_tokens",
+        "attention_tokens",
+        "charges",
         "preempted",
     )
 
@@ -76,4 +78,38 @@ class RoundBuilder(InFlightRound):
         self.kv_left = kv_cap if kv_cap is not None else 1 << 62
         self.prefill_tokens = 0
         self.decode_tokens = 0
+        self.attention_tokens = 0
+        self.charges: dict[Request, int] | None = None
+        """The attention charge of each chunk that paid one (`attention_charge`); None until one does."""
         self.preempted = False
+
+
+def chunk_tokens(config: SchedulerConfig, rnd: RoundBuilder, start: int, known: int, reserve: int = 0) -> int:
+    """Return the tokens of a prefill chunk from position `start` (`known` tokens known past it) in this round.
+
+    Capped by `max_prefill_chunk`, the round's KV-read budget and its token budget less `reserve` (one token
+    for each running request placed after this one: decodes come first), and, with
+    `attention_pairs_per_token`, shrunk so that the chunk plus its attention charge (`attention_charge`) fits
+    the token budget. Neither the reserve nor the charge shrinks it below one block (or the rest of the
+    prompt, or the tokens left), so every prompt makes progress. 0 or less: nothing fits.
+    """
+    tokens_left = rnd.tokens_left
+    least = min(known, config.block_size, tokens_left)
+    room = max(tokens_left - reserve, least)
+    num = min(known, config.max_prefill_chunk, room, rnd.kv_left - start)
+    per_token = config.attention_pairs_per_token
+    depth = start - config.attention_free_context
+    if per_token is not None and depth > 0 and num > least:
+        # n + n * depth / per_token <= room, in integers (the charge is rounded up: ceil(x) <= room iff x <= room)
+        num = min(num, max(room * per_token // (per_token + depth), least))
+    return num
+
+
+def attention_charge(config: SchedulerConfig, start: int, num: int) -> int:
+    """Return the query tokens a prefill chunk of `num` tokens from `start` pays for its attention to the context
+    deeper than `attention_free_context` (0 without `attention_pairs_per_token`)."""
+    per_token = config.attention_pairs_per_token
+    depth = start - config.attention_free_context
+    if per_token is None or depth <= 0:
+        return 0
+    return -(-num * depth // per_token)

@@ -63,6 +63,8 @@ class SchedulerCore:
             raise ValueError("block_size, max_num_batched_tokens and max_num_seqs must be >= 1")
         if config.max_prefill_chunk < 1:
             raise ValueError(f"max_prefill_chunk must be >= 1, got {config.max_prefill_chunk}")
+        if config.attention_pairs_per_token is not None and config.attention_pairs_per_token < 1:
+            raise ValueError(f"attention_pairs_per_token must be >= 1 or None, got {config.attention_pairs_per_token}")
         self.config = config
         self.replica_id = replica_id
         self._block_size = config.block_size

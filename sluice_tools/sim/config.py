@@ -147,12 +147,13 @@ def vllm_default(config: SimConfig) -> SimConfig:
         max_num_seqs=VLLM_DEFAULT_MAX_SEQS,
         max_prefill_chunk=VLLM_DEFAULT_BATCHED_TOKENS,
         max_kv_read_tokens=None,
+        attention_pairs_per_token=None,
     ))
 
 
 def with_slo_budget(config: SimConfig) -> SimConfig:
-    """Return `config` whose round budgets are derived from its TPOT target and the cost model of its model
-    and GPU (sluice.round_budget), instead of fixed numbers."""
+    """Return `config` whose round budgets (query tokens, KV read, the attention charge of deep chunks) are derived
+    from its TPOT target and the cost model of its model and GPU (sluice.round_budget), instead of fixed numbers."""
     from sluice.round_budget import derive_round_budget
     from worker_svc.costmodel import CostModel, RoundShape
 
@@ -164,9 +165,11 @@ def with_slo_budget(config: SimConfig) -> SimConfig:
 
     max_model_len = config.max_model_len or DEFAULT_MAX_MODEL_LEN.get(config.model, cost.max_model_len)
     budget = derive_round_budget(config.slo_tpot_s, round_time, max_num_seqs=config.scheduler.max_num_seqs,
-                                 min_kv_read=max_model_len)
+                                 min_kv_read=max_model_len, max_context=max_model_len)
     return replace(config, scheduler=replace(config.scheduler, max_num_batched_tokens=budget.max_num_batched_tokens,
-                                             max_kv_read_tokens=budget.max_kv_read_tokens))
+                                             max_kv_read_tokens=budget.max_kv_read_tokens,
+                                             attention_pairs_per_token=budget.attention_pairs_per_token,
+                                             attention_free_context=budget.attention_free_context))
 
 
 def parse_enum(kind: type[E], name: str) -> E:

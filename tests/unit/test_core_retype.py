@@ -23,7 +23,7 @@ from sluice.types import (
 )
 
 SEQ_ARGS = ("r1", 2, (7,), 130, (0, 5, 9), SamplingParams(max_tokens=9), True, 3, (1, 2), (5, 6))
-BUDGET_ARGS = (8192, 3, 256, 3, None, 400, 0, 3)
+BUDGET_ARGS = (8192, 3, 256, 3, None, 400, 0, 3, 0)
 CASES = [
     (ScheduledSeq, SEQ_ARGS),
     (RoundBudget, BUDGET_ARGS),

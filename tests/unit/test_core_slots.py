@@ -15,7 +15,7 @@ def test_built_objects_equal_the_init_built_ones_and_stay_frozen() -> None:
     """Every hot-path contract class comes out equal to its __init__ twin and still refuses assignment."""
     samples = {
         ScheduledSeq: ("r", 2, (1, 2), 5, (0, 1), SamplingParams(seed=3), True, 4, (9,), (1, 2)),
-        RoundBudget: (8, 8, 4, 2, None, 40, 6, 2),
+        RoundBudget: (8, 8, 4, 2, None, 40, 6, 2, 0),
         SeqOutput: ("r", 2, (7,), True, None),
         RoundResult: (3, (), 0.25, "", ()),
     }

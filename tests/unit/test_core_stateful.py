@@ -47,9 +47,10 @@ class CoreMachine(RuleBasedStateMachine):
         caching=st.booleans(),
         max_lost=st.sampled_from([1, 3]),
         chunk=st.sampled_from([6, 6, 3, 2]),
+        attention=st.sampled_from([None, None, 8]),
     )
     def setup(self, policy: Policy, mode: PreemptionMode, host_blocks: int, kv_cap: int | None, caching: bool,
-              max_lost: int, chunk: int) -> None:
+              max_lost: int, chunk: int, attention: int | None) -> None:
         self.config = SchedulerConfig(
             num_blocks=10,
             block_size=4,
@@ -57,6 +58,8 @@ class CoreMachine(RuleBasedStateMachine):
             max_num_seqs=4,
             max_prefill_chunk=chunk,
             max_kv_read_tokens=kv_cap,
+            attention_pairs_per_token=attention,
+            attention_free_context=4,
             max_waiting=8,
             policy=policy,
             preemption_mode=mode,
@@ -229,6 +232,10 @@ class CoreMachine(RuleBasedStateMachine):
         assert budget.used_query_tokens == sum(len(s.token_ids) for s in plan.seqs) <= config.max_num_batched_tokens
         assert budget.used_seqs == len(plan.seqs) <= config.max_num_seqs
         assert budget.num_prefill_tokens + budget.num_decode_tokens == budget.used_query_tokens
+        # Deep chunks pay for their attention out of the same budget (a chunk floored at one block may overdraw,
+        # uncharged); nothing is charged without the attention term.
+        assert budget.used_query_tokens + budget.attention_tokens <= config.max_num_batched_tokens
+        assert budget.attention_tokens == 0 or config.attention_pairs_per_token is not None
         reads = sum(s.start_position + len(s.token_ids) for s in plan.seqs)
         assert budget.used_kv_read_tokens == reads
         if config.max_kv_read_tokens is not None:

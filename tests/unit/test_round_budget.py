@@ -52,3 +52,53 @@ def test_sim_budget_slo_word_and_scheduler_flag_use_the_derivation() -> None:
                           "--prefill-tokens-per-s", "10000", "--decode-round-s", "0.01"])
     assert core_overrides(options)["max_num_batched_tokens"] == 320
     assert core_overrides(parse_args(["--replica-id", "r", "--worker", "w:1"]))["max_num_batched_tokens"] == 2048
+
+
+def test_attention_charge_keeps_deep_chunks_within_the_target() -> None:
+    """For Llama-3.1-8B on one H200 (TPOT 50 ms): a chunk that fills the 1,664-token budget at 50 k tokens deep
+    takes ~114 ms; with the derived charge, the largest chunk the core lets in at any depth up to 131,072 takes
+    <= 45 ms, and the charge is the largest that does so (one more pair per token and the deepest chunk misses)."""
+    cost = CostModel("llama-3.1-8b", "h200")
+
+    def round_time(query: int, pairs: int, read: int, sampled: int) -> float:
+        return cost.shape_time(RoundShape(query, pairs, read, query, sampled))
+
+    budget = derive_round_budget(0.05, round_time, min_kv_read=131072, max_context=131072)
+    b, per_token, free = budget.max_num_batched_tokens, budget.attention_pairs_per_token, budget.attention_free_context
+    assert per_token is not None and free == 2048
+    assert round_time(b, b * 50_000 + b * (b + 1) // 2, 50_000 + b, 1) > 0.1
+
+    def chunk_time(depth: int, k: int) -> float:
+        n = min(b, b * k // (k + max(depth - free, 0)))
+        return round_time(n, n * depth + n * (n + 1) // 2, depth + n, 1)
+
+    for depth in (0, 2048, 4096, 10_000, 30_000, 50_000, 100_000, 131_072):
+        assert chunk_time(depth, per_token) <= 0.045, depth
+    assert chunk_time(131_072, per_token + 1) > 0.045
+
+
+def test_attention_charge_needs_a_time_per_pair() -> None:
+    """A linear model without a pair term sets no charge (attention is free there); with `pair_s` it sets one
+    near prefill seconds per token / pair seconds (1e-4 / 1e-9), above it by the token budget's rounding slack."""
+    assert derive_round_budget(0.05, linear_round_time(10_000.0, 0.010), context_tokens=0).attention_pairs_per_token is None
+    budget = derive_round_budget(0.05, linear_round_time(10_000.0, 0.010, 1e-9), context_tokens=0)
+    assert budget.attention_free_context == 0
+    assert budget.attention_pairs_per_token is not None and 100_000 <= budget.attention_pairs_per_token < 130_000
+
+
+def test_budget_slo_and_the_scheduler_flags_set_the_attention_charge() -> None:
+    """`budget=slo` sets the core's charge from the cost model; the scheduler takes it from
+    --attention-pairs-per-token / --attention-free-context, or derives it with --tpot-slo-ms and --prefill-pair-s."""
+    config = parse_compare_item("fcfs+budget=slo", SimConfig(slo_tpot_s=0.05))
+    assert config.scheduler.attention_pairs_per_token is not None
+    assert config.scheduler.attention_free_context == 2048
+    assert parse_compare_item("fcfs", SimConfig()).scheduler.attention_pairs_per_token is None
+    flags = core_overrides(parse_args(["--replica-id", "r", "--worker", "w:1", "--attention-pairs-per-token", "4096",
+                                       "--attention-free-context", "1024"]))
+    assert (flags["attention_pairs_per_token"], flags["attention_free_context"]) == (4096, 1024)
+    derived = core_overrides(parse_args(["--replica-id", "r", "--worker", "w:1", "--tpot-slo-ms", "50",
+                                         "--prefill-tokens-per-s", "10000", "--decode-round-s", "0.01",
+                                         "--prefill-pair-s", "1e-9"]))
+    assert isinstance(derived["attention_pairs_per_token"], int) and derived["attention_free_context"] == 0
+    plain = core_overrides(parse_args(["--replica-id", "r", "--worker", "w:1"]))
+    assert plain["attention_pairs_per_token"] is None
