@@ -187,6 +187,7 @@ class Driver:
             if deadline is not None and deadline <= now:
                 self.core.expire(now)
             plan = self.core.schedule(now, overlap=in_flight is not None)
+            self._count_charge(plan)
             if self.on_scheduled is not None:
                 self.on_scheduled()
             scheduled = self.core.take_events()
@@ -232,6 +233,12 @@ class Driver:
         self.reporter.defer(events, done)
         return True
 
+    def _count_charge(self, plan: RoundPlan) -> None:
+        """Count the tokens a plan's deep prefill chunks paid for their attention (sluice_attention_charged_tokens)."""
+        budget = plan.budget
+        if budget is not None and budget.attention_tokens:
+            self.metrics.attention_tokens.inc(budget.attention_tokens)
+
     @staticmethod
     async def _let_publisher_send() -> None:
         """Let the publisher put the tokens just queued on the wire before any other work. Two turns of the
@@ -259,6 +266,7 @@ class Driver:
             if deadline is not None and deadline <= now:
                 self.core.expire(now)
             plan = self.core.schedule(now)
+            self._count_charge(plan)
             if self.on_scheduled is not None:
                 self.on_scheduled()
             scheduled = self.core.take_events()

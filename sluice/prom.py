@@ -310,6 +310,9 @@ class SchedulerMetrics:
         self.rounds_ahead = Counter("sluice_rounds_ahead", "Rounds planned and sent while the one before "
                                     "still executed (the pipelined loop).", registry=r)
         self.round_errors = Counter("sluice_round_errors", "Rounds the worker reported as failed.", registry=r)
+        self.attention_tokens = Counter("sluice_attention_charged_tokens", "Round-budget tokens deep prefill "
+                                        "chunks paid for their attention (attention_pairs_per_token): what the "
+                                        "charge took from the rounds planned.", registry=r)
         self.vllm = _VllmFamilies(r)
         self.bind_model(self.model_name)
 

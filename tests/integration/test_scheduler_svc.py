@@ -145,6 +145,24 @@ def test_pipelined_and_serial_loops_stream_the_same_tokens(redis_url: str, names
     asyncio.run(body())
 
 
+def test_the_attention_charge_is_counted_and_the_prompt_still_completes(redis_url: str, namespace: str) -> None:
+    """With an attention charge configured (every pair past 32 tokens of context costs 1/64 of a token), a
+    300-token prompt's later chunks pay for their attention: sluice_attention_charged_tokens_total counts it, and
+    the request still finishes whole. Without the charge the counter stays 0 on the same request."""
+    async def run(space: str, overrides: dict[str, object]) -> float:
+        async with _replica(redis_url, space, core_overrides={"max_num_batched_tokens": 128, **overrides}) as r:
+            await r.stub.Submit(_submit("deep", prompt_len=300, max_tokens=4))
+            done = await _completions(r.bus, 1)
+            assert done[0].status == common_pb2.FINISHED_LENGTH and done[0].usage.output_tokens == 4
+            return float(r.replica.driver.metrics.attention_tokens._value.get())
+
+    async def body() -> None:
+        charged = await run(namespace + "-c", {"attention_pairs_per_token": 64, "attention_free_context": 32})
+        free = await run(namespace + "-f", {})
+        assert charged > 0 and free == 0
+    asyncio.run(body())
+
+
 async def _first_token_of(bus: Bus, request_id: str) -> bool:
     return any(d.request_id == request_id for d in await _tokens(bus))
 
