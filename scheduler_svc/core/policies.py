@@ -247,7 +247,6 @@ class FairQueue(WaitingQueue):
         self._inactive_since[tenant] = now
         self._idle_floor = self.counters.get(tenant, self._idle_floor)
 
-
     def _head(self, tenant: str) -> Request | None:
         heap = self._heaps[tenant]
         while heap:
