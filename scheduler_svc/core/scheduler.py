@@ -65,6 +65,8 @@ class SchedulerCore:
             raise ValueError(f"max_prefill_chunk must be >= 1, got {config.max_prefill_chunk}")
         if config.attention_pairs_per_token is not None and config.attention_pairs_per_token < 1:
             raise ValueError(f"attention_pairs_per_token must be >= 1 or None, got {config.attention_pairs_per_token}")
+        if config.attention_free_context < 0:
+            raise ValueError(f"attention_free_context must be >= 0, got {config.attention_free_context}")
         self.config = config
         self.replica_id = replica_id
         self._block_size = config.block_size

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from scheduler_svc.core import SchedulerCore
 from sluice.types import RoundPlan, Stage
 from tests.unit.core_factories import FakeExecutor, check_invariants, make_core, make_request, step
@@ -148,3 +150,9 @@ def test_a_deep_chunk_placed_ahead_is_charged_too() -> None:
     core.on_round_result(worker.run(ahead), 1.5)
     assert core.requests.live["p"].num_computed == 471
     check_invariants(core)
+
+
+@pytest.mark.parametrize(("field", "value"), [("attention_pairs_per_token", 0), ("attention_free_context", -1)])
+def test_a_charge_setting_out_of_range_is_refused_naming_it(field: str, value: int) -> None:
+    with pytest.raises(ValueError, match=field):
+        make_core(**{**DEEP, field: value})
