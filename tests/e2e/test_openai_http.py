@@ -205,10 +205,16 @@ def test_unknown_model_and_route_are_404(stack: Stack) -> None:
     assert status == 404 and _error(status, headers, answer)["type"] == "not_found_error"
 
 
+def _kv_idle(stack: Stack) -> bool:
+    return all(s.kv_blocks_used == 0 and s.running == 0 and s.kv_blocks_free + s.kv_blocks_cached == s.kv_blocks_total
+               for s in stack.scheduler_stats())
+
+
 def test_over_budget_is_429_with_retry_after(stack: Stack) -> None:
     """A tenant at its active-request cap gets 429 rate_limit_error with Retry-After from the refusal's retry delay."""
     client = _openai(stack, key="k-tight")
-    holding = client.completions.create(model=_model(stack), prompt=PROMPT, max_tokens=400, stream=True, **GREEDY)
+    cancelled = stack.scheduler_stats()[0].cancelled
+    holding = client.completions.create(model=_model(stack), prompt=PROMPT, max_tokens=1500, stream=True, **GREEDY)
     next(iter(holding))
     try:
         status, headers, answer = _raw(stack, "POST", "/completions",
@@ -217,14 +223,13 @@ def test_over_budget_is_429_with_retry_after(stack: Stack) -> None:
             client.completions.create(model=_model(stack), prompt=PROMPT, max_tokens=2)
     finally:
         holding.close()
+    # Closing the stream cancels the held request, asynchronously: wait until the scheduler has counted it and freed
+    # its blocks, or the next test's count of cancellations (taken before its own request) would see this one land.
+    assert _wait(lambda: stack.scheduler_stats()[0].cancelled == cancelled + 1)
+    assert _wait(lambda: _kv_idle(stack))
     error = _error(status, headers, answer)
     assert status == 429 and error["type"] == "rate_limit_error" and error["code"] == "over_budget"
     assert int(headers["retry-after"]) >= 1 and int(headers["retry-after-ms"]) > 0
-
-
-def _kv_idle(stack: Stack) -> bool:
-    return all(s.kv_blocks_used == 0 and s.running == 0 and s.kv_blocks_free + s.kv_blocks_cached == s.kv_blocks_total
-               for s in stack.scheduler_stats())
 
 
 def test_disconnect_mid_stream_cancels_and_frees_kv(stack: Stack) -> None:
