@@ -13,12 +13,13 @@ from dataclasses import dataclass
 
 from scheduler_svc.core import COMPILED as core_compiled
 from scheduler_svc.core.config import Policy, PreemptionMode, SchedulerConfig, VictimPolicy
-from scheduler_svc.server import SERVICE_NAME, RunningReplica, start_replica
+from scheduler_svc.server import DEFAULT_MAX_MODEL_LEN, SERVICE_NAME, RunningReplica, start_replica
 from sluice import serve
 from sluice.bus import Bus
 from sluice.prom import SchedulerMetrics
 from sluice.round_budget import derive_round_budget, linear_round_time
 from sluice.types import ReplicaRole
+from sluice.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
 
@@ -131,19 +132,20 @@ def parse_args(argv: Sequence[str] | None = None) -> SchedulerOptions:
     return serve.load_options(SchedulerOptions, build_parser(), argv)
 
 
-def core_overrides(options: SchedulerOptions) -> dict[str, object]:
+def core_overrides(options: SchedulerOptions, max_context: int = 1 << 17) -> dict[str, object]:
     """Return the SchedulerConfig fields the flags set (the rest come from the worker's Info).
 
     With --tpot-slo-ms the token budget is derived from the target and the rates the replica registers
-    with (the router predicts with the same ones), and the attention charge too when --prefill-pair-s is set;
-    raises ValueError when the target cannot be met.
+    with (the router predicts with the same ones), and the attention charge too when --prefill-pair-s is set,
+    sized for a chunk starting `max_context` deep (the worker's max_model_len: a shorter model gets a lighter
+    charge); raises ValueError when the target cannot be met.
     """
     tokens = options.max_num_batched_tokens
     per_token, free_context = options.attention_pairs_per_token, options.attention_free_context
     if options.tpot_slo_ms > 0:
         model = linear_round_time(options.prefill_tokens_per_s, options.decode_round_s, options.prefill_pair_s)
         budget = derive_round_budget(options.tpot_slo_ms / 1000.0, model, max_num_seqs=options.max_num_seqs,
-                                     context_tokens=0)
+                                     context_tokens=0, max_context=max_context)
         tokens = budget.max_num_batched_tokens
         if budget.attention_pairs_per_token is not None:
             per_token, free_context = budget.attention_pairs_per_token, budget.attention_free_context
@@ -155,6 +157,11 @@ def core_overrides(options: SchedulerOptions) -> dict[str, object]:
         "max_waiting": options.max_waiting, "enable_prefix_caching": not options.no_prefix_caching,
         "kv_event_token_ids": options.kv_event_token_ids, "kv_hold_s": options.kv_hold,
     }
+
+
+def worker_sized_overrides(options: SchedulerOptions) -> Callable[[worker_pb2.WorkerInfo], dict[str, object]]:
+    """Return `core_overrides` as a function of the worker's Info, with the charge sized for its max_model_len."""
+    return lambda info: core_overrides(options, info.max_model_len or DEFAULT_MAX_MODEL_LEN)
 
 
 async def start(ctx: serve.ServiceContext, options: SchedulerOptions) -> serve.Started:
@@ -176,7 +183,7 @@ async def start(ctx: serve.ServiceContext, options: SchedulerOptions) -> serve.S
             replica_id=options.replica_id, worker_address=options.worker, bus=bus, router_address=options.router,
             kv_worker_address=options.kv_worker_address, kv_room_wait_s=options.kv_room_wait,
             port=options.port, host=options.host, advertise_host=options.advertise_host,
-            core_overrides=core_overrides(options), metrics=metrics, heartbeat_interval_s=options.heartbeat_interval,
+            core_overrides=worker_sized_overrides(options), metrics=metrics, heartbeat_interval_s=options.heartbeat_interval,
             prefill_tokens_per_s=options.prefill_tokens_per_s, decode_round_s=options.decode_round_s,
             prefill_pair_s=options.prefill_pair_s, use_stream=not options.unary,
             publish_first_max_tokens=options.publish_first_max_tokens,

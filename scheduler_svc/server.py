@@ -40,7 +40,7 @@ import contextlib
 import logging
 import math
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import grpc
@@ -85,6 +85,11 @@ MAX_LEASE_S = 300.0
 """Longest owner lease one RenewLease may ask for."""
 LEASE_SWEEP_S = 0.5
 """How often requests of owners whose lease lapsed are looked for (and cancelled)."""
+DEFAULT_MAX_MODEL_LEN = 4096
+"""Context length assumed for a worker whose Info reports none."""
+
+CoreOverrides = Mapping[str, object] | Callable[[worker_pb2.WorkerInfo], Mapping[str, object]]
+"""SchedulerConfig fields a replica starts with, or a function of its worker's Info returning them."""
 
 
 def _check_submission(request: scheduler_pb2.SubmitRequest, vocab_size: int, structured_output: bool = True,
@@ -406,7 +411,7 @@ def make_core(info: worker_pb2.WorkerInfo, replica_id: str, **overrides: object)
     """
     settings: dict[str, object] = {
         "num_blocks": info.num_blocks, "block_size": info.block_size, "num_host_blocks": info.num_host_blocks,
-        "model_id": info.model_id, "max_model_len": info.max_model_len or 4096,
+        "model_id": info.model_id, "max_model_len": info.max_model_len or DEFAULT_MAX_MODEL_LEN,
     }
     settings.update(overrides)
     return SchedulerCore(SchedulerConfig(**settings), replica_id=replica_id)  # type: ignore[arg-type]
@@ -469,7 +474,7 @@ async def _not_serving_when_retired(agent: ReplicaAgent, health: health_aio.Heal
 async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, router_address: str = "",
                         kv_worker_address: str = "", kv_room_wait_s: float = 5.0,
                         port: int = 0, host: str = "127.0.0.1", advertise_host: str = "127.0.0.1",
-                        core_overrides: dict[str, object] | None = None, metrics: SchedulerMetrics | None = None,
+                        core_overrides: CoreOverrides | None = None, metrics: SchedulerMetrics | None = None,
                         heartbeat_interval_s: float = 1.0, prefill_tokens_per_s: float = 10_000.0,
                         decode_round_s: float = 0.01, prefill_pair_s: float = 0.0, use_stream: bool = True,
                         worker_timeout_s: float = 120.0, publish_first_max_tokens: int = 64,
@@ -479,11 +484,14 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
                         role: ReplicaRole = ReplicaRole.BOTH) -> RunningReplica:
     """Wait for the worker, build the core from its Info, serve, run the driver, register with the router.
 
-    Raises TimeoutError (worker never SERVING), ValueError (bad core settings), RuntimeError (port taken).
+    `core_overrides`: SchedulerConfig fields, or a function of the worker's Info returning them (settings sized
+    from the model, such as the attention charge). Raises TimeoutError (worker never SERVING), ValueError (bad
+    core settings), RuntimeError (port taken).
     """
     worker_channel = tls.aio_channel(worker_address, tls_files)
     info = await wait_for_worker(worker_channel, worker_timeout_s)
-    core = make_core(info, replica_id, **(core_overrides or {}))
+    overrides = core_overrides(info) if callable(core_overrides) else core_overrides
+    core = make_core(info, replica_id, **(overrides or {}))
     tune_collector(core.config.max_num_seqs)
     driver = Driver(core, worker_pb2_grpc.WorkerServiceStub(worker_channel), bus, replica_id=replica_id,
                     model_id=info.model_id, eos_token_id=info.eos_token_id, metrics=metrics, use_stream=use_stream,

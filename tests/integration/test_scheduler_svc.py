@@ -19,7 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router_svc.core import RouterCore
 from router_svc.server import RouterRuntime, start_router_server
-from scheduler_svc.server import RunningReplica, start_replica
+from scheduler_svc.__main__ import core_overrides, parse_args, worker_sized_overrides
+from scheduler_svc.server import CoreOverrides, RunningReplica, start_replica
 from sluice.bus import Bus
 from sluice.telemetry import get_tracer, inject_metadata, read_span_file
 from sluice.v1 import common_pb2, events_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -40,7 +41,7 @@ class Replica:
 
 @contextlib.asynccontextmanager
 async def _replica(redis_url: str, namespace: str, *, num_blocks: int = 64, emulate_time: bool = False,
-                   router_address: str = "", core_overrides: dict[str, object] | None = None,
+                   router_address: str = "", core_overrides: CoreOverrides | None = None,
                    pipeline: bool = True, use_stream: bool = True,
                    worker_max_model_len: int | None = None, prefill_pair_s: float = 0.0) -> AsyncIterator[Replica]:
     """A cost-model worker and a scheduler replica "r1" in front of it, publishing on a real Redis."""
@@ -52,7 +53,8 @@ async def _replica(redis_url: str, namespace: str, *, num_blocks: int = 64, emul
     replica = await start_replica(replica_id="r1", worker_address=f"127.0.0.1:{worker.port}", bus=bus,
                                   router_address=router_address, heartbeat_interval_s=0.1, pipeline=pipeline,
                                   use_stream=use_stream, prefill_pair_s=prefill_pair_s,
-                                  core_overrides={"max_model_len": 4096, **(core_overrides or {})})
+                                  core_overrides=core_overrides if callable(core_overrides) else
+                                  {"max_model_len": 4096, **(core_overrides or {})})
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{replica.port}")
     try:
         handle = Replica(replica, scheduler_pb2_grpc.SchedulerServiceStub(channel), bus, worker, channel)
@@ -160,6 +162,27 @@ def test_the_attention_charge_is_counted_and_the_prompt_still_completes(redis_ur
         charged = await run(namespace + "-c", {"attention_pairs_per_token": 64, "attention_free_context": 32})
         free = await run(namespace + "-f", {})
         assert charged > 0 and free == 0
+    asyncio.run(body())
+
+
+def test_the_attention_charge_is_sized_for_the_workers_model_length(redis_url: str, namespace: str) -> None:
+    """The scheduler's main sizes the charge it derives from --tpot-slo-ms for the deepest chunk the worker's model
+    takes (its Info's max_model_len), not for a 131,072-token context: with these rates a 4,096-token model needs no
+    charge at all, and a 131,072-token one gets the rate derived for that depth."""
+    options = parse_args(["--replica-id", "r1", "--worker", "w:1", "--tpot-slo-ms", "50", "--prefill-tokens-per-s",
+                          "10000", "--decode-round-s", "0.01", "--prefill-pair-s", "1e-9"])
+
+    async def charge(space: str, model_len: int) -> int | None:
+        async with _replica(redis_url, space, worker_max_model_len=model_len,
+                            core_overrides=worker_sized_overrides(options)) as r:
+            config = r.replica.driver.core.config
+            assert config.max_model_len == model_len
+            return config.attention_pairs_per_token
+
+    async def body() -> None:
+        assert await charge(namespace + "-short", 4096) is None
+        deep = await charge(namespace + "-long", 131072)
+        assert deep is not None and deep == core_overrides(options, 131072)["attention_pairs_per_token"]
     asyncio.run(body())
 
 
