@@ -23,6 +23,7 @@ def spec_from_proto(msg: router_pb2.Replica) -> ReplicaSpec:
         prefill_tokens_per_s=msg.prefill_tokens_per_s or defaults.prefill_tokens_per_s,
         decode_round_s=msg.decode_round_s or defaults.decode_round_s, prefill_pair_s=msg.prefill_pair_s,
         incarnation=msg.incarnation, role=role_from_proto(msg.role),
+        attention_pairs_per_token=msg.attention_pairs_per_token, attention_free_context=msg.attention_free_context,
     )
 
 
@@ -36,6 +37,7 @@ def replica_to_proto(view: ReplicaView) -> router_pb2.Replica:
         prefill_tokens_per_s=spec.prefill_tokens_per_s, decode_round_s=spec.decode_round_s,
         prefill_pair_s=spec.prefill_pair_s, last_heartbeat_unix_s=view.last_heartbeat,
         incarnation=spec.incarnation, role=role_to_proto(spec.role),
+        attention_pairs_per_token=spec.attention_pairs_per_token, attention_free_context=spec.attention_free_context,
     )
 
 

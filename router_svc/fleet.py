@@ -87,6 +87,12 @@ class ReplicaSpec:
     another one is a restart, and a heartbeat of another one than the registered is refused."""
     role: ReplicaRole = ReplicaRole.BOTH
     """Prefill, decode or both (disaggregated serving: router_svc.disagg)."""
+    attention_pairs_per_token: int = 0
+    """The scheduler's attention charge rate K (0: no charge): a chunk starting at s past
+    `attention_free_context` pays n * (s - C) / K tokens of the round budget, so a deep prompt's chunks are
+    smaller and its prefill takes more rounds (the TTFT prediction counts them)."""
+    attention_free_context: int = 0
+    """C: context a chunk attends to for free (the budget is sized for it)."""
 
 
 @dataclass

@@ -27,7 +27,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from router_svc.fleet import Replica
+from router_svc.fleet import Replica, ReplicaSpec
 from router_svc.prefix_index import ReplicaCache
 from sluice.choices import enum_member
 
@@ -98,7 +98,8 @@ def predict_ttft(replica: Replica, query: RouteQuery, cached: int) -> tuple[floa
     (pipelining: a request arriving mid-round is first planned in the round after next; half the
     current round is left on average). Prefill: the uncached tokens at the rate plus their attention
     to the whole prompt (`prefill_pair_s` per pair). The TTFT adds what the prefill's rounds take
-    beyond that: while decodes run, one decode round per chunk; on an idle replica, no round is
+    beyond that: while decodes run, one decode round per chunk (as many chunks as the scheduler's attention
+    charge cuts the prompt into, `prefill_rounds`); on an idle replica, no round is
     shorter than a decode round. A measured rate goes with the measured decode round (it was
     measured net of it), the registered rate with the registered one.
     """
@@ -110,7 +111,7 @@ def predict_ttft(replica: Replica, query: RouteQuery, cached: int) -> tuple[floa
     else:
         rate, decode_round_s = (spec.prefill_tokens_per_s if spec.prefill_tokens_per_s > 0 else 1e-9), spec.decode_round_s
     chunk = max(spec.max_num_batched_tokens, 1)
-    own_rounds = -(-uncached_tokens // chunk)
+    own_rounds = prefill_rounds(spec, cached_tokens, cached_tokens + uncached_tokens)
     queued = load.queued_prefill_tokens + replica.unreported_tokens
     queue_wait = queued / rate
     prefill = uncached_tokens / rate
@@ -124,6 +125,25 @@ def predict_ttft(replica: Replica, query: RouteQuery, cached: int) -> tuple[floa
     else:
         rounds_s = max(prefill, own_rounds * (load.decode_round_s or spec.decode_round_s))
     return queue_wait + rounds_s, queue_wait, prefill
+
+
+def prefill_rounds(spec: ReplicaSpec, start: int, end: int) -> int:
+    """Return the rounds a prompt's positions [start, end) take in chunks of the replica's token budget B.
+
+    Under the scheduler's attention charge (K pairs per token, C free context) a chunk starting at s > C is at
+    most B * K / (K + s - C) tokens (it pays n * (s - C) / K on top of its n), and at least one block, so the
+    positions past C take about the integral of (K + s - C) / (B * K) ds: (e - a) / B + ((e - C)^2 - (a - C)^2)
+    / (2 * B * K) rounds from a to e. Without the charge, ceil((end - start) / B).
+    """
+    budget = max(spec.max_num_batched_tokens, 1)
+    per_token, free = spec.attention_pairs_per_token, spec.attention_free_context
+    if per_token <= 0 or end <= free:
+        return -(-(end - start) // budget)
+    deep_from = max(start, free)
+    shallow = (deep_from - start) / budget
+    deep = (end - deep_from) / budget + ((end - free) ** 2 - (deep_from - free) ** 2) / (2 * budget * per_token)
+    deep = min(deep, (end - deep_from) / max(spec.block_size, 1))
+    return max(math.ceil(shallow + deep - 1e-9), 1)
 
 
 def load_key(replica: Replica) -> tuple[int, str]:

@@ -331,6 +331,10 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             if not math.isfinite(value) or value < 0:  # the TTFT prediction would run backwards or not at all
                 raise errors.InvalidArgument(f"replica {spec.replica_id!r}: {name} must be a finite number >= 0, "
                                              f"got {value}", field_name=f"replica.{name}")
+        for name in ("attention_pairs_per_token", "attention_free_context"):
+            if getattr(spec, name) < 0:  # a negative charge would make deep prompts look cheaper than shallow ones
+                raise errors.InvalidArgument(f"replica {spec.replica_id!r}: {name} must be >= 0, got "
+                                             f"{getattr(spec, name)}", field_name=f"replica.{name}")
         previous = self.core.fleet.find(spec.replica_id)
         state = self.core.register(spec, self.runtime.clock())
         if previous is not None and previous.spec.incarnation != spec.incarnation:

@@ -517,7 +517,9 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
             replica_id=replica_id, model=info.model_id, scheduler_address=f"{advertise_host}:{bound}",
             state=router_pb2.WARMING, block_size=info.block_size, num_blocks=info.num_blocks,
             max_num_batched_tokens=core.config.max_num_batched_tokens, prefill_tokens_per_s=prefill_tokens_per_s,
-            decode_round_s=decode_round_s, prefill_pair_s=prefill_pair_s, role=convert.role_to_proto(role))
+            decode_round_s=decode_round_s, prefill_pair_s=prefill_pair_s, role=convert.role_to_proto(role),
+            attention_pairs_per_token=core.config.attention_pairs_per_token or 0,
+            attention_free_context=core.config.attention_free_context)
         agent = ReplicaAgent(driver, router_pb2_grpc.RouterServiceStub(router_channel), replica,
                              heartbeat_interval_s, drain_timeout_s=drain_timeout_s)
         ready = asyncio.Event()

@@ -35,6 +35,7 @@ cost model. Everything that decides anything is the cores' code, unchanged:
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import heapq
 import time
@@ -457,8 +458,10 @@ class Simulator:
 
     def _replica_spec(self, replica: _Replica) -> ReplicaSpec:
         cfg = self.config.scheduler
-        return replica_spec(replica.replica_id, self.config.model, self.cost, cfg.block_size, self.num_blocks,
+        spec = replica_spec(replica.replica_id, self.config.model, self.cost, cfg.block_size, self.num_blocks,
                             cfg.max_num_batched_tokens)
+        return dataclasses.replace(spec, attention_pairs_per_token=cfg.attention_pairs_per_token or 0,
+                                   attention_free_context=cfg.attention_free_context)
 
     def _heartbeat(self, replica: _Replica) -> None:
         """Send one heartbeat of the replica: the services' report and reconciliation (sluice.glue)."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from router_svc.core import ReplicaLoad, ReplicaSpec, RouteQuery, RouterConfig, RouterCore
-from router_svc.scoring import predict_ttft
+from router_svc.scoring import predict_ttft, prefill_rounds
+from tests.unit.core_factories import make_core, make_request, step
 
 RATE = 10_000.0  # prefill tokens/s
 DECODE_S = 0.01  # the spec's decode round
@@ -78,3 +79,42 @@ def test_a_measured_rate_goes_with_the_decode_round_it_was_measured_net_of() -> 
     measured = ReplicaLoad(running=4, queued_prefill_tokens=2500, prefill_tokens_per_s=20_000.0, decode_round_s=0.02)
     _, queue2, _ = predict_ttft(replica(measured), ask(500), cached=0)
     assert queue2 == pytest.approx(2500 / 20_000 + 3 * 0.02 + 1.5 * (CHUNK / 20_000 + 0.02))
+
+
+
+def _core_prefill_rounds(start: int, end: int, charge: dict[str, int]) -> tuple[int, int]:
+    """Rounds the scheduler core takes to prefill a prompt of `end` tokens whose first `start` are cached (a request
+    with that prefix ran before), alone on the replica; and where its first chunk started."""
+    core = make_core(num_blocks=2048, block_size=16, max_num_batched_tokens=256, max_prefill_chunk=2048,
+                     max_model_len=16384, **charge)
+    prompt = tuple(range(1, end + 1))
+    now = 0.0
+    if start:
+        core.submit(make_request("prefix", prompt=prompt[:start], max_tokens=1), now)
+        while core.num_waiting or core.num_running:
+            step(core, now)
+            now += 1.0
+    core.submit(make_request("p", prompt=prompt, max_tokens=2), now)
+    rounds, first = 0, -1
+    while True:
+        plan, _ = step(core, now)
+        now += 1.0
+        seq = next(s for s in plan.seqs if s.request_id == "p")
+        first = seq.start_position if first < 0 else first
+        rounds += 1
+        if seq.start_position + len(seq.token_ids) >= end:
+            return rounds, first
+
+
+@pytest.mark.parametrize(("start", "end"), [(0, 4000), (0, 1000), (1504, 6000), (3008, 3300), (0, 12000)])
+def test_prefill_rounds_count_the_chunks_the_attention_charge_leaves(start: int, end: int) -> None:
+    """Under the scheduler's attention charge the router counts the rounds a prompt's prefill takes as the core
+    cuts them: a prompt whose first `start` tokens are cached, alone on the scheduler core with the same budget and
+    charge, takes what `prefill_rounds` says within 5% (or one round); without the charge, ceil(tokens / budget)."""
+    charge = {"attention_pairs_per_token": 1024, "attention_free_context": 64}
+    rounds, first = _core_prefill_rounds(start, end, charge)
+    assert first == start, "the cached prefix is not prefilled again"
+    predicted = prefill_rounds(ReplicaSpec("r", "m", block_size=16, max_num_batched_tokens=256, **charge), start, end)
+    assert abs(predicted - rounds) <= max(1.0, 0.05 * rounds), (predicted, rounds)
+    plain_rounds, _ = _core_prefill_rounds(start, end, {})
+    assert prefill_rounds(ReplicaSpec("r", "m", block_size=16, max_num_batched_tokens=256), start, end) == plain_rounds
