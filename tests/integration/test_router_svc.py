@@ -436,13 +436,15 @@ def test_a_scheduler_back_on_its_address_is_not_taken_out_by_a_later_report(redi
 
 def test_a_registration_with_a_negative_or_infinite_rate_is_refused_naming_the_field(redis_url: str,
                                                                                     namespace: str) -> None:
-    """RegisterReplica with a negative prefill_pair_s, an infinite decode round or a negative prefill rate answers
-    INVALID_ARGUMENT naming the field, and registers nothing (the replica list stays as it was)."""
+    """RegisterReplica with a negative prefill_pair_s, an infinite decode round, a negative prefill rate or a
+    negative attention charge answers INVALID_ARGUMENT naming the field, and registers nothing (the replica list
+    stays as it was)."""
     async def body() -> None:
         async with _router(redis_url, namespace) as h:
             before = await h.stub.ListReplicas(router_pb2.ListReplicasRequest())
             for name, value in (("prefill_pair_s", -1e-9), ("decode_round_s", float("inf")),
-                                ("prefill_tokens_per_s", -5.0)):
+                                ("prefill_tokens_per_s", -5.0), ("attention_pairs_per_token", -1),
+                                ("attention_free_context", -64)):
                 replica = router_pb2.Replica(replica_id="bad", model="m", block_size=16, num_blocks=10,
                                              prefill_tokens_per_s=16_000.0, decode_round_s=0.01)
                 setattr(replica, name, value)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router_svc.core import RouterCore
+from router_svc.scoring import prefill_rounds
 from router_svc.server import RouterRuntime, start_router_server
 from scheduler_svc.__main__ import core_overrides, parse_args, worker_sized_overrides
 from scheduler_svc.server import CoreOverrides, RunningReplica, start_replica
@@ -605,6 +607,22 @@ def test_a_registered_attention_cost_reaches_the_routers_prediction(redis_url: s
             spec = runtime.core.replicas()[0].spec
             assert routed.predicted_ttft_s == pytest.approx(
                 20_000 / spec.prefill_tokens_per_s + pair_s * 0.5 * 20_000 ** 2)
+    asyncio.run(body())
+
+
+def test_a_scheduler_registers_its_attention_charge_with_the_router(redis_url: str, namespace: str) -> None:
+    """A scheduler whose core charges deep chunks registers the charge; the router's spec carries it, so the rounds
+    the router counts for a deep prompt there are the charged ones (more than without the charge)."""
+    charge = {"attention_pairs_per_token": 4096, "attention_free_context": 256, "max_num_batched_tokens": 512}
+
+    async def body() -> None:
+        async with _router_at(redis_url, namespace) as (runtime, _router, address), \
+                _replica(redis_url, namespace, router_address=address, core_overrides=charge):
+            await _wait_for(lambda: _registered(runtime))
+            spec = runtime.core.replicas()[0].spec
+            assert (spec.attention_pairs_per_token, spec.attention_free_context) == (4096, 256)
+            assert prefill_rounds(spec, 0, 3000) > prefill_rounds(dataclasses.replace(
+                spec, attention_pairs_per_token=0), 0, 3000)
     asyncio.run(body())
 
 
