@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import subprocess
@@ -65,8 +66,11 @@ class _Gpu:
         start = max(loop.time(), self.free_at)
         self.free_at = end = start + self.gap_s
         done: asyncio.Future[bytes] = loop.create_future()
-        loop.call_at(end, lambda: done.done() or done.set_result(
-            convert.result_to_proto(make_result(plan)).SerializeToString()))
+
+        def answer() -> None:
+            if not done.done():
+                done.set_result(convert.result_to_proto(make_result(plan)).SerializeToString())
+        loop.call_at(end, answer)
         return done
 
 
@@ -128,16 +132,17 @@ async def _worker(gap_s: float) -> None:
     link = await loop.create_server(accept, "127.0.0.1", 0)
     link_port = link.sockets[0].getsockname()[1]
     print(f"ports {grpc_port} {link_port}", flush=True)
-    done = loop.create_future()
+    done: asyncio.Future[None] = loop.create_future()
 
     def answer() -> None:  # a thread: "cpu" lines on stdin are answered with this process's CPU seconds
         for line in sys.stdin:
             if line.strip() == "cpu":
                 print(f"cpu {time.process_time()}", flush=True)
-        loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+        loop.call_soon_threadsafe(done.cancel)
 
     threading.Thread(target=answer, daemon=True).start()
-    await done
+    with contextlib.suppress(asyncio.CancelledError):
+        await done
 
 
 # ---- the scheduler (this process) ----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from google.protobuf.message import DecodeError
 
@@ -40,7 +40,7 @@ PREFACE_TIMEOUT_S = 10.0
 """A connection that has not sent its preface (nor a TLS handshake) by then is dropped."""
 _METHOD = "/sluice.v1.WorkerService/ExecuteStream"
 RoundsFn = Callable[[AsyncIterator[worker_pb2.RoundPlan], Callable[[], bool], str],
-                    AsyncIterator[worker_pb2.RoundResult]]
+                    AsyncGenerator[worker_pb2.RoundResult, None]]
 """`WorkerServicer.rounds`: (plans, closed, rpc) -> results in order."""
 
 

@@ -19,6 +19,9 @@ Theory of operation
   requests: nothing was sampled for them, and the scheduler has failed them.
 - A backend exception fails the round as a whole: the result carries `error` (the scheduler fails the
   round's requests); the service keeps serving.
+- The round link (worker_svc/round_link.py, on a port of its own that Info advertises) carries the same stream of
+  rounds as protobuf frames on a plain stream: the scheduler's default, cheaper per round than gRPC. Both are
+  served by `WorkerServicer.rounds`, so everything said of ExecuteStream here holds for it.
 - ExecuteStream converts and validates each plan as it arrives and queues it on the backend thread at
   once (`WorkerRuntime.queue`): the thread starts a queued round the moment the one before ends, without
   a hop through the event loop, so rounds queued by the pipelined scheduler run back to back; results are
@@ -44,7 +47,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -400,7 +403,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 yield result
 
     async def rounds(self, plans: AsyncIterator[worker_pb2.RoundPlan], closed: Callable[[], bool],
-                     rpc: str = "ExecuteStream") -> AsyncIterator[worker_pb2.RoundResult]:
+                     rpc: str = "ExecuteStream") -> AsyncGenerator[worker_pb2.RoundResult, None]:
         """Answer a stream of plans in order, ExecuteStream's and the round link's alike (worker_svc/round_link.py).
 
         Each plan is converted, validated and queued on the backend thread as it arrives, so a round queued by the
