@@ -133,7 +133,7 @@ class WorkerLink:
         """The round link's port, from the worker's latest Info; 0: none (rounds over ExecuteStream)."""
         self._stream: _GrpcRounds | _LinkRounds | None = None
         self._kind = ""
-        self._set_kind("grpc_stream" if use_stream else "grpc_unary")
+        self._set_kind("grpc_stream" if use_stream else "grpc_unary", say=not use_stream)
         self._encoder = PlanEncoder()
         """Builds each plan's wire form from the round before's (sluice/plan_encoder.py)."""
 
@@ -176,12 +176,13 @@ class WorkerLink:
         self._set_kind("grpc_stream")
         return _GrpcRounds(self.stub.ExecuteStream())
 
-    def _set_kind(self, kind: str) -> None:
+    def _set_kind(self, kind: str, say: bool = True) -> None:
         if kind != self._kind:
             self._kind = kind
             for name in WORKER_LINKS:
                 self.metrics.worker_link.labels(name).set(1 if name == kind else 0)
-            log.info("rounds go to the worker over %s", kind)
+            if say:
+                log.info("rounds go to the worker over %s", kind)
 
     async def probe(self) -> bool:
         """Ask the worker whether it serves (gRPC health, else Info); mark it down when it does not; return
