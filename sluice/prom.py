@@ -228,8 +228,9 @@ MIGRATION_FAILURE_REASONS = ("migration_limit", "no_replica")
 """Why a request ended FAILED instead of moving (`sluice_admission_migration_failures_total{reason}`)."""
 
 
-ROUND_LINK_ERRORS = ("bad_preface", "frame_too_large", "not_a_plan", "not_a_result", "forbidden", "no_preface")
-"""Why a round link was refused or dropped (sluice.round_link.FrameError.reason)."""
+ROUND_LINK_ERRORS = ("bad_preface", "frame_too_large", "not_a_plan", "forbidden", "no_preface")
+"""Why a worker refused or dropped a round link (sluice.round_link.FrameError.reason; `not_a_result` is the
+scheduler's side, logged there with the round it lost)."""
 WORKER_LINKS = ("round_link", "grpc_stream", "grpc_unary")
 """How a scheduler sends its rounds to its worker (`sluice_scheduler_worker_link{kind}`)."""
 
