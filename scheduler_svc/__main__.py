@@ -114,6 +114,9 @@ class SchedulerOptions(serve.BusOptions):
     """Seconds to finish work on SIGTERM."""
     unary: bool = False
     """One Execute call per round instead of ExecuteStream."""
+    round_link: bool = True
+    """Send rounds over the worker's round link when its Info offers one (protobuf frames on a plain stream, cheaper
+    per round than gRPC); --no-round-link: over ExecuteStream."""
     no_pipeline: bool = False
     """Run rounds serially (plan, execute, apply) instead of planning round N+1 while round N executes."""
     publish_first_max_tokens: int = 64
@@ -188,7 +191,8 @@ async def start(ctx: serve.ServiceContext, options: SchedulerOptions) -> serve.S
             prefill_pair_s=options.prefill_pair_s, use_stream=not options.unary,
             publish_first_max_tokens=options.publish_first_max_tokens,
             tls_files=serve.tls_files(options, "scheduler"), bus_alive=_bus_alive(ctx),
-            drain_timeout_s=options.drain_timeout, pipeline=not options.no_pipeline, role=options.role))
+            drain_timeout_s=options.drain_timeout, pipeline=not options.no_pipeline, role=options.role,
+            round_link=options.round_link))
     except (TimeoutError, ValueError) as exc:
         raise serve.StartupError(str(exc)) from exc
 

@@ -2,7 +2,8 @@
 
 Theory of operation
 - The loop: wait for work -> `core.schedule(now)` -> the worker executes the plan (`WorkerLink`, one
-  long-lived ExecuteStream) -> `core.on_round_result(result, now)` -> hand the events over -> repeat.
+  long-lived stream of rounds: the worker's round link, else ExecuteStream) -> `core.on_round_result(result, now)`
+  -> hand the events over -> repeat.
   The clock is `time.time()`, read here only; the core gets it as `now`.
 - Pipelined (the default; `pipeline=False` or the unary link give the serial loop): round N+1 is planned
   while round N executes (`core.schedule(now, overlap=True)`: each running decode is assumed to produce
@@ -46,7 +47,7 @@ from opentelemetry.context import Context
 from scheduler_svc.core import SchedulerCore
 from scheduler_svc.publisher import Publisher
 from scheduler_svc.reporting import Reporter
-from scheduler_svc.worker_link import WorkerLink
+from scheduler_svc.worker_link import RoundLinkTarget, WorkerLink
 from sluice import convert
 from sluice.bus import Bus
 from sluice.core_errors import RequestRejected
@@ -68,7 +69,8 @@ class Driver:
                  clock: Callable[[], float] = time.time, use_stream: bool = True,
                  worker_retry_s: float = 0.5, worker_health: health_pb2_grpc.HealthStub | None = None,
                  publish_first_max_tokens: int = 64, vocab_size: int = 0, pipeline: bool = True,
-                 structured_output: bool = False, worker_incarnation: str = "") -> None:
+                 structured_output: bool = False, worker_incarnation: str = "",
+                 round_link: RoundLinkTarget | None = None) -> None:
         self.core = core
         self.worker_incarnation = worker_incarnation
         """The worker's incarnation (WorkerInfo.incarnation) whose KV cache the core's blocks describe: updated when
@@ -99,7 +101,8 @@ class Driver:
         self._idle: asyncio.Future[None] | None = None
         """While the loop sleeps for want of work: the one future whatever gives it work resolves."""
         self.link = WorkerLink(worker, metrics=self.metrics, health=worker_health, use_stream=use_stream,
-                               on_change=self.wake_up)
+                               on_change=self.wake_up, round_link=round_link)
+        """The rounds' link: the worker's round link when `round_link` names one, else ExecuteStream."""
         self.publisher = Publisher(bus)
         self.reporter = Reporter(core, self.publisher, self.metrics, replica_id)
         self.on_scheduled: Callable[[], None] | None = None

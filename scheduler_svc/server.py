@@ -53,7 +53,9 @@ from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.driver import Driver
 from scheduler_svc.handoff import KvReceiver
 from scheduler_svc.leases import OwnerLeases
+from scheduler_svc.worker_link import RoundLinkTarget
 from sluice import convert, errors, glue, services, telemetry, tls
+from sluice import round_link as sluice_round_link
 from sluice.bus import Bus
 from sluice.prom import SchedulerMetrics
 from sluice.serve import grpc_server
@@ -481,11 +483,12 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
                         tls_files: TlsFiles | None = None,
                         bus_alive: Callable[[], bool] = lambda: True,
                         drain_timeout_s: float = 30.0, pipeline: bool = True,
-                        role: ReplicaRole = ReplicaRole.BOTH) -> RunningReplica:
+                        role: ReplicaRole = ReplicaRole.BOTH, round_link: bool = True) -> RunningReplica:
     """Wait for the worker, build the core from its Info, serve, run the driver, register with the router.
 
     `core_overrides`: SchedulerConfig fields, or a function of the worker's Info returning them (settings sized
-    from the model, such as the attention charge). Raises TimeoutError (worker never SERVING), ValueError (bad
+    from the model, such as the attention charge). `round_link`: send rounds over the worker's round link when its
+    Info offers one (else ExecuteStream). Raises TimeoutError (worker never SERVING), ValueError (bad
     core settings), RuntimeError (port taken).
     """
     worker_channel = tls.aio_channel(worker_address, tls_files)
@@ -498,7 +501,10 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
                     worker_health=health_pb2_grpc.HealthStub(worker_channel),
                     publish_first_max_tokens=publish_first_max_tokens, vocab_size=info.vocab_size,
                     structured_output=info.structured_output, worker_incarnation=info.incarnation,
-                    pipeline=pipeline)
+                    pipeline=pipeline, round_link=RoundLinkTarget.of(
+                        worker_address, info.round_link_port,
+                        sluice_round_link.client_ssl(tls_files) if tls_files is not None else None)
+                    if round_link else None)
     # Both sides of KV hand-offs (a BOTH replica may be either end of a pair whose other end differs).
     # The worker as other replicas' workers reach it for KV pulls (its pod address in Kubernetes).
     receiver = KvReceiver(driver, worker_pb2_grpc.WorkerServiceStub(worker_channel),

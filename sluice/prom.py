@@ -228,6 +228,62 @@ MIGRATION_FAILURE_REASONS = ("migration_limit", "no_replica")
 """Why a request ended FAILED instead of moving (`sluice_admission_migration_failures_total{reason}`)."""
 
 
+ROUND_LINK_ERRORS = ("bad_preface", "frame_too_large", "not_a_plan", "forbidden", "no_preface")
+"""Why a worker refused or dropped a round link (sluice.round_link.FrameError.reason; `not_a_result` is the
+scheduler's side, logged there with the round it lost)."""
+WORKER_LINKS = ("round_link", "grpc_stream", "grpc_unary")
+"""How a scheduler sends its rounds to its worker (`sluice_scheduler_worker_link{kind}`)."""
+
+
+class FrameTally:
+    """Frames and bytes of round links, by direction: counted by each stream as plain ints (`frames_in`,
+    `frames_out`, `bytes_in`, `bytes_out`; no lock on the round path) and summed when scraped, live streams and
+    closed ones alike."""
+
+    def __init__(self, prefix: str, registry: CollectorRegistry) -> None:
+        self.prefix = prefix
+        self._live: set[Any] = set()
+        self._closed = [0, 0, 0, 0]
+        registry.register(self)
+
+    def track(self, stream: Any) -> None:
+        """Count `stream`'s frames from now on (it counts from its start)."""
+        self._live.add(stream)
+
+    def untrack(self, stream: Any) -> None:
+        """Keep what `stream` counted and stop reading it."""
+        if stream in self._live:
+            self._live.discard(stream)
+            for i, value in enumerate(_frame_counts(stream)):
+                self._closed[i] += value
+
+    def totals(self) -> tuple[int, int, int, int]:
+        """Return frames received, frames sent, bytes received, bytes sent so far."""
+        sums = list(self._closed)
+        for stream in list(self._live):
+            for i, value in enumerate(_frame_counts(stream)):
+                sums[i] += value
+        return sums[0], sums[1], sums[2], sums[3]
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily
+
+        frames_in, frames_out, bytes_in, bytes_out = self.totals()
+        frames = CounterMetricFamily(f"{self.prefix}_frames", "Round-link frames, by direction.",
+                                     labels=["direction"])
+        frames.add_metric(["received"], frames_in)
+        frames.add_metric(["sent"], frames_out)
+        sizes = CounterMetricFamily(f"{self.prefix}_bytes", "Round-link payload bytes, by direction.",
+                                    labels=["direction"])
+        sizes.add_metric(["received"], bytes_in)
+        sizes.add_metric(["sent"], bytes_out)
+        return [frames, sizes]
+
+
+def _frame_counts(stream: Any) -> tuple[int, int, int, int]:
+    return stream.frames_in, stream.frames_out, stream.bytes_in, stream.bytes_out
+
+
 @dataclass
 class SchedulerMetrics:
     """Metrics of one replica's scheduler service: Sluice's names and vLLM's (labelled with `model_name`)."""
@@ -310,6 +366,11 @@ class SchedulerMetrics:
         self.rounds_ahead = Counter("sluice_rounds_ahead", "Rounds planned and sent while the one before "
                                     "still executed (the pipelined loop).", registry=r)
         self.round_errors = Counter("sluice_round_errors", "Rounds the worker reported as failed.", registry=r)
+        self.worker_link = Gauge("sluice_scheduler_worker_link", "How rounds go to the worker: 1 for the kind in use "
+                                 "(round_link, grpc_stream, grpc_unary), 0 for the others.", ["kind"], registry=r)
+        for kind in WORKER_LINKS:
+            self.worker_link.labels(kind).set(0)
+        self.round_link_frames = FrameTally("sluice_scheduler_round_link", r)
         self.attention_tokens = Counter("sluice_attention_charged_tokens", "Round-budget tokens deep prefill "
                                         "chunks paid for their attention (attention_pairs_per_token): what the "
                                         "charge took from the rounds planned.", registry=r)
@@ -409,6 +470,12 @@ class WorkerMetrics:
                                          "direction (sent, received).", ["direction"], registry=r)
         self.kv_transfer_failures = Counter("sluice_worker_kv_transfer_failures", "KV pulls whose source stream "
                                             "broke or ended early.", registry=r)
+        self.round_links = Gauge("sluice_worker_round_links", "Round links open (schedulers sending rounds "
+                                 "over the round link instead of ExecuteStream).", registry=r)
+        self.round_link_frames = FrameTally("sluice_worker_round_link", r)
+        self.round_link_errors = Counter("sluice_worker_round_link_errors", "Round links refused or dropped for "
+                                         "what the peer sent, by reason.", ["reason"], registry=r)
+        zero_series(self.round_link_errors, ROUND_LINK_ERRORS)
         self.idle = Histogram("sluice_worker_idle_seconds",
                               "Device idle between the end of one round and the start of the next "
                               "(the control plane's gap; long ones are a replica without work).",

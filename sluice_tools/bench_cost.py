@@ -122,7 +122,8 @@ def _median_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "events_per_token": round(statistics.median(r["events"] / r["tokens"] for r in runs), 3),
             "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in runs), 1),
             "us_per_token": {n: round(statistics.median(r["us_per_token"][n] for r in runs), 1) for n in names},
-            "path_us_per_token_each_run": [round(r["us_per_token"]["path"], 1) for r in runs]}
+            "path_us_per_token_each_run": [round(r["us_per_token"]["path"], 1) for r in runs],
+            "us_per_token_each_run": {n: [round(r["us_per_token"][n], 1) for r in runs] for n in names}}
 
 
 def sluice_targets(stack: Stack, grpc: bool) -> list[Target]:

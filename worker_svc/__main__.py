@@ -33,6 +33,11 @@ class WorkerOptions(serve.ServiceOptions):
     """costmodel: make each round take its modelled time (GPU-like load tests on a CPU)."""
     eos_after: int | None = None
     """costmodel: output token N is EOS."""
+    round_link: bool = True
+    """Offer the round link (ExecuteStream's rounds as protobuf frames on a plain stream, cheaper per round than
+    gRPC) next to the gRPC service; Info advertises its port and schedulers use it unless told not to."""
+    round_link_port: int = 0
+    """The round link's port on --host; 0 picks a free one."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,7 +73,8 @@ async def start(ctx: serve.ServiceContext, options: WorkerOptions) -> serve.Star
     ctx.expose_metrics(metrics.registry)
     runtime = WorkerRuntime(backend_loader(options), num_blocks=options.num_blocks,
                             emulate_time=options.emulate_time, metrics=metrics)
-    worker = await start_worker_server(runtime, options.port, options.host, serve.tls_files(options, "worker"))
+    worker = await start_worker_server(runtime, options.port, options.host, serve.tls_files(options, "worker"),
+                                       options.round_link_port if options.round_link else None)
     ctx.cleanup.push_async_callback(worker.stop)
 
     async def loaded() -> bool:

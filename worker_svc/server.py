@@ -19,6 +19,9 @@ Theory of operation
   requests: nothing was sampled for them, and the scheduler has failed them.
 - A backend exception fails the round as a whole: the result carries `error` (the scheduler fails the
   round's requests); the service keeps serving.
+- The round link (worker_svc/round_link.py, on a port of its own that Info advertises) carries the same stream of
+  rounds as protobuf frames on a plain stream: the scheduler's default, cheaper per round than gRPC. Both are
+  served by `WorkerServicer.rounds`, so everything said of ExecuteStream here holds for it.
 - ExecuteStream converts and validates each plan as it arrives and queues it on the backend thread at
   once (`WorkerRuntime.queue`): the thread starts a queued round the moment the one before ends, without
   a hop through the event loop, so rounds queued by the pipelined scheduler run back to back; results are
@@ -39,11 +42,12 @@ Theory of operation
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -66,6 +70,7 @@ from sluice.types import (
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.backend import Backend, BackendInfo
 from worker_svc.engine.errors import PlanError
+from worker_svc.round_link import RoundLinkServer
 from worker_svc.rounds import PENDING, field_kind, filled, wait_until, warmup_plan
 from worker_svc.validation import validate_plan
 
@@ -315,6 +320,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, runtime: WorkerRuntime, tls_files: TlsFiles | None = None) -> None:
         self.runtime = runtime
         self.tls_files = tls_files
+        self.round_link_port = 0
+        """The round link's port, advertised in Info (0: not offered)."""
         self._peers: dict[str, grpc.aio.Channel] = {}
         """Channels to other workers this one pulled KV blocks from, by address."""
 
@@ -390,23 +397,34 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def ExecuteStream(self, request_iterator: AsyncIterator[worker_pb2.RoundPlan],  # noqa: N802
                             context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.RoundResult]:
-        """Rounds in order. Each plan is converted, validated and queued on the backend thread as it arrives, so a
-        round queued by the pipelined scheduler starts the moment the one before ends (in that thread, with no hop
-        through the event loop); results are converted and written in order as they come."""
+        """Rounds in order (`rounds`)."""
+        async with contextlib.aclosing(self.rounds(request_iterator, context.done)) as results:
+            async for result in results:
+                yield result
+
+    async def rounds(self, plans: AsyncIterator[worker_pb2.RoundPlan], closed: Callable[[], bool],
+                     rpc: str = "ExecuteStream") -> AsyncGenerator[worker_pb2.RoundResult, None]:
+        """Answer a stream of plans in order, ExecuteStream's and the round link's alike (worker_svc/round_link.py).
+
+        Each plan is converted, validated and queued on the backend thread as it arrives, so a round queued by the
+        pipelined scheduler starts the moment the one before ends (in that thread, with no hop through the event
+        loop); results are converted and yielded in order as they come. Stops once `closed()` (nobody reads the
+        results); rounds queued and not started are then cancelled. Raises what reading `plans` raised (a message
+        that does not parse, Unavailable before warm-up) once the rounds before it are answered."""
         queued: asyncio.Queue[tuple[worker_pb2.RoundPlan, RoundPlan, asyncio.Future[RoundResult] | RoundResult]
                               | Exception | None] = asyncio.Queue()
         runtime = self.runtime
 
         async def read() -> None:
             try:
-                async for wire in request_iterator:
+                async for wire in plans:
                     plan = convert.plan_from_proto(wire)
                     try:
                         runs, refused = runtime.validate(plan)
                     except InvalidArgument as exc:  # this plan only: its round fails, the stream goes on
                         queued.put_nowait((wire, plan, runtime.queue_refusal(plan, exc)))
                         continue
-                    queued.put_nowait((wire, runs, runtime.queue(runs, refused)))
+                    queued.put_nowait((wire, runs, runtime.queue(runs, refused, rpc)))
             except Exception as exc:  # a message that does not parse, Unavailable before warm-up: the stream ends
                 queued.put_nowait(exc)
             finally:
@@ -418,8 +436,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 if isinstance(item, Exception):
                     raise item
                 wire, plan, pending = item
-                result = pending if isinstance(pending, RoundResult) else await self._finished(wire, plan, pending)
-                if context.done():  # the scheduler closed the stream: nobody reads this result
+                result = pending if isinstance(pending, RoundResult) else await self._finished(wire, plan, pending, rpc)
+                if closed():  # the scheduler closed the stream: nobody reads this result
                     return
                 yield convert.result_to_proto(result)
         finally:
@@ -437,10 +455,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return await self._traced(wire, plan, rpc, self.runtime.execute(plan, rpc))
 
     async def _finished(self, wire: worker_pb2.RoundPlan, plan: RoundPlan,
-                        future: asyncio.Future[RoundResult]) -> RoundResult:
+                        future: asyncio.Future[RoundResult], rpc: str) -> RoundResult:
         """Await a round queued on the stream (its span, if any, starts when its answer is awaited: the round
         before it has been answered)."""
-        return await self._traced(wire, plan, "ExecuteStream", self.runtime.finished(plan, future))
+        return await self._traced(wire, plan, rpc, self.runtime.finished(plan, future))
 
     async def _traced(self, wire: worker_pb2.RoundPlan, plan: RoundPlan, rpc: str,
                       running: Coroutine[Any, Any, RoundResult]) -> RoundResult:
@@ -464,37 +482,43 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                    context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
         reply = convert.info_to_proto(self.runtime.info())
         reply.incarnation = self.runtime.incarnation
+        reply.round_link_port = self.round_link_port
         return reply
 
 
 @dataclasses.dataclass
 class RunningWorker:
-    """A started worker server: the gRPC server, its port, health servicer and the loading task."""
+    """A started worker server: the gRPC server, its port, health servicer, the loading task and the round link."""
 
     server: grpc.aio.Server
     port: int
     runtime: WorkerRuntime
     health: health_aio.HealthServicer
     loading: asyncio.Task[None]
+    round_link: RoundLinkServer | None = None
 
     async def stop(self, grace_s: float = 1.0) -> None:
         """Report NOT_SERVING, stop the server (letting RPCs in flight finish within grace_s) and the backend."""
         await self.health.enter_graceful_shutdown()
         self.loading.cancel()
+        if self.round_link is not None:
+            await self.round_link.close()
         await self.server.stop(grace_s)
         self.runtime.close()
 
 
 async def start_worker_server(runtime: WorkerRuntime, port: int = 0, host: str = "127.0.0.1",
-                              tls_files: TlsFiles | None = None) -> RunningWorker:
+                              tls_files: TlsFiles | None = None, round_link_port: int | None = 0) -> RunningWorker:
     """Start the gRPC server at once (health NOT_SERVING) and load the backend in the background.
 
-    Returns the running worker; health turns SERVING when the warm-up round has run. Loading errors are
-    logged and leave the worker NOT_SERVING. Raises RuntimeError when the port cannot be bound.
+    `round_link_port`: where to offer the round link (worker_svc/round_link.py) on `host`, 0 a free port, None
+    not at all. Returns the running worker; health turns SERVING when the warm-up round has run. Loading errors are
+    logged and leave the worker NOT_SERVING. Raises RuntimeError when a port cannot be bound.
     """
     authorize = tls.authorizer() if tls_files is not None else None
     server = grpc_server(SERVICE_NAME, interceptors=[ErrorInterceptor(authorize=authorize)])
-    worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(runtime, tls_files), server)
+    servicer = WorkerServicer(runtime, tls_files)
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     for name in ("", SERVICE_NAME):
@@ -502,6 +526,13 @@ async def start_worker_server(runtime: WorkerRuntime, port: int = 0, host: str =
     bound = tls.listen(server, f"{host}:{port}", tls_files)
     if bound == 0:
         raise RuntimeError(f"cannot bind the worker to {host}:{port}")
+    link = None
+    if round_link_port is not None:
+        link = RoundLinkServer(servicer.rounds, runtime.metrics, tls_files)
+        try:
+            servicer.round_link_port = await link.start(host, round_link_port)
+        except OSError as exc:
+            raise RuntimeError(f"cannot bind the worker's round link to {host}:{round_link_port}: {exc}") from None
     await server.start()
 
     async def load() -> None:
@@ -513,4 +544,4 @@ async def start_worker_server(runtime: WorkerRuntime, port: int = 0, host: str =
         for name in ("", SERVICE_NAME):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
-    return RunningWorker(server, bound, runtime, health, asyncio.create_task(load()))
+    return RunningWorker(server, bound, runtime, health, asyncio.create_task(load()), link)

@@ -137,17 +137,20 @@ def test_untouched_streams_give_the_cost_models_tokens(tmp_path: Path) -> None:
         assert sum(v for k, v in values.items() if k.startswith("sluice_admission_migrations_total")) == 0
 
 
-@pytest.mark.parametrize("victims,cause", [
-    (("scheduler",), "scheduler_gone"),
-    (("worker",), "worker_down"),
-    (("scheduler", "worker"), "scheduler_gone"),
+@pytest.mark.parametrize("victims,cause,link", [
+    (("scheduler",), "scheduler_gone", "round_link"),
+    (("worker",), "worker_down", "round_link"),
+    (("worker",), "worker_down", "grpc_stream"),
+    (("scheduler", "worker"), "scheduler_gone", "round_link"),
 ])
 def test_a_killed_replica_process_loses_no_request_and_no_token(tmp_path: Path, victims: tuple[str, ...],
-                                                                 cause: str) -> None:
-    """kill -9 of replica-0's scheduler, worker or both mid-stream: every request finishes with exactly the
-    untouched run's tokens (indices continuous), those on replica-0 moved, and admission's budgets are zero after."""
-    with _start(tmp_path) as stack:
+                                                                 cause: str, link: str) -> None:
+    """kill -9 of replica-0's scheduler, worker or both mid-stream, rounds on the worker's round link (the default)
+    or on ExecuteStream (--no-round-link): every request finishes with exactly the untouched run's tokens (indices
+    continuous), those on replica-0 moved, and admission's budgets are zero after."""
+    with _start(tmp_path, *(["--no-round-link"] if link == "grpc_stream" else [])) as stack:
         outs, threads = _launch(stack)
+        assert _metrics(stack.schedulers[0])[f'sluice_scheduler_worker_link{{kind="{link}"}}'] == 1.0
         killed = time.monotonic()
         for victim in victims:
             proc = stack.schedulers[0] if victim == "scheduler" else stack.workers[0]

@@ -31,6 +31,29 @@ from worker_svc.server import RunningWorker, WorkerRuntime, start_worker_server
 
 pytestmark = pytest.mark.redis
 
+ROUND_LINK = True
+"""Whether the replicas of a test send rounds over the worker's round link (the `link_kind` fixture sets it)."""
+
+
+@pytest.fixture(autouse=True, params=["round_link", "grpc_stream"])
+def link_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here runs twice: rounds over the worker's round link, and over gRPC's ExecuteStream."""
+    monkeypatch.setattr(sys.modules[__name__], "ROUND_LINK", request.param == "round_link")
+    return str(request.param)
+
+
+def _link_flags() -> list[str]:
+    return [] if ROUND_LINK else ["--no-round-link"]
+
+
+def _assert_link_used(replica: RunningReplica) -> None:
+    """The rounds a replica ran went over the link the test asked for."""
+    metrics = replica.driver.metrics
+    if not replica.driver.link.use_stream or metrics.rounds._value.get() == 0:
+        return
+    kind = "round_link" if ROUND_LINK else "grpc_stream"
+    assert metrics.worker_link.labels(kind)._value.get() == 1, f"rounds went over {kind}"
+
 
 @dataclass
 class Replica:
@@ -54,13 +77,14 @@ async def _replica(redis_url: str, namespace: str, *, num_blocks: int = 64, emul
     bus = Bus(client, namespace)
     replica = await start_replica(replica_id="r1", worker_address=f"127.0.0.1:{worker.port}", bus=bus,
                                   router_address=router_address, heartbeat_interval_s=0.1, pipeline=pipeline,
-                                  use_stream=use_stream, prefill_pair_s=prefill_pair_s,
+                                  use_stream=use_stream, prefill_pair_s=prefill_pair_s, round_link=ROUND_LINK,
                                   core_overrides=core_overrides if callable(core_overrides) else
                                   {"max_model_len": 4096, **(core_overrides or {})})
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{replica.port}")
     try:
         handle = Replica(replica, scheduler_pb2_grpc.SchedulerServiceStub(channel), bus, worker, channel)
         yield handle
+        _assert_link_used(replica)
     finally:
         await replica.stop(drain_timeout_s=2)
         await channel.close()
@@ -658,7 +682,7 @@ def test_sigterm_drains_the_replica_process(redis_url: str, namespace: str, free
     ]
     scheduler = _spawn("scheduler_svc", "--port", str(scheduler_port), "--replica-id", "r1", "--worker",
                        f"127.0.0.1:{worker_port}", "--router", f"127.0.0.1:{router_port}", *common,
-                       "--heartbeat-interval", "0.2", env=env, logs=logs)
+                       "--heartbeat-interval", "0.2", *_link_flags(), env=env, logs=logs)
     procs.append(scheduler)
 
     async def body() -> None:
@@ -725,7 +749,7 @@ def test_a_killed_worker_process_restarted_on_its_port_lets_the_interrupted_requ
         client = aioredis.Redis.from_url(redis_url)
         bus = Bus(client, namespace)
         replica = await start_replica(replica_id="r1", worker_address=f"127.0.0.1:{port}", bus=bus,
-                                      core_overrides={"max_num_seqs": 1}, worker_timeout_s=60)
+                                      core_overrides={"max_num_seqs": 1}, worker_timeout_s=60, round_link=ROUND_LINK)
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{replica.port}")
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         try:
@@ -742,6 +766,8 @@ def test_a_killed_worker_process_restarted_on_its_port_lets_the_interrupted_requ
             model = CostModel("llama-3-8b", "h200")
             assert await _output_tokens(bus, "interrupted") == [model.token_for("interrupted", 40 + i) for i in range(300)]
             assert done[0].usage.preemptions == 1 and done[0].usage.output_tokens == 300
+            # The restarted worker offers its round link on another free port, found in its Info.
+            _assert_link_used(replica)
         finally:
             await replica.stop(drain_timeout_s=2)
             await channel.close()

@@ -13,6 +13,7 @@ from sluice import convert
 from sluice.errors import details_of
 from sluice.types import PENDING_TOKEN, RefusedSeq, RoundPlan, SamplingParams, ScheduledSeq
 from sluice.v1 import worker_pb2, worker_pb2_grpc
+from tests.round_streams import KINDS, RoundStream
 from worker_svc.costmodel import CostModel
 from worker_svc.server import WorkerRuntime, start_worker_server
 
@@ -98,15 +99,16 @@ def test_malformed_bytes_are_invalid_argument_on_unary_and_stream_calls() -> Non
     asyncio.run(body())
 
 
-def test_a_refused_stream_round_is_answered_and_the_round_behind_it_runs_without_its_pending_decodes() -> None:
-    """On ExecuteStream a plan refused as a whole is answered with a failed round (INVALID_ARGUMENT and the field in
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_refused_stream_round_is_answered_and_the_round_behind_it_runs_without_its_pending_decodes(kind: str) -> None:
+    """On ExecuteStream (and the round link) a plan refused as a whole is answered with a failed round (INVALID_ARGUMENT and the field in
     `error`) instead of ending the stream; the pipelined round queued behind it drops its pending decodes of the
     refused round's requests (nothing was sampled for them) and runs the rest; later rounds run as before."""
     async def body() -> None:
         worker = await start_worker_server(WorkerRuntime(lambda: CostModel("llama-3-8b", "h200"), num_blocks=64))
         await asyncio.wait_for(worker.loading, 30)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
-            stream = worker_pb2_grpc.WorkerServiceStub(channel).ExecuteStream()
+            stream = await RoundStream.open(kind, worker, channel)
             pending = ScheduledSeq("a", 0, (PENDING_TOKEN,), 3, (0,), SamplingParams(max_tokens=4), True, 1)
             for plan in (RoundPlan(1, (_seq("a"), _seq("b"), _seq("b"))),  # refused as a whole: b twice
                          RoundPlan(2, (pending, _seq("c", blocks=(1,)))),  # a's pending decode of round 1
@@ -123,8 +125,9 @@ def test_a_refused_stream_round_is_answered_and_the_round_behind_it_runs_without
     asyncio.run(body())
 
 
-def test_one_bad_sequence_on_the_stream_is_refused_alone_and_its_pending_decode_behind_it_dropped() -> None:
-    """On ExecuteStream, a round whose middle sequence has an out-of-range token id runs its other sequences (they
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_bad_sequence_on_the_stream_is_refused_alone_and_its_pending_decode_behind_it_dropped(kind: str) -> None:
+    """On ExecuteStream (and the round link), a round whose middle sequence has an out-of-range token id runs its other sequences (they
     get their outputs) and names the bad one in `refused` with its field and INVALID_ARGUMENT message; the pipelined
     round queued behind it decodes a's pending token and drops b's (nothing was sampled for b); the refusal is
     counted by field."""
@@ -132,7 +135,7 @@ def test_one_bad_sequence_on_the_stream_is_refused_alone_and_its_pending_decode_
         worker = await start_worker_server(WorkerRuntime(lambda: CostModel("llama-3-8b", "h200"), num_blocks=64))
         await asyncio.wait_for(worker.loading, 30)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
-            stream = worker_pb2_grpc.WorkerServiceStub(channel).ExecuteStream()
+            stream = await RoundStream.open(kind, worker, channel)
             decode = {rid: ScheduledSeq(rid, 0, (PENDING_TOKEN,), 3, (block,), SamplingParams(max_tokens=4), True, 1)
                       for rid, block in (("a", 0), ("b", 1), ("c", 2))}
             for plan in (RoundPlan(1, (_seq("a"), _seq("b", tokens=(1, 10**9, 2), blocks=(1,)),
@@ -157,14 +160,15 @@ def test_one_bad_sequence_on_the_stream_is_refused_alone_and_its_pending_decode_
     asyncio.run(body())
 
 
-def test_a_round_whose_every_sequence_is_refused_answers_without_running() -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_round_whose_every_sequence_is_refused_answers_without_running(kind: str) -> None:
     """A stream round whose only sequence is refused answers at once with it in `refused` and no outputs (nothing
     reaches the backend), and the stream serves the next round."""
     async def body() -> None:
         worker = await start_worker_server(WorkerRuntime(lambda: CostModel("tiny", "h200")))
         await asyncio.wait_for(worker.loading, 30)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
-            stream = worker_pb2_grpc.WorkerServiceStub(channel).ExecuteStream()
+            stream = await RoundStream.open(kind, worker, channel)
             bad = ScheduledSeq("x", 0, (1,), 0, (0,), SamplingParams(max_tokens=4, temperature=float("nan")), True, 0)
             for plan in (RoundPlan(1, (bad,)), RoundPlan(2, (_seq(),))):
                 await stream.write(convert.plan_to_proto(plan))

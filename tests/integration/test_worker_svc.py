@@ -16,6 +16,7 @@ from sluice import convert
 from sluice.errors import details_of
 from sluice.types import PENDING_TOKEN, RoundPlan, RoundResult, SamplingParams, ScheduledSeq
 from sluice.v1 import worker_pb2, worker_pb2_grpc
+from tests.round_streams import KINDS, RoundStream
 from worker_svc.costmodel import CostModel
 from worker_svc.server import SERVICE_NAME, RunningWorker, WorkerRuntime, start_worker_server
 
@@ -38,8 +39,10 @@ async def _started(runtime: WorkerRuntime) -> tuple[RunningWorker, grpc.aio.Chan
     return worker, grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}")
 
 
-def test_execute_and_stream_return_the_backends_tokens() -> None:
-    """Execute and ExecuteStream return, for each plan, exactly the tokens the cost model computes."""
+@pytest.mark.parametrize("kind", KINDS)
+def test_execute_and_stream_return_the_backends_tokens(kind: str) -> None:
+    """Execute and ExecuteStream (or the round link) return, for each plan, exactly the tokens the cost model
+    computes."""
     async def body() -> None:
         model = CostModel("llama-3-8b", "h200")
         worker, channel = await _started(WorkerRuntime(lambda: model))
@@ -48,7 +51,7 @@ def test_execute_and_stream_return_the_backends_tokens() -> None:
         unary = convert.result_from_proto(await stub.Execute(convert.plan_to_proto(plan)))
         assert unary.round_id == 7 and not unary.error
         assert unary.outputs == model.execute(plan).outputs
-        call = stub.ExecuteStream()
+        call = await RoundStream.open(kind, worker, channel)
         streamed: list[RoundResult] = []
         for round_id in range(1, 4):
             await call.write(convert.plan_to_proto(_plan(round_id, round_id)))
@@ -230,7 +233,8 @@ class _Recording:
         return self.model.execute(plan)
 
 
-def test_pipelined_rounds_get_their_pending_tokens_and_the_idle_gap_is_measured() -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_pipelined_rounds_get_their_pending_tokens_and_the_idle_gap_is_measured(kind: str) -> None:
     """Two plans queued on the stream: the second's pending token becomes the token the first sampled, and
     the gap between the rounds is observed by sluice_worker_idle_seconds; a pending token nobody sampled fails
     its round."""
@@ -238,7 +242,7 @@ def test_pipelined_rounds_get_their_pending_tokens_and_the_idle_gap_is_measured(
         backend = _Recording()
         runtime = WorkerRuntime(lambda: backend)
         worker, channel = await _started(runtime)
-        call = worker_pb2_grpc.WorkerServiceStub(channel).ExecuteStream()
+        call = await RoundStream.open(kind, worker, channel)
         ahead = ScheduledSeq("r0", 0, (PENDING_TOKEN,), 6, (0,), SamplingParams(max_tokens=8), True, 2)
         await call.write(convert.plan_to_proto(_plan(1, 1)))
         await call.write(convert.plan_to_proto(RoundPlan(2, (ahead,))))
