@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
+import json
 import os
 import random
 import signal
@@ -18,6 +20,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import grpc
@@ -32,6 +35,7 @@ from sluice.hashing import hash_chain, salt_of
 from sluice.v1 import router_pb2, router_pb2_grpc
 from sluice_tools.stack import Stack
 from tests.engines.conftest import direct_completion, engine_metric, engine_url
+from tests.processes import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -240,20 +244,39 @@ def test_a_cancel_aborts_the_request_in_vllm_and_frees_its_kv(vllm_stack: Stack)
     """Cancelling a long stream through Sluice ends it CANCELLED and vLLM stops running it: it generates fewer than
     the 1,500 tokens asked for (its own counter says so) and its KV use drops to 0."""
     # On a quiet machine vLLM streams the tiny model's 1,500 tokens in about a second, and under load the first
-    # token can reach the client after the last one was made (CI saw FINISHED_LENGTH here twice, once with every
-    # engine core frozen as soon as the first token was seen). So the engine cores run throttled, a fifth of the
-    # time: the stream takes several seconds, the cancel goes through while vLLM is still generating, and when a
-    # core runs again its loop reads the API server's abort (the agent closed the connection) before its next step.
+    # token can reach the client after the last one was made (CI saw the first chunk carry all 1,500 tokens: the
+    # agent's publications came late and admission fetched the completion from the scheduler). So the test does not
+    # wait for a token: the request goes over HTTP, whose response head names it at once; the engine cores run
+    # throttled (a fifth of the time) until vLLM's own counter shows the request generating; then they are frozen
+    # while the cancel goes through, and when a core runs again its loop reads the API server's abort (the agent
+    # closed its connection) before its next step.
     cores = []
     for replica in vllm_stack.replicas.values():
         assert replica.worker.popen is not None
         cores.append(engine_core_pid(replica.worker.popen.pid))
-    generated = sum(engine_metric(vllm_stack, i, "vllm:generation_tokens_total") for i in (0, 1))
-    with sdk.Client(vllm_stack.endpoint, api_key="k-gold") as client, throttled(cores):
-        stream = client.generate(random_prompt(random.Random(3), 40), max_tokens=1500, ignore_eos=True, timeout=120)
-        first = next(iter(stream))
-        request_id = first.request_id
-        assert client.cancel(request_id) in ("CANCELLED", "CANCELLING"), len(first.token_ids)
+
+    def generated() -> float:
+        return sum(engine_metric(vllm_stack, i, "vllm:generation_tokens_total") for i in (0, 1))
+
+    before = generated()
+    url = urlsplit(vllm_stack.http_base_url)
+    conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=120)
+    body = {"model": vllm_stack.model_id, "prompt": random_prompt(random.Random(3), 40), "max_tokens": 1500,
+            "ignore_eos": True, "stream": True}
+    try:
+        with throttled(cores) as throttle:
+            conn.request("POST", url.path + "/completions", body=json.dumps(body),
+                         headers={"Authorization": "Bearer k-gold", "Content-Type": "application/json"})
+            response = conn.getresponse()
+            request_id = response.getheader("x-request-id") or ""
+            assert response.status == 200 and request_id
+            assert wait_until(lambda: generated() > before, 60), "vLLM never started the request"
+            throttle.freeze()
+            with sdk.Client(vllm_stack.endpoint, api_key="k-gold") as client:
+                status = client.cancel(request_id)
+            assert status in ("CANCELLED", "CANCELLING"), (status, generated() - before)
+    finally:
+        conn.close()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         busy = [engine_metric(vllm_stack, i, "vllm:num_requests_running") for i in (0, 1)]
@@ -262,35 +285,59 @@ def test_a_cancel_aborts_the_request_in_vllm_and_frees_its_kv(vllm_stack: Stack)
             break
         time.sleep(0.2)
     assert sum(busy) == 0 and max(usage) == 0, (busy, usage)
+    assert wait_until(lambda: _status(vllm_stack, request_id) == "CANCELLED", 30)
     with sdk.Client(vllm_stack.endpoint, api_key="k-gold") as client:
         info = client.get_request(request_id)
-    made = sum(engine_metric(vllm_stack, i, "vllm:generation_tokens_total") for i in (0, 1)) - generated
-    assert info.status == "CANCELLED" and info.usage.output_tokens < 1500
+    made = generated() - before
+    assert info.usage.output_tokens < 1500
     assert made < 1500, f"vLLM generated {made} tokens: it ran the cancelled request to its end"
 
 
+def _status(stack: Stack, request_id: str) -> str:
+    with sdk.Client(stack.endpoint, api_key="k-gold") as client:
+        return client.get_request(request_id).status
+
+
+class _Throttle:
+    """SIGSTOP / SIGCONT cycles from a thread (see `throttled`); `freeze` stops the cycling with the processes
+    stopped."""
+
+    def __init__(self, pids: list[int], run_s: float, stopped_s: float) -> None:
+        self.pids, self.run_s, self.stopped_s = pids, run_s, stopped_s
+        self.done = threading.Event()
+        self.frozen = threading.Event()
+        self.thread = threading.Thread(target=self._cycle, name="throttle", daemon=True)
+
+    def _cycle(self) -> None:
+        while not self.done.is_set():
+            for pid in self.pids:
+                os.kill(pid, signal.SIGSTOP)
+            if self.frozen.is_set() or self.done.wait(self.stopped_s) or self.frozen.is_set():
+                return
+            for pid in self.pids:
+                os.kill(pid, signal.SIGCONT)
+            self.done.wait(self.run_s)
+
+    def freeze(self) -> None:
+        """Stop the processes and keep them stopped (until the context ends)."""
+        self.frozen.set()
+        self.done.set()
+        self.thread.join()
+        for pid in self.pids:
+            os.kill(pid, signal.SIGSTOP)
+
+
 @contextlib.contextmanager
-def throttled(pids: list[int], run_s: float = 0.01, stopped_s: float = 0.04) -> Iterator[None]:
+def throttled(pids: list[int], run_s: float = 0.01, stopped_s: float = 0.04) -> Iterator[_Throttle]:
     """Let the processes run `run_s` in every `run_s + stopped_s` (SIGSTOP / SIGCONT from a thread); all of them run
     freely again on leaving, whatever happened inside."""
-    done = threading.Event()
-
-    def cycle() -> None:
-        while not done.is_set():
-            for pid in pids:
-                os.kill(pid, signal.SIGSTOP)
-            done.wait(stopped_s)
-            for pid in pids:
-                os.kill(pid, signal.SIGCONT)
-            done.wait(run_s)
-
-    thread = threading.Thread(target=cycle, name="throttle", daemon=True)
-    thread.start()
+    throttle = _Throttle(pids, run_s, stopped_s)
+    throttle.thread.start()
     try:
-        yield
+        yield throttle
     finally:
-        done.set()
-        thread.join()
+        throttle.done.set()
+        throttle.thread.join()
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
 
