@@ -258,6 +258,12 @@ def test_a_cancel_aborts_the_request_in_vllm_and_frees_its_kv(vllm_stack: Stack)
     def generated() -> float:
         return sum(engine_metric(vllm_stack, i, "vllm:generation_tokens_total") for i in (0, 1))
 
+    def idle() -> bool:  # nothing left of earlier tests: every token vLLM makes from here on is this request's
+        engines = sum(engine_metric(vllm_stack, i, name) for i in (0, 1)
+                      for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"))
+        return engines == 0 and all(s.running == 0 and s.waiting == 0 for s in vllm_stack.scheduler_stats())
+
+    assert wait_until(idle, 60), "the engines did not go idle"
     before = generated()
     url = urlsplit(vllm_stack.http_base_url)
     conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=120)
