@@ -388,14 +388,28 @@ def references(stack: Stack, prompts: list[list[int]], max_tokens: int) -> list[
     return [list(direct_completion(stack, 0, p, max_tokens)["choices"][0]["token_ids"]) for p in prompts]
 
 
-def engine_core_pid(api_server_pid: int) -> int:
-    """The pid of the engine-core child of a vLLM API server (its process title names it)."""
-    children = Path(f"/proc/{api_server_pid}/task/{api_server_pid}/children").read_text().split()
-    for child in children:
-        with open(f"/proc/{child}/cmdline", "rb") as cmdline:
-            if b"EngineCore" in cmdline.read():
-                return int(child)
-    raise AssertionError(f"no EngineCore child of {api_server_pid}")
+def engine_core_pid(api_server_pid: int, timeout_s: float = 30.0) -> int:
+    """The pid of the engine-core descendant of a vLLM API server (its process title names it), waiting up to
+    `timeout_s` for it. Every process's parent is read from /proc: the core need not be a child of the server's main
+    thread (`/proc/PID/task/PID/children` lists only those; a full-suite run once found none there)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        parents: dict[int, list[int]] = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                    parents.setdefault(ppid, []).append(int(entry.name))
+        pending = list(parents.get(api_server_pid, []))
+        while pending:
+            pid = pending.pop()
+            with contextlib.suppress(OSError):
+                if b"EngineCore" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return pid
+            pending.extend(parents.get(pid, []))
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no EngineCore process under {api_server_pid} within {timeout_s} s")
+        time.sleep(0.2)
 
 
 def wait_ready(stack: Stack, replica_id: str, timeout_s: float) -> float:
