@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import socket
 import ssl
 import struct
 from typing import Any, cast
@@ -221,7 +222,6 @@ async def open_stream(host: str, port: int, ssl_context: ssl.SSLContext | None =
     if transport is not None:
         sock = transport.get_extra_info("socket")
         if sock is not None:
-            import socket
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return stream
 
