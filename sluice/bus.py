@@ -59,6 +59,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from sluice.redis_wire import Wire, pack_fields
 from sluice.telemetry import TRACE_FIELDS, extract_fields, inject_fields
 from sluice.v1 import events_pb2
 
@@ -109,13 +110,6 @@ class Entry:
 
     key: str
     fields: dict[Any, Any]
-
-
-def _pairs(fields: Mapping[Any, Any]) -> list[Any]:
-    out: list[Any] = []
-    for name, value in fields.items():
-        out += (name, value)
-    return out
 
 
 def _str(value: bytes | str) -> str:
@@ -190,50 +184,15 @@ def split_cluster_url(url: str) -> tuple[str, bool]:
     return urlunsplit(parts._replace(scheme=plain_scheme)), True
 
 
-class _Line:
-    """A connection of one loop's own, for its blocking reads and their acknowledgements (one server only): a command
-    written and its reply read directly, without redis-py's per-command pool checkout and release, retry wrapper,
-    observability hooks and reply callbacks. An XREAD of a token batch costs a client ~40 µs of CPU this way
-    against ~85 through `Redis.xread` (docs/benchmarks.md). Taken from the client's pool on first use; a failure
-    other than an error reply (which leaves the connection in step) drops it, the next call takes another, and it is
-    raised: a reply still on its way belongs to nobody."""
-
-    def __init__(self, client: aioredis.Redis) -> None:
-        self.client = client
-        self.connection: Any = None
-
-    async def call(self, *args: Any, timeout_s: float | None = None) -> Any:
-        """Send one command; return its reply as the parser gives it (no callbacks). Raises what Redis raises."""
-        connection = self.connection
-        if connection is None:
-            connection = self.connection = await self.client.connection_pool.get_connection()
-        try:
-            await connection.send_packed_command(connection.pack_command(*args), check_health=False)
-            return await connection.read_response(timeout=timeout_s)
-        except ResponseError:
-            raise
-        except BaseException:
-            self.connection = None
-            await connection.disconnect(nowait=True)
-            await self.client.connection_pool.release(connection)
-            raise
-
-    async def close(self) -> None:
-        """Give the connection back to the client's pool (the loop that read on it is done)."""
-        connection, self.connection = self.connection, None
-        if connection is not None:
-            await self.client.connection_pool.release(connection)
-
-
 def _raw_entries(reply: Any) -> list[tuple[Any, dict[Any, Any] | None]]:
-    """`_entries_of` a reply read on a `_Line`: each entry's fields are the flat [field, value, ...] list Redis sends
+    """`_entries_of` a reply read on a `Wire`: each entry's fields are the flat [field, value, ...] list Redis sends
     (redis-py's callbacks make the dict), None for an entry trimmed away (XREADGROUP of a pending list)."""
     return [(entry_id, None if fields is None else dict(zip(fields[::2], fields[1::2], strict=True)))
             for entry_id, fields in _entries_of(reply)]
 
 
 READ_MARGIN_S = 5.0
-"""How long past a blocking read's own BLOCK a `_Line` waits for its reply before it gives up on the connection."""
+"""How long past a blocking read's own BLOCK a `Wire` waits for its reply before it gives up on the connection."""
 
 
 class Bus:
@@ -259,15 +218,18 @@ class Bus:
         """Entries skipped because they do not parse, per logical stream (see the module docstring)."""
         self._poison_counter: Any = None
         self._poison_seen: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
-        self._writer: Any = None
-        """The connection `append` writes on (one server only; made on first use, again after a failure)."""
+        self._writer = self.line()
+        """The connection `append` writes on (None on a cluster; taken on first use, again after a failure)."""
         self._token_line = self.line()
         """`read_tokens`' own connection (None on a cluster)."""
+        self._append_timeout_s: float | None = (
+            None if isinstance(client, RedisCluster) else client.connection_pool.connection_kwargs.get("socket_timeout"))
+        """The client's socket timeout (`?socket_timeout=` in the URL; none by default), for `append`'s round trip."""
 
-    def line(self) -> _Line | None:
-        """A connection of its own for one loop's reads (`_Line`); None on a cluster, whose client routes each
-        command to its node (there the loop uses redis-py's commands)."""
-        return None if isinstance(self.client, RedisCluster) else _Line(self.client)
+    def line(self) -> Wire | None:
+        """A connection of its own for one loop's commands in raw RESP (`sluice.redis_wire.Wire`); None on a
+        cluster, whose client routes each command to its node (there the loop uses redis-py's commands)."""
+        return None if isinstance(self.client, RedisCluster) else Wire(self.client)
 
     def count_poison_in(self, registry: Any) -> None:
         """Also count poison entries in `sluice_bus_poison_entries_total{stream}` of a Prometheus registry."""
@@ -345,33 +307,27 @@ class Bus:
         (e.g. WRONGTYPE), the entries it refused (those after them went in, the replies say so); after a lost
         connection, every entry from the first whose reply did not come (some may have gone in: a retry repeats
         them, which every reader of these streams tolerates)."""
-        if isinstance(self.client, RedisCluster):
+        wire = self._writer
+        if wire is None:
             while entries:
                 await self.client.xadd(entries[0].key, entries[0].fields, maxlen=self.maxlen, approximate=True)
                 del entries[0]
             return
-        connection = self._writer
-        if connection is None:  # taken from the pool for good, so that closing the client closes it too
-            connection = self._writer = await self.client.connection_pool.get_connection()
-        maxlen = self.maxlen
-        commands = [("XADD", entry.key, "MAXLEN", "~", maxlen, "*", *_pairs(entry.fields)) for entry in entries]
-        refused: list[Entry] = []
-        error: ResponseError | None = None
+        maxlen, head = self.maxlen, wire.xadd_head
+        commands = []
+        for entry in entries:
+            fields = entry.fields
+            commands.append(head(entry.key, maxlen, len(fields)))
+            commands.append(pack_fields(fields))
+        replies: list[Any] = []
         try:
-            await connection.send_packed_command(connection.pack_commands(commands), check_health=False)
-            while entries:
-                try:
-                    await connection.read_response()
-                except ResponseError as exc:  # this entry only: the connection is still in step
-                    refused.append(entries[0])
-                    error = error or exc
-                del entries[0]
-        except BaseException:
-            # What the connection still holds (replies not read) belongs to nobody: a new one next time.
-            await connection.disconnect(nowait=True)
-            raise
+            await wire.exchange(b"".join(commands), len(entries), timeout_s=self._append_timeout_s, into=replies)
         finally:
-            entries[:0] = refused
+            # Confirmed: gone from the list. Refused (an error reply, the connection still in step) and not
+            # answered (the connection failed first): left, in order.
+            entries[:] = [*(entry for entry, reply in zip(entries, replies, strict=False)
+                            if isinstance(reply, Exception)), *entries[len(replies):]]
+        error = next((reply for reply in replies if isinstance(reply, Exception)), None)
         if error is not None:
             raise error
 
