@@ -78,6 +78,9 @@ class AdmissionOptions(serve.BusOptions):
     """Finished requests remembered (GetRequest, idempotent retries) at most; the oldest are forgotten first."""
     finished_record_ttl_s: float = FrontDoorConfig.finished_record_ttl_s
     """Seconds a finished request is remembered at most."""
+    completion_fetch_grace_s: float = FrontDoorConfig.completion_fetch_grace_s
+    """Seconds a completion fetched from its scheduler (Lookup) waits for its bus copy before it counts as lost on
+    the bus (a WARNING); one whose copy comes counts as late."""
     http_header_timeout_s: float = HTTP_HEADER_TIMEOUT_S
     """An HTTP connection that has not sent a whole request head this long after it opened (or after its last
     response) is closed."""
@@ -158,6 +161,7 @@ def build_servicer(ctx: serve.ServiceContext, options: AdmissionOptions) -> Fron
                                  f"--max-message-bytes ({options.max_message_bytes})")
     for flag, value in (("--max-finished-records", options.max_finished_records),
                         ("--finished-record-ttl-s", options.finished_record_ttl_s),
+                        ("--completion-fetch-grace-s", options.completion_fetch_grace_s),
                         ("--http-header-timeout-s", options.http_header_timeout_s),
                         ("--http-keepalive-timeout-s", options.http_keepalive_timeout_s),
                         ("--http-body-timeout-s", options.http_body_timeout_s)):
@@ -176,7 +180,8 @@ def build_servicer(ctx: serve.ServiceContext, options: AdmissionOptions) -> Fron
     config = FrontDoorConfig(max_prompt_bytes=options.max_prompt_bytes, resume_window_s=options.resume_window_s,
                              migration_limit=options.migration_limit, stall_timeout_s=options.stall_timeout_s,
                              max_finished_records=options.max_finished_records,
-                             finished_record_ttl_s=options.finished_record_ttl_s)
+                             finished_record_ttl_s=options.finished_record_ttl_s,
+                             completion_fetch_grace_s=options.completion_fetch_grace_s)
     return FrontDoor(core, model, options.router, owner, metrics, config, serve.tls_files(options, "admission"))
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from opentelemetry import trace
 from opentelemetry.context import Context
 
+from admission_svc.fetched import FETCH_GRACE_S, MAX_FETCHES_AWAITED
 from admission_svc.streams import RequestStream
 from sluice.types import SamplingParams
 from sluice.v1 import common_pb2, events_pb2
@@ -53,6 +54,11 @@ class FrontDoorConfig:
     this are forgotten first (sluice_admission_records_evicted_total{reason="count"})."""
     finished_record_ttl_s: float = 300.0
     """A finished request is forgotten this many seconds after it ended, at the latest (reason="age")."""
+    completion_fetch_grace_s: float = FETCH_GRACE_S
+    """A completion fetched from its scheduler (Lookup) whose bus copy has not come this many seconds later counts
+    as lost on the bus, with a WARNING; one whose copy comes counts as late (admission_svc/fetched.py)."""
+    max_fetches_awaited: int = MAX_FETCHES_AWAITED
+    """Fetched completions waiting for their bus copy at most; the oldest beyond are forgotten unjudged."""
 
 
 @dataclass(frozen=True)
@@ -176,6 +182,9 @@ class Tracked:
     """A move is under way (the watchdog and a hand-off must not start a second)."""
     settling: bool = False
     """A successful completion is held while the tokens it counts arrive (Migrator.settle)."""
+    bus_completions: set[str] = field(default_factory=set)
+    """Its attempts whose completion came on the bus (a Lookup's copy of one of them fetched nothing missing:
+    admission_svc/lookups.py)."""
     idempotency_key: str = ""
     """The key it was started with ("" none): forgotten with the record."""
     submitted: bool = False

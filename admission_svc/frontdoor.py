@@ -45,6 +45,7 @@ from admission_svc.calls import Caller, FrontDoorConfig, GenerateCall, Output, P
 from admission_svc.core import AdmissionCore
 from admission_svc.front_queue import FrontQueue
 from admission_svc.handoff import HandOffs, is_prefill_done, pair_of
+from admission_svc.lookups import FROM_LOOKUP, Lookups
 from admission_svc.migration import MigrationCause, Migrator, handed_off
 from admission_svc.prompts import PromptReader
 from admission_svc.ranges import check_wire_ranges
@@ -117,6 +118,7 @@ class FrontDoor:
         self.metrics.reserved_output_tokens.set_function(lambda: self.core.stats(time.monotonic()).reserved_output_tokens)
         self.metrics.reserved_kv_blocks.set_function(lambda: self.core.stats(time.monotonic()).reserved_kv_blocks)
         self.migrator = Migrator(self)
+        self.lookups = Lookups(self)
         self.handoffs = HandOffs(self)
         self.queue = FrontQueue(self.metrics.registry)
 
@@ -524,11 +526,14 @@ class FrontDoor:
     async def on_completion(self, entry_id: str, payload: bytes, context: Context) -> None:
         """Handle one completion: release the reservation exactly once, finish the stream and the span.
 
-        Idempotent (the bus delivers at least once); completions of other owners are ignored.
+        Idempotent (the bus delivers at least once); completions of other owners are ignored. `entry_id` is the
+        bus entry's, or FROM_LOOKUP for one the watchdog fetched from its scheduler (admission_svc/lookups.py).
         """
         completion = events_pb2.Completion.FromString(payload)
         if completion.owner and completion.owner != self.owner:
             return
+        if entry_id != FROM_LOOKUP:  # first: a copy of an attempt the request has moved away from counts too
+            self.lookups.on_bus_copy(completion)
         request_id = self.migrator.attempts.get(completion.request_id, completion.request_id)
         record = self.records.get(request_id)
         if record is not None:

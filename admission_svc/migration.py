@@ -20,7 +20,8 @@ Rules
   UNKNOWN_AT_SCHEDULER it stalled, its replica is healthy, and its scheduler (asked with Lookup) neither
                   holds it nor remembers its completion.
   A stalled request that its scheduler ended recently gets the completion from the Lookup reply, as if it
-  had come from the bus (a Redis restart loses the entries nobody had read yet).
+  had come from the bus (a Redis restart loses the entries nobody had read yet); whether that completion was
+  lost on the bus or only late is judged afterwards (admission_svc/lookups.py).
   "Stalled" is no new token for `stall_timeout_s`; a request queued behind others on a healthy replica
   stalls too, and stays, because its replica is listed, healthy and answering.
 * A move submits a new *attempt* `{request_id}#{n}`: the prompt is the original prompt plus the tokens
@@ -64,7 +65,6 @@ from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from opentelemetry.context import Context
 
 from sluice import errors
 from sluice.prom import zero_series
@@ -273,11 +273,13 @@ class Migrator:
 
     async def tick(self) -> None:
         """Find the stalled requests whose replica is lost, and broken streams not moving yet (a break while a
-        move was under way), and start their moves."""
+        move was under way), and start their moves; look up the other stalled ones at their schedulers, and
+        judge lost the completions fetched earlier whose bus copy has not come within the grace."""
         for broken in list(self.door.records.values()):
             if (broken.stream.gap_at is not None and broken.completion is None and not broken.migrating
                     and not broken.settling):
                 self.door.spawn(self.migrate(broken, MigrationCause.TOKEN_GAP))
+        self.door.lookups.judge_overdue(time.monotonic())
         stalled = self.stalled(time.monotonic())
         if not stalled:
             return
@@ -291,33 +293,8 @@ class Migrator:
             if record is not None:
                 self.door.spawn(self.migrate(record, cause))
         moved = {request_id for request_id, _ in moving}
-        await self._look_up([s for s in stalled if s.request_id not in moved and probes.get(s.scheduler_address)])
-
-    async def _look_up(self, stalled: list[Stalled]) -> None:
-        """Ask each scheduler about its quiet requests: a completion it remembers is handled as if it came from
-        the bus; a request it does not hold at all moves (UNKNOWN_AT_SCHEDULER)."""
-        by_address: dict[str, list[tuple[Tracked, str]]] = {}
-        for quiet in stalled:
-            record = self.door.records.get(quiet.request_id)
-            if record is not None and record.attempt_id:
-                by_address.setdefault(quiet.scheduler_address, []).append((record, record.attempt_id))
-        for address, asked in sorted(by_address.items()):
-            try:
-                reply = await self.door.scheduler(address).Lookup(scheduler_pb2.LookupRequest(
-                    request_ids=[attempt for _, attempt in asked]), timeout=self.door.config.downstream_timeout_s)
-            except grpc.aio.AioRpcError:
-                continue  # unreachable or too old to answer: the probes and the router decide, as before
-            live = set(reply.live)
-            for completion in reply.recent:
-                live.add(completion.request_id)
-                log.warning("request %s: its completion was fetched from its scheduler (lost on the bus)",
-                            completion.request_id)
-                await self.door.on_completion("lookup", completion.SerializeToString(), Context())
-            for record, attempt in asked:
-                # Only the attempt asked about: one that moved meanwhile is another attempt, unknown there.
-                if (attempt not in live and record.attempt_id == attempt and record.completion is None
-                        and not record.settling):
-                    self.door.spawn(self.migrate(record, MigrationCause.UNKNOWN_AT_SCHEDULER))
+        await self.door.lookups.look_up([s for s in stalled
+                                         if s.request_id not in moved and probes.get(s.scheduler_address)])
 
     async def _replica_states(self) -> dict[str, Listed] | None:
         try:

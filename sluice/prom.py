@@ -569,6 +569,10 @@ class AdmissionMetrics:
                                 "that decode Submit refused (failed: the request is placed again and recomputed).",
                                 ["outcome"], registry=r)
         zero_series(self.handoffs, ("submitted", "failed"))
+        self.completions_fetched = Counter("sluice_admission_completions_fetched",
+                                           "Completions a Lookup fetched from their scheduler, by what their bus copy "
+                                           "showed (late: it came after; lost: none within the grace; unresolved: "
+                                           "forgotten unjudged) (admission_svc/lookups.py).", ["outcome"], registry=r)
         self.migration_failures = Counter("sluice_admission_migration_failures",
                                           "Requests ended FAILED instead of moving, by reason.", ["reason"],
                                           registry=r)

@@ -27,6 +27,7 @@ from sluice_tools.stack import Proc, Stack, StackConfig, health_serving
 from sluice_tools.stack_parts import terminate
 from tests.e2e.test_migration_stack import (
     MAX_TOKENS,
+    MODEL,
     Streamed,
     _assert_budgets_return_to_zero,
     _assert_exact,
@@ -171,9 +172,13 @@ def test_requests_that_ended_while_their_completions_were_lost_end_exact(tmp_pat
     """Short requests finish on their schedulers while admission's reader is stopped, then Redis is killed -9 and
     restarted: their last tokens and their completions are gone. Each request goes quiet, its scheduler's Lookup
     returns the completion it remembers, the missing tail is recomputed from the last exact token, and every
-    stream ends exact; nothing hangs and admission's budgets are zero after."""
+    stream ends exact; nothing hangs and admission's budgets are zero after. Each fetched completion is judged by
+    its bus copy within the grace: late (a copy the scheduler's publisher held while Redis was away came after all)
+    or lost, and only the lost ones are WARNINGs of a loss on the bus."""
     max_tokens = 120
-    with _start(tmp_path) as stack:
+    grace_s = 3.0
+    with Stack(StackConfig(replicas=2, backend="costmodel", model=MODEL, emulate_time=True, run_dir=tmp_path,
+                           admission_args=("--completion-fetch-grace-s", str(grace_s)))) as stack:
         outs = [Streamed([1 + (i * 3 + j) % 200 for j in range(16 + i)]) for i in range(8)]
         threads = [threading.Thread(target=_stream, args=(stack.endpoint, stack.api_key, out, max_tokens, 90))
                    for out in outs]
@@ -197,8 +202,18 @@ def test_requests_that_ended_while_their_completions_were_lost_end_exact(tmp_pat
         assert stack.admission is not None
         fetched = _log_lines(stack.admission, "its completion was fetched from its scheduler")
         assert fetched >= 1
+        give_up = time.monotonic() + grace_s + 5
+        while True:
+            judged = {o: _metrics(stack.admission)[f'sluice_admission_completions_fetched_total{{outcome="{o}"}}']
+                      for o in ("late", "lost", "unresolved")}
+            if sum(judged.values()) >= fetched or time.monotonic() > give_up:
+                break
+            time.sleep(0.2)
+        assert (judged["late"] + judged["lost"], judged["unresolved"]) == (fetched, 0)
+        assert _log_lines(stack.admission, "its completion was lost on the bus") == judged["lost"]
         print(f"\n{len(outs)} requests ended while their completions were lost: {fetched} completions fetched again "
-              f"by Lookup, {int(_migrations(values, 'token_gap'))} tails recomputed, all exact")
+              f"by Lookup ({int(judged['lost'])} lost on the bus, {int(judged['late'])} late), "
+              f"{int(_migrations(values, 'token_gap'))} tails recomputed, all exact")
 
 
 def _log_lines(proc: Proc, text: str) -> int:

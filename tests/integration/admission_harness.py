@@ -81,6 +81,22 @@ class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.S
         self.submit_reply_delay_s = 0.0
         """Submit answers this long after the request started generating (as a busy scheduler's reply can lag
         its first token on the bus)."""
+        self.live: set[str] = set()
+        """Requests generating now (Lookup answers them `live`)."""
+        self.recent: dict[str, events_pb2.Completion] = {}
+        """Every completion made, by request id (Lookup answers them `recent`, as a scheduler's publisher
+        does)."""
+        self.completion_delay_s: float | None = 0.0
+        """A completion is published on the bus this long after it is made (a copy Redis held up); None: never
+        (lost on the bus). Lookup knows it from the start either way."""
+        self.last_token_delay_s = 0.0
+        """The last token is published this long after its request ended (a completion that overtakes its last
+        delta on the bus)."""
+        self.later: set[asyncio.Task[None]] = set()
+        """Those late publications under way."""
+        self.lookup_publishes_first = False
+        """A Lookup first publishes on the bus each completion it answers with, then answers 0.3 s later (the
+        bus copy reaches admission while the Lookup is under way)."""
 
     async def Route(self, request: Any, context: Any) -> router_pb2.RouteResponse:
         if not self.ready:
@@ -118,6 +134,7 @@ class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.S
             self.refused_decode_halves -= 1
             await errors.abort(context, errors.Unavailable("Redis does not answer",
                                                            retry_after_s=self.refusal_retry_after_s))
+        self.live.add(request.request_id)
         self.tasks[request.request_id] = asyncio.create_task(self._run(request))
         if self.submit_reply_delay_s:
             await asyncio.sleep(self.submit_reply_delay_s)
@@ -129,23 +146,52 @@ class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.S
             return
         produced = 0
         status, reason = common_pb2.FINISHED_LENGTH, "length"
+        count = min(request.sampling.max_tokens, len(self.output))
+        held_back: events_pb2.TokenDelta | None = None
         try:
-            for index in range(min(request.sampling.max_tokens, len(self.output))):
+            for index in range(count):
                 if self.end_status is not None and index == 1 and not (
                         self.end_first_attempts_only and "#" in request.request_id):
                     status, reason = self.end_status, "error"
                     break
                 await asyncio.sleep(0.02)
-                await self.bus.publish_tokens(request.owner, [events_pb2.TokenDelta(
-                    request_id=request.request_id, index=index, token_ids=[self.output[index]])])
+                delta = events_pb2.TokenDelta(request_id=request.request_id, index=index,
+                                              token_ids=[self.output[index]])
+                if index == count - 1 and self.last_token_delay_s:
+                    held_back = delta
+                else:
+                    await self.bus.publish_tokens(request.owner, [delta])
                 produced += 1
         except asyncio.CancelledError:
             status, reason = common_pb2.CANCELLED, "cancelled"
-        await self.bus.publish_completion(events_pb2.Completion(
+        completion = events_pb2.Completion(
             request_id=request.request_id, tenant=request.tenant, status=status, finish_reason=reason,
             owner=request.owner, detail=self.end_detail if self.end_status is not None else "",
-            usage=common_pb2.Usage(input_tokens=len(request.prompt_token_ids),
-                                                        output_tokens=produced)))
+            usage=common_pb2.Usage(input_tokens=len(request.prompt_token_ids), output_tokens=produced))
+        self.recent[request.request_id] = completion
+        self.live.discard(request.request_id)
+        if held_back is not None:
+            self.later.add(asyncio.create_task(self._publish_later(request.owner, held_back)))
+        if self.completion_delay_s is None:
+            return
+        if self.completion_delay_s:
+            await asyncio.sleep(self.completion_delay_s)
+        await self.bus.publish_completion(completion)
+
+    async def _publish_later(self, owner: str, delta: events_pb2.TokenDelta) -> None:
+        await asyncio.sleep(self.last_token_delay_s)
+        await self.bus.publish_tokens(owner, [delta])
+
+    async def Lookup(self, request: scheduler_pb2.LookupRequest,
+                     context: Any) -> scheduler_pb2.LookupResponse:
+        reply = scheduler_pb2.LookupResponse(
+            live=[i for i in request.request_ids if i in self.live],
+            recent=[self.recent[i] for i in request.request_ids if i in self.recent])
+        if self.lookup_publishes_first and reply.recent:
+            for completion in reply.recent:
+                await self.bus.publish_completion(completion)
+            await asyncio.sleep(0.3)
+        return reply
 
     async def _prefill_completed_more_than_once(self, request: scheduler_pb2.SubmitRequest) -> None:
         await self.bus.publish_tokens(request.owner, [events_pb2.TokenDelta(
@@ -154,6 +200,7 @@ class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.S
                                      status=common_pb2.FINISHED_LENGTH, finish_reason="length", owner=request.owner,
                                      usage=common_pb2.Usage(input_tokens=len(request.prompt_token_ids),
                                                             output_tokens=1))
+        self.live.discard(request.request_id)
         for _ in range(self.prefill_completion_copies):
             await asyncio.sleep(0.05)
             await self.bus.publish_completion(done)
