@@ -80,8 +80,8 @@ class Wire:
         """While a call with a timeout is under way, the loop time past which the connection is aborted; else 0."""
         self._timer: asyncio.TimerHandle | None = None
         self._expired = False
-        self._heads: dict[tuple[bytes, int], bytes] = {}
-        """XADD's head (up to the first field) for each (stream key, number of fields) seen."""
+        self._heads: dict[tuple[str, int, int], bytes] = {}
+        """XADD's head (up to the first field) for each (stream key, maxlen, number of fields) seen."""
 
     async def _open(self) -> None:
         connection = await self.client.connection_pool.get_connection()  # connected, authenticated, selected
@@ -139,13 +139,12 @@ class Wire:
 
     def xadd_head(self, key: str, maxlen: int, fields: int) -> bytes:
         """Return the RESP of `XADD key MAXLEN ~ maxlen *` for an entry of `fields` field pairs (kept per key)."""
-        name = key.encode()
-        head = self._heads.get((name, fields))
+        head = self._heads.get((key, maxlen, fields))
         if head is None:
             if len(self._heads) > 4096:  # keys are a process's few streams; a bound all the same
                 self._heads.clear()
-            head = self._heads[(name, fields)] = b"*%d\r\n%s" % (
-                6 + 2 * fields, b"".join([_bulk(a) for a in ("XADD", name, "MAXLEN", "~", maxlen, "*")]))
+            head = self._heads[(key, maxlen, fields)] = b"*%d\r\n%s" % (
+                6 + 2 * fields, b"".join([_bulk(a) for a in ("XADD", key, "MAXLEN", "~", maxlen, "*")]))
         return head
 
     def _arm(self, timeout_s: float) -> None:
