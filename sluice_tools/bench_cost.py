@@ -14,7 +14,9 @@ Each measurement: a client process (`sluice_tools.bench_cost_client`) connects, 
 is read from /proc/PID/stat, the client streams `requests` completions of `max_tokens` tokens (ignore_eos) at the
 given concurrency, and the CPU is read again. CPU per token = CPU seconds over the window / tokens streamed.
 Targets alternate within each concurrency (and their order flips every repeat), so a change in the machine's
-load reaches both. The medians over repeats go into the table and the JSON.
+load reaches both. The medians over repeats go into the table and the JSON, and so do the ratios of the first
+Sluice target's path to every other target's (vLLM's API server, a `--baseline`): per repeat, from the two
+measured in that repeat, and their median (`ratios`).
 
 Sluice's "path" is admission (with its HTTP edge) + router + scheduler (with its worker link) + Redis; the
 worker is listed apart (with a real GPU it is the engine's own cost, the counterpart of vLLM's engine core).
@@ -46,7 +48,7 @@ from sluice.serve import EVENT_LOOP_ENV, default_event_loop
 from sluice_tools.bench_peers_procs import CpuMeter, Proc, spawn, wait_http
 from sluice_tools.stack import REPO_ROOT, Stack, StackConfig
 
-__all__ = ["Target", "main", "measure"]
+__all__ = ["Target", "main", "measure", "ratio_table", "ratios"]
 
 SLUICE_PATH = ("admission", "router", "scheduler", "redis")
 """The processes whose sum is Sluice's path."""
@@ -204,6 +206,41 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def ratios(results: dict[str, Any], reference: str = "sluice_http") -> dict[str, dict[str, dict[str, Any]]]:
+    """Return the reference target's path over every other target's, per concurrency: for each repeat (the two
+    measured in the same repeat, alternated, so a change in the machine's load reaches both) and the median of
+    those. {"<reference> / <target>": {concurrency: {"each_run": [...], "median": x}}}; {} without the reference."""
+    mine = results.get(reference)
+    if mine is None:
+        return {}
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for name, by_level in results.items():
+        if name == reference:
+            continue
+        per_level: dict[str, dict[str, Any]] = {}
+        for level, figures in by_level.items():
+            ours = mine.get(level)
+            if ours is None:
+                continue
+            pairs = [a / b for a, b in zip(ours["path_us_per_token_each_run"], figures["path_us_per_token_each_run"],
+                                           strict=False) if b > 0]
+            if pairs:
+                per_level[level] = {"each_run": [round(p, 3) for p in pairs],
+                                    "median": round(statistics.median(pairs), 3)}
+        out[f"{reference} / {name}"] = per_level
+    return out
+
+
+def ratio_table(by_pair: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """Return `ratios` as a Markdown table: one row per pair of targets and concurrency."""
+    lines = ["| path over path | concurrency | each repeat | median |", "|---|---:|---|---:|"]
+    for pair, by_level in by_pair.items():
+        for level, figures in by_level.items():
+            each = ", ".join(f"{r:.2f}" for r in figures["each_run"])
+            lines.append(f"| {pair} | {level} | {each} | **{figures['median']:.2f}** |")
+    return "\n".join(lines)
+
+
 UNBINDING_BUDGETS = f"""
 [budgets]
 max_active_requests = 8192
@@ -310,11 +347,14 @@ def _report(args: argparse.Namespace, results: dict[str, Any], started: float) -
     report = {"load": {"concurrency": args.concurrency, "repeats": args.repeats, "max_tokens": args.max_tokens,
                        "requests_per_stream": args.requests_per_stream, "scale_out": args.scale_out,
                        "elapsed_s": round(time.monotonic() - started)},
-              "results": results}
+              "results": results, "ratios": ratios(results)}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(table(results))
+    if report["ratios"]:
+        print()
+        print(ratio_table(report["ratios"]))
 
 
 if __name__ == "__main__":
