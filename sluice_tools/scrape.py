@@ -9,6 +9,7 @@ counts from zero.
 
 from __future__ import annotations
 
+import http.client
 import urllib.request
 from collections.abc import Callable, Iterable
 
@@ -19,19 +20,21 @@ __all__ = ["Scraper", "read_samples"]
 
 def read_samples(url: str, names: Iterable[str], timeout_s: float = 1.0, by_series: bool = False) -> dict[str, float]:
     """Return the named samples of one endpoint, each summed over its label sets, or with `by_series` one entry per
-    label set, keyed `name{a="x",b="y"}` (labels sorted; no labels: `name`). An unreachable endpoint: {}."""
+    label set, keyed `name{a="x",b="y"}` (labels sorted; no labels: `name`). An endpoint that cannot be read this
+    time: {} (unreachable, or a page cut off or garbled because its process died while answering, as a chaos
+    run's kill -9 does: `http.client.IncompleteRead` is no OSError, and a loop that let it out stopped counting)."""
     wanted = set(names)
+    totals: dict[str, float] = {}
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as reply:  # noqa: S310 (the stack's loopback URLs)
             text = reply.read().decode()
-    except OSError:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in wanted:
+                    key = _series(sample.name, sample.labels) if by_series else sample.name
+                    totals[key] = totals.get(key, 0.0) + float(sample.value)
+    except (OSError, http.client.HTTPException, UnicodeDecodeError, ValueError):
         return {}
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in wanted:
-                key = _series(sample.name, sample.labels) if by_series else sample.name
-                totals[key] = totals.get(key, 0.0) + float(sample.value)
     return totals
 
 

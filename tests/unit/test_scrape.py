@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from sluice.prom import serve_metrics
-from sluice_tools.scrape import Scraper
+from sluice_tools.scrape import Scraper, read_samples
 
 
 def _endpoint() -> tuple[str, Counter, Histogram]:
@@ -53,3 +56,41 @@ def test_delta_by_series_keeps_label_sets_apart_and_counts_a_restart_from_zero()
     urls.append(url_c)
     tokens_c.labels("y").inc(1)
     assert scraper.delta()['t_tokens_total{model="y"}'] == 1.0
+
+
+def _cut_off_endpoint(body: bytes, declared: int) -> str:
+    """A loopback HTTP endpoint that answers every request with `body` under a Content-Length of `declared` and
+    closes: a /metrics page whose process died while sending it (declared > len(body)), or a garbled one."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n%s"
+                             % (declared, body))
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}/metrics"
+
+
+def test_a_page_cut_off_or_garbled_counts_nothing_and_keeps_the_last_reading() -> None:
+    """A page cut off mid-body (IncompleteRead: a scheduler killed while answering) or one that is not the
+    exposition format reads as unreachable: no exception out of `delta` (a chaos run's scrape thread died of it and
+    stopped counting), nothing counted, and the endpoint's last reading kept, so its next good page counts only
+    what grew."""
+    url, tokens, _ = _endpoint()
+    urls = [url]
+    scraper = Scraper(lambda: urls, ["t_tokens_total"])
+    tokens.labels("x").inc(5)
+    assert scraper.delta() == {"t_tokens_total": 5.0}
+    page = b't_tokens_total{model="x"} 7.0\n'
+    for bad in (_cut_off_endpoint(page[:10], len(page)), _cut_off_endpoint(b"t_tokens_total{{{ not a page\n", 29)):
+        assert read_samples(bad, ["t_tokens_total"]) == {}
+    urls.append(_cut_off_endpoint(page[:10], len(page)))
+    tokens.labels("x").inc(2)
+    assert scraper.delta() == {"t_tokens_total": 2.0}
