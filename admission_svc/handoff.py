@@ -49,6 +49,7 @@ from admission_svc.migration import (
     MigrationCause,
     one_move_at_a_time,
     refusal_pause_s,
+    unconnected,
 )
 from sluice import telemetry
 from sluice.v1 import common_pb2, events_pb2, router_pb2, scheduler_pb2
@@ -181,6 +182,13 @@ class HandOffs:
         log.warning("request %s: its decode half's Submit to %s failed (%s: %s); placing it again",
                     record.request_id, pair.decode_replica_id, exc.code().name, exc.details())
         self._release(pair, "failed")
+        reached_none = unconnected(exc)
+        if reached_none:
+            # Nothing reached it (a decode scheduler restarting on its address): its channel is dropped and nothing
+            # is sent there to cancel, else the next hand-off to it met the channel's reconnect backoff and was
+            # refused at once, three times in ~80 ms although the scheduler was back (`sluice_tools.chaos --disagg
+            # 1:1`: 36 streams ended FAILED migration_limit so).
+            door.forget_scheduler(pair.decode_address)
         refused = record.attempt_id
         moves = record.migrations - record.handoffs
         if moves >= door.config.migration_limit:  # each refusal's new placement is a move, as a re-route is
@@ -194,7 +202,7 @@ class HandOffs:
         # The next attempt first, before anything is awaited (as Migrator.reroute): the REJECTED completion that
         # makes the router forget the refused attempt comes back to admission too, and must be another attempt's
         # by then; while the refused one was current it ended the request (REJECTED after its first token).
-        migrator._next_attempt(record, len(record.stream.tokens))  # noqa: SLF001
+        migrator._next_attempt(record, len(record.stream.tokens), cancel_old=not reached_none)  # noqa: SLF001
         migrator.forget_attempt(record, refused, pair.decode_replica_id, f"hand-off: {exc.code().name}")
         if exc.code() in REROUTE_CODES:
             with contextlib.suppress(grpc.aio.AioRpcError):

@@ -90,6 +90,13 @@ def refusal_pause_s(exc: grpc.aio.AioRpcError) -> float:
     none (a connection refused, or a refusal that names no delay)."""
     return min(errors.details_of(exc).retry_after_s or 0.0, REFUSAL_PAUSE_MAX_S)
 
+def unconnected(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether a failed call to a scheduler reached none: UNAVAILABLE without the scheduler's own status details
+    (connection refused, or the channel still backing off from an earlier refusal). Its channel is then dropped
+    (`FrontDoor.forget_scheduler`), so that a scheduler back on its address is dialled afresh."""
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and not exc.trailing_metadata()
+
+
 REROUTE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 """Submit failures after which admission routes the request again: the scheduler did not take it
 (UNAVAILABLE) or did not answer (DEADLINE_EXCEEDED; if it took it after all, the old attempt is cancelled
@@ -259,6 +266,8 @@ class Migrator:
         for address, reply in zip(addresses, replies, strict=True):
             if isinstance(reply, grpc.aio.AioRpcError):
                 log.info("renewing the owner lease at %s failed (%s)", address, reply.code().name)
+                if unconnected(reply):  # a restarted scheduler: the next renewal dials it afresh
+                    self.door.forget_scheduler(address)
             elif isinstance(reply, BaseException):
                 raise reply
 
@@ -311,6 +320,8 @@ class Migrator:
         except grpc.aio.AioRpcError as exc:
             # Only a refused connection is a dead process; a slow answer (a busy or stopped one) is left
             # to the router's heartbeat timeout, so that load alone never moves a request.
+            if unconnected(exc):  # a scheduler restarted on this address is dialled afresh by the next call
+                self.door.forget_scheduler(address)
             return exc.code() != grpc.StatusCode.UNAVAILABLE
         return True
 
@@ -399,10 +410,10 @@ class Migrator:
         replica_id, address, old_attempt = record.replica_id, record.scheduler_address, record.attempt_id
         # UNAVAILABLE without the scheduler's own status details: no connection, so nothing reached it to
         # cancel, and the channel is dropped (the next call dials afresh, not after grpc's reconnect backoff).
-        unconnected = exc.code() == grpc.StatusCode.UNAVAILABLE and not exc.trailing_metadata()
-        self._next_attempt(record, record.stream.offset, cancel_old=not unconnected)
+        reached_none = unconnected(exc)
+        self._next_attempt(record, record.stream.offset, cancel_old=not reached_none)
         self.forget_attempt(record, old_attempt, replica_id, f"rerouted: Submit {exc.code().name}")
-        if unconnected:
+        if reached_none:
             door.forget_scheduler(address)
         door.metrics.reroutes.labels(exc.code().name).inc()
         record.span.add_event("rerouted", attributes={

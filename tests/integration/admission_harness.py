@@ -62,6 +62,10 @@ class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.S
         """ReportUnreachable calls received."""
         self.pair = False
         """Route answers a prefill/decode pair (decode replica "r1", this same stand-in): a prefill half follows."""
+        self.decode_address = ""
+        """With `pair`: the decode scheduler's address the pair names ("": this stand-in's own)."""
+        self.on_report: Callable[[], Awaitable[None]] | None = None
+        """Awaited by each ReportUnreachable before it answers (e.g. a scheduler brought back on its address)."""
         self.prefill_completion_copies = 1
         """A prefill half (hold_kv) publishes its token, then its completion this many times, 50 ms apart (the bus
         delivers at least once; a Lookup fetches a copy of a completion that Redis held up, and the bus's own
@@ -107,7 +111,8 @@ class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.S
             return router_pb2.RouteResponse(replica_id="r-dead", scheduler_address=self.dead_address)
         if self.pair:
             return router_pb2.RouteResponse(replica_id="r0", scheduler_address=self.address,
-                                            decode_replica_id="r1", decode_scheduler_address=self.address,
+                                            decode_replica_id="r1",
+                                            decode_scheduler_address=self.decode_address or self.address,
                                             predicted_ttft_s=self.predicted_ttft_s)
         return router_pb2.RouteResponse(replica_id="r0", scheduler_address=self.address,
                                         predicted_ttft_s=self.predicted_ttft_s)
@@ -115,6 +120,8 @@ class StandInReplica(router_pb2_grpc.RouterServiceServicer, scheduler_pb2_grpc.S
     async def ReportUnreachable(self, request: router_pb2.ReportUnreachableRequest,
                                 context: Any) -> router_pb2.ReportUnreachableResponse:
         self.reports.append(request)
+        if self.on_report is not None:
+            await self.on_report()
         await asyncio.sleep(self.report_delay_s)
         return router_pb2.ReportUnreachableResponse(state=router_pb2.UNHEALTHY)
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import grpc
 import pytest
 from admission_harness import OUTPUT, StandInReplica, run, settle
 
 from admission_svc.frontdoor import FrontDoor, FrontDoorConfig
 from sluice import client as sdk
 from sluice.bus import Bus
+from sluice.v1 import scheduler_pb2_grpc
 
 NO_RETRY = sdk.RetryPolicy(max_attempts=1)
 
@@ -99,3 +101,38 @@ def test_a_decode_half_refused_with_a_retry_delay_is_placed_again_after_that_del
         assert f"{first}#5" in at and await settle(lambda: door.core.stats(0).active == 0)
 
     run(tmp_path, redis_url, namespace, body, door_config=FrontDoorConfig(migration_limit=2))
+
+
+def test_a_decode_scheduler_back_on_its_address_takes_the_next_decode_half_at_once(
+        tmp_path: Path, redis_url: str, namespace: str) -> None:
+    """The pair's decode scheduler is down when the hand-off comes (connection refused) and back on the same address
+    by the time the request is placed again: the next decode half reaches it (admission drops the channel that could
+    not connect instead of failing at once in its reconnect backoff), so the request completes with every token
+    within a migration limit of 1 (found by `sluice_tools.chaos --disagg 1:1`: 36 streams ended FAILED
+    migration_limit, each refused three times in ~80 ms by a decode scheduler the router had seen registered)."""
+    async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
+        door.publish_completion = bus.publish_completion
+        revived = grpc.aio.server()
+        scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(replica, revived)
+
+        async def revive() -> None:  # bound only now: a port bound before would hang the first Submit, not refuse it
+            if not replica.reports[1:]:
+                revived.add_insecure_port(replica.dead_address)
+                await revived.start()
+
+        replica.pair, replica.decode_address, replica.on_report = True, replica.dead_address, revive
+        try:
+            async with sdk.AsyncClient(target, api_key="k-acme", retry=NO_RETRY) as client:
+                generation = await client.generate_text("hi", max_tokens=5)
+        finally:
+            await revived.stop(None)
+        assert (generation.finish_reason, generation.usage.output_tokens) == ("length", 5)
+        first = generation.request_id
+        assert [(s.request_id, s.HasField("kv_source")) for s in replica.submitted] == [
+            (first, False), (f"{first}#2", False), (f"{first}#3", True)]  # #1 never reached a scheduler
+        at = replica.submitted_at
+        assert at[f"{first}#3"] - at[first] < 2.0, "the move did not wait for a timeout or a backoff"
+        assert [r.scheduler_address for r in replica.reports] == [replica.dead_address]
+        assert await settle(lambda: door.core.stats(0).active == 0) and door.core.released == 1
+
+    run(tmp_path, redis_url, namespace, body, door_config=FrontDoorConfig(migration_limit=1))
