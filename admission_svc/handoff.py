@@ -22,7 +22,10 @@ Rules
   streamed so far are recomputed on its prefill replica). A refusal that says when to come back (RetryInfo: a
   decode scheduler whose Redis is away answers 1 s) is waited for, at most `migration.REFUSAL_PAUSE_MAX_S`, before that
   placement: placing at once would find the same decode side still refusing and spend the migration limit in a
-  fraction of a second (the chaos run's FAILED `migration_limit` during 3 s Redis stalls). A client cancel during
+  fraction of a second (the chaos run's FAILED `migration_limit` during 3 s Redis stalls). A Submit that reached
+  no scheduler (`migration.unconnected`: a decode scheduler restarting on its address) drops that channel and
+  sends no Cancel there, so the next hand-off dials it afresh rather than meeting the old channel's reconnect
+  backoff. A client cancel during
   the hand-off reaches the decode
   scheduler (the record points there before the Submit is sent), which stops the transfer and releases both
   sides; one that came before the move ends the request CANCELLED here.
