@@ -532,10 +532,10 @@ class FrontDoor:
         completion = events_pb2.Completion.FromString(payload)
         if completion.owner and completion.owner != self.owner:
             return
-        if entry_id != FROM_LOOKUP:  # first: a copy of an attempt the request has moved away from counts too
-            self.lookups.on_bus_copy(completion)
         request_id = self.migrator.attempts.get(completion.request_id, completion.request_id)
         record = self.records.get(request_id)
+        if entry_id != FROM_LOOKUP:  # first: a copy of an attempt the request has moved away from counts too
+            self.lookups.on_bus_copy(completion, record)
         if record is not None:
             if record.attempt_id and completion.request_id != record.attempt_id:
                 return  # an attempt the request has moved away from

@@ -89,9 +89,9 @@ class Lookups:
         for forgotten in self.fetches.fetched(completion.request_id, request_id, time.monotonic()):
             self._judged(forgotten)
 
-    def on_bus_copy(self, completion: events_pb2.Completion) -> None:
-        """A completion came on the bus: noted on its request's record; if it was fetched before, it was late."""
-        record = self.door.records.get(self.door.migrator.attempts.get(completion.request_id, completion.request_id))
+    def on_bus_copy(self, completion: events_pb2.Completion, record: Tracked | None) -> None:
+        """A completion came on the bus: noted on its request's `record` (None: not tracked); if it was fetched
+        before, it was late."""
         if record is not None:
             record.bus_completions.add(completion.request_id)
         verdict = self.fetches.arrived(completion.request_id, time.monotonic())

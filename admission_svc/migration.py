@@ -90,6 +90,7 @@ def refusal_pause_s(exc: grpc.aio.AioRpcError) -> float:
     none (a connection refused, or a refusal that names no delay)."""
     return min(errors.details_of(exc).retry_after_s or 0.0, REFUSAL_PAUSE_MAX_S)
 
+
 def unconnected(exc: grpc.aio.AioRpcError) -> bool:
     """Whether a failed call to a scheduler reached none: UNAVAILABLE without the scheduler's own status details
     (connection refused, or the channel still backing off from an earlier refusal). Its channel is then dropped

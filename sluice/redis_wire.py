@@ -166,9 +166,14 @@ class Wire:
         if self._writer is not None:
             self._writer.transport.abort()  # the pending read ends (EOF): `exchange` raises the timeout
 
-    async def _drop(self) -> None:
+    def _detach(self) -> Any:
+        """Forget the connection and its streams; return it (None when there was none)."""
         connection, self.connection = self.connection, None
         self._stream = self._writer = self._replies = None
+        return connection
+
+    async def _drop(self) -> None:
+        connection = self._detach()
         self._expired = False
         if connection is not None:
             await connection.disconnect(nowait=True)
@@ -179,7 +184,6 @@ class Wire:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        connection, self.connection = self.connection, None
-        self._stream = self._writer = self._replies = None
+        connection = self._detach()
         if connection is not None:
             await self.client.connection_pool.release(connection)

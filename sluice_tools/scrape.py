@@ -33,7 +33,7 @@ def read_samples(url: str, names: Iterable[str], timeout_s: float = 1.0, by_seri
                 if sample.name in wanted:
                     key = _series(sample.name, sample.labels) if by_series else sample.name
                     totals[key] = totals.get(key, 0.0) + float(sample.value)
-    except (OSError, http.client.HTTPException, UnicodeDecodeError, ValueError):
+    except (OSError, http.client.HTTPException, ValueError):  # ValueError: a garbled page, UTF-8 included
         return {}
     return totals
 
