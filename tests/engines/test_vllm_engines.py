@@ -439,6 +439,14 @@ def test_kill_9_of_an_engine_mid_stream_loses_and_duplicates_no_token(vllm_stack
     streams.join(240)
     assert streams.ends == ["FINISHED_LENGTH"] * len(prompts), streams.ends
     assert streams.tokens == expected
+    if victim == "api_server":
+        # The streams can end on the other engine before the supervisor has even seen this one die, while the router
+        # still lists it READY: wait for the restarted process first, or the next test reads the dead one's pid (a
+        # full-suite run failed so: "no EngineCore process under <the killed server>").
+        deadline = time.monotonic() + 120
+        while engine.popen is None or engine.popen.pid == pid or engine.popen.poll() is not None:
+            assert time.monotonic() < deadline, "the supervisor did not restart the killed API server"
+            time.sleep(0.2)
     wait_ready(vllm_stack, "replica-1", 600)
 
 
