@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -246,14 +246,18 @@ def test_a_cancel_aborts_the_request_in_vllm_and_frees_its_kv(vllm_stack: Stack)
     # On a quiet machine vLLM streams the tiny model's 1,500 tokens in about a second, and under load the first
     # token can reach the client after the last one was made (CI saw the first chunk carry all 1,500 tokens: the
     # agent's publications came late and admission fetched the completion from the scheduler). So the test does not
-    # wait for a token: the request goes over HTTP, whose response head names it at once; the engine cores run
-    # throttled (a fifth of the time) until vLLM's own counter shows the request generating; then they are frozen
-    # while the cancel goes through, and when a core runs again its loop reads the API server's abort (the agent
-    # closed its connection) before its next step.
-    cores = []
+    # wait for a token: the request goes over HTTP, whose response head names it at once. Each engine's core and
+    # model worker are stopped (SIGSTOP) throughout and let run in slices of 5 ms; vLLM's own counter is read between
+    # slices, and the cancel goes through with them stopped. When a core runs again its loop reads the API server's
+    # abort (the agent closed its connection) before its next step.
+    # A slice can still last seconds: while vLLM generates, the test process can get no CPU at all (under load a
+    # `sleep 0.005` in a child shell was measured taking 3.8 s). Then the request ends before the cancel is sent,
+    # which proves nothing either way, and the test tries a new request.
+    engines: list[int] = []
     for replica in vllm_stack.replicas.values():
         assert replica.worker.popen is not None
-        cores.append(engine_core_pid(replica.worker.popen.pid))
+        core = engine_core_pid(replica.worker.popen.pid)
+        engines.extend([core, *descendants(core)])
 
     def generated() -> float:
         return sum(engine_metric(vllm_stack, i, "vllm:generation_tokens_total") for i in (0, 1))
@@ -263,26 +267,32 @@ def test_a_cancel_aborts_the_request_in_vllm_and_frees_its_kv(vllm_stack: Stack)
                       for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"))
         return engines == 0 and all(s.running == 0 and s.waiting == 0 for s in vllm_stack.scheduler_stats())
 
-    assert wait_until(idle, 60), "the engines did not go idle"
-    before = generated()
     url = urlsplit(vllm_stack.http_base_url)
-    conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=120)
     body = {"model": vllm_stack.model_id, "prompt": random_prompt(random.Random(3), 40), "max_tokens": 1500,
             "ignore_eos": True, "stream": True}
-    try:
-        with throttled(cores) as throttle:
-            conn.request("POST", url.path + "/completions", body=json.dumps(body),
-                         headers={"Authorization": "Bearer k-gold", "Content-Type": "application/json"})
-            response = conn.getresponse()
-            request_id = response.getheader("x-request-id") or ""
-            assert response.status == 200 and request_id
-            assert wait_until(lambda: generated() > before, 60), "vLLM never started the request"
-            throttle.freeze()
-            with sdk.Client(vllm_stack.endpoint, api_key="k-gold") as client:
-                status = client.cancel(request_id)
-            assert status in ("CANCELLED", "CANCELLING"), (status, generated() - before)
-    finally:
-        conn.close()
+    statuses: list[str] = []
+    for _ in range(4):
+        assert wait_until(idle, 60), "the engines did not go idle"
+        before = generated()
+        conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=120)
+        try:
+            with stopped(engines) as run_for:
+                conn.request("POST", url.path + "/completions", body=json.dumps(body),
+                             headers={"Authorization": "Bearer k-gold", "Content-Type": "application/json"})
+                response = conn.getresponse()
+                request_id = response.getheader("x-request-id") or ""
+                assert response.status == 200 and request_id
+                deadline = time.monotonic() + 60
+                while generated() <= before:
+                    assert time.monotonic() < deadline, "vLLM never started the request"
+                    run_for(0.005)
+                with sdk.Client(vllm_stack.endpoint, api_key="k-gold") as client:
+                    statuses.append(client.cancel(request_id))
+        finally:
+            conn.close()
+        if statuses[-1] != "FINISHED_LENGTH" or generated() - before < 1500:
+            break
+    assert statuses[-1] in ("CANCELLED", "CANCELLING"), statuses
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         busy = [engine_metric(vllm_stack, i, "vllm:num_requests_running") for i in (0, 1)]
@@ -304,46 +314,25 @@ def _status(stack: Stack, request_id: str) -> str:
         return client.get_request(request_id).status
 
 
-class _Throttle:
-    """SIGSTOP / SIGCONT cycles from a thread (see `throttled`); `freeze` stops the cycling with the processes
-    stopped."""
-
-    def __init__(self, pids: list[int], run_s: float, stopped_s: float) -> None:
-        self.pids, self.run_s, self.stopped_s = pids, run_s, stopped_s
-        self.done = threading.Event()
-        self.frozen = threading.Event()
-        self.thread = threading.Thread(target=self._cycle, name="throttle", daemon=True)
-
-    def _cycle(self) -> None:
-        while not self.done.is_set():
-            for pid in self.pids:
-                os.kill(pid, signal.SIGSTOP)
-            if self.frozen.is_set() or self.done.wait(self.stopped_s) or self.frozen.is_set():
-                return
-            for pid in self.pids:
-                os.kill(pid, signal.SIGCONT)
-            self.done.wait(self.run_s)
-
-    def freeze(self) -> None:
-        """Stop the processes and keep them stopped (until the context ends)."""
-        self.frozen.set()
-        self.done.set()
-        self.thread.join()
-        for pid in self.pids:
-            os.kill(pid, signal.SIGSTOP)
-
-
 @contextlib.contextmanager
-def throttled(pids: list[int], run_s: float = 0.01, stopped_s: float = 0.04) -> Iterator[_Throttle]:
-    """Let the processes run `run_s` in every `run_s + stopped_s` (SIGSTOP / SIGCONT from a thread); all of them run
-    freely again on leaving, whatever happened inside."""
-    throttle = _Throttle(pids, run_s, stopped_s)
-    throttle.thread.start()
+def stopped(pids: list[int]) -> Iterator[Callable[[float], None]]:
+    """The processes stopped (SIGSTOP) inside the block, which gets a function that lets them all run for about the
+    seconds it is given and stops them again; they all run freely again on leaving, whatever happened inside."""
+
+    def run_for(seconds: float) -> None:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        try:
+            time.sleep(seconds)
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
     try:
-        yield throttle
+        yield run_for
     finally:
-        throttle.done.set()
-        throttle.thread.join()
         for pid in pids:
             os.kill(pid, signal.SIGCONT)
 
@@ -388,25 +377,37 @@ def references(stack: Stack, prompts: list[list[int]], max_tokens: int) -> list[
     return [list(direct_completion(stack, 0, p, max_tokens)["choices"][0]["token_ids"]) for p in prompts]
 
 
+def _children() -> dict[int, list[int]]:
+    """Every process's children, from each one's parent in /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+    return children
+
+
+def descendants(pid: int) -> list[int]:
+    """The pids of every process below `pid`."""
+    children, found = _children(), []
+    pending = list(children.get(pid, []))
+    while pending:
+        found.append(pending.pop())
+        pending.extend(children.get(found[-1], []))
+    return found
+
+
 def engine_core_pid(api_server_pid: int, timeout_s: float = 30.0) -> int:
     """The pid of the engine-core descendant of a vLLM API server (its process title names it), waiting up to
     `timeout_s` for it. Every process's parent is read from /proc: the core need not be a child of the server's main
     thread (`/proc/PID/task/PID/children` lists only those; a full-suite run once found none there)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        parents: dict[int, list[int]] = {}
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                with contextlib.suppress(OSError, ValueError, IndexError):
-                    ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                    parents.setdefault(ppid, []).append(int(entry.name))
-        pending = list(parents.get(api_server_pid, []))
-        while pending:
-            pid = pending.pop()
+        for pid in descendants(api_server_pid):
             with contextlib.suppress(OSError):
                 if b"EngineCore" in Path(f"/proc/{pid}/cmdline").read_bytes():
                     return pid
-            pending.extend(parents.get(pid, []))
         if time.monotonic() > deadline:
             raise AssertionError(f"no EngineCore process under {api_server_pid} within {timeout_s} s")
         time.sleep(0.2)
