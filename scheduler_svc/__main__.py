@@ -119,6 +119,10 @@ class SchedulerOptions(serve.BusOptions):
     per round than gRPC); --no-round-link: over ExecuteStream."""
     no_pipeline: bool = False
     """Run rounds serially (plan, execute, apply) instead of planning round N+1 while round N executes."""
+    kv_linger_ms: float = 20.0
+    """Milliseconds a batch of KV events may wait for later rounds' events to go out with them as one `kv` entry (a
+    completion, a drain or stopping sends them at once); every entry costs every router a read, so this bounds a
+    replica's entries per second whatever its round rate; 0: each round's events go out at once."""
     publish_first_max_tokens: int = 64
     """Serial loop: rounds with at most this many tokens publish before the next round starts; larger ones
     publish while it runs (overlap pays once conversion costs more than the wait it adds). The pipelined
@@ -192,7 +196,7 @@ async def start(ctx: serve.ServiceContext, options: SchedulerOptions) -> serve.S
             publish_first_max_tokens=options.publish_first_max_tokens,
             tls_files=serve.tls_files(options, "scheduler"), bus_alive=_bus_alive(ctx),
             drain_timeout_s=options.drain_timeout, pipeline=not options.no_pipeline, role=options.role,
-            round_link=options.round_link))
+            round_link=options.round_link, kv_linger_s=options.kv_linger_ms / 1000.0))
     except (TimeoutError, ValueError) as exc:
         raise serve.StartupError(str(exc)) from exc
 
@@ -220,7 +224,7 @@ def _start_vllm(options: SchedulerOptions, bus: Bus, metrics: SchedulerMetrics,
         host=options.host, advertise_host=options.advertise_host, metrics=metrics,
         heartbeat_interval_s=options.heartbeat_interval, prefill_tokens_per_s=options.prefill_tokens_per_s,
         decode_round_s=options.decode_round_s, tls_files=serve.tls_files(options, "scheduler"),
-        bus_alive=_bus_alive(ctx), drain_timeout_s=options.drain_timeout)
+        bus_alive=_bus_alive(ctx), drain_timeout_s=options.drain_timeout, kv_linger_s=options.kv_linger_ms / 1000.0)
 
 
 def _bus_alive(ctx: serve.ServiceContext) -> Callable[[], bool]:

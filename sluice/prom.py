@@ -306,6 +306,9 @@ class SchedulerMetrics:
         self.round_duration = Histogram("sluice_round_duration_seconds",
                                         "Wall time of one scheduling round (plan, execute, result).",
                                         buckets=ROUND_BUCKETS, registry=r)
+        self._kv_entries = Counter("sluice_kv_event_entries", "KV event entries this replica published on the kv stream "
+                                   "(each one merges the events of the rounds within --kv-linger-ms).", registry=r)
+        self._kv_entry_events = Counter("sluice_kv_event_entry_events", "KV events in those entries.", registry=r)
         self.core_compiled = Gauge("sluice_scheduler_core_compiled",
                                    "1 when the scheduler core runs compiled by mypyc (make compiled), 0 from source.",
                                    registry=r)
@@ -376,6 +379,11 @@ class SchedulerMetrics:
                                         "charge took from the rounds planned.", registry=r)
         self.vllm = _VllmFamilies(r)
         self.bind_model(self.model_name)
+
+    def kv_entry_published(self, events: int) -> None:
+        """Count one KV event entry put on the kv stream, holding `events` events."""
+        self._kv_entries.inc()
+        self._kv_entry_events.inc(events)
 
     def bind_model(self, model_name: str) -> None:
         """Label the vLLM metrics with `model_name` from now on (the previous label's series are removed)."""
