@@ -119,10 +119,10 @@ class SchedulerOptions(serve.BusOptions):
     per round than gRPC); --no-round-link: over ExecuteStream."""
     no_pipeline: bool = False
     """Run rounds serially (plan, execute, apply) instead of planning round N+1 while round N executes."""
-    kv_linger_ms: float = 20.0
+    kv_linger_ms: float = 0.0
     """Milliseconds a batch of KV events may wait for later rounds' events to go out with them as one `kv` entry (a
-    completion, a drain or stopping sends them at once); every entry costs every router a read, so this bounds a
-    replica's entries per second whatever its round rate; 0: each round's events go out at once."""
+    completion, a drain or stopping sends them at once): at most one entry per linger per replica, whatever its round
+    rate; 0: each round's events go out with that round's publication."""
     publish_first_max_tokens: int = 64
     """Serial loop: rounds with at most this many tokens publish before the next round starts; larger ones
     publish while it runs (overlap pays once conversion costs more than the wait it adds). The pipelined

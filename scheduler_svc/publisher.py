@@ -11,11 +11,10 @@ some of it may have gone in and is repeated: token readers drop deltas they have
 and the routers' KV index are idempotent): events are delayed, never dropped, and each stream's entries
 keep their order.
 
-KV events may linger (`kv_linger_s`, the scheduler's --kv-linger-ms): a batch of them waits up to that long for
-later rounds' events and goes out with them as one `kv` entry. Each entry costs every router a read, a parse and an
-acknowledgement (about 200 µs of router CPU measured at concurrency 16), and a replica's rounds come every few
-milliseconds, so without a linger a router's load grows with every replica's round rate; with one, a replica sends at
-most one KV entry per linger whatever its round rate. Routing sees a stored prefix that much later. A completion,
+KV events may linger (`kv_linger_s`, the scheduler's --kv-linger-ms, off by default): a batch of them waits up to
+that long for later rounds' events and goes out with them as one `kv` entry, so a replica sends at most one KV entry
+per linger whatever its round rate (docs/kv-events.md has what it measured to save). Routing sees a stored prefix
+that much later. A completion,
 a flush (a drain) and stopping take the lingering events out at once, in the same round trip: a finished request's
 blocks reach Redis in the same write as its completion, as without a linger, for the conversation's next turn.
 

@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -68,7 +69,8 @@ class Replica:
 async def _replica(redis_url: str, namespace: str, *, num_blocks: int = 64, emulate_time: bool = False,
                    router_address: str = "", core_overrides: CoreOverrides | None = None,
                    pipeline: bool = True, use_stream: bool = True,
-                   worker_max_model_len: int | None = None, prefill_pair_s: float = 0.0) -> AsyncIterator[Replica]:
+                   worker_max_model_len: int | None = None, prefill_pair_s: float = 0.0,
+                   kv_linger_s: float = 0.0) -> AsyncIterator[Replica]:
     """A cost-model worker and a scheduler replica "r1" in front of it, publishing on a real Redis."""
     worker = await start_worker_server(WorkerRuntime(
         lambda: CostModel("llama-3-8b", "h200", max_model_len=worker_max_model_len),
@@ -78,6 +80,7 @@ async def _replica(redis_url: str, namespace: str, *, num_blocks: int = 64, emul
     replica = await start_replica(replica_id="r1", worker_address=f"127.0.0.1:{worker.port}", bus=bus,
                                   router_address=router_address, heartbeat_interval_s=0.1, pipeline=pipeline,
                                   use_stream=use_stream, prefill_pair_s=prefill_pair_s, round_link=ROUND_LINK,
+                                  kv_linger_s=kv_linger_s,
                                   core_overrides=core_overrides if callable(core_overrides) else
                                   {"max_model_len": 4096, **(core_overrides or {})})
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{replica.port}")
@@ -341,6 +344,29 @@ def test_small_rounds_tokens_go_to_redis_before_the_round_after_next_is_planned(
                     first += "publish" in upto[:upto.index("send")]
             assert ahead >= 5 and first >= ahead // 2 + 1, " ".join(log)
     asyncio.run(body())
+
+
+@pytest.mark.parametrize("linger_s", [0.0, 30.0])
+def test_with_a_kv_linger_a_requests_kv_events_go_out_as_one_entry_with_its_completion(
+        redis_url: str, namespace: str, linger_s: float) -> None:
+    """--kv-linger-ms reaches the publisher: with a linger longer than the request, every KV event its rounds made
+    goes out as one `kv` entry, with its completion, in event-id order; without one, they take several entries."""
+    async def body() -> list[list[int]]:
+        async with _replica(redis_url, namespace, emulate_time=True, kv_linger_s=linger_s) as r:
+            await r.stub.Submit(_submit("a", prompt_len=40, max_tokens=60))
+            [done] = await _completions(r.bus, 1)
+            assert done.status == common_pb2.FINISHED_LENGTH
+            entries: Any = await r.bus.client.xrange(r.bus.key(r.bus.kv_stream("r1")))
+            return [[e.event_id for e in events_pb2.KvEventBatch.FromString(fields[b"p"]).events]
+                    for _, fields in entries]
+
+    published = asyncio.run(body())
+    ids = [event_id for entry in published for event_id in entry]
+    assert len(ids) >= 5 and ids == sorted(ids) and len(set(ids)) == len(ids), published
+    if linger_s:
+        assert len(published) == 1, published
+    else:
+        assert len(published) > 1, published
 
 
 def test_a_submit_wakes_the_idle_loop_at_once_and_an_idle_loop_runs_no_rounds(redis_url: str, namespace: str) -> None:
