@@ -14,9 +14,9 @@ keep their order.
 KV events may linger (`kv_linger_s`, the scheduler's --kv-linger-ms, off by default): a batch of them waits up to
 that long for later rounds' events and goes out with them as one `kv` entry, so a replica sends at most one KV entry
 per linger whatever its round rate (docs/kv-events.md has what it measured to save). Routing sees a stored prefix
-that much later. A completion,
-a flush (a drain) and stopping take the lingering events out at once, in the same round trip: a finished request's
-blocks reach Redis in the same write as its completion, as without a linger, for the conversation's next turn.
+that much later. A completion, a flush (a drain) and stopping take the lingering events out at once, in the same
+round trip: a finished request's blocks reach Redis in the same write as its completion, as without a linger, for
+the conversation's next turn.
 
 Stopping (`close`, then `wait_closed`) publishes what is queued, but waits for Redis only `PUBLISH_GRACE_S` (and
 so does `flush`, which a drain calls):
@@ -99,11 +99,12 @@ class Publisher:
         self.on_kv_entry = on_kv_entry
         """Called with the number of events of each KV entry put on the wire (a metric)."""
         self._kv: events_pb2.KvEventBatch | None = None
-        """KV events lingering (merged, in order), and the loop time by which they go out."""
+        """KV events lingering (merged, in order)."""
         self._kv_due = 0.0
+        """The loop time by which they go out."""
         self._kv_timer: asyncio.TimerHandle | None = None
         self._kv_now = False
-        """Set by `flush`: the lingering events go out with the next publication."""
+        """Set by `flush` and the linger's timer: the next publication takes the lingering events out."""
 
     def put(self, out: Outgoing) -> None:
         """Queue a batch for publishing (after everything queued before it); remember its completions."""
@@ -134,9 +135,9 @@ class Publisher:
         """Wait until every batch queued so far has been handed to Redis, at most `grace_s`; return whether it was.
         Bounded because the callers are drains: a replica told to stop while Redis is gone waited here for ever (its
         publications are retried by `run` meanwhile, and `wait_closed` drops what is left when the process stops)."""
-        if self._kv is not None:
-            self._kv_now = True
-            self._outbox.put_nowait(Outgoing())  # wakes `run`, which takes the lingering events out
+        if self.kv_linger_s > 0:  # KV events lingering, or queued and about to: `run` takes them out with this
+            self._kv_now = True    # wake-up, which it reads with everything queued before it
+            self._outbox.put_nowait(Outgoing())
         try:
             await asyncio.wait_for(self._outbox.join(), grace_s)
         except TimeoutError:
@@ -175,7 +176,8 @@ class Publisher:
 
     def _linger(self, out: Outgoing, last: bool) -> None:
         """Hold `out`'s KV events back with those lingering, or put all of them in `out` when they are due: the
-        linger has passed, `out` carries a completion, a flush asked, or the publisher stops."""
+        linger has passed, `out` carries a completion, a flush or the timer asked, or the publisher stops."""
+        asked, self._kv_now = self._kv_now, False
         if out.kv is not None:
             if self._kv is None:
                 self._kv, out.kv = out.kv, None
@@ -187,8 +189,8 @@ class Publisher:
                 out.kv = None
         if self._kv is None:
             return
-        if last or self._kv_now or out.completions or asyncio.get_running_loop().time() >= self._kv_due:
-            out.kv, self._kv, self._kv_now = self._kv, None, False
+        if last or asked or out.completions or asyncio.get_running_loop().time() >= self._kv_due:
+            out.kv, self._kv = self._kv, None
             if self._kv_timer is not None:
                 self._kv_timer.cancel()
                 self._kv_timer = None

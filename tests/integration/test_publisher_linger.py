@@ -90,12 +90,15 @@ def test_lingering_events_go_out_when_the_linger_ends(redis_url: str, namespace:
     assert after_s >= 0.19
 
 
-@pytest.mark.parametrize("how", ["flush", "close"])
+@pytest.mark.parametrize("how", ["flush", "flush_at_once", "close"])
 def test_a_flush_or_stopping_publishes_the_lingering_events(redis_url: str, namespace: str, how: str) -> None:
     """A drain's flush (True: all handed to Redis) and stopping publish lingering events at once, whatever is left
-    of the linger."""
+    of the linger; so does a flush called while the events are still queued (not lingering yet)."""
     async def body(bus: Bus, publisher: Publisher, sizes: list[int]) -> list[list[int]]:
         publisher.put(_kv(1))
+        if how == "flush_at_once":
+            assert await publisher.flush(grace_s=30.0)
+            return await _kv_entries(bus)
         await publisher._outbox.join()
         assert await _kv_entries(bus) == []
         if how == "flush":
