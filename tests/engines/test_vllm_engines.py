@@ -263,9 +263,9 @@ def test_a_cancel_aborts_the_request_in_vllm_and_frees_its_kv(vllm_stack: Stack)
         return sum(engine_metric(vllm_stack, i, "vllm:generation_tokens_total") for i in (0, 1))
 
     def idle() -> bool:  # nothing left of earlier tests: every token vLLM makes from here on is this request's
-        engines = sum(engine_metric(vllm_stack, i, name) for i in (0, 1)
-                      for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"))
-        return engines == 0 and all(s.running == 0 and s.waiting == 0 for s in vllm_stack.scheduler_stats())
+        requests = sum(engine_metric(vllm_stack, i, name) for i in (0, 1)
+                       for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"))
+        return requests == 0 and all(s.running == 0 and s.waiting == 0 for s in vllm_stack.scheduler_stats())
 
     url = urlsplit(vllm_stack.http_base_url)
     body = {"model": vllm_stack.model_id, "prompt": random_prompt(random.Random(3), 40), "max_tokens": 1500,
