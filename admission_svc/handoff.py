@@ -23,7 +23,7 @@ Rules
   decode scheduler whose Redis is away answers 1 s) is waited for, at most `migration.REFUSAL_PAUSE_MAX_S`, before that
   placement: placing at once would find the same decode side still refusing and spend the migration limit in a
   fraction of a second (the chaos run's FAILED `migration_limit` during 3 s Redis stalls). A Submit that reached
-  no scheduler (`migration.unconnected`: a decode scheduler restarting on its address) drops that channel and
+  no scheduler (`Migrator.unreached`: a decode scheduler restarting on its address) drops that channel and
   sends no Cancel there, so the next hand-off dials it afresh rather than meeting the old channel's reconnect
   backoff. A client cancel during
   the hand-off reaches the decode
@@ -52,7 +52,6 @@ from admission_svc.migration import (
     MigrationCause,
     one_move_at_a_time,
     refusal_pause_s,
-    unconnected,
 )
 from sluice import telemetry
 from sluice.v1 import common_pb2, events_pb2, router_pb2, scheduler_pb2
@@ -185,13 +184,11 @@ class HandOffs:
         log.warning("request %s: its decode half's Submit to %s failed (%s: %s); placing it again",
                     record.request_id, pair.decode_replica_id, exc.code().name, exc.details())
         self._release(pair, "failed")
-        reached_none = unconnected(exc)
-        if reached_none:
-            # Nothing reached it (a decode scheduler restarting on its address): its channel is dropped and nothing
-            # is sent there to cancel, else the next hand-off to it met the channel's reconnect backoff and was
-            # refused at once, three times in ~80 ms although the scheduler was back (`sluice_tools.chaos --disagg
-            # 1:1`: 36 streams ended FAILED migration_limit so).
-            door.forget_scheduler(pair.decode_address)
+        # Nothing reached it (a decode scheduler restarting on its address): its channel is dropped and nothing is
+        # sent there to cancel, else the next hand-off to it met the channel's reconnect backoff and was refused at
+        # once, three times in ~80 ms although the scheduler was back (`sluice_tools.chaos --disagg 1:1`: 36
+        # streams ended FAILED migration_limit so).
+        reached_none = migrator.unreached(pair.decode_address, exc)
         refused = record.attempt_id
         moves = record.migrations - record.handoffs
         if moves >= door.config.migration_limit:  # each refusal's new placement is a move, as a re-route is

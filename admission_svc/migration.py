@@ -93,8 +93,8 @@ def refusal_pause_s(exc: grpc.aio.AioRpcError) -> float:
 
 def unconnected(exc: grpc.aio.AioRpcError) -> bool:
     """Whether a failed call to a scheduler reached none: UNAVAILABLE without the scheduler's own status details
-    (connection refused, or the channel still backing off from an earlier refusal). Its channel is then dropped
-    (`FrontDoor.forget_scheduler`), so that a scheduler back on its address is dialled afresh."""
+    (connection refused, or the channel still backing off from an earlier refusal); `Migrator.unreached` then drops
+    its channel."""
     return exc.code() == grpc.StatusCode.UNAVAILABLE and not exc.trailing_metadata()
 
 
@@ -267,8 +267,7 @@ class Migrator:
         for address, reply in zip(addresses, replies, strict=True):
             if isinstance(reply, grpc.aio.AioRpcError):
                 log.info("renewing the owner lease at %s failed (%s)", address, reply.code().name)
-                if unconnected(reply):  # a restarted scheduler: the next renewal dials it afresh
-                    self.door.forget_scheduler(address)
+                self.unreached(address, reply)  # a restarted scheduler: the next renewal dials it afresh
             elif isinstance(reply, BaseException):
                 raise reply
 
@@ -321,9 +320,17 @@ class Migrator:
         except grpc.aio.AioRpcError as exc:
             # Only a refused connection is a dead process; a slow answer (a busy or stopped one) is left
             # to the router's heartbeat timeout, so that load alone never moves a request.
-            if unconnected(exc):  # a scheduler restarted on this address is dialled afresh by the next call
-                self.door.forget_scheduler(address)
+            self.unreached(address, exc)  # a scheduler restarted on this address is dialled afresh by the next call
             return exc.code() != grpc.StatusCode.UNAVAILABLE
+        return True
+
+    def unreached(self, address: str, exc: grpc.aio.AioRpcError) -> bool:
+        """Whether a failed call to the scheduler at `address` reached none (`unconnected`); if so its channel is
+        dropped, so that a scheduler back on that address is dialled afresh by the next call, not after gRPC's
+        reconnect backoff."""
+        if not unconnected(exc):
+            return False
+        self.door.forget_scheduler(address)
         return True
 
     # ---- the move -------------------------------------------------------------------------------
@@ -409,13 +416,10 @@ class Migrator:
                 or record.completion is not None):
             return False
         replica_id, address, old_attempt = record.replica_id, record.scheduler_address, record.attempt_id
-        # UNAVAILABLE without the scheduler's own status details: no connection, so nothing reached it to
-        # cancel, and the channel is dropped (the next call dials afresh, not after grpc's reconnect backoff).
-        reached_none = unconnected(exc)
+        # A Submit that reached no scheduler left nothing there to cancel (and its channel is dropped).
+        reached_none = self.unreached(address, exc)
         self._next_attempt(record, record.stream.offset, cancel_old=not reached_none)
         self.forget_attempt(record, old_attempt, replica_id, f"rerouted: Submit {exc.code().name}")
-        if reached_none:
-            door.forget_scheduler(address)
         door.metrics.reroutes.labels(exc.code().name).inc()
         record.span.add_event("rerouted", attributes={
             "sluice.from_replica_id": replica_id, "sluice.code": exc.code().name,
