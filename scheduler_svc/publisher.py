@@ -100,9 +100,8 @@ class Publisher:
         """Called with the number of events of each KV entry put on the wire (a metric)."""
         self._kv: events_pb2.KvEventBatch | None = None
         """KV events lingering (merged, in order)."""
-        self._kv_due = 0.0
-        """The loop time by which they go out."""
         self._kv_timer: asyncio.TimerHandle | None = None
+        """Ends their linger (`_kv_wake`)."""
         self._kv_now = False
         """Set by `flush` and the linger's timer: the next publication takes the lingering events out."""
 
@@ -176,20 +175,18 @@ class Publisher:
 
     def _linger(self, out: Outgoing, last: bool) -> None:
         """Hold `out`'s KV events back with those lingering, or put all of them in `out` when they are due: the
-        linger has passed, `out` carries a completion, a flush or the timer asked, or the publisher stops."""
+        linger's timer or a flush asked, `out` carries a completion, or the publisher stops."""
         asked, self._kv_now = self._kv_now, False
         if out.kv is not None:
             if self._kv is None:
                 self._kv, out.kv = out.kv, None
-                loop = asyncio.get_running_loop()
-                self._kv_due = loop.time() + self.kv_linger_s
-                self._kv_timer = loop.call_at(self._kv_due, self._kv_wake)
+                self._kv_timer = asyncio.get_running_loop().call_later(self.kv_linger_s, self._kv_wake)
             else:
                 self._kv.events.extend(out.kv.events)
                 out.kv = None
         if self._kv is None:
             return
-        if last or asked or out.completions or asyncio.get_running_loop().time() >= self._kv_due:
+        if last or asked or out.completions:
             out.kv, self._kv = self._kv, None
             if self._kv_timer is not None:
                 self._kv_timer.cancel()
