@@ -45,7 +45,7 @@ from typing import Any
 from sluice.config import DEFAULT_API_KEY
 from sluice.redis_server import free_port
 from sluice.serve import EVENT_LOOP_ENV, default_event_loop
-from sluice_tools.bench_peers_procs import CpuMeter, Proc, spawn, wait_http
+from sluice_tools.bench_peers_procs import CpuMeter, Proc, descendants, spawn, wait_http
 from sluice_tools.stack import REPO_ROOT, Stack, StackConfig
 
 __all__ = ["Target", "main", "measure", "ratio_table", "ratios"]
@@ -158,21 +158,10 @@ def start_vllm(python: str, run_dir: Path) -> tuple[Proc, Target]:
     proc = spawn("vllm", vllm_command(spec, python), run_dir, env=vllm_env(spec), url=spec.url)
     wait_http(proc, "/health", timeout_s=600)
     root = proc.popen.pid
-    children = [pid for pid in _descendants(root) if pid != root]
+    children = descendants(root)
     target = Target("vllm", ["--url", spec.url, "--model", spec.served_name],
                     {"api_server": [root], "engine": children}, ("api_server",), own_only={"api_server"})
     return proc, target
-
-
-def _descendants(root: int) -> list[int]:
-    from sluice_tools.bench_peers_procs import _children
-
-    tree, out, todo = _children(), [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(tree.get(pid, []))
-    return out
 
 
 def run(targets: Sequence[Target], levels: Sequence[int], repeats: int, max_tokens: int,

@@ -149,6 +149,16 @@ def _children() -> dict[int, list[int]]:
     return tree
 
 
+def descendants(root: int) -> list[int]:
+    """Return the pids of every process below `root` (its children, theirs, and so on), read from /proc."""
+    tree, out = _children(), []
+    todo = list(tree.get(root, []))
+    while todo:
+        out.append(todo.pop())
+        todo.extend(tree.get(out[-1], []))
+    return out
+
+
 def _stat_fields(pid: int) -> list[str]:
     """Fields of /proc/PID/stat after the command name (state is [0], ppid [1]); [] when gone."""
     try:

@@ -33,6 +33,7 @@ from scheduler_svc.engines.vllm import hashing
 from sluice import client as sdk
 from sluice.hashing import hash_chain, salt_of
 from sluice.v1 import router_pb2, router_pb2_grpc
+from sluice_tools.bench_peers_procs import descendants
 from sluice_tools.stack import Stack
 from tests.engines.conftest import direct_completion, engine_metric, engine_url
 from tests.processes import wait_until
@@ -375,27 +376,6 @@ class Streams:
 
 def references(stack: Stack, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     return [list(direct_completion(stack, 0, p, max_tokens)["choices"][0]["token_ids"]) for p in prompts]
-
-
-def _children() -> dict[int, list[int]]:
-    """Every process's children, from each one's parent in /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry.name))
-    return children
-
-
-def descendants(pid: int) -> list[int]:
-    """The pids of every process below `pid`."""
-    children, found = _children(), []
-    pending = list(children.get(pid, []))
-    while pending:
-        found.append(pending.pop())
-        pending.extend(children.get(found[-1], []))
-    return found
 
 
 def engine_core_pid(api_server_pid: int, timeout_s: float = 30.0) -> int:
