@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -171,6 +172,13 @@ def worker_sized_overrides(options: SchedulerOptions) -> Callable[[worker_pb2.Wo
     return lambda info: core_overrides(options, info.max_model_len or DEFAULT_MAX_MODEL_LEN)
 
 
+def kv_linger_seconds(options: SchedulerOptions) -> float:
+    """--kv-linger-ms in seconds; raises StartupError naming the flag unless it is a finite number >= 0."""
+    if not 0 <= options.kv_linger_ms < math.inf:
+        raise serve.StartupError(f"--kv-linger-ms {options.kv_linger_ms}: must be a finite number >= 0")
+    return options.kv_linger_ms / 1000.0
+
+
 async def start(ctx: serve.ServiceContext, options: SchedulerOptions) -> serve.Started:
     """Wait for the worker (or engine), then serve and register; returns how to drain (finish work, then cancel
     the rest)."""
@@ -180,13 +188,14 @@ async def start(ctx: serve.ServiceContext, options: SchedulerOptions) -> serve.S
         raise serve.StartupError("--worker HOST:PORT is required with --engine sluice")
     if options.engine == "vllm" and not options.engine_url:
         raise serve.StartupError("--engine-url http://HOST:PORT is required with --engine vllm")
+    kv_linger_s = kv_linger_seconds(options)
     metrics = SchedulerMetrics()
     metrics.core_compiled.set(1 if core_compiled else 0)
     log.info("scheduler core: %s", "compiled (mypyc)" if core_compiled else "pure Python")
     ctx.expose_metrics(metrics.registry)
     bus = await serve.open_bus(ctx, options)
     try:
-        replica = await (_start_vllm(options, bus, metrics, ctx) if options.engine == "vllm" else start_replica(
+        replica = await (_start_vllm(options, bus, metrics, ctx, kv_linger_s) if options.engine == "vllm" else start_replica(
             replica_id=options.replica_id, worker_address=options.worker, bus=bus, router_address=options.router,
             kv_worker_address=options.kv_worker_address, kv_room_wait_s=options.kv_room_wait,
             port=options.port, host=options.host, advertise_host=options.advertise_host,
@@ -196,7 +205,7 @@ async def start(ctx: serve.ServiceContext, options: SchedulerOptions) -> serve.S
             publish_first_max_tokens=options.publish_first_max_tokens,
             tls_files=serve.tls_files(options, "scheduler"), bus_alive=_bus_alive(ctx),
             drain_timeout_s=options.drain_timeout, pipeline=not options.no_pipeline, role=options.role,
-            round_link=options.round_link, kv_linger_s=options.kv_linger_ms / 1000.0))
+            round_link=options.round_link, kv_linger_s=kv_linger_s))
     except (TimeoutError, ValueError) as exc:
         raise serve.StartupError(str(exc)) from exc
 
@@ -208,7 +217,7 @@ async def start(ctx: serve.ServiceContext, options: SchedulerOptions) -> serve.S
 
 
 def _start_vllm(options: SchedulerOptions, bus: Bus, metrics: SchedulerMetrics,
-                ctx: serve.ServiceContext) -> Awaitable[RunningReplica]:
+                ctx: serve.ServiceContext, kv_linger_s: float) -> Awaitable[RunningReplica]:
     from scheduler_svc.engines.vllm.replica import (  # only this engine needs zmq
         EngineSettings,
         start_vllm_replica,
@@ -224,7 +233,7 @@ def _start_vllm(options: SchedulerOptions, bus: Bus, metrics: SchedulerMetrics,
         host=options.host, advertise_host=options.advertise_host, metrics=metrics,
         heartbeat_interval_s=options.heartbeat_interval, prefill_tokens_per_s=options.prefill_tokens_per_s,
         decode_round_s=options.decode_round_s, tls_files=serve.tls_files(options, "scheduler"),
-        bus_alive=_bus_alive(ctx), drain_timeout_s=options.drain_timeout, kv_linger_s=options.kv_linger_ms / 1000.0)
+        bus_alive=_bus_alive(ctx), drain_timeout_s=options.drain_timeout, kv_linger_s=kv_linger_s)
 
 
 def _bus_alive(ctx: serve.ServiceContext) -> Callable[[], bool]:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -92,8 +93,8 @@ class Publisher:
         self.recent_limit = recent_limit
         self.recent: OrderedDict[str, events_pb2.Completion] = OrderedDict()
         """The last `recent_limit` completions queued, by request id (oldest first)."""
-        if kv_linger_s < 0:
-            raise ValueError(f"kv_linger_s {kv_linger_s}: must be >= 0")
+        if not 0 <= kv_linger_s < math.inf:
+            raise ValueError(f"kv_linger_s {kv_linger_s}: must be a finite number >= 0")
         self.kv_linger_s = kv_linger_s
         """Seconds KV events may wait for later rounds' to go out with them (0: each publication takes its own)."""
         self.on_kv_entry = on_kv_entry

@@ -10,8 +10,10 @@ from typing import Any
 import pytest
 from opentelemetry.context import Context
 
+from scheduler_svc.__main__ import kv_linger_seconds, parse_args
 from scheduler_svc.publisher import Outgoing, Publisher
 from sluice.bus import PAYLOAD_FIELD, Bus, redis_client
+from sluice.serve import StartupError
 from sluice.v1 import events_pb2
 
 pytestmark = pytest.mark.redis
@@ -121,6 +123,12 @@ def test_without_a_linger_each_publication_has_its_own_entry(redis_url: str, nam
     assert _scenario(redis_url, namespace, 0.0, body) == [[1], [2], [3]]
 
 
-def test_a_negative_linger_is_refused() -> None:
+@pytest.mark.parametrize("linger_ms", ["-1", "nan", "inf"])
+def test_a_negative_or_not_finite_linger_is_refused_naming_it(linger_ms: str) -> None:
+    """The flag stops the scheduler at start naming it (before it waits for its worker); the publisher refuses
+    such a linger too."""
+    with pytest.raises(StartupError, match="--kv-linger-ms"):
+        kv_linger_seconds(parse_args(["--replica-id", "r", "--kv-linger-ms", linger_ms]))
     with pytest.raises(ValueError, match="kv_linger_s"):
-        Publisher(None, kv_linger_s=-0.001)  # type: ignore[arg-type]
+        Publisher(None, kv_linger_s=float(linger_ms) / 1000)  # type: ignore[arg-type]
+    assert kv_linger_seconds(parse_args(["--replica-id", "r", "--kv-linger-ms", "20"])) == 0.02
