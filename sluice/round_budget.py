@@ -8,12 +8,22 @@ the target (short rounds) or misses it (on 4 x H200 with Llama-3-8B a full 2,048
     max_num_batched_tokens = largest B (a multiple of `granule`) with
         round_time(query=B, attended_pairs=B * context + B * (B + 1) / 2, kv_read=0, sampled=seqs)
             <= headroom * tpot_slo
+    max_num_seqs           = largest S (a multiple of `seat_granule`, at most `max_seats`) with
+        round_time(query=S, attended_pairs=S * context, kv_read=S * context, sampled=S) <= headroom * tpot_slo
     max_kv_read_tokens     = largest R (a multiple of `granule`) with
-        round_time(query=seqs, attended_pairs=R, kv_read=R, sampled=seqs) <= headroom * tpot_slo
+        round_time(query=S, attended_pairs=R, kv_read=R, sampled=S) <= headroom * tpot_slo
     attention_pairs_per_token = largest K with, for the deepest chunk (start D = max_context) that the
         charge lets into a round, n = B * K / (K + D - context):
         round_time(query=n, attended_pairs=n * D + n * (n + 1) / 2, kv_read=D + n, sampled=1)
             <= headroom * tpot_slo
+
+The seat cap S follows from the same rule: every running request decodes in every round, so S is how many
+decodes at `context` tokens each fit one round within the target. A fixed cap below that binds before the
+KV cache or the GPU do: on Llama-3-8B / H200 at TPOT 50 ms the derived S is 576 against a fixed 256, and at
+the chat mixes' capacity the fixed 256 kept every replica full of decodes for 9-17 s of a minute while its
+KV cache was under 60 % used, so new requests waited for a seat and missed TTFT (docs/simulator.md,
+"The seat cap"). vLLM's own default on H100/H200-class GPUs is 1,024 seats, the default `max_seats`; the
+KV-read budget R, not the seat count, is what keeps a round of long contexts within the target.
 
 The token budget B is sized for a chunk attending to `context` earlier tokens; a chunk of a long prompt
 attends to tens of thousands (Mooncake), and a round of B such tokens takes 2-4x the target. So the core
@@ -61,6 +71,9 @@ class RoundBudget:
     the time model (no charge)."""
     attention_free_context: int = 0
     """Context depth the token budget was sized at (`context_tokens`): attention within it is not charged."""
+    max_num_seqs: int | None = None
+    """Running requests (seats): the decodes at `attention_free_context` tokens that fit one round; None: the
+    time model has no KV-read term (it cannot say; the configured cap stays)."""
 
 
 def linear_round_time(prefill_tokens_per_s: float, decode_round_s: float, pair_s: float = 0.0) -> RoundTime:
@@ -93,12 +106,13 @@ def _largest(fits: Callable[[int], bool], granule: int, limit: int) -> int:
 def derive_round_budget(tpot_slo_s: float, round_time: RoundTime, *, max_num_seqs: int = 256,
                         context_tokens: int = 2048, granule: int = 64, headroom: float = 0.9,
                         max_tokens: int = 16384, max_kv_read: int = 1 << 24, min_kv_read: int = 0,
-                        max_context: int = 1 << 17) -> RoundBudget:
+                        max_context: int = 1 << 17, max_seats: int = 1024, seat_granule: int = 16) -> RoundBudget:
     """Return the largest per-round budgets whose rounds take at most `headroom * tpot_slo_s` (module docstring).
 
     `context_tokens`: context a prefill chunk attends to besides itself, what the token budget is sized
     for (a chunk of a long prompt reads more: the attention charge pays for the rest); `max_num_seqs`:
-    decodes sampled in a KV-bound round; `min_kv_read`: the KV-read budget is never below it (pass
+    decodes sampled in a KV-bound round when the model has no KV-read term (with one, the derived seat cap
+    is, up to `max_seats`, in multiples of `seat_granule`); `min_kv_read`: the KV-read budget is never below it (pass
     max_model_len: the core refuses a request whose whole context exceeds the cap, and one long request
     alone decodes well within the target); `max_context`: the deepest position a chunk starts at (pass
     max_model_len), where the attention charge is sized. Raises
@@ -108,7 +122,14 @@ def derive_round_budget(tpot_slo_s: float, round_time: RoundTime, *, max_num_seq
     if tpot_slo_s <= 0 or not 0 < headroom <= 1:
         raise ValueError(f"need tpot_slo_s > 0 and headroom in (0, 1], got {tpot_slo_s}, {headroom}")
     target = headroom * tpot_slo_s
-    seqs = max(max_num_seqs, 1)
+    has_kv_term = getattr(round_time, "has_kv_term", True)
+    seats: int | None = None
+    if has_kv_term:
+        def seats_fit(s: int) -> bool:
+            return round_time(s, s * context_tokens, s * context_tokens, s) <= target
+
+        seats = _largest(seats_fit, seat_granule, max(max_seats, seat_granule))
+    seqs = seats if seats is not None else max(max_num_seqs, 1)
 
     def tokens_fit(b: int) -> bool:
         return round_time(b, b * context_tokens + b * (b + 1) // 2, 0, min(b, seqs)) <= target
@@ -116,14 +137,13 @@ def derive_round_budget(tpot_slo_s: float, round_time: RoundTime, *, max_num_seq
     def kv_fits(r: int) -> bool:
         return round_time(seqs, r, r, seqs) <= target
 
-    has_kv_term = getattr(round_time, "has_kv_term", True)
     if not tokens_fit(granule) or (has_kv_term and not kv_fits(granule)):
         raise ValueError(f"a round of {granule} tokens or {seqs} decodes already takes over the "
                          f"{target * 1e3:.1f} ms target: the TPOT target cannot be met on this replica")
     tokens = _largest(tokens_fit, granule, max_tokens)
     kv_read = max(_largest(kv_fits, granule, max_kv_read), min_kv_read) if has_kv_term else None
     pairs_per_token = _attention_pairs_per_token(round_time, target, tokens, context_tokens, max_context)
-    return RoundBudget(tokens, kv_read, target, pairs_per_token, context_tokens)
+    return RoundBudget(tokens, kv_read, target, pairs_per_token, context_tokens, seats)
 
 
 def _attention_pairs_per_token(round_time: RoundTime, target: float, tokens: int, context: int,

@@ -152,8 +152,9 @@ def vllm_default(config: SimConfig) -> SimConfig:
 
 
 def with_slo_budget(config: SimConfig) -> SimConfig:
-    """Return `config` whose round budgets (query tokens, KV read, the attention charge of deep chunks) are derived
-    from its TPOT target and the cost model of its model and GPU (sluice.round_budget), instead of fixed numbers."""
+    """Return `config` whose round budgets (query tokens, KV read, the attention charge of deep chunks, the seat
+    cap) are derived from its TPOT target and the cost model of its model and GPU (sluice.round_budget), instead of
+    fixed numbers (the configured max_num_seqs included: the seats are the decodes that fit a round)."""
     from sluice.round_budget import derive_round_budget
     from worker_svc.costmodel import CostModel, RoundShape
 
@@ -166,8 +167,9 @@ def with_slo_budget(config: SimConfig) -> SimConfig:
     max_model_len = config.max_model_len or DEFAULT_MAX_MODEL_LEN.get(config.model, cost.max_model_len)
     budget = derive_round_budget(config.slo_tpot_s, round_time, max_num_seqs=config.scheduler.max_num_seqs,
                                  min_kv_read=max_model_len, max_context=max_model_len)
+    seats = config.scheduler.max_num_seqs if budget.max_num_seqs is None else budget.max_num_seqs
     return replace(config, scheduler=replace(config.scheduler, max_num_batched_tokens=budget.max_num_batched_tokens,
-                                             max_kv_read_tokens=budget.max_kv_read_tokens,
+                                             max_kv_read_tokens=budget.max_kv_read_tokens, max_num_seqs=seats,
                                              attention_pairs_per_token=budget.attention_pairs_per_token,
                                              attention_free_context=budget.attention_free_context))
 
