@@ -268,6 +268,57 @@ def format_capacity(results: Mapping[str, Any], ideal_prefix_hit_rate: float | N
     return "\n".join(lines)
 
 
+_OTHER_ROUTERS = frozenset({"round_robin", "random", "least_loaded", "prefix_only", "dynamo_kv", "llm_d"})
+"""Router words of the baselines and the competitors: a `--compare` row naming one is not Sluice's."""
+_SCORE_ONLY = ("prefill-weight=", "load-bound=", "on-time", "score")
+"""Words that only the score router reads: a competitor given "the same levers" has none of them."""
+
+
+def _words(name: str) -> frozenset[str]:
+    return frozenset(word for word in name.split("+") if word)
+
+
+def _same_levers(name: str) -> frozenset[str]:
+    """Return the words of `dynamo_kv` given the levers of Sluice's row `name` (its router words dropped)."""
+    return frozenset({"dynamo_kv", *(w for w in _words(name) if not w.startswith(_SCORE_ONLY))})
+
+
+def capacity_goal_lines(results: Mapping[str, Any], compute_bound_rps: float | None, *, over_round_robin: float = 2.0,
+                        over_same_levers: float = 1.3, bound_share: float = 0.95) -> list[str]:
+    """Return one line per Sluice row (a `--compare` item naming no baseline or competitor router) saying which
+    capacity goal it meets: >= `over_round_robin` x the plain round_robin row and >= `over_same_levers` x the
+    `dynamo_kv` row given the same levers (its words but the score router's, e.g. `dynamo_kv+budget=slo` for
+    `score+prefill-weight=8+budget=slo`), or >= `bound_share` of the compute bound. A comparison whose row was not
+    searched is named as missing, never taken as met."""
+    by_words = {_words(name): result for name, result in results.items()}
+    round_robin = by_words.get(frozenset({"round_robin"}))
+    lines = []
+    for name, result in results.items():
+        if _words(name) & _OTHER_ROUTERS:
+            continue
+        rate = result.capacity_rps
+        parts, ratios_met = [], True
+        for label, other, need in (("round_robin", round_robin, over_round_robin),
+                                   ("+".join(sorted(_same_levers(name))), by_words.get(_same_levers(name)),
+                                    over_same_levers)):
+            if other is None or other.capacity_rps <= 0:
+                parts.append(f"no {label} row")
+                ratios_met = False
+                continue
+            ratio = rate / other.capacity_rps
+            ratios_met = ratios_met and ratio >= need
+            parts.append(f"{ratio:.2f}x {label} (goal {need:g}x)")
+        share = rate / compute_bound_rps if compute_bound_rps else None
+        at_bound = share is not None and share >= bound_share
+        parts.append(f"{share:.0%} of the compute bound (goal {bound_share:.0%})" if share is not None
+                     else "no compute bound")
+        near = f"within {1 - bound_share:.0%} of the compute bound"
+        verdict = (f"met (the ratios; {near})" if ratios_met and at_bound else "met (the ratios)" if ratios_met
+                   else f"met ({near})" if at_bound else "not met")
+        lines.append(f"goal of {name}: {'; '.join(parts)} -> {verdict}")
+    return lines
+
+
 def write_capacity_plot(results: Mapping[str, Any], out_dir: str | Path, title: str = "") -> Path:
     """Write attainment against offered rate, one line per configuration, with the goal; returns the file."""
     import matplotlib

@@ -450,7 +450,7 @@ def _run_equal_resources(fleet: Any, json_path: str | None, progress: bool = Tru
 def _run_capacity(args: argparse.Namespace, workload: Any, configs: dict[str, SimConfig]) -> int:
     """Search each configuration's capacity on the workload; print a table, write JSON and a plot."""
     from sluice_tools.capacity import CapacitySearch, Probe, find_capacity, paired, token_attainment
-    from sluice_tools.report import format_capacity, write_capacity_plot, write_json
+    from sluice_tools.report import capacity_goal_lines, format_capacity, write_capacity_plot, write_json
     from sluice_tools.sim.run import simulate
     from sluice_tools.workload import ideal_prefix_hit_rate, offered_rate, transform
 
@@ -472,6 +472,8 @@ def _run_capacity(args: argparse.Namespace, workload: Any, configs: dict[str, Si
     ideal = ideal_prefix_hit_rate(workload.requests)
     bounds = _compute_bounds(next(iter(configs.values())), workload.requests, args.capacity_goal)
     print(format_capacity(results, ideal_prefix_hit_rate=ideal, compute_bound_rps=bounds["ideal_cache"]))
+    for line in capacity_goal_lines(results, bounds["ideal_cache"]):
+        print(line)
     print(f"compute bound: {bounds['ideal_cache']:.2f} req/s with one infinite prefix cache, "
           f"{bounds['no_cache']:.2f} without (every replica busy on FLOPs alone); pooled bound "
           f"{bounds['pooled']:.2f} req/s (one server with the fleet's FLOPs, prefills in arrival order, "

@@ -79,3 +79,31 @@ def test_the_table_and_plot_show_both_shares_and_the_share_of_the_compute_bound(
     assert f"{result.capacity_rps:.2f}" in row and f"{result.request_capacity_rps:.2f}" in row
     assert "95.0%/97.0%" in row and f"{result.capacity_rps / 40.0:.1%}" in row
     assert write_capacity_plot({"round_robin": result}, tmp_path).stat().st_size > 0
+
+
+def test_the_goal_lines_say_which_goal_each_sluice_row_meets() -> None:
+    """Each Sluice row gets one line: its ratio to the plain round_robin row and to `dynamo_kv` given the same
+    levers (the row with its words but the score router's), its share of the compute bound, and which goal it
+    meets (both ratios, or within 5 % of the bound); baselines and competitors get none; a comparison whose row
+    is missing is named, not taken as met."""
+    from sluice_tools.report import capacity_goal_lines
+
+    def searched(rate: float):  # type: ignore[no-untyped-def]
+        return find_capacity(lambda scale: Probe(scale, rate * scale, 0.95 if scale <= 1.0 else 0.5, None,
+                                                 token_attainment=0.95 if scale <= 1.0 else 0.5),
+                             CapacitySearch(goal=0.9, tolerance=0.01))
+
+    best = "score+prefill-weight=8+budget=slo+early-refusal"
+    results = {"round_robin": searched(10.0), "dynamo_kv+early-refusal+budget=slo": searched(15.0),
+               best: searched(21.0), "score": searched(19.0)}
+    rates = {name: result.capacity_rps for name, result in results.items()}
+    lines = capacity_goal_lines(results, compute_bound_rps=19.5)
+    assert [line.split(":")[0] for line in lines] == [f"goal of {best}", "goal of score"]
+    assert f"{rates[best] / rates['round_robin']:.2f}x round_robin (goal 2x)" in lines[0]
+    assert f"{rates[best] / rates['dynamo_kv+early-refusal+budget=slo']:.2f}x budget=slo+dynamo_kv+early-refusal" in lines[0]
+    assert lines[0].endswith("-> met (the ratios; within 5% of the compute bound)")
+    assert "no dynamo_kv row" in lines[1] and lines[1].endswith("-> met (within 5% of the compute bound)")
+    far = capacity_goal_lines(results, compute_bound_rps=100.0)
+    assert far[0].endswith("-> met (the ratios)") and far[1].endswith("-> not met")
+    alone = capacity_goal_lines({"score": results["score"]}, compute_bound_rps=None)
+    assert alone == ["goal of score: no round_robin row; no dynamo_kv row; no compute bound -> not met"]
