@@ -299,7 +299,8 @@ def capacity_goal_lines(results: Mapping[str, Any], compute_bound_rps: float | N
         rate = result.capacity_rps
         parts, ratios_met = [], True
         for label, other, need in (("round_robin", round_robin, over_round_robin),
-                                   ("+".join(sorted(_same_levers(name))), by_words.get(_same_levers(name)),
+                                   ("+".join(["dynamo_kv", *sorted(_same_levers(name) - {"dynamo_kv"})]),
+                                    by_words.get(_same_levers(name)),
                                     over_same_levers)):
             if other is None or other.capacity_rps <= 0:
                 parts.append(f"no {label} row")
