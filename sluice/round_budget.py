@@ -19,7 +19,7 @@ the target (short rounds) or misses it (on 4 x H200 with Llama-3-8B a full 2,048
 
 The seat cap S follows from the same rule: every running request decodes in every round, so S is how many
 decodes at `context` tokens each fit one round within the target. A fixed cap below that binds before the
-KV cache or the GPU do: on Llama-3-8B / H200 at TPOT 50 ms the derived S is 576 against a fixed 256, and at
+KV cache or the GPU do: on Llama-3-8B / H200 at TPOT 50 ms the derived S is 608 against a fixed 256, and at
 the chat mixes' capacity the fixed 256 kept every replica full of decodes for 9-17 s of a minute while its
 KV cache was under 60 % used, so new requests waited for a seat and missed TTFT (docs/simulator.md,
 "The seat cap"). vLLM's own default on H100/H200-class GPUs is 1,024 seats, the default `max_seats`; the
