@@ -11,7 +11,8 @@ waiting that equal one token less to prefill); `budget=slo` (round budgets deriv
 reservation policy `reserve=conservative|predicted`, its budgets `max-kv-blocks=N` and
 `max-reserved-output=N`, the max_tokens clients ask for `client-max-tokens=N`, the replicas' KV
 blocks `num-blocks=N` (a memory-tight deployment), and admission's early
-refusal `early-refusal` (refuse a request whose predicted TTFT exceeds the report's TTFT SLO) or
+refusal `early-refusal` (refuse a request whose predicted TTFT exceeds the report's TTFT SLO), `early-refusal=F`
+(past F x that SLO, 0 < F <= 1: room for the prediction's error) or
 `ttft-slo-ms=N` (a TTFT limit of its own). Words not given come from the other flags. `--scenario NAME|all` runs the self-checking scenarios instead and
 exits 0 only if every check holds.
 
@@ -27,6 +28,7 @@ MIN..MAX from P and D (sluice_tools/sim/disagg_fleet.py); the report adds each p
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -214,6 +216,8 @@ def parse_compare_item(item: str, base: SimConfig) -> SimConfig:
             config = with_admission(config, reservation=parse_enum(ReservationPolicy, word.partition("=")[2]))
         elif word == "early-refusal":
             config = with_admission(config, ttft_slo_s=config.slo_ttft_s)
+        elif word.startswith("early-refusal="):
+            config = with_admission(config, ttft_slo_s=_refusal_share(item, word) * config.slo_ttft_s)
         elif word == "on-time":
             config = replace(config, router=replace(config.router, ttft_target_s=config.slo_ttft_s))
         elif "=" in word:
@@ -229,7 +233,7 @@ def parse_compare_item(item: str, base: SimConfig) -> SimConfig:
         else:
             known = [p.value for e in (Policy, RoutingPolicy, PreemptionMode) for p in e]  # type: ignore[attr-defined]
             raise ValueError(
-                f"--compare item {item!r}: unknown word {word!r}; known: vllm-default, budget=slo, early-refusal, on-time, "
+                f"--compare item {item!r}: unknown word {word!r}; known: vllm-default, budget=slo, early-refusal[=F], on-time, "
                 f"reserve={'|'.join(p.value for p in ReservationPolicy)}, "
                 f"{', '.join(known)}, {'=N, '.join(_SETTING_WORDS)}=N"
             )
@@ -251,6 +255,19 @@ _SETTING_WORDS: dict[str, tuple[str, type]] = {
 }
 _SCHEDULER_FIELDS = ("max_prefill_chunk", "srpf_tokens_per_s")
 _ROUTER_FIELDS = ("prefill_weight", "load_bound")
+
+
+def _refusal_share(item: str, word: str) -> float:
+    """Return F of `early-refusal=F` (refuse past F x the TTFT SLO), a number in (0, 1]; raises ValueError."""
+    value = word.partition("=")[2]
+    try:
+        share = float(value)
+    except ValueError:
+        share = math.nan
+    if not 0 < share <= 1:
+        raise ValueError(f"--compare item {item!r}: early-refusal=F needs F in (0, 1] (the share of the TTFT SLO "
+                         f"past which a request predicted late is refused), got {value!r}")
+    return share
 
 
 def _setting_word(item: str, word: str, config: SimConfig) -> SimConfig:

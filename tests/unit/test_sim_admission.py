@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from sluice.config import ReservationPolicy
 from sluice_tools.commands.sim import parse_compare_item
 from sluice_tools.sim import SimConfig, Simulator, simulate
@@ -57,3 +59,23 @@ def test_early_refusal_keeps_admitted_ttft_near_the_slo_under_overload() -> None
     assert refusing["counts"]["rejected"] > 0  # type: ignore[index]
     assert refusing["admission"]["rejected"]["ttft_slo"] == refusing["counts"]["rejected"]  # type: ignore[index]
     assert refusing["ttft_s"]["p99"] < waiting["ttft_s"]["p99"] / 3  # type: ignore[index]
+
+
+def test_refusing_at_a_share_of_the_slo_leaves_fewer_admitted_requests_late() -> None:
+    """`early-refusal=0.9` refuses past 0.9 x the TTFT SLO (values outside (0, 1] are refused, naming the word).
+    The prediction errs low (a request predicted just within the SLO is often late, and delays the ones after it),
+    so under the same overload it refuses about as many requests while several times fewer of those it admits
+    are late, and more meet the SLO."""
+    base = SimConfig(replicas=1, slo_ttft_s=1.0)
+    assert parse_compare_item("early-refusal=0.9", base).admission.ttft_slo_s == 0.9
+    for bad in ("0", "1.5", "nan", "x", ""):
+        with pytest.raises(ValueError, match=r"early-refusal=F needs F in \(0, 1\]"):
+            parse_compare_item(f"score+early-refusal={bad}", base)
+    requests = load_workload(OVERLOAD, seed=4).requests
+    runs = {word: simulate(parse_compare_item(word, base), requests, include_series=False)
+            for word in ("early-refusal", "early-refusal=0.9")}
+    late = {word: sum(r.status == "ok" and r.ttft_s > 1.0 for r in run.records) for word, run in runs.items()}
+    refused = {word: run.summary["counts"]["rejected"] for word, run in runs.items()}  # type: ignore[index]
+    assert late["early-refusal=0.9"] * 3 < late["early-refusal"]
+    assert abs(refused["early-refusal=0.9"] - refused["early-refusal"]) <= 0.05 * refused["early-refusal"]
+    assert runs["early-refusal=0.9"].summary["slo_attainment"] > runs["early-refusal"].summary["slo_attainment"]
