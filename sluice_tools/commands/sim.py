@@ -154,6 +154,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --autoscale: autoscaled vs static MIN, MAX and GPU-second-equal fleets on a "
                              "day-shaped workload (no WORKLOAD needed)")
     parser.add_argument("--capacity-goal", type=fraction, default=0.9, help="SLO attainment to hold")
+    parser.add_argument("--capacity-tolerance", type=fraction, default=0.05,
+                        help="bisect until the passing and the failing rate are within this fraction of each other "
+                             "(the capacity is reported up to this much below the last failing rate)")
     parser.add_argument("--disagg", metavar="P:D|all",
                         help="prefill/decode disaggregation: P prefill and D decode replicas (replaces --replicas "
                              "with P+D); all: aggregated --replicas N beside every P:D split of N, at equal GPUs "
@@ -471,7 +474,7 @@ def _run_capacity(args: argparse.Namespace, workload: Any, configs: dict[str, Si
     from sluice_tools.sim.run import simulate
     from sluice_tools.workload import ideal_prefix_hit_rate, offered_rate, transform
 
-    search = CapacitySearch(goal=args.capacity_goal)
+    search = CapacitySearch(goal=args.capacity_goal, tolerance=args.capacity_tolerance)
     results = {}
     for name, config in configs.items():
         def probe(scale: float, config: SimConfig = config, name: str = name) -> Probe:

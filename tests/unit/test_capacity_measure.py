@@ -3,6 +3,8 @@ goal, refusals count as misses, and batch arrivals can be jittered apart."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from sluice_tools.capacity import CapacitySearch, Probe, find_capacity, paired, token_attainment
@@ -107,3 +109,21 @@ def test_the_goal_lines_say_which_goal_each_sluice_row_meets() -> None:
     assert far[0].endswith("-> met (the ratios)") and far[1].endswith("-> not met")
     alone = capacity_goal_lines({"score": results["score"]}, compute_bound_rps=None)
     assert alone == ["goal of score: no round_robin row; no dynamo_kv row; no compute bound -> not met"]
+
+
+def test_sim_capacity_tolerance_sets_how_close_the_search_brackets_the_capacity(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`sluice sim --capacity --capacity-tolerance 0.01` bisects until the capacity and the lowest failing rate
+    above it are within 1 %; the default 5 % stops with a wider bracket on the same workload."""
+    from sluice_tools.cli import main
+
+    def bracket(tolerance: str) -> float:
+        out = tmp_path / f"cap-{tolerance}.json"
+        argv = ["sim", "synthetic:poisson?rate=20&n=100&input=lognormal:3000:0.5:8000&output=lognormal:100:0.5:400",
+                "--replicas", "1", "--capacity", "--compare", "round_robin", "--no-progress", "--json", str(out)]
+        assert main([*argv, "--capacity-tolerance", tolerance] if tolerance else argv) == 0
+        result = json.loads(out.read_text())["capacity"]["round_robin"]
+        failing = min(p["rate_rps"] for p in result["probes"] if p["rate_rps"] > result["capacity_rps"])
+        return failing / result["capacity_rps"]
+
+    fine, default = bracket("0.01"), bracket("")
+    assert fine <= 1.01 + 1e-9 < default <= 1.05 + 1e-9

@@ -98,6 +98,8 @@ BAD_FLAGS = {
     "sim --json under a file": (["sim", WORKLOAD, "--json", "{file}/x.json"], "argument --json: "),
     "sim --json a directory": (["sim", WORKLOAD, "--json", "{missing}/.."], "argument --json: "),
     "sim --capacity-goal 1.5": (["sim", WORKLOAD, "--capacity-goal", "1.5"], "argument --capacity-goal: must be"),
+    "sim --capacity-tolerance 0": (["sim", WORKLOAD, "--capacity-tolerance", "0"],
+                                   "argument --capacity-tolerance: must be a number in (0, 1]"),
     "sim --rate-scale -1": (["sim", WORKLOAD, "--rate-scale", "-1"], "argument --rate-scale: must be a number > 0"),
     "sim --router nope": (["sim", WORKLOAD, "--router", "nope"], "argument --router: invalid choice: 'nope'"),
     "bench --json under a file": (["bench", WORKLOAD, "--target", "127.0.0.1:1", "--json", "{file}/d/x.json"],
