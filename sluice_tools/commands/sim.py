@@ -154,7 +154,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --autoscale: autoscaled vs static MIN, MAX and GPU-second-equal fleets on a "
                              "day-shaped workload (no WORKLOAD needed)")
     parser.add_argument("--capacity-goal", type=fraction, default=0.9, help="SLO attainment to hold")
-    parser.add_argument("--capacity-tolerance", type=fraction, default=0.05,
+    parser.add_argument("--capacity-tolerance", type=fraction, default=0.05, metavar="F",
                         help="bisect until the passing and the failing rate are within this fraction of each other "
                              "(the capacity is reported up to this much below the last failing rate)")
     parser.add_argument("--disagg", metavar="P:D|all",
