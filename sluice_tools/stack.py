@@ -353,19 +353,23 @@ class Stack:
 
     def _wait_replicas_ready(self, deadline: float) -> str:
         """Wait until the router lists every replica READY; return their model id."""
+        while True:
+            self._check_alive(self.procs)
+            ready = self.ready_replicas()
+            if len(ready) >= self.config.replicas:
+                return ready[0].model
+            if time.monotonic() > deadline:
+                raise StackError(f"{len(ready)} of {self.config.replicas} replicas READY after "
+                                 f"{self.config.start_timeout_s}s")
+            time.sleep(0.1)
+
+    def ready_replicas(self) -> list[router_pb2.Replica]:
+        """Return the replicas the router lists READY now (one that was UNHEALTHY, its worker down, is not)."""
         assert self.router is not None
         with self.channel(self.router.address) as channel:
-            stub = router_pb2_grpc.RouterServiceStub(channel)
-            while True:
-                self._check_alive(self.procs)
-                listed = stub.ListReplicas(router_pb2.ListReplicasRequest(), timeout=5).replicas
-                ready = [r for r in listed if r.state == router_pb2.READY]
-                if len(ready) >= self.config.replicas:
-                    return ready[0].model
-                if time.monotonic() > deadline:
-                    raise StackError(f"{len(ready)} of {self.config.replicas} replicas READY after "
-                                     f"{self.config.start_timeout_s}s")
-                time.sleep(0.1)
+            listed = router_pb2_grpc.RouterServiceStub(channel).ListReplicas(router_pb2.ListReplicasRequest(),
+                                                                             timeout=5).replicas
+        return [r for r in listed if r.state == router_pb2.READY]
 
     # ---- observe ---------------------------------------------------------------------------------
     def measured_warmup_s(self) -> float | None:

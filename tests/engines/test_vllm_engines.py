@@ -266,7 +266,10 @@ def test_a_cancel_aborts_the_request_in_vllm_and_frees_its_kv(vllm_stack: Stack)
     def idle() -> bool:  # nothing left of earlier tests: every token vLLM makes from here on is this request's
         requests = sum(engine_metric(vllm_stack, i, name) for i in (0, 1)
                        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"))
-        return requests == 0 and all(s.running == 0 and s.waiting == 0 for s in vllm_stack.scheduler_stats())
+        # And every replica READY again: an attempt that kept the engines stopped for seconds can have had their
+        # probes time out, and the router sends nothing to an UNHEALTHY replica until its next probe (a 503 then).
+        return (requests == 0 and all(s.running == 0 and s.waiting == 0 for s in vllm_stack.scheduler_stats())
+                and len(vllm_stack.ready_replicas()) == len(vllm_stack.replicas))
 
     url = urlsplit(vllm_stack.http_base_url)
     body = {"model": vllm_stack.model_id, "prompt": random_prompt(random.Random(3), 40), "max_tokens": 1500,
