@@ -28,7 +28,6 @@ MIN..MAX from P and D (sluice_tools/sim/disagg_fleet.py); the report adds each p
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from collections.abc import Sequence
@@ -264,13 +263,10 @@ def _refusal_share(item: str, word: str) -> float:
     """Return F of `early-refusal=F` (refuse past F x the TTFT SLO), a number in (0, 1]; raises ValueError."""
     value = word.partition("=")[2]
     try:
-        share = float(value)
-    except ValueError:
-        share = math.nan
-    if not 0 < share <= 1:
+        return fraction(value)
+    except argparse.ArgumentTypeError:
         raise ValueError(f"--compare item {item!r}: early-refusal=F needs F in (0, 1] (the share of the TTFT SLO "
-                         f"past which a request predicted late is refused), got {value!r}")
-    return share
+                         f"past which a request predicted late is refused), got {value!r}") from None
 
 
 def _setting_word(item: str, word: str, config: SimConfig) -> SimConfig:
