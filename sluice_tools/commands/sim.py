@@ -488,12 +488,13 @@ def _run_capacity(args: argparse.Namespace, workload: Any, configs: dict[str, Si
     ideal = ideal_prefix_hit_rate(workload.requests)
     bounds = _compute_bounds(next(iter(configs.values())), workload.requests, args.capacity_goal)
     print(format_capacity(results, ideal_prefix_hit_rate=ideal, compute_bound_rps=bounds["ideal_cache"]))
-    for line in capacity_goal_lines(results, bounds["ideal_cache"]):
+    for line in capacity_goal_lines(results, bounds["ideal_cache"], fleet_cache_bound_rps=bounds["fleet_cache"]):
         print(line)
     print(f"compute bound: {bounds['ideal_cache']:.2f} req/s with one infinite prefix cache, "
-          f"{bounds['no_cache']:.2f} without (every replica busy on FLOPs alone); pooled bound "
-          f"{bounds['pooled']:.2f} req/s (one server with the fleet's FLOPs, prefills in arrival order, "
-          f"the late refused)")
+          f"{bounds['fleet_cache']:.2f} with one LRU cache of the fleet's KV "
+          f"({bounds['fleet_cache_tokens']:,.0f} tokens), {bounds['no_cache']:.2f} without (every replica busy on "
+          f"FLOPs alone); pooled bound {bounds['pooled']:.2f} req/s (one server with the fleet's FLOPs, prefills in "
+          f"arrival order, the late refused)")
     payload = {"workload": workload.describe(), "ideal_prefix_hit_rate": ideal, "compute_bound_rps": bounds,
                "capacity": {name: result.to_dict() for name, result in results.items()}}
     if args.json:
@@ -504,12 +505,12 @@ def _run_capacity(args: argparse.Namespace, workload: Any, configs: dict[str, Si
 
 
 def _compute_bounds(config: SimConfig, requests: Any, goal: float = 0.9) -> dict[str, float]:
-    """Return the workload's compute-bound rates (sluice_tools.sim.bound) with and without an ideal cache, and
-    the pooled bound: the capacity, by the same search and measure, of one ideal server with every replica's
+    """Return the workload's compute-bound rates (sluice_tools.sim.bound) with an ideal cache, with one LRU cache
+    the size of the fleet's KV (and that size in tokens) and without a cache, and the pooled bound: the capacity, by the same search and measure, of one ideal server with every replica's
     FLOPs that refuses what it would serve late (`pooled_attainment`; bursts bind it where the window's
     mean rate does not bind the compute bound)."""
     from sluice_tools.capacity import CapacitySearch, Probe, find_capacity
-    from sluice_tools.sim.bound import compute_bound_rps, pooled_attainment
+    from sluice_tools.sim.bound import compute_bound_rps, fleet_cache_tokens, pooled_attainment
     from sluice_tools.workload import offered_rate, transform
 
     def probe(scale: float) -> Probe:
@@ -518,7 +519,10 @@ def _compute_bounds(config: SimConfig, requests: Any, goal: float = 0.9) -> dict
         return Probe(scale, offered_rate(scaled), by_requests, None, token_attainment=by_tokens)
 
     pooled = find_capacity(probe, CapacitySearch(goal=goal, max_probes=24, max_scale=4096.0))
+    fleet_tokens = fleet_cache_tokens(config)
     return {"ideal_cache": compute_bound_rps(config, requests),
+            "fleet_cache": compute_bound_rps(config, requests, cache_tokens=fleet_tokens),
+            "fleet_cache_tokens": float(fleet_tokens),
             "no_cache": compute_bound_rps(config, requests, ideal_cache=False),
             "pooled": pooled.capacity_rps}
 

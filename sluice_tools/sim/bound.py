@@ -10,6 +10,7 @@ short window can still exceed it, since the window ends while the backlog is bei
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from sluice_tools.sim.config import SimConfig
@@ -30,26 +31,72 @@ def request_shape(request: WorkloadRequest, cached_tokens: int) -> RoundShape:
     return RoundShape(query, pairs, cached + n * decodes, query, out)
 
 
-def compute_bound_rps(config: SimConfig, requests: Sequence[WorkloadRequest], *, ideal_cache: bool = True) -> float:
+def compute_bound_rps(config: SimConfig, requests: Sequence[WorkloadRequest], *, ideal_cache: bool = True,
+                      cache_tokens: int | None = None) -> float:
     """Return the rate (req/s) at which `config.replicas` replicas would be busy on the requests' FLOPs alone.
 
     With `ideal_cache`, what one infinite prefix cache would hold is not computed (the most any router
-    saves); without it every prompt token is."""
+    saves); without it every prompt token is. With `cache_tokens`, that cache holds only so many tokens and
+    evicts the least recently used block (`lru_cached_tokens`; `fleet_cache_tokens` is the fleet's KV)."""
     cost = CostModel(config.model, config.gpu, block_size=config.scheduler.block_size,
                      coefficients=config.cost_coefficients, max_model_len=config.max_model_len)
     flops_per_s = cost.gpu.peak_flops * cost.tensor_parallel * cost.coefficients.compute_efficiency
-    seen: set[int] = set()
-    flops = 0.0
-    for request in sorted(requests, key=lambda r: r.arrival_s):
-        cached = 0
-        if ideal_cache:
-            for block in request.hash_ids:
-                if block not in seen:
-                    break
-                cached += request.hash_block_tokens
-            seen.update(request.hash_ids)
-        flops += cost.flops_and_bytes(request_shape(request, cached))[0]
+    ordered = sorted(requests, key=lambda r: r.arrival_s)
+    capacity = cache_tokens if ideal_cache else 0
+    cached = _ideal_cached_tokens(ordered) if capacity is None else lru_cached_tokens(ordered, capacity)
+    flops = sum(cost.flops_and_bytes(request_shape(request, hit))[0] for request, hit in zip(ordered, cached, strict=True))
     return config.replicas * len(requests) * flops_per_s / flops if flops else float("inf")
+
+
+def fleet_cache_tokens(config: SimConfig) -> int:
+    """Return the tokens of KV every replica's device holds together (the simulator's blocks per replica)."""
+    cost = CostModel(config.model, config.gpu, block_size=config.scheduler.block_size,
+                     coefficients=config.cost_coefficients, max_model_len=config.max_model_len)
+    return config.replicas * (config.num_blocks or cost.num_blocks) * config.scheduler.block_size
+
+
+def _ideal_cached_tokens(ordered: Sequence[WorkloadRequest]) -> list[int]:
+    """Each request's leading tokens one infinite prefix cache holds when it arrives (requests in arrival order)."""
+    seen: set[int] = set()
+    cached = []
+    for request in ordered:
+        hit = 0
+        for block in request.hash_ids:
+            if block not in seen:
+                break
+            hit += request.hash_block_tokens
+        seen.update(request.hash_ids)
+        cached.append(hit)
+    return cached
+
+
+def lru_cached_tokens(ordered: Sequence[WorkloadRequest], capacity_tokens: int) -> list[int]:
+    """Each request's leading tokens a prefix cache of `capacity_tokens` holds when it arrives (requests in arrival
+    order): one cache for the whole fleet, every prompt's blocks stored once it arrives, the least recently used
+    block evicted when it is full (vLLM's rule and the block pool's). It is about the most routing gets from that
+    much KV under that eviction, not a strict bound: replicas holding the same prefix twice only shrink it, and
+    running requests' KV, which shrinks it further, is left out, but separate LRU caches can beat one on some
+    access patterns, and an eviction rule that knew the future (Belady's) holds more."""
+    cache: OrderedDict[int, None] = OrderedDict()
+    cached = []
+    for request in ordered:
+        if not request.hash_ids:
+            cached.append(0)
+            continue
+        blocks = max(capacity_tokens // request.hash_block_tokens, 0)
+        hit = 0
+        for block in request.hash_ids:
+            if block not in cache:
+                break
+            cache.move_to_end(block)
+            hit += 1
+        for block in request.hash_ids[hit:]:
+            cache[block] = None
+            cache.move_to_end(block)
+        while len(cache) > blocks:
+            cache.popitem(last=False)
+        cached.append(hit * request.hash_block_tokens)
+    return cached
 
 
 def pooled_attainment(config: SimConfig, requests: Sequence[WorkloadRequest]) -> tuple[float, float]:

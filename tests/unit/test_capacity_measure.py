@@ -109,6 +109,9 @@ def test_the_goal_lines_say_which_goal_each_sluice_row_meets() -> None:
     assert far[0].endswith("-> met (the ratios)") and far[1].endswith("-> not met")
     alone = capacity_goal_lines({"score": results["score"]}, compute_bound_rps=None)
     assert alone == ["goal of score: no round_robin row; no dynamo_kv row; no compute bound -> not met"]
+    # The share of the bound with the fleet's KV as one LRU cache is said beside it; the verdict stays the ideal one's.
+    cached = capacity_goal_lines(results, compute_bound_rps=100.0, fleet_cache_bound_rps=rates["score"])
+    assert "100% of it with the fleet's KV as one LRU cache" in cached[1] and cached[1].endswith("-> not met")
 
 
 def test_sim_capacity_tolerance_sets_how_close_the_search_brackets_the_capacity(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -127,3 +130,8 @@ def test_sim_capacity_tolerance_sets_how_close_the_search_brackets_the_capacity(
 
     fine, default = bracket("0.01"), bracket("")
     assert fine <= 1.01 + 1e-9 < default <= 1.05 + 1e-9
+    # The bounds beside it: with no block hashes, no cache of any size changes the compute bound.
+    bounds = json.loads((tmp_path / "cap-.json").read_text())["compute_bound_rps"]
+    assert bounds["fleet_cache"] == bounds["ideal_cache"] == bounds["no_cache"] > 0
+    from worker_svc.costmodel import CostModel
+    assert bounds["fleet_cache_tokens"] == CostModel("llama-3-8b", "h200").num_blocks * 16

@@ -9,7 +9,13 @@ from dataclasses import replace
 import pytest
 
 from sluice_tools.sim import SimConfig
-from sluice_tools.sim.bound import compute_bound_rps, pooled_attainment, request_shape
+from sluice_tools.sim.bound import (
+    compute_bound_rps,
+    fleet_cache_tokens,
+    lru_cached_tokens,
+    pooled_attainment,
+    request_shape,
+)
 from sluice_tools.workload import WorkloadRequest
 from worker_svc.costmodel import CostModel, RoundShape
 
@@ -33,6 +39,38 @@ def test_compute_bound_is_the_fleets_flop_rate_over_the_requests_flops_and_an_id
     cached_flops = flops / 2 + cost.flops_and_bytes(request_shape(requests[1], 512))[0]
     assert compute_bound_rps(config, requests) == pytest.approx(2 * 2 * rate / cached_flops)
     assert compute_bound_rps(config, requests) > compute_bound_rps(config, requests, ideal_cache=False)
+
+
+def test_an_lru_cache_holds_a_prefix_only_while_it_is_among_the_most_recently_used_blocks() -> None:
+    """Two conversations of 2 blocks each, then a third turn of each adding a block. With 5 blocks of cache both
+    second turns hit their 2 leading blocks. With 4, a2's new block pushes out the least recently used block, b's
+    first, so b2 misses from its first block on (a prefix is only as good as its head); with 3, a's head is gone
+    before a2 too. A request without block hashes hits nothing and evicts nothing."""
+    a1, b1, a2, b2 = (WorkloadRequest(name, float(i), 1600, 10, hash_ids=ids, hash_block_tokens=512)
+                      for i, (name, ids) in enumerate([("a1", (1, 2)), ("b1", (3, 4)), ("a2", (1, 2, 5)),
+                                                        ("b2", (3, 4, 6))]))
+    plain = WorkloadRequest("p", 1.5, 100, 10)
+    assert lru_cached_tokens([a1, b1, a2, b2], 5 * 512) == [0, 0, 1024, 1024]
+    assert lru_cached_tokens([a1, b1, plain, a2, b2], 4 * 512 + 511) == [0, 0, 0, 1024, 0]
+    assert lru_cached_tokens([a1, b1, a2, b2], 3 * 512) == [0, 0, 0, 0]
+
+
+def test_the_fleet_cache_bound_lies_between_no_cache_and_an_ideal_one() -> None:
+    """The compute bound with one LRU cache of the fleet's KV: the ideal cache's when it holds everything, no
+    cache's when it holds nothing, and in between for a cache that holds part of the reuse (one conversation
+    every other request stays; three others, each back only every sixth request, do not)."""
+    conversations = [0 if i % 2 == 0 else 1 + (i // 2) % 3 for i in range(24)]
+    requests = [WorkloadRequest(f"r{i}", float(i), 1600, 10, hash_ids=(c, 10 + c, 100 + i), hash_block_tokens=512)
+                for i, c in enumerate(conversations)]
+    assert [hit > 0 for hit in lru_cached_tokens(requests, 7 * 512)] == [i % 2 == 0 and i > 0 for i in range(24)]
+    config = SimConfig(replicas=2)
+    ideal = compute_bound_rps(config, requests)
+    none = compute_bound_rps(config, requests, ideal_cache=False)
+    assert compute_bound_rps(config, requests, cache_tokens=10**9) == pytest.approx(ideal)
+    assert compute_bound_rps(config, requests, cache_tokens=0) == pytest.approx(none)
+    assert none < compute_bound_rps(config, requests, cache_tokens=7 * 512) < ideal
+    assert fleet_cache_tokens(config) == 2 * CostModel("llama-3-8b", "h200").num_blocks * config.scheduler.block_size
+    assert fleet_cache_tokens(replace(config, num_blocks=1000)) == 2 * 1000 * config.scheduler.block_size
 
 
 def _prefill_s(config: SimConfig, tokens: int) -> float:
