@@ -86,7 +86,7 @@ class SchedulerOptions(serve.BusOptions):
     """Above 0: derive the round's token budget from this TPOT target and the registered rates
     (--prefill-tokens-per-s, --decode-round-s; sluice.round_budget.linear_round_time) at start,
     instead of --max-num-batched-tokens; with --prefill-pair-s above 0 also the attention charge, instead of
-    --attention-pairs-per-token."""
+    --attention-pairs-per-token; with --kv-read-s-per-token above 0 also the seat cap and the KV-read budget."""
     max_waiting: int = _CORE.max_waiting
     """Waiting requests at most; more are refused with QUEUE_FULL."""
     no_prefix_caching: bool = not _CORE.enable_prefix_caching
@@ -100,6 +100,12 @@ class SchedulerOptions(serve.BusOptions):
     prefill_pair_s: float = 0.0
     """Attention seconds per (token, earlier token) pair of a prompt, told to the router for its TTFT prediction of
     long prompts (router_svc.scoring.predict_ttft); 0 leaves that term out."""
+    kv_read_s_per_token: float = 0.0
+    """Seconds a round spends per KV token its decodes read (an H200 reads Llama-3-8B's 128 KiB per token in ~27 ns).
+    Above 0 with --tpot-slo-ms: the seat cap and the KV-read budget are derived too (decodes at
+    --seat-context tokens each), instead of --max-num-seqs and --max-kv-read-tokens; 0: they stay as given."""
+    seat_context: int = 2048
+    """Context, in tokens, of each decode the derived seat cap is sized for (--kv-read-s-per-token)."""
     role: ReplicaRole = ReplicaRole.BOTH
     """What this replica serves: both (whole requests), prefill (prompts; their KV goes to a decode replica) or
     decode (docs/disaggregation.md)."""
@@ -144,23 +150,31 @@ def core_overrides(options: SchedulerOptions, max_context: int = 1 << 17) -> dic
     """Return the SchedulerConfig fields the flags set (the rest come from the worker's Info).
 
     With --tpot-slo-ms the token budget is derived from the target and the rates the replica registers
-    with (the router predicts with the same ones), and the attention charge too when --prefill-pair-s is set,
+    with (the router predicts with the same ones), the seat cap and the KV-read budget too when
+    --kv-read-s-per-token is set, and the attention charge too when --prefill-pair-s is set,
     sized for a chunk starting `max_context` deep (the worker's max_model_len: a shorter model gets a lighter
     charge); raises ValueError when the target cannot be met.
     """
     tokens = options.max_num_batched_tokens
     per_token, free_context = options.attention_pairs_per_token, options.attention_free_context
+    seats, kv_read = options.max_num_seqs, options.max_kv_read_tokens
+    if options.seat_context <= 0:
+        raise ValueError(f"--seat-context must be a positive number of tokens, got {options.seat_context}")
     if options.tpot_slo_ms > 0:
-        model = linear_round_time(options.prefill_tokens_per_s, options.decode_round_s, options.prefill_pair_s)
+        model = linear_round_time(options.prefill_tokens_per_s, options.decode_round_s, options.prefill_pair_s,
+                                  options.kv_read_s_per_token)
         budget = derive_round_budget(options.tpot_slo_ms / 1000.0, model, max_num_seqs=options.max_num_seqs,
-                                     context_tokens=0, max_context=max_context)
+                                     context_tokens=0, max_context=max_context, seat_context=options.seat_context,
+                                     min_kv_read=max_context)
         tokens = budget.max_num_batched_tokens
         if budget.attention_pairs_per_token is not None:
             per_token, free_context = budget.attention_pairs_per_token, budget.attention_free_context
+        if budget.max_num_seqs is not None:  # the model has a KV term (--kv-read-s-per-token)
+            seats, kv_read = budget.max_num_seqs, budget.max_kv_read_tokens
     return {
         "policy": options.policy, "preemption_mode": options.preemption, "victim_policy": options.victim_policy,
-        "max_num_batched_tokens": tokens, "max_num_seqs": options.max_num_seqs,
-        "max_prefill_chunk": options.max_prefill_chunk, "max_kv_read_tokens": options.max_kv_read_tokens,
+        "max_num_batched_tokens": tokens, "max_num_seqs": seats,
+        "max_prefill_chunk": options.max_prefill_chunk, "max_kv_read_tokens": kv_read,
         "attention_pairs_per_token": per_token, "attention_free_context": free_context,
         "max_waiting": options.max_waiting, "enable_prefix_caching": not options.no_prefix_caching,
         "kv_event_token_ids": options.kv_event_token_ids, "kv_hold_s": options.kv_hold,

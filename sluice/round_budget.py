@@ -39,8 +39,8 @@ the simulator) or a line through the measured rates (`linear_round_time`: a deco
 prefill tokens at the measured rate, in the scheduler service, which sees no model or GPU). The
 cost model is a roofline (compute and memory traffic overlap, the larger wins), so the token and
 the KV-read limits are found separately and a round at both limits still fits; `headroom` covers
-what the model leaves out. A linear model has no KV-read term, so it sets no KV-read budget, and no
-attention charge unless it is given a time per pair (`pair_s`).
+what the model leaves out. A linear model sets seats and a KV-read budget only when it is given a time
+per KV token read (`kv_read_s`), and an attention charge only when it is given a time per pair (`pair_s`).
 
 Pure: no clock, no I/O.
 """
@@ -76,16 +76,20 @@ class RoundBudget:
     time model has no KV-read term (it cannot say; the configured cap stays)."""
 
 
-def linear_round_time(prefill_tokens_per_s: float, decode_round_s: float, pair_s: float = 0.0) -> RoundTime:
+def linear_round_time(prefill_tokens_per_s: float, decode_round_s: float, pair_s: float = 0.0,
+                      kv_read_s: float = 0.0) -> RoundTime:
     """Return a round-time model from measured rates: one decode round plus the query tokens at the prefill rate,
-    plus `pair_s` seconds per attended (query token, earlier token) pair (0: attention is free)."""
-    if prefill_tokens_per_s <= 0 or pair_s < 0:
-        raise ValueError(f"need prefill_tokens_per_s > 0 and pair_s >= 0, got {prefill_tokens_per_s}, {pair_s}")
+    plus `pair_s` seconds per attended (query token, earlier token) pair (0: attention is free), plus `kv_read_s`
+    seconds per KV token the round reads (0: reading is free, and the model has no KV term: it sizes neither
+    seats nor a KV-read budget)."""
+    if prefill_tokens_per_s <= 0 or pair_s < 0 or kv_read_s < 0:
+        raise ValueError(f"need prefill_tokens_per_s > 0 and pair_s, kv_read_s >= 0, got {prefill_tokens_per_s}, "
+                         f"{pair_s}, {kv_read_s}")
 
     def round_time(query: int, pairs: int, read: int, sampled: int) -> float:
-        return decode_round_s + query / prefill_tokens_per_s + pairs * pair_s
+        return decode_round_s + query / prefill_tokens_per_s + pairs * pair_s + read * kv_read_s
 
-    round_time.has_kv_term = False  # type: ignore[attr-defined]
+    round_time.has_kv_term = kv_read_s > 0  # type: ignore[attr-defined]
     return round_time
 
 
@@ -106,13 +110,15 @@ def _largest(fits: Callable[[int], bool], granule: int, limit: int) -> int:
 def derive_round_budget(tpot_slo_s: float, round_time: RoundTime, *, max_num_seqs: int = 256,
                         context_tokens: int = 2048, granule: int = 64, headroom: float = 0.9,
                         max_tokens: int = 16384, max_kv_read: int = 1 << 24, min_kv_read: int = 0,
-                        max_context: int = 1 << 17, max_seats: int = 1024, seat_granule: int = 16) -> RoundBudget:
+                        max_context: int = 1 << 17, max_seats: int = 1024, seat_granule: int = 16,
+                        seat_context: int | None = None) -> RoundBudget:
     """Return the largest per-round budgets whose rounds take at most `headroom * tpot_slo_s` (module docstring).
 
     `context_tokens`: context a prefill chunk attends to besides itself, what the token budget is sized
     for (a chunk of a long prompt reads more: the attention charge pays for the rest); `max_num_seqs`:
     decodes sampled in a KV-bound round when the model has no KV-read term (with one, the derived seat cap
-    is, up to `max_seats`, in multiples of `seat_granule`); `min_kv_read`: the KV-read budget is never below it (pass
+    is, up to `max_seats`, in multiples of `seat_granule`, sized for decodes at `seat_context` tokens each,
+    default `context_tokens`); `min_kv_read`: the KV-read budget is never below it (pass
     max_model_len: the core refuses a request whose whole context exceeds the cap, and one long request
     alone decodes well within the target); `max_context`: the deepest position a chunk starts at (pass
     max_model_len), where the attention charge is sized. Raises
@@ -125,8 +131,10 @@ def derive_round_budget(tpot_slo_s: float, round_time: RoundTime, *, max_num_seq
     has_kv_term = getattr(round_time, "has_kv_term", True)
     seats: int | None = None
     if has_kv_term:
+        decode_context = context_tokens if seat_context is None else seat_context
+
         def seats_fit(s: int) -> bool:
-            return round_time(s, s * context_tokens, s * context_tokens, s) <= target
+            return round_time(s, s * decode_context, s * decode_context, s) <= target
 
         seats = _largest(seats_fit, seat_granule, max(max_seats, seat_granule))
     seqs = seats if seats is not None else max(max_num_seqs, 1)

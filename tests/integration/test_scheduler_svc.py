@@ -215,6 +215,29 @@ def test_the_attention_charge_is_sized_for_the_workers_model_length(redis_url: s
     asyncio.run(body())
 
 
+def test_a_kv_read_rate_gives_the_service_a_derived_seat_cap_that_stats_reports(redis_url: str, namespace: str) -> None:
+    """With --tpot-slo-ms and --kv-read-s-per-token the service runs with the seats and the KV-read budget derived for
+    the worker's model length (not --max-num-seqs 48), and Stats says so; without the rate it keeps 48."""
+    flags = ["--replica-id", "r1", "--worker", "w:1", "--tpot-slo-ms", "50", "--prefill-tokens-per-s", "40000",
+             "--decode-round-s", "0.006", "--max-num-seqs", "48"]
+
+    async def seats(space: str, extra: list[str]) -> tuple[int, int, int | None]:
+        options = parse_args([*flags, *extra])
+        async with _replica(redis_url, space, worker_max_model_len=4096,
+                            core_overrides=worker_sized_overrides(options)) as r:
+            stats = await r.stub.Stats(scheduler_pb2.StatsRequest())
+            return stats.max_num_seqs, r.replica.driver.core.config.max_num_seqs, \
+                r.replica.driver.core.config.max_kv_read_tokens
+
+    async def body() -> None:
+        derived = core_overrides(parse_args([*flags, "--kv-read-s-per-token", "27e-9"]), 4096)
+        assert await seats(namespace + "-kv", ["--kv-read-s-per-token", "27e-9"]) == (
+            derived["max_num_seqs"], derived["max_num_seqs"], derived["max_kv_read_tokens"])
+        assert derived["max_num_seqs"] == 480
+        assert (await seats(namespace + "-plain", []))[:2] == (48, 48)
+    asyncio.run(body())
+
+
 async def _first_token_of(bus: Bus, request_id: str) -> bool:
     return any(d.request_id == request_id for d in await _tokens(bus))
 

@@ -60,6 +60,31 @@ def test_the_seat_cap_is_the_decodes_at_the_sized_context_that_fit_one_round() -
     assert core_overrides(options)["max_num_seqs"] == 48
 
 
+def test_a_linear_model_with_a_kv_read_rate_sizes_the_seats_and_the_kv_read_budget_of_the_service() -> None:
+    """--kv-read-s-per-token gives the scheduler service's linear model a KV term: with a 6 ms decode round, 40,000
+    prefill tokens/s and 27 ns per KV token read (Llama-3-8B on an H200), S decodes at 2,048 tokens take
+    6 ms + S / 40,000 s + S x 2,048 x 27 ns, so 480 fit the 45 ms target (496 do not); they replace --max-num-seqs,
+    and the KV-read budget (never below the model length) replaces --max-kv-read-tokens. Without it both stay as
+    given; a bad rate or context is a ValueError (the service refuses to start)."""
+    model = linear_round_time(40_000.0, 0.006, kv_read_s=27e-9)
+    assert derive_round_budget(0.05, model, context_tokens=0, seat_context=2048).max_num_seqs == 480
+    assert model(480, 480 * 2048, 480 * 2048, 480) <= 0.045 < model(496, 496 * 2048, 496 * 2048, 496)
+    flags = ["--replica-id", "r", "--worker", "w:1", "--tpot-slo-ms", "50", "--max-num-seqs", "48",
+             "--max-kv-read-tokens", "4096", "--prefill-tokens-per-s", "40000", "--decode-round-s", "0.006"]
+    derived = core_overrides(parse_args([*flags, "--kv-read-s-per-token", "27e-9"]), max_context=8192)
+    assert derived["max_num_seqs"] == 480
+    kv_read = derived["max_kv_read_tokens"]
+    assert isinstance(kv_read, int) and kv_read >= 8192 and model(480, kv_read, kv_read, 480) <= 0.045
+    assert model(480, kv_read + 64, kv_read + 64, 480) > 0.045
+    plain = core_overrides(parse_args(flags), max_context=8192)
+    assert (plain["max_num_seqs"], plain["max_kv_read_tokens"]) == (48, 4096)
+    assert derived["max_num_batched_tokens"] == plain["max_num_batched_tokens"] == 1536
+    with pytest.raises(ValueError, match="kv_read_s"):
+        core_overrides(parse_args([*flags, "--kv-read-s-per-token=-1e-9"]))
+    with pytest.raises(ValueError, match="--seat-context"):
+        core_overrides(parse_args([*flags, "--seat-context", "0"]))
+
+
 def test_budget_slo_sets_the_derived_seat_cap_in_the_simulator() -> None:
     """`budget=slo` replaces the simulator's fixed 256 seats by the derived cap (an H100 gets fewer than an
     H200); without it the configured cap stays."""
