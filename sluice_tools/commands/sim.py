@@ -494,7 +494,8 @@ def _run_capacity(args: argparse.Namespace, workload: Any, configs: dict[str, Si
           f"{bounds['fleet_cache']:.2f} with one LRU cache of the fleet's KV "
           f"({bounds['fleet_cache_tokens']:,.0f} tokens), {bounds['no_cache']:.2f} without (every replica busy on "
           f"FLOPs alone); pooled bound {bounds['pooled']:.2f} req/s (one server with the fleet's FLOPs, prefills in "
-          f"arrival order, the late refused)")
+          f"arrival order, the late refused), {bounds['partitioned']:.2f} partitioned (each prompt on one replica's "
+          f"FLOPs, the least loaded)")
     payload = {"workload": workload.describe(), "ideal_prefix_hit_rate": ideal, "compute_bound_rps": bounds,
                "capacity": {name: result.to_dict() for name, result in results.items()}}
     if args.json:
@@ -506,25 +507,33 @@ def _run_capacity(args: argparse.Namespace, workload: Any, configs: dict[str, Si
 
 def _compute_bounds(config: SimConfig, requests: Any, goal: float = 0.9) -> dict[str, float]:
     """Return the workload's compute-bound rates (sluice_tools.sim.bound) with an ideal cache, with one LRU cache
-    the size of the fleet's KV (and that size in tokens) and without a cache, and the pooled bound: the capacity, by the same search and measure, of one ideal server with every replica's
-    FLOPs that refuses what it would serve late (`pooled_attainment`; bursts bind it where the window's
-    mean rate does not bind the compute bound)."""
+    the size of the fleet's KV (and that size in tokens) and without a cache; the pooled bound: the capacity, by
+    the same search and measure, of one ideal server with every replica's FLOPs that refuses what it would serve
+    late (`pooled_attainment`; bursts bind it where the window's mean rate does not bind the compute bound); and
+    the partitioned one: as many such servers as replicas, each prompt on one (`partitioned_attainment`)."""
     from sluice_tools.capacity import CapacitySearch, Probe, find_capacity
-    from sluice_tools.sim.bound import compute_bound_rps, fleet_cache_tokens, pooled_attainment
+    from sluice_tools.sim.bound import (
+        compute_bound_rps,
+        fleet_cache_tokens,
+        partitioned_attainment,
+        pooled_attainment,
+    )
     from sluice_tools.workload import offered_rate, transform
 
-    def probe(scale: float) -> Probe:
-        scaled = transform(requests, rate_scale=scale)
-        by_requests, by_tokens = pooled_attainment(config, scaled)
-        return Probe(scale, offered_rate(scaled), by_requests, None, token_attainment=by_tokens)
+    def searched(attainment: Any) -> float:
+        def probe(scale: float) -> Probe:
+            scaled = transform(requests, rate_scale=scale)
+            by_requests, by_tokens = attainment(config, scaled)
+            return Probe(scale, offered_rate(scaled), by_requests, None, token_attainment=by_tokens)
 
-    pooled = find_capacity(probe, CapacitySearch(goal=goal, max_probes=24, max_scale=4096.0))
+        return float(find_capacity(probe, CapacitySearch(goal=goal, max_probes=24, max_scale=4096.0)).capacity_rps)
+
     fleet_tokens = fleet_cache_tokens(config)
     return {"ideal_cache": compute_bound_rps(config, requests),
             "fleet_cache": compute_bound_rps(config, requests, cache_tokens=fleet_tokens),
             "fleet_cache_tokens": float(fleet_tokens),
             "no_cache": compute_bound_rps(config, requests, ideal_cache=False),
-            "pooled": pooled.capacity_rps}
+            "pooled": searched(pooled_attainment), "partitioned": searched(partitioned_attainment)}
 
 
 def probe_of(summary: dict[str, Any], scale: float, rate_rps: float, token_attainment: float | None = None) -> Any:

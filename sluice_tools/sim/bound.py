@@ -108,12 +108,30 @@ def pooled_attainment(config: SimConfig, requests: Sequence[WorkloadRequest]) ->
     replica's rate (a prompt runs on one replica). A request that would be late is refused, so it adds
     no work (admission's early refusal, with a perfect prediction). Decodes, round overheads and
     memory-bound rounds are left out, so every one of these is optimistic."""
+    return _ideal_attainment(config, requests, partitioned=False)
+
+
+def partitioned_attainment(config: SimConfig, requests: Sequence[WorkloadRequest]) -> tuple[float, float]:
+    """Return (request share, offered-token share) within the TTFT SLO on `config.replicas` ideal servers.
+
+    As `pooled_attainment`, but each prompt runs whole on one server at one replica's FLOP rate, the one whose
+    backlog ends first (the least work left), after the prefills sent there before it: a long prompt waits for a
+    quarter of a 4-replica fleet's backlog and then takes its whole prefill at one replica's rate, where the
+    pooled server would have taken it at four. Still optimistic (a perfect prediction, one infinite prefix cache
+    every server reads, no decodes), but not a strict bound: least work first and arrival order are not always
+    the best a router and a scheduler can do."""
+    return _ideal_attainment(config, requests, partitioned=True)
+
+
+def _ideal_attainment(config: SimConfig, requests: Sequence[WorkloadRequest], *,
+                      partitioned: bool) -> tuple[float, float]:
     cost = CostModel(config.model, config.gpu, block_size=config.scheduler.block_size,
                      coefficients=config.cost_coefficients, max_model_len=config.max_model_len)
     one = cost.gpu.peak_flops * cost.tensor_parallel * cost.coefficients.compute_efficiency
     pooled, slo = one * config.replicas, config.slo_ttft_s
     seen: set[int] = set()
     backlog_flops, clock = 0.0, None
+    free_at = [0.0] * max(config.replicas, 1)  # partitioned: when each server's backlog ends (seconds)
     served = served_tokens = offered_tokens = 0
     for request in sorted(requests, key=lambda r: r.arrival_s):
         cached = 0
@@ -125,12 +143,21 @@ def pooled_attainment(config: SimConfig, requests: Sequence[WorkloadRequest]) ->
         fresh = n - min(cached, n - 1)
         shape = RoundShape(fresh, fresh * (n - fresh) + fresh * (fresh + 1) // 2, n - fresh, fresh, 1)
         own = cost.flops_and_bytes(shape)[0]
-        if clock is not None:
-            backlog_flops = max(backlog_flops - (request.arrival_s - clock) * pooled, 0.0)
-        clock = request.arrival_s
         offered_tokens += n + request.output_length
-        if max((backlog_flops + own) / pooled, own / one) <= slo:
-            backlog_flops += own
+        if partitioned:
+            server = min(range(len(free_at)), key=free_at.__getitem__)
+            done = max(free_at[server], request.arrival_s) + own / one
+            on_time = done - request.arrival_s <= slo
+            if on_time:
+                free_at[server] = done
+        else:
+            if clock is not None:
+                backlog_flops = max(backlog_flops - (request.arrival_s - clock) * pooled, 0.0)
+            clock = request.arrival_s
+            on_time = max((backlog_flops + own) / pooled, own / one) <= slo
+            if on_time:
+                backlog_flops += own
+        if on_time:
             seen.update(request.hash_ids)
             served += 1
             served_tokens += n + request.output_length

@@ -13,6 +13,7 @@ from sluice_tools.sim.bound import (
     compute_bound_rps,
     fleet_cache_tokens,
     lru_cached_tokens,
+    partitioned_attainment,
     pooled_attainment,
     request_shape,
 )
@@ -98,6 +99,24 @@ def test_pooled_bound_serves_a_burst_only_as_far_as_the_fleets_flops_reach_withi
     assert by_tokens == pytest.approx(by_requests)
     spread = [WorkloadRequest(f"r{i}", 10.0 * i * own, 4000, 100) for i in range(10)]
     assert pooled_attainment(config, spread) == (1.0, 1.0)
+
+
+def test_partitioned_bound_runs_each_prompt_on_one_replica_after_its_own_backlog() -> None:
+    """The same burst on 2 partitioned servers: each takes every other prompt at one replica's rate, so 3 of the
+    5 it gets finish within 3.5 own prefills (6 in all, against the pooled server's 7). Arrivals spread one own
+    prefill apart are all on time. Two prompts at one instant with room for one prefill each: each goes to the
+    server that is free, so both are on time."""
+    config = SimConfig(replicas=2)
+    own = _prefill_s(config, 4000)
+    config = replace(config, slo_ttft_s=3.5 * own)
+    burst = [WorkloadRequest(f"r{i}", 0.0, 4000, 100) for i in range(10)]
+    assert partitioned_attainment(config, burst) == pytest.approx((0.6, 0.6))
+    assert pooled_attainment(config, burst)[0] == pytest.approx(0.7)
+    spread = [WorkloadRequest(f"r{i}", i * own, 4000, 100) for i in range(10)]
+    assert partitioned_attainment(config, spread) == (1.0, 1.0)
+    tight = replace(config, slo_ttft_s=1.5 * own)  # one own prefill fits, two back to back do not
+    assert partitioned_attainment(tight, [WorkloadRequest("a", 0.0, 4000, 10), WorkloadRequest("b", 0.0, 4000, 10)]) \
+        == (1.0, 1.0)
 
 
 def test_pooled_bound_refuses_a_prompt_one_replica_cannot_prefill_within_the_slo() -> None:
