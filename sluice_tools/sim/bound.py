@@ -44,7 +44,8 @@ def compute_bound_rps(config: SimConfig, requests: Sequence[WorkloadRequest], *,
     ordered = sorted(requests, key=lambda r: r.arrival_s)
     capacity = cache_tokens if ideal_cache else 0
     cached = _ideal_cached_tokens(ordered) if capacity is None else lru_cached_tokens(ordered, capacity)
-    flops = sum(cost.flops_and_bytes(request_shape(request, hit))[0] for request, hit in zip(ordered, cached, strict=True))
+    flops = sum(cost.flops_and_bytes(request_shape(request, hit))[0]
+                for request, hit in zip(ordered, cached, strict=True))
     return config.replicas * len(requests) * flops_per_s / flops if flops else float("inf")
 
 

@@ -241,7 +241,8 @@ def test_sluices_scheduler_class_inside_vllm_orders_its_queue_two_to_one(vllm_st
     assert abs(ratio - 2.0) / 2.0 < 0.10, f"gold/bronze = {ratio:.3f} over completions 8..88 ({dict(window)})"
 
 
-def test_a_cancel_aborts_the_request_in_vllm_and_frees_its_kv(vllm_stack: Stack) -> None:
+def test_a_cancel_aborts_the_request_in_vllm_and_frees_its_kv(vllm_stack: Stack,
+                                                               request: pytest.FixtureRequest) -> None:
     """Cancelling a long stream through Sluice ends it CANCELLED and vLLM stops running it: it generates fewer than
     the 1,500 tokens asked for (its own counter says so) and its KV use drops to 0."""
     # On a quiet machine vLLM streams the tiny model's 1,500 tokens in about a second, and under load the first
@@ -253,15 +254,15 @@ def test_a_cancel_aborts_the_request_in_vllm_and_frees_its_kv(vllm_stack: Stack)
     # abort (the agent closed its connection) before its next step.
     # A slice can still last seconds: while vLLM generates, its OpenMP threads can take every core and leave the test
     # process no CPU to stop them (under load a `sleep 0.005` in a child shell was measured taking 3.8 s; CI once saw
-    # all 4 attempts run to the end). So every thread of the engines runs at nice 19 from here on: the test process,
-    # at 0, preempts them when its sleep ends. A request that still ends before the cancel is sent proves nothing
-    # either way, and the test tries a new one.
+    # all 4 attempts run to the end). So every thread of the engines runs at nice 19 during this test: the test
+    # process, at 0, preempts them when its sleep ends. A request that still ends before the cancel is sent proves
+    # nothing either way, and the test tries a new one.
     engines: list[int] = []
     for replica in vllm_stack.replicas.values():
         assert replica.worker.popen is not None
         core = engine_core_pid(replica.worker.popen.pid)
         engines.extend([core, *descendants(core)])
-    lowest_priority(engines)
+    request.addfinalizer(lowest_priority(engines))
 
     def generated() -> float:
         return sum(engine_metric(vllm_stack, i, "vllm:generation_tokens_total") for i in (0, 1))
@@ -389,15 +390,23 @@ def references(stack: Stack, prompts: list[list[int]], max_tokens: int) -> list[
     return [list(direct_completion(stack, 0, p, max_tokens)["choices"][0]["token_ids"]) for p in prompts]
 
 
-def lowest_priority(pids: list[int]) -> None:
+def lowest_priority(pids: list[int]) -> Callable[[], None]:
     """Every thread of the processes at nice 19 (Linux sets a nice value per thread; threads made later inherit it
-    from the thread that makes them). It cannot be undone without privileges: the engines keep it."""
-    for pid in pids:
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            with contextlib.suppress(ProcessLookupError):
-                os.setpriority(os.PRIO_PROCESS, int(task.name), 19)
+    from the thread that makes them); returns what puts them back. Lowering a nice value needs privileges (CI runs
+    as root): without them the engines keep 19."""
+    before = {pid: os.getpriority(os.PRIO_PROCESS, pid) for pid in pids}
+
+    def renice(value: Callable[[int], int]) -> None:
+        for pid in pids:
+            with contextlib.suppress(OSError):  # gone, or not allowed
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.setpriority(os.PRIO_PROCESS, int(task.name), value(pid))
+
+    renice(lambda pid: 19)
     for pid in pids:
         assert os.getpriority(os.PRIO_PROCESS, pid) == 19
+    return lambda: renice(before.__getitem__)
 
 
 def engine_core_pid(api_server_pid: int, timeout_s: float = 30.0) -> int:
