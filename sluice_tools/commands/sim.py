@@ -488,7 +488,9 @@ def _run_capacity(args: argparse.Namespace, workload: Any, configs: dict[str, Si
     ideal = ideal_prefix_hit_rate(workload.requests)
     bounds = _compute_bounds(next(iter(configs.values())), workload.requests, args.capacity_goal)
     print(format_capacity(results, ideal_prefix_hit_rate=ideal, compute_bound_rps=bounds["ideal_cache"]))
-    for line in capacity_goal_lines(results, bounds["ideal_cache"], fleet_cache_bound_rps=bounds["fleet_cache"]):
+    # The fleet's KV bound only where it binds (a trace whose reuse the fleet's KV cannot hold: Mooncake).
+    fleet_bound = bounds["fleet_cache"] if bounds["fleet_cache"] < bounds["ideal_cache"] else None
+    for line in capacity_goal_lines(results, bounds["ideal_cache"], fleet_cache_bound_rps=fleet_bound):
         print(line)
     print(f"compute bound: {bounds['ideal_cache']:.2f} req/s with one infinite prefix cache, "
           f"{bounds['fleet_cache']:.2f} with one LRU cache of the fleet's KV "
