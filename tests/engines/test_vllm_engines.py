@@ -392,8 +392,8 @@ def references(stack: Stack, prompts: list[list[int]], max_tokens: int) -> list[
 
 def lowest_priority(pids: list[int]) -> Callable[[], None]:
     """Every thread of the processes at nice 19 (Linux sets a nice value per thread; threads made later inherit it
-    from the thread that makes them); returns what puts them back. Lowering a nice value needs privileges (CI runs
-    as root): without them the engines keep 19."""
+    from the thread that makes them); returns what puts them back. Lowering a nice value needs privileges (root has
+    them here): without them the engines keep 19."""
     before = {pid: os.getpriority(os.PRIO_PROCESS, pid) for pid in pids}
 
     def renice(value: Callable[[int], int]) -> None:
