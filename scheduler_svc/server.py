@@ -497,7 +497,14 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
     info = await wait_for_worker(worker_channel, worker_timeout_s)
     overrides = core_overrides(info) if callable(core_overrides) else core_overrides
     core = make_core(info, replica_id, **(overrides or {}))
-    tune_collector(core.config.max_num_seqs)
+    config = core.config
+    # The budgets as run (a --tpot-slo-ms start derives some of them): what an operator checks first.
+    log.info("replica %s round budgets: %d tokens, %d seats, KV read %s, attention charge %s, prefill chunk %d",
+             replica_id, config.max_num_batched_tokens, config.max_num_seqs,
+             config.max_kv_read_tokens if config.max_kv_read_tokens is not None else "unbounded",
+             f"1 token per {config.attention_pairs_per_token} pairs past {config.attention_free_context}"
+             if config.attention_pairs_per_token is not None else "none", config.max_prefill_chunk)
+    tune_collector(config.max_num_seqs)
     driver = Driver(core, worker_pb2_grpc.WorkerServiceStub(worker_channel), bus, replica_id=replica_id,
                     model_id=info.model_id, eos_token_id=info.eos_token_id, metrics=metrics, use_stream=use_stream,
                     worker_health=health_pb2_grpc.HealthStub(worker_channel),
