@@ -31,6 +31,12 @@ def request_shape(request: WorkloadRequest, cached_tokens: int) -> RoundShape:
     return RoundShape(query, pairs, cached + n * decodes, query, out)
 
 
+def _cost_model(config: SimConfig) -> CostModel:
+    """The cost model of the configuration's replicas (model, GPU, block size, coefficients, model length)."""
+    return CostModel(config.model, config.gpu, block_size=config.scheduler.block_size,
+                     coefficients=config.cost_coefficients, max_model_len=config.max_model_len)
+
+
 def compute_bound_rps(config: SimConfig, requests: Sequence[WorkloadRequest], *, ideal_cache: bool = True,
                       cache_tokens: int | None = None) -> float:
     """Return the rate (req/s) at which `config.replicas` replicas would be busy on the requests' FLOPs alone.
@@ -38,8 +44,7 @@ def compute_bound_rps(config: SimConfig, requests: Sequence[WorkloadRequest], *,
     With `ideal_cache`, what one infinite prefix cache would hold is not computed (the most any router
     saves); without it every prompt token is. With `cache_tokens`, that cache holds only so many tokens and
     evicts the least recently used block (`lru_cached_tokens`; `fleet_cache_tokens` is the fleet's KV)."""
-    cost = CostModel(config.model, config.gpu, block_size=config.scheduler.block_size,
-                     coefficients=config.cost_coefficients, max_model_len=config.max_model_len)
+    cost = _cost_model(config)
     flops_per_s = cost.gpu.peak_flops * cost.tensor_parallel * cost.coefficients.compute_efficiency
     ordered = sorted(requests, key=lambda r: r.arrival_s)
     capacity = cache_tokens if ideal_cache else 0
@@ -51,8 +56,7 @@ def compute_bound_rps(config: SimConfig, requests: Sequence[WorkloadRequest], *,
 
 def fleet_cache_tokens(config: SimConfig) -> int:
     """Return the tokens of KV every replica's device holds together (the simulator's blocks per replica)."""
-    cost = CostModel(config.model, config.gpu, block_size=config.scheduler.block_size,
-                     coefficients=config.cost_coefficients, max_model_len=config.max_model_len)
+    cost = _cost_model(config)
     return config.replicas * (config.num_blocks or cost.num_blocks) * config.scheduler.block_size
 
 
@@ -126,8 +130,7 @@ def partitioned_attainment(config: SimConfig, requests: Sequence[WorkloadRequest
 
 def _ideal_attainment(config: SimConfig, requests: Sequence[WorkloadRequest], *,
                       partitioned: bool) -> tuple[float, float]:
-    cost = CostModel(config.model, config.gpu, block_size=config.scheduler.block_size,
-                     coefficients=config.cost_coefficients, max_model_len=config.max_model_len)
+    cost = _cost_model(config)
     one = cost.gpu.peak_flops * cost.tensor_parallel * cost.coefficients.compute_efficiency
     pooled, slo = one * config.replicas, config.slo_ttft_s
     seen: set[int] = set()
