@@ -160,6 +160,9 @@ def core_overrides(options: SchedulerOptions, max_context: int = 1 << 17) -> dic
     seats, kv_read = options.max_num_seqs, options.max_kv_read_tokens
     if options.seat_context <= 0:
         raise ValueError(f"--seat-context must be a positive number of tokens, got {options.seat_context}")
+    if not 0 <= options.kv_read_s_per_token < math.inf:  # NaN fails too
+        raise ValueError(f"--kv-read-s-per-token {options.kv_read_s_per_token}: the seconds per KV token read "
+                         f"(kv_read_s) must be a finite number >= 0")
     if options.tpot_slo_ms > 0:
         model = linear_round_time(options.prefill_tokens_per_s, options.decode_round_s, options.prefill_pair_s,
                                   options.kv_read_s_per_token)
@@ -203,6 +206,13 @@ async def start(ctx: serve.ServiceContext, options: SchedulerOptions) -> serve.S
     if options.engine == "vllm" and not options.engine_url:
         raise serve.StartupError("--engine-url http://HOST:PORT is required with --engine vllm")
     kv_linger_s = kv_linger_seconds(options)
+    try:  # the round flags, checked before waiting for a worker (its Info only sizes the attention charge)
+        core_overrides(options)
+    except ValueError as exc:
+        raise serve.StartupError(str(exc)) from exc
+    if options.kv_read_s_per_token > 0 and options.tpot_slo_ms <= 0:
+        log.warning("--kv-read-s-per-token is used only with --tpot-slo-ms: the seat cap stays --max-num-seqs %d",
+                    options.max_num_seqs)
     metrics = SchedulerMetrics()
     metrics.core_compiled.set(1 if core_compiled else 0)
     log.info("scheduler core: %s", "compiled (mypyc)" if core_compiled else "pure Python")

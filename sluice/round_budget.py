@@ -47,6 +47,7 @@ Pure: no clock, no I/O.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -82,9 +83,9 @@ def linear_round_time(prefill_tokens_per_s: float, decode_round_s: float, pair_s
     plus `pair_s` seconds per attended (query token, earlier token) pair (0: attention is free), plus `kv_read_s`
     seconds per KV token the round reads (0: reading is free, and the model has no KV term: it sizes neither
     seats nor a KV-read budget)."""
-    if prefill_tokens_per_s <= 0 or pair_s < 0 or kv_read_s < 0:
-        raise ValueError(f"need prefill_tokens_per_s > 0 and pair_s, kv_read_s >= 0, got {prefill_tokens_per_s}, "
-                         f"{pair_s}, {kv_read_s}")
+    if not (prefill_tokens_per_s > 0 and 0 <= pair_s < math.inf and 0 <= kv_read_s < math.inf):  # NaN fails too
+        raise ValueError(f"need prefill_tokens_per_s > 0 and pair_s, kv_read_s finite and >= 0, got "
+                         f"{prefill_tokens_per_s}, {pair_s}, {kv_read_s}")
 
     def round_time(query: int, pairs: int, read: int, sampled: int) -> float:
         return decode_round_s + query / prefill_tokens_per_s + pairs * pair_s + read * kv_read_s

@@ -238,6 +238,19 @@ def test_a_kv_read_rate_gives_the_service_a_derived_seat_cap_that_stats_reports(
     asyncio.run(body())
 
 
+@pytest.mark.parametrize(("flag", "named"), [("--seat-context=0", "--seat-context"),
+                                              ("--kv-read-s-per-token=nan", "--kv-read-s-per-token"),
+                                              ("--kv-read-s-per-token=-1e-9", "--kv-read-s-per-token")])
+def test_bad_round_flags_refuse_the_start_before_any_worker_answers(flag: str, named: str) -> None:
+    """A bad seat context or KV-read rate ends the scheduler at once with exit status 2 and a line naming the flag,
+    no traceback: it does not wait for a worker (none listens on port 1) to find out."""
+    done = subprocess.run([sys.executable, "-m", "scheduler_svc", "--replica-id", "r", "--worker", "127.0.0.1:1",
+                           "--tpot-slo-ms", "50", flag], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[2], check=False)
+    assert done.returncode == 2, done.stderr
+    assert f"scheduler cannot start: {named}" in done.stderr and "Traceback" not in done.stderr
+
+
 async def _first_token_of(bus: Bus, request_id: str) -> bool:
     return any(d.request_id == request_id for d in await _tokens(bus))
 

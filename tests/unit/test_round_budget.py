@@ -79,8 +79,9 @@ def test_a_linear_model_with_a_kv_read_rate_sizes_the_seats_and_the_kv_read_budg
     plain = core_overrides(parse_args(flags), max_context=8192)
     assert (plain["max_num_seqs"], plain["max_kv_read_tokens"]) == (48, 4096)
     assert derived["max_num_batched_tokens"] == plain["max_num_batched_tokens"] == 1536
-    with pytest.raises(ValueError, match="kv_read_s"):
-        core_overrides(parse_args([*flags, "--kv-read-s-per-token=-1e-9"]))
+    for bad in ("-1e-9", "nan", "inf"):
+        with pytest.raises(ValueError, match="kv_read_s"):
+            core_overrides(parse_args([*flags, f"--kv-read-s-per-token={bad}"]))
     with pytest.raises(ValueError, match="--seat-context"):
         core_overrides(parse_args([*flags, "--seat-context", "0"]))
 
