@@ -271,10 +271,13 @@ class Reporter:
             m.kv_blocks_free.set(stats.kv_blocks_free)
             m.kv_blocks_cached.set(stats.kv_blocks_cached)
             m.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
+        if fresh or stats.host_blocks_cached != last.host_blocks_cached:
+            m.host_blocks_cached.set(stats.host_blocks_cached)
         for counter, now, then in ((m.rounds, stats.rounds, last.rounds),
                                    (m.recomputed_tokens, stats.recomputed_tokens, last.recomputed_tokens),
                                    (m.prefix_hit_tokens, stats.prefix_hit_tokens, last.prefix_hit_tokens),
-                                   (m.prefix_query_tokens, stats.prefix_query_tokens, last.prefix_query_tokens)):
+                                   (m.prefix_query_tokens, stats.prefix_query_tokens, last.prefix_query_tokens),
+                                   (m.host_prefix_hit_tokens, stats.host_hit_tokens, last.host_hit_tokens)):
             if now != then:
                 counter.inc(now - then)
         self._last_stats, self._gauges_unset = stats, False

@@ -345,6 +345,11 @@ class SchedulerMetrics:
                                           registry=r)
         self._prefix_query_tokens = Counter("sluice_prefix_query_tokens",
                                             "Prompt tokens looked up in the prefix cache.", registry=r)
+        self.host_prefix_hit_tokens = Counter("sluice_host_prefix_hit_tokens", "Prompt tokens found in the host "
+                                              "(CPU) prefix tier and copied back instead of computed (part of "
+                                              "sluice_prefix_hit_tokens).", registry=r)
+        self.host_blocks_cached = Gauge("sluice_host_blocks_cached", "Host blocks holding prefix-tier copies of "
+                                        "evicted KV blocks.", registry=r)
         self._preemptions = Counter("sluice_preemptions", "Requests preempted.", registry=r)
         self.recomputed_tokens = Counter("sluice_recomputed_tokens", "Tokens computed again after preemption.",
                                          registry=r)

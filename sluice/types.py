@@ -426,6 +426,10 @@ class CoreStats:
     timed_out: int
     prefix_hit_tokens: int
     prefix_query_tokens: int
+    host_hit_tokens: int
+    """Of prefix_hit_tokens, those found in the host (CPU) prefix tier."""
+    host_blocks_cached: int
+    """Host blocks holding prefix-tier copies (confirmed, pending or being read)."""
 
 
 @dataclass(frozen=True)

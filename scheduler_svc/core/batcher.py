@@ -50,7 +50,7 @@ class Batcher:
     """Builds each round of one core from its parts; `schedule(now)` returns the plan."""
 
     __slots__ = ("next_round_id", "_config", "_block_size", "_swap", "_victims", "_table",
-                 "_backlog", "_pool", "_host", "_outbox", "_outcomes")
+                 "_backlog", "_pool", "_host", "_outbox", "_outcomes", "_spill_reserve")
 
     def __init__(self, parts: CoreParts, outcomes: RoundOutcomes) -> None:
         self.next_round_id = 1
@@ -64,6 +64,11 @@ class Batcher:
         self._host = parts.host
         self._outbox = parts.outbox
         self._outcomes = outcomes
+        # With the host tier's copies charged, a share of each round's token budget is kept for copying out the
+        # blocks its allocations evict: one copy per block-size tokens computed, at host_copy_tokens each.
+        per_block = config.host_copy_tokens if parts.host.prefix_cache else 0.0
+        share = per_block / config.block_size
+        self._spill_reserve = int(config.max_num_batched_tokens * share / (1 + share))
 
     def schedule(self, now: float, overlap: bool = False) -> RoundPlan:
         """Build the next round; return its plan (possibly empty: `plan.is_empty`).
@@ -77,10 +82,16 @@ class Batcher:
         rnd = RoundBuilder(round_id, self._config)
         # The phase calls are skipped when they have nothing to look at: most rounds of a lightly
         # loaded replica carry a few decodes and no queue, and the calls are most of their cost.
+        host_tier = self._host.prefix_cache
+        if host_tier:
+            self._pool.spills = []  # blocks evicted while this round is planned are copied to the host tier
+            rnd.tokens_left -= self._spill_reserve
         if self._table.running:
             self._schedule_running(rnd, now, overlap)
         if self._backlog.queue.length and not rnd.preempted:  # len(backlog), without two calls
             self._schedule_waiting(rnd, now)
+        if host_tier:
+            self._spill(rnd)
         return self._seal(rnd, now)
 
     def _schedule_running(self, rnd: RoundBuilder, now: float, overlap: bool = False) -> None:
@@ -273,32 +284,64 @@ class Batcher:
         """Place the head of the queue (first schedule or recompute resume) if it fits."""
         size, pool = self._block_size, self._pool
         hits: list[int] = []
+        host_hits: list[int] = []
         if pool.caching:
-            hits = pool.lookup(block_hashes_upto(request, (len(request.tokens) - 1) // size, size, request.salt))
-        start = len(hits) * size
+            hashes = block_hashes_upto(request, (len(request.tokens) - 1) // size, size, request.salt)
+            hits = pool.lookup(hashes)
+            if self._host.prefix_cache and len(hits) < len(hashes):
+                host_hits = self._host.lookup(hashes[len(hits):])
+        charge = 0
+        if host_hits and self._config.host_copy_tokens > 0:
+            per_block = self._config.host_copy_tokens
+            affordable = max(int((rnd.tokens_left - 1) / per_block), 0)  # a token is left for the chunk
+            if affordable < len(host_hits):
+                if rnd.prefill_tokens:
+                    return False  # the copies do not fit beside this round's prefill: a round of decodes takes them
+                # The most one round's time can copy; the rest is computed. (Copying it all would stretch the
+                # round for every decode in it: TPOT misses, measured on Mooncake, docs/simulator.md.)
+                host_hits = host_hits[:affordable]
+            charge = int(-(-len(host_hits) * per_block // 1))
+            rnd.tokens_left -= charge
+        start = (len(hits) + len(host_hits)) * size
         num = chunk_tokens(self._config, rnd, start, len(request.tokens) - start)
         need = -(-(start + num) // size) - len(hits)
         if num <= 0 or need + pool.count_unreferenced(hits) > pool.num_allocatable:
+            rnd.tokens_left += charge
             return False
+        if charge:
+            rnd.attention_tokens += charge  # charged tokens that are not query tokens (RoundBudget)
         self._backlog.dequeue(request, served=True)
         pool.acquire(hits)
         request.block_ids = array("q", hits)
-        request.block_ids.extend(pool.allocate(need) or ())
+        fresh = pool.allocate(need) or []
+        request.block_ids.extend(fresh)
         request.block_table = tuple(request.block_ids)
+        # Host-tier hits are copied into the first fresh blocks before the forward; they are registered on the
+        # device, like computed blocks, once this round has answered.
         request.num_registered = len(hits)
         request.num_computed = start
+        if host_hits:
+            self._host.read(host_hits)
+            rnd.swap_in += tuple(BlockCopy(h, d) for h, d in zip(host_hits, fresh, strict=False))
+            rnd.host_read += tuple(host_hits)
+        host_tokens = len(host_hits) * size
         self._backlog.set_pending(request, len(request.tokens) - start)  # cached blocks are no work
         if request.first_scheduled_time is None:
             request.first_scheduled_time = now
             request.usage.cached_tokens = start
             self._outbox.prefix_hit_tokens += start
+            self._outbox.host_hit_tokens += host_tokens
             self._outbox.prefix_query_tokens += len(request.tokens)
-            self._outbox.event(request, Stage.FIRST_SCHEDULED, now, (("cached_tokens", start),))
+            attributes: tuple[tuple[str, int], ...] = (("cached_tokens", start),)
+            if host_tokens:
+                attributes += (("host_cached_tokens", host_tokens),)
+            self._outbox.event(request, Stage.FIRST_SCHEDULED, now, attributes)
         else:
             recomputed = max(0, request.recompute_debt - start)
             request.recompute_debt = 0
             request.usage.recomputed_tokens += recomputed
             self._outbox.recomputed_tokens += recomputed
+            self._outbox.host_hit_tokens += host_tokens
             self._outbox.event(request, Stage.RESUMED, now, (("mode", "recompute"), ("cached_tokens", start)))
         self._start_running(request)
         self._place(request, start, num, rnd, now)
@@ -395,6 +438,35 @@ class Batcher:
             rnd.tokens_left += charge
             rnd.attention_tokens -= charge
             self._backlog.set_pending(request, len(request.tokens) - seq.start_position)
+
+    def _spill(self, rnd: RoundBuilder) -> None:
+        """Copy the registered blocks evicted while this round was planned into the host tier (its swap-outs,
+        which the worker runs before anything of the round writes a block)."""
+        spills, self._pool.spills = self._pool.spills, None
+        rnd.tokens_left += self._spill_reserve
+        if not spills:
+            return
+        host = self._host
+        per_block = self._config.host_copy_tokens
+        # Charged copies: as many as the round's time has room for (the reserve and what the round left); the
+        # rest of the evicted blocks are dropped as they would be without a tier.
+        room = int(rnd.tokens_left / per_block) if per_block > 0 else len(spills)
+        copies: list[BlockCopy] = []
+        written: list[int] = []
+        for index in range(0, len(spills), 2):
+            if len(copies) >= room:
+                break
+            target = host.spill(spills[index + 1])
+            if target is not None:
+                copies.append(BlockCopy(spills[index], target))
+                written.append(target)
+        if copies:
+            rnd.swap_out += tuple(copies)
+            rnd.host_written += tuple(written)
+            if per_block > 0:
+                charge = min(int(-(-len(copies) * per_block // 1)), rnd.tokens_left)
+                rnd.tokens_left -= charge
+                rnd.attention_tokens += charge
 
     def _seal(self, rnd: RoundBuilder, now: float) -> RoundPlan:
         config = self._config

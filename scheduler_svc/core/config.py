@@ -81,7 +81,17 @@ class SchedulerConfig:
     victim_policy: VictimPolicy = VictimPolicy.LOWEST_PRIORITY
     """Whom to preempt when blocks run out."""
     num_host_blocks: int = 0
-    """Host (CPU) blocks for swap mode; when full, swap falls back to recompute."""
+    """Host (CPU) blocks for swap mode and the host prefix tier; when none is left, swap falls back to recompute."""
+    host_prefix_cache: bool = False
+    """A second tier of the prefix cache in the host blocks: registered blocks the device evicts are copied there,
+    and a prompt whose prefix continues there is copied back instead of computed (host_blocks.py). Needs
+    num_host_blocks >= 1 and enable_prefix_caching."""
+    host_copy_tokens: float = 0.0
+    """Round-budget tokens one block copied back from the host prefix tier costs (its copy time over one prefill
+    token's, ~1.3 for Llama-3-8B on an H200's 64 GB/s host link), so a round's copies and compute together stay
+    within its time; a hit too big for the room left waits for a round without other prefill work, which copies
+    what fits and computes the rest. Evicted blocks are copied out only as far as the round's time allows (a
+    share of each round's budget is kept for them). 0: copies are not charged."""
     enable_prefix_caching: bool = True
     """Share full blocks by hash chain and keep freed ones in an LRU cache."""
     model_id: str = "tiny"

@@ -21,6 +21,7 @@ class Outbox:
         "recomputed_tokens",
         "prefix_hit_tokens",
         "prefix_query_tokens",
+        "host_hit_tokens",
     )
 
     def __init__(self) -> None:
@@ -32,6 +33,8 @@ class Outbox:
         self.recomputed_tokens = 0
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
+        self.host_hit_tokens = 0
+        """Prompt tokens found in the host prefix tier (copied back, not computed)."""
 
     def take(self) -> CoreEvents:
         """Return the events since the last take and start a new batch."""

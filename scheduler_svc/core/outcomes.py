@@ -101,6 +101,9 @@ class RoundOutcomes:
             self._apply_outputs(record, entries, result.outputs, now)
             if record.swapping:
                 self._finish_swaps(record, now)
+            if record.host_written or record.host_read:
+                self._host.confirm(record.host_written)
+                self._host.unread(record.host_read)
 
     def _refuse(self, record: InFlightRound, refused: tuple[RefusedSeq, ...], now: float) -> list[Request]:
         """Fail the requests whose sequence the worker refused (exactly once); return the round's other entries."""
@@ -296,6 +299,8 @@ class RoundOutcomes:
                 self._release_unread(request, now)
         self._finish_swaps(record, now, copied=False)
         self._host.release(record.host_release)
+        self._host.drop(record.host_written)
+        self._host.unread(record.host_read)
 
     # ---- a worker lost ---------------------------------------------------------------------
     def on_round_lost(self, round_id: int, now: float) -> None:
@@ -324,6 +329,8 @@ class RoundOutcomes:
                 self._requeue_lost(request, now)
         self._finish_swaps(record, now, copied=False)
         self._host.release(record.host_release)
+        self._host.drop(record.host_written)
+        self._host.unread(record.host_read)
 
     def forget_worker_kv(self, now: float) -> None:
         """The worker's KV went with it, not only the lost round's: running requests that no in-flight

@@ -14,7 +14,7 @@ DECODE = (1, True)
 class InFlightRound:
     """The bookkeeping of one planned round until its result arrives."""
 
-    __slots__ = ("round_id", "entries", "chunks", "swapping", "host_release")
+    __slots__ = ("round_id", "entries", "chunks", "swapping", "host_release", "host_written", "host_read")
 
     def __init__(self, round_id: int) -> None:
         self.round_id = round_id
@@ -29,6 +29,10 @@ class InFlightRound:
         """Swap-out victims whose device blocks are pinned until the copy is done."""
         self.host_release: tuple[int, ...] = ()
         """Host blocks read by this round's swap-ins, free once it is done."""
+        self.host_written: tuple[int, ...] = ()
+        """Host prefix-tier blocks this round's swap-outs copy evicted blocks into (pending until it answers)."""
+        self.host_read: tuple[int, ...] = ()
+        """Host prefix-tier blocks this round's swap-ins read (held until it answers)."""
 
     def entry(self, request: Request) -> tuple[int, bool]:
         """Return (tokens computed, sample) of `request`'s sequence in this round."""
@@ -67,6 +71,8 @@ class RoundBuilder(InFlightRound):
         self.chunks = None
         self.swapping = ()
         self.host_release = ()
+        self.host_written = ()
+        self.host_read = ()
         self.seqs: list[ScheduledSeq] = []
         """The round's sequences while it is built; emptied once sealed (the plan holds them)."""
         self.swap_out: tuple[BlockCopy, ...] = ()

@@ -65,6 +65,9 @@ class SchedulerCore:
             raise ValueError(f"max_prefill_chunk must be >= 1, got {config.max_prefill_chunk}")
         if config.attention_pairs_per_token is not None and config.attention_pairs_per_token < 1:
             raise ValueError(f"attention_pairs_per_token must be >= 1 or None, got {config.attention_pairs_per_token}")
+        if config.host_prefix_cache and (config.num_host_blocks < 1 or not config.enable_prefix_caching):
+            raise ValueError(f"host_prefix_cache needs num_host_blocks >= 1 (got {config.num_host_blocks}) and "
+                             f"enable_prefix_caching (got {config.enable_prefix_caching})")
         if config.attention_free_context < 0:
             raise ValueError(f"attention_free_context must be >= 0, got {config.attention_free_context}")
         self.config = config
@@ -75,7 +78,7 @@ class SchedulerCore:
         self.requests = RequestTable()
         self.backlog = Backlog(make_queue(config.policy, config))
         self.deadlines = DeadlineHeap(self.requests)
-        self.host = HostBlocks(config.num_host_blocks, self.pool)
+        self.host = HostBlocks(config.num_host_blocks, self.pool, config.host_prefix_cache)
         self.outbox = Outbox()
         self.handoffs = HandOffs(self.pool, config.kv_hold_s, config.block_size)
         self.endings = Endings(self.requests, self.backlog, self.pool, self.host, self.outbox, self.deadlines,
@@ -172,7 +175,11 @@ class SchedulerCore:
         if not self.pool.caching:
             return 0
         size = self._block_size
-        return len(self.pool.lookup(block_hashes_upto(request, (len(request.tokens) - 1) // size, size, request.salt))) * size
+        hashes = block_hashes_upto(request, (len(request.tokens) - 1) // size, size, request.salt)
+        found = len(self.pool.lookup(hashes))
+        if self.host.prefix_cache and found < len(hashes):
+            found += len(self.host.lookup(hashes[found:]))
+        return found * size
 
     # ---- the step cycle --------------------------------------------------------------------
     def schedule(self, now: float, overlap: bool = False) -> RoundPlan:
@@ -328,11 +335,17 @@ class SchedulerCore:
             ended.get(RequestStatus.TIMED_OUT, 0),
             outbox.prefix_hit_tokens,
             outbox.prefix_query_tokens,
+            outbox.host_hit_tokens,
+            host.num_cached,
         )
 
     def kv_snapshot(self) -> tuple[int, tuple[int, ...]]:
         """Return (last KV event id, hashes of every cached or stored block)."""
         return self.pool.last_event_id, self.pool.cached_hashes()
+
+    def host_hashes(self) -> tuple[int, ...]:
+        """Return the hashes the host prefix tier holds (reported STORED on CPU), as of `kv_snapshot`'s event id."""
+        return self.host.cached_hashes()
 
     def has_unfinished(self) -> bool:
         """Return True while any request is not terminal."""

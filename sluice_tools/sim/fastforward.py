@@ -118,7 +118,7 @@ def load_at(replica: _Replica, now: float) -> tuple[RoundRates, CoreStats]:
 
 
 _new_stats = retyping_constructor(CoreStats)
-"""CoreStats built through a shell class (sluice/slots.py): its frozen __init__ pays object.__setattr__ for each of 18."""
+"""CoreStats built through a shell class (sluice/slots.py): its frozen __init__ pays object.__setattr__ for each of 20."""
 
 
 def _with_blocks(stats: CoreStats, free: int, cached: int) -> CoreStats:
@@ -127,7 +127,7 @@ def _with_blocks(stats: CoreStats, free: int, cached: int) -> CoreStats:
     return _new_stats(s.waiting, s.running, s.kv_blocks_total, s.kv_blocks_total - free - cached, free, cached,
                      s.host_blocks_total, s.host_blocks_used, s.preemptions, s.recomputed_tokens, s.dropped_results,
                      s.rounds, s.queued_prefill_tokens, s.finished, s.cancelled, s.timed_out, s.prefix_hit_tokens,
-                     s.prefix_query_tokens)
+                     s.prefix_query_tokens, s.host_hit_tokens, s.host_blocks_cached)
 
 
 def fast_forward(sim: Simulator, replica: _Replica, plan: RoundPlan, result: RoundResult, kinds: _Kinds) -> bool:

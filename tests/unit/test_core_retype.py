@@ -30,7 +30,7 @@ CASES = [
     (RoundPlan, (4, (ScheduledSeq(*SEQ_ARGS),), (), (), RoundBudget(*BUDGET_ARGS))),
     (KvEvent, (12, KvEventKind.STORED, (99,), 98, (), KvMedium.GPU)),
     (LifecycleEvent, ("r1", Stage.FIRST_TOKEN, 1.5, (("tokens", 3),))),
-    (CoreStats, tuple(range(18))),
+    (CoreStats, tuple(range(20))),
     (CoreEvents, ([("r1", 0, 7)], [], [], [], 2, {})),
 ]
 

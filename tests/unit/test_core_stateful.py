@@ -48,9 +48,10 @@ class CoreMachine(RuleBasedStateMachine):
         max_lost=st.sampled_from([1, 3]),
         chunk=st.sampled_from([6, 6, 3, 2]),
         attention=st.sampled_from([None, None, 8]),
+        host_tier=st.booleans(),
     )
     def setup(self, policy: Policy, mode: PreemptionMode, host_blocks: int, kv_cap: int | None, caching: bool,
-              max_lost: int, chunk: int, attention: int | None) -> None:
+              max_lost: int, chunk: int, attention: int | None, host_tier: bool = False) -> None:
         self.config = SchedulerConfig(
             num_blocks=10,
             block_size=4,
@@ -64,6 +65,8 @@ class CoreMachine(RuleBasedStateMachine):
             policy=policy,
             preemption_mode=mode,
             num_host_blocks=host_blocks,
+            host_prefix_cache=host_tier and host_blocks > 0 and caching,
+            host_copy_tokens=1.5 if host_tier and chunk == 3 else 0.0,
             enable_prefix_caching=caching,
             tenant_weights=(("b", 2.0),),
             max_model_len=40,
@@ -232,10 +235,11 @@ class CoreMachine(RuleBasedStateMachine):
         assert budget.used_query_tokens == sum(len(s.token_ids) for s in plan.seqs) <= config.max_num_batched_tokens
         assert budget.used_seqs == len(plan.seqs) <= config.max_num_seqs
         assert budget.num_prefill_tokens + budget.num_decode_tokens == budget.used_query_tokens
-        # Deep chunks pay for their attention out of the same budget (a chunk floored at one block may overdraw,
-        # uncharged); nothing is charged without the attention term.
+        # Deep chunks pay for their attention, and host-tier copies for their time, out of the same budget (a chunk
+        # floored at one block may overdraw, uncharged); nothing is charged without either.
         assert budget.used_query_tokens + budget.attention_tokens <= config.max_num_batched_tokens
-        assert budget.attention_tokens == 0 or config.attention_pairs_per_token is not None
+        assert budget.attention_tokens == 0 or config.attention_pairs_per_token is not None \
+            or config.host_copy_tokens > 0
         reads = sum(s.start_position + len(s.token_ids) for s in plan.seqs)
         assert budget.used_kv_read_tokens == reads
         if config.max_kv_read_tokens is not None:
@@ -339,8 +343,9 @@ class PipelinedCoreMachine(CoreMachine):
     @rule(prompt_len=st.integers(13, 24), max_tokens=st.integers(1, 4))
     def long_prompt_ahead(self, prompt_len: int, max_tokens: int) -> None:
         """On an idle core, a prompt of several chunks gets its second chunk placed ahead, with its real tokens,
-        while the first is in flight; both stay in flight for the other rules (cancel, expiry, loss, faults)."""
-        if self.core.has_unfinished():
+        while the first is in flight; both stay in flight for the other rules (cancel, expiry, loss, faults).
+        Idle means no KV held for a hand-off either: held prompts may pin every block until their hold expires."""
+        if self.core.has_unfinished() or self.core.handoffs.held_blocks:
             return
         self.next_id += 1
         rid = f"r{self.next_id}"

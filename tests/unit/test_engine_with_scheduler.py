@@ -112,3 +112,35 @@ def test_stop_string_finishes_the_request(tiny_preset: Path) -> None:
     finished, _ = serve(tiny_preset, PreemptionMode.RECOMPUTE, [request], 64)
     assert finished["s"].status is RequestStatus.FINISHED_STOP
     assert list(finished["s"].output_token_ids) == greedy[: first_printable + 1]
+
+
+def test_prefixes_copied_back_from_the_host_tier_give_the_reference_tokens(tiny_preset: Path) -> None:
+    """With the host prefix tier, a shared prompt evicted from the device by a long request in between comes back
+    from host memory (swap-ins, not prefill) and every request still gets the full-recompute reference's tokens:
+    the copy-out of an evicted block ran before the round's forward overwrote it."""
+    num_blocks = 14
+    config = SchedulerConfig(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=24,
+                             max_prefill_chunk=8, num_host_blocks=32, host_prefix_cache=True)
+    backend = TorchBackend(tiny_preset, device="cpu", dtype="float32", block_size=BLOCK_SIZE,
+                           num_blocks=num_blocks, num_host_blocks=32)
+    core = SchedulerCore(config)
+    waves = [[PROMPTS[0]], [list(b"a long request that evicts the rest")],
+             [PROMPTS[1], PROMPTS[4]], [PROMPTS[2]], [PROMPTS[0]]]
+    finished: dict[str, Finished] = {}
+    step = 0
+    for wave, prompts in enumerate(waves):
+        for index, prompt in enumerate(prompts):
+            core.submit(NewRequest(f"w{wave}-{index}", tuple(prompt), SamplingParams(max_tokens=MAX_TOKENS),
+                                   eos_token_id=None), now=float(step))
+        while core.has_unfinished():
+            step += 1
+            result = backend.execute(core.schedule(now=float(step)))
+            assert not result.error, result.error
+            finished.update((r.request_id, r) for r in core.on_round_result(result, now=float(step)).finished)
+    stats = core.stats()
+    assert stats.host_hit_tokens >= len(SHARED) // BLOCK_SIZE * BLOCK_SIZE, "the shared prompt came back from the host"
+    reference = TorchBackend(tiny_preset, device="cpu", dtype="float32", num_blocks=8)
+    for wave, prompts in enumerate(waves):
+        for index, prompt in enumerate(prompts):
+            expected = reference_greedy(reference.model, prompt, MAX_TOKENS, reference.sampling_vocab)
+            assert list(finished[f"w{wave}-{index}"].output_token_ids) == expected, f"w{wave}-{index}"

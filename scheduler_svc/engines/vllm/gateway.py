@@ -282,6 +282,10 @@ class GatewayCore:
         """Return (last event id, the hashes of every block the engine holds) for the router's snapshot."""
         return self.kv.last_event_id, self.kv.snapshot()
 
+    def host_hashes(self) -> tuple[int, ...]:
+        """Return the host-tier hashes for the snapshot: none (the engine's own CPU blocks are not tracked here)."""
+        return ()
+
     # ---- cancel and deadlines ---------------------------------------------------------------------------
     def cancel(self, request_id: str, now: float, detail: str = "") -> RequestStatus | None:
         """Cancel a request: at once if queued here, after the engine's abort if dispatched. Returns its status
@@ -337,7 +341,7 @@ class GatewayCore:
             host_blocks_total=0, host_blocks_used=0, preemptions=preemptions, recomputed_tokens=0,
             dropped_results=0, rounds=counters.dispatched, queued_prefill_tokens=self._queued_prefill(),
             finished=counters.finished, cancelled=counters.cancelled, timed_out=counters.timed_out,
-            prefix_hit_tokens=hits, prefix_query_tokens=queries)
+            prefix_hit_tokens=hits, prefix_query_tokens=queries, host_hit_tokens=0, host_blocks_cached=0)
 
     def _queued_prefill(self) -> int:
         """Prompt tokens queued here and dispatched but not yet answered with a first token."""
