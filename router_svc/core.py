@@ -165,11 +165,12 @@ class RouterCore:
         replica = self.fleet.find(replica_id)
         return True if replica is None else self.index.apply_events(replica.cache, events)
 
-    def apply_snapshot(self, replica_id: str, last_event_id: int, hashes: Iterable[int], now: float) -> None:
-        """Replace what is known of a replica's cache with a snapshot taken at `last_event_id`."""
+    def apply_snapshot(self, replica_id: str, last_event_id: int, hashes: Iterable[int], now: float,
+                       host_hashes: Iterable[int] = ()) -> None:
+        """Replace what is known of a replica's cache (device, and host tier) with a snapshot taken at `last_event_id`."""
         replica = self.fleet.find(replica_id)
         if replica is not None:
-            self.index.apply_snapshot(replica.cache, last_event_id, hashes)
+            self.index.apply_snapshot(replica.cache, last_event_id, hashes, host_hashes)
 
     @property
     def indexed_blocks(self) -> int:

@@ -13,6 +13,11 @@ Rules
   (`predict`), so sibling requests sent right after see the prefix at once; `prune` forgets
   expired predictions in expiry order, and `retract` takes back one whose request never ran
   (refused after routing), so that its replica is not chosen for a cache it does not have.
+* Blocks a replica reports on the CPU medium (its host prefix tier, or a swapped-out request's copies)
+  are held too, in a set of their own (`host`): a GPU REMOVED for an evicted block leaves its host
+  copy counted. A host hit costs a copy back at the host link's rate, about a tenth of computing the
+  block again (8B model, H200, PCIe 5), so scoring counts it as cached. A swapped-out request's copies
+  are counted while it waits, though only it can read them: a short-lived overestimate.
 * A replica's cached prefix is found by binary search over the request's chain, which assumes
   the cached set is prefix-closed (a block is cached only with its parents; engines evict
   children first): O(log blocks) lookups per candidate.
@@ -39,23 +44,27 @@ class ReplicaCache:
     replica_id: str
     hashes: set[int] = field(default_factory=set)
     """Block hashes its KV events (or a snapshot) say it holds."""
+    host: set[int] = field(default_factory=set)
+    """Block hashes its KV events say it holds in host (CPU) memory."""
     predicted: dict[int, float] = field(default_factory=dict)
     """Block hashes the router sent it -> until when they count as held."""
     last_event_id: int = 0
 
     def holds(self, block_hash: int, now: float) -> bool:
         """Return True if the replica holds the block or is predicted to at `now`."""
-        return block_hash in self.hashes or self.predicted.get(block_hash, -math.inf) > now
+        return (block_hash in self.hashes or block_hash in self.host
+                or self.predicted.get(block_hash, -math.inf) > now)
 
 
 def prefix_len(cache: ReplicaCache, block_hashes: Sequence[int], now: float) -> int:
     """Return the length of the longest prefix of `block_hashes` the replica holds (or is predicted to)."""
     lo, hi = 0, len(block_hashes)
-    held, predicted, never = cache.hashes, cache.predicted, -math.inf
+    held, predicted, never, host = cache.hashes, cache.predicted, -math.inf, cache.host
     while lo < hi:  # largest k such that block k-1 is held (prefix-closed cache)
         mid = (lo + hi + 1) // 2
         block_hash = block_hashes[mid - 1]
-        if block_hash in held or predicted.get(block_hash, never) > now:  # `holds`, inlined: the hot probe of routing
+        # `holds`, inlined: the hot probe of routing (the host set is tested last: it is empty on most replicas)
+        if block_hash in held or predicted.get(block_hash, never) > now or (host and block_hash in host):
             lo = mid
         else:
             hi = mid - 1
@@ -104,7 +113,11 @@ class PrefixIndex:
             last = event_id
             kind = event.kind
             if event.medium is not gpu and kind is not KvEventKind.ALL_CLEARED:
-                continue  # host copies of a swapped-out request: no other request can hit them (ids still count)
+                if kind is stored:
+                    cache.host.update(event.block_hashes)
+                elif kind is removed:
+                    cache.host.difference_update(event.block_hashes)
+                continue
             if kind is stored:
                 store(event.block_hashes)
             elif kind is removed:
@@ -114,16 +127,19 @@ class PrefixIndex:
         cache.last_event_id = last
         return True
 
-    def apply_snapshot(self, cache: ReplicaCache, last_event_id: int, hashes: Iterable[int]) -> None:
-        """Replace what is known of the replica's cache with a snapshot taken at `last_event_id`."""
+    def apply_snapshot(self, cache: ReplicaCache, last_event_id: int, hashes: Iterable[int],
+                       host_hashes: Iterable[int] = ()) -> None:
+        """Replace what is known of the replica's cache (device, and host tier) with a snapshot taken at `last_event_id`."""
         self.purge(cache)
         self._caches[cache.replica_id] = cache
         cache.hashes.update(hashes)
+        cache.host.update(host_hashes)
         cache.last_event_id = last_event_id
 
     def purge(self, cache: ReplicaCache) -> None:
         """Forget everything the replica holds or is predicted to hold."""
         cache.hashes.clear()
+        cache.host.clear()
         cache.predicted.clear()
 
     # ---- lookups --------------------------------------------------------------------------
@@ -131,7 +147,7 @@ class PrefixIndex:
         """Return the replica's cached prefix of `block_hashes`, in blocks; the hot lookup of scoring."""
         if not block_hashes:
             return 0
-        if block_hashes[0] not in cache.hashes and not cache.predicted:
+        if block_hashes[0] not in cache.hashes and not cache.predicted and block_hashes[0] not in cache.host:
             return 0
         return prefix_len(cache, block_hashes, now)
 

@@ -141,7 +141,7 @@ class RouterRuntime:
             # Without a snapshot the buffered events may still apply cleanly; a gap waits for the next entry.
             self.core.apply_kv_events(replica_id, buffered, now)
             return
-        self.core.apply_snapshot(replica_id, reply.last_event_id, reply.block_hashes, now)
+        self.core.apply_snapshot(replica_id, reply.last_event_id, reply.block_hashes, now, reply.host_block_hashes)
         self.metrics.snapshots.labels("ok").inc()
         if buffered and not self.core.apply_kv_events(replica_id, buffered, now):
             # Not re-requested here (a stale source would make that a busy loop): the next entry of

@@ -49,7 +49,7 @@ def absorb(sim: Simulator, replica: Replica, events: CoreEvents) -> None:
         sim._finish(replica, finished)  # the method: the fleet simulator extends it
     if events.kv_events and not sim.router.apply_kv_events(replica.replica_id, events.kv_events, now):
         last_event_id, hashes = replica.core.kv_snapshot()
-        sim.router.apply_snapshot(replica.replica_id, last_event_id, hashes, now)
+        sim.router.apply_snapshot(replica.replica_id, last_event_id, hashes, now, replica.core.host_hashes())
         sim.kv_snapshots += 1
     sim.dropped_results += events.dropped_results
 

@@ -1,5 +1,5 @@
 """KV events in vLLM's shape: token ids when asked for, block size, LoRA name and id, medium GPU/CPU for swap
-copies, one gap-free id sequence per replica, a lossless wire round trip, and a router that indexes GPU only.
+copies, one gap-free id sequence per replica, a lossless wire round trip, and a router that keeps CPU blocks apart.
 
 Swap scenario (block size 4, 7 blocks, 3 host blocks; see test_core_preemption.py): B is swapped out in
 round 5 and swapped back in round 10.
@@ -118,15 +118,25 @@ def test_failed_swap_out_reports_no_cpu_copy() -> None:
     assert [e.event_id for e in events] == list(range(1, len(events) + 1))
 
 
-def test_router_index_counts_cpu_events_but_indexes_gpu_blocks_only() -> None:
-    """The router's prefix index advances its event id over CPU events (no false gap) but never routes to a
-    host copy, which no other request can hit."""
+def test_router_index_keeps_cpu_blocks_apart_and_counts_them_as_held() -> None:
+    """The router's prefix index advances its event id over CPU events (no false gap) and keeps host copies in a
+    set of their own: a GPU REMOVED (an eviction to the host tier) leaves the host copy counted, a CPU REMOVED
+    takes it away, and a prefix that runs from the device into the host is held whole."""
     index, cache = PrefixIndex(ttl_s=1.0), ReplicaCache("r1")
     assert index.apply_events(cache, [KvEvent(1, KvEventKind.STORED, (7,)),
                                       KvEvent(2, KvEventKind.STORED, (8,), 7, (), KvMedium.CPU),
-                                      KvEvent(3, KvEventKind.REMOVED, (7,), medium=KvMedium.CPU)])
-    assert cache.last_event_id == 3 and cache.hashes == {7}
-    assert index.apply_events(cache, [KvEvent(4, KvEventKind.REMOVED, (7,))]) and cache.hashes == set()
+                                      KvEvent(3, KvEventKind.STORED, (9,), 8, (), KvMedium.CPU)])
+    assert cache.last_event_id == 3 and (cache.hashes, cache.host) == ({7}, {8, 9})
+    assert index.cached(cache, [7, 8, 9, 10], now=0.0) == 3
+    assert index.apply_events(cache, [KvEvent(4, KvEventKind.REMOVED, (9,), medium=KvMedium.CPU),
+                                      KvEvent(5, KvEventKind.STORED, (9,), 8, (), KvMedium.CPU),
+                                      KvEvent(6, KvEventKind.REMOVED, (7,))])
+    assert (cache.hashes, cache.host) == (set(), {8, 9})
+    assert index.cached(cache, [7, 8], now=0.0) == 0, "a chain is held from its first block"
+    assert index.cached(cache, [8, 9], now=0.0) == 2
+    index.apply_snapshot(cache, 9, [7], host_hashes=[8])
+    assert (cache.hashes, cache.host, cache.last_event_id) == ({7}, {8}, 9)
+    assert index.apply_events(cache, [KvEvent(10, KvEventKind.ALL_CLEARED, ())]) and cache.host == set()
 
 
 def test_index_holders_are_the_replicas_sets() -> None:
