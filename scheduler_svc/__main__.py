@@ -91,6 +91,9 @@ class SchedulerOptions(serve.BusOptions):
     """Waiting requests at most; more are refused with QUEUE_FULL."""
     no_prefix_caching: bool = not _CORE.enable_prefix_caching
     """Turn prefix caching off."""
+    host_prefix_cache: bool = _CORE.host_prefix_cache
+    """Keep KV blocks the device evicts in the worker's host blocks (its --host-blocks) and copy them back for a
+    prompt that continues there, instead of computing them again (docs/operations.md)."""
     kv_event_token_ids: bool = _CORE.kv_event_token_ids
     """Send each stored block's token ids in its KV event (vLLM's BlockStored.token_ids; bigger events)."""
     prefill_tokens_per_s: float = 10_000.0
@@ -180,6 +183,7 @@ def core_overrides(options: SchedulerOptions, max_context: int = 1 << 17) -> dic
         "max_prefill_chunk": options.max_prefill_chunk, "max_kv_read_tokens": kv_read,
         "attention_pairs_per_token": per_token, "attention_free_context": free_context,
         "max_waiting": options.max_waiting, "enable_prefix_caching": not options.no_prefix_caching,
+        "host_prefix_cache": options.host_prefix_cache,
         "kv_event_token_ids": options.kv_event_token_ids, "kv_hold_s": options.kv_hold,
     }
 

@@ -234,9 +234,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     async def KvSnapshot(self, request: scheduler_pb2.KvSnapshotRequest,  # noqa: N802
                          context: grpc.aio.ServicerContext) -> scheduler_pb2.KvSnapshotResponse:
-        last_event_id, hashes = self.driver.core.kv_snapshot()
+        core = self.driver.core
+        last_event_id, hashes = core.kv_snapshot()
         return scheduler_pb2.KvSnapshotResponse(replica_id=self.driver.replica_id, last_event_id=last_event_id,
-                                                block_hashes=hashes)
+                                                block_hashes=hashes, host_block_hashes=core.host_hashes())
 
 
 @dataclass
@@ -496,7 +497,13 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
     worker_channel = tls.aio_channel(worker_address, tls_files)
     info = await wait_for_worker(worker_channel, worker_timeout_s)
     overrides = core_overrides(info) if callable(core_overrides) else core_overrides
-    core = make_core(info, replica_id, **(overrides or {}))
+    try:
+        core = make_core(info, replica_id, **(overrides or {}))
+    except ValueError as exc:
+        if (overrides or {}).get("host_prefix_cache") and info.num_host_blocks < 1:
+            raise ValueError(f"--host-prefix-cache needs host blocks, and the worker at {worker_address} offers none "
+                             f"(start it with --host-blocks N)") from exc
+        raise
     config = core.config
     # The budgets as run (a --tpot-slo-ms start derives some of them): what an operator checks first.
     log.info("replica %s round budgets: %d tokens, %d seats, KV read %s, attention charge %s, prefill chunk %d",
@@ -504,6 +511,9 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
              config.max_kv_read_tokens if config.max_kv_read_tokens is not None else "unbounded",
              f"1 token per {config.attention_pairs_per_token} pairs past {config.attention_free_context}"
              if config.attention_pairs_per_token is not None else "none", config.max_prefill_chunk)
+    if config.host_prefix_cache:
+        log.info("replica %s host prefix tier: %d host blocks of %d tokens", replica_id, config.num_host_blocks,
+                 config.block_size)
     tune_collector(config.max_num_seqs)
     driver = Driver(core, worker_pb2_grpc.WorkerServiceStub(worker_channel), bus, replica_id=replica_id,
                     model_id=info.model_id, eos_token_id=info.eos_token_id, metrics=metrics, use_stream=use_stream,

@@ -27,6 +27,9 @@ class WorkerOptions(serve.ServiceOptions):
     """torch device: auto, cpu, cuda, cuda:N."""
     num_blocks: int | None = None
     """KV blocks to offer; None: the backend's capacity."""
+    host_blocks: int | None = None
+    """Host (CPU) KV blocks for swap preemption and the scheduler's host prefix tier (--host-prefix-cache);
+    None: torch 0, costmodel its 32 GB. Each takes one device block's bytes of host memory (pinned on CUDA)."""
     gpu: str = "h200"
     """costmodel: GPU profile (h100, h200)."""
     emulate_time: bool = False
@@ -55,20 +58,25 @@ def backend_loader(options: WorkerOptions) -> Callable[[], Backend]:
     if options.backend == "costmodel":
         def load_costmodel() -> Backend:
             from worker_svc.costmodel import CostModel
-            return CostModel(options.model, options.gpu, eos_after=options.eos_after)
+            model = CostModel(options.model, options.gpu, eos_after=options.eos_after)
+            if options.host_blocks is not None:
+                model.num_host_blocks = options.host_blocks
+            return model
         return load_costmodel
 
     def load_torch() -> Backend:
         from worker_svc.models import resolve_model
         from worker_svc.torch_backend import TorchBackend
         backend: Backend = TorchBackend(resolve_model(options.model), device=options.device,
-                                        num_blocks=options.num_blocks)
+                                        num_blocks=options.num_blocks, num_host_blocks=options.host_blocks or 0)
         return backend
     return load_torch
 
 
 async def start(ctx: serve.ServiceContext, options: WorkerOptions) -> serve.Started:
     """Bind the server at once and load the backend in the background; ready once loaded and warmed up."""
+    if options.host_blocks is not None and options.host_blocks < 0:
+        raise serve.StartupError(f"--host-blocks must be >= 0, got {options.host_blocks}")
     metrics = WorkerMetrics()
     ctx.expose_metrics(metrics.registry)
     runtime = WorkerRuntime(backend_loader(options), num_blocks=options.num_blocks,

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -469,6 +469,61 @@ def test_kv_events_are_published_with_monotonic_ids(redis_url: str, namespace: s
             assert snap.last_event_id == ids[-1]
             assert set(snap.block_hashes) <= stored and snap.block_hashes
     asyncio.run(body())
+
+
+def test_the_host_prefix_tier_copies_evicted_blocks_out_and_back_live(redis_url: str, namespace: str) -> None:
+    """With host_prefix_cache on an 8-block replica, a prompt evicted by a longer one in between is copied to host
+    blocks (CPU STORED events on the kv stream, host hashes in KvSnapshot), then copied back for its repeat, which
+    counts them as host hits and completes (that the copies hold the right KV is the torch engine's test:
+    tests/unit/test_engine_with_scheduler.py)."""
+    def submit(request_id: str, prompt: list[int]) -> scheduler_pb2.SubmitRequest:
+        request = _submit(request_id, max_tokens=4)
+        request.prompt_token_ids[:] = prompt
+        return request
+
+    async def body() -> None:
+        async with _replica(redis_url, namespace, num_blocks=8, core_overrides={"host_prefix_cache": True}) as r:
+            first = list(range(1, 41))
+            await r.stub.Submit(submit("a", first))
+            await _completions(r.bus, 1)
+            await r.stub.Submit(submit("b", list(range(500, 620))))  # 120 + 4 tokens: every block of the replica
+            await _completions(r.bus, 2)
+            await r.stub.Submit(submit("c", first))
+            await _completions(r.bus, 3)
+            await r.replica.driver.flush()
+            mediums = {(event.WhichOneof("kind"), getattr(event, str(event.WhichOneof("kind"))).medium)
+                       for _, payload, _ in await r.bus.read_stream(r.bus.kv_stream("r1"), "0", count=10_000,
+                                                                    block_ms=10)
+                       for event in events_pb2.KvEventBatch.FromString(payload).events
+                       if event.WhichOneof("kind") != "all_blocks_cleared"}
+            assert ("block_stored", "CPU") in mediums
+            stats = r.replica.driver.core.stats()
+            assert stats.host_hit_tokens == 32, "a's two full prompt blocks came back from the host"
+            snap = await r.stub.KvSnapshot(scheduler_pb2.KvSnapshotRequest())
+            assert len(snap.host_block_hashes) == stats.host_blocks_cached > 0
+            assert len(await _output_tokens(r.bus, "c")) == 4
+    asyncio.run(body())
+
+
+def test_host_prefix_cache_without_host_blocks_refuses_the_start_naming_both_flags(
+        free_port: Callable[[], int], subprocess_env: dict[str, str], redis_url: str) -> None:
+    """--host-prefix-cache against a worker with no host blocks ends the scheduler with exit status 2 and a line
+    naming --host-prefix-cache and the worker's --host-blocks, no traceback."""
+    worker_port, env = free_port(), subprocess_env
+    worker = subprocess.Popen([sys.executable, "-m", "worker_svc", "--backend", "costmodel", "--port", str(worker_port),
+                               "--host-blocks", "0", "--metrics-port", "0"], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        done = subprocess.run([sys.executable, "-m", "scheduler_svc", "--replica-id", "r", "--worker",
+                               f"127.0.0.1:{worker_port}", "--host-prefix-cache", "--port", "0", "--metrics-port", "0",
+                               "--redis-url", redis_url],
+                              capture_output=True, text=True, timeout=120, env=env, check=False)
+    finally:
+        worker.kill()
+        worker.wait()
+    assert done.returncode == 2, done.stderr
+    assert "--host-prefix-cache needs host blocks" in done.stderr and "--host-blocks" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_rejections_map_to_precise_statuses(redis_url: str, namespace: str) -> None:
