@@ -285,14 +285,14 @@ def _same_levers(name: str) -> frozenset[str]:
 
 def capacity_goal_lines(results: Mapping[str, Any], compute_bound_rps: float | None, *, over_round_robin: float = 2.0,
                         over_same_levers: float = 1.3, bound_share: float = 0.95,
-                        fleet_cache_bound_rps: float | None = None) -> list[str]:
+                        fleet_cache_bound_rps: float | Mapping[str, float] | None = None) -> list[str]:
     """Return one line per Sluice row (a `--compare` item naming no baseline or competitor router) saying which
     capacity goal it meets: >= `over_round_robin` x the plain round_robin row and >= `over_same_levers` x the
     `dynamo_kv` row given the same levers (its words but the score router's, e.g. `dynamo_kv+budget=slo` for
     `score+prefill-weight=8+budget=slo`), or >= `bound_share` of the compute bound. A comparison whose row was not
     searched is named as missing, never taken as met. With `fleet_cache_bound_rps` (the compute bound when one LRU
-    cache of the fleet's KV is all the prefix cache there is) the row's share of it is said too; the verdict is
-    against `compute_bound_rps` alone."""
+    cache of the fleet's KV is all the prefix cache there is; one per row name where the rows' fleets differ, e.g. in
+    a host prefix tier) the row's share of it is said too; the verdict is against `compute_bound_rps` alone."""
     by_words = {_words(name): result for name, result in results.items()}
     round_robin = by_words.get(frozenset({"round_robin"}))
     lines = []
@@ -316,8 +316,10 @@ def capacity_goal_lines(results: Mapping[str, Any], compute_bound_rps: float | N
         at_bound = share is not None and share >= bound_share
         parts.append(f"{share:.0%} of the compute bound (goal {bound_share:.0%})" if share is not None
                      else "no compute bound")
-        if fleet_cache_bound_rps:
-            parts.append(f"{rate / fleet_cache_bound_rps:.0%} of it with the fleet's KV as one LRU cache")
+        fleet_bound = (fleet_cache_bound_rps.get(name) if isinstance(fleet_cache_bound_rps, Mapping)
+                       else fleet_cache_bound_rps)
+        if fleet_bound:
+            parts.append(f"{rate / fleet_bound:.0%} of it with the fleet's KV as one LRU cache")
         near = f"within {1 - bound_share:.0%} of the compute bound"
         verdict = (f"met (the ratios; {near})" if ratios_met and at_bound else "met (the ratios)" if ratios_met
                    else f"met ({near})" if at_bound else "not met")

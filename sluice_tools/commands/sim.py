@@ -10,7 +10,8 @@ cap), or a setting for that item only: the admission budgets `max-queued=N` / `m
 waiting that equal one token less to prefill); `budget=slo` (round budgets derived from the TPOT target and the cost model); admission's
 reservation policy `reserve=conservative|predicted`, its budgets `max-kv-blocks=N` and
 `max-reserved-output=N`, the max_tokens clients ask for `client-max-tokens=N`, the replicas' KV
-blocks `num-blocks=N` (a memory-tight deployment), and admission's early
+blocks `num-blocks=N` (a memory-tight deployment), a host prefix tier of G GB per replica `host-cache=G`
+(as `--host-cache-gb`), and admission's early
 refusal `early-refusal` (refuse a request whose predicted TTFT exceeds the report's TTFT SLO), `early-refusal=F`
 (past F x that SLO, 0 < F <= 1: room for the prediction's error) or
 `ttft-slo-ms=N` (a TTFT limit of its own). Words not given come from the other flags. `--scenario NAME|all` runs the self-checking scenarios instead and
@@ -98,6 +99,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prefill-chunk", type=positive_int,
                         help="prompt tokens of one request per round (default: the --budgets value)")
     parser.add_argument("--max-model-len", type=positive_int, help="default: 8192 for Llama 3")
+    parser.add_argument("--host-cache-gb", type=positive_float, metavar="G",
+                        help="a host (CPU) prefix tier of G GB per replica: evicted KV blocks are copied there and "
+                             "back at the GPU's host-link bandwidth instead of computed again")
     parser.add_argument("--max-active", type=positive_int, help="admission: max active requests")
     parser.add_argument("--max-queued", type=positive_int, help="admission: max requests without a first token")
     parser.add_argument("--max-kv-blocks", type=positive_int,
@@ -192,6 +196,7 @@ def base_config(args: argparse.Namespace, tenant_weights: dict[str, float]) -> S
         slo_tpot_s=args.slo_tpot_ms / 1000.0,
         seed=args.seed,
         client_max_tokens=args.client_max_tokens,
+        host_cache_gb=args.host_cache_gb,
     )
     config = with_tenant_weights(config, tenant_weights)
     config = with_admission(config, reservation=parse_enum(ReservationPolicy, args.reservation),
@@ -250,6 +255,7 @@ _SETTING_WORDS: dict[str, tuple[str, type]] = {
     "max-reserved-output": ("max_reserved_output_tokens", int),
     "client-max-tokens": ("client_max_tokens", int),
     "num-blocks": ("num_blocks", int),
+    "host-cache": ("host_cache_gb", float),
     "ttft-slo-ms": ("ttft_slo_s", float),
     "load-bound": ("load_bound", float),
     "prefill-chunk": ("max_prefill_chunk", int),
@@ -285,7 +291,7 @@ def _setting_word(item: str, word: str, config: SimConfig) -> SimConfig:
         return replace(config, router=replace(config.router, **{field: number}))
     if field in _SCHEDULER_FIELDS:
         return replace(config, scheduler=replace(config.scheduler, **{field: number}))
-    if field in ("client_max_tokens", "num_blocks"):
+    if field in ("client_max_tokens", "num_blocks", "host_cache_gb"):
         return replace(config, **{field: number})
     if field == "ttft_slo_s":
         return with_admission(config, ttft_slo_s=number / 1e3)
@@ -488,9 +494,12 @@ def _run_capacity(args: argparse.Namespace, workload: Any, configs: dict[str, Si
     ideal = ideal_prefix_hit_rate(workload.requests)
     bounds = _compute_bounds(next(iter(configs.values())), workload.requests, args.capacity_goal)
     print(format_capacity(results, ideal_prefix_hit_rate=ideal, compute_bound_rps=bounds["ideal_cache"]))
-    # The fleet's KV bound only where it binds (a trace whose reuse the fleet's KV cannot hold: Mooncake).
-    fleet_bound = bounds["fleet_cache"] if bounds["fleet_cache"] < bounds["ideal_cache"] else None
-    for line in capacity_goal_lines(results, bounds["ideal_cache"], fleet_cache_bound_rps=fleet_bound):
+    # The fleet's KV bound only where it binds (a trace whose reuse the fleet's KV cannot hold: Mooncake), per row
+    # where the rows' fleets hold different KV (a host prefix tier).
+    fleet_bounds = _fleet_bounds(configs, workload.requests, bounds)
+    binding = {name: rate for name, rate in fleet_bounds.items() if rate < bounds["ideal_cache"]}
+    bounds["fleet_cache_by_config"] = fleet_bounds  # type: ignore[assignment]
+    for line in capacity_goal_lines(results, bounds["ideal_cache"], fleet_cache_bound_rps=binding):
         print(line)
     print(f"compute bound: {bounds['ideal_cache']:.2f} req/s with one infinite prefix cache, "
           f"{bounds['fleet_cache']:.2f} with one LRU cache of the fleet's KV "
@@ -505,6 +514,21 @@ def _run_capacity(args: argparse.Namespace, workload: Any, configs: dict[str, Si
     if args.plots:
         print(f"wrote {write_capacity_plot(results, args.plots, title=workload.name)}", file=sys.stderr)
     return 0
+
+
+def _fleet_bounds(configs: dict[str, SimConfig], requests: Any, bounds: dict[str, float]) -> dict[str, float]:
+    """Return each configuration's compute bound with one LRU cache of its fleet's KV (device, and host tier),
+    computed once per distinct size (the first configuration's is in `bounds` already)."""
+    from sluice_tools.sim.bound import compute_bound_rps, fleet_cache_tokens
+
+    by_tokens = {int(bounds["fleet_cache_tokens"]): bounds["fleet_cache"]}
+    out = {}
+    for name, config in configs.items():
+        tokens = fleet_cache_tokens(config)
+        if tokens not in by_tokens:
+            by_tokens[tokens] = compute_bound_rps(config, requests, cache_tokens=tokens)
+        out[name] = by_tokens[tokens]
+    return out
 
 
 def _compute_bounds(config: SimConfig, requests: Any, goal: float = 0.9) -> dict[str, float]:

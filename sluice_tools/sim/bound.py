@@ -34,7 +34,8 @@ def request_shape(request: WorkloadRequest, cached_tokens: int) -> RoundShape:
 def _cost_model(config: SimConfig) -> CostModel:
     """The cost model of the configuration's replicas (model, GPU, block size, coefficients, model length)."""
     return CostModel(config.model, config.gpu, block_size=config.scheduler.block_size,
-                     coefficients=config.cost_coefficients, max_model_len=config.max_model_len)
+                     coefficients=config.cost_coefficients, max_model_len=config.max_model_len,
+                     host_kv_bytes=config.host_kv_bytes)
 
 
 def compute_bound_rps(config: SimConfig, requests: Sequence[WorkloadRequest], *, ideal_cache: bool = True,
@@ -55,9 +56,11 @@ def compute_bound_rps(config: SimConfig, requests: Sequence[WorkloadRequest], *,
 
 
 def fleet_cache_tokens(config: SimConfig) -> int:
-    """Return the tokens of KV every replica's device holds together (the simulator's blocks per replica)."""
+    """Return the tokens of KV every replica holds together: its device blocks (the simulator's), and its host
+    prefix tier's when it has one (`host_cache_gb`)."""
     cost = _cost_model(config)
-    return config.replicas * (config.num_blocks or cost.num_blocks) * config.scheduler.block_size
+    host = cost.num_host_blocks if config.host_cache_gb is not None else 0
+    return config.replicas * ((config.num_blocks or cost.num_blocks) + host) * config.scheduler.block_size
 
 
 def _ideal_cached_tokens(ordered: Sequence[WorkloadRequest]) -> list[int]:

@@ -80,7 +80,7 @@ class Simulator:
         """Build the cores and the cost model; raises ValueError for unknown names or a bad config."""
         self.config = config
         self.cost = CostModel(config.model, config.gpu, block_size=config.scheduler.block_size,
-                              coefficients=config.cost_coefficients)
+                              coefficients=config.cost_coefficients, host_kv_bytes=config.host_kv_bytes)
         info = self.cost.info()
         self.vocab_size = info.vocab_size
         self.num_blocks = config.num_blocks or info.num_blocks

@@ -58,6 +58,10 @@ class SimConfig:
     """Prompt + max_tokens limit; None picks DEFAULT_MAX_MODEL_LEN or the model's own."""
     num_blocks: int | None = None
     """Override the KV blocks the cost model derives from GPU memory (scenarios use tiny pools)."""
+    host_cache_gb: float | None = None
+    """Host (CPU) memory per replica for a second tier of the prefix cache, in GB (10^9 bytes): blocks the device
+    evicts are copied there and copied back, at the GPU profile's host-link bandwidth, instead of computed
+    (scheduler_svc/core/host_blocks.py). None: no tier (swap-mode preemption keeps the cost model's 32 GB)."""
     max_retries: int = 0
     """Client retries after an over-budget or no-replica refusal (after the advised delay)."""
     pipeline: bool = True
@@ -103,8 +107,14 @@ class SimConfig:
     def scheduler_config(self, num_blocks: int, num_host_blocks: int, max_model_len: int) -> SchedulerConfig:
         """Return one replica's scheduler configuration for the given capacity."""
         swap = self.scheduler.preemption_mode is PreemptionMode.SWAP
-        return replace(self.scheduler, num_blocks=num_blocks, num_host_blocks=num_host_blocks if swap else 0,
-                       model_id=self.model, max_model_len=max_model_len)
+        tier = self.host_cache_gb is not None
+        return replace(self.scheduler, num_blocks=num_blocks, num_host_blocks=num_host_blocks if swap or tier else 0,
+                       host_prefix_cache=tier, model_id=self.model, max_model_len=max_model_len)
+
+    @property
+    def host_kv_bytes(self) -> float:
+        """The cost model's `host_kv_bytes`: the host tier's size, else the cost model's default (32 GB)."""
+        return 32e9 if self.host_cache_gb is None else self.host_cache_gb * 1e9
 
     def admission_config(self, max_model_len: int) -> AdmissionConfig:
         """Return the front door's configuration for the model length."""
@@ -168,10 +178,16 @@ def with_slo_budget(config: SimConfig) -> SimConfig:
     budget = derive_round_budget(config.slo_tpot_s, round_time, max_num_seqs=config.scheduler.max_num_seqs,
                                  min_kv_read=max_model_len, max_context=max_model_len)
     seats = config.scheduler.max_num_seqs if budget.max_num_seqs is None else budget.max_num_seqs
+    # A block copied back from the host tier, in prefill tokens of the same round time (the marginal token of a
+    # budget-sized round): what the core charges a tier hit against the token budget.
+    tokens = budget.max_num_batched_tokens
+    per_token = round_time(tokens, 0, 0, 0) - round_time(tokens - 1, 0, 0, 0)
+    per_block = cost.shape_time(RoundShape(tokens, 0, 0, tokens, 0, 1)) - round_time(tokens, 0, 0, 0)
     return replace(config, scheduler=replace(config.scheduler, max_num_batched_tokens=budget.max_num_batched_tokens,
                                              max_kv_read_tokens=budget.max_kv_read_tokens, max_num_seqs=seats,
                                              attention_pairs_per_token=budget.attention_pairs_per_token,
-                                             attention_free_context=budget.attention_free_context))
+                                             attention_free_context=budget.attention_free_context,
+                                             host_copy_tokens=per_block / per_token if per_token > 0 else 0.0))
 
 
 def parse_enum(kind: type[E], name: str) -> E:

@@ -112,6 +112,9 @@ def test_the_goal_lines_say_which_goal_each_sluice_row_meets() -> None:
     # The share of the bound with the fleet's KV as one LRU cache is said beside it; the verdict stays the ideal one's.
     cached = capacity_goal_lines(results, compute_bound_rps=100.0, fleet_cache_bound_rps=rates["score"])
     assert "100% of it with the fleet's KV as one LRU cache" in cached[1] and cached[1].endswith("-> not met")
+    # One bound per row where the rows' fleets hold different KV (a host prefix tier); a row without one says none.
+    per_row = capacity_goal_lines(results, compute_bound_rps=100.0, fleet_cache_bound_rps={"score": rates["score"] / 2})
+    assert "200% of it with the fleet's KV" in per_row[1] and "fleet's KV" not in per_row[0]
 
 
 def test_sim_capacity_tolerance_sets_how_close_the_search_brackets_the_capacity(tmp_path) -> None:  # type: ignore[no-untyped-def]
