@@ -236,9 +236,11 @@ def test_sluices_scheduler_class_inside_vllm_orders_its_queue_two_to_one(vllm_st
     order = asyncio.run(burst_completion_order(engine_url(vllm_stack, 0)))
     assert sorted(Counter(order).values()) == [BURST_PER_TENANT, BURST_PER_TENANT]
     # Gold's 64 are done after about 96 completions; skip the first 8 (the engine's 4 seats fill in arrival order).
+    # The 4 requests of one engine step finish together and reach the client in any order, so each edge of the
+    # window can cut a step: gold's count may be off its 2:1 share (53.3 of 80) by up to 2 per edge. (A ratio
+    # within 10 % allowed 1.7; a full-suite run under load saw 55:25.) Policy-blind FCFS gives 40, 3:1 gives 60.
     window = Counter(order[8:88])
-    ratio = window["gold"] / window["bronze"]
-    assert abs(ratio - 2.0) / 2.0 < 0.10, f"gold/bronze = {ratio:.3f} over completions 8..88 ({dict(window)})"
+    assert abs(window["gold"] - 80 * 2 / 3) <= 4, f"gold/bronze over completions 8..88: {dict(window)}"
 
 
 def test_a_cancel_aborts_the_request_in_vllm_and_frees_its_kv(vllm_stack: Stack,
