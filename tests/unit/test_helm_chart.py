@@ -395,3 +395,21 @@ def test_the_pools_replicas_may_reach_each_others_kv_ports_and_nothing_else_of_e
         opened = {port for port in (50051, 50052, 50061, 50071, 50081, 6379, 8000, 9464, 9465)
                   if allowed(policies, source, target, port)}
         assert opened == {50061, 50071}, (source, target)
+
+
+def test_the_host_prefix_tier_is_two_values_and_one_without_the_other_fails_rendering() -> None:
+    """worker.hostBlocks reaches the worker as --host-blocks and scheduler.hostPrefixCache the scheduler as
+    --host-prefix-cache (both accepted by their parsers); the tier without host blocks refuses to render, as the
+    scheduler would refuse to start."""
+    docs = render_chart(CHART, {"worker": {"hostBlocks": 4096}, "scheduler": {"hostPrefixCache": True}})
+    (replica,) = deployments(docs, "replica").values()
+    containers = {c["name"]: c for c in replica["spec"]["template"]["spec"]["containers"]}
+    worker, scheduler = containers["worker"]["args"], containers["scheduler"]["args"]
+    assert worker[worker.index("--host-blocks") + 1] == "4096" and "--host-prefix-cache" in scheduler
+    assert worker_parser().parse_args(worker).host_blocks == 4096
+    assert scheduler_parser().parse_args(scheduler).host_prefix_cache
+    (bare,) = deployments(render_chart(CHART, {}), "replica").values()
+    plain = {c["name"]: c for c in bare["spec"]["template"]["spec"]["containers"]}
+    assert "--host-blocks" not in plain["worker"]["args"] and "--host-prefix-cache" not in plain["scheduler"]["args"]
+    with pytest.raises(RenderFailed, match=r"scheduler\.hostPrefixCache needs host blocks: set worker\.hostBlocks"):
+        render_chart(CHART, {"scheduler": {"hostPrefixCache": True}})

@@ -69,7 +69,7 @@ spec:
         - name: worker
           image: {{ .Values.images.registry }}sluice-worker:{{ .Values.images.tag }}
           imagePullPolicy: {{ .Values.images.pullPolicy }}
-          args: ["--backend", "{{ .Values.worker.backend }}", "--model", "/models/$(SLUICE_MODEL)",
+          args: ["--backend", "{{ .Values.worker.backend }}", "--model", "/models/$(SLUICE_MODEL)",{{ if .Values.worker.hostBlocks }} "--host-blocks", "{{ .Values.worker.hostBlocks }}",{{ end }}
                  "--metrics-port", "{{ .Values.metrics.workerPort }}", "--tls-dir", "/etc/sluice/tls"]
           envFrom: [{configMapRef: {name: sluice-env}}]
           ports: [{name: grpc, containerPort: 50061}, {name: worker-metrics, containerPort: {{ .Values.metrics.workerPort }}}]
@@ -100,7 +100,7 @@ spec:
           args: ["--worker", "127.0.0.1:50061",{{ if .role }} "--role", "{{ .role }}",{{ end }}{{ if eq .role "prefill" }} "--max-prefill-chunk", "{{ .Values.disagg.prefill.maxPrefillChunk }}",{{ end }} "--namespace", "$(SLUICE_NAMESPACE)", "--router", "router:50052",
                  "--replica-id", "$(POD_NAME)", "--advertise-host", "$(POD_NAME).replica.$(POD_NAMESPACE).svc.cluster.local",
                  "--kv-worker-address", "$(POD_NAME).replica.$(POD_NAMESPACE).svc.cluster.local:50061",
-                 "--metrics-port", "{{ .Values.metrics.port }}", "--drain-timeout", "{{ .Values.scheduler.drainTimeout }}",
+                 "--metrics-port", "{{ .Values.metrics.port }}", "--drain-timeout", "{{ .Values.scheduler.drainTimeout }}",{{ if .Values.scheduler.hostPrefixCache }} "--host-prefix-cache",{{ end }}
                  "--tls-dir", "/etc/sluice/tls"]
 {{- end }}
           env:
