@@ -25,6 +25,7 @@ from router_svc.server import RouterRuntime, start_router_server
 from scheduler_svc.__main__ import core_overrides, parse_args, worker_sized_overrides
 from scheduler_svc.server import CoreOverrides, RunningReplica, start_replica
 from sluice.bus import Bus
+from sluice.prom import SchedulerMetrics
 from sluice.telemetry import get_tracer, inject_metadata, read_span_file
 from sluice.v1 import common_pb2, events_pb2, router_pb2, router_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from worker_svc.costmodel import CostModel
@@ -70,7 +71,7 @@ async def _replica(redis_url: str, namespace: str, *, num_blocks: int = 64, emul
                    router_address: str = "", core_overrides: CoreOverrides | None = None,
                    pipeline: bool = True, use_stream: bool = True,
                    worker_max_model_len: int | None = None, prefill_pair_s: float = 0.0,
-                   kv_linger_s: float = 0.0) -> AsyncIterator[Replica]:
+                   kv_linger_s: float = 0.0, metrics: SchedulerMetrics | None = None) -> AsyncIterator[Replica]:
     """A cost-model worker and a scheduler replica "r1" in front of it, publishing on a real Redis."""
     worker = await start_worker_server(WorkerRuntime(
         lambda: CostModel("llama-3-8b", "h200", max_model_len=worker_max_model_len),
@@ -80,7 +81,7 @@ async def _replica(redis_url: str, namespace: str, *, num_blocks: int = 64, emul
     replica = await start_replica(replica_id="r1", worker_address=f"127.0.0.1:{worker.port}", bus=bus,
                                   router_address=router_address, heartbeat_interval_s=0.1, pipeline=pipeline,
                                   use_stream=use_stream, prefill_pair_s=prefill_pair_s, round_link=ROUND_LINK,
-                                  kv_linger_s=kv_linger_s,
+                                  kv_linger_s=kv_linger_s, metrics=metrics,
                                   core_overrides=core_overrides if callable(core_overrides) else
                                   {"max_model_len": 4096, **(core_overrides or {})})
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{replica.port}")
@@ -481,8 +482,11 @@ def test_the_host_prefix_tier_copies_evicted_blocks_out_and_back_live(redis_url:
         request.prompt_token_ids[:] = prompt
         return request
 
+    metrics = SchedulerMetrics()
+
     async def body() -> None:
-        async with _replica(redis_url, namespace, num_blocks=8, core_overrides={"host_prefix_cache": True}) as r:
+        async with _replica(redis_url, namespace, num_blocks=8, core_overrides={"host_prefix_cache": True},
+                            metrics=metrics) as r:
             first = list(range(1, 41))
             await r.stub.Submit(submit("a", first))
             await _completions(r.bus, 1)
@@ -502,6 +506,9 @@ def test_the_host_prefix_tier_copies_evicted_blocks_out_and_back_live(redis_url:
             snap = await r.stub.KvSnapshot(scheduler_pb2.KvSnapshotRequest())
             assert len(snap.host_block_hashes) == stats.host_blocks_cached > 0
             assert len(await _output_tokens(r.bus, "c")) == 4
+            sample = metrics.registry.get_sample_value
+            assert sample("sluice_host_prefix_hit_tokens_total") == 32
+            assert sample("sluice_host_blocks_cached") == stats.host_blocks_cached
     asyncio.run(body())
 
 
