@@ -31,7 +31,7 @@ class WorkerOptions(serve.ServiceOptions):
     """Host (CPU) KV blocks for swap preemption and the scheduler's host prefix tier (--host-prefix-cache);
     None: torch 0, costmodel its 32 GB. Each takes one device block's bytes of host memory (pinned on CUDA)."""
     gpu: str = "h200"
-    """costmodel: GPU profile (h100, h200)."""
+    """costmodel: GPU profile (gh200, h100, h200)."""
     emulate_time: bool = False
     """costmodel: make each round take its modelled time (GPU-like load tests on a CPU)."""
     eos_after: int | None = None

@@ -1,7 +1,7 @@
 """Fit the cost model's coefficients to rounds measured on the torch engine.
 
     python -m worker_svc.calibrate --preset tiny|small-100m --device cpu|cuda [--json FILE] [--quick]
-                                   [--threads 1] [--gpu auto|measured|h100|h200]
+                                   [--threads 1] [--gpu auto|measured|gh200|h100|h200]
 
 Theory of operation. A grid of rounds (single prefill chunks of several sizes, some after a
 context; decode batches of several sizes and context lengths; a few mixed rounds) is built as
@@ -159,9 +159,9 @@ def device_profile(choice: str, device: torch.device, dtype: torch.dtype) -> Gpu
         return GPUS[choice]
     if choice == "auto" and device.type == "cuda":
         device_name = torch.cuda.get_device_name(device).lower()
-        for name, profile in GPUS.items():
+        for name in sorted(GPUS, key=len, reverse=True):  # the longest first: "NVIDIA GH200 480GB" holds "h200"
             if name in device_name:
-                return profile
+                return GPUS[name]
     if choice in ("auto", "measured"):
         return measure_profile(device, dtype)
     raise ValueError(f"unknown --gpu {choice!r}; known: auto, measured, {', '.join(sorted(GPUS))}")
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the report here (load_coefficients reads it)")
     parser.add_argument("--quick", action="store_true", help="a smaller grid, 3 repeats")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: steadier)")
-    parser.add_argument("--gpu", default="auto", help="profile to fit against: auto | measured | h100 | h200")
+    parser.add_argument("--gpu", default="auto", help="profile to fit against: auto | measured | gh200 | h100 | h200")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     try:

@@ -6,6 +6,10 @@ GPU figures are the vendor's dense (no sparsity) BF16 tensor-core peak and HBM b
   Source: NVIDIA H100 Tensor Core GPU datasheet.
 - NVIDIA H200 SXM 141GB: same Hopper compute, 989 TFLOP/s BF16 dense, 4.8 TB/s HBM3e, 141 GB;
   PCIe Gen5 x16, 64 GB/s per direction. Source: NVIDIA H200 Tensor Core GPU datasheet.
+- NVIDIA GH200 Grace Hopper Superchip, HBM3e variant: the same Hopper GPU, 989 TFLOP/s BF16 dense, up to 144 GB
+  HBM3e at 4.9 TB/s, tied to the Grace CPU's 480 GB of LPDDR5X by NVLink-C2C, 900 GB/s both directions together:
+  450 GB/s per direction, 7x PCIe Gen5 (what a host KV tier copies over). Source: NVIDIA GH200 Grace Hopper
+  Superchip datasheet.
 
 Model shapes are the published `config.json` numbers of Meta Llama 3 (8B and 70B). The repo's own
 presets (`tiny`, `small-100m`) come from `worker_svc.engine.preset_configs` (torch-free) when that module exists, so
@@ -41,6 +45,9 @@ GPUS: dict[str, GpuProfile] = {
     ),
     "h200": GpuProfile(
         "h200", peak_flops=989e12, memory_bandwidth=4.8e12, memory_bytes=141e9, host_link_bandwidth=64e9
+    ),
+    "gh200": GpuProfile(
+        "gh200", peak_flops=989e12, memory_bandwidth=4.9e12, memory_bytes=144e9, host_link_bandwidth=450e9
     ),
 }
 

@@ -128,3 +128,14 @@ def test_bad_coefficient_files_are_precise_errors(tmp_path: Path) -> None:
     path.write_text("not json")
     with pytest.raises(ValueError, match="bad.json: not JSON"):
         load_coefficients(path)
+
+
+@pytest.mark.parametrize(("device_name", "profile"), [("NVIDIA GH200 480GB", "gh200"), ("NVIDIA H200", "h200"),
+                                                      ("NVIDIA H100 80GB HBM3", "h100")])
+def test_auto_names_the_profile_of_the_device_the_longest_name_first(monkeypatch: pytest.MonkeyPatch,
+                                                                     device_name: str, profile: str) -> None:
+    """--gpu auto picks the datasheet profile whose name the CUDA device's holds; a GH200 (whose name holds "h200")
+    gets its own, with the NVLink-C2C host link, not the H200's PCIe one."""
+    from worker_svc.calibrate import device_profile
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: device_name)
+    assert device_profile("auto", torch.device("cuda"), torch.bfloat16).name == profile

@@ -183,7 +183,7 @@ def test_fit_needs_samples_and_unknown_names_are_listed() -> None:
     """Too few samples and unknown GPUs/models are precise errors."""
     with pytest.raises(ValueError, match="at least 3"):
         CostModel().fit([])
-    with pytest.raises(ValueError, match="h100, h200"):
+    with pytest.raises(ValueError, match="gh200, h100, h200"):
         CostModel("llama-3-8b", "a100")
     with pytest.raises(ValueError, match="llama-3-8b"):
         CostModel("gpt-9")
