@@ -92,8 +92,12 @@ class SchedulerOptions(serve.BusOptions):
     no_prefix_caching: bool = not _CORE.enable_prefix_caching
     """Turn prefix caching off."""
     host_prefix_cache: bool = _CORE.host_prefix_cache
-    """Keep KV blocks the device evicts in the worker's host blocks (its --host-blocks) and copy them back for a
-    prompt that continues there, instead of computing them again (docs/operations.md)."""
+    """Keep copies of the KV blocks the device will evict next in the worker's host blocks (its --host-blocks) and
+    copy them back for a prompt that continues there, instead of computing them again (docs/operations.md)."""
+    host_page_out_blocks: int = _CORE.host_page_out_blocks
+    """--host-prefix-cache: how many of the device's least recently used cached blocks are kept copied to host."""
+    host_load_blocks: int = _CORE.host_load_blocks
+    """--host-prefix-cache: blocks one round copies back at most (0: no limit)."""
     kv_event_token_ids: bool = _CORE.kv_event_token_ids
     """Send each stored block's token ids in its KV event (vLLM's BlockStored.token_ids; bigger events)."""
     prefill_tokens_per_s: float = 10_000.0
@@ -163,6 +167,10 @@ def core_overrides(options: SchedulerOptions, max_context: int = 1 << 17) -> dic
     seats, kv_read = options.max_num_seqs, options.max_kv_read_tokens
     if options.seat_context <= 0:
         raise ValueError(f"--seat-context must be a positive number of tokens, got {options.seat_context}")
+    for flag, value in (("--host-page-out-blocks", options.host_page_out_blocks),
+                        ("--host-load-blocks", options.host_load_blocks)):
+        if value < 0:
+            raise ValueError(f"{flag} must be >= 0, got {value}")
     if not 0 <= options.kv_read_s_per_token < math.inf:  # NaN fails too
         raise ValueError(f"--kv-read-s-per-token {options.kv_read_s_per_token}: the seconds per KV token read "
                          f"(kv_read_s) must be a finite number >= 0")
@@ -183,7 +191,8 @@ def core_overrides(options: SchedulerOptions, max_context: int = 1 << 17) -> dic
         "max_prefill_chunk": options.max_prefill_chunk, "max_kv_read_tokens": kv_read,
         "attention_pairs_per_token": per_token, "attention_free_context": free_context,
         "max_waiting": options.max_waiting, "enable_prefix_caching": not options.no_prefix_caching,
-        "host_prefix_cache": options.host_prefix_cache,
+        "host_prefix_cache": options.host_prefix_cache, "host_page_out_blocks": options.host_page_out_blocks,
+        "host_load_blocks": options.host_load_blocks,
         "kv_event_token_ids": options.kv_event_token_ids, "kv_hold_s": options.kv_hold,
     }
 

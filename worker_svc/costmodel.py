@@ -58,7 +58,12 @@ class RoundShape:
     sampled_seqs: int
     """Sequences that sample a token (run the output head)."""
     swapped_blocks: int = 0
-    """Blocks copied between host and device before the forward."""
+    """Blocks copied from host to device before the forward: the ones a sequence of the round reads."""
+    beside_blocks: int = 0
+    """Blocks copied beside the forward, in the busier direction (the host link is full duplex): swap-outs never
+    touch a block the round's forward writes (a preemption victim's are pinned, the host tier copies cached
+    blocks), nor do swap-ins into blocks no sequence of the round reads (a host-tier load computes in a later
+    round); they run on the copy engines while the forward computes, and a round takes the longer of the two."""
 
 
 def shape_of(plan: RoundPlan) -> RoundShape:
@@ -72,7 +77,17 @@ def shape_of(plan: RoundPlan) -> RoundShape:
         pairs += n * start + n * (n + 1) // 2
         read += start + n
         sampled += seq.sample
-    return RoundShape(query, pairs, read, query, sampled, len(plan.swap_out) + len(plan.swap_in))
+    before, beside_in = _split_swap_in(plan)
+    return RoundShape(query, pairs, read, query, sampled, before, max(beside_in, len(plan.swap_out)))
+
+
+def _split_swap_in(plan: RoundPlan) -> tuple[int, int]:
+    """Return (swap-ins a sequence of the plan reads: before the forward, the other swap-ins: beside it)."""
+    if not plan.swap_in:
+        return 0, 0
+    read = {block for seq in plan.seqs for block in seq.block_table}
+    before = sum(1 for copy in plan.swap_in if copy.dst in read)
+    return before, len(plan.swap_in) - before
 
 
 @dataclass(frozen=True)
@@ -272,9 +287,10 @@ class CostModel:
 
     def shape_time(self, shape: RoundShape) -> float:
         """Return the modelled seconds of a round of this shape (0 for an empty round)."""
-        return self._time(
+        forward = self._time(
             shape.query_tokens, shape.attended_pairs, shape.kv_read_tokens, shape.sampled_seqs
         ) + (shape.swapped_blocks * self._swap_s_per_block)
+        return max(forward, shape.beside_blocks * self._swap_s_per_block)
 
     def _time(self, query: int, pairs: int, read: int, sampled: int) -> float:
         # The simulator's hot path: plain arithmetic, no objects (same formula as flops_and_bytes).
@@ -422,8 +438,10 @@ class CostModel:
             else:
                 append(_new_output(request_id, seq.epoch, (), False, None))
         elapsed = self._time(query, pairs, read, sampled)
-        if plan.swap_out or plan.swap_in:
-            elapsed += (len(plan.swap_out) + len(plan.swap_in)) * self._swap_s_per_block
+        if plan.swap_out or plan.swap_in:  # before the forward or beside it (RoundShape)
+            before, beside_in = _split_swap_in(plan)
+            elapsed = max(elapsed + before * self._swap_s_per_block,
+                          max(beside_in, len(plan.swap_out)) * self._swap_s_per_block)
         return _new_result(plan.round_id, tuple(outputs), elapsed, "", ())
 
     def with_coefficients(self, coefficients: CostCoefficients) -> CostModel:

@@ -50,7 +50,7 @@ class Batcher:
     """Builds each round of one core from its parts; `schedule(now)` returns the plan."""
 
     __slots__ = ("next_round_id", "_config", "_block_size", "_swap", "_victims", "_table",
-                 "_backlog", "_pool", "_host", "_outbox", "_outcomes", "_spill_reserve")
+                 "_backlog", "_pool", "_host", "_outbox", "_outcomes")
 
     def __init__(self, parts: CoreParts, outcomes: RoundOutcomes) -> None:
         self.next_round_id = 1
@@ -64,11 +64,6 @@ class Batcher:
         self._host = parts.host
         self._outbox = parts.outbox
         self._outcomes = outcomes
-        # With the host tier's copies charged, a share of each round's token budget is kept for copying out the
-        # blocks its allocations evict: one copy per block-size tokens computed, at host_copy_tokens each.
-        per_block = config.host_copy_tokens if parts.host.prefix_cache else 0.0
-        share = per_block / config.block_size
-        self._spill_reserve = int(config.max_num_batched_tokens * share / (1 + share))
 
     def schedule(self, now: float, overlap: bool = False) -> RoundPlan:
         """Build the next round; return its plan (possibly empty: `plan.is_empty`).
@@ -82,16 +77,12 @@ class Batcher:
         rnd = RoundBuilder(round_id, self._config)
         # The phase calls are skipped when they have nothing to look at: most rounds of a lightly
         # loaded replica carry a few decodes and no queue, and the calls are most of their cost.
-        host_tier = self._host.prefix_cache
-        if host_tier:
-            self._pool.spills = []  # blocks evicted while this round is planned are copied to the host tier
-            rnd.tokens_left -= self._spill_reserve
         if self._table.running:
             self._schedule_running(rnd, now, overlap)
         if self._backlog.queue.length and not rnd.preempted:  # len(backlog), without two calls
             self._schedule_waiting(rnd, now)
-        if host_tier:
-            self._spill(rnd)
+        if self._host.prefix_cache and (rnd.seqs or rnd.swap_in):
+            self._page_out(rnd)
         return self._seal(rnd, now)
 
     def _schedule_running(self, rnd: RoundBuilder, now: float, overlap: bool = False) -> None:
@@ -114,7 +105,8 @@ class Batcher:
         last = len(running) - 1
         for index, request in enumerate(running):
             if request.in_flight_round is not None or request.status is not running_status:
-                if not overlap or request.in_flight_prev is not None or not seqs_left or not tokens_left:
+                if (not overlap or request.in_flight_prev is not None or not seqs_left or not tokens_left
+                        or request.loading):  # a request being copied in computes after its copies answered
                     continue
                 tokens = request.tokens
                 start = len(tokens)
@@ -154,6 +146,9 @@ class Batcher:
                 continue
             if not seqs_left or not tokens_left:
                 break
+            if request.loads:  # host-tier hits still to copy in: copies this round, computes after them
+                self._load(request, rnd)
+                continue
             start = request.num_computed
             tokens = request.tokens
             if (
@@ -231,6 +226,7 @@ class Batcher:
             request
             for request in self._table.running.values()
             if request.in_flight_round in (None, round_id) and request.in_flight_prev is None and request is not needy
+            and not request.loads and not request.loading  # blocks that copies still fill: nothing to keep or swap
         )
         return self._victims.choose(needy, candidates)
 
@@ -290,40 +286,33 @@ class Batcher:
             hits = pool.lookup(hashes)
             if self._host.prefix_cache and len(hits) < len(hashes):
                 host_hits = self._host.lookup(hashes[len(hits):])
-        charge = 0
-        if host_hits and self._config.host_copy_tokens > 0:
-            per_block = self._config.host_copy_tokens
-            affordable = max(int((rnd.tokens_left - 1) / per_block), 0)  # a token is left for the chunk
-            if affordable < len(host_hits):
-                if rnd.prefill_tokens:
-                    return False  # the copies do not fit beside this round's prefill: a round of decodes takes them
-                # The most one round's time can copy; the rest is computed. (Copying it all would stretch the
-                # round for every decode in it: TPOT misses, measured on Mooncake, docs/simulator.md.)
-                host_hits = host_hits[:affordable]
-            charge = int(-(-len(host_hits) * per_block // 1))
-            rnd.tokens_left -= charge
         start = (len(hits) + len(host_hits)) * size
-        num = chunk_tokens(self._config, rnd, start, len(request.tokens) - start)
-        need = -(-(start + num) // size) - len(hits)
-        if num <= 0 or need + pool.count_unreferenced(hits) > pool.num_allocatable:
-            rnd.tokens_left += charge
+        if host_hits:
+            # Copied in first, over as many rounds as host_load_blocks allows; computed from the round after.
+            cap = self._config.host_load_blocks
+            if cap > 0 and len(rnd.swap_in) >= cap:
+                return False  # this round copies in all it may: the next one starts this request's copies
+            num = 0
+            need = len(host_hits)
+        else:
+            num = chunk_tokens(self._config, rnd, start, len(request.tokens) - start)
+            need = -(-(start + num) // size) - len(hits)
+            if num <= 0:
+                return False
+        if need + pool.count_unreferenced(hits) > pool.num_allocatable:
             return False
-        if charge:
-            rnd.attention_tokens += charge  # charged tokens that are not query tokens (RoundBudget)
         self._backlog.dequeue(request, served=True)
         pool.acquire(hits)
         request.block_ids = array("q", hits)
         fresh = pool.allocate(need) or []
         request.block_ids.extend(fresh)
         request.block_table = tuple(request.block_ids)
-        # Host-tier hits are copied into the first fresh blocks before the forward; they are registered on the
-        # device, like computed blocks, once this round has answered.
+        # Host-tier hits are registered on the device, like computed blocks, after the round that computes next.
         request.num_registered = len(hits)
         request.num_computed = start
         if host_hits:
             self._host.read(host_hits)
-            rnd.swap_in += tuple(BlockCopy(h, d) for h, d in zip(host_hits, fresh, strict=False))
-            rnd.host_read += tuple(host_hits)
+            request.loads = tuple(BlockCopy(h, d) for h, d in zip(host_hits, fresh, strict=True))
         host_tokens = len(host_hits) * size
         self._backlog.set_pending(request, len(request.tokens) - start)  # cached blocks are no work
         if request.first_scheduled_time is None:
@@ -344,8 +333,25 @@ class Batcher:
             self._outbox.host_hit_tokens += host_tokens
             self._outbox.event(request, Stage.RESUMED, now, (("mode", "recompute"), ("cached_tokens", start)))
         self._start_running(request)
+        if host_hits:
+            self._load(request, rnd)
+            return True
         self._place(request, start, num, rnd, now)
         return True
+
+    def _load(self, request: Request, rnd: RoundBuilder) -> None:
+        """Copy in the next of `request`'s host-tier hits (at most host_load_blocks a round, shared by the round's
+        loads); the request is in flight with this round, without a sequence in it."""
+        cap = self._config.host_load_blocks
+        room = len(request.loads) if cap <= 0 else cap - len(rnd.swap_in)
+        if room <= 0:
+            return
+        now_copied, request.loads = request.loads[:room], request.loads[room:]
+        rnd.swap_in += now_copied
+        rnd.host_read += tuple(copy.src for copy in now_copied)
+        rnd.loading += (request,)
+        request.loading = True
+        request.in_flight_round = rnd.round_id
 
     def _resume_swapped(self, request: Request, rnd: RoundBuilder, now: float) -> bool:
         """Bring a swapped-out request back: device blocks, swap-in copies, then its next chunk."""
@@ -439,34 +445,22 @@ class Batcher:
             rnd.attention_tokens -= charge
             self._backlog.set_pending(request, len(request.tokens) - seq.start_position)
 
-    def _spill(self, rnd: RoundBuilder) -> None:
-        """Copy the registered blocks evicted while this round was planned into the host tier (its swap-outs,
-        which the worker runs before anything of the round writes a block)."""
-        spills, self._pool.spills = self._pool.spills, None
-        rnd.tokens_left += self._spill_reserve
-        if not spills:
-            return
+    def _page_out(self, rnd: RoundBuilder) -> None:
+        """Copy the device's least recently used cached blocks that the host tier lacks into it (this round's
+        swap-outs), the `host_page_out_blocks` next to be evicted: an eviction then loses nothing. None of them is
+        allocated in this round (allocation is done) and a registered block's KV never changes, so the copies
+        touch nothing this round's forward writes: the worker may run them beside it (the cost model does)."""
         host = self._host
-        per_block = self._config.host_copy_tokens
-        # Charged copies: as many as the round's time has room for (the reserve and what the round left); the
-        # rest of the evicted blocks are dropped as they would be without a tier.
-        room = int(rnd.tokens_left / per_block) if per_block > 0 else len(spills)
         copies: list[BlockCopy] = []
         written: list[int] = []
-        for index in range(0, len(spills), 2):
-            if len(copies) >= room:
-                break
-            target = host.spill(spills[index + 1])
+        for block, block_hash in self._pool.oldest_cached(self._config.host_page_out_blocks):
+            target = host.spill(block_hash)
             if target is not None:
-                copies.append(BlockCopy(spills[index], target))
+                copies.append(BlockCopy(block, target))
                 written.append(target)
         if copies:
             rnd.swap_out += tuple(copies)
             rnd.host_written += tuple(written)
-            if per_block > 0:
-                charge = min(int(-(-len(copies) * per_block // 1)), rnd.tokens_left)
-                rnd.tokens_left -= charge
-                rnd.attention_tokens += charge
 
     def _seal(self, rnd: RoundBuilder, now: float) -> RoundPlan:
         config = self._config

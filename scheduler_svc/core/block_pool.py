@@ -13,8 +13,7 @@ so `num_free + num_used + num_cached == num_blocks` always holds. A full block g
 pinned block is never handed out. Allocation that does not fit returns None and changes nothing.
 
 Events (vLLM's shape, see docs/kv-events.md): STORED when a hash is registered, REMOVED when a cached
-block is evicted (and, while `spills` is set, its id and hash are noted for the host tier to copy),
-ALL_CLEARED on reset; `emit_host` adds the host (CPU) copies under the same monotonic event ids. A STORED event carries the block's tokens only when the caller
+block is evicted, ALL_CLEARED on reset; `emit_host` adds the host (CPU) copies under the same monotonic event ids. A STORED event carries the block's tokens only when the caller
 passes them (the scheduler does when `kv_event_token_ids` is set), so the default costs nothing extra.
 """
 
@@ -49,7 +48,6 @@ class BlockPool:
         "_cached",
         "_events",
         "last_event_id",
-        "spills",
     )
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
@@ -68,9 +66,6 @@ class BlockPool:
         self._cached: OrderedDict[int, None] = OrderedDict()
         self._events: list[KvEvent] = []
         self.last_event_id = 0
-        self.spills: list[int] | None = None
-        """While not None: (block, hash) of every evicted cached block, flattened, for a host tier to copy
-        (`HostBlocks.spill`) before the block is written again. The round builder sets it while it plans."""
 
     # ---- ledgers ---------------------------------------------------------------------------
     @property
@@ -137,9 +132,6 @@ class BlockPool:
         self._hash_of[block] = 0
         del self._block_of[block_hash]
         self._emit(KvEventKind.REMOVED, (block_hash,))
-        if self.spills is not None:
-            self.spills.append(block)
-            self.spills.append(block_hash)
         return block
 
     def free(self, block_ids: Iterable[int]) -> None:
@@ -213,6 +205,16 @@ class BlockPool:
         self._block_of.clear()
         self._hash_of = array("Q", bytes(8 * self.num_blocks))
         self._emit(KvEventKind.ALL_CLEARED, ())
+
+    def oldest_cached(self, limit: int) -> list[tuple[int, int]]:
+        """Return (block, hash) of the `limit` least recently used cached blocks, the next to be evicted first."""
+        hash_of = self._hash_of
+        out: list[tuple[int, int]] = []
+        for block in self._cached:
+            if len(out) >= limit:
+                break
+            out.append((block, hash_of[block]))
+        return out
 
     def cached_hashes(self) -> tuple[int, ...]:
         """Return the hash of every block that holds one (used or cached)."""

@@ -86,12 +86,16 @@ class SchedulerConfig:
     """A second tier of the prefix cache in the host blocks: registered blocks the device evicts are copied there,
     and a prompt whose prefix continues there is copied back instead of computed (host_blocks.py). Needs
     num_host_blocks >= 1 and enable_prefix_caching."""
-    host_copy_tokens: float = 0.0
-    """Round-budget tokens one block copied back from the host prefix tier costs (its copy time over one prefill
-    token's, ~1.3 for Llama-3-8B on an H200's 64 GB/s host link), so a round's copies and compute together stay
-    within its time; a hit too big for the room left waits for a round without other prefill work, which copies
-    what fits and computes the rest. Evicted blocks are copied out only as far as the round's time allows (a
-    share of each round's budget is kept for them). 0: copies are not charged."""
+    host_load_blocks: int = 0
+    """With the host prefix tier: blocks one round copies in at most. A prompt whose prefix continues into the tier
+    gets its device blocks at admission and its hits copied in over as many rounds as that takes; it computes in
+    the round after the last (its copies touch nothing a forward of theirs reads, so they run beside it). Size
+    it for what the host link moves in one round's time. 0: no limit."""
+    host_page_out_blocks: int = 256
+    """With the host prefix tier: how many of the device's least recently used cached blocks (the next to be
+    evicted) are kept copied in the tier; each round copies those among them the tier lacks. The copies touch
+    nothing the round's forward uses, so they run beside it and cost no budget. Size it for the blocks a few
+    rounds evict: an evicted block not yet copied is lost to the tier."""
     enable_prefix_caching: bool = True
     """Share full blocks by hash chain and keep freed ones in an LRU cache."""
     model_id: str = "tiny"

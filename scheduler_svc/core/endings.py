@@ -152,6 +152,9 @@ class Endings:
 
     def _release_blocks(self, request: Request) -> bool:
         released = bool(request.block_ids or request.host_blocks)
+        if request.loads:  # host-tier hits it will not copy in now
+            self._host.unread(copy.src for copy in request.loads)
+            request.loads = ()
         if request.block_ids:
             if request.in_flight_round is not None:  # still read by a round placed ahead
                 self._pool.pin(request.block_ids)

@@ -5,9 +5,10 @@ numbered by the device pool: STORED once the round that copies them has answered
 when the copy is released after that. A copy released before it was confirmed (its round failed, or
 the request was cancelled first) was never reported, so it is not reported removed either.
 
-Prefix tier (`prefix_cache=True`). A registered device block that the device pool evicts while a round
-is being planned is copied here (`spill`) by that round's swap-outs, which the worker runs before the
-round's swap-ins and forward, so the copy reads the block before anything new is written into it. The
+Prefix tier (`prefix_cache=True`). The device's least recently used cached blocks, the next it will
+evict, are copied here (`spill`) by a round's swap-outs before they are evicted (the round builder's
+`_page_out`); a cached block is not allocated in that round and a registered block's KV never changes,
+so the copy may run beside the round's forward, and an eviction later costs nothing. The
 copy is pending until the round answers (`confirm`: findable, STORED on CPU) or fails (`drop`: freed,
 never reported). A later request whose prefix continues past the device's hits into this tier
 (`lookup`) gets fresh device blocks and swap-in copies instead of prefill work; the host blocks it reads
@@ -187,12 +188,9 @@ class HostBlocks:
                 self._cached[block] = None
 
     def spill(self, block_hash: int) -> int | None:
-        """Return the host block to copy an evicted device block with `block_hash` into, or None: the tier
-        holds it already (then it counts as used now), or nothing can be evicted for room."""
-        block = self._block_of.get(block_hash)
-        if block is not None:
-            if block in self._cached:
-                self._cached.move_to_end(block)
+        """Return the host block to copy a device block with `block_hash` into, or None: the tier holds it (or
+        is copying it) already, or nothing can be evicted for room."""
+        if block_hash in self._block_of:
             return None
         if block_hash in self._pending_hashes or not (self._free or self._cached):
             return None

@@ -104,6 +104,10 @@ class RoundOutcomes:
             if record.host_written or record.host_read:
                 self._host.confirm(record.host_written)
                 self._host.unread(record.host_read)
+            for request in record.loading:  # copied in: they compute from the next round
+                request.loading = False
+                if self._unread(request, record.round_id) and request.status is not RequestStatus.RUNNING:
+                    self._release_unread(request, now)
 
     def _refuse(self, record: InFlightRound, refused: tuple[RefusedSeq, ...], now: float) -> list[Request]:
         """Fail the requests whose sequence the worker refused (exactly once); return the round's other entries."""
@@ -290,8 +294,10 @@ class RoundOutcomes:
             self._backlog.enqueue(victim)
 
     def _fail_round(self, record: InFlightRound, error: str, now: float) -> None:
-        """A round that failed as a whole fails every request it carried (exactly once)."""
-        for request in record.entries:
+        """A round that failed as a whole fails every request it carried (exactly once), the ones it copied in too."""
+        for request in record.loading:
+            request.loading = False
+        for request in (*record.entries, *record.loading):
             unread = self._unread(request, record.round_id)
             if request.status is RequestStatus.RUNNING:
                 self._endings.end_running(request, Input.FAIL, now, f"round {record.round_id} failed: {error}")
@@ -314,7 +320,9 @@ class RoundOutcomes:
 
     def _lose(self, record: InFlightRound, now: float) -> None:
         round_id, limit = record.round_id, self._max_lost_rounds
-        for request in record.entries:
+        for request in record.loading:
+            request.loading = False
+        for request in (*record.entries, *record.loading):
             if not self._unread(request, round_id):
                 continue  # a later round reads it too: that round's loss handles it
             if request.status is not RequestStatus.RUNNING:
@@ -350,6 +358,9 @@ class RoundOutcomes:
     def _requeue_lost(self, request: Request, now: float) -> None:
         """Preempt a running request by recompute because its KV went with the worker."""
         del self._table.running[request.request_id]
+        if request.loads:  # host-tier hits not copied in yet: the host tier may drop them again
+            self._host.unread(copy.src for copy in request.loads)
+            request.loads = ()
         self._pool.free(reversed(request.block_ids))
         request.block_ids, request.block_table, request.num_registered = array("q"), (), 0
         apply(request, Input.PREEMPT)

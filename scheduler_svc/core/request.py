@@ -6,7 +6,7 @@ from array import array
 from collections.abc import Sequence
 
 from sluice.hashing import block_hash, hash_chain
-from sluice.types import NewRequest, RequestStatus, SamplingParams, Usage
+from sluice.types import BlockCopy, NewRequest, RequestStatus, SamplingParams, Usage
 
 _NO_STOP_TOKENS: frozenset[int] = frozenset()
 
@@ -45,6 +45,8 @@ class Request:
         "block_hashes",
         "salt",
         "host_blocks",
+        "loads",
+        "loading",
         "swap_pinned",
         "held_blocks",
         "recompute_debt",
@@ -101,6 +103,11 @@ class Request:
         in the round after the one whose token it waits for; cleared when that round answers."""
         self.host_blocks: Sequence[int] = ()
         """Host blocks holding this request's swapped-out KV (empty unless swapped out)."""
+        self.loads: tuple[BlockCopy, ...] = ()
+        """Host prefix-tier hits (host block -> its device block) not yet copied in: a round copies at most
+        host_load_blocks of them, and the request computes only once none is left and none is in flight."""
+        self.loading = False
+        """A round copying some of its host-tier hits in is in flight (the request computes after it)."""
         self.swap_pinned: Sequence[int] = ()
         """Device blocks pinned until this request's swap-out copy is done."""
         self.held_blocks: Sequence[int] = ()

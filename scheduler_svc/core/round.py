@@ -14,7 +14,8 @@ DECODE = (1, True)
 class InFlightRound:
     """The bookkeeping of one planned round until its result arrives."""
 
-    __slots__ = ("round_id", "entries", "chunks", "swapping", "host_release", "host_written", "host_read")
+    __slots__ = ("round_id", "entries", "chunks", "swapping", "host_release", "host_written", "host_read",
+                 "loading")
 
     def __init__(self, round_id: int) -> None:
         self.round_id = round_id
@@ -33,6 +34,8 @@ class InFlightRound:
         """Host prefix-tier blocks this round's swap-outs copy evicted blocks into (pending until it answers)."""
         self.host_read: tuple[int, ...] = ()
         """Host prefix-tier blocks this round's swap-ins read (held until it answers)."""
+        self.loading: tuple[Request, ...] = ()
+        """Requests whose host-tier hits this round copies in (not entries: they compute in a later round)."""
 
     def entry(self, request: Request) -> tuple[int, bool]:
         """Return (tokens computed, sample) of `request`'s sequence in this round."""
@@ -73,6 +76,7 @@ class RoundBuilder(InFlightRound):
         self.host_release = ()
         self.host_written = ()
         self.host_read = ()
+        self.loading = ()
         self.seqs: list[ScheduledSeq] = []
         """The round's sequences while it is built; emptied once sealed (the plan holds them)."""
         self.swap_out: tuple[BlockCopy, ...] = ()

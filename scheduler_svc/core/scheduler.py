@@ -65,6 +65,9 @@ class SchedulerCore:
             raise ValueError(f"max_prefill_chunk must be >= 1, got {config.max_prefill_chunk}")
         if config.attention_pairs_per_token is not None and config.attention_pairs_per_token < 1:
             raise ValueError(f"attention_pairs_per_token must be >= 1 or None, got {config.attention_pairs_per_token}")
+        if config.host_page_out_blocks < 0 or config.host_load_blocks < 0:
+            raise ValueError(f"host_page_out_blocks and host_load_blocks must be >= 0, got "
+                             f"{config.host_page_out_blocks} and {config.host_load_blocks}")
         if config.host_prefix_cache and (config.num_host_blocks < 1 or not config.enable_prefix_caching):
             raise ValueError(f"host_prefix_cache needs num_host_blocks >= 1 (got {config.num_host_blocks}) and "
                              f"enable_prefix_caching (got {config.enable_prefix_caching})")

@@ -473,8 +473,9 @@ def test_kv_events_are_published_with_monotonic_ids(redis_url: str, namespace: s
 
 
 def test_the_host_prefix_tier_copies_evicted_blocks_out_and_back_live(redis_url: str, namespace: str) -> None:
-    """With host_prefix_cache on an 8-block replica, a prompt evicted by a longer one in between is copied to host
-    blocks (CPU STORED events on the kv stream, host hashes in KvSnapshot), then copied back for its repeat, which
+    """With host_prefix_cache on an 8-block replica, a finished prompt's cached blocks are copied to host blocks by
+    the next request's rounds (CPU STORED events on the kv stream, host hashes in KvSnapshot); a longer prompt then
+    evicts them from the device, and they are copied back for the first one's repeat, which
     counts them as host hits and completes (that the copies hold the right KV is the torch engine's test:
     tests/unit/test_engine_with_scheduler.py)."""
     def submit(request_id: str, prompt: list[int]) -> scheduler_pb2.SubmitRequest:
@@ -490,10 +491,12 @@ def test_the_host_prefix_tier_copies_evicted_blocks_out_and_back_live(redis_url:
             first = list(range(1, 41))
             await r.stub.Submit(submit("a", first))
             await _completions(r.bus, 1)
-            await r.stub.Submit(submit("b", list(range(500, 620))))  # 120 + 4 tokens: every block of the replica
+            await r.stub.Submit(submit("x", list(range(300, 320))))  # from the free blocks: a's are copied out
             await _completions(r.bus, 2)
-            await r.stub.Submit(submit("c", first))
+            await r.stub.Submit(submit("b", list(range(500, 620))))  # 120 + 4 tokens: every block of the replica
             await _completions(r.bus, 3)
+            await r.stub.Submit(submit("c", first))
+            await _completions(r.bus, 4)
             await r.replica.driver.flush()
             mediums = {(event.WhichOneof("kind"), getattr(event, str(event.WhichOneof("kind"))).medium)
                        for _, payload, _ in await r.bus.read_stream(r.bus.kv_stream("r1"), "0", count=10_000,

@@ -178,7 +178,11 @@ def _check_host(core: SchedulerCore) -> None:
     written = [block for record in core.outcomes.in_flight.values() for block in record.host_written]
     assert sorted(written) == sorted(pending), "a pending host copy without its round, or the reverse"
     readers = Counter(block for record in core.outcomes.in_flight.values() for block in record.host_read)
-    assert readers == Counter(read), "host-tier readers disagree with the in-flight swap-ins"
+    readers.update(copy.src for request in core.requests.live.values() for copy in request.loads)
+    assert readers == Counter(read), "host-tier readers disagree with the in-flight swap-ins and the loads to come"
+    for request in core.requests.live.values():
+        assert not request.loading or request.in_flight_round in core.outcomes.in_flight, f"{request}: loading"
+        assert not request.loads or request.status in (RequestStatus.RUNNING, RequestStatus.CANCELLING)
 
 
 def with_config(core: SchedulerCore, **overrides: object) -> SchedulerConfig:

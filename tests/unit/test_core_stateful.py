@@ -66,7 +66,7 @@ class CoreMachine(RuleBasedStateMachine):
             preemption_mode=mode,
             num_host_blocks=host_blocks,
             host_prefix_cache=host_tier and host_blocks > 0 and caching,
-            host_copy_tokens=1.5 if host_tier and chunk == 3 else 0.0,
+            host_load_blocks=2 if host_tier and chunk == 3 else 0, host_page_out_blocks=4,
             enable_prefix_caching=caching,
             tenant_weights=(("b", 2.0),),
             max_model_len=40,
@@ -235,11 +235,10 @@ class CoreMachine(RuleBasedStateMachine):
         assert budget.used_query_tokens == sum(len(s.token_ids) for s in plan.seqs) <= config.max_num_batched_tokens
         assert budget.used_seqs == len(plan.seqs) <= config.max_num_seqs
         assert budget.num_prefill_tokens + budget.num_decode_tokens == budget.used_query_tokens
-        # Deep chunks pay for their attention, and host-tier copies for their time, out of the same budget (a chunk
-        # floored at one block may overdraw, uncharged); nothing is charged without either.
+        # Deep chunks pay for their attention out of the same budget (a chunk floored at one block may overdraw,
+        # uncharged); nothing is charged without the attention term.
         assert budget.used_query_tokens + budget.attention_tokens <= config.max_num_batched_tokens
-        assert budget.attention_tokens == 0 or config.attention_pairs_per_token is not None \
-            or config.host_copy_tokens > 0
+        assert budget.attention_tokens == 0 or config.attention_pairs_per_token is not None
         reads = sum(s.start_position + len(s.token_ids) for s in plan.seqs)
         assert budget.used_kv_read_tokens == reads
         if config.max_kv_read_tokens is not None:

@@ -160,11 +160,18 @@ def test_execute_samples_token_for_and_times_exactly_round_time(name: str) -> No
 
 
 def test_swap_costs_host_link_time() -> None:
-    """Swapping a block adds its bytes over the 64 GB/s host link."""
+    """A block copied in that the round's sequences read adds its bytes over the 64 GB/s host link before the
+    forward; blocks copied out, or in for a later round, run beside it, so they cost nothing until they take
+    longer than the forward, and then the round is theirs."""
     model = CostModel("llama-3-8b", "h200", coefficients=IDEAL)
-    base = RoundPlan(1, (decode("a", 10),))
-    swapped = RoundPlan(1, base.seqs, swap_out=(BlockCopy(1, 2),))
-    assert model.round_time(swapped) - model.round_time(base) == pytest.approx(16 * 131072 / 64e9)
+    per_block = 16 * 131072 / 64e9
+    base = RoundPlan(1, (replace(decode("a", 10), block_table=(1,)),))
+    loaded = RoundPlan(1, base.seqs, swap_in=(BlockCopy(2, 1),))
+    assert model.round_time(loaded) - model.round_time(base) == pytest.approx(per_block)
+    assert model.round_time(RoundPlan(1, base.seqs, swap_in=(BlockCopy(2, 5),))) == model.round_time(base)
+    assert model.round_time(RoundPlan(1, base.seqs, swap_out=(BlockCopy(1, 2),))) == model.round_time(base)
+    many = tuple(BlockCopy(i, i) for i in range(int(model.round_time(base) / per_block) + 100))
+    assert model.round_time(RoundPlan(1, base.seqs, swap_out=many)) == pytest.approx(len(many) * per_block)
 
 
 def test_fit_recovers_known_coefficients() -> None:

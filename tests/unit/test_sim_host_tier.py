@@ -22,10 +22,13 @@ def test_the_word_sizes_each_replicas_tier_from_host_memory_and_the_bound_counts
     assert fleet_cache_tokens(tiered) - fleet_cache_tokens(base) == 2 * scheduler.num_host_blocks * 16
 
 
-def test_budget_slo_prices_a_copied_block_in_prefill_tokens() -> None:
-    """`budget=slo` derives the charge of one block copied over the host link: ~1.4 prefill tokens on an H200."""
-    charge = with_slo_budget(SimConfig(model="llama-3.1-8b", slo_tpot_s=0.05)).scheduler.host_copy_tokens
-    assert 1.0 < charge < 2.0
+def test_budget_slo_sizes_the_copies_of_a_round_by_the_host_link() -> None:
+    """`budget=slo` lets a round copy, each way, what the host link moves in a budget-sized round's time: ~1,370
+    blocks over an H200's PCIe Gen5, 7x that over a GH200's NVLink-C2C."""
+    h200 = with_slo_budget(SimConfig(model="llama-3.1-8b", slo_tpot_s=0.05)).scheduler
+    gh200 = with_slo_budget(SimConfig(model="llama-3.1-8b", gpu="gh200", slo_tpot_s=0.05)).scheduler
+    assert 1000 < h200.host_load_blocks == h200.host_page_out_blocks < 2000
+    assert 6 < gh200.host_load_blocks / h200.host_load_blocks < 8
 
 
 def test_a_memory_tight_replica_serves_evicted_prefixes_from_the_host() -> None:
