@@ -12,8 +12,9 @@ so the copy may run beside the round's forward, and an eviction later costs noth
 copy is pending until the round answers (`confirm`: findable, STORED on CPU) or fails (`drop`: freed,
 never reported). A later request whose prefix continues past the device's hits into this tier
 (`lookup`) gets fresh device blocks and swap-in copies instead of prefill work; the host blocks it reads
-are held (`read`) until its round answers (`unread`), so neither a swap-out nor a spill overwrites them
-meanwhile. Unread copies sit in an LRU, evicted (REMOVED on CPU) when a spill or a swap needs room.
+are held (`read`) from its admission until the round that copies each in answers, or it lets go of them
+(`unread`), so neither a swap-out nor a page-out overwrites them meanwhile. Unread copies sit in an LRU,
+evicted (REMOVED on CPU) when a page-out or a swap needs room.
 Every host block is in exactly one ledger: free, cached (LRU), pending, read, or a swap copy.
 """
 
@@ -27,7 +28,7 @@ from sluice.types import KvEventKind
 
 
 class HostBlocks:
-    """Fixed pool of `total` host blocks: swap copies, and with `prefix_cache` an LRU tier of evicted blocks."""
+    """Fixed pool of `total` host blocks: swap copies, and with `prefix_cache` an LRU tier of the device's cold blocks."""
 
     __slots__ = ("total", "prefix_cache", "_free", "_pool", "_hash_of", "_reported", "_cached", "_block_of",
                  "_pending", "_pending_hashes", "_readers", "_stale", "hits", "spilled", "evicted")
@@ -52,13 +53,13 @@ class HostBlocks:
         self._pending_hashes: set[int] = set()
         """The hashes of `_pending`."""
         self._readers: dict[int, int] = {}
-        """Host block -> in-flight rounds that swap it in."""
+        """Host block -> requests holding it until it is copied in (one per in-flight round or load to come)."""
         self._stale: set[int] = set()
         """Pending or read host blocks whose hash was forgotten (a cache reset): freed when let go."""
         self.hits = 0
         """Blocks found in the prefix tier (`lookup` callers that took them: `read`)."""
         self.spilled = 0
-        """Evicted device blocks copied into the prefix tier."""
+        """Device blocks copied into the prefix tier (page-outs)."""
         self.evicted = 0
         """Prefix copies evicted from the tier for room."""
 
