@@ -450,14 +450,16 @@ class Batcher:
         swap-outs), the `host_page_out_blocks` next to be evicted: an eviction then loses nothing. None of them is
         allocated in this round (allocation is done) and a registered block's KV never changes, so the copies
         touch nothing this round's forward writes: the worker may run them beside it (the cost model does)."""
-        host = self._host
+        host, pool = self._host, self._pool
         copies: list[BlockCopy] = []
         written: list[int] = []
-        for block, block_hash in self._pool.oldest_cached(self._config.host_page_out_blocks):
+        for block, block_hash in pool.to_page_out(self._config.host_page_out_blocks):
             target = host.spill(block_hash)
             if target is not None:
                 copies.append(BlockCopy(block, target))
                 written.append(target)
+            elif not host.holds(block_hash):  # no room in the tier this round: still to copy
+                pool.unpage(block_hash)
         if copies:
             rnd.swap_out += tuple(copies)
             rnd.host_written += tuple(written)

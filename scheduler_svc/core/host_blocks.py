@@ -87,6 +87,7 @@ class HostBlocks:
         self.evicted += 1
         if self._pool is not None:
             self._pool.emit_host(KvEventKind.REMOVED, (block_hash,))
+            self._pool.unpage(block_hash)
         return block
 
     def take(self, count: int, hashes: Sequence[int] = ()) -> list[int]:
@@ -201,6 +202,10 @@ class HostBlocks:
         self.spilled += 1
         return block
 
+    def holds(self, block_hash: int) -> bool:
+        """Return True when the tier holds `block_hash` or is copying it."""
+        return block_hash in self._block_of or block_hash in self._pending_hashes
+
     def confirm(self, blocks: Iterable[int]) -> None:
         """The round that copied into `blocks` has answered: they are findable (STORED on CPU)."""
         stored: list[int] = []
@@ -221,6 +226,9 @@ class HostBlocks:
     def drop(self, blocks: Iterable[int]) -> None:
         """The round that copied into `blocks` failed: the copies cannot be trusted and were never reported."""
         for block in blocks:
-            self._pending_hashes.discard(self._pending.pop(block))
+            block_hash = self._pending.pop(block)
+            self._pending_hashes.discard(block_hash)
+            if self._pool is not None and block not in self._stale:
+                self._pool.unpage(block_hash)
             self._stale.discard(block)
             self._free.append(block)

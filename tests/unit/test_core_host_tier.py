@@ -56,7 +56,7 @@ def _a_then_b(core: SchedulerCore, fail: bool = False) -> tuple[list[KvEvent], d
     plan = core.schedule(now)
     # A's three cached blocks are the oldest: B's round copies them out (B's own blocks came from the free list).
     copies = {c.src: c.dst for c in plan.swap_out}
-    assert sorted(copies) == sorted(b for b, _ in core.pool.oldest_cached(8)) and len(copies) == 3
+    assert sorted(copies) == sorted(core.pool.cached_block_ids()) and len(copies) == 3
     assert not set(copies) & set(plan.seqs[0].block_table), "nothing the round's forward writes is copied"
     result = RoundResult(plan.round_id, (), error="copy failed") if fail else FakeExecutor().run(plan)
     events += core.on_round_result(result, now + 0.5).kv_events
