@@ -447,8 +447,7 @@ class Batcher:
 
     def _page_out(self, rnd: RoundBuilder) -> None:
         """Copy the device's least recently used cached blocks that the host tier lacks into it (this round's
-        swap-outs), until it holds `host_page_out_blocks` cached ones: the next to be evicted, so an eviction then
-        loses nothing. None of them is allocated in this round (allocation is done) and a registered block's KV
+        swap-outs), of the `host_page_out_blocks` next to be evicted: an eviction then loses nothing. None of them is allocated in this round (allocation is done) and a registered block's KV
         never changes, so the copies touch nothing this round's forward writes: the worker may run them beside it
         (the cost model does)."""
         host, pool = self._host, self._pool

@@ -48,10 +48,7 @@ class BlockPool:
         "_cached",
         "_events",
         "last_event_id",
-        "tracking",
         "_paged",
-        "_unpaged",
-        "paged_cached",
     )
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
@@ -70,14 +67,9 @@ class BlockPool:
         self._cached: OrderedDict[int, None] = OrderedDict()
         self._events: list[KvEvent] = []
         self.last_event_id = 0
-        # The host prefix tier's view (host_blocks.py), kept only while `tracking`: which blocks the tier holds (or
-        # is copying) the KV of, and the cached ones it does not, least recently used first, so that finding the
-        # next blocks to copy out costs what it copies, not a walk over the LRU.
-        self.tracking = False
+        # Which blocks' KV the host prefix tier (host_blocks.py) holds or is copying: `to_page_out` skips them
+        # with one byte read each, without asking the tier.
         self._paged = bytearray(num_blocks)
-        self._unpaged: OrderedDict[int, None] = OrderedDict()
-        self.paged_cached = 0
-        """Cached blocks whose KV the host tier holds (or is copying)."""
 
     # ---- ledgers ---------------------------------------------------------------------------
     @property
@@ -140,12 +132,7 @@ class BlockPool:
 
     def _evict_oldest(self) -> int:
         block, _ = self._cached.popitem(last=False)
-        if self.tracking:
-            if self._paged[block]:
-                self._paged[block] = 0
-                self.paged_cached -= 1
-            else:
-                del self._unpaged[block]
+        self._paged[block] = 0
         block_hash = self._hash_of[block]
         self._hash_of[block] = 0
         del self._block_of[block_hash]
@@ -168,11 +155,6 @@ class BlockPool:
             if count == 1:
                 if hash_of[block]:
                     self._cached[block] = None
-                    if self.tracking:
-                        if self._paged[block]:
-                            self.paged_cached += 1
-                        else:
-                            self._unpaged[block] = None
                 else:
                     self._free.append(block)
 
@@ -203,11 +185,6 @@ class BlockPool:
                 if block not in self._cached:
                     raise BlockPoolError(f"block {block} is free, not cached: nothing to share")
                 del self._cached[block]
-                if self.tracking:
-                    if self._paged[block]:
-                        self.paged_cached -= 1
-                    else:
-                        del self._unpaged[block]
             refcount[block] += 1
 
     def register(self, block_id: int, block_hash: int, parent_hash: int, token_ids: Sequence[int] = ()) -> bool:
@@ -234,32 +211,26 @@ class BlockPool:
         self._block_of.clear()
         self._hash_of = array("Q", bytes(8 * self.num_blocks))
         self._paged = bytearray(self.num_blocks)
-        self._unpaged.clear()
-        self.paged_cached = 0
         self._emit(KvEventKind.ALL_CLEARED, ())
 
     def to_page_out(self, zone: int) -> list[tuple[int, int]]:
-        """Mark and return (block, hash) of the least recently used cached blocks the host tier lacks, until the
-        tier holds `zone` cached blocks (`tracking` only): the next to be evicted, to copy out before."""
+        """Mark and return (block, hash) of those of the `zone` least recently used cached blocks (the next to be
+        evicted) that the host tier does not hold yet, to copy out before they are."""
         out: list[tuple[int, int]] = []
-        unpaged, paged, hash_of = self._unpaged, self._paged, self._hash_of
-        while self.paged_cached < zone and unpaged:
-            block, _ = unpaged.popitem(last=False)
-            paged[block] = 1
-            self.paged_cached += 1
-            out.append((block, hash_of[block]))
+        paged, hash_of = self._paged, self._hash_of
+        for seen, block in enumerate(self._cached):
+            if seen >= zone:
+                break
+            if not paged[block]:
+                paged[block] = 1
+                out.append((block, hash_of[block]))
         return out
 
     def unpage(self, block_hash: int) -> None:
-        """The host tier no longer holds `block_hash` (evicted, or its copy failed): the device block that has it,
-        if any, is one the tier lacks again (when cached, the newest of them: its age is not kept)."""
+        """The host tier no longer holds `block_hash` (evicted, or its copy failed or found no room)."""
         block = self._block_of.get(block_hash)
-        if block is None or not self._paged[block]:
-            return
-        self._paged[block] = 0
-        if self._refcount[block] == 0:
-            self.paged_cached -= 1
-            self._unpaged[block] = None
+        if block is not None:
+            self._paged[block] = 0
 
     def paged_block_ids(self) -> tuple[int, ...]:
         """Return the blocks marked as held by the host tier; for invariant checks."""

@@ -92,10 +92,10 @@ class SchedulerConfig:
     the round after the last (its copies touch nothing a forward of theirs reads, so they run beside it). Size
     it for what the host link moves in one round's time. 0: no limit."""
     host_page_out_blocks: int = 256
-    """With the host prefix tier: how many of the device's cached blocks the tier should hold; each round copies
-    the least recently used ones it lacks (the next to be evicted) until it does, as many as that takes. The
-    copies touch nothing the round's forward uses, so they run beside it and cost no budget. Size it for the
-    blocks a few rounds evict: an evicted block not yet copied is lost to the tier."""
+    """With the host prefix tier: how many of the device's least recently used cached blocks (the next to be
+    evicted) are kept copied in the tier; each round copies those among them the tier lacks. The copies touch
+    nothing the round's forward uses, so they run beside it and cost no budget. Size it for the blocks a few
+    rounds evict: an evicted block not yet copied is lost to the tier."""
     enable_prefix_caching: bool = True
     """Share full blocks by hash chain and keep freed ones in an LRU cache."""
     model_id: str = "tiny"

@@ -82,7 +82,6 @@ class SchedulerCore:
         self.backlog = Backlog(make_queue(config.policy, config))
         self.deadlines = DeadlineHeap(self.requests)
         self.host = HostBlocks(config.num_host_blocks, self.pool, config.host_prefix_cache)
-        self.pool.tracking = self.host.prefix_cache
         self.outbox = Outbox()
         self.handoffs = HandOffs(self.pool, config.kv_hold_s, config.block_size)
         self.endings = Endings(self.requests, self.backlog, self.pool, self.host, self.outbox, self.deadlines,

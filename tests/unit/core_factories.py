@@ -181,14 +181,11 @@ def _check_host(core: SchedulerCore) -> None:
     readers.update(copy.src for request in core.requests.live.values() for copy in request.loads)
     assert readers == Counter(read), "host-tier readers disagree with the in-flight swap-ins and the loads to come"
     pool = core.pool
-    if pool.tracking:  # the pool's view of the tier: what it marks held, the tier holds; the counts add up
-        cached = set(pool.cached_block_ids())
+    if core.host.prefix_cache:  # the pool's marks: a block it marks as held by the tier is held (or being copied)
         paged = set(pool.paged_block_ids())
-        hashes = {block_hash: block for block_hash in pool.cached_hashes()
-                  for block in pool.lookup([block_hash])}
-        assert all(core.host.holds(h) for h, block in hashes.items() if block in paged), "marked held, not held"
-        assert pool.paged_cached == len(paged & cached), "paged_cached"
-        assert set(pool._unpaged) == cached - paged, "the unpaged LRU is the cached blocks the tier lacks"
+        for block_hash in pool.cached_hashes():
+            for block in pool.lookup([block_hash]):
+                assert block not in paged or core.host.holds(block_hash), f"block {block}: marked, not held"
     for request in core.requests.live.values():
         assert not request.loading or request.in_flight_round in core.outcomes.in_flight, f"{request}: loading"
         assert not request.loads or request.status in (RequestStatus.RUNNING, RequestStatus.CANCELLING)
