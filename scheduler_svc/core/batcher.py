@@ -446,10 +446,10 @@ class Batcher:
             self._backlog.set_pending(request, len(request.tokens) - seq.start_position)
 
     def _page_out(self, rnd: RoundBuilder) -> None:
-        """Copy the device's least recently used cached blocks that the host tier lacks into it (this round's
-        swap-outs), of the `host_page_out_blocks` next to be evicted: an eviction then loses nothing. None of them is allocated in this round (allocation is done) and a registered block's KV
-        never changes, so the copies touch nothing this round's forward writes: the worker may run them beside it
-        (the cost model does)."""
+        """Copy into the host tier (this round's swap-outs) those of the device's `host_page_out_blocks` least
+        recently used cached blocks, the next to be evicted, that it lacks: an eviction then loses nothing. None of
+        them is allocated in this round (allocation is done) and a registered block's KV never changes, so the
+        copies touch nothing this round's forward writes: the worker may run them beside it (the cost model does)."""
         host, pool = self._host, self._pool
         copies: list[BlockCopy] = []
         written: list[int] = []
