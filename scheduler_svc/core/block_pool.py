@@ -13,8 +13,10 @@ so `num_free + num_used + num_cached == num_blocks` always holds. A full block g
 pinned block is never handed out. Allocation that does not fit returns None and changes nothing.
 
 Events (vLLM's shape, see docs/kv-events.md): STORED when a hash is registered, REMOVED when a cached
-block is evicted, ALL_CLEARED on reset; `emit_host` adds the host (CPU) copies under the same monotonic event ids. A STORED event carries the block's tokens only when the caller
-passes them (the scheduler does when `kv_event_token_ids` is set), so the default costs nothing extra.
+block is evicted, ALL_CLEARED on reset; `emit_host` adds the host (CPU) copies under the same monotonic
+event ids. A STORED event carries the block's tokens only when the caller passes them (the scheduler does
+when `kv_event_token_ids` is set), so the default costs nothing extra. `to_page_out` and `unpage` keep the
+host prefix tier's marks (which blocks it holds), for the round builder's page-out.
 """
 
 from __future__ import annotations
