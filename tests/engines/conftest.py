@@ -30,7 +30,10 @@ api_keys = ["k-bronze"]
 weight = 1.0
 """
 
-WEIGHTS = "gold=2,bronze=1"
+WEIGHTS = "gold=2,bronze=1,burst-gold=2,burst-bronze=1"
+"""The engines' tenant weights: gold and bronze for the traffic through Sluice, and a pair of tenants of their own for
+the burst sent straight to an engine (tests/engines/test_vllm_engines.py), so that no earlier test's traffic leaves
+them anything owed."""
 
 
 @pytest.fixture(scope="session")
