@@ -43,6 +43,10 @@ TEXT_TOKENS = range(32, 127)
 """Ids of the made-up output tokens: printable ASCII bytes of the byte tokenizer (sluice.tokenizer)."""
 
 
+DEFAULT_HOST_KV_BYTES = 32e9
+"""Host memory for KV blocks a modelled replica has by default (swap preemption's copies)."""
+
+
 @dataclass(frozen=True, slots=True)
 class RoundShape:
     """The numbers of a round that set its cost (what `fit` samples are made of)."""
@@ -178,7 +182,7 @@ class CostModel:
         gpu_memory_utilization: float = 0.9,
         block_size: int = 16,
         dtype_bytes: int = 2,
-        host_kv_bytes: float = 32e9,
+        host_kv_bytes: float = DEFAULT_HOST_KV_BYTES,
         max_model_len: int | None = None,
         eos_after: int | None = None,
     ) -> None:

@@ -454,7 +454,7 @@ class Batcher:
         copies: list[BlockCopy] = []
         written: list[int] = []
         for block, block_hash in pool.to_page_out(self._config.host_page_out_blocks):
-            target = host.spill(block_hash)
+            target = host.page_out(block_hash)
             if target is not None:
                 copies.append(BlockCopy(block, target))
                 written.append(target)

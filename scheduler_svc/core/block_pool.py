@@ -32,6 +32,18 @@ _new_kv_event = retyping_constructor(KvEvent)
 """KvEvent's constructor, positional (a STORED event per registered block: see retype.py)."""
 
 
+def longest_prefix(block_of: dict[int, int], block_hashes: Sequence[int]) -> list[int]:
+    """Return the blocks `block_of` maps the longest prefix of `block_hashes` to (the device's and the host
+    tier's prefix lookups)."""
+    found: list[int] = []
+    for block_hash in block_hashes:
+        block = block_of.get(block_hash)
+        if block is None:
+            break
+        found.append(block)
+    return found
+
+
 class BlockPoolError(Exception):
     """A caller broke the pool's bookkeeping (freeing a free block, unpinning an unpinned one)."""
 
@@ -165,14 +177,7 @@ class BlockPool:
         """Return the blocks of the longest cached prefix of `block_hashes` (no references taken)."""
         if not self.caching:
             return []
-        found: list[int] = []
-        block_of = self._block_of
-        for block_hash in block_hashes:
-            block = block_of.get(block_hash)
-            if block is None:
-                break
-            found.append(block)
-        return found
+        return longest_prefix(self._block_of, block_hashes)
 
     def count_unreferenced(self, block_ids: Iterable[int]) -> int:
         """Return how many of `block_ids` sit in the cached LRU (acquiring them uses up capacity)."""

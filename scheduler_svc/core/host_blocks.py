@@ -6,7 +6,7 @@ when the copy is released after that. A copy released before it was confirmed (i
 the request was cancelled first) was never reported, so it is not reported removed either.
 
 Prefix tier (`prefix_cache=True`). The device's least recently used cached blocks, the next it will
-evict, are copied here (`spill`) by a round's swap-outs before they are evicted (the round builder's
+evict, are copied here (`page_out`) by a round's swap-outs before they are evicted (the round builder's
 `_page_out`); a cached block is not allocated in that round and a registered block's KV never changes,
 so the copy may run beside the round's forward, and an eviction later costs nothing. The
 copy is pending until the round answers (`confirm`: findable, STORED on CPU) or fails (`drop`: freed,
@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from scheduler_svc.core.block_pool import BlockPool
+from scheduler_svc.core.block_pool import BlockPool, longest_prefix
 from sluice.types import KvEventKind
 
 
@@ -31,7 +31,7 @@ class HostBlocks:
     """Fixed pool of `total` host blocks: swap copies, and with `prefix_cache` an LRU tier of the device's cold blocks."""
 
     __slots__ = ("total", "prefix_cache", "_free", "_pool", "_hash_of", "_reported", "_cached", "_block_of",
-                 "_pending", "_pending_hashes", "_readers", "_stale", "hits", "spilled", "evicted")
+                 "_pending", "_pending_hashes", "_readers", "_stale", "hits", "paged_out", "evicted")
 
     def __init__(self, total: int, pool: BlockPool | None = None, prefix_cache: bool = False) -> None:
         self.total = total
@@ -58,8 +58,8 @@ class HostBlocks:
         """Pending or read host blocks whose hash was forgotten (a cache reset): freed when let go."""
         self.hits = 0
         """Blocks found in the prefix tier (`lookup` callers that took them: `read`)."""
-        self.spilled = 0
-        """Device blocks copied into the prefix tier (page-outs)."""
+        self.paged_out = 0
+        """Device blocks copied into the prefix tier."""
         self.evicted = 0
         """Prefix copies evicted from the tier for room."""
 
@@ -153,16 +153,7 @@ class HostBlocks:
     # ---- the prefix tier ---------------------------------------------------------------------
     def lookup(self, block_hashes: Sequence[int]) -> list[int]:
         """Return the host blocks of the longest prefix of `block_hashes` the tier holds (nothing taken)."""
-        found: list[int] = []
-        if not self._block_of:
-            return found
-        block_of = self._block_of
-        for block_hash in block_hashes:
-            block = block_of.get(block_hash)
-            if block is None:
-                break
-            found.append(block)
-        return found
+        return longest_prefix(self._block_of, block_hashes) if self._block_of else []
 
     def read(self, blocks: Sequence[int]) -> None:
         """Hold `blocks` (found by `lookup`) for a round that swaps them in, until `unread`."""
@@ -175,7 +166,8 @@ class HostBlocks:
         self.hits += len(blocks)
 
     def unread(self, blocks: Iterable[int]) -> None:
-        """The round that swapped `blocks` in has answered (or failed): they are the most recently used."""
+        """Let go of `blocks`: the round that copied them in answered (or failed), or their request will not copy
+        them in now. Unless forgotten meanwhile, they are the tier's most recently used."""
         readers = self._readers
         for block in blocks:
             count = readers[block] - 1
@@ -189,17 +181,15 @@ class HostBlocks:
             else:
                 self._cached[block] = None
 
-    def spill(self, block_hash: int) -> int | None:
+    def page_out(self, block_hash: int) -> int | None:
         """Return the host block to copy a device block with `block_hash` into, or None: the tier holds it (or
         is copying it) already, or nothing can be evicted for room."""
-        if block_hash in self._block_of:
-            return None
-        if block_hash in self._pending_hashes or not (self._free or self._cached):
+        if self.holds(block_hash) or not (self._free or self._cached):
             return None
         block = self._take_one()
         self._pending[block] = block_hash
         self._pending_hashes.add(block_hash)
-        self.spilled += 1
+        self.paged_out += 1
         return block
 
     def holds(self, block_hash: int) -> bool:

@@ -13,7 +13,7 @@ from scheduler_svc.core.config import PreemptionMode, SchedulerConfig
 from sluice.choices import enum_member
 from sluice.config import Budgets, ReservationPolicy, TenantConfig
 from sluice_tools.sim.control_plane import ControlPlaneConfig
-from worker_svc.costmodel import CostCoefficients
+from worker_svc.costmodel import DEFAULT_HOST_KV_BYTES, CostCoefficients
 
 E = TypeVar("E", bound=enum.Enum)
 
@@ -114,7 +114,7 @@ class SimConfig:
     @property
     def host_kv_bytes(self) -> float:
         """The cost model's `host_kv_bytes`: the host tier's size, else the cost model's default (32 GB)."""
-        return 32e9 if self.host_cache_gb is None else self.host_cache_gb * 1e9
+        return DEFAULT_HOST_KV_BYTES if self.host_cache_gb is None else self.host_cache_gb * 1e9
 
     def admission_config(self, max_model_len: int) -> AdmissionConfig:
         """Return the front door's configuration for the model length."""

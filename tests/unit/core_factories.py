@@ -174,7 +174,7 @@ def _check_host(core: SchedulerCore) -> None:
     host.extend(pending)
     host.extend(read)
     assert sorted(host) == list(range(core.config.num_host_blocks)), "host blocks leaked or doubled"
-    # The prefix tier: pending copies are exactly the in-flight rounds' spills; readers are the in-flight swap-ins.
+    # The prefix tier: pending copies are exactly the in-flight rounds' page-outs; readers are the in-flight swap-ins.
     written = [block for record in core.outcomes.in_flight.values() for block in record.host_written]
     assert sorted(written) == sorted(pending), "a pending host copy without its round, or the reverse"
     readers = Counter(block for record in core.outcomes.in_flight.values() for block in record.host_read)

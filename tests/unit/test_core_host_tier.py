@@ -82,7 +82,7 @@ def test_cold_blocks_are_copied_out_and_reported_on_cpu_once_their_round_answers
     removed = [e.block_hashes[0] for e in evicted if e.kind is KvEventKind.REMOVED and e.medium is KvMedium.GPU]
     assert set(CHAIN_A) <= set(removed), "C evicted A's blocks from the device ..."
     assert core.host.lookup(CHAIN_A) and not any(e.medium is KvMedium.CPU for e in evicted), "... not from the host"
-    assert core.stats().host_blocks_cached >= 3 and core.host.spilled >= 3
+    assert core.stats().host_blocks_cached >= 3 and core.host.paged_out >= 3
 
 
 def test_a_prefix_found_on_the_host_is_swapped_in_and_not_computed() -> None:
@@ -136,8 +136,8 @@ def test_swap_outs_evict_prefix_copies_for_room() -> None:
     from scheduler_svc.core.block_pool import BlockPool
     pool = BlockPool(4)
     host = HostBlocks(3, pool, prefix_cache=True)
-    targets = [host.spill(h) for h in (11, 12, 13)]
-    assert targets == [0, 1, 2] and host.spill(14) is None, "nothing to evict while copies are pending"
+    targets = [host.page_out(h) for h in (11, 12, 13)]
+    assert targets == [0, 1, 2] and host.page_out(14) is None, "nothing to evict while copies are pending"
     host.confirm(targets)
     assert host.num_free == 3 and host.lookup([11, 12, 13]) == [0, 1, 2]
     host.read([0])
@@ -148,7 +148,7 @@ def test_swap_outs_evict_prefix_copies_for_room() -> None:
     with pytest.raises(IndexError):
         host.take(1)  # block 0 is being read: it cannot be taken
     host.unread([0])
-    assert host.spill(11) is None, "a hash the tier holds is not copied again"
+    assert host.page_out(11) is None, "a hash the tier holds is not copied again"
 
 
 def test_the_tier_needs_host_blocks_and_the_prefix_cache() -> None:
@@ -178,8 +178,8 @@ def test_many_requests_sharing_prefixes_keep_every_ledger_whole() -> None:
         step(core, now, FakeExecutor())
         check_invariants(core)
         now += 1.0
-    assert core.host.spilled > 0 and core.host.hits > 0 and core.host.evicted > 0, (
-        core.host.spilled, core.host.hits, core.host.evicted)
+    assert core.host.paged_out > 0 and core.host.hits > 0 and core.host.evicted > 0, (
+        core.host.paged_out, core.host.hits, core.host.evicted)
     assert core.stats().finished == submitted
 
 
@@ -204,6 +204,6 @@ def test_big_hits_are_copied_in_over_rounds_of_host_load_blocks_and_computed_aft
             finished += core.on_round_result(FakeExecutor().run(plan), now).finished
             check_invariants(core)
             now += 1.0
-    assert core.host.spilled and core.stats().host_hit_tokens >= 20, "the shared prompt came back from the host"
+    assert core.host.paged_out and core.stats().host_hit_tokens >= 20, "the shared prompt came back from the host"
     assert all(record.status.value.startswith("finished") for record in finished)
     assert "2,2,1" in ",".join(map(str, loads)), f"a 5-block hit was copied in over 3 rounds: {loads}"
