@@ -241,7 +241,9 @@ def test_a_kv_read_rate_gives_the_service_a_derived_seat_cap_that_stats_reports(
 
 @pytest.mark.parametrize(("flag", "named"), [("--seat-context=0", "--seat-context"),
                                               ("--kv-read-s-per-token=nan", "--kv-read-s-per-token"),
-                                              ("--kv-read-s-per-token=-1e-9", "--kv-read-s-per-token")])
+                                              ("--kv-read-s-per-token=-1e-9", "--kv-read-s-per-token"),
+                                              ("--host-load-blocks=-1", "--host-load-blocks"),
+                                              ("--host-page-out-blocks=-1", "--host-page-out-blocks")])
 def test_bad_round_flags_refuse_the_start_before_any_worker_answers(flag: str, named: str) -> None:
     """A bad seat context or KV-read rate ends the scheduler at once with exit status 2 and a line naming the flag,
     no traceback: it does not wait for a worker (none listens on port 1) to find out."""
@@ -534,6 +536,12 @@ def test_host_prefix_cache_without_host_blocks_refuses_the_start_naming_both_fla
     assert done.returncode == 2, done.stderr
     assert "--host-prefix-cache needs host blocks" in done.stderr and "--host-blocks" in done.stderr
     assert "Traceback" not in done.stderr
+    # A negative count of host blocks ends the worker itself the same way, naming its flag.
+    refused = subprocess.run([sys.executable, "-m", "worker_svc", "--backend", "costmodel", "--port", "0",
+                              "--host-blocks", "-1", "--metrics-port", "0"], capture_output=True, text=True,
+                             timeout=120, env=env, check=False)
+    assert refused.returncode == 2 and "--host-blocks must be >= 0, got -1" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr
 
 
 def test_rejections_map_to_precise_statuses(redis_url: str, namespace: str) -> None:
