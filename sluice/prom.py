@@ -350,6 +350,9 @@ class SchedulerMetrics:
                                               "sluice_prefix_hit_tokens).", registry=r)
         self.host_blocks_cached = Gauge("sluice_host_blocks_cached", "Host blocks holding prefix-tier copies of "
                                         "evicted KV blocks.", registry=r)
+        self.host_blocks_used = Gauge("sluice_host_blocks_used", "Host blocks in use: swap copies of preempted "
+                                      "requests, prefix-tier copies, and copies in flight (all of them free again "
+                                      "when nothing runs, but the prefix tier's).", registry=r)
         self._preemptions = Counter("sluice_preemptions", "Requests preempted.", registry=r)
         self.recomputed_tokens = Counter("sluice_recomputed_tokens", "Tokens computed again after preemption.",
                                          registry=r)

@@ -233,6 +233,7 @@ class Stack:
             worker_args += ["--num-blocks", str(c.num_blocks)]
         if c.emulate_time:
             worker_args.append("--emulate-time")
+        worker_args += c.worker_args
         # Replicas share the cores: one torch thread pool each of the whole machine oversubscribes it.
         threads = str(max(1, (os.cpu_count() or 1) // c.replicas))
         worker = self._spawn(f"worker-{index}", "worker_svc", worker_args,

@@ -67,6 +67,8 @@ class StackConfig:
     """KV blocks per worker (None: the backend's default)."""
     scheduler_args: tuple[str, ...] = ()
     """Extra flags for every scheduler (policy, budgets...)."""
+    worker_args: tuple[str, ...] = ()
+    """Extra flags for every Sluice worker (e.g. `--host-blocks 256`)."""
     router_args: tuple[str, ...] = ()
     """Extra flags for the router (e.g. `--policy round_robin`)."""
     admission_args: tuple[str, ...] = ()

@@ -237,3 +237,102 @@ def test_requests_admitted_right_after_a_scheduler_dies_are_routed_to_the_surviv
         assert _replicas(stack)["replica-0"] == router_pb2.UNHEALTHY
         print(f"\nscheduler killed, {count} requests sent at once: {int(reroutes)} re-routed, all exact, "
               f"none UNAVAILABLE; last ended {ended:.1f} s after the kill")
+
+
+def _run_all(stack: Stack, outs: list[Streamed], max_tokens: int) -> list[threading.Thread]:
+    threads = [threading.Thread(target=_stream, args=(stack.endpoint, stack.api_key, out, max_tokens)) for out in outs]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def _assert_all_exact(outs: list[Streamed], max_tokens: int) -> None:
+    for out in outs:
+        assert out.error is None, out.error
+        assert (out.status, out.output_tokens, out.index_errors) == ("FINISHED_LENGTH", max_tokens, 0)
+        assert out.tokens == _expected(out.request_id, out.prompt, max_tokens)
+
+
+def _host_blocks(proc: Proc) -> tuple[float, float, float]:
+    """(host blocks in use, of them prefix-tier copies, device KV blocks in use) on a scheduler."""
+    values = _metrics(proc)
+    return values["sluice_host_blocks_used"], values["sluice_host_blocks_cached"], values["sluice_kv_blocks_used"]
+
+
+def test_a_worker_killed_while_its_host_prefix_tier_copies_loses_no_token_and_comes_back_with_the_tier_empty(
+        tmp_path: Path) -> None:
+    """Both replicas with the host prefix tier (`--host-prefix-cache`, 512 host blocks) and 96 device blocks each, so
+    finished prompts' cached blocks are paged out to the tier and evicted while long streams grow. Short requests
+    keep arriving (new prompts and repeats of paged-out ones); once a replica has copied a prompt back from its tier
+    (a host hit), its worker is killed -9 with copies out and in still going on: every request, long or short, ends
+    with exactly the untouched run's tokens, and admission's budgets are zero. The survivor, idle, holds no device
+    block and no host block beyond its tier's copies. The worker started again on its address: its scheduler empties
+    the tier (the copies were in the dead process), so it holds no host block and no device block, and requests
+    after the restart are exact too."""
+    short_tokens = 4
+    config = StackConfig(replicas=2, backend="costmodel", model=MODEL, emulate_time=True, run_dir=tmp_path,
+                         num_blocks=96, worker_args=("--host-blocks", "512"), scheduler_args=("--host-prefix-cache",))
+    warm = [[3 + (i * 13 + j) % 190 for j in range(64)] for i in range(8)]  # 4 full blocks each
+    with Stack(config) as stack:
+        first = [Streamed(list(p)) for p in warm]
+        for thread in _run_all(stack, first, short_tokens):
+            thread.join(60)
+        _assert_all_exact(first, short_tokens)
+        outs, threads = _launch(stack)  # long streams: rounds with other work, so the cached blocks are paged out
+        churn: list[Streamed] = []
+        churn_threads: list[threading.Thread] = []
+        stop = threading.Event()
+
+        def keep_sending() -> None:
+            i = 0
+            while not stop.is_set():
+                prompt = warm[i % len(warm)] if i % 2 else [5 + (i * 17 + j) % 180 for j in range(48 + i % 16)]
+                out = Streamed(list(prompt))
+                churn.append(out)
+                churn_threads.extend(_run_all(stack, [out], short_tokens))
+                i += 1
+                time.sleep(0.02)
+
+        sender = threading.Thread(target=keep_sending)
+        sender.start()
+        try:
+            give_up = time.monotonic() + 30
+            while True:
+                hits = [_metrics(s).get("sluice_host_prefix_hit_tokens_total", 0.0) for s in stack.schedulers]
+                if max(hits) > 0:
+                    break
+                assert time.monotonic() < give_up, "no replica copied a prompt back from its host tier"
+                time.sleep(0.02)
+            victim = hits.index(max(hits))
+            worker = stack.workers[victim]
+            assert worker.popen is not None
+            worker.popen.kill()
+            worker.popen.wait(5)
+            time.sleep(0.5)
+        finally:
+            stop.set()
+            sender.join(10)
+        _finish(outs, threads)
+        for thread in churn_threads:
+            thread.join(60)
+        _assert_exact(outs)
+        _assert_all_exact(churn, short_tokens)
+        values = _assert_budgets_return_to_zero(stack)
+        assert _migrations(values, "worker_down") >= 1
+        used, cached, device = _host_blocks(stack.schedulers[1 - victim])
+        assert device == 0 and used == cached, f"the survivor holds blocks: {(used, cached, device)}"
+
+        worker.launch()
+        give_up = time.monotonic() + 30
+        while (_replicas(stack).get(f"replica-{victim}") != router_pb2.READY
+               or _host_blocks(stack.schedulers[victim]) != (0.0, 0.0, 0.0)):
+            assert worker.alive() and time.monotonic() < give_up, (_host_blocks(stack.schedulers[victim]),
+                                                                   worker.log_tail())
+            time.sleep(0.1)
+        after = [Streamed(list(p)) for p in warm]
+        for thread in _run_all(stack, after, short_tokens):
+            thread.join(60)
+        _assert_all_exact(after, short_tokens)
+        print(f"\nhost tier: worker-{victim} killed after {hits[victim]:.0f} host-hit tokens, with {len(churn)} short "
+              f"requests arriving: all {STREAMS + len(churn)} exact, {int(_migrations(values, 'worker_down'))} "
+              f"migrated; the worker back with its tier empty")

@@ -514,6 +514,7 @@ def test_the_host_prefix_tier_copies_evicted_blocks_out_and_back_live(redis_url:
             sample = metrics.registry.get_sample_value
             assert sample("sluice_host_prefix_hit_tokens_total") == 32
             assert sample("sluice_host_blocks_cached") == stats.host_blocks_cached
+            assert sample("sluice_host_blocks_used") == stats.host_blocks_used >= stats.host_blocks_cached
     asyncio.run(body())
 
 
