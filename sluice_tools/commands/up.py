@@ -26,6 +26,7 @@ examples:
   sluice up --backend costmodel --model llama-3-8b --emulate-time --autoscale 1:3   # the planner adds/retires replicas
   sluice up --engine vllm --replicas 2        # 2 unmodified vLLM servers (make setup-vllm) under Sluice
   sluice up --disagg 1:1                      # a prefill and a decode replica: prompts' KV moves between workers
+  sluice up --worker-arg=--host-blocks --worker-arg=4096 --scheduler-arg=--host-prefix-cache   # a host prefix tier
   sluice up --backend costmodel --model llama-3-8b --emulate-time --disagg 1:1 --autoscale 1:3   # pools sized apart
 
 It prints the gRPC endpoint, the OpenAI-compatible HTTP endpoint, an API key, and a `sluice generate`
@@ -49,6 +50,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
                         help="--engine vllm: one more flag for every vLLM server (repeat it: --engine-arg=--max-num-seqs "
                              "--engine-arg=8)")
+    parser.add_argument("--scheduler-arg", action="append", default=[], metavar="ARG",
+                        help="one more flag for every scheduler (`python -m scheduler_svc --help`; repeat it: "
+                             "--scheduler-arg=--policy --scheduler-arg=fair); a flag it refuses stops the start, "
+                             "named")
+    parser.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                        help="--engine sluice: one more flag for every worker (`python -m worker_svc --help`), e.g. "
+                             "host KV blocks for the scheduler's host prefix tier: --worker-arg=--host-blocks "
+                             "--worker-arg=4096 --scheduler-arg=--host-prefix-cache")
     parser.add_argument("--vllm-scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                         help="--engine vllm: vLLM's own queue order; priority passes each request's priority "
                              "through (default: fcfs)")
@@ -120,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
                          emulate_time=args.emulate_time, log_level=args.log_level, metrics=args.metrics,
                          mtls=args.mtls or args.public_tls, public_tls=args.public_tls, redis_acl=args.redis_acl,
                          engine=args.engine, engine_args=tuple(args.engine_arg),
+                         scheduler_args=tuple(args.scheduler_arg), worker_args=tuple(args.worker_arg),
                          vllm_scheduling_policy=args.vllm_scheduling_policy, vllm_scheduler_cls=args.vllm_scheduler_cls,
                          start_timeout_s=900.0 if args.engine == "vllm" else 120.0)
     stack = Stack(config)
@@ -275,6 +285,8 @@ def _check_engine(args: argparse.Namespace) -> str:
     """Return why --engine vllm cannot start ("" when it can, or for Sluice's own engine)."""
     if args.engine != "vllm":
         return ""
+    if args.worker_arg:
+        return "--worker-arg is for Sluice's own workers (--engine sluice); a vLLM server takes --engine-arg"
     from sluice_tools.vllm_engine import vllm_python
 
     try:

@@ -92,3 +92,24 @@ def test_ctrl_c_while_starting_stops_what_started(tmp_path: Path) -> None:
     output, _ = up.communicate(timeout=60)
     assert up.returncode == 130 and "interrupted while starting" in output, output
     assert wait_gone(started, 10.0) == []
+
+
+def test_up_passes_scheduler_and_worker_flags_through(tmp_path: Path) -> None:
+    """`--worker-arg` and `--scheduler-arg` reach every worker and scheduler: with host blocks on the worker and the
+    host prefix tier on the scheduler, the scheduler logs the tier's size and requests are served; SIGINT stops it."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    up = subprocess.Popen(_sluice("up", "--backend", "costmodel", "--model", "llama-3-8b", "--port", str(port),
+                                  "--http-port", "0", "--run-dir", str(tmp_path), "--worker-arg=--host-blocks",
+                                  "--worker-arg=64", "--scheduler-arg=--host-prefix-cache"),
+                          cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        read_until(up, "Ctrl-C to stop", 90)
+        assert "host prefix tier: 64 host blocks" in (tmp_path / "scheduler-0.log").read_text()
+        done = subprocess.run(_sluice("generate", "hello", "--max-tokens", "5", "--target", f"127.0.0.1:{port}",
+                                      "--ids"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0 and len(done.stdout.split()) == 5, done.stderr
+    finally:
+        up.send_signal(signal.SIGINT)
+        output, _ = up.communicate(timeout=60)
+    assert up.returncode == 0, output
