@@ -230,7 +230,7 @@ def stats_to_proto(stats: CoreStats, replica_id: str, max_num_batched_tokens: in
         kv_blocks_total=stats.kv_blocks_total, kv_blocks_used=stats.kv_blocks_used,
         kv_blocks_free=stats.kv_blocks_free, kv_blocks_cached=stats.kv_blocks_cached,
         host_blocks_total=stats.host_blocks_total, host_blocks_used=stats.host_blocks_used,
-        preemptions=stats.preemptions, recomputed_tokens=stats.recomputed_tokens,
+        host_blocks_cached=stats.host_blocks_cached, preemptions=stats.preemptions, recomputed_tokens=stats.recomputed_tokens,
         dropped_results=stats.dropped_results, rounds=stats.rounds,
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
         queued_prefill_tokens=stats.queued_prefill_tokens, finished=stats.finished, cancelled=stats.cancelled,

@@ -11,7 +11,11 @@ What it does
   greedy with ignore_eos, and a `cancel_fraction` of them dropped by their client after a few tokens.
 - With `disagg` (P:D), the same run on a disaggregated stack (docs/disaggregation.md, "Live mode"): P prefill and D
   decode replicas, every request's prompt on a prefill replica, its KV blocks pulled by the decode replica's worker.
-- Faults, every `fault_interval_s`, one drawn from `faults`: `kill:<role>` is kill -9 of a worker, scheduler,
+- With `host_tier`, every replica keeps a host prefix tier (the worker's `--host-blocks`, the scheduler's
+  `--host-prefix-cache`) on a device small enough to evict, and half the prompts are drawn from a few shared ones,
+  so prompts are paged out to the tier and copied back while the faults land (the report counts the host hits).
+- Faults, every `fault_interval_s`, one drawn from `faults` (`--faults` picks some: a run without worker kills
+  tells whether a worker's memory grows, which its restarts would hide): `kill:<role>` is kill -9 of a worker, scheduler,
   the router, admission or Redis; `stop:<role>` stalls a scheduler or Redis (SIGSTOP for `stall_s`, then SIGCONT).
   A disaggregated run draws each side's workers and schedulers apart (`kill:prefill-worker`,
   `stop:decode-scheduler`...: `faults_for`), so both sides are hit alike whatever the split.
@@ -21,8 +25,9 @@ What it does
   `cancelled` (by its own client), or `failed` with an explicit status; `hung` (the client's deadline passed with
   no end) and `wrong` (a token that is not the model's at its index, or an index out of order) must be 0; no
   reservation left in admission, no request or KV block left on a scheduler, no Redis pending entry left in any
-  consumer group of `completions`; no KV hold left on a prefill scheduler (`Stats.kv_blocks_held`); the resident
-  memory of every process at the start and the end.
+  consumer group of `completions`; no KV hold left on a prefill scheduler (`Stats.kv_blocks_held`); no host block
+  held beyond the prefix tier's copies (`Stats.host_blocks_used - host_blocks_cached`: swap copies and copies in
+  flight end with their requests); the resident memory of every process at the start and the end.
 - Counted from the schedulers' metrics, read every `scrape_interval_s` (a scheduler killed loses what it counted
   since the last read): the hand-offs by outcome (`sluice_kv_transfers_total{outcome}`: received, failed, stale,
   no_room, empty, cancelled) and the holds ended by reason (`sluice_kv_holds_ended_total{reason}`).
@@ -65,6 +70,13 @@ DISAGG_FAULTS = ("kill:prefill-worker", "kill:decode-worker", "kill:prefill-sche
 """Every fault of a disaggregated run: each side's workers and schedulers drawn apart."""
 HANDOFF_COUNTERS = ("sluice_kv_transfers_total", "sluice_kv_holds_ended_total")
 """The schedulers' hand-off counters the report sums (decode side: by outcome; prefill side: by reason)."""
+HOST_HITS = "sluice_host_prefix_hit_tokens_total"
+"""The schedulers' host-tier hits, summed into the report's `host_hit_tokens`."""
+HOST_TIER_BLOCKS = 96
+"""Device blocks per worker of a `host_tier` run: few enough that finished prompts are evicted (and paged out)."""
+HOST_TIER_HOST_BLOCKS = 1024
+SHARED_PROMPTS = 12
+"""Prompts a `host_tier` run's clients share (half of their requests), so evicted prompts come back as host hits."""
 MODEL = "llama-3-8b"
 TENANTS = """
 [tenants.acme]
@@ -100,6 +112,8 @@ class ChaosConfig:
     """How long a `stop:` fault stalls its process."""
     faults: tuple[str, ...] | None = None
     """The faults drawn from (None: `faults_for(disagg)`)."""
+    host_tier: bool = False
+    """Every replica with a host prefix tier, and prompts that come back (see the module docstring)."""
     request_timeout_s: float = 120.0
     """A client's deadline: a request not ended by then counts as hung."""
     settle_s: float = 30.0
@@ -117,8 +131,12 @@ def faults_for(disagg: tuple[int, int] | None) -> tuple[str, ...]:
 def stack_config(config: ChaosConfig, run_dir: Path, tenants: Path) -> StackConfig:
     """Return the stack a chaos run starts: cost-model workers with emulated round times, `replicas` aggregated
     ones or the `disagg` split."""
+    tier: dict[str, Any] = {}
+    if config.host_tier:
+        tier = {"num_blocks": HOST_TIER_BLOCKS, "worker_args": ("--host-blocks", str(HOST_TIER_HOST_BLOCKS)),
+                "scheduler_args": ("--host-prefix-cache",)}
     return StackConfig(replicas=config.replicas, disagg=config.disagg, backend="costmodel", model=MODEL,
-                       emulate_time=True, run_dir=run_dir, config_file=str(tenants), start_timeout_s=90)
+                       emulate_time=True, run_dir=run_dir, config_file=str(tenants), start_timeout_s=90, **tier)
 
 
 @dataclass
@@ -145,10 +163,19 @@ class Tally:
                 self.wrong.append(detail)
 
 
+def _shared_prompt(index: int) -> list[int]:
+    """Shared prompt `index` of a `host_tier` run: 64 to 119 tokens, the same in every client."""
+    rng = random.Random(f"shared-{index}")
+    return [rng.randrange(1, 250) for _ in range(64 + rng.randrange(56))]
+
+
 def _one_request(endpoint: str, rng: random.Random, config: ChaosConfig, model: CostModel, tally: Tally) -> float:
     """Run one request and classify how it ended (see the module docstring); return how long its client waits
     before the next one (a refused client backs off, as a real one would: its retry delay, else 0.2 s)."""
-    prompt = [rng.randrange(1, 250) for _ in range(rng.randrange(8, 120))]
+    if config.host_tier and rng.random() < 0.5:
+        prompt = _shared_prompt(rng.randrange(SHARED_PROMPTS))
+    else:
+        prompt = [rng.randrange(1, 250) for _ in range(rng.randrange(8, 120))]
     max_tokens = rng.choice(config.max_tokens)
     cancel_after = rng.randrange(1, 12) if rng.random() < config.cancel_fraction else None
     tokens: list[int] = []
@@ -280,17 +307,19 @@ def _leaks(stack: Stack) -> dict[str, Any]:
             "scheduler_requests": sum(s.running + s.waiting for s in stats),
             "kv_blocks_used": sum(s.kv_blocks_used for s in stats),
             "kv_blocks_held": sum(s.kv_blocks_held for s in stats),
+            "host_blocks_beyond_tier": sum(s.host_blocks_used - s.host_blocks_cached for s in stats),
             "redis_pending": {g: n for g, n in pending.items() if n}}
 
 
 def _nothing_held(leaks: dict[str, Any]) -> bool:
     return "unreadable" not in leaks and not leaks["admission_reserved"] and not leaks["scheduler_requests"] \
-        and not leaks["kv_blocks_used"] and not leaks["kv_blocks_held"] and not leaks["redis_pending"]
+        and not leaks["kv_blocks_used"] and not leaks["kv_blocks_held"] and not leaks["host_blocks_beyond_tier"] \
+        and not leaks["redis_pending"]
 
 
 def _handoff_scraper(stack: Stack) -> Scraper:
     """A reader of every scheduler's hand-off counters (by label set), the restarted ones' new endpoints included."""
-    return Scraper(lambda: [p.metrics_url for p in stack.schedulers], HANDOFF_COUNTERS, by_series=True)
+    return Scraper(lambda: [p.metrics_url for p in stack.schedulers], (*HANDOFF_COUNTERS, HOST_HITS), by_series=True)
 
 
 def _handoffs(counts: Counter[str]) -> dict[str, dict[str, int]]:
@@ -367,6 +396,7 @@ def run(config: ChaosConfig) -> dict[str, Any]:
         scraper.join(30)
         rss_end = _rss_kb(stack)
         restarts = stack.fleet.supervisor.restart_counts()
+    host_hit_tokens = int(handoff_counts.pop(HOST_HITS, 0))
     outcomes = tally.outcomes
     offered = sum(outcomes.values())
     return {
@@ -376,6 +406,7 @@ def run(config: ChaosConfig) -> dict[str, Any]:
         "failed_explicitly": {k.removeprefix("failed:"): v for k, v in outcomes.items() if k.startswith("failed:")},
         "hung": outcomes["hung"] + hung_clients, "wrong_tokens": outcomes["wrong"], "examples": tally.wrong,
         "failure_examples": tally.failure_examples, "handoffs": _handoffs(handoff_counts),
+        "host_tier": config.host_tier, "host_hit_tokens": host_hit_tokens,
         "leaks": leaks, "restarts": restarts,
         "supervisor_problems": [e for e in events if "given up" in e or "could not be restarted" in e],
         "rss_kb_start": rss_start, "rss_kb_end": rss_end,
@@ -398,6 +429,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=ChaosConfig.seed)
     parser.add_argument("--disagg", default=None, metavar="P:D",
                         help="a disaggregated stack of P prefill and D decode replicas (docs/disaggregation.md)")
+    parser.add_argument("--faults", default=None, metavar="F,F,...",
+                        help="draw only these faults (default: every one of the stack's kind: "
+                             f"{','.join(FAULTS)}; with --disagg: {','.join(DISAGG_FAULTS)})")
+    parser.add_argument("--host-tier", action="store_true",
+                        help="every replica with a host prefix tier, and prompts that come back to it")
     parser.add_argument("--run-dir", default=None)
     parser.add_argument("--json", default=None, help="also write the report to this file")
     args = parser.parse_args(argv)
@@ -407,8 +443,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         disagg = parse_split(args.disagg) if args.disagg is not None else None
     except ValueError as exc:
         parser.error(str(exc))
+    faults = None
+    if args.faults is not None:
+        known = faults_for(disagg)
+        faults = tuple(f.strip() for f in args.faults.split(",") if f.strip())
+        unknown = [f for f in faults if f not in known]
+        if unknown or not faults:
+            parser.error(f"--faults {args.faults!r}: {', '.join(unknown) or 'none given'} not one of "
+                         f"{', '.join(known)}")
     report = run(ChaosConfig(duration_s=args.duration_s, fault_interval_s=args.fault_interval_s,
-                             clients=args.clients, seed=args.seed, disagg=disagg, run_dir=args.run_dir))
+                             clients=args.clients, seed=args.seed, disagg=disagg, faults=faults,
+                             host_tier=args.host_tier, run_dir=args.run_dir))
     text = json.dumps(report, indent=2)
     print(text)
     if args.json:

@@ -23,5 +23,24 @@ def test_a_short_chaos_run_ends_every_request_once_exact_or_explicit_and_leaks_n
     assert (report["hung"], report["wrong_tokens"]) == (0, 0), report["examples"]
     assert report["exact"] >= 1 and report["offered"] >= report["exact"]
     assert report["leaks"] == {"admission_reserved": {}, "scheduler_requests": 0, "kv_blocks_used": 0,
-                               "kv_blocks_held": 0, "redis_pending": {}}
+                               "kv_blocks_held": 0, "host_blocks_beyond_tier": 0, "redis_pending": {}}
+    assert report["ok"]
+
+
+def test_a_chaos_run_with_the_host_prefix_tier_loses_nothing_and_holds_no_host_block(tmp_path: Path) -> None:
+    """15 s of the mixed load on replicas with a host prefix tier (96 device blocks, so prompts are evicted and paged
+    out; half the prompts shared, so they come back from the tier) while workers and schedulers, where the tier's
+    copies and ledgers live, are killed -9 or stalled (3 s) every 2.5 s: the tier was used (host hits), no request hung,
+    no token that is not the model's, and afterwards no device block and no host block beyond the tier's copies is
+    held, nothing reserved, nothing pending."""
+    report = run(ChaosConfig(duration_s=15, fault_interval_s=2.5, clients=3, seed=11, host_tier=True,
+                             faults=("kill:worker", "kill:scheduler", "stop:scheduler"), run_dir=str(tmp_path)))
+    print("\n" + json.dumps({k: v for k, v in report.items() if k not in ("config", "rss_kb_start")}))
+    assert report["faults_injected"] >= 3 and set(report["fault_kinds"]) <= {"kill:worker", "kill:scheduler",
+                                                                             "stop:scheduler"}
+    assert report["host_tier"] and report["host_hit_tokens"] > 0
+    assert (report["hung"], report["wrong_tokens"]) == (0, 0), report["examples"]
+    assert report["exact"] >= 1 and report["offered"] >= report["exact"]
+    assert report["leaks"] == {"admission_reserved": {}, "scheduler_requests": 0, "kv_blocks_used": 0,
+                               "kv_blocks_held": 0, "host_blocks_beyond_tier": 0, "redis_pending": {}}
     assert report["ok"]
