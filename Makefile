@@ -166,7 +166,8 @@ fuzz: setup
 # invariants (every request ended once, exact or with an explicit status; none hung, no wrong token; nothing
 # left reserved, running, in KV or pending in Redis) and each process's memory, as JSON in out/chaos.json.
 # A short version runs in `make test` (tests/e2e/test_chaos.py). CHAOS_ARGS="--disagg 1:1" runs it on a
-# prefill/decode stack (both sides' workers and schedulers faulted; no KV hold left; hand-offs counted).
+# prefill/decode stack (both sides' workers and schedulers faulted; no KV hold left; hand-offs counted);
+# CHAOS_ARGS="--host-tier" with a host prefix tier on every replica; --faults F,F,... draws only those faults.
 CHAOS_S ?= 600
 CHAOS_ARGS ?=
 .PHONY: chaos

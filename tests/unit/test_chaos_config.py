@@ -20,7 +20,7 @@ from sluice_tools.chaos import (
 from sluice_tools.stack_parts import replica_role
 
 NOTHING = {"admission_reserved": {}, "scheduler_requests": 0, "kv_blocks_used": 0, "kv_blocks_held": 0,
-           "redis_pending": {}}
+           "host_blocks_beyond_tier": 0, "redis_pending": {}}
 
 
 @pytest.mark.parametrize(("disagg", "roles", "faults"), [
@@ -50,7 +50,8 @@ def test_a_disaggregated_run_faults_both_sides_and_everything_else_as_an_aggrega
 
 
 @pytest.mark.parametrize("leak", [{"kv_blocks_held": 2}, {"kv_blocks_used": 1}, {"scheduler_requests": 1},
-                                  {"redis_pending": {"router": 1}}, {"admission_reserved": {"active": 1.0}}])
+                                  {"redis_pending": {"router": 1}}, {"admission_reserved": {"active": 1.0}},
+                                  {"host_blocks_beyond_tier": 3}])
 def test_a_hold_left_on_a_prefill_scheduler_fails_the_run_as_any_leak(leak: dict[str, object]) -> None:
     """Nothing held passes; a held KV block left on a scheduler fails the leak check like every other leak."""
     assert _nothing_held(NOTHING)
@@ -72,6 +73,28 @@ def test_a_bad_split_ends_in_one_line_naming_the_flag(split: str, capsys: pytest
     with pytest.raises(SystemExit) as ended:
         main(["--disagg", split])
     assert ended.value.code == 2 and "--disagg" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("faults", "named"), [("kill:gpu", "kill:gpu"), ("kill:worker,stop:admission", "stop:admission"),
+                                               (",", "none given")])
+def test_faults_not_of_the_stack_end_in_one_line_naming_them(faults: str, named: str,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """--faults names only faults of the stack's kind (at least one): another exits 2 before anything starts,
+    naming it and the known ones."""
+    with pytest.raises(SystemExit) as ended:
+        main(["--faults", faults])
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and "--faults" in err and named in err and "kill:scheduler" in err
+
+
+def test_the_host_tier_run_gives_every_replica_a_small_device_and_a_host_prefix_tier(tmp_path: Path) -> None:
+    """--host-tier: 96 device blocks (so prompts are evicted and paged out), host blocks on every worker and the
+    tier on every scheduler; without it the stack has neither."""
+    tier = stack_config(ChaosConfig(host_tier=True), tmp_path, tmp_path / "tenants.toml")
+    assert (tier.num_blocks, tier.worker_args, tier.scheduler_args) == (96, ("--host-blocks", "1024"),
+                                                                        ("--host-prefix-cache",))
+    plain = stack_config(ChaosConfig(), tmp_path, tmp_path / "tenants.toml")
+    assert (plain.num_blocks, plain.worker_args, plain.scheduler_args) == (None, (), ())
 
 
 def test_an_admission_restarting_at_the_leak_check_is_read_again_not_a_crash(tmp_path: Path) -> None:
