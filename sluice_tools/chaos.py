@@ -41,6 +41,7 @@ import json
 import os
 import random
 import signal
+import tempfile
 import threading
 import time
 import urllib.request
@@ -355,12 +356,24 @@ def _scrape_loop(scraper: Scraper, interval_s: float, stop: threading.Event, cou
     counts.update(scraper.delta())
 
 
+def _run_dir(config: ChaosConfig, parent: Path = Path("out")) -> Path:
+    """Return the run's directory, made: `config.run_dir`, else a fresh one under `parent` (two runs started in the
+    same second shared `out/chaos-<seconds>`, and the second one's embedded Redis, in the same place, never
+    answered). Absolute: the embedded Redis moves to a directory of its own before it reads its ACL file by this
+    path."""
+    if config.run_dir:
+        run_dir = Path(config.run_dir).resolve()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return run_dir
+    parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"chaos-{int(time.time())}-", dir=parent)).resolve()
+
+
 def run(config: ChaosConfig) -> dict[str, Any]:
     """Run the chaos load and faults, check the invariants; return the report (see the module docstring)."""
-    # Absolute: the embedded Redis moves to a directory of its own (`dir`) before it reads its ACL file by this path
-    # (`make chaos`, with the default relative out/chaos-*, ended at once: "redis-server exited with code 1").
-    run_dir = (Path(config.run_dir) if config.run_dir else Path(f"out/chaos-{int(time.time())}")).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    # Absolute (`_run_dir`): `make chaos`, with the default relative out/chaos-*, ended at once ("redis-server exited
+    # with code 1").
+    run_dir = _run_dir(config)
     tenants = run_dir / "tenants.toml"
     tenants.write_text(TENANTS)
     events: list[str] = []

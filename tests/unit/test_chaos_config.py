@@ -12,6 +12,7 @@ from sluice_tools.chaos import (
     FAULTS,
     ChaosConfig,
     _handoffs,
+    _run_dir,
     _nothing_held,
     faults_for,
     main,
@@ -111,3 +112,13 @@ def test_an_admission_restarting_at_the_leak_check_is_read_again_not_a_crash(tmp
     restarting = Proc("admission", ["python", "-m", "admission_svc"], log)
     with pytest.raises(OSError, match="metrics URL"):
         _admission_budgets(SimpleNamespace(admission=restarting))  # type: ignore[arg-type]
+
+
+def test_two_runs_started_in_the_same_second_get_directories_of_their_own(tmp_path: Path) -> None:
+    """Without --run-dir each run makes a fresh absolute directory (two runs in one second shared one, and the second
+    one's embedded Redis never answered); with it, that directory, made."""
+    first, second = _run_dir(ChaosConfig(), tmp_path / "out"), _run_dir(ChaosConfig(), tmp_path / "out")
+    assert first != second and first.is_dir() and second.is_dir() and first.is_absolute()
+    assert first.name.startswith("chaos-") and first.parent == (tmp_path / "out").resolve()
+    given = _run_dir(ChaosConfig(run_dir=str(tmp_path / "given" / "here")))
+    assert given == (tmp_path / "given" / "here").resolve() and given.is_dir()
