@@ -27,7 +27,9 @@ What it does
   reservation left in admission, no request or KV block left on a scheduler, no Redis pending entry left in any
   consumer group of `completions`; no KV hold left on a prefill scheduler (`Stats.kv_blocks_held`); no host block
   held beyond the prefix tier's copies (`Stats.host_blocks_used - host_blocks_cached`: swap copies and copies in
-  flight end with their requests); the resident memory of every process at the start and the end.
+  flight end with their requests); the resident memory of every process at the start and the end, sampled every
+  `rss_interval_s` (`rss_kb_samples`), and each process's growth over the run's second half, past its warm-up, in
+  kB per minute (`rss_growth_kb_per_min`; only for a process that was not restarted in that half).
 - Counted from the schedulers' metrics, read every `scrape_interval_s` (a scheduler killed loses what it counted
   since the last read): the hand-offs by outcome (`sluice_kv_transfers_total{outcome}`: received, failed, stale,
   no_room, empty, cancelled) and the holds ended by reason (`sluice_kv_holds_ended_total{reason}`).
@@ -121,6 +123,8 @@ class ChaosConfig:
     """After the load: how long the stack gets to release everything before the leak checks fail."""
     scrape_interval_s: float = 1.0
     """How often the schedulers' hand-off counters are read."""
+    rss_interval_s: float = 30.0
+    """How often every process's resident memory is sampled (`rss_kb_samples`, `rss_growth_kb_per_min`)."""
     run_dir: str | None = None
 
 
@@ -258,18 +262,46 @@ def _targets(stack: Stack, role: str) -> list[Proc]:
     return found
 
 
-def _rss_kb(stack: Stack) -> dict[str, int]:
-    """Return the resident memory (kB) of every process of the stack, Redis included."""
+def _rss_kb(stack: Stack, with_pids: bool = False) -> dict[str, Any]:
+    """Return the resident memory (kB) of every process of the stack, Redis included; `with_pids`: (pid, kB) each."""
     pids = {p.name: p.popen.pid for p in stack.procs if p.popen is not None and p.alive()}
     if stack.redis is not None and stack.redis.pid is not None:
         pids["redis"] = stack.redis.pid
-    out = {}
+    out: dict[str, Any] = {}
     for name, pid in pids.items():
         try:
             status = Path(f"/proc/{pid}/status").read_text()
         except OSError:
             continue
-        out[name] = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+        kb = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+        out[name] = (pid, kb) if with_pids else kb
+    return out
+
+
+def _rss_loop(stack: Stack, interval_s: float, stop: threading.Event, started: float,
+              samples: list[dict[str, Any]]) -> None:
+    """Append every process's (pid, RSS kB) to `samples` every `interval_s` until `stop`."""
+    while not stop.wait(interval_s):
+        samples.append({"t": round(time.monotonic() - started, 1), **_rss_kb(stack, with_pids=True)})
+
+
+def rss_growth_kb_per_min(samples: list[dict[str, Any]]) -> dict[str, float]:
+    """Return, per process, the least-squares slope (kB per minute) of its RSS over the second half of `samples`,
+    for the processes that were one process (one pid) all that time: a growth that warm-up does not explain."""
+    half = samples[len(samples) // 2:]
+    out: dict[str, float] = {}
+    names = set().union(*(set(s) - {"t"} for s in half)) if half else set()
+    for name in sorted(names):
+        points = [(s["t"], s[name]) for s in half if name in s]
+        if len(points) < 3 or len(points) < len(half) or len({pid for _, (pid, _) in points}) != 1:
+            continue
+        ts = [t for t, _ in points]
+        kbs = [kb for _, (_, kb) in points]
+        mean_t, mean_kb = sum(ts) / len(ts), sum(kbs) / len(kbs)
+        spread = sum((t - mean_t) ** 2 for t in ts)
+        if spread > 0:
+            out[name] = round(60 * sum((t - mean_t) * (kb - mean_kb) for t, kb in zip(ts, kbs, strict=True)) / spread,
+                              1)
     return out
 
 
@@ -386,6 +418,10 @@ def run(config: ChaosConfig) -> dict[str, Any]:
                                             on_event=events.append)
         stack.fleet.start_supervising(0.1)
         rss_start, tally, stop, scraped = _rss_kb(stack), Tally(), threading.Event(), threading.Event()
+        rss_samples: list[dict[str, Any]] = []
+        sampler = threading.Thread(target=_rss_loop, args=(stack, config.rss_interval_s, scraped, time.monotonic(),
+                                                           rss_samples), daemon=True)
+        sampler.start()
         scraper = threading.Thread(target=_scrape_loop, args=(_handoff_scraper(stack), config.scrape_interval_s,
                                                               scraped, handoff_counts), daemon=True)
         scraper.start()
@@ -407,6 +443,7 @@ def run(config: ChaosConfig) -> dict[str, Any]:
         leaks = _settled_leaks(stack, config.settle_s)
         scraped.set()
         scraper.join(30)
+        sampler.join(30)
         rss_end = _rss_kb(stack)
         restarts = stack.fleet.supervisor.restart_counts()
     host_hit_tokens = int(handoff_counts.pop(HOST_HITS, 0))
@@ -423,6 +460,8 @@ def run(config: ChaosConfig) -> dict[str, Any]:
         "leaks": leaks, "restarts": restarts,
         "supervisor_problems": [e for e in events if "given up" in e or "could not be restarted" in e],
         "rss_kb_start": rss_start, "rss_kb_end": rss_end,
+        "rss_kb_samples": [{k: (v[1] if k != "t" else v) for k, v in sample.items()} for sample in rss_samples],
+        "rss_growth_kb_per_min": rss_growth_kb_per_min(rss_samples),
         "ok": outcomes["hung"] + hung_clients + outcomes["wrong"] == 0 and _nothing_held(leaks),
         "config": {k: v for k, v in asdict(config).items() if k != "run_dir"}, "run_dir": str(run_dir),
     }

@@ -16,6 +16,7 @@ from sluice_tools.chaos import (
     _run_dir,
     faults_for,
     main,
+    rss_growth_kb_per_min,
     stack_config,
 )
 from sluice_tools.stack_parts import replica_role
@@ -122,3 +123,17 @@ def test_two_runs_started_in_the_same_second_get_directories_of_their_own(tmp_pa
     assert first.name.startswith("chaos-") and first.parent == (tmp_path / "out").resolve()
     given = _run_dir(ChaosConfig(run_dir=str(tmp_path / "given" / "here")))
     assert given == (tmp_path / "given" / "here").resolve() and given.is_dir()
+
+
+def test_memory_growth_is_the_second_halfs_slope_of_a_process_never_restarted_in_it() -> None:
+    """kB per minute over the second half of the samples: a warm-up jump in the first half does not count, a steady
+    growth does, and a process restarted in the second half (a new pid) has no figure."""
+    samples = []
+    for i in range(10):
+        t = 30.0 * i
+        samples.append({"t": t, "worker-0": (100, 60_000 + (5_000 if i >= 2 else 0)),  # warm-up, then flat
+                        "scheduler-0": (200, 60_000 + 10 * i * 30),                  # 10 kB per second
+                        "admission": (300 if i < 7 else 301, 70_000)})                # restarted at i = 7
+    growth = rss_growth_kb_per_min(samples)
+    assert growth == {"worker-0": 0.0, "scheduler-0": 600.0}
+    assert rss_growth_kb_per_min([]) == {}
