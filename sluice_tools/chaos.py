@@ -75,10 +75,10 @@ HANDOFF_COUNTERS = ("sluice_kv_transfers_total", "sluice_kv_holds_ended_total")
 """The schedulers' hand-off counters the report sums (decode side: by outcome; prefill side: by reason)."""
 HOST_HITS = "sluice_host_prefix_hit_tokens_total"
 """The schedulers' host-tier hits, summed into the report's `host_hit_tokens`."""
-HOST_TIER_BLOCKS = 96
+HOST_TIER_BLOCKS = 64
 """Device blocks per worker of a `host_tier` run: few enough that finished prompts are evicted (and paged out)."""
 HOST_TIER_HOST_BLOCKS = 1024
-SHARED_PROMPTS = 12
+SHARED_PROMPTS = 4
 """Prompts a `host_tier` run's clients share (half of their requests), so evicted prompts come back as host hits."""
 MODEL = "llama-3-8b"
 TENANTS = """
@@ -169,9 +169,10 @@ class Tally:
 
 
 def _shared_prompt(index: int) -> list[int]:
-    """Shared prompt `index` of a `host_tier` run: 64 to 119 tokens, the same in every client."""
+    """Shared prompt `index` of a `host_tier` run: 192 to 255 tokens (12 to 15 full blocks), the same in every
+    client: together they hold about as many blocks as a replica's device has, so they keep evicting one another."""
     rng = random.Random(f"shared-{index}")
-    return [rng.randrange(1, 250) for _ in range(64 + rng.randrange(56))]
+    return [rng.randrange(1, 250) for _ in range(192 + rng.randrange(64))]
 
 
 def _one_request(endpoint: str, rng: random.Random, config: ChaosConfig, model: CostModel, tally: Tally) -> float:

@@ -28,8 +28,8 @@ def test_a_short_chaos_run_ends_every_request_once_exact_or_explicit_and_leaks_n
 
 
 def test_a_chaos_run_with_the_host_prefix_tier_loses_nothing_and_holds_no_host_block(tmp_path: Path) -> None:
-    """15 s of the mixed load on replicas with a host prefix tier (96 device blocks, so prompts are evicted and paged
-    out; half the prompts shared, so they come back from the tier) while workers and schedulers, where the tier's
+    """15 s of the mixed load on replicas with a host prefix tier (64 device blocks, so prompts are evicted and paged
+    out; half the prompts from 4 long shared ones, so they come back from the tier) while workers and schedulers, where the tier's
     copies and ledgers live, are killed -9 or stalled (3 s) every 2.5 s: the tier was used (host hits), no request hung,
     no token that is not the model's, and afterwards no device block and no host block beyond the tier's copies is
     held, nothing reserved, nothing pending."""

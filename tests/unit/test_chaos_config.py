@@ -90,10 +90,10 @@ def test_faults_not_of_the_stack_end_in_one_line_naming_them(faults: str, named:
 
 
 def test_the_host_tier_run_gives_every_replica_a_small_device_and_a_host_prefix_tier(tmp_path: Path) -> None:
-    """--host-tier: 96 device blocks (so prompts are evicted and paged out), host blocks on every worker and the
+    """--host-tier: 64 device blocks (so prompts are evicted and paged out), host blocks on every worker and the
     tier on every scheduler; without it the stack has neither."""
     tier = stack_config(ChaosConfig(host_tier=True), tmp_path, tmp_path / "tenants.toml")
-    assert (tier.num_blocks, tier.worker_args, tier.scheduler_args) == (96, ("--host-blocks", "1024"),
+    assert (tier.num_blocks, tier.worker_args, tier.scheduler_args) == (64, ("--host-blocks", "1024"),
                                                                         ("--host-prefix-cache",))
     plain = stack_config(ChaosConfig(), tmp_path, tmp_path / "tenants.toml")
     assert (plain.num_blocks, plain.worker_args, plain.scheduler_args) == (None, (), ())
