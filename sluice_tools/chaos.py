@@ -78,6 +78,7 @@ HOST_HITS = "sluice_host_prefix_hit_tokens_total"
 HOST_TIER_BLOCKS = 64
 """Device blocks per worker of a `host_tier` run: few enough that finished prompts are evicted (and paged out)."""
 HOST_TIER_HOST_BLOCKS = 1024
+"""Host blocks per worker of a `host_tier` run: the tier holds about eight devices' worth."""
 SHARED_PROMPTS = 4
 """Prompts a `host_tier` run's clients share (half of their requests), so evicted prompts come back as host hits."""
 MODEL = "llama-3-8b"
@@ -393,7 +394,7 @@ def _run_dir(config: ChaosConfig, parent: Path = Path("out")) -> Path:
     """Return the run's directory, made: `config.run_dir`, else a fresh one under `parent` (two runs started in the
     same second shared `out/chaos-<seconds>`, and the second one's embedded Redis, in the same place, never
     answered). Absolute: the embedded Redis moves to a directory of its own before it reads its ACL file by this
-    path."""
+    path (`make chaos`, with a relative one, ended at once: "redis-server exited with code 1")."""
     if config.run_dir:
         run_dir = Path(config.run_dir).resolve()
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -404,8 +405,6 @@ def _run_dir(config: ChaosConfig, parent: Path = Path("out")) -> Path:
 
 def run(config: ChaosConfig) -> dict[str, Any]:
     """Run the chaos load and faults, check the invariants; return the report (see the module docstring)."""
-    # Absolute (`_run_dir`): `make chaos`, with the default relative out/chaos-*, ended at once ("redis-server exited
-    # with code 1").
     run_dir = _run_dir(config)
     tenants = run_dir / "tenants.toml"
     tenants.write_text(TENANTS)
