@@ -78,7 +78,7 @@ HOST_HITS = "sluice_host_prefix_hit_tokens_total"
 HOST_TIER_BLOCKS = 64
 """Device blocks per worker of a `host_tier` run: few enough that finished prompts are evicted (and paged out)."""
 HOST_TIER_HOST_BLOCKS = 1024
-"""Host blocks per worker of a `host_tier` run: the tier holds about eight devices' worth."""
+"""Host blocks per worker of a `host_tier` run: the tier holds sixteen devices' worth."""
 SHARED_PROMPTS = 4
 """Prompts a `host_tier` run's clients share (half of their requests), so evicted prompts come back as host hits."""
 MODEL = "llama-3-8b"
