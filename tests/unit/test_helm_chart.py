@@ -40,6 +40,9 @@ VARIANTS = {
     "bare": {"ingress": {"enabled": False}, "networkPolicies": {"enabled": False},
              "prometheus": {"scrapeConfig": False}, "grafana": {"dashboard": False}},
     "disagg": {"disagg": {"enabled": True}},
+    "extra flags, host tier": {"worker": {"hostBlocks": 4096, "extraArgs": ["--num-blocks", "8192"]},
+                               "scheduler": {"hostPrefixCache": True,
+                                             "extraArgs": ["--policy", "fair", "--tpot-slo-ms", "50"]}},
 }
 VLLM_COMMAND = ["vllm", "serve", "Qwen/Qwen3-0.6B", "--host", "127.0.0.1", "--port", "8000", "--kv-events-config",
                 '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557",'
@@ -413,3 +416,26 @@ def test_the_host_prefix_tier_is_two_values_and_one_without_the_other_fails_rend
     assert "--host-blocks" not in plain["worker"]["args"] and "--host-prefix-cache" not in plain["scheduler"]["args"]
     with pytest.raises(RenderFailed, match=r"scheduler\.hostPrefixCache needs host blocks: set worker\.hostBlocks"):
         render_chart(CHART, {"scheduler": {"hostPrefixCache": True}})
+
+
+@pytest.mark.parametrize("engine", ["sluice", "vllm"])
+def test_extra_args_reach_every_scheduler_and_worker_last_and_parse(engine: str) -> None:
+    """scheduler.extraArgs and worker.extraArgs come after the chart's own flags (so one given twice takes their
+    value) in every scheduler (the vLLM agent's too) and every Sluice worker, and the services' parsers take them;
+    without them the argument lists are the chart's alone."""
+    extra = {"scheduler": {"extraArgs": ["--policy", "fair", "--drain-timeout", "5"]},
+             "worker": {"extraArgs": ["--num-blocks", "8192"]}, "engine": engine}
+    (replica,) = deployments(render_chart(CHART, extra), "replica").values()
+    containers = {c["name"]: c for c in replica["spec"]["template"]["spec"]["containers"]}
+    scheduler = containers["scheduler"]["args"]
+    assert scheduler[-4:] == ["--policy", "fair", "--drain-timeout", "5"]
+    parsed = parse("scheduler", scheduler)
+    assert (parsed.policy, parsed.drain_timeout) == ("fair", 5.0)  # the extra --drain-timeout wins over the chart's
+    if engine == "sluice":
+        worker = containers["worker"]["args"]
+        assert worker[-2:] == ["--num-blocks", "8192"] and parse("worker", worker).num_blocks == 8192
+    (bare,) = deployments(render_chart(CHART, {"engine": engine}), "replica").values()
+    plain = {c["name"]: c["args"] for c in bare["spec"]["template"]["spec"]["containers"]}
+    assert plain["scheduler"] == scheduler[:-4] and "--policy" not in plain["scheduler"]
+    if engine == "sluice":
+        assert plain["worker"] == containers["worker"]["args"][:-2]

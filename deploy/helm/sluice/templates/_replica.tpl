@@ -59,18 +59,50 @@ spec:
         - name: scheduler
           image: {{ .Values.images.registry }}sluice-scheduler:{{ .Values.images.tag }}
           imagePullPolicy: {{ .Values.images.pullPolicy }}
-          args: ["--engine", "vllm", "--engine-url", "http://127.0.0.1:8000",
-                 "--engine-kv-events", "tcp://127.0.0.1:5557", "--engine-kv-replay", "tcp://127.0.0.1:5558",
-                 "--namespace", "$(SLUICE_NAMESPACE)", "--router", "router:50052", "--replica-id", "$(POD_NAME)",
-                 "--advertise-host", "$(POD_NAME).replica.$(POD_NAMESPACE).svc.cluster.local",
-                 "--metrics-port", "{{ .Values.metrics.port }}", "--drain-timeout", "{{ .Values.scheduler.drainTimeout }}",
-                 "--tls-dir", "/etc/sluice/tls"]
+          # scheduler.extraArgs come last: a flag given twice takes its last value.
+          args:
+            - "--engine"
+            - "vllm"
+            - "--engine-url"
+            - "http://127.0.0.1:8000"
+            - "--engine-kv-events"
+            - "tcp://127.0.0.1:5557"
+            - "--engine-kv-replay"
+            - "tcp://127.0.0.1:5558"
+            - "--namespace"
+            - "$(SLUICE_NAMESPACE)"
+            - "--router"
+            - "router:50052"
+            - "--replica-id"
+            - "$(POD_NAME)"
+            - "--advertise-host"
+            - "$(POD_NAME).replica.$(POD_NAMESPACE).svc.cluster.local"
+            - "--metrics-port"
+            - "{{ .Values.metrics.port }}"
+            - "--drain-timeout"
+            - "{{ .Values.scheduler.drainTimeout }}"
+            - "--tls-dir"
+            - "/etc/sluice/tls"
+{{- if .Values.scheduler.extraArgs }}{{ toYaml .Values.scheduler.extraArgs | nindent 12 }}{{- end }}
 {{- else }}
         - name: worker
           image: {{ .Values.images.registry }}sluice-worker:{{ .Values.images.tag }}
           imagePullPolicy: {{ .Values.images.pullPolicy }}
-          args: ["--backend", "{{ .Values.worker.backend }}", "--model", "/models/$(SLUICE_MODEL)",{{ if .Values.worker.hostBlocks }} "--host-blocks", "{{ .Values.worker.hostBlocks }}",{{ end }}
-                 "--metrics-port", "{{ .Values.metrics.workerPort }}", "--tls-dir", "/etc/sluice/tls"]
+          # worker.extraArgs come last: a flag given twice takes its last value.
+          args:
+            - "--backend"
+            - "{{ .Values.worker.backend }}"
+            - "--model"
+            - "/models/$(SLUICE_MODEL)"
+{{- if .Values.worker.hostBlocks }}
+            - "--host-blocks"
+            - "{{ .Values.worker.hostBlocks }}"
+{{- end }}
+            - "--metrics-port"
+            - "{{ .Values.metrics.workerPort }}"
+            - "--tls-dir"
+            - "/etc/sluice/tls"
+{{- if .Values.worker.extraArgs }}{{ toYaml .Values.worker.extraArgs | nindent 12 }}{{- end }}
           envFrom: [{configMapRef: {name: sluice-env}}]
           ports: [{name: grpc, containerPort: 50061}, {name: worker-metrics, containerPort: {{ .Values.metrics.workerPort }}}]
           startupProbe:
@@ -97,11 +129,38 @@ spec:
           # certificate must carry *.replica.<namespace>.svc.cluster.local, as the scheduler's does).
           # --role (disagg): the pool it serves; a prefill scheduler's per-request chunk cap is its whole round budget
           # (the cap bounds the decodes' inter-token latency, and none run there), as `sluice up --disagg` gives it.
-          args: ["--worker", "127.0.0.1:50061",{{ if .role }} "--role", "{{ .role }}",{{ end }}{{ if eq .role "prefill" }} "--max-prefill-chunk", "{{ .Values.disagg.prefill.maxPrefillChunk }}",{{ end }} "--namespace", "$(SLUICE_NAMESPACE)", "--router", "router:50052",
-                 "--replica-id", "$(POD_NAME)", "--advertise-host", "$(POD_NAME).replica.$(POD_NAMESPACE).svc.cluster.local",
-                 "--kv-worker-address", "$(POD_NAME).replica.$(POD_NAMESPACE).svc.cluster.local:50061",
-                 "--metrics-port", "{{ .Values.metrics.port }}", "--drain-timeout", "{{ .Values.scheduler.drainTimeout }}",{{ if .Values.scheduler.hostPrefixCache }} "--host-prefix-cache",{{ end }}
-                 "--tls-dir", "/etc/sluice/tls"]
+          # scheduler.extraArgs come last: a flag given twice takes its last value.
+          args:
+            - "--worker"
+            - "127.0.0.1:50061"
+{{- if .role }}
+            - "--role"
+            - "{{ .role }}"
+{{- end }}
+{{- if eq .role "prefill" }}
+            - "--max-prefill-chunk"
+            - "{{ .Values.disagg.prefill.maxPrefillChunk }}"
+{{- end }}
+            - "--namespace"
+            - "$(SLUICE_NAMESPACE)"
+            - "--router"
+            - "router:50052"
+            - "--replica-id"
+            - "$(POD_NAME)"
+            - "--advertise-host"
+            - "$(POD_NAME).replica.$(POD_NAMESPACE).svc.cluster.local"
+            - "--kv-worker-address"
+            - "$(POD_NAME).replica.$(POD_NAMESPACE).svc.cluster.local:50061"
+            - "--metrics-port"
+            - "{{ .Values.metrics.port }}"
+            - "--drain-timeout"
+            - "{{ .Values.scheduler.drainTimeout }}"
+{{- if .Values.scheduler.hostPrefixCache }}
+            - "--host-prefix-cache"
+{{- end }}
+            - "--tls-dir"
+            - "/etc/sluice/tls"
+{{- if .Values.scheduler.extraArgs }}{{ toYaml .Values.scheduler.extraArgs | nindent 12 }}{{- end }}
 {{- end }}
           env:
             - {name: POD_NAME, valueFrom: {fieldRef: {fieldPath: metadata.name}}}
