@@ -42,7 +42,9 @@ VARIANTS = {
     "disagg": {"disagg": {"enabled": True}},
     "extra flags, host tier": {"worker": {"hostBlocks": 4096, "extraArgs": ["--num-blocks", "8192"]},
                                "scheduler": {"hostPrefixCache": True,
-                                             "extraArgs": ["--policy", "fair", "--tpot-slo-ms", "50"]}},
+                                             "extraArgs": ["--policy", "fair", "--tpot-slo-ms", "50"]},
+                               "router": {"extraArgs": ["--policy", "score", "--prefill-weight", "8"]},
+                               "admission": {"extraArgs": ["--log-level", "DEBUG"], "publicTls": True}},
 }
 VLLM_COMMAND = ["vllm", "serve", "Qwen/Qwen3-0.6B", "--host", "127.0.0.1", "--port", "8000", "--kv-events-config",
                 '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557",'
@@ -439,3 +441,20 @@ def test_extra_args_reach_every_scheduler_and_worker_last_and_parse(engine: str)
     assert plain["scheduler"] == scheduler[:-4] and "--policy" not in plain["scheduler"]
     if engine == "sluice":
         assert plain["worker"] == containers["worker"]["args"][:-2]
+
+
+def test_router_and_admission_extra_args_come_last_and_parse() -> None:
+    """router.extraArgs and admission.extraArgs follow the chart's own flags (admission's --public-tls included) and
+    their parsers take them."""
+    docs = render_chart(CHART, {"router": {"extraArgs": ["--policy", "round_robin", "--prefill-weight", "4"]},
+                                "admission": {"extraArgs": ["--log-level", "DEBUG"], "publicTls": True}})
+    deps = deployments(docs, "router")
+    (router,) = deps.values()
+    router_args = router["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert router_args[-4:] == ["--policy", "round_robin", "--prefill-weight", "4"]
+    parsed = parse("router", router_args)
+    assert (parsed.policy, parsed.prefill_weight) == ("round_robin", 4.0)
+    (admission,) = deployments(docs, "admission").values()
+    admission_args = admission["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert admission_args[-3:] == ["--public-tls", "--log-level", "DEBUG"]
+    assert parse("admission", admission_args).log_level == "DEBUG"
