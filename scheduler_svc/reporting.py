@@ -271,8 +271,7 @@ class Reporter:
             m.kv_blocks_free.set(stats.kv_blocks_free)
             m.kv_blocks_cached.set(stats.kv_blocks_cached)
             m.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
-        if fresh or (stats.host_blocks_cached, stats.host_blocks_used) != (last.host_blocks_cached,
-                                                                           last.host_blocks_used):
+        if fresh or stats.host_blocks_cached != last.host_blocks_cached or stats.host_blocks_used != last.host_blocks_used:
             m.host_blocks_cached.set(stats.host_blocks_cached)
             m.host_blocks_used.set(stats.host_blocks_used)
         for counter, now, then in ((m.rounds, stats.rounds, last.rounds),

@@ -264,27 +264,31 @@ def _targets(stack: Stack, role: str) -> list[Proc]:
     return found
 
 
-def _rss_kb(stack: Stack, with_pids: bool = False) -> dict[str, Any]:
-    """Return the resident memory (kB) of every process of the stack, Redis included; `with_pids`: (pid, kB) each."""
+def _rss_by_pid(stack: Stack) -> dict[str, tuple[int, int]]:
+    """Return (pid, resident memory in kB) of every process of the stack, Redis included."""
     pids = {p.name: p.popen.pid for p in stack.procs if p.popen is not None and p.alive()}
     if stack.redis is not None and stack.redis.pid is not None:
         pids["redis"] = stack.redis.pid
-    out: dict[str, Any] = {}
+    out: dict[str, tuple[int, int]] = {}
     for name, pid in pids.items():
         try:
             status = Path(f"/proc/{pid}/status").read_text()
         except OSError:
             continue
-        kb = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
-        out[name] = (pid, kb) if with_pids else kb
+        out[name] = (pid, next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0))
     return out
+
+
+def _rss_kb(stack: Stack) -> dict[str, int]:
+    """Return the resident memory (kB) of every process of the stack, Redis included."""
+    return {name: kb for name, (_, kb) in _rss_by_pid(stack).items()}
 
 
 def _rss_loop(stack: Stack, interval_s: float, stop: threading.Event, started: float,
               samples: list[dict[str, Any]]) -> None:
     """Append every process's (pid, RSS kB) to `samples` every `interval_s` until `stop`."""
     while not stop.wait(interval_s):
-        samples.append({"t": round(time.monotonic() - started, 1), **_rss_kb(stack, with_pids=True)})
+        samples.append({"t": round(time.monotonic() - started, 1), **_rss_by_pid(stack)})
 
 
 def rss_growth_kb_per_min(samples: list[dict[str, Any]]) -> dict[str, float]:
@@ -352,8 +356,9 @@ def _nothing_held(leaks: dict[str, Any]) -> bool:
         and not leaks["redis_pending"]
 
 
-def _handoff_scraper(stack: Stack) -> Scraper:
-    """A reader of every scheduler's hand-off counters (by label set), the restarted ones' new endpoints included."""
+def _scheduler_scraper(stack: Stack) -> Scraper:
+    """A reader of every scheduler's hand-off and host-hit counters (by label set), the restarted ones' new endpoints
+    included."""
     return Scraper(lambda: [p.metrics_url for p in stack.schedulers], (*HANDOFF_COUNTERS, HOST_HITS), by_series=True)
 
 
@@ -410,7 +415,7 @@ def run(config: ChaosConfig) -> dict[str, Any]:
     tenants.write_text(TENANTS)
     events: list[str] = []
     faults = config.faults or faults_for(config.disagg)
-    handoff_counts: Counter[str] = Counter()
+    scheduler_counts: Counter[str] = Counter()
     with Stack(stack_config(config, run_dir, tenants)) as stack:
         # Never given up on: chaos tests the data path under faults, not the supervisor's crash-loop limit (a
         # process faulted 5 times within 30 s of its restarts would be given up on and the stack would stop).
@@ -422,8 +427,8 @@ def run(config: ChaosConfig) -> dict[str, Any]:
         sampler = threading.Thread(target=_rss_loop, args=(stack, config.rss_interval_s, scraped, time.monotonic(),
                                                            rss_samples), daemon=True)
         sampler.start()
-        scraper = threading.Thread(target=_scrape_loop, args=(_handoff_scraper(stack), config.scrape_interval_s,
-                                                              scraped, handoff_counts), daemon=True)
+        scraper = threading.Thread(target=_scrape_loop, args=(_scheduler_scraper(stack), config.scrape_interval_s,
+                                                              scraped, scheduler_counts), daemon=True)
         scraper.start()
         clients = [threading.Thread(target=_client_loop, args=(stack.endpoint, config.seed * 1000 + i, config,
                                                                stop, tally), daemon=True)
@@ -446,7 +451,7 @@ def run(config: ChaosConfig) -> dict[str, Any]:
         sampler.join(30)
         rss_end = _rss_kb(stack)
         restarts = stack.fleet.supervisor.restart_counts()
-    host_hit_tokens = int(handoff_counts.pop(HOST_HITS, 0))
+    host_hit_tokens = int(scheduler_counts.pop(HOST_HITS, 0))
     outcomes = tally.outcomes
     offered = sum(outcomes.values())
     return {
@@ -455,7 +460,7 @@ def run(config: ChaosConfig) -> dict[str, Any]:
         "offered": offered, "exact": outcomes["exact"], "cancelled_by_client": outcomes["cancelled"],
         "failed_explicitly": {k.removeprefix("failed:"): v for k, v in outcomes.items() if k.startswith("failed:")},
         "hung": outcomes["hung"] + hung_clients, "wrong_tokens": outcomes["wrong"], "examples": tally.wrong,
-        "failure_examples": tally.failure_examples, "handoffs": _handoffs(handoff_counts),
+        "failure_examples": tally.failure_examples, "handoffs": _handoffs(scheduler_counts),
         "host_tier": config.host_tier, "host_hit_tokens": host_hit_tokens,
         "leaks": leaks, "restarts": restarts,
         "supervisor_problems": [e for e in events if "given up" in e or "could not be restarted" in e],

@@ -71,12 +71,18 @@ def _start(tmp_path: Path, *scheduler_args: str) -> Stack:
                              scheduler_args=scheduler_args))
 
 
+def _run_all(stack: Stack, outs: list[Streamed], max_tokens: int = MAX_TOKENS) -> list[threading.Thread]:
+    """Start one client thread per stream; return the threads."""
+    threads = [threading.Thread(target=_stream, args=(stack.endpoint, stack.api_key, out, max_tokens)) for out in outs]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
 def _launch(stack: Stack, min_tokens: int = 40) -> tuple[list[Streamed], list[threading.Thread]]:
     """Start STREAMS long requests (distinct prompts) and return once each has streamed `min_tokens`."""
     outs = [Streamed([1 + (i * 7 + j) % 200 for j in range(24 + i)]) for i in range(STREAMS)]
-    threads = [threading.Thread(target=_stream, args=(stack.endpoint, stack.api_key, out)) for out in outs]
-    for thread in threads:
-        thread.start()
+    threads = _run_all(stack, outs)
     give_up = time.monotonic() + 60
     while not all(len(o.tokens) >= min_tokens or o.error for o in outs):
         assert time.monotonic() < give_up, [len(o.tokens) for o in outs]
@@ -91,11 +97,11 @@ def _finish(outs: list[Streamed], threads: list[threading.Thread]) -> float:
     return time.monotonic()
 
 
-def _assert_exact(outs: list[Streamed]) -> None:
+def _assert_exact(outs: list[Streamed], max_tokens: int = MAX_TOKENS) -> None:
     for out in outs:
         assert out.error is None, out.error
-        assert (out.status, out.output_tokens, out.index_errors) == ("FINISHED_LENGTH", MAX_TOKENS, 0)
-        assert out.tokens == _expected(out.request_id, out.prompt, MAX_TOKENS)
+        assert (out.status, out.output_tokens, out.index_errors) == ("FINISHED_LENGTH", max_tokens, 0)
+        assert out.tokens == _expected(out.request_id, out.prompt, max_tokens)
 
 
 def _metrics(proc: Proc) -> dict[str, float]:
@@ -239,20 +245,6 @@ def test_requests_admitted_right_after_a_scheduler_dies_are_routed_to_the_surviv
               f"none UNAVAILABLE; last ended {ended:.1f} s after the kill")
 
 
-def _run_all(stack: Stack, outs: list[Streamed], max_tokens: int) -> list[threading.Thread]:
-    threads = [threading.Thread(target=_stream, args=(stack.endpoint, stack.api_key, out, max_tokens)) for out in outs]
-    for thread in threads:
-        thread.start()
-    return threads
-
-
-def _assert_all_exact(outs: list[Streamed], max_tokens: int) -> None:
-    for out in outs:
-        assert out.error is None, out.error
-        assert (out.status, out.output_tokens, out.index_errors) == ("FINISHED_LENGTH", max_tokens, 0)
-        assert out.tokens == _expected(out.request_id, out.prompt, max_tokens)
-
-
 def _host_blocks(proc: Proc) -> tuple[float, float, float]:
     """(host blocks in use, of them prefix-tier copies, device KV blocks in use) on a scheduler."""
     values = _metrics(proc)
@@ -277,7 +269,7 @@ def test_a_worker_killed_while_its_host_prefix_tier_copies_loses_no_token_and_co
         first = [Streamed(list(p)) for p in warm]
         for thread in _run_all(stack, first, short_tokens):
             thread.join(60)
-        _assert_all_exact(first, short_tokens)
+        _assert_exact(first, short_tokens)
         outs, threads = _launch(stack)  # long streams: rounds with other work, so the cached blocks are paged out
         churn: list[Streamed] = []
         churn_threads: list[threading.Thread] = []
@@ -316,7 +308,7 @@ def test_a_worker_killed_while_its_host_prefix_tier_copies_loses_no_token_and_co
         for thread in churn_threads:
             thread.join(60)
         _assert_exact(outs)
-        _assert_all_exact(churn, short_tokens)
+        _assert_exact(churn, short_tokens)
         values = _assert_budgets_return_to_zero(stack)
         assert _migrations(values, "worker_down") >= 1
         used, cached, device = _host_blocks(stack.schedulers[1 - victim])
@@ -332,7 +324,7 @@ def test_a_worker_killed_while_its_host_prefix_tier_copies_loses_no_token_and_co
         after = [Streamed(list(p)) for p in warm]
         for thread in _run_all(stack, after, short_tokens):
             thread.join(60)
-        _assert_all_exact(after, short_tokens)
+        _assert_exact(after, short_tokens)
         print(f"\nhost tier: worker-{victim} killed after {hits[victim]:.0f} host-hit tokens, with {len(churn)} short "
               f"requests arriving: all {STREAMS + len(churn)} exact, {int(_migrations(values, 'worker_down'))} "
               f"migrated; the worker back with its tier empty")
