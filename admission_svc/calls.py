@@ -1,5 +1,5 @@
-"""What a transport hands the front door (`GenerateCall`, `Caller`), what it gets back (`Output`),
-the front door's settings, and its record of one admitted request (`Tracked`).
+"""What a transport hands the front door (`GenerateCall`, `Caller`), what it gets back (`Output`, and through an
+`OutputSink` at once), the front door's settings, and its record of one admitted request (`Tracked`).
 
 Plain dataclasses, no gRPC: the gRPC servicer and an HTTP edge build the same ones.
 """
@@ -7,6 +7,7 @@ Plain dataclasses, no gRPC: the gRPC servicer and an HTTP edge build the same on
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -141,6 +142,17 @@ class Output:
     """Set on the last Output: status, finish reason, usage."""
     logprobs: tuple[common_pb2.TokenLogprobs, ...] = ()
     """One per token_ids entry when the request asked for log-probabilities, else empty."""
+
+
+class OutputSink(Protocol):
+    """A transport's synchronous taker of a streamed request's token Outputs (`FrontDoor.stream`'s `sink`): the
+    tokens go from the token reader straight to the client, without a wake-up of the stream's follower each."""
+
+    def ready(self) -> bool:
+        """Whether `push` can hand an Output on now (the client can take it at once, in order)."""
+
+    def push(self, output: Output) -> None:
+        """Hand on the text (and tokens) of `output` now; called only right after `ready` said True."""
 
 
 @dataclass

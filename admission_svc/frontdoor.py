@@ -41,7 +41,7 @@ from opentelemetry.context import Context
 from prometheus_client import Counter
 
 from admission_svc import convert
-from admission_svc.calls import Caller, FrontDoorConfig, GenerateCall, Output, Placement, Tracked
+from admission_svc.calls import Caller, FrontDoorConfig, GenerateCall, Output, OutputSink, Placement, Tracked
 from admission_svc.core import AdmissionCore
 from admission_svc.front_queue import FrontQueue
 from admission_svc.handoff import HandOffs, is_prefill_done, pair_of
@@ -84,6 +84,29 @@ def _gen_ai_attributes(call: GenerateCall, model_id: str, request_id: str, ids: 
     if sampling.seed is not None:
         attributes["gen_ai.request.seed"] = sampling.seed
     return attributes
+
+
+class _SinkTap:
+    """`FrontDoor.stream`'s tap (admission_svc/streams.py): the Outputs of tokens as they arrive, to a sink."""
+
+    __slots__ = ("request_id", "detokenizer", "sink", "position")
+
+    def __init__(self, request_id: str, detokenizer: Detokenizer, sink: OutputSink) -> None:
+        self.request_id = request_id
+        self.detokenizer = detokenizer
+        """The stream's own: its text continues where the yielded Outputs' ended."""
+        self.sink = sink
+        self.position = 0
+
+    def take(self, stream: RequestStream) -> bool:
+        if stream.logprobs or not self.sink.ready():
+            return False
+        index = self.position
+        batch = tuple(stream.tokens[index:])
+        output = Output(self.request_id, index, batch, self.detokenizer.push(batch), stream.token_emitted[index])
+        self.position = index + len(batch)  # the detokenizer has them: never pushed to it twice
+        self.sink.push(output)
+        return True
 
 
 class FrontDoor:
@@ -146,16 +169,21 @@ class FrontDoor:
         self.metrics.requests.labels(tenant, "attached").inc()
         return record
 
-    async def stream(self, record: Tracked) -> AsyncGenerator[Output, None]:
+    async def stream(self, record: Tracked, sink: OutputSink | None = None) -> AsyncGenerator[Output, None]:
         """Yield the request's tokens with their text, then a last Output carrying the completion.
 
         Raises the request's RequestEnded refusal when it ends without finishing. Closing the iterator
-        early (the client went away) cancels the request once nobody else follows it."""
+        early (the client went away) cancels the request once nobody else follows it.
+
+        `sink`: while the caller waits for the next Output, tokens that arrive go to `sink.push` instead
+        whenever `sink.ready()` (as the Outputs this would yield: the same text, in order; never tokens with
+        log-probabilities), and are not yielded."""
         detokenizer = Detokenizer(self.model.tokenizer)
         finished = False
         record.followers += 1
+        tap = _SinkTap(record.request_id, detokenizer, sink) if sink is not None else None
         try:
-            async for item in record.stream.follow():
+            async for item in record.stream.follow(tap=tap):
                 if item.completion is None:
                     logprobs = record.stream.logprobs
                     yield Output(record.request_id, item.index, item.tokens, detokenizer.push(item.tokens),

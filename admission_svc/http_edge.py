@@ -11,6 +11,12 @@ with the HTTP status of `HTTP_STATUS` (the one table, keyed by the refusal's gRP
 for a refusal that carries a retry delay, `Retry-After` (whole seconds) and `retry-after-ms`.
 An error after the stream started is one `data: {"error": ...}` event before `data: [DONE]`.
 Served by uvicorn inside the admission process's event loop (`serve_http`).
+
+A streamed request with one choice whose chunks are plain text (openai_answers.TextChunks) has its tokens
+written by the token reader itself, the moment they arrive, whenever the connection can take them at once
+(`_TextSink`, admission_svc/sse.py's WriteNow): no wake-up of the request's task and no pass through its
+iterators per token. The rest (the first chat chunk, the finish, anything the socket cannot take now) goes the
+ordinary way; `sluice_admission_http_stream_events_total` counts each way's events.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ from admission_svc.http_conn import (
 from admission_svc.openai_answers import sse_event
 from admission_svc.openai_convert import ParsedRequest
 from admission_svc.server import api_key_of
-from admission_svc.sse import EventStream
+from admission_svc.sse import EventStream, WriteNow
 from sluice import errors, telemetry
 from sluice.core_errors import CoreError
 from sluice.tls import TlsFiles
@@ -152,6 +158,10 @@ class HttpEdge:
         self._token_texts: dict[int, str] = {}
         self.requests = Counter("sluice_admission_http_requests", "HTTP requests by route and status",
                                 ["route", "status"], registry=door.metrics.registry)
+        events = Counter("sluice_admission_http_stream_events", "Server-sent events of streamed responses, by way: "
+                         "written by the token reader the moment their tokens arrived (at_once), or by the "
+                         "request's own task", ["way"], registry=door.metrics.registry)
+        self.events_at_once, self.events_by_task = events.labels("at_once"), events.labels("task")
 
     def app(self) -> Starlette:
         """Return the ASGI application."""
@@ -256,7 +266,8 @@ class HttpEdge:
         records = await self._start_all(parsed, caller)
         abandoned = BackgroundTask(self._cancel_if_abandoned, records, caller.api_key)
         if parsed.stream:
-            return EventStream(self._events(records, parsed), background=abandoned,
+            write_now = WriteNow()
+            return EventStream(self._events(records, parsed, write_now), background=abandoned, write_now=write_now,
                                headers={"cache-control": "no-cache", "x-request-id": records[0].request_id})
         outputs = await _unless_disconnected(request, self._collect_all(records))
         if outputs is None:  # the client went away: the streams were closed, so the requests are cancelled
@@ -324,26 +335,34 @@ class HttpEdge:
         async with contextlib.aclosing(self.door.stream(record)) as outputs:
             return [output async for output in outputs]
 
-    async def _events(self, records: Sequence[Tracked], parsed: ParsedRequest) -> AsyncGenerator[bytes, None]:
+    async def _events(self, records: Sequence[Tracked], parsed: ParsedRequest,
+                      write_now: WriteNow | None = None) -> AsyncGenerator[bytes, None]:
         """Yield the server-sent events of a streamed request, every choice's chunks as they come. Closing it
         (the response does when the client disconnects) closes the front door's streams, which cancels the
-        requests. A choice's plain text chunks come from a template (openai_answers.TextChunks)."""
+        requests. A choice's plain text chunks come from a template (openai_answers.TextChunks); with one choice
+        they are written through `write_now` when they can be (see the module docstring)."""
         model_id, request_id = self.door.model.model_id, records[0].request_id
         answers = [openai_answers.ChoiceText(parsed, index, self._token_text) for index in range(len(records))]
         texts = openai_answers.TextChunks(parsed, model_id, request_id)
+        sink = (_TextSink(answers[0], texts, parsed.chat, write_now)
+                if write_now is not None and texts.applies and len(records) == 1 else None)
         usages: dict[int, Any] = {}
+        yielded = 0
         try:
-            async with contextlib.aclosing(self._choice_outputs(records)) as outputs:
+            async with contextlib.aclosing(self._choice_outputs(records, sink)) as outputs:
                 async for index, output in outputs:
                     answer = answers[index]
                     text, logprobs = answer.piece(output)
                     if text and texts.applies and not (parsed.chat and answer.first):
+                        yielded += 1
                         yield texts.event(index, text)
                     elif text or logprobs:
+                        yielded += 1
                         yield sse_event(openai_answers.chunk_body(parsed, model_id, request_id, answer.choice(
                             text, None, logprobs), created_unix_s=output.created_unix_s))
                     if output.completion is not None:
                         usages[index] = output.completion.usage
+                        yielded += 1
                         yield sse_event(openai_answers.chunk_body(parsed, model_id, request_id, answer.choice(
                             None if parsed.chat else "", openai_answers.finish_reason(output.completion.finish_reason),
                             None)))
@@ -352,13 +371,19 @@ class HttpEdge:
                                                        total_usage(parsed, [usages[i] for i in sorted(usages)])))
         except (CoreError, errors.SluiceError) as exc:
             yield sse_event(http_error(exc, parsed.chat).body)
+        finally:
+            self.events_by_task.inc(yielded)
+            if write_now is not None:
+                self.events_at_once.inc(write_now.written)
         yield b"data: [DONE]\n\n"
 
-    async def _choice_outputs(self, records: Sequence[Tracked]) -> AsyncGenerator[tuple[int, Output], None]:
-        """Yield (choice index, output) of every record as they come (one record: straight from its stream).
-        The first refusal is raised; closing this closes every stream (which cancels their requests)."""
+    async def _choice_outputs(self, records: Sequence[Tracked],
+                              sink: _TextSink | None = None) -> AsyncGenerator[tuple[int, Output], None]:
+        """Yield (choice index, output) of every record as they come (one record: straight from its stream, and
+        its tokens to `sink` when it is ready). The first refusal is raised; closing this closes every stream
+        (which cancels their requests)."""
         if len(records) == 1:
-            async with contextlib.aclosing(self.door.stream(records[0])) as outputs:
+            async with contextlib.aclosing(self.door.stream(records[0], sink)) as outputs:
                 async for output in outputs:
                     yield 0, output
             return
@@ -404,6 +429,26 @@ class HttpEdge:
                                        "type": "not_found_error" if status == 404 else "invalid_request_error",
                                        "param": None, "code": "unknown_route" if status == 404 else str(status)}},
                             status_code=status)
+
+
+class _TextSink:
+    """A one-choice stream's text chunks, written the moment their tokens arrive when the connection can take
+    them (`FrontDoor.stream`'s sink): the events `HttpEdge._events` would yield for those Outputs, byte for byte."""
+
+    __slots__ = ("answer", "texts", "chat", "write_now")
+
+    def __init__(self, answer: openai_answers.ChoiceText, texts: openai_answers.TextChunks, chat: bool,
+                 write_now: WriteNow) -> None:
+        self.answer, self.texts, self.chat, self.write_now = answer, texts, chat, write_now
+
+    def ready(self) -> bool:
+        # A chat's first chunk names the role: the ordinary way writes it.
+        return not (self.chat and self.answer.first) and self.write_now.ready()
+
+    def push(self, output: Output) -> None:
+        text, _ = self.answer.piece(output)
+        if text:
+            self.write_now(self.texts.event(self.answer.index, text))
 
 
 def _api_key(request: Request) -> str | None:

@@ -15,6 +15,12 @@ Otherwise (another server, HTTP/1.0) every event goes through ASGI sends, as Str
 way the writer honours the transport's flow control (it waits while the socket's buffer is full), stops
 writing once the client is gone, and a disconnect seen by `receive` cancels the stream at once (closing the
 event iterator, which cancels the request), as StreamingResponse does.
+
+`WriteNow` writes events outside the iterator, synchronously, while the iterator is waiting for its next event
+(the token reader hands a request's tokens to its client through it: admission_svc/http_edge.py): on a direct
+connection only, and only when the socket's buffer has room and the client is there (`ready`); otherwise the
+caller leaves the event to the iterator. Since the iterator is waiting, everything it yielded before has been
+written: the events stay in order.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from starlette.types import Receive, Scope, Send
 CYCLE_SCOPE_KEY = "sluice.h11_cycle"
 """Scope key of a weak reference to uvicorn's request cycle (set by admission_svc/http_conn.py's protocol)."""
 
-__all__ = ["CYCLE_SCOPE_KEY", "EventStream", "direct_writer"]
+__all__ = ["CYCLE_SCOPE_KEY", "EventStream", "WriteNow", "direct_writer"]
 
 Write = Callable[[bytes], Awaitable[bool]]
 """Writes one event; returns False once the client is gone (nothing more will reach it)."""
@@ -57,6 +63,38 @@ def direct_writer(scope: Scope) -> Write | None:
     return write
 
 
+class WriteNow:
+    """Writes whole events onto a response's connection at once, when it can (see the module docstring)."""
+
+    __slots__ = ("_cycle", "written")
+
+    def __init__(self) -> None:
+        self._cycle: Any = None
+        """uvicorn's request cycle, once the response's head went out framed chunked (else None: never ready)."""
+        self.written = 0
+        """Events written."""
+
+    def bind(self, scope: Scope) -> None:
+        """Write onto the connection of `scope`'s response (its head sent) if `direct_writer` could."""
+        if direct_writer(scope) is not None:
+            self._cycle = scope[CYCLE_SCOPE_KEY]()
+
+    def unbind(self) -> None:
+        """The response is ending: write nothing more."""
+        self._cycle = None
+
+    def ready(self) -> bool:
+        """Whether an event written now goes straight out: bound, the client there, the socket's buffer not full."""
+        cycle = self._cycle
+        return (cycle is not None and not cycle.disconnected and not cycle.flow.write_paused
+                and not cycle.transport.is_closing())
+
+    def __call__(self, event: bytes) -> None:
+        """Write one event; call only right after `ready` said True."""
+        self._cycle.transport.write(b"%x\r\n%b\r\n" % (len(event), event))
+        self.written += 1
+
+
 def _asgi_writer(send: Send) -> Write:
     async def write(event: bytes) -> bool:
         await send({"type": "http.response.body", "body": event, "more_body": True})
@@ -71,8 +109,10 @@ class EventStream(Response):
     media_type = "text/event-stream"
 
     def __init__(self, events: AsyncGenerator[bytes, None], headers: Mapping[str, str] | None = None,
-                 background: BackgroundTask | None = None) -> None:
+                 background: BackgroundTask | None = None, write_now: WriteNow | None = None) -> None:
         self.events = events
+        self.write_now = write_now
+        """Bound to the connection once the head is out, unbound when the events end."""
         self.status_code = 200
         self.background = background
         self.init_headers(headers)
@@ -80,11 +120,15 @@ class EventStream(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         write = direct_writer(scope) or _asgi_writer(send)
+        if self.write_now is not None:
+            self.write_now.bind(scope)
         streaming = asyncio.ensure_future(self._stream(write, send))
         watching = asyncio.ensure_future(_until_disconnect(receive))
         try:
             await asyncio.wait((streaming, watching), return_when=asyncio.FIRST_COMPLETED)
         finally:
+            if self.write_now is not None:
+                self.write_now.unbind()
             for task in (streaming, watching):
                 task.cancel()
             results = await asyncio.gather(streaming, watching, return_exceptions=True)

@@ -50,6 +50,17 @@ class StreamItem:
     """When the tokens were created (scheduler stamp, else their Redis entry time, ms); 0 = unknown."""
 
 
+class Tap(Protocol):
+    """A follower's synchronous taker of new tokens (`RequestStream.follow`)."""
+
+    position: int
+    """Output index of the next token the follower hands on (set by `follow`, advanced by `take`)."""
+
+    def take(self, stream: RequestStream) -> bool:
+        """Hand on `stream.tokens[position:]` now and advance `position` past them; False (nothing done) when
+        that cannot be done now: the follower is woken and yields them."""
+
+
 class StreamListener(Protocol):
     """Told about a request's stages as tokens arrive, whether or not a client is following."""
 
@@ -91,6 +102,9 @@ class RequestStream:
     """time.monotonic() of the last new token (or of the start/migration): the stall watchdog reads it."""
     _waiters: list[asyncio.Future[None]] = field(default_factory=list)
     """Futures of the followers waiting for a change (a future per wait, none while nobody waits)."""
+    _tap: Tap | None = None
+    """The tap of the follower parked on `_tap_waiter` (see `follow`), which new tokens go to first."""
+    _tap_waiter: asyncio.Future[None] | None = None
 
     def add_tokens(self, index: int, token_ids: list[int], emitted_unix_s: float) -> bool:
         """Append the part of a delta not seen yet. Returns True when the delta breaks off the stream (its index
@@ -115,7 +129,7 @@ class RequestStream:
             first = not self.tokens
             self.tokens.extend(fresh)
             self.token_emitted.extend([emitted_unix_s] * len(fresh))
-            self._wake()
+            self._wake(not self._tapped())
             if self.listener is not None:
                 if first:
                     self.listener.first_token(self)
@@ -143,13 +157,30 @@ class RequestStream:
                 self.listener.done(self)
         return self.done
 
-    def _wake(self) -> None:
+    def _tapped(self) -> bool:
+        """Offer the new tokens to the parked follower's tap; True when it took them (its follower stays parked).
+        A tap that fails is logged and dropped, and its follower woken: the token reader, which every request's
+        tokens go through, must not fail with it."""
+        tap = self._tap
+        if tap is None:
+            return False
+        try:
+            return tap.take(self)
+        except Exception:
+            log.exception("request %s: handing tokens on at once failed; its follower takes them", self.request_id)
+            return False
+
+    def _wake(self, tapped_too: bool = True) -> None:
         waiters = self._waiters
         if waiters:
             self._waiters = []
             for waiter in waiters:
                 if not waiter.done():
                     waiter.set_result(None)
+        if tapped_too and self._tap_waiter is not None:
+            waiter, self._tap, self._tap_waiter = self._tap_waiter, None, None
+            if not waiter.done():
+                waiter.set_result(None)
 
     async def changed(self, timeout_s: float) -> None:
         """Wait until the stream changes (tokens, completion, a break) or `timeout_s` passes."""
@@ -161,11 +192,17 @@ class RequestStream:
             if waiter in self._waiters:
                 self._waiters.remove(waiter)
 
-    async def follow(self, start: int = 0, grace_s: float = 2.0) -> AsyncIterator[StreamItem]:
+    async def follow(self, start: int = 0, grace_s: float = 2.0, tap: Tap | None = None) -> AsyncIterator[StreamItem]:
         """Yield new tokens from `start` on, then the completion; replays for a late reader.
 
         Every token that arrived since the last item goes out as one item (tokens of several rounds that
-        are ready together are coalesced into one chunk, in order)."""
+        are ready together are coalesced into one chunk, in order).
+
+        `tap`: while this follower is parked waiting for tokens (whatever it yielded before has been dealt with:
+        its consumer is waiting for the next item), tokens that arrive are offered to `tap.take` first, on the
+        token reader's call stack; what it takes is not yielded, and the follower stays parked (no wake-up, no
+        item per token). It wakes as without a tap for what the tap refused, a completion or a break. One tap a
+        stream at a time: a follower that parks while another's tap is set parks without its own."""
         position = start
         tokens = self.tokens
         loop = asyncio.get_running_loop()
@@ -180,14 +217,25 @@ class RequestStream:
                 return
             # No await between the checks above and registering the waiter: no wake-up can be missed.
             waiter = loop.create_future()
-            self._waiters.append(waiter)
             if self.completion is not None:
+                self._waiters.append(waiter)
                 try:
                     await asyncio.wait_for(waiter, grace_s)
                 except TimeoutError:
                     self.complete_if_ready(force=True)
                 continue
-            await waiter
+            if tap is None or self._tap is not None:
+                self._waiters.append(waiter)
+                await waiter
+                continue
+            tap.position = position
+            self._tap, self._tap_waiter = tap, waiter
+            try:
+                await waiter
+            finally:
+                if self._tap_waiter is waiter:  # closed while parked (the client left)
+                    self._tap, self._tap_waiter = None, None
+            position = tap.position
 
 
 def entry_time_s(entry_id: Any) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,90 @@ def test_chat_renders_the_model_template_and_equals_grpc(stack: Stack) -> None:
     assert whole.choices[0].message.role == "assistant" and chunks[0].choices[0].delta.role == "assistant"
     assert whole.usage is not None and whole.usage.prompt_tokens == reference.usage.input_tokens
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def _sse_data(stack: Stack, path: str, body: dict[str, Any], http10: bool) -> list[dict[str, Any] | str]:
+    """POST a streamed request on a raw socket (HTTP/1.0: close-delimited, so every event goes the request task's
+    way; HTTP/1.1: chunked, so tokens may be written at once) and return its events' data, JSON parsed."""
+    url = urlsplit(stack.http_base_url)
+    payload = json.dumps(body).encode()
+    head = (f"POST {url.path}{path} HTTP/1.{0 if http10 else 1}\r\nHost: {url.hostname}\r\nConnection: close\r\n"
+            f"Authorization: Bearer k-acme\r\nContent-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n")
+    with socket.create_connection((url.hostname or "", url.port or 80), timeout=60) as sock:
+        sock.sendall(head.encode() + payload)
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    headers, _, content = raw.partition(b"\r\n\r\n")
+    assert b" 200 " in headers.split(b"\r\n")[0], headers
+    if not http10:
+        assert b"transfer-encoding: chunked" in headers.lower()
+        unchunked = b""
+        while True:
+            size_line, _, content = content.partition(b"\r\n")
+            size = int(size_line, 16)
+            if size == 0:
+                break
+            unchunked, content = unchunked + content[:size], content[size + 2:]
+        content = unchunked
+    events = [e for e in content.decode().split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events), events
+    return [e[6:] if e == "data: [DONE]" else json.loads(e[6:]) for e in events]
+
+
+def _at_once_events(stack: Stack) -> float:
+    url = urlsplit(stack.http_base_url)
+    conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    line = next(row for row in text.splitlines() if row.startswith('sluice_admission_http_stream_events_total{way="at_once"}'))
+    return float(line.split()[-1])
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/completions", {"prompt": PROMPT, "max_tokens": 24, "stop": [" the"], "stream_options": {"include_usage": True}}),
+    ("/chat/completions", {"messages": CHAT, "max_tokens": 24}),
+], ids=["completion-with-stop", "chat"])
+def test_tokens_written_at_once_make_the_same_events_as_the_request_tasks_way(stack: Stack, path: str,
+                                                                             body: dict[str, Any]) -> None:
+    """A greedy streamed request answered over HTTP/1.1, where the token reader writes text chunks the moment
+    their tokens arrive, has the events (the same text in chunks of the same shape, the stop string cut alike,
+    role, finish, usage, [DONE]) of the same request over HTTP/1.0, where every event goes the request task's
+    way; only the first took the at-once way (sluice_admission_http_stream_events_total)."""
+    body = {**body, "model": _model(stack), "stream": True, "temperature": 0.0, "ignore_eos": True}
+
+    def normalized(events: list[dict[str, Any] | str]) -> list[dict[str, Any] | str]:
+        """Ids and times made equal, and text chunks that follow one another joined: which tokens share a chunk
+        depends on when they arrive, either way."""
+        out: list[dict[str, Any] | str] = []
+        for event in events:
+            if isinstance(event, dict):
+                event = json.loads(json.dumps({**event, "id": "-", "created": 0}))
+                if event.get("usage"):  # the second run finds the prompt in the prefix cache
+                    event["usage"]["prompt_tokens_details"] = None
+                choice = event["choices"][0] if event["choices"] else None
+                last = out[-1] if out and isinstance(out[-1], dict) and out[-1]["choices"] else None
+                if (choice is not None and last is not None and choice["finish_reason"] is None
+                        and last["choices"][0]["finish_reason"] is None and "role" not in choice.get("delta", {})
+                        and "role" not in last["choices"][0].get("delta", {})):
+                    key = "text" if "text" in choice else "delta"
+                    if key == "text":
+                        last["choices"][0]["text"] += choice["text"]
+                    else:
+                        last["choices"][0]["delta"]["content"] += choice["delta"]["content"]
+                    continue
+            out.append(event)
+        return out
+
+    before = _at_once_events(stack)
+    slow = _sse_data(stack, path, body, http10=True)
+    between = _at_once_events(stack)
+    fast = _sse_data(stack, path, body, http10=False)
+    after = _at_once_events(stack)
+    assert between == before and after > between
+    assert normalized(fast) == normalized(slow)
+    assert slow[-1] == "[DONE]" and len(normalized(slow)) >= 3
 
 
 def test_async_client_streams_concurrently(stack: Stack) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from admission_svc.streams import StreamItem, StreamRegistry, token_reader_loop
+from admission_svc.streams import RequestStream, StreamItem, StreamRegistry, token_reader_loop
 from sluice.v1 import common_pb2, events_pb2
 
 
@@ -139,3 +139,106 @@ def test_a_lost_delta_breaks_the_stream_off_without_filling_the_hole_until_it_is
     registry.on_delta(_delta("r#1", 0, 12, 13), 0.0)
     assert (stream.tokens, stream.gap_at) == ([10, 11, 12, 13], None)
     assert -1 not in stream.tokens
+
+
+class _Tap:
+    """A tap that takes tokens while `open` (recording them), refuses otherwise, or fails when `broken`."""
+
+    def __init__(self) -> None:
+        self.position = 0
+        self.open = True
+        self.broken = False
+        self.taken: list[tuple[int, tuple[int, ...]]] = []
+
+    def take(self, stream: RequestStream) -> bool:
+        if self.broken:
+            raise RuntimeError("tap failed")
+        if not self.open:
+            return False
+        batch = tuple(stream.tokens[self.position:])
+        self.taken.append((self.position, batch))
+        self.position += len(batch)
+        return True
+
+
+def test_a_parked_followers_tap_takes_tokens_at_once_without_waking_it_and_it_resumes_after_them() -> None:
+    """Tokens that arrive while the tapped follower is parked go to the tap in the delta's call, one take per
+    delta, and the follower is not woken by them (no item); what the tap refuses the follower yields from where
+    the tap stopped, and the completion ends it. A plain follower beside it still gets every token."""
+    async def play() -> tuple[_Tap, list[StreamItem], list[int], list[int]]:
+        registry = StreamRegistry()
+        stream = registry.open("r")
+        tap = _Tap()
+        items: list[StreamItem] = []
+        wakes: list[int] = []
+
+        async def tapped() -> None:
+            async for item in stream.follow(tap=tap):
+                items.append(item)
+
+        async def plain() -> list[int]:
+            return [t async for item in stream.follow() for t in item.tokens]
+
+        task, other = asyncio.create_task(tapped()), asyncio.create_task(plain())
+        await asyncio.sleep(0)
+        registry.on_delta(_delta("r", 0, 5), 1.0)
+        registry.on_delta(_delta("r", 1, 6, 7), 2.0)
+        wakes.append(len(items))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        wakes.append(len(items))  # still parked: nothing was yielded
+        tap.open = False
+        registry.on_delta(_delta("r", 3, 8), 3.0)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        tap.open = True  # the follower yielded 8 and parked again with the tap at 4
+        registry.on_delta(_delta("r", 4, 9), 4.0)
+        registry.on_completion(_completion("r", 5))
+        await asyncio.wait_for(task, 2)
+        return tap, items, wakes, await asyncio.wait_for(other, 2)
+
+    tap, items, wakes, plain_tokens = asyncio.run(play())
+    assert wakes == [0, 0]
+    assert tap.taken == [(0, (5,)), (1, (6, 7)), (4, (9,))]
+    assert [(i.index, i.tokens) for i in items[:-1]] == [(3, (8,))]
+    assert items[-1].completion is not None and items[-1].index == 5
+    assert plain_tokens == [5, 6, 7, 8, 9]
+
+
+def test_one_tap_a_stream_a_broken_tap_wakes_its_follower_and_closing_a_parked_follower_removes_its_tap() -> None:
+    """A follower parking while another's tap is set parks without its own; a tap that raises is logged, the
+    delta's tokens are kept and its follower yields them (the reader is not disturbed); a follower closed while
+    parked takes its tap away, and the other follower's tap takes the next tokens."""
+    async def play() -> tuple[_Tap, _Tap, list[int], list[int], bool]:
+        registry = StreamRegistry()
+        stream = registry.open("r")
+        first, second = _Tap(), _Tap()
+        got_first: list[int] = []
+        got_second: list[int] = []
+
+        async def follow(tap: _Tap, into: list[int]) -> None:
+            async for item in stream.follow(tap=tap):
+                into.extend(item.tokens)
+
+        a = asyncio.create_task(follow(first, got_first))
+        await asyncio.sleep(0)
+        b = asyncio.create_task(follow(second, got_second))
+        await asyncio.sleep(0)
+        registry.on_delta(_delta("r", 0, 1), 1.0)  # first's tap takes it; second is woken and yields it
+        await asyncio.sleep(0)
+        first.broken = True
+        registry.on_delta(_delta("r", 1, 2), 2.0)  # raises in the tap: kept, both followers woken
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        a.cancel()
+        await asyncio.gather(a, return_exceptions=True)
+        await asyncio.sleep(0)
+        tap_is_seconds = stream._tap is second  # noqa: SLF001 - the state this test is about
+        registry.on_delta(_delta("r", 2, 3), 3.0)
+        registry.on_completion(_completion("r", 3))
+        await asyncio.wait_for(b, 2)
+        return first, second, got_first, got_second, tap_is_seconds
+
+    first, second, got_first, got_second, tap_is_seconds = asyncio.run(play())
+    assert first.taken == [(0, (1,))] and got_first == [2]
+    assert got_second == [1, 2] and second.taken == [(2, (3,))] and tap_is_seconds
