@@ -23,6 +23,15 @@ worker is listed apart (with a real GPU it is the engine's own cost, the counter
 "front" is the part that has a counterpart in vLLM's API server process: admission + router + Redis (vLLM's
 scheduler runs in its engine core, which is not counted as its API server's).
 
+A front's CPU per token depends on how fast tokens come, not only on the front: what it spends per unit of
+time (a loop's turns, timers, polls) is shared by fewer tokens when the engine is slow. vLLM's tiny engine on this
+CPU streams anywhere from ~1,000 to ~6,500 tokens/s at concurrency 16 as the machine's load moves, and its API
+server's CPU per token moves with it (~35 µs plus ~130 ms of CPU per second); Sluice's emulated H200 streams
+~3,300. `--match-rate` adds pairs that stream at the same pace: in each repeat and at each concurrency vLLM is
+measured, then a Sluice stack whose emulated device is slowed down or sped up to vLLM's rate just measured
+(the worker's --emulate-time-scale: Sluice's own rate at scale 1 over vLLM's), and the pair's ratio is reported
+with both rates (`rate_matched` in the JSON).
+
 `--baseline DIR` adds a second Sluice stack that runs the services of another checkout, alternated with this one:
 a lever's before and after in one run. `--scale-out 1 2` instead: Sluice alone, one stack per number of admission processes (`admission_procs`,
 sharing one port and the caps), alternated, at the highest concurrency: tokens/s and CPU per token of each.
@@ -244,9 +253,10 @@ N processes hold cap/N each, and an uneven spread of connections over them refus
 
 
 def _stack_config(run_dir: Path, admission_procs: int = 1, code: Path | None = None,
-                  event_loop: str = "") -> StackConfig:
+                  event_loop: str = "", time_scale: float = 1.0) -> StackConfig:
     """The bench's stack; `code`: a checkout whose services it runs instead of this one's (a lever's before);
-    `event_loop`: $SLUICE_EVENT_LOOP of its services ("": their default)."""
+    `event_loop`: $SLUICE_EVENT_LOOP of its services ("": their default); `time_scale`: its worker's
+    --emulate-time-scale (a slower or faster device)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     config = run_dir / "budgets.toml"
     config.write_text(UNBINDING_BUDGETS)
@@ -255,8 +265,43 @@ def _stack_config(run_dir: Path, admission_procs: int = 1, code: Path | None = N
         # The stack starts its services with `python -m` in this checkout's root, and -m puts the working
         # directory first on sys.path: without PYTHONSAFEPATH the "baseline" would import this checkout's code.
         env += (("PYTHONPATH", str(code.resolve())), ("PYTHONSAFEPATH", "1"))
+    worker_args = ("--emulate-time-scale", repr(time_scale)) if time_scale != 1.0 else ()
     return StackConfig(backend="costmodel", model="llama-3-8b", emulate_time=True, http_port=0, log_level="WARNING",
-                       run_dir=run_dir, admission_procs=admission_procs, config_file=str(config), env=env)
+                       run_dir=run_dir, admission_procs=admission_procs, config_file=str(config), env=env,
+                       worker_args=worker_args)
+
+
+def rate_matched(vllm_target: Target, levels: Sequence[int], repeats: int, max_tokens: int,
+                 requests_of: Callable[[int], int], sluice_rates: dict[int, float], run_dir: Path,
+                 event_loop: str = "") -> dict[str, Any]:
+    """Pairs that stream at the same pace (see the module docstring): for each repeat and concurrency, vLLM, then a
+    Sluice stack whose device is scaled to the rate vLLM just streamed at (`sluice_rates`: Sluice's own at scale
+    1). Returns {"results": {"vllm": ..., "sluice_http": ...} medians per concurrency, "ratios": ..., "pairs":
+    [{concurrency, scale, rates, paths}]}."""
+    runs: dict[str, dict[int, list[dict[str, Any]]]] = {"sluice_http": {c: [] for c in levels},
+                                                        "vllm": {c: [] for c in levels}}
+    pairs: list[dict[str, Any]] = []
+    for repeat in range(repeats):
+        for concurrency in levels:
+            theirs = measure(vllm_target, concurrency, requests_of(concurrency), max_tokens)
+            scale = round(sluice_rates[concurrency] / theirs["tokens_per_s"], 3)
+            with Stack(_stack_config(run_dir / f"matched-{concurrency}-{repeat}", event_loop=event_loop,
+                                     time_scale=scale)) as stack:
+                target = sluice_targets(stack, grpc=False)[0]
+                measure(target, 4, 8, 16)
+                ours = measure(target, concurrency, requests_of(concurrency), max_tokens)
+            runs["vllm"][concurrency].append(theirs)
+            runs["sluice_http"][concurrency].append(ours)
+            pair = {"concurrency": concurrency, "time_scale": scale,
+                    "tokens_per_s": {"sluice_http": round(ours["tokens_per_s"]), "vllm": round(theirs["tokens_per_s"])},
+                    "path_us_per_token": {"sluice_http": round(ours["us_per_token"]["path"], 1),
+                                          "vllm": round(theirs["us_per_token"]["path"], 1)}}
+            pairs.append(pair)
+            print(f"# rate-matched c={concurrency} run {repeat + 1}: scale {scale}, Sluice {pair['tokens_per_s']['sluice_http']}"
+                  f" tokens/s path {pair['path_us_per_token']['sluice_http']} us/token, vLLM {pair['tokens_per_s']['vllm']}"
+                  f" tokens/s path {pair['path_us_per_token']['vllm']}", file=sys.stderr, flush=True)
+    results = {name: {str(c): _median_runs(r) for c, r in by_level.items()} for name, by_level in runs.items()}
+    return {"results": results, "ratios": ratios(results), "pairs": pairs}
 
 
 def scale_out(procs: Sequence[int], concurrency: int, repeats: int, max_tokens: int, requests: int,
@@ -296,12 +341,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline", type=Path, metavar="DIR",
                         help="also a Sluice stack running the services of checkout DIR (e.g. `git worktree add DIR "
                              "HEAD~1`), alternated with this one: a lever's before and after in one run")
+    parser.add_argument("--match-rate", action="store_true",
+                        help="also pairs streaming at the same pace: vLLM, then Sluice with its emulated device scaled "
+                             "to the rate vLLM just streamed at (see above)")
     parser.add_argument("--scale-out", type=int, nargs="+", metavar="N",
                         help="Sluice only: tokens/s and CPU with N admission processes (one stack each), alternated")
     args = parser.parse_args(argv)
+    if args.match_rate and (args.no_vllm or args.scale_out or not Path(args.vllm_python).exists()):
+        parser.error(f"--match-rate pairs Sluice with vLLM: it needs vLLM at --vllm-python ({args.vllm_python}; "
+                     "make setup-vllm), without --no-vllm or --scale-out")
+
+    def requests_of(concurrency: int) -> int:
+        return max(8, concurrency * args.requests_per_stream)
+
     run_dir = Path(REPO_ROOT / "out" / "bench-cost")
     run_dir.mkdir(parents=True, exist_ok=True)
     vllm: Proc | None = None
+    matched: dict[str, Any] | None = None
     started = time.monotonic()
     if args.scale_out:
         level = max(args.concurrency)
@@ -324,19 +380,25 @@ def main(argv: list[str] | None = None) -> None:
                 targets.insert(1, vllm_target)
             elif not args.no_vllm:
                 print(f"# no vLLM at {args.vllm_python} (make setup-vllm): Sluice only", file=sys.stderr)
-            results = run(targets, args.concurrency, args.repeats, args.max_tokens,
-                          lambda c: max(8, c * args.requests_per_stream))
+            results = run(targets, args.concurrency, args.repeats, args.max_tokens, requests_of)
+        if args.match_rate and vllm is not None:
+            matched = rate_matched(vllm_target, args.concurrency, args.repeats, args.max_tokens, requests_of,
+                                   {c: results["sluice_http"][str(c)]["tokens_per_s"] for c in args.concurrency},
+                                   run_dir, args.event_loop)
     finally:
         if vllm is not None:
             vllm.stop()
-    _report(args, results, started)
+    _report(args, results, started, matched)
 
 
-def _report(args: argparse.Namespace, results: dict[str, Any], started: float) -> None:
+def _report(args: argparse.Namespace, results: dict[str, Any], started: float,
+            matched: dict[str, Any] | None = None) -> None:
     report = {"load": {"concurrency": args.concurrency, "repeats": args.repeats, "max_tokens": args.max_tokens,
                        "requests_per_stream": args.requests_per_stream, "scale_out": args.scale_out,
                        "elapsed_s": round(time.monotonic() - started)},
               "results": results, "ratios": ratios(results)}
+    if matched is not None:
+        report["rate_matched"] = matched
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")
@@ -344,6 +406,22 @@ def _report(args: argparse.Namespace, results: dict[str, Any], started: float) -
     if report["ratios"]:
         print()
         print(ratio_table(report["ratios"]))
+    if matched is not None:
+        print("\nAt the same pace (Sluice's device scaled to the rate vLLM streamed at just before):\n")
+        print(pair_table(matched["pairs"]))
+        print()
+        print(ratio_table(matched["ratios"]))
+
+
+def pair_table(pairs: Sequence[dict[str, Any]]) -> str:
+    """Return the rate-matched pairs as a Markdown table (tokens/s and path per token of each, in run order)."""
+    lines = ["| concurrency | time scale | tokens/s Sluice / vLLM | path µs/token Sluice / vLLM |",
+             "|---:|---:|---|---|"]
+    for pair in pairs:
+        rate, path = pair["tokens_per_s"], pair["path_us_per_token"]
+        lines.append(f"| {pair['concurrency']} | {pair['time_scale']} | {rate['sluice_http']} / {rate['vllm']} | "
+                     f"{path['sluice_http']} / {path['vllm']} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

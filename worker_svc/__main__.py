@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,9 @@ class WorkerOptions(serve.ServiceOptions):
     """costmodel: GPU profile (gh200, h100, h200)."""
     emulate_time: bool = False
     """costmodel: make each round take its modelled time (GPU-like load tests on a CPU)."""
+    emulate_time_scale: float = 1.0
+    """costmodel with --emulate-time: each round takes this multiple of its modelled time (above 1 a slower
+    device, below 1 a faster one; bench_cost --match-rate sets it to stream at another engine's pace)."""
     eos_after: int | None = None
     """costmodel: output token N is EOS."""
     round_link: bool = True
@@ -79,8 +83,10 @@ async def start(ctx: serve.ServiceContext, options: WorkerOptions) -> serve.Star
         raise serve.StartupError(f"--host-blocks must be >= 0, got {options.host_blocks}")
     metrics = WorkerMetrics()
     ctx.expose_metrics(metrics.registry)
-    runtime = WorkerRuntime(backend_loader(options), num_blocks=options.num_blocks,
-                            emulate_time=options.emulate_time, metrics=metrics)
+    if not 0 < options.emulate_time_scale < math.inf:
+        raise serve.StartupError(f"--emulate-time-scale must be a finite number > 0, got {options.emulate_time_scale}")
+    runtime = WorkerRuntime(backend_loader(options), num_blocks=options.num_blocks, emulate_time=options.emulate_time,
+                            time_scale=options.emulate_time_scale, metrics=metrics)
     worker = await start_worker_server(runtime, options.port, options.host, serve.tls_files(options, "worker"),
                                        options.round_link_port if options.round_link else None)
     ctx.cleanup.push_async_callback(worker.stop)

@@ -32,8 +32,8 @@ Theory of operation
 - `sluice_worker_idle_seconds`: the gap between one round's end and the next one's start, both in the
   backend thread (the device waiting for the control plane; with a round queued, only the thread's own
   pending-token fill-in).
-- `emulate_time`: a backend whose `elapsed_s` is modelled (the cost model) is made to take that long,
-  so that load tests on a CPU see GPU-like round times.
+- `emulate_time`: a backend whose `elapsed_s` is modelled (the cost model) is made to take that long
+  (times `time_scale`: a slower or faster device), so that load tests on a CPU see GPU-like round times.
 - Tracing: a round that carries trace contexts (`RoundPlan.traces`: the sampled requests it serves, as
   many as the scheduler sends) gets a `worker.round` span, a root of its own trace with one link per
   request; a round that carries none costs no span.
@@ -45,6 +45,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
@@ -86,10 +87,14 @@ class WorkerRuntime:
     """Loads a backend off the event loop, warms it up, and runs its rounds one at a time in one thread."""
 
     def __init__(self, load: Callable[[], Backend], *, num_blocks: int | None = None,
-                 emulate_time: bool = False, metrics: WorkerMetrics | None = None) -> None:
+                 emulate_time: bool = False, time_scale: float = 1.0, metrics: WorkerMetrics | None = None) -> None:
+        if not 0 < time_scale < math.inf:
+            raise ValueError(f"time_scale {time_scale}: must be a finite number > 0")
         self._load = load
         self._num_blocks = num_blocks
         self._emulate_time = emulate_time
+        self._time_scale = time_scale
+        """With emulate_time, a round takes this multiple of its modelled time."""
         self.metrics = metrics or WorkerMetrics()
         self.incarnation = uuid.uuid4().hex[:16]
         """New on every start: the epoch of this worker's KV cache (WorkerInfo.incarnation). A ReadKv for blocks
@@ -237,7 +242,7 @@ class WorkerRuntime:
         try:
             result = backend.execute(plan)
             if self._emulate_time:
-                wait_until(start + result.elapsed_s)
+                wait_until(start + result.elapsed_s * self._time_scale)
         finally:
             self._last_end = time.perf_counter()
         self._last_outputs = result.outputs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import subprocess
 import sys
 import threading
@@ -138,6 +139,36 @@ def test_emulate_time_makes_a_round_take_its_modelled_time() -> None:
         await channel.close()
         await worker.stop()
     asyncio.run(body())
+
+
+def test_a_time_scale_stretches_the_emulated_round_and_a_bad_one_is_refused() -> None:
+    """With time_scale 4 a round takes at least four times the cost model's elapsed_s (the bench's slower device);
+    a scale of 0, below 0 or infinite is refused when the runtime is built."""
+    async def body() -> float:
+        model = CostModel("llama-3-70b", "h100")
+        worker, channel = await _started(WorkerRuntime(lambda: model, emulate_time=True, time_scale=4.0))
+        start = time.perf_counter()
+        result = await worker_pb2_grpc.WorkerServiceStub(channel).Execute(convert.plan_to_proto(_plan(1, 8)))
+        took = time.perf_counter() - start
+        assert took >= 4 * result.elapsed_s > 0, (took, result.elapsed_s)
+        await channel.close()
+        await worker.stop()
+        return took
+    asyncio.run(body())
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="time_scale"):
+            WorkerRuntime(lambda: CostModel("llama-3-8b", "h200"), emulate_time=True, time_scale=bad)
+
+
+@pytest.mark.e2e
+def test_worker_refuses_a_time_scale_that_is_not_positive_naming_the_flag(subprocess_env) -> None:  # type: ignore[no-untyped-def]
+    """`--emulate-time-scale 0` ends the worker with exit status 2 and a line naming the flag, no traceback."""
+    refused = subprocess.run([sys.executable, "-m", "worker_svc", "--backend", "costmodel", "--port", "0",
+                              "--emulate-time", "--emulate-time-scale", "0", "--metrics-port", "0"],
+                             capture_output=True, text=True, timeout=120, env=subprocess_env, check=False)
+    assert refused.returncode == 2, refused.stderr
+    assert "--emulate-time-scale must be a finite number > 0, got 0.0" in refused.stderr
+    assert "Traceback" not in refused.stderr
 
 
 @pytest.mark.e2e

@@ -1,10 +1,15 @@
-"""`bench_cost`'s ratios: the first Sluice target's path over every other target's, paired by repeat."""
+"""`bench_cost`'s ratios (the first Sluice target's path over every other target's, paired by repeat) and its
+rate-matched pairs' stacks, flags and table."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from sluice_tools.bench_cost import ratio_table, ratios
+import pytest
+
+from sluice_tools.bench_cost import _stack_config, main, pair_table, ratio_table, ratios
+from worker_svc import __main__ as worker_main
 
 
 def _figures(paths: list[float]) -> dict[str, Any]:
@@ -37,3 +42,31 @@ def test_without_the_reference_there_is_nothing_to_compare() -> None:
     """Scale-out results (admission_procs=N) have no `sluice_http` target: no ratios, no table rows."""
     assert ratios({"admission_procs=1": {"256": _figures([50.0])}}) == {}
     assert ratio_table({}).count("\n") == 1
+
+
+def test_the_rate_matched_stack_gives_its_worker_the_scale_and_the_worker_takes_it(tmp_path: Path) -> None:
+    """`--match-rate`'s stacks: the time scale reaches the worker's command line as --emulate-time-scale, which
+    the worker's own parser reads back; at scale 1 (every other stack of the bench) nothing is added."""
+    scaled = _stack_config(tmp_path / "scaled", time_scale=2.5)
+    assert scaled.emulate_time and scaled.worker_args == ("--emulate-time-scale", "2.5")
+    options = worker_main.parse_args(["--backend", "costmodel", "--emulate-time", *scaled.worker_args])
+    assert options.emulate_time_scale == 2.5
+    assert _stack_config(tmp_path / "plain").worker_args == ()
+
+
+def test_match_rate_without_vllm_is_refused_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--match-rate` pairs Sluice with vLLM: with --no-vllm it exits 2 before starting anything, saying so."""
+    with pytest.raises(SystemExit) as exited:
+        main(["--match-rate", "--no-vllm"])
+    assert exited.value.code == 2
+    assert "--match-rate pairs Sluice with vLLM" in capsys.readouterr().err
+
+
+def test_pair_table_lists_each_pair_in_run_order_with_both_rates() -> None:
+    pairs = [{"concurrency": 16, "time_scale": 0.52, "tokens_per_s": {"sluice_http": 6200, "vllm": 6400},
+              "path_us_per_token": {"sluice_http": 61.0, "vllm": 55.0}},
+             {"concurrency": 256, "time_scale": 2.2, "tokens_per_s": {"sluice_http": 12000, "vllm": 11900},
+              "path_us_per_token": {"sluice_http": 31.5, "vllm": 39.4}}]
+    lines = pair_table(pairs).splitlines()
+    assert lines[2] == "| 16 | 0.52 | 6200 / 6400 | 61.0 / 55.0 |"
+    assert lines[3] == "| 256 | 2.2 | 12000 / 11900 | 31.5 / 39.4 |"
