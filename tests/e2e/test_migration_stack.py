@@ -9,10 +9,13 @@ and the position (worker_svc/costmodel.py), so the tokens an untouched run gives
 
 from __future__ import annotations
 
+import http.client
+import json
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import grpc
 import pytest
@@ -168,6 +171,89 @@ def test_a_killed_replica_process_loses_no_request_and_no_token(tmp_path: Path, 
         assert _migrations(values, cause) >= 1
         print(f"\nkill {'+'.join(victims)}: {int(_migrations(values, cause))} of {STREAMS} requests migrated "
               f"({cause}); all {STREAMS} exact; last stream ended {ended - killed:.1f} s after the kill")
+
+
+@dataclass
+class HttpStreamed:
+    """What one OpenAI HTTP client saw: the text of its chunks, its finish, usage and [DONE]."""
+
+    prompt: list[int]
+    request_id: str = ""
+    text: str = ""
+    finish: str | None = None
+    completion_tokens: int = -1
+    done: bool = False
+    error: BaseException | None = None
+
+
+def _http_stream(base_url: str, key: str, out: HttpStreamed) -> None:
+    """A streamed completion over HTTP/1.1 (chunked: the token reader may write its chunks at once), read as it
+    comes with the standard library."""
+    url = urlsplit(base_url)
+    conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=120)
+    body = {"model": MODEL, "prompt": out.prompt, "max_tokens": MAX_TOKENS, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    try:
+        conn.request("POST", f"{url.path}/completions", body=json.dumps(body),
+                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        response = conn.getresponse()
+        out.request_id = response.getheader("x-request-id") or ""
+        assert response.status == 200, response.read()
+        for line in response:
+            data = line.decode().strip().removeprefix("data: ")
+            if not data:
+                continue
+            if data == "[DONE]":
+                out.done = True
+                break
+            event = json.loads(data)
+            assert "error" not in event, event
+            for choice in event["choices"]:
+                out.text += choice["text"]
+                out.finish = choice["finish_reason"] or out.finish
+            if event.get("usage"):
+                out.completion_tokens = event["usage"]["completion_tokens"]
+    except BaseException as exc:  # noqa: BLE001 - reported by the test
+        out.error = exc
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("victim", ["worker", "scheduler"])
+def test_openai_http_streams_whose_chunks_are_written_at_once_survive_a_killed_replica(tmp_path: Path,
+                                                                                        victim: str) -> None:
+    """Streamed completions over the OpenAI HTTP API, whose text chunks the token reader writes the moment their
+    tokens arrive (sluice_admission_http_stream_events_total{way="at_once"} moves), and kill -9 of replica-0's
+    worker or scheduler mid-stream: every stream ends once with finish "length", usage 400 and [DONE], and its text
+    is exactly the untouched run's tokens' (the cost model's tokens are one printable character each in admission's
+    tokenizer); the requests on replica-0 moved, and admission's budgets are zero after."""
+    from sluice.model_spec import load_model_spec
+    from worker_svc.models import resolve_model
+
+    tokenizer = load_model_spec(resolve_model("tiny"), "tiny").tokenizer
+    with Stack(StackConfig(replicas=2, backend="costmodel", model=MODEL, emulate_time=True, run_dir=tmp_path,
+                           http_port=0)) as stack:
+        assert stack.admission is not None
+        outs = [HttpStreamed([1 + (i * 7 + j) % 200 for j in range(24 + i)]) for i in range(STREAMS)]
+        threads = [threading.Thread(target=_http_stream, args=(stack.http_base_url, stack.api_key, out))
+                   for out in outs]
+        for thread in threads:
+            thread.start()
+        give_up = time.monotonic() + 60
+        while not all(len(o.text) >= 40 or o.error for o in outs):
+            assert time.monotonic() < give_up, [len(o.text) for o in outs]
+            time.sleep(0.01)
+        proc = stack.schedulers[0] if victim == "scheduler" else stack.workers[0]
+        assert proc.popen is not None
+        proc.popen.kill()
+        _finish([], threads)
+        for out in outs:
+            assert out.error is None, out.error
+            assert (out.finish, out.completion_tokens, out.done) == ("length", MAX_TOKENS, True)
+            assert out.text == tokenizer.decode(_expected(out.request_id, out.prompt, MAX_TOKENS))
+        values = _assert_budgets_return_to_zero(stack)
+        assert _migrations(values, "scheduler_gone" if victim == "scheduler" else "worker_down") >= 1
+        assert values['sluice_admission_http_stream_events_total{way="at_once"}'] > 0
 
 
 def test_a_drained_replica_hands_its_requests_over_and_retires(tmp_path: Path) -> None:
