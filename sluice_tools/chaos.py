@@ -1,7 +1,7 @@
 """A chaos run: a steady mixed load on a local stack while processes are killed and stalled, then the invariants.
 
-    python -m sluice_tools.chaos [--duration-s 600] [--fault-interval-s 4] [--clients 6] [--seed 0] [--disagg P:D]
-                                 [--json FILE]
+    python -m sluice_tools.chaos [--duration-s 600] [--fault-interval-s 4] [--clients 6] [--http-clients 2]
+                                 [--seed 0] [--disagg P:D] [--json FILE]
 
 What it does
 - Starts a supervised stack (`sluice_tools.stack.Stack`, cost-model workers with emulated round times, the embedded
@@ -9,6 +9,11 @@ What it does
 - Load: `clients` threads, each issuing one request after another over gRPC, without client retries (each
   request is one attempt, so every outcome is seen): two tenants, output lengths drawn from `max_tokens`,
   greedy with ignore_eos, and a `cancel_fraction` of them dropped by their client after a few tokens.
+  `http_clients` more threads do the same over the OpenAI HTTP API (streamed completions on HTTP/1.1, whose text
+  chunks admission's token reader writes the moment their tokens arrive): a cost-model token is one printable
+  character in admission's tokenizer, so the text is checked as exactly as the tokens; a refusal is its HTTP
+  status (`failed:HTTP_<status>`), an error event after the stream started its `code`, and a connection that
+  closes before `[DONE]` (admission killed) `failed:CONNECTION_CLOSED`.
 - With `disagg` (P:D), the same run on a disaggregated stack (docs/disaggregation.md, "Live mode"): P prefill and D
   decode replicas, every request's prompt on a prefill replica, its KV blocks pulled by the decode replica's worker.
 - With `host_tier`, every replica keeps a host prefix tier (the worker's `--host-blocks`, the scheduler's
@@ -39,6 +44,7 @@ What it does
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import random
@@ -46,9 +52,10 @@ import signal
 import tempfile
 import threading
 import time
+import urllib.parse
 import urllib.request
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,10 +64,12 @@ import grpc
 import redis
 
 from sluice import client as sdk
+from sluice.model_spec import load_model_spec
 from sluice_tools.scrape import Scraper
 from sluice_tools.stack import Proc, Stack, StackConfig
 from sluice_tools.supervisor import RestartPolicy, Supervisor
 from worker_svc.costmodel import CostModel
+from worker_svc.models import resolve_model
 
 __all__ = ["DISAGG_FAULTS", "FAULTS", "ChaosConfig", "faults_for", "run", "stack_config"]
 
@@ -90,6 +99,9 @@ api_keys = ["k-globex"]
 weight = 2.0
 """
 KEYS = ("k-acme", "k-globex")
+ADMISSION_EXIT_S = 2.0
+"""How long a client whose stream was cut off waits for the admission process to be seen gone: a process killed -9
+closes its sockets a moment before it can be reaped, so a client that looked at once saw it still running."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +138,8 @@ class ChaosConfig:
     """How often the schedulers' hand-off counters are read."""
     rss_interval_s: float = 30.0
     """How often every process's resident memory is sampled (`rss_kb_samples`, `rss_growth_kb_per_min`)."""
+    http_clients: int = 2
+    """Client threads over the OpenAI HTTP API (see the module docstring), beside the `clients` over gRPC."""
     run_dir: str | None = None
 
 
@@ -142,7 +156,8 @@ def stack_config(config: ChaosConfig, run_dir: Path, tenants: Path) -> StackConf
         tier = {"num_blocks": HOST_TIER_BLOCKS, "worker_args": ("--host-blocks", str(HOST_TIER_HOST_BLOCKS)),
                 "scheduler_args": ("--host-prefix-cache",)}
     return StackConfig(replicas=config.replicas, disagg=config.disagg, backend="costmodel", model=MODEL,
-                       emulate_time=True, run_dir=run_dir, config_file=str(tenants), start_timeout_s=90, **tier)
+                       emulate_time=True, run_dir=run_dir, config_file=str(tenants), start_timeout_s=90,
+                       http_port=0 if config.http_clients else None, **tier)
 
 
 @dataclass
@@ -150,6 +165,8 @@ class Tally:
     """What the clients saw, and the faults injected."""
 
     outcomes: Counter[str] = field(default_factory=Counter)
+    http_outcomes: Counter[str] = field(default_factory=Counter)
+    """The outcomes of the requests over the OpenAI HTTP API alone (counted in `outcomes` too)."""
     wrong: list[str] = field(default_factory=list)
     faults: list[str] = field(default_factory=list)
     fault_kinds: Counter[str] = field(default_factory=Counter)
@@ -162,9 +179,11 @@ class Tally:
         with self.lock:
             self.failure_examples.setdefault(code, message[:300])
 
-    def add(self, kind: str, detail: str = "") -> None:
+    def add(self, kind: str, detail: str = "", http: bool = False) -> None:
         with self.lock:
             self.outcomes[kind] += 1
+            if http:
+                self.http_outcomes[kind] += 1
             if kind in ("wrong", "hung") and len(self.wrong) < 20:
                 self.wrong.append(detail)
 
@@ -176,15 +195,20 @@ def _shared_prompt(index: int) -> list[int]:
     return [rng.randrange(1, 250) for _ in range(192 + rng.randrange(64))]
 
 
-def _one_request(endpoint: str, rng: random.Random, config: ChaosConfig, model: CostModel, tally: Tally) -> float:
-    """Run one request and classify how it ended (see the module docstring); return how long its client waits
-    before the next one (a refused client backs off, as a real one would: its retry delay, else 0.2 s)."""
+def _draw(rng: random.Random, config: ChaosConfig) -> tuple[list[int], int, int | None]:
+    """Return a request's prompt, output length and the count of tokens after which its client leaves (None)."""
     if config.host_tier and rng.random() < 0.5:
         prompt = _shared_prompt(rng.randrange(SHARED_PROMPTS))
     else:
         prompt = [rng.randrange(1, 250) for _ in range(rng.randrange(8, 120))]
     max_tokens = rng.choice(config.max_tokens)
-    cancel_after = rng.randrange(1, 12) if rng.random() < config.cancel_fraction else None
+    return prompt, max_tokens, rng.randrange(1, 12) if rng.random() < config.cancel_fraction else None
+
+
+def _one_request(endpoint: str, rng: random.Random, config: ChaosConfig, model: CostModel, tally: Tally) -> float:
+    """Run one request and classify how it ended (see the module docstring); return how long its client waits
+    before the next one (a refused client backs off, as a real one would: its retry delay, else 0.2 s)."""
+    prompt, max_tokens, cancel_after = _draw(rng, config)
     tokens: list[int] = []
     request_id, index_errors, status, pause = "", 0, "", 0.0
     try:
@@ -219,10 +243,103 @@ def _one_request(endpoint: str, rng: random.Random, config: ChaosConfig, model: 
     return pause
 
 
+def _one_http_request(base_url: str, rng: random.Random, config: ChaosConfig, model: CostModel,
+                      decode: Callable[[list[int]], str], admission_pid: Callable[[], int], tally: Tally) -> float:
+    """`_one_request` over the OpenAI HTTP API: one streamed completion on HTTP/1.1, its text checked against the
+    model's tokens (see the module docstring); return how long its client waits before the next one. A stream
+    that ends without `[DONE]` while the same admission process ran from its start to its end is `wrong`: only
+    admission going away may cut a stream off."""
+    prompt, max_tokens, cancel_after = _draw(rng, config)
+    pid = admission_pid()
+    url = urllib.parse.urlsplit(base_url)
+    conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=config.request_timeout_s)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    request_id, text, finish, usage, status, pause = "", "", None, -1, "", 0.0
+    try:
+        conn.request("POST", f"{url.path}/completions", body=json.dumps(body),
+                     headers={"Authorization": f"Bearer {rng.choice(KEYS)}", "Content-Type": "application/json"})
+        response = conn.getresponse()
+        request_id = response.getheader("x-request-id") or ""
+        if response.status != 200:
+            status = f"failed:HTTP_{response.status}"
+            pause = float(response.getheader("retry-after") or 0.2)
+            tally.note(status.removeprefix("failed:"), response.read().decode(errors="replace"))
+        else:
+            for line in response:
+                data = line.decode().strip().removeprefix("data: ")
+                if data == "[DONE]":
+                    status = status or "DONE"
+                    break
+                if not data:
+                    continue
+                event = json.loads(data)
+                if "error" in event:
+                    status = f"failed:{event['error'].get('code') or event['error'].get('type')}"
+                    tally.note(status.removeprefix("failed:"), json.dumps(event["error"]))
+                    continue
+                for choice in event["choices"]:
+                    text += choice["text"]
+                    finish = choice["finish_reason"] or finish
+                if event.get("usage"):
+                    usage = event["usage"]["completion_tokens"]
+                if cancel_after is not None and len(text) >= cancel_after and finish is None:
+                    status = "cancelled"
+                    break
+            status = status or "failed:CONNECTION_CLOSED"  # the stream ended without [DONE]: admission went away?
+    except TimeoutError:
+        status = "hung"
+    except ConnectionRefusedError:  # admission down, before its restart
+        status, pause = "failed:CONNECTION_REFUSED", 0.2
+    except (ConnectionError, http.client.HTTPException) as exc:
+        status = "failed:CONNECTION_CLOSED"
+        tally.note("CONNECTION_CLOSED", f"{type(exc).__name__}: {exc}")
+    finally:
+        conn.close()
+    expected = decode([model.token_for(request_id, len(prompt) + i) for i in range(len(text))]) if request_id else ""
+    if status == "failed:CONNECTION_CLOSED" and request_id and _still(admission_pid, pid, ADMISSION_EXIT_S):
+        tally.add("wrong", f"{request_id} (HTTP): the stream ended without [DONE] after {len(text)} tokens while "
+                           f"admission (pid {pid}) lived", http=True)
+    elif text != expected:
+        tally.add("wrong", f"{request_id} (HTTP): text differs from the model's tokens", http=True)
+    elif status == "hung":
+        tally.add("hung", f"{request_id} (HTTP): nothing for {config.request_timeout_s} s ({len(text)} tokens)",
+                  http=True)
+    elif status.startswith("failed:") or status == "cancelled":
+        tally.add(status, http=True)
+    elif finish == "length" and usage == max_tokens == len(text):
+        tally.add("exact", http=True)
+    else:
+        tally.add("wrong", f"{request_id} (HTTP): [DONE] after {len(text)} of {max_tokens} tokens, finish {finish}, "
+                           f"usage {usage}", http=True)
+    return pause
+
+
 def _client_loop(endpoint: str, seed: int, config: ChaosConfig, stop: threading.Event, tally: Tally) -> None:
     rng, model = random.Random(seed), CostModel(MODEL)
     while not stop.is_set():
         stop.wait(min(_one_request(endpoint, rng, config, model, tally), 2.0))
+
+
+def _http_client_loop(base_url: str, seed: int, config: ChaosConfig, decode: Callable[[list[int]], str],
+                      admission_pid: Callable[[], int], stop: threading.Event, tally: Tally) -> None:
+    rng, model = random.Random(seed), CostModel(MODEL)
+    while not stop.is_set():
+        stop.wait(min(_one_http_request(base_url, rng, config, model, decode, admission_pid, tally), 2.0))
+
+
+def _still(now: Callable[[], int], pid: int, wait_s: float) -> bool:
+    """Whether `now()` still gives `pid` after up to `wait_s` (it changes as soon as the process is gone)."""
+    give_up = time.monotonic() + wait_s
+    while now() == pid and time.monotonic() < give_up:
+        time.sleep(0.02)
+    return now() == pid
+
+
+def _admission_pid(stack: Stack) -> int:
+    """The admission process's pid now (0 while it is down): a restart changes it."""
+    proc = stack.admission
+    return proc.popen.pid if proc is not None and proc.popen is not None and proc.popen.poll() is None else 0
 
 
 def _inject(stack: Stack, fault: str, rng: random.Random, stall_s: float) -> str:
@@ -433,6 +550,11 @@ def run(config: ChaosConfig) -> dict[str, Any]:
         clients = [threading.Thread(target=_client_loop, args=(stack.endpoint, config.seed * 1000 + i, config,
                                                                stop, tally), daemon=True)
                    for i in range(config.clients)]
+        if config.http_clients:
+            decode = load_model_spec(resolve_model("tiny"), "tiny").tokenizer.decode  # admission's (Stack)
+            clients += [threading.Thread(target=_http_client_loop, args=(
+                stack.http_base_url, config.seed * 1000 + 500 + i, config, decode, lambda: _admission_pid(stack),
+                stop, tally), daemon=True) for i in range(config.http_clients)]
         for thread in clients:
             thread.start()
         rng, started = random.Random(config.seed), time.monotonic()
@@ -461,6 +583,7 @@ def run(config: ChaosConfig) -> dict[str, Any]:
         "failed_explicitly": {k.removeprefix("failed:"): v for k, v in outcomes.items() if k.startswith("failed:")},
         "hung": outcomes["hung"] + hung_clients, "wrong_tokens": outcomes["wrong"], "examples": tally.wrong,
         "failure_examples": tally.failure_examples, "handoffs": _handoffs(scheduler_counts),
+        "http_outcomes": dict(tally.http_outcomes),
         "host_tier": config.host_tier, "host_hit_tokens": host_hit_tokens,
         "leaks": leaks, "restarts": restarts,
         "supervisor_problems": [e for e in events if "given up" in e or "could not be restarted" in e],
@@ -483,6 +606,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--duration-s", type=float, default=ChaosConfig.duration_s)
     parser.add_argument("--fault-interval-s", type=float, default=ChaosConfig.fault_interval_s)
     parser.add_argument("--clients", type=int, default=ChaosConfig.clients)
+    parser.add_argument("--http-clients", type=int, default=ChaosConfig.http_clients,
+                        help="more client threads over the OpenAI HTTP API (streamed, text checked exactly)")
     parser.add_argument("--seed", type=int, default=ChaosConfig.seed)
     parser.add_argument("--disagg", default=None, metavar="P:D",
                         help="a disaggregated stack of P prefill and D decode replicas (docs/disaggregation.md)")
@@ -509,7 +634,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--faults {args.faults!r}: {', '.join(unknown) or 'none given'} not one of "
                          f"{', '.join(known)}")
     report = run(ChaosConfig(duration_s=args.duration_s, fault_interval_s=args.fault_interval_s,
-                             clients=args.clients, seed=args.seed, disagg=disagg, faults=faults,
+                             clients=args.clients, http_clients=args.http_clients, seed=args.seed, disagg=disagg,
+                             faults=faults,
                              host_tier=args.host_tier, run_dir=args.run_dir))
     text = json.dumps(report, indent=2)
     print(text)

@@ -1,7 +1,12 @@
-"""The chaos run's configuration (sluice_tools/chaos.py): `--disagg P:D` is the same run on a disaggregated stack."""
+"""The chaos run's configuration (sluice_tools/chaos.py): `--disagg P:D` is the same run on a disaggregated stack;
+and how its HTTP client judges a stream."""
 
 from __future__ import annotations
 
+import http.server
+import json
+import random
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -10,9 +15,12 @@ import pytest
 from sluice_tools.chaos import (
     DISAGG_FAULTS,
     FAULTS,
+    MODEL,
     ChaosConfig,
+    Tally,
     _handoffs,
     _nothing_held,
+    _one_http_request,
     _run_dir,
     faults_for,
     main,
@@ -20,6 +28,7 @@ from sluice_tools.chaos import (
     stack_config,
 )
 from sluice_tools.stack_parts import replica_role
+from worker_svc.costmodel import CostModel
 
 NOTHING = {"admission_reserved": {}, "scheduler_requests": 0, "kv_blocks_used": 0, "kv_blocks_held": 0,
            "host_blocks_beyond_tier": 0, "redis_pending": {}}
@@ -137,3 +146,67 @@ def test_memory_growth_is_the_second_halfs_slope_of_a_process_never_restarted_in
     growth = rss_growth_kb_per_min(samples)
     assert growth == {"worker-0": 0.0, "scheduler-0": 600.0}
     assert rss_growth_kb_per_min([]) == {}
+
+
+class _StreamServer(http.server.ThreadingHTTPServer):
+    """A local HTTP/1.1 server answering one streamed completion the way admission does, with the cost model's
+    text for the posted prompt, ended with [DONE] or cut off after `cut_after` tokens (the connection closed)."""
+
+    cut_after: int | None = None
+
+
+class _StreamHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        model, request_id = CostModel(MODEL), "r-1"
+        tokens = [model.token_for(request_id, len(body["prompt"]) + i) for i in range(body["max_tokens"])]
+        self.send_response(200)
+        self.send_header("x-request-id", request_id)
+        self.send_header("transfer-encoding", "chunked")
+        self.end_headers()
+
+        def event(data: str) -> None:
+            chunk = f"data: {data}\n\n".encode()
+            self.wfile.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+
+        cut = getattr(self.server, "cut_after", None)
+        for i, token in enumerate(tokens):
+            if cut is not None and i == cut:
+                self.wfile.flush()
+                self.close_connection = True
+                return  # no [DONE], no last chunk: the connection closes
+            event(json.dumps({"choices": [{"index": 0, "text": chr(token), "finish_reason": None}]}))
+        event(json.dumps({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}))
+        event(json.dumps({"choices": [], "usage": {"completion_tokens": len(tokens)}}))
+        event("[DONE]")
+        self.wfile.write(b"0\r\n\r\n")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("cut_after", "pid_changes", "outcome"), [
+    (None, False, "exact"),
+    (5, True, "failed:CONNECTION_CLOSED"),
+    (5, False, "wrong"),
+])
+def test_an_http_stream_cut_off_is_explicit_only_when_admission_went_away(cut_after: int | None, pid_changes: bool,
+                                                                       outcome: str) -> None:
+    """The HTTP client of a chaos run: a whole stream with the model's text is exact; one cut off before [DONE] is
+    `failed:CONNECTION_CLOSED` when the admission process changed meanwhile, and `wrong` when the same one lived."""
+    server = _StreamServer(("127.0.0.1", 0), _StreamHandler)
+    server.cut_after = cut_after
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    pids = iter([100, *([200] * 1000 if pid_changes else [100] * 1000)])
+    tally = Tally()
+    try:
+        config = ChaosConfig(max_tokens=(16,), cancel_fraction=0.0, request_timeout_s=10)
+        _one_http_request(f"http://127.0.0.1:{server.server_address[1]}/v1", random.Random(1), config,
+                          CostModel(MODEL), lambda ids: "".join(map(chr, ids)), lambda: next(pids), tally)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert tally.outcomes == Counter({outcome: 1}) and tally.http_outcomes == tally.outcomes
