@@ -105,6 +105,8 @@ class RequestStream:
     _tap: Tap | None = None
     """The tap of the follower parked on `_tap_waiter` (see `follow`), which new tokens go to first."""
     _tap_waiter: asyncio.Future[None] | None = None
+    _tap_failed: Tap | None = None
+    """The last tap that raised: its follower goes on without it."""
 
     def add_tokens(self, index: int, token_ids: list[int], emitted_unix_s: float) -> bool:
         """Append the part of a delta not seen yet. Returns True when the delta breaks off the stream (its index
@@ -159,15 +161,17 @@ class RequestStream:
 
     def _tapped(self) -> bool:
         """Offer the new tokens to the parked follower's tap; True when it took them (its follower stays parked).
-        A tap that fails is logged and dropped, and its follower woken: the token reader, which every request's
-        tokens go through, must not fail with it."""
+        A tap that fails is logged, its follower woken and the tap not used again: the token reader, which every
+        request's tokens go through, must not fail with it."""
         tap = self._tap
         if tap is None:
             return False
         try:
             return tap.take(self)
         except Exception:
-            log.exception("request %s: handing tokens on at once failed; its follower takes them", self.request_id)
+            log.exception("request %s: handing tokens on at once failed; its follower takes them from now on",
+                          self.request_id)
+            self._tap_failed = tap
             return False
 
     def _wake(self, tapped_too: bool = True) -> None:
@@ -236,6 +240,8 @@ class RequestStream:
                 if self._tap_waiter is waiter:  # closed while parked (the client left)
                     self._tap, self._tap_waiter = None, None
             position = tap.position
+            if self._tap_failed is tap:
+                tap = None
 
 
 def entry_time_s(entry_id: Any) -> float:

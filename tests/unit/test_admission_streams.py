@@ -207,8 +207,9 @@ def test_a_parked_followers_tap_takes_tokens_at_once_without_waking_it_and_it_re
 
 def test_one_tap_a_stream_a_broken_tap_wakes_its_follower_and_closing_a_parked_follower_removes_its_tap() -> None:
     """A follower parking while another's tap is set parks without its own; a tap that raises is logged, the
-    delta's tokens are kept and its follower yields them (the reader is not disturbed); a follower closed while
-    parked takes its tap away, and the other follower's tap takes the next tokens."""
+    delta's tokens are kept and its follower yields them and every later one itself (the reader is not
+    disturbed); a follower closed while parked takes its tap away, and the other follower's tap takes the next
+    tokens."""
     async def play() -> tuple[_Tap, _Tap, list[int], list[int], bool]:
         registry = StreamRegistry()
         stream = registry.open("r")
@@ -230,15 +231,20 @@ def test_one_tap_a_stream_a_broken_tap_wakes_its_follower_and_closing_a_parked_f
         registry.on_delta(_delta("r", 1, 2), 2.0)  # raises in the tap: kept, both followers woken
         await asyncio.sleep(0)
         await asyncio.sleep(0)
+        first_untapped = stream._tap is not first  # noqa: SLF001 - parked again, without its failed tap
+        first.broken = False
+        registry.on_delta(_delta("r", 2, 3), 3.0)  # first yields it itself; second's tap takes it
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
         a.cancel()
         await asyncio.gather(a, return_exceptions=True)
         await asyncio.sleep(0)
         tap_is_seconds = stream._tap is second  # noqa: SLF001 - the state this test is about
-        registry.on_delta(_delta("r", 2, 3), 3.0)
-        registry.on_completion(_completion("r", 3))
+        registry.on_delta(_delta("r", 3, 4), 4.0)
+        registry.on_completion(_completion("r", 4))
         await asyncio.wait_for(b, 2)
-        return first, second, got_first, got_second, tap_is_seconds
+        return first, second, got_first, got_second, tap_is_seconds and first_untapped
 
-    first, second, got_first, got_second, tap_is_seconds = asyncio.run(play())
-    assert first.taken == [(0, (1,))] and got_first == [2]
-    assert got_second == [1, 2] and second.taken == [(2, (3,))] and tap_is_seconds
+    first, second, got_first, got_second, taps_as_said = asyncio.run(play())
+    assert first.taken == [(0, (1,))] and got_first == [2, 3]
+    assert got_second == [1, 2] and second.taken == [(2, (3,)), (3, (4,))] and taps_as_said
