@@ -158,9 +158,7 @@ class HttpEdge:
         self._token_texts: dict[int, str] = {}
         self.requests = Counter("sluice_admission_http_requests", "HTTP requests by route and status",
                                 ["route", "status"], registry=door.metrics.registry)
-        events = Counter("sluice_admission_http_stream_events", "Server-sent events of streamed responses, by way: "
-                         "written by the token reader the moment their tokens arrived (at_once), or by the "
-                         "request's own task", ["way"], registry=door.metrics.registry)
+        events = door.metrics.http_stream_events
         self.events_at_once, self.events_by_task = events.labels("at_once"), events.labels("task")
 
     def app(self) -> Starlette:

@@ -593,6 +593,11 @@ class AdmissionMetrics:
                                           "Requests ended FAILED instead of moving, by reason.", ["reason"],
                                           registry=r)
         zero_series(self.migration_failures, MIGRATION_FAILURE_REASONS)
+        self.http_stream_events = Counter("sluice_admission_http_stream_events",
+                                          "Chunks of streamed OpenAI HTTP responses (text and finish), by way: written "
+                                          "by the token reader the moment their tokens arrived (at_once), or by the "
+                                          "request's own task (admission_svc/http_edge.py).", ["way"], registry=r)
+        zero_series(self.http_stream_events, ("at_once", "task"))
         self.budget_in_use = Gauge("sluice_admission_budget_in_use",
                                    "Admission ledger now: active, queued, pending_input_tokens, reserved_output_tokens.",
                                    ["budget"], registry=r)
