@@ -137,7 +137,7 @@ bench-http: setup
 # Redis; the client apart) at concurrency 1, 16 and 256, beside vLLM's own API server (its engine apart), the two
 # alternated in one run (docs/benchmarks.md). COST_FLAGS="--repeats 3" or "--no-vllm".
 bench-cost: setup
-	PYTHONPATH=. $(BIN)/python -m sluice_tools.bench_cost --vllm-python $(VLLM_VENV)/bin/python \
+	PYTHONPATH=. $(BIN)/python -m sluice_tools.bench_cost --vllm-python $(VLLM_VENV)/bin/python --match-rate \
 	  --json out/bench-cost.json $(COST_FLAGS)
 
 # Sluice beside the routers people run today (sglang-router, vllm-router, round-robin) in front of the same

@@ -57,7 +57,7 @@ from sluice.serve import EVENT_LOOP_ENV, default_event_loop
 from sluice_tools.bench_peers_procs import CpuMeter, Proc, descendants, spawn, wait_http
 from sluice_tools.stack import REPO_ROOT, Stack, StackConfig
 
-__all__ = ["Target", "main", "measure", "ratio_table", "ratios"]
+__all__ = ["Target", "build_parser", "main", "measure", "no_matched_pairs", "pair_table", "ratio_table", "ratios"]
 
 SLUICE_PATH = ("admission", "router", "scheduler", "redis")
 """The processes whose sum is Sluice's path."""
@@ -321,8 +321,21 @@ def scale_out(procs: Sequence[int], concurrency: int, repeats: int, max_tokens: 
     return {f"admission_procs={n}": {str(concurrency): _median_runs(r)} for n, r in runs.items()}
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Start Sluice (and vLLM), measure, print the table; JSON to --json."""
+def no_matched_pairs(args: argparse.Namespace) -> str | None:
+    """Why `--match-rate` has no pairs to measure in this run (printed, and the pairs left out), or None."""
+    if not args.match_rate:
+        return None
+    if args.no_vllm:
+        return "--no-vllm"
+    if args.scale_out:
+        return "--scale-out"
+    if not Path(args.vllm_python).exists():
+        return f"no vLLM at {args.vllm_python} (make setup-vllm)"
+    return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the command line's parser."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 256])
     parser.add_argument("--repeats", type=int, default=2)
@@ -346,10 +359,16 @@ def main(argv: list[str] | None = None) -> None:
                              "to the rate vLLM just streamed at (see above)")
     parser.add_argument("--scale-out", type=int, nargs="+", metavar="N",
                         help="Sluice only: tokens/s and CPU with N admission processes (one stack each), alternated")
-    args = parser.parse_args(argv)
-    if args.match_rate and (args.no_vllm or args.scale_out or not Path(args.vllm_python).exists()):
-        parser.error(f"--match-rate pairs Sluice with vLLM: it needs vLLM at --vllm-python ({args.vllm_python}; "
-                     "make setup-vllm), without --no-vllm or --scale-out")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Start Sluice (and vLLM), measure, print the table; JSON to --json."""
+    args = build_parser().parse_args(argv)
+    skipped = no_matched_pairs(args)
+    if skipped:
+        print(f"# {skipped}: no rate-matched pairs", file=sys.stderr)
+        args.match_rate = False
 
     def requests_of(concurrency: int) -> int:
         return max(8, concurrency * args.requests_per_stream)

@@ -8,7 +8,14 @@ from typing import Any
 
 import pytest
 
-from sluice_tools.bench_cost import _stack_config, main, pair_table, ratio_table, ratios
+from sluice_tools.bench_cost import (
+    _stack_config,
+    build_parser,
+    no_matched_pairs,
+    pair_table,
+    ratio_table,
+    ratios,
+)
 from worker_svc import __main__ as worker_main
 
 
@@ -54,12 +61,17 @@ def test_the_rate_matched_stack_gives_its_worker_the_scale_and_the_worker_takes_
     assert _stack_config(tmp_path / "plain").worker_args == ()
 
 
-def test_match_rate_without_vllm_is_refused_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
-    """`--match-rate` pairs Sluice with vLLM: with --no-vllm it exits 2 before starting anything, saying so."""
-    with pytest.raises(SystemExit) as exited:
-        main(["--match-rate", "--no-vllm"])
-    assert exited.value.code == 2
-    assert "--match-rate pairs Sluice with vLLM" in capsys.readouterr().err
+@pytest.mark.parametrize(("argv", "reason"), [
+    (["--match-rate", "--no-vllm"], "--no-vllm"),
+    (["--match-rate", "--scale-out", "1", "2"], "--scale-out"),
+    (["--match-rate", "--vllm-python", "/nonexistent/python"], "no vLLM at /nonexistent/python (make setup-vllm)"),
+    (["--no-vllm"], None),
+])
+def test_a_run_that_cannot_pair_with_vllm_says_why_it_measures_no_matched_pairs(argv: list[str],
+                                                                                reason: str | None) -> None:
+    """`make bench-cost` asks for --match-rate; with --no-vllm, --scale-out or no vLLM installed the run goes on
+    without the pairs and prints why (`no_matched_pairs`); without --match-rate there is nothing to say."""
+    assert no_matched_pairs(build_parser().parse_args(argv)) == reason
 
 
 def test_pair_table_lists_each_pair_in_run_order_with_both_rates() -> None:
