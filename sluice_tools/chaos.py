@@ -12,8 +12,9 @@ What it does
   `http_clients` more threads do the same over the OpenAI HTTP API (streamed completions on HTTP/1.1, whose text
   chunks admission's token reader writes the moment their tokens arrive): a cost-model token is one printable
   character in admission's tokenizer, so the text is checked as exactly as the tokens; a refusal is its HTTP
-  status (`failed:HTTP_<status>`), an error event after the stream started its `code`, and a connection that
-  closes before `[DONE]` (admission killed) `failed:CONNECTION_CLOSED`.
+  status (`failed:HTTP_<status>`), an error event after the stream started its `code`, a connection refused
+  `failed:CONNECTION_REFUSED`, and one that closes before `[DONE]` `failed:CONNECTION_CLOSED` when admission
+  went away, but `wrong` when the same admission process lived on (only its death may cut a stream off).
 - With `disagg` (P:D), the same run on a disaggregated stack (docs/disaggregation.md, "Live mode"): P prefill and D
   decode replicas, every request's prompt on a prefill replica, its KV blocks pulled by the decode replica's worker.
 - With `host_tier`, every replica keeps a host prefix tier (the worker's `--host-blocks`, the scheduler's
