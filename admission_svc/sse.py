@@ -43,12 +43,26 @@ Write = Callable[[bytes], Awaitable[bool]]
 """Writes one event; returns False once the client is gone (nothing more will reach it)."""
 
 
-def direct_writer(scope: Scope) -> Write | None:
-    """Return a writer of chunks straight onto the connection of `scope`'s response, whose head was sent and was
-    framed chunked by h11; None when that is not so (then events go through ASGI sends)."""
+def _chunked_cycle(scope: Scope) -> Any:
+    """Return uvicorn's request cycle of `scope`'s response when its head was sent framed chunked by h11 through
+    Sluice's protocol; else None."""
     ref = scope.get(CYCLE_SCOPE_KEY)
     cycle = ref() if ref is not None else None
     if cycle is None or type(getattr(cycle.conn, "_writer", None)).__name__ != "ChunkedWriter":
+        return None
+    return cycle
+
+
+def _chunk(event: bytes) -> bytes:
+    """One event framed as a chunk of a chunked body."""
+    return b"%x\r\n%b\r\n" % (len(event), event)
+
+
+def direct_writer(scope: Scope) -> Write | None:
+    """Return a writer of chunks straight onto the connection of `scope`'s response, whose head was sent and was
+    framed chunked by h11; None when that is not so (then events go through ASGI sends)."""
+    cycle = _chunked_cycle(scope)
+    if cycle is None:
         return None
     transport, flow = cycle.transport, cycle.flow
 
@@ -57,7 +71,7 @@ def direct_writer(scope: Scope) -> Write | None:
             return False
         if flow.write_paused:
             await flow.drain()
-        transport.write(b"%x\r\n%b\r\n" % (len(event), event))
+        transport.write(_chunk(event))
         return True
 
     return write
@@ -76,8 +90,7 @@ class WriteNow:
 
     def bind(self, scope: Scope) -> None:
         """Write onto the connection of `scope`'s response (its head sent) if `direct_writer` could."""
-        if direct_writer(scope) is not None:
-            self._cycle = scope[CYCLE_SCOPE_KEY]()
+        self._cycle = _chunked_cycle(scope)
 
     def unbind(self) -> None:
         """The response is ending: write nothing more."""
@@ -91,7 +104,7 @@ class WriteNow:
 
     def __call__(self, event: bytes) -> None:
         """Write one event; call only right after `ready` said True."""
-        self._cycle.transport.write(b"%x\r\n%b\r\n" % (len(event), event))
+        self._cycle.transport.write(_chunk(event))
         self.written += 1
 
 

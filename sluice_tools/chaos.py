@@ -298,21 +298,20 @@ def _one_http_request(base_url: str, rng: random.Random, config: ChaosConfig, mo
     finally:
         conn.close()
     expected = decode([model.token_for(request_id, len(prompt) + i) for i in range(len(text))]) if request_id else ""
+    why = ""
     if status == "failed:CONNECTION_CLOSED" and request_id and _still(admission_pid, pid, ADMISSION_EXIT_S):
-        tally.add("wrong", f"{request_id} (HTTP): the stream ended without [DONE] after {len(text)} tokens while "
-                           f"admission (pid {pid}) lived", http=True)
+        kind, why = "wrong", f"the stream ended without [DONE] after {len(text)} tokens while admission (pid {pid}) lived"
     elif text != expected:
-        tally.add("wrong", f"{request_id} (HTTP): text differs from the model's tokens", http=True)
+        kind, why = "wrong", "text differs from the model's tokens"
     elif status == "hung":
-        tally.add("hung", f"{request_id} (HTTP): nothing for {config.request_timeout_s} s ({len(text)} tokens)",
-                  http=True)
+        kind, why = "hung", f"nothing for {config.request_timeout_s} s ({len(text)} tokens)"
     elif status.startswith("failed:") or status == "cancelled":
-        tally.add(status, http=True)
+        kind = status
     elif finish == "length" and usage == max_tokens == len(text):
-        tally.add("exact", http=True)
+        kind = "exact"
     else:
-        tally.add("wrong", f"{request_id} (HTTP): [DONE] after {len(text)} of {max_tokens} tokens, finish {finish}, "
-                           f"usage {usage}", http=True)
+        kind, why = "wrong", f"[DONE] after {len(text)} of {max_tokens} tokens, finish {finish}, usage {usage}"
+    tally.add(kind, f"{request_id} (HTTP): {why}", http=True)
     return pause
 
 

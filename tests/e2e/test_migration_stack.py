@@ -13,8 +13,10 @@ import http.client
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import grpc
@@ -68,10 +70,10 @@ def _stream(endpoint: str, key: str, out: Streamed, max_tokens: int = MAX_TOKENS
             out.error = exc
 
 
-def _start(tmp_path: Path, *scheduler_args: str) -> Stack:
-    """Return the (unstarted: `with` starts it) 2-replica stack."""
+def _start(tmp_path: Path, *scheduler_args: str, http: bool = False) -> Stack:
+    """Return the (unstarted: `with` starts it) 2-replica stack, with the HTTP edge on a free port if `http`."""
     return Stack(StackConfig(replicas=2, backend="costmodel", model=MODEL, emulate_time=True, run_dir=tmp_path,
-                             scheduler_args=scheduler_args))
+                             scheduler_args=scheduler_args, http_port=0 if http else None))
 
 
 def _run_all(stack: Stack, outs: list[Streamed], max_tokens: int = MAX_TOKENS) -> list[threading.Thread]:
@@ -84,16 +86,26 @@ def _run_all(stack: Stack, outs: list[Streamed], max_tokens: int = MAX_TOKENS) -
 
 def _launch(stack: Stack, min_tokens: int = 40) -> tuple[list[Streamed], list[threading.Thread]]:
     """Start STREAMS long requests (distinct prompts) and return once each has streamed `min_tokens`."""
-    outs = [Streamed([1 + (i * 7 + j) % 200 for j in range(24 + i)]) for i in range(STREAMS)]
+    outs = [Streamed(_prompt(i)) for i in range(STREAMS)]
     threads = _run_all(stack, outs)
-    give_up = time.monotonic() + 60
-    while not all(len(o.tokens) >= min_tokens or o.error for o in outs):
-        assert time.monotonic() < give_up, [len(o.tokens) for o in outs]
-        time.sleep(0.01)
+    _wait_streamed(outs, lambda out: len(out.tokens), min_tokens)
     return outs, threads
 
 
-def _finish(outs: list[Streamed], threads: list[threading.Thread]) -> float:
+def _prompt(i: int) -> list[int]:
+    """Long request `i`'s prompt (distinct for each i)."""
+    return [1 + (i * 7 + j) % 200 for j in range(24 + i)]
+
+
+def _wait_streamed(outs: list[Any], streamed: Callable[[Any], int], min_tokens: int) -> None:
+    """Return once every client has `streamed` at least `min_tokens` (or failed); 60 s at most."""
+    give_up = time.monotonic() + 60
+    while not all(streamed(o) >= min_tokens or o.error for o in outs):
+        assert time.monotonic() < give_up, [streamed(o) for o in outs]
+        time.sleep(0.01)
+
+
+def _finish(outs: list[Any], threads: list[threading.Thread]) -> float:
     """Join the clients; return when the last one ended."""
     for thread in threads:
         thread.join(150)
@@ -231,22 +243,17 @@ def test_openai_http_streams_whose_chunks_are_written_at_once_survive_a_killed_r
     from worker_svc.models import resolve_model
 
     tokenizer = load_model_spec(resolve_model("tiny"), "tiny").tokenizer
-    with Stack(StackConfig(replicas=2, backend="costmodel", model=MODEL, emulate_time=True, run_dir=tmp_path,
-                           http_port=0)) as stack:
-        assert stack.admission is not None
-        outs = [HttpStreamed([1 + (i * 7 + j) % 200 for j in range(24 + i)]) for i in range(STREAMS)]
+    with _start(tmp_path, http=True) as stack:
+        outs = [HttpStreamed(_prompt(i)) for i in range(STREAMS)]
         threads = [threading.Thread(target=_http_stream, args=(stack.http_base_url, stack.api_key, out))
                    for out in outs]
         for thread in threads:
             thread.start()
-        give_up = time.monotonic() + 60
-        while not all(len(o.text) >= 40 or o.error for o in outs):
-            assert time.monotonic() < give_up, [len(o.text) for o in outs]
-            time.sleep(0.01)
+        _wait_streamed(outs, lambda out: len(out.text), 40)
         proc = stack.schedulers[0] if victim == "scheduler" else stack.workers[0]
         assert proc.popen is not None
         proc.popen.kill()
-        _finish([], threads)
+        _finish(outs, threads)
         for out in outs:
             assert out.error is None, out.error
             assert (out.finish, out.completion_tokens, out.done) == ("length", MAX_TOKENS, True)

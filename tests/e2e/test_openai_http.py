@@ -25,7 +25,7 @@ from sluice.model_spec import load_model_spec
 from sluice.telemetry import read_span_file
 from sluice.v1 import router_pb2, router_pb2_grpc
 from sluice_tools.stack import Stack, StackConfig
-from tests.processes import wait_until
+from tests.processes import scraped_metrics, wait_until
 from worker_svc.models import resolve_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -153,13 +153,8 @@ def _sse_data(stack: Stack, path: str, body: dict[str, Any], http10: bool) -> li
 
 
 def _at_once_events(stack: Stack) -> float:
-    url = urlsplit(stack.http_base_url)
-    conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=30)
-    conn.request("GET", "/metrics")
-    text = conn.getresponse().read().decode()
-    conn.close()
-    line = next(row for row in text.splitlines() if row.startswith('sluice_admission_http_stream_events_total{way="at_once"}'))
-    return float(line.split()[-1])
+    assert stack.admission is not None
+    return scraped_metrics(stack.admission.metrics_url)['sluice_admission_http_stream_events_total{way="at_once"}']
 
 
 @pytest.mark.parametrize("path,body", [
