@@ -619,6 +619,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--run-dir", default=None)
     parser.add_argument("--json", default=None, help="also write the report to this file")
     args = parser.parse_args(argv)
+    if args.clients < 0 or args.http_clients < 0 or args.clients + args.http_clients == 0:
+        parser.error(f"--clients {args.clients} --http-clients {args.http_clients}: each must be >= 0, and one > 0")
     from sluice_tools.sim.disagg import parse_split  # the one P:D parser (`sluice up`, `sluice sim`)
 
     try:

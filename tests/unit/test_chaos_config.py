@@ -86,6 +86,16 @@ def test_a_bad_split_ends_in_one_line_naming_the_flag(split: str, capsys: pytest
     assert ended.value.code == 2 and "--disagg" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("counts", [["--http-clients", "-1"], ["--clients", "-2"], ["--clients", "0", "--http-clients", "0"]])
+def test_client_counts_below_zero_or_none_at_all_end_in_one_line_naming_them(counts: list[str],
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A negative --clients or --http-clients, or no client at all, exits 2 before anything starts, naming both."""
+    with pytest.raises(SystemExit) as ended:
+        main(counts)
+    err = capsys.readouterr().err
+    assert ended.value.code == 2 and "--clients" in err and "--http-clients" in err
+
+
 @pytest.mark.parametrize(("faults", "named"), [("kill:gpu", "kill:gpu"), ("kill:worker,stop:admission", "stop:admission"),
                                                (",", "none given")])
 def test_faults_not_of_the_stack_end_in_one_line_naming_them(faults: str, named: str,
