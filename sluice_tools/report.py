@@ -285,14 +285,18 @@ def _same_levers(name: str) -> frozenset[str]:
 
 def capacity_goal_lines(results: Mapping[str, Any], compute_bound_rps: float | None, *, over_round_robin: float = 2.0,
                         over_same_levers: float = 1.3, bound_share: float = 0.95,
-                        fleet_cache_bound_rps: float | Mapping[str, float] | None = None) -> list[str]:
+                        fleet_cache_bound_rps: float | Mapping[str, float] | None = None,
+                        strict_fleet_bound_rps: float | Mapping[str, float] | None = None) -> list[str]:
     """Return one line per Sluice row (a `--compare` item naming no baseline or competitor router) saying which
     capacity goal it meets: >= `over_round_robin` x the plain round_robin row and >= `over_same_levers` x the
     `dynamo_kv` row given the same levers (its words but the score router's, e.g. `dynamo_kv+budget=slo` for
     `score+prefill-weight=8+budget=slo`), or >= `bound_share` of the compute bound. A comparison whose row was not
     searched is named as missing, never taken as met. With `fleet_cache_bound_rps` (the compute bound when one LRU
     cache of the fleet's KV is all the prefix cache there is; one per row name where the rows' fleets differ, e.g. in
-    a host prefix tier) the row's share of it is said too; the verdict is against `compute_bound_rps` alone."""
+    a host prefix tier) the row's share of it is said too, as information: it is not a strict bound. With
+    `strict_fleet_bound_rps` (the same fleet's KV under an eviction rule that knows the future,
+    `sluice_tools.sim.bound.optimal_cache_savings`: a strict bound, given where it binds) the share of it is said and
+    counts for the verdict like the compute bound's: the bound that binds is the lower of the two."""
     by_words = {_words(name): result for name, result in results.items()}
     round_robin = by_words.get(frozenset({"round_robin"}))
     lines = []
@@ -320,6 +324,11 @@ def capacity_goal_lines(results: Mapping[str, Any], compute_bound_rps: float | N
                        else fleet_cache_bound_rps)
         if fleet_bound:
             parts.append(f"{rate / fleet_bound:.0%} of it with the fleet's KV as one LRU cache")
+        strict = (strict_fleet_bound_rps.get(name) if isinstance(strict_fleet_bound_rps, Mapping)
+                  else strict_fleet_bound_rps)
+        if strict:
+            parts.append(f"{rate / strict:.0%} of the strict bound with the fleet's KV (goal {bound_share:.0%})")
+            at_bound = at_bound or rate / strict >= bound_share
         near = f"within {1 - bound_share:.0%} of the compute bound"
         verdict = (f"met (the ratios; {near})" if ratios_met and at_bound else "met (the ratios)" if ratios_met
                    else f"met ({near})" if at_bound else "not met")

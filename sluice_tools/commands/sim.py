@@ -499,7 +499,13 @@ def _run_capacity(args: argparse.Namespace, workload: Any, configs: dict[str, Si
     fleet_bounds = _fleet_bounds(configs, workload.requests, bounds)
     binding = {name: rate for name, rate in fleet_bounds.items() if rate < bounds["ideal_cache"]}
     bounds["fleet_cache_by_config"] = fleet_bounds  # type: ignore[assignment]
-    for line in capacity_goal_lines(results, bounds["ideal_cache"], fleet_cache_bound_rps=binding):
+    # Where the fleet's KV binds, the strict bound with it (an eviction rule that knows the future; ~1 min on
+    # Mooncake), one per distinct fleet: the goal's "bound where it binds" is the lower of it and the ideal cache's.
+    strict = _strict_fleet_bounds({name: configs[name] for name in binding}, workload.requests)
+    strict = {name: rate for name, rate in strict.items() if rate < bounds["ideal_cache"]}
+    bounds["fleet_cache_optimal_by_config"] = strict  # type: ignore[assignment]
+    for line in capacity_goal_lines(results, bounds["ideal_cache"], fleet_cache_bound_rps=binding,
+                                    strict_fleet_bound_rps=strict):
         print(line)
     print(f"compute bound: {bounds['ideal_cache']:.2f} req/s with one infinite prefix cache, "
           f"{bounds['fleet_cache']:.2f} with one LRU cache of the fleet's KV "
@@ -507,6 +513,9 @@ def _run_capacity(args: argparse.Namespace, workload: Any, configs: dict[str, Si
           f"FLOPs alone); pooled bound {bounds['pooled']:.2f} req/s (one server with the fleet's FLOPs, prefills in "
           f"arrival order, the late refused), {bounds['partitioned']:.2f} partitioned (each prompt on one replica's "
           f"FLOPs, the least loaded)")
+    for name, rate in strict.items():
+        print(f"strict bound with the fleet's KV of {name}: {rate:.2f} req/s (one LRU cache of it: "
+              f"{fleet_bounds[name]:.2f}; the strict one is its eviction rule knowing the future)")
     payload = {"workload": workload.describe(), "ideal_prefix_hit_rate": ideal, "compute_bound_rps": bounds,
                "capacity": {name: result.to_dict() for name, result in results.items()}}
     if args.json:
@@ -527,6 +536,21 @@ def _fleet_bounds(configs: dict[str, SimConfig], requests: Any, bounds: dict[str
         tokens = fleet_cache_tokens(config)
         if tokens not in by_tokens:
             by_tokens[tokens] = compute_bound_rps(config, requests, cache_tokens=tokens)
+        out[name] = by_tokens[tokens]
+    return out
+
+
+def _strict_fleet_bounds(configs: dict[str, SimConfig], requests: Any) -> dict[str, float]:
+    """Return each configuration's compute bound with its fleet's KV under an eviction rule that knows the future
+    (`compute_bound_rps(..., eviction="optimal")`, a strict bound), computed once per distinct size."""
+    from sluice_tools.sim.bound import compute_bound_rps, fleet_cache_tokens
+
+    by_tokens: dict[int, float] = {}
+    out = {}
+    for name, config in configs.items():
+        tokens = fleet_cache_tokens(config)
+        if tokens not in by_tokens:
+            by_tokens[tokens] = compute_bound_rps(config, requests, cache_tokens=tokens, eviction="optimal")
         out[name] = by_tokens[tokens]
     return out
 

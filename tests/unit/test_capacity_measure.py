@@ -115,6 +115,13 @@ def test_the_goal_lines_say_which_goal_each_sluice_row_meets() -> None:
     # One bound per row where the rows' fleets hold different KV (a host prefix tier); a row without one says none.
     per_row = capacity_goal_lines(results, compute_bound_rps=100.0, fleet_cache_bound_rps={"score": rates["score"] / 2})
     assert "200% of it with the fleet's KV" in per_row[1] and "fleet's KV" not in per_row[0]
+    # The strict bound with the fleet's KV (an eviction rule that knows the future) is a bound that binds: within
+    # 5 % of it meets the goal like the compute bound, and a row far below it does not.
+    strict = capacity_goal_lines(results, compute_bound_rps=100.0, strict_fleet_bound_rps={"score": rates["score"] * 1.04})
+    assert "96% of the strict bound with the fleet's KV (goal 95%)" in strict[1]
+    assert strict[1].endswith("-> met (within 5% of the compute bound)") and "strict" not in strict[0]
+    below = capacity_goal_lines(results, compute_bound_rps=100.0, strict_fleet_bound_rps=rates["score"] * 1.7)
+    assert "59% of the strict bound" in below[1] and below[1].endswith("-> not met")
 
 
 def test_sim_capacity_tolerance_sets_how_close_the_search_brackets_the_capacity(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -138,3 +145,21 @@ def test_sim_capacity_tolerance_sets_how_close_the_search_brackets_the_capacity(
     assert bounds["fleet_cache"] == bounds["ideal_cache"] == bounds["no_cache"] > 0
     from worker_svc.costmodel import CostModel
     assert bounds["fleet_cache_tokens"] == CostModel("llama-3-8b", "h200").num_blocks * 16
+
+
+def test_sim_capacity_gives_the_strict_bound_with_the_fleets_kv_where_that_kv_binds(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """A chat mix with shared prefixes on one replica of 600 blocks: the fleet's KV cannot hold the reuse, so
+    `sluice sim --capacity` prints and writes the strict bound with it (an eviction rule that knows the future),
+    which lies above one LRU cache's and below an infinite cache's."""
+    from sluice_tools.cli import main
+
+    out = tmp_path / "cap.json"
+    assert main(["sim", "synthetic:?mix=chat-high-reuse&rate=20&n=80", "--replicas", "1", "--capacity",
+                 "--compare", "score+num-blocks=600", "--no-progress", "--json", str(out)]) == 0
+    bounds = json.loads(out.read_text())["compute_bound_rps"]
+    lru = bounds["fleet_cache_by_config"]["score+num-blocks=600"]
+    strict = bounds["fleet_cache_optimal_by_config"]["score+num-blocks=600"]
+    assert bounds["no_cache"] < lru < strict < bounds["ideal_cache"]
+    printed = capsys.readouterr().out
+    assert f"strict bound with the fleet's KV of score+num-blocks=600: {strict:.2f} req/s" in printed
+    assert "of the strict bound with the fleet's KV (goal 95%)" in printed

@@ -7,12 +7,15 @@ import math
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sluice_tools.sim import SimConfig
 from sluice_tools.sim.bound import (
     compute_bound_rps,
     fleet_cache_tokens,
     lru_cached_tokens,
+    optimal_cache_savings,
     partitioned_attainment,
     pooled_attainment,
     request_shape,
@@ -126,3 +129,60 @@ def test_pooled_bound_refuses_a_prompt_one_replica_cannot_prefill_within_the_slo
     config = replace(config, slo_ttft_s=0.9 * _prefill_s(config, 6000))
     requests = [WorkloadRequest("long", 0.0, 6000, 0), WorkloadRequest("short", 1.0, 2000, 0)]
     assert pooled_attainment(config, requests) == (0.5, pytest.approx(2000 / 8000))
+
+
+def _flops_of(request: WorkloadRequest, cached: int) -> float:
+    return CostModel("llama-3-8b", "h200").flops_and_bytes(request_shape(request, cached))[0]
+
+
+def _lru_savings(requests: list[WorkloadRequest], capacity_tokens: int) -> float:
+    return sum(_flops_of(r, 0) - _flops_of(r, hit) for r, hit in zip(requests, lru_cached_tokens(requests, capacity_tokens),
+                                                                    strict=True))
+
+
+def test_an_eviction_rule_that_knows_the_future_keeps_the_prefix_that_comes_back_where_lru_keeps_none() -> None:
+    """Three conversations of one 2-block prefix each, visited in turn (a, b, c, a, b, c, a): with room for two
+    prefixes LRU always evicts the one that comes back next and hits nothing; the optimal rule keeps one prefix for
+    good and the other slot for whichever comes back first, so it hits on a2 (a kept), on b2 (b in the other slot)
+    and on a3: 3 of the 4 returns, each worth a whole 2-block prefix here (the prompts are 2 blocks and a token)."""
+    order = ["a", "b", "c", "a", "b", "c", "a"]
+    prefix = {"a": (1, 2), "b": (3, 4), "c": (5, 6)}
+    requests = [WorkloadRequest(f"{c}{i}", float(i), 1025, 4, hash_ids=prefix[c], hash_block_tokens=512)
+                for i, c in enumerate(order)]
+    assert lru_cached_tokens(requests, 4 * 512) == [0] * 7
+    one_return = _flops_of(requests[0], 0) - _flops_of(requests[0], 1024)
+    saved = optimal_cache_savings(requests, 4 * 512, _flops_of)
+    assert saved == pytest.approx(3 * one_return, rel=1e-6)
+    assert saved >= 3 * one_return  # rounded up: it errs high, never low
+    # room for everything: every return hits (4 of them); no room: nothing
+    assert optimal_cache_savings(requests, 6 * 512, _flops_of) == pytest.approx(4 * one_return, rel=1e-6)
+    assert optimal_cache_savings(requests, 511, _flops_of) == 0.0
+    config = SimConfig(replicas=2)
+    strict = compute_bound_rps(config, requests, cache_tokens=4 * 512, eviction="optimal")
+    assert compute_bound_rps(config, requests, cache_tokens=4 * 512) < strict < compute_bound_rps(config, requests)
+    with pytest.raises(ValueError, match="eviction"):
+        compute_bound_rps(config, requests, cache_tokens=4 * 512, eviction="fifo")
+
+
+def test_a_hit_is_worth_the_most_a_run_of_leading_blocks_saves_per_block_so_a_short_last_block_cannot_lower_it() -> None:
+    """A prompt of 2 blocks and 1 token (its third block saves nothing: the last token is always computed) comes back
+    with room for its first two blocks only: the bound must count what those two save, not two thirds of it (the
+    mean over all three would)."""
+    first = WorkloadRequest("x1", 0.0, 1025, 4, hash_ids=(1, 2, 3), hash_block_tokens=512)
+    again = WorkloadRequest("x2", 1.0, 1025, 4, hash_ids=(1, 2, 3), hash_block_tokens=512)
+    two_blocks = _flops_of(again, 0) - _flops_of(again, 1024)
+    assert optimal_cache_savings([first, again], 2 * 512, _flops_of) >= two_blocks
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=2, max_size=30), st.integers(1, 12), st.integers(1, 3))
+def test_no_eviction_rule_saves_more_than_the_strict_bound_lru_included(
+        conversations: list[int], capacity_blocks: int, depth: int) -> None:
+    """Random conversations (each a chain of `depth` shared blocks and a block of its own): LRU's savings, one
+    eviction rule among all, never exceed the strict bound, and an infinite cache's savings bound both."""
+    requests = [WorkloadRequest(f"r{i}", float(i), 512 * (depth + 1), 8,
+                                hash_ids=tuple(100 * c + d for d in range(depth)) + (10_000 + i,),
+                                hash_block_tokens=512) for i, c in enumerate(conversations)]
+    strict = optimal_cache_savings(requests, capacity_blocks * 512, _flops_of)
+    assert _lru_savings(requests, capacity_blocks * 512) <= strict * (1 + 1e-9)
+    assert strict <= _lru_savings(requests, 10**9) * (1 + 1e-6) + len(requests) * 1e6
