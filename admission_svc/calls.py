@@ -178,6 +178,9 @@ class Tracked:
     """Generate calls streaming this request now (an idempotent retry is a second follower)."""
     retry_after_s: float | None = None
     """Retry delay of the refusal that kept it from being placed (a REJECTED request)."""
+    lost: bool = False
+    """Admission ended it FAILED because its replicas were lost more times than it moves a request (or none was
+    left to take it): its stream ends UNAVAILABLE (`RequestLost`), not INTERNAL."""
     operation: str = "text_completion"
     """GenAI operation name of the call that started it (span name and metric label)."""
     placement: Placement | None = None

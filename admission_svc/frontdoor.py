@@ -458,7 +458,7 @@ class FrontDoor:
         detail = f": {completion.detail}" if completion.detail else ""
         outputs = completion.usage.output_tokens
         return core_errors.ended_error(status, f"request {record.request_id} {status} after {outputs} output tokens"
-                                               f"{detail}", record.retry_after_s)
+                                               f"{detail}", record.retry_after_s, lost=record.lost)
 
     def scheduler(self, address: str) -> scheduler_pb2_grpc.SchedulerServiceStub:
         """Return the stub of the scheduler at `address` (one channel per address)."""

@@ -195,7 +195,7 @@ class HandOffs:
             door.metrics.migration_failures.labels("migration_limit").inc()
             migrator.end_locally(record, common_pb2.FAILED, f"migration_limit: its decode half was refused at "
                                                             f"{pair.decode_replica_id} ({exc.code().name}) after "
-                                                            f"{moves} migrations")
+                                                            f"{moves} migrations", lost=True)
             # After the end: the REJECTED completion of the current attempt would otherwise end it REJECTED.
             migrator.forget_attempt(record, refused, pair.decode_replica_id, f"hand-off: {exc.code().name}")
             return
@@ -223,7 +223,7 @@ class HandOffs:
         if not placed and record.completion is None:  # not when it ended meanwhile (a cancel): no second end
             migrator.end_locally(record, common_pb2.FAILED, f"hand-off to {pair.decode_replica_id} failed and no "
                                                             f"replica took the request within "
-                                                            f"{door.config.migration_retry_s} s")
+                                                            f"{door.config.migration_retry_s} s", lost=True)
 
     def _release(self, pair: HandOff, reason: str) -> None:
         """Tell the prefill scheduler to unpin the hold (best effort, in the background)."""

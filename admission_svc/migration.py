@@ -342,12 +342,13 @@ class Migrator:
         door, stream, placement = self.door, record.stream, record.placement
         streamed = len(stream.tokens)
         if placement is None:
-            self.end_locally(record, common_pb2.FAILED, f"replica lost ({cause.value}) before it was placed")
+            self.end_locally(record, common_pb2.FAILED, f"replica lost ({cause.value}) before it was placed",
+                              lost=True)
             return
         if record.migrations - record.handoffs >= door.config.migration_limit:
             door.metrics.migration_failures.labels("migration_limit").inc()
             self.end_locally(record, common_pb2.FAILED, f"migration_limit: replica lost ({cause.value}) after "
-                                                        f"{record.migrations - record.handoffs} migrations")
+                                                        f"{record.migrations - record.handoffs} migrations", lost=True)
             return
         sampling = placement.call.sampling
         left = sampling.max_tokens - streamed
@@ -368,7 +369,7 @@ class Migrator:
         if not await self._place(record, call, ids, placement.deadline_unix_s):
             door.metrics.migration_failures.labels("no_replica").inc()
             self.end_locally(record, common_pb2.FAILED, f"replica lost ({cause.value}) and no replica took the "
-                                                        f"request within {door.config.migration_retry_s} s")
+                                                        f"request within {door.config.migration_retry_s} s", lost=True)
             return
         log.info("request %s migrated (%s) %s -> %s after %d tokens", record.request_id, cause.value, old_replica,
                  record.replica_id, streamed)
@@ -466,9 +467,11 @@ class Migrator:
                                                        f"longer knows attempt {attempt}", finish_reason="cancelled")
 
     def end_locally(self, record: Tracked, status: common_pb2.RequestStatus, detail: str,
-                    finish_reason: str = "error") -> None:
+                    finish_reason: str = "error", lost: bool = False) -> None:
         """End a request admission gives up on (a lost replica it may not or cannot leave) with `status`;
-        the reservation is released through FrontDoor.complete, as for any completion."""
+        the reservation is released through FrontDoor.complete, as for any completion. `lost`: it failed because
+        the fleet lost it (`Tracked.lost`: its stream ends UNAVAILABLE)."""
+        record.lost = lost
         completion = events_pb2.Completion(
             request_id=record.request_id, tenant=record.tenant, replica_id=record.replica_id, status=status,
             finish_reason=finish_reason, detail=detail, owner=self.door.owner,

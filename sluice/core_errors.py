@@ -115,6 +115,15 @@ class RequestFailed(RequestEnded):
     reason = "request_failed"
 
 
+class RequestLost(RequestEnded):
+    """Ended FAILED by admission because its replicas were lost (killed, drained away, refusing its decode half)
+    more times than admission moves a request, or with no replica left to take it: the fleet failed it, not the
+    request nor a bug, so a later retry may succeed."""
+
+    status = "UNAVAILABLE"
+    reason = "request_lost"
+
+
 class RequestNotPlaced(RequestEnded):
     """Admitted but could not be placed on a replica (REJECTED): a later retry may be."""
 
@@ -135,13 +144,17 @@ NOT_PLACED_RETRY_AFTER_S = 1.0
 """Retry delay of a REJECTED request when the refusal that ended it named none."""
 
 
-def ended_error(status_name: str, detail: str, retry_after_s: float | None = None) -> RequestEnded | None:
+def ended_error(status_name: str, detail: str, retry_after_s: float | None = None,
+                lost: bool = False) -> RequestEnded | None:
     """Return the refusal a request's terminal status `status_name` ends its stream with, or None when the
-    status is not a failure (finished, or not terminal). A REJECTED one always carries a retry delay."""
+    status is not a failure (finished, or not terminal). `lost`: admission ended it FAILED because the fleet lost
+    it (`RequestLost`, UNAVAILABLE). A REJECTED or lost one always carries a retry delay."""
     kind = _ENDED.get(status_name)
     if kind is None:
         return None
-    if kind is RequestNotPlaced and retry_after_s is None:
+    if kind is RequestFailed and lost:
+        kind = RequestLost
+    if kind in (RequestNotPlaced, RequestLost) and retry_after_s is None:
         retry_after_s = NOT_PLACED_RETRY_AFTER_S
     return kind(detail, metadata={"request_status": status_name}, retry_after_s=retry_after_s)
 

@@ -73,6 +73,7 @@ def test_decode_halves_refused_again_and_again_end_the_request_at_the_migration_
             with pytest.raises(sdk.SluiceError) as info:
                 await client.generate_text("hi", max_tokens=5)
         assert "migration_limit" in info.value.message and "FAILED" in info.value.message
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE and info.value.retry_delay_s == 1.0  # lost, not a bug
         first = replica.submitted[0].request_id
         assert [(s.request_id, s.HasField("kv_source")) for s in replica.submitted] == [
             (first, False), (f"{first}#1", True), (f"{first}#2", False), (f"{first}#3", True),

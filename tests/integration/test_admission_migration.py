@@ -23,7 +23,8 @@ def test_a_handed_off_request_moves_with_its_tokens_until_the_migration_limit(tm
                                                                                 namespace: str) -> None:
     """Each hand-off re-submits attempt `id#n` with the prompt plus the tokens streamed so far and max_tokens
     reduced by them; the client's indices continue; past migration_limit the request ends FAILED
-    (migration_limit), its reservation released once and the moves counted."""
+    (migration_limit), its reservation released once and the moves counted. The fleet lost it, so its stream
+    ends UNAVAILABLE with a retry delay (reason request_lost), not INTERNAL as a replica's own failure does."""
     async def body(target: str, door: FrontDoor, replica: StandInReplica, bus: Bus) -> None:
         replica.end_status, replica.end_detail = common_pb2.CANCELLED, DRAIN_HANDOFF
         indices: list[int] = []
@@ -32,6 +33,9 @@ def test_a_handed_off_request_moves_with_its_tokens_until_the_migration_limit(tm
                 async for chunk in client.generate("hi", max_tokens=8):
                     indices.extend(range(chunk.index, chunk.index + len(chunk.token_ids)))
         assert "migration_limit" in info.value.message and "FAILED" in info.value.message
+        assert isinstance(info.value, sdk.Unavailable) and info.value.retry_delay_s == 1.0
+        assert any(getattr(d, "reason", "") == "request_lost" and d.metadata.get("request_status") == "FAILED"
+                   for d in info.value.details)
         assert indices == [0, 1, 2]
         first, *moved = replica.submitted
         assert [s.request_id for s in moved] == [f"{first.request_id}#1", f"{first.request_id}#2"]

@@ -124,6 +124,8 @@ def test_whole_response_carries_trimmed_text_and_openai_usage(spec: ModelSpec) -
     (core_errors.NoReplicaAvailable("none ready"), 503, "service_unavailable_error"),
     (errors.Unavailable("down", retry_after_s=0.2), 503, "service_unavailable_error"),
     (core_errors.RequestTimedOut("late"), 504, "timeout_error"),
+    (core_errors.ended_error("FAILED", "lost three times", lost=True), 503, "service_unavailable_error"),
+    (core_errors.ended_error("FAILED", "the worker failed"), 500, "server_error"),
     (ValueError("a bug"), 500, "server_error")])
 def test_one_table_maps_refusals_to_http(refusal: Exception, status: int, kind: str) -> None:
     """Core and gRPC refusals get their HTTP status, OpenAI type, param and Retry-After from the one table."""
@@ -137,6 +139,20 @@ def test_one_table_maps_refusals_to_http(refusal: Exception, status: int, kind: 
     if retry is not None:
         assert int(answer.headers()["retry-after"]) >= retry and int(answer.headers()["retry-after-ms"]) == int(retry * 1000)
     assert http_error(refusal).body["error"]["message"] != "" and len(HTTP_STATUS) >= 10
+
+
+def test_a_request_the_fleet_lost_ends_unavailable_with_a_retry_delay_and_a_replicas_failure_internal() -> None:
+    """FAILED because admission ran out of replicas to move it to (`lost`) is the fleet's failure, transient:
+    UNAVAILABLE (HTTP 503, `request_lost`) with a retry delay. FAILED from the replica stays INTERNAL (500,
+    `request_failed`); finished requests end no stream with a refusal."""
+    lost = core_errors.ended_error("FAILED", "migration_limit: replica lost", lost=True)
+    failed = core_errors.ended_error("FAILED", "the worker failed")
+    assert isinstance(lost, core_errors.RequestLost) and (lost.status, lost.reason) == ("UNAVAILABLE", "request_lost")
+    assert lost.retry_after_s == core_errors.NOT_PLACED_RETRY_AFTER_S
+    assert isinstance(failed, core_errors.RequestFailed) and failed.status == "INTERNAL" and failed.retry_after_s is None
+    assert http_error(lost).body["error"]["code"] == "request_lost" and http_error(lost).headers()["retry-after"] == "1"
+    assert core_errors.ended_error("FINISHED_STOP", "", lost=True) is None
+    assert isinstance(core_errors.ended_error("REJECTED", "x", lost=True), core_errors.RequestNotPlaced)
 
 
 def test_chat_refusals_name_messages_not_prompt() -> None:
