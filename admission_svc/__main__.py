@@ -78,6 +78,9 @@ class AdmissionOptions(serve.BusOptions):
     """Finished requests remembered (GetRequest, idempotent retries) at most; the oldest are forgotten first."""
     finished_record_ttl_s: float = FrontDoorConfig.finished_record_ttl_s
     """Seconds a finished request is remembered at most."""
+    stream_interval: int = FrontDoorConfig.stream_interval
+    """After a streamed request's first token, send its tokens once this many wait (and the rest with the finish),
+    as vLLM's --stream-interval; 1 sends whatever arrived every round."""
     completion_fetch_grace_s: float = FrontDoorConfig.completion_fetch_grace_s
     """Seconds a completion fetched from its scheduler (Lookup) waits for its bus copy before it counts as lost on
     the bus (a WARNING); one whose copy comes counts as late."""
@@ -167,6 +170,8 @@ def build_servicer(ctx: serve.ServiceContext, options: AdmissionOptions) -> Fron
                         ("--http-body-timeout-s", options.http_body_timeout_s)):
         if not value > 0:
             raise serve.StartupError(f"{flag} must be positive, got {value}")
+    if options.stream_interval < 1:
+        raise serve.StartupError(f"--stream-interval must be at least 1 (tokens), got {options.stream_interval}")
     try:
         service = load_config(options.config)  # first: a typo in the file is the cheapest thing to report
         model_dir = resolve_model_dir(options.model)
@@ -181,7 +186,8 @@ def build_servicer(ctx: serve.ServiceContext, options: AdmissionOptions) -> Fron
                              migration_limit=options.migration_limit, stall_timeout_s=options.stall_timeout_s,
                              max_finished_records=options.max_finished_records,
                              finished_record_ttl_s=options.finished_record_ttl_s,
-                             completion_fetch_grace_s=options.completion_fetch_grace_s)
+                             completion_fetch_grace_s=options.completion_fetch_grace_s,
+                             stream_interval=options.stream_interval)
     return FrontDoor(core, model, options.router, owner, metrics, config, serve.tls_files(options, "admission"))
 
 

@@ -55,6 +55,11 @@ class FrontDoorConfig:
     this are forgotten first (sluice_admission_records_evicted_total{reason="count"})."""
     finished_record_ttl_s: float = 300.0
     """A finished request is forgotten this many seconds after it ended, at the latest (reason="age")."""
+    stream_interval: int = 1
+    """Tokens a streamed request's chunks carry at least, after its first (vLLM's --stream-interval): a client's
+    stream gets its first token at once, then a chunk (an SSE event, a gRPC message) once this many tokens wait,
+    and the rest with the finish. 1: a chunk for whatever arrived, every round. Fewer chunks cost admission and
+    the client less per token, at the price of a smoother stream."""
     completion_fetch_grace_s: float = FETCH_GRACE_S
     """A completion fetched from its scheduler (Lookup) whose bus copy has not come this many seconds later counts
     as lost on the bus, with a WARNING; one whose copy comes counts as late (admission_svc/fetched.py)."""

@@ -89,7 +89,7 @@ def _gen_ai_attributes(call: GenerateCall, model_id: str, request_id: str, ids: 
 class _SinkTap:
     """`FrontDoor.stream`'s tap (admission_svc/streams.py): the Outputs of tokens as they arrive, to a sink."""
 
-    __slots__ = ("request_id", "detokenizer", "sink", "position")
+    __slots__ = ("request_id", "detokenizer", "sink", "position", "interval", "sent")
 
     def __init__(self, request_id: str, detokenizer: Detokenizer, sink: OutputSink) -> None:
         self.request_id = request_id
@@ -97,14 +97,19 @@ class _SinkTap:
         """The stream's own: its text continues where the yielded Outputs' ended."""
         self.sink = sink
         self.position = 0
+        self.interval = 1
+        self.sent = False
 
     def take(self, stream: RequestStream) -> bool:
+        if self.sent and len(stream.tokens) - self.position < self.interval:
+            return True  # held: the follower stays parked until enough wait or the completion wakes it
         if stream.logprobs or not self.sink.ready():
             return False
         index = self.position
         batch = tuple(stream.tokens[index:])
         output = Output(self.request_id, index, batch, self.detokenizer.push(batch), stream.token_emitted[index])
         self.position = index + len(batch)  # the detokenizer has them: never pushed to it twice
+        self.sent = True
         self.sink.push(output)
         return True
 
@@ -183,7 +188,7 @@ class FrontDoor:
         record.followers += 1
         tap = _SinkTap(record.request_id, detokenizer, sink) if sink is not None else None
         try:
-            async for item in record.stream.follow(tap=tap):
+            async for item in record.stream.follow(tap=tap, interval=self.config.stream_interval):
                 if item.completion is None:
                     logprobs = record.stream.logprobs
                     yield Output(record.request_id, item.index, item.tokens, detokenizer.push(item.tokens),

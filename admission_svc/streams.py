@@ -55,10 +55,15 @@ class Tap(Protocol):
 
     position: int
     """Output index of the next token the follower hands on (set by `follow`, advanced by `take`)."""
+    interval: int
+    """Tokens to hold, once some were handed on, before handing more on (set by `follow`: its `interval`)."""
+    sent: bool
+    """Whether the follower or the tap has handed tokens on (set by `follow`; `take` sets it when it hands some on)."""
 
     def take(self, stream: RequestStream) -> bool:
-        """Hand on `stream.tokens[position:]` now and advance `position` past them; False (nothing done) when
-        that cannot be done now: the follower is woken and yields them."""
+        """Hand on `stream.tokens[position:]` now and advance `position` past them (and set `sent`), or, once
+        `sent` and while fewer than `interval` wait, hold them (True, nothing done: the follower stays parked);
+        False (nothing done) when they cannot be handed on now: the follower is woken and yields them."""
 
 
 class StreamListener(Protocol):
@@ -196,11 +201,15 @@ class RequestStream:
             if waiter in self._waiters:
                 self._waiters.remove(waiter)
 
-    async def follow(self, start: int = 0, grace_s: float = 2.0, tap: Tap | None = None) -> AsyncIterator[StreamItem]:
+    async def follow(self, start: int = 0, grace_s: float = 2.0, tap: Tap | None = None,
+                     interval: int = 1) -> AsyncIterator[StreamItem]:
         """Yield new tokens from `start` on, then the completion; replays for a late reader.
 
         Every token that arrived since the last item goes out as one item (tokens of several rounds that
         are ready together are coalesced into one chunk, in order).
+
+        `interval` > 1 (vLLM's --stream-interval): after the first item, tokens are held until `interval` of them
+        are waiting; the completion (or the stream's end) takes whatever is held. Fewer items for the same tokens.
 
         `tap`: while this follower is parked waiting for tokens (whatever it yielded before has been dealt with:
         its consumer is waiting for the next item), tokens that arrive are offered to `tap.take` first, on the
@@ -210,8 +219,10 @@ class RequestStream:
         position = start
         tokens = self.tokens
         loop = asyncio.get_running_loop()
-        while True:
-            if len(tokens) > position:
+        holding = interval > 1
+        while True:  # (holding: the first item goes out at once, later ones once `interval` tokens wait)
+            if len(tokens) > position and (not holding or position == start or len(tokens) - position >= interval
+                                           or self.completion is not None or self.done):
                 batch = tuple(tokens[position:])
                 yield StreamItem(position, batch, emitted_unix_s=self.token_emitted[position])
                 position += len(batch)
@@ -232,7 +243,7 @@ class RequestStream:
                 self._waiters.append(waiter)
                 await waiter
                 continue
-            tap.position = position
+            tap.position, tap.interval, tap.sent = position, interval, position > start
             self._tap, self._tap_waiter = tap, waiter
             try:
                 await waiter

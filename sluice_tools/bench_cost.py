@@ -157,13 +157,15 @@ def _pid(proc: Any) -> int:
     return int(proc.popen.pid)
 
 
-def start_vllm(python: str, run_dir: Path) -> tuple[Proc, Target]:
-    """Start vLLM's OpenAI server on the tiny model; return it and its target (API server apart from engine)."""
+def start_vllm(python: str, run_dir: Path, stream_interval: int = 1) -> tuple[Proc, Target]:
+    """Start vLLM's OpenAI server on the tiny model; return it and its target (API server apart from engine).
+    `stream_interval` > 1: its --stream-interval (as Sluice admission's, `--stream-interval` of the bench)."""
     from sluice_tools.vllm_engine import VllmEngineSpec, vllm_command, vllm_env
     from worker_svc.models import resolve_model
 
     spec = VllmEngineSpec(model_dir=str(resolve_model("tiny")), port=free_port(),
-                          kv_socket=str(run_dir / "vllm-kv.sock"), replay_port=free_port(), dev_mode=False)
+                          kv_socket=str(run_dir / "vllm-kv.sock"), replay_port=free_port(), dev_mode=False,
+                          extra_args=("--stream-interval", str(stream_interval)) if stream_interval > 1 else ())
     proc = spawn("vllm", vllm_command(spec, python), run_dir, env=vllm_env(spec), url=spec.url)
     wait_http(proc, "/health", timeout_s=600)
     root = proc.popen.pid
@@ -253,10 +255,10 @@ N processes hold cap/N each, and an uneven spread of connections over them refus
 
 
 def _stack_config(run_dir: Path, admission_procs: int = 1, code: Path | None = None,
-                  event_loop: str = "", time_scale: float = 1.0) -> StackConfig:
+                  event_loop: str = "", time_scale: float = 1.0, stream_interval: int = 1) -> StackConfig:
     """The bench's stack; `code`: a checkout whose services it runs instead of this one's (a lever's before);
     `event_loop`: $SLUICE_EVENT_LOOP of its services ("": their default); `time_scale`: its worker's
-    --emulate-time-scale (a slower or faster device)."""
+    --emulate-time-scale (a slower or faster device); `stream_interval`: admission's --stream-interval."""
     run_dir.mkdir(parents=True, exist_ok=True)
     config = run_dir / "budgets.toml"
     config.write_text(UNBINDING_BUDGETS)
@@ -268,12 +270,13 @@ def _stack_config(run_dir: Path, admission_procs: int = 1, code: Path | None = N
     worker_args = ("--emulate-time-scale", repr(time_scale)) if time_scale != 1.0 else ()
     return StackConfig(backend="costmodel", model="llama-3-8b", emulate_time=True, http_port=0, log_level="WARNING",
                        run_dir=run_dir, admission_procs=admission_procs, config_file=str(config), env=env,
-                       worker_args=worker_args)
+                       worker_args=worker_args,
+                       admission_args=("--stream-interval", str(stream_interval)) if stream_interval > 1 else ())
 
 
 def rate_matched(vllm_target: Target, levels: Sequence[int], repeats: int, max_tokens: int,
                  requests_of: Callable[[int], int], sluice_rates: dict[int, float], run_dir: Path,
-                 event_loop: str = "") -> dict[str, Any]:
+                 event_loop: str = "", stream_interval: int = 1) -> dict[str, Any]:
     """Pairs that stream at the same pace (see the module docstring): for each repeat and concurrency, vLLM, then a
     Sluice stack whose device is scaled to the rate vLLM just streamed at (`sluice_rates`: Sluice's own at scale
     1). Returns {"results": {"vllm": ..., "sluice_http": ...} medians per concurrency, "ratios": ..., "pairs":
@@ -286,7 +289,7 @@ def rate_matched(vllm_target: Target, levels: Sequence[int], repeats: int, max_t
             theirs = measure(vllm_target, concurrency, requests_of(concurrency), max_tokens)
             scale = round(sluice_rates[concurrency] / theirs["tokens_per_s"], 3)
             with Stack(_stack_config(run_dir / f"matched-{concurrency}-{repeat}", event_loop=event_loop,
-                                     time_scale=scale)) as stack:
+                                     time_scale=scale, stream_interval=stream_interval)) as stack:
                 target = sluice_targets(stack, grpc=False)[0]
                 measure(target, 4, 8, 16)
                 ours = measure(target, concurrency, requests_of(concurrency), max_tokens)
@@ -357,6 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--match-rate", action="store_true",
                         help="also pairs streaming at the same pace: vLLM, then Sluice with its emulated device scaled "
                              "to the rate vLLM just streamed at (see above)")
+    parser.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                        help="both fronts send a stream's tokens N at a time after its first (Sluice admission's and "
+                             "vLLM's --stream-interval); default 1: every token as it comes")
     parser.add_argument("--scale-out", type=int, nargs="+", metavar="N",
                         help="Sluice only: tokens/s and CPU with N admission processes (one stack each), alternated")
     return parser
@@ -364,7 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     """Start Sluice (and vLLM), measure, print the table; JSON to --json."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.stream_interval < 1:
+        parser.error(f"--stream-interval must be at least 1, got {args.stream_interval}")
     skipped = no_matched_pairs(args)
     if skipped:
         print(f"# {skipped}: no rate-matched pairs", file=sys.stderr)
@@ -385,17 +394,19 @@ def main(argv: list[str] | None = None) -> None:
         _report(args, results, started)
         return
     try:
-        with Stack(_stack_config(run_dir / "stack", event_loop=args.event_loop)) as stack, \
+        with Stack(_stack_config(run_dir / "stack", event_loop=args.event_loop,
+                                 stream_interval=args.stream_interval)) as stack, \
                 contextlib.ExitStack() as more:
             targets = sluice_targets(stack, grpc=not args.no_grpc)
             if args.baseline is not None or args.baseline_event_loop is not None:
                 base = more.enter_context(Stack(_stack_config(run_dir / "baseline", code=args.baseline,
-                                                              event_loop=args.baseline_event_loop or args.event_loop)))
+                                                              event_loop=args.baseline_event_loop or args.event_loop,
+                                                              stream_interval=args.stream_interval)))
                 for target in sluice_targets(base, grpc=not args.no_grpc):
                     target.name += "_baseline"
                     targets.append(target)
             if not args.no_vllm and Path(args.vllm_python).exists():
-                vllm, vllm_target = start_vllm(args.vllm_python, run_dir)
+                vllm, vllm_target = start_vllm(args.vllm_python, run_dir, args.stream_interval)
                 targets.insert(1, vllm_target)
             elif not args.no_vllm:
                 print(f"# no vLLM at {args.vllm_python} (make setup-vllm): Sluice only", file=sys.stderr)
@@ -403,7 +414,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.match_rate and vllm is not None:
             matched = rate_matched(vllm_target, args.concurrency, args.repeats, args.max_tokens, requests_of,
                                    {c: results["sluice_http"][str(c)]["tokens_per_s"] for c in args.concurrency},
-                                   run_dir, args.event_loop)
+                                   run_dir, args.event_loop, args.stream_interval)
     finally:
         if vllm is not None:
             vllm.stop()
@@ -414,6 +425,7 @@ def _report(args: argparse.Namespace, results: dict[str, Any], started: float,
             matched: dict[str, Any] | None = None) -> None:
     report = {"load": {"concurrency": args.concurrency, "repeats": args.repeats, "max_tokens": args.max_tokens,
                        "requests_per_stream": args.requests_per_stream, "scale_out": args.scale_out,
+                       "stream_interval": args.stream_interval,
                        "elapsed_s": round(time.monotonic() - started)},
               "results": results, "ratios": ratios(results)}
     if matched is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from admission_svc.streams import RequestStream, StreamItem, StreamRegistry, token_reader_loop
 from sluice.v1 import common_pb2, events_pb2
@@ -248,3 +249,50 @@ def test_one_tap_a_stream_a_broken_tap_wakes_its_follower_and_closing_a_parked_f
     first, second, got_first, got_second, taps_as_said = asyncio.run(play())
     assert first.taken == [(0, (1,))] and got_first == [2, 3]
     assert got_second == [1, 2] and second.taken == [(2, (3,)), (3, (4,))] and taps_as_said
+
+
+def test_with_a_stream_interval_the_first_token_goes_at_once_then_tokens_wait_for_the_interval_or_the_end() -> None:
+    """`follow(interval=3)` with one token a delta: the first token is an item of its own at once, the next ones are
+    held until 3 wait, and the completion takes the 1 left; a plain follower beside it gets every token as it comes.
+    A tap set by an interval follower holds too: it is told the interval and whether anything was handed on."""
+    async def play() -> tuple[list[tuple[int, ...]], list[tuple[int, ...]], list[tuple[int, int, bool]]]:
+        registry = StreamRegistry()
+        stream = registry.open("r")
+        held: list[tuple[int, ...]] = []
+        plain: list[tuple[int, ...]] = []
+
+        async def follow(into: list[tuple[int, ...]], interval: int) -> None:
+            into.extend([item.tokens async for item in stream.follow(interval=interval) if item.completion is None])
+
+        tasks = [asyncio.create_task(follow(held, 3)), asyncio.create_task(follow(plain, 1))]
+        for index in range(8):
+            await asyncio.sleep(0)
+            registry.on_delta(_delta("r", index, 100 + index), 0.0)
+            await asyncio.sleep(0)
+        registry.on_completion(_completion("r", 8))
+        await asyncio.gather(*tasks)
+
+        told: list[tuple[int, int, bool]] = []
+
+        class Recorder:
+            position, interval, sent = 0, 1, False
+
+            def take(self, stream: RequestStream) -> bool:
+                told.append((self.position, self.interval, self.sent))
+                return True
+
+        other = registry.open("s")
+        follower = other.follow(interval=5, tap=Recorder())  # type: ignore[arg-type]
+        step = asyncio.ensure_future(follower.__anext__())
+        await asyncio.sleep(0)  # parked with its tap before any token
+        registry.on_delta(_delta("s", 0, 1), 0.0)
+        step.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await step
+        await follower.aclose()
+        return held, plain, told
+
+    held, plain, told = asyncio.run(play())
+    assert held == [(100,), (101, 102, 103), (104, 105, 106), (107,)]
+    assert plain == [(100 + i,) for i in range(8)]
+    assert told == [(0, 5, False)]
