@@ -174,7 +174,8 @@ class FrontDoor:
         self.metrics.requests.labels(tenant, "attached").inc()
         return record
 
-    async def stream(self, record: Tracked, sink: OutputSink | None = None) -> AsyncGenerator[Output, None]:
+    async def stream(self, record: Tracked, sink: OutputSink | None = None,
+                     interval: int = 1) -> AsyncGenerator[Output, None]:
         """Yield the request's tokens with their text, then a last Output carrying the completion.
 
         Raises the request's RequestEnded refusal when it ends without finishing. Closing the iterator
@@ -182,13 +183,16 @@ class FrontDoor:
 
         `sink`: while the caller waits for the next Output, tokens that arrive go to `sink.push` instead
         whenever `sink.ready()` (as the Outputs this would yield: the same text, in order; never tokens with
-        log-probabilities), and are not yielded."""
+        log-probabilities), and are not yielded.
+
+        `interval`: the caller's stream interval (vLLM's per-request `stream_interval`); the larger of it and the
+        process's --stream-interval holds tokens after the first (`RequestStream.follow`)."""
         detokenizer = Detokenizer(self.model.tokenizer)
         finished = False
         record.followers += 1
         tap = _SinkTap(record.request_id, detokenizer, sink) if sink is not None else None
         try:
-            async for item in record.stream.follow(tap=tap, interval=self.config.stream_interval):
+            async for item in record.stream.follow(tap=tap, interval=max(interval, self.config.stream_interval)):
                 if item.completion is None:
                     logprobs = record.stream.logprobs
                     yield Output(record.request_id, item.index, item.tokens, detokenizer.push(item.tokens),

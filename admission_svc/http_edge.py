@@ -347,7 +347,7 @@ class HttpEdge:
         usages: dict[int, Any] = {}
         yielded = 0
         try:
-            async with contextlib.aclosing(self._choice_outputs(records, sink)) as outputs:
+            async with contextlib.aclosing(self._choice_outputs(records, sink, parsed.stream_interval)) as outputs:
                 async for index, output in outputs:
                     answer = answers[index]
                     text, logprobs = answer.piece(output)
@@ -375,13 +375,13 @@ class HttpEdge:
                 self.events_at_once.inc(write_now.written)
         yield b"data: [DONE]\n\n"
 
-    async def _choice_outputs(self, records: Sequence[Tracked],
-                              sink: _TextSink | None = None) -> AsyncGenerator[tuple[int, Output], None]:
+    async def _choice_outputs(self, records: Sequence[Tracked], sink: _TextSink | None = None,
+                              interval: int = 1) -> AsyncGenerator[tuple[int, Output], None]:
         """Yield (choice index, output) of every record as they come (one record: straight from its stream, and
         its tokens to `sink` when it is ready). The first refusal is raised; closing this closes every stream
         (which cancels their requests)."""
         if len(records) == 1:
-            async with contextlib.aclosing(self.door.stream(records[0], sink)) as outputs:
+            async with contextlib.aclosing(self.door.stream(records[0], sink, interval)) as outputs:
                 async for output in outputs:
                     yield 0, output
             return
@@ -389,7 +389,7 @@ class HttpEdge:
 
         async def pump(index: int, record: Tracked) -> None:
             try:
-                async with contextlib.aclosing(self.door.stream(record)) as outputs:
+                async with contextlib.aclosing(self.door.stream(record, interval=interval)) as outputs:
                     async for output in outputs:
                         queue.put_nowait((index, output))
                 queue.put_nowait((index, None))

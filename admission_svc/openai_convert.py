@@ -47,6 +47,9 @@ MAX_CHOICES = 128
 """The most choices (prompts x n) one body may ask for: each is a request of its own."""
 
 # Field -> the values that mean "not asked for"; anything else is a feature Sluice does not have.
+MAX_STREAM_INTERVAL = 1 << 20
+"""The largest `stream_interval` taken (vLLM sets no ceiling; any larger one streams the same: first token, rest)."""
+
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""), "functions": (None, []), "function_call": (None, "none", "auto"), "audio": (None,), "prediction": (None,),
     "prompt_logprobs": (None, 0), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
@@ -63,6 +66,7 @@ ACCEPTED_FIELDS = (
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "seed", "stop", "stop_token_ids",
     "ignore_eos", "n", "best_of", "logprobs", "top_logprobs", "return_tokens_as_token_ids", "echo", "stream",
     "stream_options", "user", "priority", "sluice_token_times", "response_format", "tools", "tool_choice",
+    "stream_interval",
 )
 """The completions and chat fields the edge reads (docs/usage.md's table lists each, with `_UNSUPPORTED`'s)."""
 KNOWN_FIELDS = frozenset(ACCEPTED_FIELDS) | frozenset(_UNSUPPORTED)
@@ -84,6 +88,9 @@ class ParsedRequest:
     """Stop strings, cut from the text as OpenAI does (the worker stops on them)."""
     token_times: bool = False
     """The `sluice_token_times` extension: chunks carry their first token's creation time."""
+    stream_interval: int = 1
+    """vLLM's `stream_interval`: after the first token, tokens go out this many at a time (at least admission's
+    --stream-interval, as vLLM clamps it to its server's)."""
     n: int = 1
     """Samples per prompt."""
     echo: tuple[str, ...] = ()
@@ -302,6 +309,9 @@ def _request(body: Mapping[str, Any], model: ModelSpec, chat: bool, max_tokens_f
         sampling = dataclasses.replace(sampling, json_schema=json_schema)
     rest_of_context = chat and body.get(max_tokens_field) is None and sampling.max_tokens == 0
     priority = _number(body, "priority", int) or 0
+    interval = _number(body, "stream_interval", int)
+    if interval is not None and not 1 <= interval <= MAX_STREAM_INTERVAL:
+        raise _bad("stream_interval", f"stream_interval must be in [1, {MAX_STREAM_INTERVAL}], got {interval}")
     calls: list[GenerateCall] = []
     for prompt in prompts:
         for sample in range(n):
@@ -314,8 +324,8 @@ def _request(body: Mapping[str, Any], model: ModelSpec, chat: bool, max_tokens_f
                 sampling=seeded, priority=priority, idempotency_key=key, add_special_tokens=not chat,
                 operation="chat" if chat else "text_completion", max_tokens_unset=rest_of_context))
     return ParsedRequest(tuple(calls), chat, stream, bool((options or {}).get("include_usage")),
-                         sampling.stop_strings, _flag(body, "sluice_token_times"), n, logprobs=sampling.logprobs,
-                         tokens_as_ids=_flag(body, "return_tokens_as_token_ids"))
+                         sampling.stop_strings, _flag(body, "sluice_token_times"), interval or 1, n,
+                         logprobs=sampling.logprobs, tokens_as_ids=_flag(body, "return_tokens_as_token_ids"))
 
 
 def completion_request(body: Mapping[str, Any], model: ModelSpec, idempotency_key: str = "") -> ParsedRequest:

@@ -74,3 +74,15 @@ def test_admission_refuses_a_stream_interval_below_one(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "admission_svc", "--port", "0", "--stream-interval", "0"],
                           capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[2])
     assert done.returncode != 0 and "--stream-interval must be at least 1" in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("asked, held", [(8, 8), (2, INTERVAL)])
+def test_a_requests_stream_interval_holds_more_tokens_but_never_fewer_than_admissions(stack: Stack, asked: int,
+                                                                                      held: int) -> None:
+    """vLLM's per-request `stream_interval`: the larger of it and admission's --stream-interval (4) applies, so 8
+    sends chunks of at least 8 after the first and 2 still chunks of at least 4."""
+    body = {"model": "llama-3-8b", "prompt": "count", "max_tokens": TOKENS, "stream": True, "temperature": 0.0,
+            "ignore_eos": True, "stream_interval": asked}
+    chunks = _text_chunks(_sse_data(stack, "/completions", body, http10=False))
+    assert sum(map(len, chunks)) == TOKENS and len(chunks[0]) == 1, chunks
+    assert all(len(c) >= held for c in chunks[1:-1]) and len(chunks) <= 2 + (TOKENS - 1) // held, chunks

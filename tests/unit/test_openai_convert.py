@@ -222,3 +222,17 @@ def test_several_choices_sum_usage_and_count_each_prompt_once(spec: ModelSpec) -
     assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "p"), (1, "q")]
     assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11,
                              "prompt_tokens_details": {"cached_tokens": 4}}
+
+
+def test_stream_interval_is_vllms_per_request_field_an_integer_of_at_least_one(spec: ModelSpec) -> None:
+    """`stream_interval` (vLLM) is read, not ignored: absent is 1, an integer in range is kept, anything else is a
+    400 naming the field."""
+    base = {"model": "", "prompt": "x", "stream": True}
+    assert openai_convert.completion_request(base, spec).stream_interval == 1
+    assert openai_convert.completion_request({**base, "stream_interval": 6}, spec).stream_interval == 6
+    assert openai_convert.chat_request({"model": "", "messages": [{"role": "user", "content": "hi"}],
+                                        "stream": True, "stream_interval": 3}, spec).stream_interval == 3
+    for bad in (0, -2, 1 << 21, 2.5, "4", True):
+        with pytest.raises(errors.InvalidArgument) as info:
+            openai_convert.completion_request({**base, "stream_interval": bad}, spec)
+        assert info.value.field_name == "stream_interval"
