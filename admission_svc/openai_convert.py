@@ -46,10 +46,10 @@ the model's generation_config.json sets a value."""
 MAX_CHOICES = 128
 """The most choices (prompts x n) one body may ask for: each is a request of its own."""
 
-# Field -> the values that mean "not asked for"; anything else is a feature Sluice does not have.
 MAX_STREAM_INTERVAL = 1 << 20
 """The largest `stream_interval` taken (vLLM sets no ceiling; any larger one streams the same: first token, rest)."""
 
+# Field -> the values that mean "not asked for"; anything else is a feature Sluice does not have.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""), "functions": (None, []), "function_call": (None, "none", "auto"), "audio": (None,), "prediction": (None,),
     "prompt_logprobs": (None, 0), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
