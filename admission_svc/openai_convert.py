@@ -324,8 +324,8 @@ def _request(body: Mapping[str, Any], model: ModelSpec, chat: bool, max_tokens_f
                 sampling=seeded, priority=priority, idempotency_key=key, add_special_tokens=not chat,
                 operation="chat" if chat else "text_completion", max_tokens_unset=rest_of_context))
     return ParsedRequest(tuple(calls), chat, stream, bool((options or {}).get("include_usage")),
-                         sampling.stop_strings, _flag(body, "sluice_token_times"), interval or 1, n,
-                         logprobs=sampling.logprobs, tokens_as_ids=_flag(body, "return_tokens_as_token_ids"))
+                         sampling.stop_strings, _flag(body, "sluice_token_times"), stream_interval=interval or 1,
+                         n=n, logprobs=sampling.logprobs, tokens_as_ids=_flag(body, "return_tokens_as_token_ids"))
 
 
 def completion_request(body: Mapping[str, Any], model: ModelSpec, idempotency_key: str = "") -> ParsedRequest:

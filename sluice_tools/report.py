@@ -283,6 +283,11 @@ def _same_levers(name: str) -> frozenset[str]:
     return frozenset({"dynamo_kv", *(w for w in _words(name) if not w.startswith(_SCORE_ONLY))})
 
 
+def _of_row(bound: float | Mapping[str, float] | None, name: str) -> float | None:
+    """A bound given for every row, or per row name (absent: None)."""
+    return bound.get(name) if isinstance(bound, Mapping) else bound
+
+
 def capacity_goal_lines(results: Mapping[str, Any], compute_bound_rps: float | None, *, over_round_robin: float = 2.0,
                         over_same_levers: float = 1.3, bound_share: float = 0.95,
                         fleet_cache_bound_rps: float | Mapping[str, float] | None = None,
@@ -320,12 +325,10 @@ def capacity_goal_lines(results: Mapping[str, Any], compute_bound_rps: float | N
         at_bound = share is not None and share >= bound_share
         parts.append(f"{share:.0%} of the compute bound (goal {bound_share:.0%})" if share is not None
                      else "no compute bound")
-        fleet_bound = (fleet_cache_bound_rps.get(name) if isinstance(fleet_cache_bound_rps, Mapping)
-                       else fleet_cache_bound_rps)
+        fleet_bound = _of_row(fleet_cache_bound_rps, name)
         if fleet_bound:
             parts.append(f"{rate / fleet_bound:.0%} of it with the fleet's KV as one LRU cache")
-        strict = (strict_fleet_bound_rps.get(name) if isinstance(strict_fleet_bound_rps, Mapping)
-                  else strict_fleet_bound_rps)
+        strict = _of_row(strict_fleet_bound_rps, name)
         if strict:
             parts.append(f"{rate / strict:.0%} of the strict bound with the fleet's KV (goal {bound_share:.0%})")
             at_bound = at_bound or rate / strict >= bound_share

@@ -496,12 +496,13 @@ def _run_capacity(args: argparse.Namespace, workload: Any, configs: dict[str, Si
     print(format_capacity(results, ideal_prefix_hit_rate=ideal, compute_bound_rps=bounds["ideal_cache"]))
     # The fleet's KV bound only where it binds (a trace whose reuse the fleet's KV cannot hold: Mooncake), per row
     # where the rows' fleets hold different KV (a host prefix tier).
-    fleet_bounds = _fleet_bounds(configs, workload.requests, bounds)
+    fleet_bounds = _fleet_bounds(configs, workload.requests,
+                                 known={int(bounds["fleet_cache_tokens"]): bounds["fleet_cache"]})
     binding = {name: rate for name, rate in fleet_bounds.items() if rate < bounds["ideal_cache"]}
     bounds["fleet_cache_by_config"] = fleet_bounds  # type: ignore[assignment]
     # Where the fleet's KV binds, the strict bound with it (an eviction rule that knows the future; ~1 min on
     # Mooncake), one per distinct fleet: the goal's "bound where it binds" is the lower of it and the ideal cache's.
-    strict = _strict_fleet_bounds({name: configs[name] for name in binding}, workload.requests)
+    strict = _fleet_bounds({name: configs[name] for name in binding}, workload.requests, eviction="optimal")
     strict = {name: rate for name, rate in strict.items() if rate < bounds["ideal_cache"]}
     bounds["fleet_cache_optimal_by_config"] = strict  # type: ignore[assignment]
     for line in capacity_goal_lines(results, bounds["ideal_cache"], fleet_cache_bound_rps=binding,
@@ -525,32 +526,19 @@ def _run_capacity(args: argparse.Namespace, workload: Any, configs: dict[str, Si
     return 0
 
 
-def _fleet_bounds(configs: dict[str, SimConfig], requests: Any, bounds: dict[str, float]) -> dict[str, float]:
-    """Return each configuration's compute bound with one LRU cache of its fleet's KV (device, and host tier),
-    computed once per distinct size (the first configuration's is in `bounds` already)."""
+def _fleet_bounds(configs: dict[str, SimConfig], requests: Any, eviction: str = "lru",
+                  known: dict[int, float] | None = None) -> dict[str, float]:
+    """Return each configuration's compute bound with its fleet's KV (device, and host tier) as one cache under
+    `eviction` (`compute_bound_rps`: "lru", or "optimal", the strict bound), computed once per distinct size;
+    `known`: sizes (tokens) whose bound is computed already."""
     from sluice_tools.sim.bound import compute_bound_rps, fleet_cache_tokens
 
-    by_tokens = {int(bounds["fleet_cache_tokens"]): bounds["fleet_cache"]}
+    by_tokens = dict(known or {})
     out = {}
     for name, config in configs.items():
         tokens = fleet_cache_tokens(config)
         if tokens not in by_tokens:
-            by_tokens[tokens] = compute_bound_rps(config, requests, cache_tokens=tokens)
-        out[name] = by_tokens[tokens]
-    return out
-
-
-def _strict_fleet_bounds(configs: dict[str, SimConfig], requests: Any) -> dict[str, float]:
-    """Return each configuration's compute bound with its fleet's KV under an eviction rule that knows the future
-    (`compute_bound_rps(..., eviction="optimal")`, a strict bound), computed once per distinct size."""
-    from sluice_tools.sim.bound import compute_bound_rps, fleet_cache_tokens
-
-    by_tokens: dict[int, float] = {}
-    out = {}
-    for name, config in configs.items():
-        tokens = fleet_cache_tokens(config)
-        if tokens not in by_tokens:
-            by_tokens[tokens] = compute_bound_rps(config, requests, cache_tokens=tokens, eviction="optimal")
+            by_tokens[tokens] = compute_bound_rps(config, requests, cache_tokens=tokens, eviction=eviction)
         out[name] = by_tokens[tokens]
     return out
 
