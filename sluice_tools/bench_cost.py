@@ -157,15 +157,23 @@ def _pid(proc: Any) -> int:
     return int(proc.popen.pid)
 
 
+def vllm_spec(run_dir: Path, stream_interval: int = 1) -> Any:
+    """The bench's vLLM server (sluice_tools.vllm_engine.VllmEngineSpec): the tiny model, free ports, and its
+    --stream-interval when it is above 1."""
+    from sluice_tools.vllm_engine import VllmEngineSpec
+    from worker_svc.models import resolve_model
+
+    return VllmEngineSpec(model_dir=str(resolve_model("tiny")), port=free_port(),
+                          kv_socket=str(run_dir / "vllm-kv.sock"), replay_port=free_port(), dev_mode=False,
+                          extra_args=("--stream-interval", str(stream_interval)) if stream_interval > 1 else ())
+
+
 def start_vllm(python: str, run_dir: Path, stream_interval: int = 1) -> tuple[Proc, Target]:
     """Start vLLM's OpenAI server on the tiny model; return it and its target (API server apart from engine).
     `stream_interval` > 1: its --stream-interval (as Sluice admission's, `--stream-interval` of the bench)."""
-    from sluice_tools.vllm_engine import VllmEngineSpec, vllm_command, vllm_env
-    from worker_svc.models import resolve_model
+    from sluice_tools.vllm_engine import vllm_command, vllm_env
 
-    spec = VllmEngineSpec(model_dir=str(resolve_model("tiny")), port=free_port(),
-                          kv_socket=str(run_dir / "vllm-kv.sock"), replay_port=free_port(), dev_mode=False,
-                          extra_args=("--stream-interval", str(stream_interval)) if stream_interval > 1 else ())
+    spec = vllm_spec(run_dir, stream_interval)
     proc = spawn("vllm", vllm_command(spec, python), run_dir, env=vllm_env(spec), url=spec.url)
     wait_http(proc, "/health", timeout_s=600)
     root = proc.popen.pid

@@ -23,3 +23,21 @@ def test_baseline_services_import_the_other_checkout(tmp_path: Path) -> None:
     ran = subprocess.run([sys.executable, "-m", "admission_svc", "--help"], cwd=str(REPO_ROOT), env=env,
                          capture_output=True, text=True, timeout=120)
     assert ran.stdout.strip() == "the baseline checkout", ran.stdout + ran.stderr
+
+
+def test_the_bench_stream_interval_reaches_both_fronts_and_below_one_is_refused(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """`bench_cost --stream-interval N` starts Sluice's admission and vLLM's server with N (nothing at 1), and 0
+    is a usage error naming the flag."""
+    import pytest
+
+    from sluice_tools.bench_cost import main, vllm_spec
+    from sluice_tools.vllm_engine import vllm_command
+
+    assert _stack_config(tmp_path / "a", stream_interval=4).admission_args == ("--stream-interval", "4")
+    assert _stack_config(tmp_path / "b").admission_args == ()
+    command = vllm_command(vllm_spec(tmp_path, 4), "python")
+    assert command[command.index("--stream-interval") + 1] == "4"
+    assert "--stream-interval" not in vllm_command(vllm_spec(tmp_path), "python")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--stream-interval", "0", "--no-vllm"])
+    assert exit_info.value.code == 2 and "--stream-interval must be at least 1" in capsys.readouterr().err
