@@ -129,8 +129,12 @@ class PrefixIndex:
 
     def apply_snapshot(self, cache: ReplicaCache, last_event_id: int, hashes: Iterable[int],
                        host_hashes: Iterable[int] = ()) -> None:
-        """Replace what is known of the replica's cache (device, and host tier) with a snapshot taken at `last_event_id`."""
-        self.purge(cache)
+        """Replace what is known of the replica's cache (device, and host tier) with a snapshot taken at `last_event_id`.
+        The router's own live predictions stay (`predict`): they are requests routed there that the snapshot, taken
+        by the replica, cannot know of yet. A replica that re-registers gets a fresh cache (`RouterCore.register`),
+        so none of them is a previous incarnation's."""
+        cache.hashes.clear()
+        cache.host.clear()
         self._caches[cache.replica_id] = cache
         cache.hashes.update(hashes)
         cache.host.update(host_hashes)

@@ -140,6 +140,20 @@ def test_routing_decisions_are_predicted_prefixes_until_the_ttl() -> None:
     assert router.cached_blocks(first.replica_id, query(tokens).block_hashes, now=1.5) == 0
 
 
+def test_a_snapshot_that_lands_after_a_route_keeps_the_routes_predicted_prefix() -> None:
+    """A replica's KV snapshot (fetched at registration, or after a gap) replaces what it is known to hold, but a
+    request routed there before the snapshot landed still counts as a predicted prefix until its TTL (the snapshot
+    could not see it); found as a flaky service test, where a slow snapshot fetch wiped a route made meanwhile."""
+    tokens = list(range(256))
+    router = make_router("A", prediction_ttl_s=1.0)
+    router.route(query(tokens, "q1"), now=0.0)
+    router.apply_snapshot("A", 5, [999], now=0.1)
+    assert router.cached_blocks("A", query(tokens).block_hashes, now=0.5) == 16
+    assert router.cached_blocks("A", [999], now=0.5) == 1
+    router.expire(now=1.5)
+    assert router.cached_blocks("A", query(tokens).block_hashes, now=1.5) == 0
+
+
 def test_gone_replica_is_purged_and_missed_heartbeats_remove_it() -> None:
     """Removing a replica drops its index entries; a replica silent past the timeout is expired."""
     router = make_router("A", "B", heartbeat_timeout_s=5.0)
