@@ -137,6 +137,11 @@ class SchedulerOptions(serve.BusOptions):
     """Milliseconds a batch of KV events may wait for later rounds' events to go out with them as one `kv` entry (a
     completion, a drain or stopping sends them at once): at most one entry per linger per replica, whatever its round
     rate; 0: each round's events go out with that round's publication."""
+    publish_interval_ms: float = 0.0
+    """Milliseconds at least between two publications of this replica's tokens while rounds come faster: what the
+    rounds queue meanwhile goes out as one entry, each request's tokens as one delta (fewer entries, deltas and chunks
+    for Redis, admission and the client; a token reaches admission at most this much later). A request's first
+    token, a completion and a drain go out at once; 0: every round publishes as soon as it can."""
     publish_first_max_tokens: int = 64
     """Serial loop: rounds with at most this many tokens publish before the next round starts; larger ones
     publish while it runs (overlap pays once conversion costs more than the wait it adds). The pipelined
@@ -209,6 +214,13 @@ def kv_linger_seconds(options: SchedulerOptions) -> float:
     return options.kv_linger_ms / 1000.0
 
 
+def publish_interval_seconds(options: SchedulerOptions) -> float:
+    """--publish-interval-ms in seconds; raises StartupError naming the flag unless it is a finite number >= 0."""
+    if not 0 <= options.publish_interval_ms < math.inf:
+        raise serve.StartupError(f"--publish-interval-ms {options.publish_interval_ms}: must be a finite number >= 0")
+    return options.publish_interval_ms / 1000.0
+
+
 async def start(ctx: serve.ServiceContext, options: SchedulerOptions) -> serve.Started:
     """Wait for the worker (or engine), then serve and register; returns how to drain (finish work, then cancel
     the rest)."""
@@ -219,6 +231,7 @@ async def start(ctx: serve.ServiceContext, options: SchedulerOptions) -> serve.S
     if options.engine == "vllm" and not options.engine_url:
         raise serve.StartupError("--engine-url http://HOST:PORT is required with --engine vllm")
     kv_linger_s = kv_linger_seconds(options)
+    interval_s = publish_interval_seconds(options)
     try:  # the round flags, checked before waiting for a worker (its Info only sizes the attention charge)
         core_overrides(options)
     except ValueError as exc:
@@ -232,7 +245,7 @@ async def start(ctx: serve.ServiceContext, options: SchedulerOptions) -> serve.S
     ctx.expose_metrics(metrics.registry)
     bus = await serve.open_bus(ctx, options)
     try:
-        replica = await (_start_vllm(options, bus, metrics, ctx, kv_linger_s) if options.engine == "vllm" else start_replica(
+        replica = await (_start_vllm(options, bus, metrics, ctx, kv_linger_s, interval_s) if options.engine == "vllm" else start_replica(
             replica_id=options.replica_id, worker_address=options.worker, bus=bus, router_address=options.router,
             kv_worker_address=options.kv_worker_address, kv_room_wait_s=options.kv_room_wait,
             port=options.port, host=options.host, advertise_host=options.advertise_host,
@@ -242,7 +255,7 @@ async def start(ctx: serve.ServiceContext, options: SchedulerOptions) -> serve.S
             publish_first_max_tokens=options.publish_first_max_tokens,
             tls_files=serve.tls_files(options, "scheduler"), bus_alive=_bus_alive(ctx),
             drain_timeout_s=options.drain_timeout, pipeline=not options.no_pipeline, role=options.role,
-            round_link=options.round_link, kv_linger_s=kv_linger_s))
+            round_link=options.round_link, kv_linger_s=kv_linger_s, publish_interval_s=interval_s))
     except (TimeoutError, ValueError) as exc:
         raise serve.StartupError(str(exc)) from exc
 
@@ -254,7 +267,7 @@ async def start(ctx: serve.ServiceContext, options: SchedulerOptions) -> serve.S
 
 
 def _start_vllm(options: SchedulerOptions, bus: Bus, metrics: SchedulerMetrics,
-                ctx: serve.ServiceContext, kv_linger_s: float) -> Awaitable[RunningReplica]:
+                ctx: serve.ServiceContext, kv_linger_s: float, interval_s: float) -> Awaitable[RunningReplica]:
     from scheduler_svc.engines.vllm.replica import (  # only this engine needs zmq
         EngineSettings,
         start_vllm_replica,
@@ -270,7 +283,8 @@ def _start_vllm(options: SchedulerOptions, bus: Bus, metrics: SchedulerMetrics,
         host=options.host, advertise_host=options.advertise_host, metrics=metrics,
         heartbeat_interval_s=options.heartbeat_interval, prefill_tokens_per_s=options.prefill_tokens_per_s,
         decode_round_s=options.decode_round_s, tls_files=serve.tls_files(options, "scheduler"),
-        bus_alive=_bus_alive(ctx), drain_timeout_s=options.drain_timeout, kv_linger_s=kv_linger_s)
+        bus_alive=_bus_alive(ctx), drain_timeout_s=options.drain_timeout, kv_linger_s=kv_linger_s,
+        publish_interval_s=interval_s)
 
 
 def _bus_alive(ctx: serve.ServiceContext) -> Callable[[], bool]:

@@ -70,7 +70,8 @@ class Driver:
                  worker_retry_s: float = 0.5, worker_health: health_pb2_grpc.HealthStub | None = None,
                  publish_first_max_tokens: int = 64, vocab_size: int = 0, pipeline: bool = True,
                  structured_output: bool = False, worker_incarnation: str = "",
-                 round_link: RoundLinkTarget | None = None, kv_linger_s: float = 0.0) -> None:
+                 round_link: RoundLinkTarget | None = None, kv_linger_s: float = 0.0,
+                 publish_interval_s: float = 0.0) -> None:
         self.core = core
         self.worker_incarnation = worker_incarnation
         """The worker's incarnation (WorkerInfo.incarnation) whose KV cache the core's blocks describe: updated when
@@ -103,7 +104,8 @@ class Driver:
         self.link = WorkerLink(worker, metrics=self.metrics, health=worker_health, use_stream=use_stream,
                                on_change=self.wake_up, round_link=round_link)
         """The rounds' link: the worker's round link when `round_link` names one, else ExecuteStream."""
-        self.publisher = Publisher(bus, kv_linger_s=kv_linger_s, on_kv_entry=self.metrics.kv_entry_published)
+        self.publisher = Publisher(bus, kv_linger_s=kv_linger_s, on_kv_entry=self.metrics.kv_entry_published,
+                                   token_interval_s=publish_interval_s, on_spaced=self.metrics.publication_spaced)
         self.reporter = Reporter(core, self.publisher, self.metrics, replica_id)
         self.on_scheduled: Callable[[], None] | None = None
         """Called after each round is planned (the KV hand-off's receiver drops the references of received blocks

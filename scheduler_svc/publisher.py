@@ -18,6 +18,15 @@ that much later. A completion, a flush (a drain) and stopping take the lingering
 round trip: a finished request's blocks reach Redis in the same write as its completion, as without a linger, for
 the conversation's next turn.
 
+Publications may be spaced (`token_interval_s`, the scheduler's --publish-interval-ms, off by default): a batch
+queued less than the interval after the previous publication (rounds come faster than the interval) waits one
+interval, and what the rounds queue meanwhile goes out with it, each request's consecutive deltas merged into one
+(`merge`). A token then reaches admission at most that much later, and admission, Redis and the client handle one
+delta, one entry and one chunk for several rounds' tokens (about interval / round time of them). A batch queued
+after a pause as long as the interval goes out at once, so rounds slower than the interval never wait. A batch that
+starts a request's stream (its first token here: TTFT is not delayed), a completion, a flush and stopping go out at
+once, taking everything waiting with them. The wait is a timer that queues a marker (no task, no timeout per round).
+
 Stopping (`close`, then `wait_closed`) publishes what is queued, but waits for Redis only `PUBLISH_GRACE_S` (and
 so does `flush`, which a drain calls):
 a process told to stop while Redis is unreachable logs what it could not publish and stops, instead of
@@ -60,21 +69,38 @@ class Outgoing:
     """Token deltas per owner (admission process), in order."""
     completions: list[tuple[events_pb2.Completion, Context]] = field(default_factory=list)
     kv: events_pb2.KvEventBatch | None = None
+    urgent: bool = False
+    """Publish at once, whatever the publication interval (a request's first token is among the deltas)."""
 
 
 def merge(batches: list[Outgoing]) -> Outgoing:
-    """Return one batch with everything of `batches`, in order (per owner for tokens; KV events concatenated)."""
+    """Return one batch with everything of `batches`, in order (per owner for tokens; KV events concatenated).
+
+    A request's delta that continues the one before it in the merged batch (the next index, both with log-probabilities
+    for every token or neither) is appended to it: one delta per request for several rounds' tokens, stamped with its
+    first token's time."""
     if len(batches) == 1:
         return batches[0]
     merged = Outgoing()
+    last: dict[tuple[str, str], events_pb2.TokenDelta] = {}
     for batch in batches:
         for owner, deltas in batch.tokens.items():
             have = merged.tokens.get(owner)
             if have is None:
-                merged.tokens[owner] = deltas
-            else:
-                have.deltas.extend(deltas.deltas)
+                merged.tokens[owner] = have = deltas
+                for delta in deltas.deltas:
+                    last[owner, delta.request_id] = delta
+                continue
+            for delta in deltas.deltas:
+                before = last.get((owner, delta.request_id))
+                if before is not None and _continues(before, delta):
+                    before.token_ids.extend(delta.token_ids)
+                    before.logprobs.extend(delta.logprobs)
+                else:
+                    have.deltas.append(delta)
+                    last[owner, delta.request_id] = have.deltas[-1]  # the batch's copy (protobuf copies on append)
         merged.completions += batch.completions
+        merged.urgent = merged.urgent or batch.urgent
         if batch.kv is not None:
             if merged.kv is None:
                 merged.kv = batch.kv
@@ -83,11 +109,21 @@ def merge(batches: list[Outgoing]) -> Outgoing:
     return merged
 
 
+def _continues(before: events_pb2.TokenDelta, delta: events_pb2.TokenDelta) -> bool:
+    """Whether `delta` is the next run of `before`'s request's tokens, and can be appended to it."""
+    count = len(before.token_ids)
+    return (before.index + count == delta.index
+            and len(before.logprobs) == (count if delta.logprobs else 0)
+            and len(delta.logprobs) in (0, len(delta.token_ids))
+            and bool(before.logprobs) == bool(delta.logprobs))
+
+
 class Publisher:
     """Publishes queued batches in order from one task. See the module docstring."""
 
     def __init__(self, bus: Bus, recent_limit: int = 4096, kv_linger_s: float = 0.0,
-                 on_kv_entry: Callable[[int], None] | None = None) -> None:
+                 on_kv_entry: Callable[[int], None] | None = None, token_interval_s: float = 0.0,
+                 on_spaced: Callable[[int], None] | None = None) -> None:
         self.bus = bus
         self._outbox: asyncio.Queue[Outgoing | None] = asyncio.Queue()
         self.recent_limit = recent_limit
@@ -105,6 +141,16 @@ class Publisher:
         """Ends their linger (`_kv_wake`)."""
         self._kv_now = False
         """Set by `flush` and the linger's timer: the next publication takes the lingering events out."""
+        if not 0 <= token_interval_s < math.inf:
+            raise ValueError(f"token_interval_s {token_interval_s}: must be a finite number >= 0")
+        self.token_interval_s = token_interval_s
+        """Seconds at least between two publications while rounds come faster (0: each goes out when it can)."""
+        self.on_spaced = on_spaced
+        """Called, for each publication that waited for the interval, with the rounds' token batches it carries (a metric)."""
+        self._published_at = -math.inf
+        """The event loop's time when the last publication went out."""
+        self._due: asyncio.TimerHandle | None = None
+        """While batches wait for the interval: the timer that ends the wait (`_wait_over`)."""
 
     def put(self, out: Outgoing) -> None:
         """Queue a batch for publishing (after everything queued before it); remember its completions."""
@@ -137,7 +183,8 @@ class Publisher:
         publications are retried by `run` meanwhile, and `wait_closed` drops what is left when the process stops)."""
         if self.kv_linger_s > 0:  # KV events lingering, or queued and about to: `run` takes them out with this
             self._kv_now = True    # wake-up, which it reads with everything queued before it
-            self._outbox.put_nowait(Outgoing())
+        if self.kv_linger_s > 0 or self.token_interval_s > 0:  # and a spaced publication goes out at once
+            self._outbox.put_nowait(Outgoing(urgent=True))
         try:
             await asyncio.wait_for(self._outbox.join(), grace_s)
         except TimeoutError:
@@ -148,10 +195,19 @@ class Publisher:
 
     async def run(self) -> None:
         """Publish queued batches in order until `close`; retry Redis failures forever."""
+        waiting: list[Outgoing | None] = []
         while True:
-            batches = [await self._outbox.get()]
+            batches, waited = waiting, bool(waiting)
+            batches.append(await self._outbox.get())
             while not self._outbox.empty():
                 batches.append(self._outbox.get_nowait())
+            if self.token_interval_s > 0:
+                if self._wait(batches):
+                    waiting = batches
+                    continue
+                if waited and self.on_spaced is not None:
+                    self.on_spaced(sum(1 for b in batches if b is not None and b.tokens))
+            waiting = []
             last = batches[-1] is None
             out = merge([b for b in batches if b is not None])
             if self.kv_linger_s > 0:
@@ -159,6 +215,7 @@ class Publisher:
             if out.kv is not None and self.on_kv_entry is not None:
                 self.on_kv_entry(len(out.kv.events))
             entries = self._entries(out)
+            self._published_at = asyncio.get_running_loop().time()
             try:
                 delay = 0.05
                 while entries:
@@ -173,6 +230,29 @@ class Publisher:
                     self._outbox.task_done()
             if last:
                 return
+
+    def _wait(self, batches: list[Outgoing | None]) -> bool:
+        """Whether `batches` wait for the interval (see the module docstring): they came less than the interval after
+        the last publication and nothing among them goes out at once (a request's first tokens, a completion, a
+        flush, the end). The first batch to wait starts the timer that ends the wait."""
+        if any(b is None or b.urgent or b.completions for b in batches):
+            if self._due is not None:
+                self._due.cancel()
+                self._due = None
+            return False
+        if self._due is not None:
+            return True
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if now - self._published_at >= self.token_interval_s:
+            return False
+        self._due = loop.call_at(now + self.token_interval_s, self._wait_over)
+        return True
+
+    def _wait_over(self) -> None:
+        """The interval's timer: what waits goes out with the marker this queues."""
+        self._due = None
+        self._outbox.put_nowait(Outgoing(urgent=True))
 
     def _linger(self, out: Outgoing, last: bool) -> None:
         """Hold `out`'s KV events back with those lingering, or put all of them in `out` when they are due: the
@@ -196,7 +276,7 @@ class Publisher:
     def _kv_wake(self) -> None:
         """The linger's timer: the lingering events go out with the next publication, which this one starts."""
         self._kv_timer, self._kv_now = None, True
-        self._outbox.put_nowait(Outgoing())
+        self._outbox.put_nowait(Outgoing(urgent=True))
 
     def _entries(self, out: Outgoing) -> list[Entry]:
         """Return `out` as the stream entries that publish it, in order: tokens (one entry per owner), then

@@ -210,6 +210,8 @@ class Reporter:
                 return None
             if tracked.last_token_time is not None:
                 itl(now - tracked.last_token_time)
+            else:  # its first tokens here: never held back by the publication interval (TTFT)
+                out.urgent = True
             tracked.last_token_time = now
             return tracked.owner
 

@@ -485,12 +485,13 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
                         bus_alive: Callable[[], bool] = lambda: True,
                         drain_timeout_s: float = 30.0, pipeline: bool = True,
                         role: ReplicaRole = ReplicaRole.BOTH, round_link: bool = True,
-                        kv_linger_s: float = 0.0) -> RunningReplica:
+                        kv_linger_s: float = 0.0, publish_interval_s: float = 0.0) -> RunningReplica:
     """Wait for the worker, build the core from its Info, serve, run the driver, register with the router.
 
     `core_overrides`: SchedulerConfig fields, or a function of the worker's Info returning them (settings sized
     from the model, such as the attention charge). `round_link`: send rounds over the worker's round link when its
-    Info offers one (else ExecuteStream). `kv_linger_s`: how long KV events may wait to be merged (Publisher).
+    Info offers one (else ExecuteStream). `kv_linger_s`: how long KV events may wait to be merged, `publish_interval_s`:
+    the least time between two publications while rounds come faster (Publisher).
     Raises TimeoutError (worker never SERVING), ValueError (bad
     core settings), RuntimeError (port taken).
     """
@@ -520,7 +521,7 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
                     worker_health=health_pb2_grpc.HealthStub(worker_channel),
                     publish_first_max_tokens=publish_first_max_tokens, vocab_size=info.vocab_size,
                     structured_output=info.structured_output, worker_incarnation=info.incarnation,
-                    pipeline=pipeline, kv_linger_s=kv_linger_s, round_link=RoundLinkTarget.of(
+                    pipeline=pipeline, kv_linger_s=kv_linger_s, publish_interval_s=publish_interval_s, round_link=RoundLinkTarget.of(
                         worker_address, info.round_link_port,
                         sluice_round_link.client_ssl(tls_files) if tls_files is not None else None)
                     if round_link else None)

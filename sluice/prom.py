@@ -309,6 +309,10 @@ class SchedulerMetrics:
         self._kv_entries = Counter("sluice_kv_event_entries", "KV event entries this replica published on the kv stream "
                                    "(each one merges the events of the rounds within --kv-linger-ms).", registry=r)
         self._kv_entry_events = Counter("sluice_kv_event_entry_events", "KV events in those entries.", registry=r)
+        self._spaced = Counter("sluice_publications_spaced", "Publications that waited for --publish-interval-ms "
+                               "since the previous one (rounds came faster).", registry=r)
+        self._spaced_batches = Counter("sluice_publications_spaced_batches", "Rounds' batches those publications "
+                                       "carried (merged: each request's deltas of them as one).", registry=r)
         self.core_compiled = Gauge("sluice_scheduler_core_compiled",
                                    "1 when the scheduler core runs compiled by mypyc (make compiled), 0 from source.",
                                    registry=r)
@@ -392,6 +396,11 @@ class SchedulerMetrics:
         """Count one KV event entry put on the kv stream, holding `events` events."""
         self._kv_entries.inc()
         self._kv_entry_events.inc(events)
+
+    def publication_spaced(self, batches: int) -> None:
+        """Count one publication that waited for the publication interval, carrying `batches` queued batches."""
+        self._spaced.inc()
+        self._spaced_batches.inc(batches)
 
     def bind_model(self, model_name: str) -> None:
         """Label the vLLM metrics with `model_name` from now on (the previous label's series are removed)."""

@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -263,10 +264,12 @@ N processes hold cap/N each, and an uneven spread of connections over them refus
 
 
 def _stack_config(run_dir: Path, admission_procs: int = 1, code: Path | None = None,
-                  event_loop: str = "", time_scale: float = 1.0, stream_interval: int = 1) -> StackConfig:
+                  event_loop: str = "", time_scale: float = 1.0, stream_interval: int = 1,
+                  publish_interval_ms: float = 0.0) -> StackConfig:
     """The bench's stack; `code`: a checkout whose services it runs instead of this one's (a lever's before);
     `event_loop`: $SLUICE_EVENT_LOOP of its services ("": their default); `time_scale`: its worker's
-    --emulate-time-scale (a slower or faster device); `stream_interval`: admission's --stream-interval."""
+    --emulate-time-scale (a slower or faster device); `stream_interval`: admission's --stream-interval;
+    `publish_interval_ms`: the scheduler's --publish-interval-ms."""
     run_dir.mkdir(parents=True, exist_ok=True)
     config = run_dir / "budgets.toml"
     config.write_text(UNBINDING_BUDGETS)
@@ -279,12 +282,13 @@ def _stack_config(run_dir: Path, admission_procs: int = 1, code: Path | None = N
     return StackConfig(backend="costmodel", model="llama-3-8b", emulate_time=True, http_port=0, log_level="WARNING",
                        run_dir=run_dir, admission_procs=admission_procs, config_file=str(config), env=env,
                        worker_args=worker_args,
-                       admission_args=("--stream-interval", str(stream_interval)) if stream_interval > 1 else ())
+                       admission_args=("--stream-interval", str(stream_interval)) if stream_interval > 1 else (),
+                       scheduler_args=("--publish-interval-ms", repr(publish_interval_ms)) if publish_interval_ms else ())
 
 
 def rate_matched(vllm_target: Target, levels: Sequence[int], repeats: int, max_tokens: int,
                  requests_of: Callable[[int], int], sluice_rates: dict[int, float], run_dir: Path,
-                 event_loop: str = "", stream_interval: int = 1) -> dict[str, Any]:
+                 event_loop: str = "", stream_interval: int = 1, publish_interval_ms: float = 0.0) -> dict[str, Any]:
     """Pairs that stream at the same pace (see the module docstring): for each repeat and concurrency, vLLM, then a
     Sluice stack whose device is scaled to the rate vLLM just streamed at (`sluice_rates`: Sluice's own at scale
     1). Returns {"results": {"vllm": ..., "sluice_http": ...} medians per concurrency, "ratios": ..., "pairs":
@@ -297,7 +301,8 @@ def rate_matched(vllm_target: Target, levels: Sequence[int], repeats: int, max_t
             theirs = measure(vllm_target, concurrency, requests_of(concurrency), max_tokens)
             scale = round(sluice_rates[concurrency] / theirs["tokens_per_s"], 3)
             with Stack(_stack_config(run_dir / f"matched-{concurrency}-{repeat}", event_loop=event_loop,
-                                     time_scale=scale, stream_interval=stream_interval)) as stack:
+                                     time_scale=scale, stream_interval=stream_interval,
+                                     publish_interval_ms=publish_interval_ms)) as stack:
                 target = sluice_targets(stack, grpc=False)[0]
                 measure(target, 4, 8, 16)
                 ours = measure(target, concurrency, requests_of(concurrency), max_tokens)
@@ -371,6 +376,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stream-interval", type=int, default=1, metavar="N",
                         help="both fronts send a stream's tokens N at a time after its first (Sluice admission's and "
                              "vLLM's --stream-interval); default 1: every token as it comes")
+    parser.add_argument("--publish-interval-ms", type=float, default=0.0, metavar="MS",
+                        help="Sluice's schedulers publish at most once per MS while rounds come faster (their "
+                             "--publish-interval-ms; not the baseline's, so `--baseline DIR` with it measures the lever); default 0: "
+                             "every round as it comes")
     parser.add_argument("--scale-out", type=int, nargs="+", metavar="N",
                         help="Sluice only: tokens/s and CPU with N admission processes (one stack each), alternated")
     return parser
@@ -382,6 +391,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.stream_interval < 1:
         parser.error(f"--stream-interval must be at least 1, got {args.stream_interval}")
+    if not 0 <= args.publish_interval_ms < math.inf:
+        parser.error(f"--publish-interval-ms must be a finite number >= 0, got {args.publish_interval_ms}")
     skipped = no_matched_pairs(args)
     if skipped:
         print(f"# {skipped}: no rate-matched pairs", file=sys.stderr)
@@ -402,8 +413,8 @@ def main(argv: list[str] | None = None) -> None:
         _report(args, results, started)
         return
     try:
-        with Stack(_stack_config(run_dir / "stack", event_loop=args.event_loop,
-                                 stream_interval=args.stream_interval)) as stack, \
+        with Stack(_stack_config(run_dir / "stack", event_loop=args.event_loop, stream_interval=args.stream_interval,
+                                 publish_interval_ms=args.publish_interval_ms)) as stack, \
                 contextlib.ExitStack() as more:
             targets = sluice_targets(stack, grpc=not args.no_grpc)
             if args.baseline is not None or args.baseline_event_loop is not None:
@@ -422,7 +433,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.match_rate and vllm is not None:
             matched = rate_matched(vllm_target, args.concurrency, args.repeats, args.max_tokens, requests_of,
                                    {c: results["sluice_http"][str(c)]["tokens_per_s"] for c in args.concurrency},
-                                   run_dir, args.event_loop, args.stream_interval)
+                                   run_dir, args.event_loop, args.stream_interval, args.publish_interval_ms)
     finally:
         if vllm is not None:
             vllm.stop()
@@ -433,7 +444,7 @@ def _report(args: argparse.Namespace, results: dict[str, Any], started: float,
             matched: dict[str, Any] | None = None) -> None:
     report = {"load": {"concurrency": args.concurrency, "repeats": args.repeats, "max_tokens": args.max_tokens,
                        "requests_per_stream": args.requests_per_stream, "scale_out": args.scale_out,
-                       "stream_interval": args.stream_interval,
+                       "stream_interval": args.stream_interval, "publish_interval_ms": args.publish_interval_ms,
                        "elapsed_s": round(time.monotonic() - started)},
               "results": results, "ratios": ratios(results)}
     if matched is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import pytest
 import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from admission_svc.streams import entry_time_s
 from router_svc.core import RouterCore
 from router_svc.scoring import prefill_rounds
 from router_svc.server import RouterRuntime, start_router_server
@@ -71,7 +73,8 @@ async def _replica(redis_url: str, namespace: str, *, num_blocks: int = 64, emul
                    router_address: str = "", core_overrides: CoreOverrides | None = None,
                    pipeline: bool = True, use_stream: bool = True,
                    worker_max_model_len: int | None = None, prefill_pair_s: float = 0.0,
-                   kv_linger_s: float = 0.0, metrics: SchedulerMetrics | None = None) -> AsyncIterator[Replica]:
+                   kv_linger_s: float = 0.0, metrics: SchedulerMetrics | None = None,
+                   publish_interval_s: float = 0.0) -> AsyncIterator[Replica]:
     """A cost-model worker and a scheduler replica "r1" in front of it, publishing on a real Redis."""
     worker = await start_worker_server(WorkerRuntime(
         lambda: CostModel("llama-3-8b", "h200", max_model_len=worker_max_model_len),
@@ -81,7 +84,7 @@ async def _replica(redis_url: str, namespace: str, *, num_blocks: int = 64, emul
     replica = await start_replica(replica_id="r1", worker_address=f"127.0.0.1:{worker.port}", bus=bus,
                                   router_address=router_address, heartbeat_interval_s=0.1, pipeline=pipeline,
                                   use_stream=use_stream, prefill_pair_s=prefill_pair_s, round_link=ROUND_LINK,
-                                  kv_linger_s=kv_linger_s, metrics=metrics,
+                                  kv_linger_s=kv_linger_s, metrics=metrics, publish_interval_s=publish_interval_s,
                                   core_overrides=core_overrides if callable(core_overrides) else
                                   {"max_model_len": 4096, **(core_overrides or {})})
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{replica.port}")
@@ -406,6 +409,44 @@ def test_with_a_kv_linger_a_requests_kv_events_go_out_as_one_entry_with_its_comp
         assert len(published) == 1, published
     else:
         assert len(published) > 1, published
+
+
+@pytest.mark.parametrize("interval_s", [0.0, 5.0])
+def test_a_publication_interval_merges_rounds_tokens_but_never_holds_a_first_token(
+        redis_url: str, namespace: str, interval_s: float) -> None:
+    """--publish-interval-ms reaches the publisher: with an interval longer than the requests (~5 ms rounds, emulated),
+    rounds' tokens wait and go out merged, each request's as one delta, every token once and in order; but a request's
+    first token goes out at once ("b" starts while "a" decodes, inside an interval: not held until "a"'s completion
+    ends the wait), and so does a completion. With no interval every round's tokens go out on their own."""
+    async def body() -> tuple[list[tuple[float, list[events_pb2.TokenDelta]]], dict[str, events_pb2.Completion]]:
+        metrics = SchedulerMetrics()
+        async with _replica(redis_url, namespace, emulate_time=True, publish_interval_s=interval_s,
+                            metrics=metrics) as r:
+            await r.stub.Submit(_submit("a", prompt_len=40, max_tokens=80))
+            while not await _tokens(r.bus):
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.03)  # "b" starts while "a" decodes: its first token falls inside an interval
+            await r.stub.Submit(_submit("b", prompt_len=40, max_tokens=40))
+            done = {c.request_id: c for c in await _completions(r.bus, 2)}
+            entries = [(entry_time_s(entry_id), deltas) for entry_id, deltas in
+                       await r.bus.read_tokens(r.bus.tokens_stream("adm-1"), "0", count=10_000, block_ms=10)]
+            spaced = metrics.registry.get_sample_value("sluice_publications_spaced_total") or 0.0
+            assert (spaced > 0) == (interval_s > 0), spaced
+            return entries, done
+
+    entries, done = asyncio.run(body())
+    for request_id, want in (("a", 80), ("b", 40)):
+        deltas = [d for _, ds in entries for d in ds if d.request_id == request_id]
+        assert [d.index for d in deltas] == list(itertools.accumulate([0] + [len(d.token_ids) for d in deltas[:-1]]))
+        assert sum(len(d.token_ids) for d in deltas) == want == done[request_id].usage.output_tokens
+        first_at = next(at for at, ds in entries if any(d.request_id == request_id and d.index == 0 for d in ds))
+        assert first_at - done[request_id].timestamps.first_token < 0.15, (request_id, interval_s)
+    widest = max(len(d.token_ids) for _, ds in entries for d in ds)
+    if interval_s:
+        # ~120 rounds in ~0.6 s go out in the few publications the first tokens and completions make
+        assert len(entries) <= 8 and widest >= 20, (len(entries), widest)
+    else:
+        assert len(entries) >= 60 and widest <= 3, (len(entries), widest)
 
 
 def test_a_submit_wakes_the_idle_loop_at_once_and_an_idle_loop_runs_no_rounds(redis_url: str, namespace: str) -> None:

@@ -56,7 +56,7 @@ class VllmDriver:
     def __init__(self, core: GatewayCore, link: EngineLink, bus: Bus, *, replica_id: str,
                  kv: KvSubscriber | None = None, metrics: SchedulerMetrics | None = None,
                  clock: Callable[[], float] = time.time, worker_retry_s: float = 1.0,
-                 metrics_interval_s: float = 0.5, kv_linger_s: float = 0.0) -> None:
+                 metrics_interval_s: float = 0.5, kv_linger_s: float = 0.0, publish_interval_s: float = 0.0) -> None:
         self.core = core
         self.link = link
         self.kv = kv
@@ -76,7 +76,8 @@ class VllmDriver:
         self.metrics_interval_s = metrics_interval_s
         self.accepting = True
         self.rates = RoundRates()
-        self.publisher = Publisher(bus, kv_linger_s=kv_linger_s, on_kv_entry=self.metrics.kv_entry_published)
+        self.publisher = Publisher(bus, kv_linger_s=kv_linger_s, on_kv_entry=self.metrics.kv_entry_published,
+                                   token_interval_s=publish_interval_s, on_spaced=self.metrics.publication_spaced)
         self.reporter = Reporter(cast(SchedulerCore, core), self.publisher, self.metrics, replica_id)
         self.worker_changed = asyncio.Event()
         self._serving = True

@@ -84,7 +84,8 @@ async def start_vllm_replica(*, replica_id: str, engine: EngineSettings, bus: Bu
                              metrics: SchedulerMetrics | None = None, heartbeat_interval_s: float = 1.0,
                              prefill_tokens_per_s: float = 10_000.0, decode_round_s: float = 0.01,
                              tls_files: TlsFiles | None = None, bus_alive: Callable[[], bool] = lambda: True,
-                             drain_timeout_s: float = 30.0, kv_linger_s: float = 0.0) -> scheduler_server.RunningReplica:
+                             drain_timeout_s: float = 30.0, kv_linger_s: float = 0.0,
+                             publish_interval_s: float = 0.0) -> scheduler_server.RunningReplica:
     """Wait for the engine, then serve the scheduler contract in front of it and register with the router.
 
     Raises TimeoutError (the engine never answered), ValueError (bad settings), RuntimeError (port taken)."""
@@ -97,7 +98,7 @@ async def start_vllm_replica(*, replica_id: str, engine: EngineSettings, bus: Bu
                            max_waiting=engine.max_waiting)
     kv = KvSubscriber(engine.kv_events, engine.kv_replay) if engine.kv_events else None
     driver = VllmDriver(GatewayCore(config), link, bus, replica_id=replica_id, kv=kv, metrics=metrics,
-                        kv_linger_s=kv_linger_s)
+                        kv_linger_s=kv_linger_s, publish_interval_s=publish_interval_s)
     as_driver = cast(Driver, driver)  # the same surface (see VllmDriver's docstring)
     health = health_aio.HealthServicer()
     server, bound = await scheduler_server.start_scheduler_server(as_driver, health, port, host, tls_files, bus_alive)
