@@ -82,23 +82,25 @@ def merge(batches: list[Outgoing]) -> Outgoing:
     if len(batches) == 1:
         return batches[0]
     merged = Outgoing()
-    last: dict[tuple[str, str], events_pb2.TokenDelta] = {}
+    lasts: dict[str, dict[str, events_pb2.TokenDelta]] = {}
+    """Per owner: each request's last delta in the merged batch."""
     for batch in batches:
         for owner, deltas in batch.tokens.items():
             have = merged.tokens.get(owner)
             if have is None:
-                merged.tokens[owner] = have = deltas
-                for delta in deltas.deltas:
-                    last[owner, delta.request_id] = delta
+                merged.tokens[owner] = deltas
+                lasts[owner] = {delta.request_id: delta for delta in deltas.deltas}
                 continue
+            last = lasts[owner]
             for delta in deltas.deltas:
-                before = last.get((owner, delta.request_id))
-                if before is not None and _continues(before, delta):
+                before = last.get(delta.request_id)
+                if before is not None and before.index + len(before.token_ids) == delta.index and (
+                        not (before.logprobs or delta.logprobs) or _logprobs_continue(before, delta)):
                     before.token_ids.extend(delta.token_ids)
                     before.logprobs.extend(delta.logprobs)
                 else:
                     have.deltas.append(delta)
-                    last[owner, delta.request_id] = have.deltas[-1]  # the batch's copy (protobuf copies on append)
+                    last[delta.request_id] = have.deltas[-1]  # the batch's copy (protobuf copies on append)
         merged.completions += batch.completions
         merged.urgent = merged.urgent or batch.urgent
         if batch.kv is not None:
@@ -109,13 +111,9 @@ def merge(batches: list[Outgoing]) -> Outgoing:
     return merged
 
 
-def _continues(before: events_pb2.TokenDelta, delta: events_pb2.TokenDelta) -> bool:
-    """Whether `delta` is the next run of `before`'s request's tokens, and can be appended to it."""
-    count = len(before.token_ids)
-    return (before.index + count == delta.index
-            and len(before.logprobs) == (count if delta.logprobs else 0)
-            and len(delta.logprobs) in (0, len(delta.token_ids))
-            and bool(before.logprobs) == bool(delta.logprobs))
+def _logprobs_continue(before: events_pb2.TokenDelta, delta: events_pb2.TokenDelta) -> bool:
+    """Whether two consecutive deltas, one of them with log-probabilities, both have them for every token."""
+    return len(before.logprobs) == len(before.token_ids) and len(delta.logprobs) == len(delta.token_ids)
 
 
 class Publisher:
