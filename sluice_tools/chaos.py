@@ -20,6 +20,9 @@ What it does
 - With `host_tier`, every replica keeps a host prefix tier (the worker's `--host-blocks`, the scheduler's
   `--host-prefix-cache`) on a device small enough to evict, and half the prompts are drawn from a few shared ones,
   so prompts are paged out to the tier and copied back while the faults land (the report counts the host hits).
+- With `publish_interval_ms` the schedulers space their publications (`--publish-interval-ms`: rounds' tokens wait
+  and go out merged), and with `stream_interval` admission holds a stream's tokens N at a time (`--stream-interval`):
+  tokens held when a process dies must still end every request exactly once.
 - Faults, every `fault_interval_s`, one drawn from `faults` (`--faults` picks some: a run without worker kills
   tells whether a worker's memory grows, which its restarts would hide): `kill:<role>` is kill -9 of a worker, scheduler,
   the router, admission or Redis; `stop:<role>` stalls a scheduler or Redis (SIGSTOP for `stall_s`, then SIGCONT).
@@ -47,6 +50,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import math
 import os
 import random
 import signal
@@ -131,6 +135,10 @@ class ChaosConfig:
     """The faults drawn from (None: `faults_for(disagg)`)."""
     host_tier: bool = False
     """Every replica with a host prefix tier, and prompts that come back (see the module docstring)."""
+    publish_interval_ms: float = 0.0
+    """The schedulers' --publish-interval-ms (0: off)."""
+    stream_interval: int = 1
+    """Admission's --stream-interval (1: every token as it comes)."""
     request_timeout_s: float = 120.0
     """A client's deadline: a request not ended by then counts as hung."""
     settle_s: float = 30.0
@@ -153,10 +161,15 @@ def stack_config(config: ChaosConfig, run_dir: Path, tenants: Path) -> StackConf
     """Return the stack a chaos run starts: cost-model workers with emulated round times, `replicas` aggregated
     ones or the `disagg` split."""
     tier: dict[str, Any] = {}
+    scheduler_args: tuple[str, ...] = ()
     if config.host_tier:
-        tier = {"num_blocks": HOST_TIER_BLOCKS, "worker_args": ("--host-blocks", str(HOST_TIER_HOST_BLOCKS)),
-                "scheduler_args": ("--host-prefix-cache",)}
-    return StackConfig(replicas=config.replicas, disagg=config.disagg, backend="costmodel", model=MODEL,
+        tier = {"num_blocks": HOST_TIER_BLOCKS, "worker_args": ("--host-blocks", str(HOST_TIER_HOST_BLOCKS))}
+        scheduler_args += ("--host-prefix-cache",)
+    if config.publish_interval_ms:
+        scheduler_args += ("--publish-interval-ms", repr(config.publish_interval_ms))
+    if config.stream_interval > 1:
+        tier["admission_args"] = ("--stream-interval", str(config.stream_interval))
+    return StackConfig(scheduler_args=scheduler_args, replicas=config.replicas, disagg=config.disagg, backend="costmodel", model=MODEL,
                        emulate_time=True, run_dir=run_dir, config_file=str(tenants), start_timeout_s=90,
                        http_port=0 if config.http_clients else None, **tier)
 
@@ -585,6 +598,7 @@ def run(config: ChaosConfig) -> dict[str, Any]:
         "failure_examples": tally.failure_examples, "handoffs": _handoffs(scheduler_counts),
         "http_outcomes": dict(tally.http_outcomes),
         "host_tier": config.host_tier, "host_hit_tokens": host_hit_tokens,
+        "publish_interval_ms": config.publish_interval_ms, "stream_interval": config.stream_interval,
         "leaks": leaks, "restarts": restarts,
         "supervisor_problems": [e for e in events if "given up" in e or "could not be restarted" in e],
         "rss_kb_start": rss_start, "rss_kb_end": rss_end,
@@ -616,9 +630,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                              f"{','.join(FAULTS)}; with --disagg: {','.join(DISAGG_FAULTS)})")
     parser.add_argument("--host-tier", action="store_true",
                         help="every replica with a host prefix tier, and prompts that come back to it")
+    parser.add_argument("--publish-interval-ms", type=float, default=0.0, metavar="MS",
+                        help="the schedulers' --publish-interval-ms (their rounds' tokens wait up to MS and go out merged)")
+    parser.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                        help="admission's --stream-interval (a stream's tokens held N at a time after its first)")
     parser.add_argument("--run-dir", default=None)
     parser.add_argument("--json", default=None, help="also write the report to this file")
     args = parser.parse_args(argv)
+    if not 0 <= args.publish_interval_ms < math.inf:
+        parser.error(f"--publish-interval-ms must be a finite number >= 0, got {args.publish_interval_ms}")
+    if args.stream_interval < 1:
+        parser.error(f"--stream-interval must be at least 1, got {args.stream_interval}")
     if args.clients < 0 or args.http_clients < 0 or args.clients + args.http_clients == 0:
         parser.error(f"--clients {args.clients} --http-clients {args.http_clients}: each must be >= 0, and one > 0")
     from sluice_tools.sim.disagg import parse_split  # the one P:D parser (`sluice up`, `sluice sim`)
@@ -638,7 +660,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = run(ChaosConfig(duration_s=args.duration_s, fault_interval_s=args.fault_interval_s,
                              clients=args.clients, http_clients=args.http_clients, seed=args.seed, disagg=disagg,
                              faults=faults,
-                             host_tier=args.host_tier, run_dir=args.run_dir))
+                             host_tier=args.host_tier, publish_interval_ms=args.publish_interval_ms,
+                             stream_interval=args.stream_interval, run_dir=args.run_dir))
     text = json.dumps(report, indent=2)
     print(text)
     if args.json:

@@ -118,6 +118,20 @@ def test_the_host_tier_run_gives_every_replica_a_small_device_and_a_host_prefix_
     assert (plain.num_blocks, plain.worker_args, plain.scheduler_args) == (None, (), ())
 
 
+def test_the_intervals_reach_the_schedulers_and_admission_and_bad_ones_are_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--publish-interval-ms goes to every scheduler (beside the host tier's flag), --stream-interval to admission;
+    a negative interval or a stream interval below 1 is a usage error naming the flag."""
+    both = stack_config(ChaosConfig(host_tier=True, publish_interval_ms=5.0, stream_interval=4), tmp_path,
+                        tmp_path / "tenants.toml")
+    assert both.scheduler_args == ("--host-prefix-cache", "--publish-interval-ms", "5.0")
+    assert both.admission_args == ("--stream-interval", "4")
+    for flag, value in (("--publish-interval-ms", "-1"), ("--stream-interval", "0")):
+        with pytest.raises(SystemExit) as ended:
+            main([flag, value])
+        assert ended.value.code == 2 and flag in capsys.readouterr().err
+
+
 def test_an_admission_restarting_at_the_leak_check_is_read_again_not_a_crash(tmp_path: Path) -> None:
     """The leak check reads admission's budgets from its metrics; one restarted by the last fault has not printed
     its metrics URL yet: that is an OSError the settle loop reads again (a chaos run ended in ValueError
