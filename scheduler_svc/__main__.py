@@ -141,7 +141,8 @@ class SchedulerOptions(serve.BusOptions):
     """Milliseconds at least between two publications of this replica's tokens while rounds come faster: what the
     rounds queue meanwhile goes out as one entry, each request's tokens as one delta (fewer entries, deltas and chunks
     for Redis, admission and the client; a token reaches admission at most this much later). A request's first
-    token, a completion and a drain go out at once; 0: every round publishes as soon as it can."""
+    token, a completion and a drain go out at once; 0: every round publishes as soon as it can. A stop string, which
+    admission finds, ends its request up to this much later (more tokens computed for nothing)."""
     publish_first_max_tokens: int = 64
     """Serial loop: rounds with at most this many tokens publish before the next round starts; larger ones
     publish while it runs (overlap pays once conversion costs more than the wait it adds). The pipelined

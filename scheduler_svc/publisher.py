@@ -142,7 +142,8 @@ class Publisher:
         if not 0 <= token_interval_s < math.inf:
             raise ValueError(f"token_interval_s {token_interval_s}: must be a finite number >= 0")
         self.token_interval_s = token_interval_s
-        """Seconds at least between two publications while rounds come faster (0: each goes out when it can)."""
+        """How long a batch queued sooner than this after the last publication waits for later rounds' (0: each goes
+        out when it can; see the module docstring)."""
         self.on_spaced = on_spaced
         """Called, for each publication that waited for the interval, with the rounds' token batches it carries (a metric)."""
         self._published_at = -math.inf
