@@ -138,8 +138,8 @@ class SchedulerOptions(serve.BusOptions):
     completion, a drain or stopping sends them at once): at most one entry per linger per replica, whatever its round
     rate; 0: each round's events go out with that round's publication."""
     publish_interval_ms: float = 0.0
-    """Milliseconds at least between two publications of this replica's tokens while rounds come faster: what the
-    rounds queue meanwhile goes out as one entry, each request's tokens as one delta (fewer entries, deltas and chunks
+    """Milliseconds a round's tokens queued sooner than this after the replica's last publication (rounds come
+    faster) wait for later rounds' to go out with them as one entry, each request's tokens as one delta (fewer entries, deltas and chunks
     for Redis, admission and the client; a token reaches admission at most this much later). A request's first
     token, a completion and a drain go out at once; 0: every round publishes as soon as it can. A stop string, which
     admission finds, ends its request up to this much later (more tokens computed for nothing)."""
