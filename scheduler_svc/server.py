@@ -491,7 +491,7 @@ async def start_replica(*, replica_id: str, worker_address: str, bus: Bus, route
     `core_overrides`: SchedulerConfig fields, or a function of the worker's Info returning them (settings sized
     from the model, such as the attention charge). `round_link`: send rounds over the worker's round link when its
     Info offers one (else ExecuteStream). `kv_linger_s`: how long KV events may wait to be merged, `publish_interval_s`:
-    the least time between two publications while rounds come faster (Publisher).
+    how long a round's tokens queued soon after the last publication wait for later rounds' (Publisher).
     Raises TimeoutError (worker never SERVING), ValueError (bad
     core settings), RuntimeError (port taken).
     """
