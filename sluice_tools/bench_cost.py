@@ -377,9 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="both fronts send a stream's tokens N at a time after its first (Sluice admission's and "
                              "vLLM's --stream-interval); default 1: every token as it comes")
     parser.add_argument("--publish-interval-ms", type=float, default=0.0, metavar="MS",
-                        help="Sluice's schedulers let rounds' tokens queued within MS of their last publication wait MS for later rounds' (their "
-                             "--publish-interval-ms; not the baseline's, so `--baseline DIR` with it measures the lever); default 0: "
-                             "every round as it comes")
+                        help="Sluice's schedulers let rounds' tokens queued within MS of their last publication "
+                             "wait MS for later rounds' (their --publish-interval-ms; not the baseline's, so "
+                             "`--baseline DIR` with it measures the lever); default 0: every round as it comes")
     parser.add_argument("--scale-out", type=int, nargs="+", metavar="N",
                         help="Sluice only: tokens/s and CPU with N admission processes (one stack each), alternated")
     return parser
