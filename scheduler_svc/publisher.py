@@ -25,7 +25,8 @@ interval, and what the rounds queue meanwhile goes out with it, each request's c
 delta, one entry and one chunk for several rounds' tokens (about interval / round time of them). A batch queued
 after a pause as long as the interval goes out at once, so rounds slower than the interval never wait. A batch that
 starts a request's stream (its first token here: TTFT is not delayed), a completion, a flush and stopping go out at
-once, taking everything waiting with them. The wait is a timer that queues a marker (no task, no timeout per round).
+once, taking everything waiting with them (the reporter counts a request's first few rounds' tokens as its first:
+`FIRST_ROUNDS_AT_ONCE`). The wait is a timer that queues a marker (no task, no timeout per round).
 
 Stopping (`close`, then `wait_closed`) publishes what is queued, but waits for Redis only `PUBLISH_GRACE_S` (and
 so does `flush`, which a drain calls):
@@ -70,7 +71,7 @@ class Outgoing:
     completions: list[tuple[events_pb2.Completion, Context]] = field(default_factory=list)
     kv: events_pb2.KvEventBatch | None = None
     urgent: bool = False
-    """Publish at once, whatever the publication interval (a request's first token is among the deltas)."""
+    """Publish at once, whatever the publication interval (a request's first tokens are among the deltas)."""
 
 
 def merge(batches: list[Outgoing]) -> Outgoing:

@@ -58,6 +58,14 @@ class _Tracked:
     arrival: float
     prompt_tokens: int = 0
     last_token_time: float | None = None
+    token_rounds: int = 0
+    """Rounds (hand-overs) that brought this request tokens here."""
+
+
+FIRST_ROUNDS_AT_ONCE = 4
+"""A request's tokens of its first this many rounds here go out at once, whatever the publication interval: its first
+visible text may need several tokens (a character split over byte tokens, which admission's detokenizer holds), and
+a client's time to first token is that text's."""
 
 
 class Reporter:
@@ -210,8 +218,9 @@ class Reporter:
                 return None
             if tracked.last_token_time is not None:
                 itl(now - tracked.last_token_time)
-            else:  # its first tokens here: never held back by the publication interval (TTFT)
+            if tracked.token_rounds < FIRST_ROUNDS_AT_ONCE:  # never held back by the publication interval (TTFT)
                 out.urgent = True
+                tracked.token_rounds += 1
             tracked.last_token_time = now
             return tracked.owner
 

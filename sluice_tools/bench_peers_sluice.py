@@ -51,6 +51,12 @@ SLUICE_CONFIGS: dict[str, SluiceConfig] = {
         "to queue waits of tens, so only a large weight lets a cache hit outweigh a shorter queue",
         router_args=("--prefill-weight", "32", "--ttft-target", "1"),
     ),
+    "sluice_pw4_spaced": SluiceConfig(
+        "sluice_pw4, and every agent publishing a request's tokens at most every 30 ms while they come faster "
+        "(--publish-interval-ms 30: first tokens and ends at once; Redis, admission and the client handle one entry, "
+        "delta and chunk for many of vLLM's chunks)",
+        scheduler_args=("--publish-interval-ms", "30"), router_args=("--prefill-weight", "4", "--ttft-target", "1"),
+    ),
     "sluice_fair": SluiceConfig(
         "Sluice for tenants: fair gateway queue (weights gold=2, bronze=1) with 4 in flight per engine (the backlog "
         "waits where the fair queue orders it), the router spreading each tenant over the replicas "

@@ -416,8 +416,9 @@ def test_a_publication_interval_merges_rounds_tokens_but_never_holds_a_first_tok
         redis_url: str, namespace: str, interval_s: float) -> None:
     """--publish-interval-ms reaches the publisher: with an interval longer than the requests (~5 ms rounds, emulated),
     rounds' tokens wait and go out merged, each request's as one delta, every token once and in order; but a request's
-    first token goes out at once ("b" starts while "a" decodes, inside an interval: not held until "a"'s completion
-    ends the wait), and so does a completion. With no interval every round's tokens go out on their own."""
+    first tokens (its first rounds') go out at once ("b" starts while "a" decodes, inside an interval: not held until
+    "a"'s completion ends the wait), and so does a completion. With no interval every round's tokens go out on their
+    own."""
     async def body() -> tuple[list[tuple[float, list[events_pb2.TokenDelta]]], dict[str, events_pb2.Completion]]:
         metrics = SchedulerMetrics()
         async with _replica(redis_url, namespace, emulate_time=True, publish_interval_s=interval_s,
@@ -443,8 +444,10 @@ def test_a_publication_interval_merges_rounds_tokens_but_never_holds_a_first_tok
         assert first_at - done[request_id].timestamps.first_token < 0.15, (request_id, interval_s)
     widest = max(len(d.token_ids) for _, ds in entries for d in ds)
     if interval_s:
-        # ~120 rounds in ~0.6 s go out in the few publications the first tokens and completions make
-        assert len(entries) <= 8 and widest >= 20, (len(entries), widest)
+        # ~120 rounds in ~0.6 s go out in the few publications the requests' first rounds (4 each) and ends make
+        assert len(entries) <= 12 and widest >= 20, (len(entries), widest)
+        firsts = [[(d.index, len(d.token_ids)) for d in ds if d.request_id == "a"] for _, ds in entries[:4]]
+        assert firsts == [[(0, 1)], [(1, 1)], [(2, 1)], [(3, 1)]], firsts  # "a"'s first 4 rounds, each at once
     else:
         assert len(entries) >= 60 and widest <= 3, (len(entries), widest)
 
