@@ -139,10 +139,11 @@ class SchedulerOptions(serve.BusOptions):
     rate; 0: each round's events go out with that round's publication."""
     publish_interval_ms: float = 0.0
     """Milliseconds a round's tokens queued sooner than this after the replica's last publication (rounds come
-    faster) wait for later rounds' to go out with them as one entry, each request's tokens as one delta (fewer entries, deltas and chunks
-    for Redis, admission and the client; a token reaches admission at most this much later). A request's first
-    token, a completion and a drain go out at once; 0: every round publishes as soon as it can. A stop string, which
-    admission finds, ends its request up to this much later (more tokens computed for nothing)."""
+    faster) wait for later rounds' to go out with them as one entry, each request's tokens as one delta (fewer
+    entries, deltas and chunks for Redis, admission and the client; a token reaches admission at most this much
+    later). A request's first tokens (its first 4 rounds'), a completion and a drain go out at once; 0: every round
+    publishes as soon as it can. A stop string, which admission finds, ends its request up to this much later (more
+    tokens computed for nothing)."""
     publish_first_max_tokens: int = 64
     """Serial loop: rounds with at most this many tokens publish before the next round starts; larger ones
     publish while it runs (overlap pays once conversion costs more than the wait it adds). The pipelined
