@@ -52,9 +52,9 @@ SLUICE_CONFIGS: dict[str, SluiceConfig] = {
         router_args=("--prefill-weight", "32", "--ttft-target", "1"),
     ),
     "sluice_pw4_spaced": SluiceConfig(
-        "sluice_pw4, and every agent publishing a request's tokens at most every 30 ms while they come faster "
-        "(--publish-interval-ms 30: first tokens and ends at once; Redis, admission and the client handle one entry, "
-        "delta and chunk for many of vLLM's chunks)",
+        "sluice_pw4, and every agent letting tokens that come within 30 ms of its last publication wait 30 ms to go "
+        "out together (--publish-interval-ms 30: a request's first tokens and its end at once; Redis, admission and "
+        "the client handle one entry, delta and chunk for many of vLLM's chunks)",
         scheduler_args=("--publish-interval-ms", "30"), router_args=("--prefill-weight", "4", "--ttft-target", "1"),
     ),
     "sluice_fair": SluiceConfig(
