@@ -309,8 +309,8 @@ class SchedulerMetrics:
         self._kv_entries = Counter("sluice_kv_event_entries", "KV event entries this replica published on the kv stream "
                                    "(each one merges the events of the rounds within --kv-linger-ms).", registry=r)
         self._kv_entry_events = Counter("sluice_kv_event_entry_events", "KV events in those entries.", registry=r)
-        self._spaced = Counter("sluice_publications_spaced", "Publications that waited for --publish-interval-ms "
-                               "since the previous one (rounds came faster).", registry=r)
+        self._spaced = Counter("sluice_publications_spaced", "Publications whose rounds waited --publish-interval-ms "
+                               "(they came within it of the previous publication).", registry=r)
         self._spaced_batches = Counter("sluice_publications_spaced_batches", "Rounds' batches those publications "
                                        "carried (merged: each request's deltas of them as one).", registry=r)
         self.core_compiled = Gauge("sluice_scheduler_core_compiled",

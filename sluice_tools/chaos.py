@@ -160,18 +160,18 @@ def faults_for(disagg: tuple[int, int] | None) -> tuple[str, ...]:
 def stack_config(config: ChaosConfig, run_dir: Path, tenants: Path) -> StackConfig:
     """Return the stack a chaos run starts: cost-model workers with emulated round times, `replicas` aggregated
     ones or the `disagg` split."""
-    tier: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
     scheduler_args: tuple[str, ...] = ()
     if config.host_tier:
-        tier = {"num_blocks": HOST_TIER_BLOCKS, "worker_args": ("--host-blocks", str(HOST_TIER_HOST_BLOCKS))}
+        extra = {"num_blocks": HOST_TIER_BLOCKS, "worker_args": ("--host-blocks", str(HOST_TIER_HOST_BLOCKS))}
         scheduler_args += ("--host-prefix-cache",)
     if config.publish_interval_ms:
         scheduler_args += ("--publish-interval-ms", repr(config.publish_interval_ms))
     if config.stream_interval > 1:
-        tier["admission_args"] = ("--stream-interval", str(config.stream_interval))
-    return StackConfig(scheduler_args=scheduler_args, replicas=config.replicas, disagg=config.disagg, backend="costmodel", model=MODEL,
+        extra["admission_args"] = ("--stream-interval", str(config.stream_interval))
+    return StackConfig(replicas=config.replicas, disagg=config.disagg, backend="costmodel", model=MODEL,
                        emulate_time=True, run_dir=run_dir, config_file=str(tenants), start_timeout_s=90,
-                       http_port=0 if config.http_clients else None, **tier)
+                       http_port=0 if config.http_clients else None, scheduler_args=scheduler_args, **extra)
 
 
 @dataclass
