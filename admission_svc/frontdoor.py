@@ -101,8 +101,6 @@ class _SinkTap:
         self.sent = False
 
     def take(self, stream: RequestStream) -> bool:
-        if self.sent and len(stream.tokens) - self.position < self.interval:
-            return True  # held: the follower stays parked until enough wait or the completion wakes it
         if stream.logprobs or not self.sink.ready():
             return False
         index = self.position

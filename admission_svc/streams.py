@@ -56,14 +56,14 @@ class Tap(Protocol):
     position: int
     """Output index of the next token the follower hands on (set by `follow`, advanced by `take`)."""
     interval: int
-    """Tokens to hold, once some were handed on, before handing more on (set by `follow`: its `interval`)."""
+    """Tokens to hold, once some were handed on, before handing more on (set by `follow`: its `interval`; the
+    stream holds them and offers nothing to `take` meanwhile)."""
     sent: bool
     """Whether the follower or the tap has handed tokens on (set by `follow`; `take` sets it when it hands some on)."""
 
     def take(self, stream: RequestStream) -> bool:
-        """Hand on `stream.tokens[position:]` now and advance `position` past them (and set `sent`), or, once
-        `sent` and while fewer than `interval` wait, hold them (True, nothing done: the follower stays parked);
-        False (nothing done) when they cannot be handed on now: the follower is woken and yields them."""
+        """Hand on `stream.tokens[position:]` now and advance `position` past them (and set `sent`); False (nothing
+        done) when that cannot be done now: the follower is woken and yields them."""
 
 
 class StreamListener(Protocol):
@@ -171,6 +171,8 @@ class RequestStream:
         tap = self._tap
         if tap is None:
             return False
+        if tap.sent and len(self.tokens) - tap.position < tap.interval:
+            return True  # held as `follow` holds them: the follower stays parked until enough wait or the end wakes it
         try:
             return tap.take(self)
         except Exception:
