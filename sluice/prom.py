@@ -313,6 +313,9 @@ class SchedulerMetrics:
                                "(they came within it of the previous publication).", registry=r)
         self._spaced_batches = Counter("sluice_publications_spaced_batches", "Rounds' batches those publications "
                                        "carried (merged: each request's deltas of them as one).", registry=r)
+        self.engine_stream_chunks = Counter("sluice_engine_stream_chunks", "--engine vllm: chunks carrying tokens "
+                                            "that the engine's streams brought (generation tokens over this: tokens "
+                                            "per chunk, which --engine-stream-interval raises).", registry=r)
         self.core_compiled = Gauge("sluice_scheduler_core_compiled",
                                    "1 when the scheduler core runs compiled by mypyc (make compiled), 0 from source.",
                                    registry=r)

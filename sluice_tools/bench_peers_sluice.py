@@ -57,6 +57,12 @@ SLUICE_CONFIGS: dict[str, SluiceConfig] = {
         "the client handle one entry, delta and chunk for many of vLLM's chunks)",
         scheduler_args=("--publish-interval-ms", "30"), router_args=("--prefill-weight", "4", "--ttft-target", "1"),
     ),
+    "sluice_pw4_chunked": SluiceConfig(
+        "sluice_pw4, and every agent asking vLLM for a chunk per 8 tokens (--engine-stream-interval 8: vLLM's "
+        "per-request stream_interval; the first token and the end at once): the agent, Redis, admission and vLLM's "
+        "API server handle one chunk for 8 tokens",
+        scheduler_args=("--engine-stream-interval", "8"), router_args=("--prefill-weight", "4", "--ttft-target", "1"),
+    ),
     "sluice_fair": SluiceConfig(
         "Sluice for tenants: fair gateway queue (weights gold=2, bronze=1) with 4 in flight per engine (the backlog "
         "waits where the fair queue orders it), the router spreading each tenant over the replicas "

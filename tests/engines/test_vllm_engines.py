@@ -28,9 +28,12 @@ import openai
 import pytest
 import zmq
 
+from scheduler_svc.core.request import Request
 from scheduler_svc.engines.vllm import hashing
+from scheduler_svc.engines.vllm.link import Chunk, EngineLink
 from sluice import client as sdk
 from sluice.hashing import hash_chain, salt_of
+from sluice.types import NewRequest, SamplingParams
 from sluice.v1 import router_pb2, router_pb2_grpc
 from sluice_tools.bench_peers_procs import descendants
 from sluice_tools.stack import Stack
@@ -72,6 +75,29 @@ def test_stats_answers_on_a_vllm_replica_and_counts_its_requests(vllm_stack: Sta
     stats = vllm_stack.scheduler_stats()
     assert len(stats) == len(vllm_stack.schedulers) and all(s.kv_blocks_held == 0 for s in stats)
     assert sum(s.ttft_count for s in stats) >= 1 and sum(s.max_output_tokens for s in stats) >= 4
+
+
+def test_vllm_streams_the_agents_link_a_chunk_per_stream_interval_tokens_exact(vllm_stack: Stack) -> None:
+    """The link's per-request stream interval (--engine-stream-interval 4) against a real vLLM server: the first
+    token alone, then chunks of 4, the same greedy tokens as vLLM's own unstreamed answer, and a log-probability per
+    token of every chunk."""
+    prompt = random_prompt(random.Random(41), 48)
+    expected = direct_completion(vllm_stack, 0, prompt, 23)["choices"][0]["token_ids"]
+    link = EngineLink(engine_url(vllm_stack, 0), served_model="tiny", stream_interval=4)
+    request = Request(NewRequest(f"chunks-{uuid.uuid4().hex[:8]}", tuple(prompt),
+                                 SamplingParams(max_tokens=23, temperature=0.0, ignore_eos=True, logprobs=1)), 1)
+
+    async def stream() -> list[Chunk]:
+        try:
+            return [chunk async for chunk in link.stream(request)]
+        finally:
+            await link.close()
+
+    chunks = asyncio.run(stream())
+    assert [token for chunk in chunks for token in chunk.token_ids] == expected
+    assert [len(chunk.token_ids) for chunk in chunks] == [1, 4, 4, 4, 4, 4, 2]
+    assert chunks[-1].finish_reason == "length"
+    assert all(chunk.logprobs is not None and len(chunk.logprobs) == len(chunk.token_ids) for chunk in chunks)
 
 
 def test_block_hashes_recomputed_outside_vllm_equal_the_ones_it_publishes(vllm_stack: Stack) -> None:

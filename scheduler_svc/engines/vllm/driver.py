@@ -16,8 +16,10 @@ Theory of operation
   (CANCELLED, DRAIN_HANDOFF), Submit answers UNAVAILABLE, the router is told UNHEALTHY; /health is probed
   every `worker_retry_s` and the engine is routed to again only once it answers (and its KV is cleared at
   the router: a restarted engine holds none).
-- Rates for the router's TTFT prediction: decode rounds from the gaps between a stream's chunks, prefill from
-  the time to first token of dispatches that found the engine idle (exponential averages, sluice.glue).
+- Rates for the router's TTFT prediction: decode rounds from the gaps between a stream's full chunks (as many
+  tokens as the link's stream interval N: N rounds since the chunk before; a chunk with more was merged while
+  vLLM's API server lagged, a last one may have fewer), divided by N; prefill from the time to first token of
+  dispatches that found the engine idle (exponential averages, sluice.glue).
 """
 
 from __future__ import annotations
@@ -184,14 +186,16 @@ class VllmDriver:
         request_id, core = request.request_id, self.core
         idle = core.engine.running == 0 and len(self._streams) <= 1
         started = last = self.clock()
+        per_chunk = self.link.stream_interval
         try:
             async for chunk in self.link.stream(request):
                 now = self.clock()
                 if chunk.token_ids:
                     if request.num_outputs == 0:
                         self._observe_prefill(request, now - started, idle)
-                    elif len(chunk.token_ids) == 1:
-                        self._observe_decode(now - last)
+                    elif len(chunk.token_ids) == per_chunk:
+                        self._observe_decode((now - last) / per_chunk)
+                    self.metrics.engine_stream_chunks.inc()
                     core.on_tokens(request_id, chunk.token_ids, now, chunk.logprobs)
                     last = now
                 if chunk.finish_reason is not None:

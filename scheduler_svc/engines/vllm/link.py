@@ -1,8 +1,10 @@
 """The agent's I/O with one vLLM server: OpenAI HTTP for requests, /metrics and /health, ZMQ for KV events.
 
 - Requests: POST /v1/completions with the prompt as token ids, streamed, `return_token_ids` (each chunk
-  carries the ids it adds) and usage at the end. The HTTP request id is `{tenant}:{request_id}` (the
-  X-Request-Id header), so that a scheduler class inside vLLM (sched_cls.py) can tell tenants apart.
+  carries the ids it adds) and usage at the end; with a stream interval N > 1 also vLLM's per-request
+  `stream_interval` (a chunk per N tokens; the first and the last at once). The HTTP request id is
+  `{tenant}:{request_id}` (the X-Request-Id header), so that a scheduler class inside vLLM (sched_cls.py) can
+  tell tenants apart.
   Cancelling the stream's task closes the connection, which makes vLLM abort the request and free its KV.
 - A connection that fails (refused, reset, or a stream cut without a finish) is `EngineGone`: the driver
   hands every live request over and waits for the engine to answer again. An HTTP 4xx is the request's own
@@ -61,8 +63,10 @@ class Chunk:
     """Per token of `token_ids`, when the request asked for log-probabilities."""
 
 
-def request_body(request: Request, served_model: str, priority_passthrough: bool) -> dict[str, Any]:
-    """Return the JSON body of the engine request for a gateway request (vLLM's completions API)."""
+def request_body(request: Request, served_model: str, priority_passthrough: bool,
+                 stream_interval: int = 1) -> dict[str, Any]:
+    """Return the JSON body of the engine request for a gateway request (vLLM's completions API); a
+    `stream_interval` above 1 asks vLLM for a chunk per that many tokens."""
     sampling = request.sampling
     body: dict[str, Any] = {
         "model": served_model, "prompt": list(request.tokens[:request.num_prompt]),
@@ -84,6 +88,8 @@ def request_body(request: Request, served_model: str, priority_passthrough: bool
         body["include_stop_str_in_output"] = True  # admission trims at the stop string, as for every engine
     if priority_passthrough and request.priority:
         body["priority"] = -request.priority  # Sluice: larger runs first; vLLM: smaller runs first
+    if stream_interval > 1:
+        body["stream_interval"] = stream_interval
     _penalties_and_logprobs(body, sampling)
     return body
 
@@ -174,10 +180,14 @@ class EngineLink:
     """HTTP to one vLLM OpenAI server (see the module docstring)."""
 
     def __init__(self, url: str, served_model: str = "", priority_passthrough: bool = False,
-                 connect_timeout_s: float = 5.0) -> None:
+                 connect_timeout_s: float = 5.0, stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream interval {stream_interval}: must be at least 1 token")
         self.url = url.rstrip("/")
         self.served_model = served_model
         self.priority_passthrough = priority_passthrough
+        self.stream_interval = stream_interval
+        """Tokens per streamed chunk that vLLM is asked for (its per-request `stream_interval`; 1: every token)."""
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
         self._session: aiohttp.ClientSession | None = None
 
@@ -225,7 +235,7 @@ class EngineLink:
         """Send `request` and yield what it streams until it finishes.
 
         Raises EngineRefused (HTTP 4xx) or EngineGone (no connection, 5xx, a stream cut before its finish)."""
-        body = request_body(request, self.served_model, self.priority_passthrough)
+        body = request_body(request, self.served_model, self.priority_passthrough, self.stream_interval)
         headers = {"X-Request-Id": f"{request.tenant}:{request.request_id}"}
         finished = False
         try:

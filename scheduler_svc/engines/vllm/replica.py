@@ -57,6 +57,8 @@ class EngineSettings:
     """Send the request's priority to vLLM (needs its --scheduling-policy priority)."""
     startup_timeout_s: float = 600.0
     """How long to wait for the engine to answer at start (vLLM compiles for minutes on a cold cache)."""
+    stream_interval: int = 1
+    """Tokens per streamed chunk asked of vLLM for each request (EngineLink.stream_interval)."""
 
 
 async def discover(link: EngineLink, timeout_s: float) -> tuple[str, int, int, int]:
@@ -89,7 +91,8 @@ async def start_vllm_replica(*, replica_id: str, engine: EngineSettings, bus: Bu
     """Wait for the engine, then serve the scheduler contract in front of it and register with the router.
 
     Raises TimeoutError (the engine never answered), ValueError (bad settings), RuntimeError (port taken)."""
-    link = EngineLink(engine.url, priority_passthrough=engine.priority_passthrough)
+    link = EngineLink(engine.url, priority_passthrough=engine.priority_passthrough,
+                      stream_interval=engine.stream_interval)
     served, max_model_len, block_size, num_blocks = await discover(link, engine.startup_timeout_s)
     link.served_model = served
     config = GatewayConfig(model_id=engine.model_id or served, block_size=block_size,

@@ -1,0 +1,116 @@
+"""The vLLM agent with several tokens per chunk (--engine-stream-interval): what it asks vLLM for, and the decode
+round it measures from such chunks for the router's TTFT prediction.
+
+The engine here is a scripted EngineLink (its chunks and their arrival times are the test's); the agent's loop,
+gateway core, reporter and publisher are the real ones, publishing to a real Redis. tests/engines runs the link
+against a real vLLM server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import pytest
+
+from scheduler_svc.__main__ import engine_stream_interval, parse_args
+from scheduler_svc.core.request import Request
+from scheduler_svc.engines.vllm.driver import VllmDriver
+from scheduler_svc.engines.vllm.gateway import GatewayConfig, GatewayCore
+from scheduler_svc.engines.vllm.link import Chunk, EngineLink, request_body
+from sluice.bus import Bus, redis_client
+from sluice.serve import StartupError
+from sluice.types import NewRequest, SamplingParams
+from sluice.v1 import common_pb2, scheduler_pb2
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class ScriptedLink(EngineLink):
+    """An engine whose stream yields `script`'s chunks, each at its own time on `clock`."""
+
+    def __init__(self, script: Sequence[tuple[float, Chunk]], clock: Clock, stream_interval: int) -> None:
+        super().__init__("http://127.0.0.1:9", served_model="tiny", stream_interval=stream_interval)
+        self.script = script
+        self.clock = clock
+        self.bodies: list[dict[str, object]] = []
+
+    async def stream(self, request: Request) -> AsyncIterator[Chunk]:
+        self.bodies.append(request_body(request, self.served_model, False, self.stream_interval))
+        for at, chunk in self.script:
+            await asyncio.sleep(0)
+            self.clock.now = at
+            yield chunk
+
+
+def _run(redis_url: str, namespace: str, script: Sequence[tuple[float, Chunk]],
+         stream_interval: int) -> tuple[VllmDriver, ScriptedLink]:
+    clock = Clock()
+    link = ScriptedLink(script, clock, stream_interval)
+    tokens = sum(len(chunk.token_ids) for _, chunk in script)
+
+    async def body() -> VllmDriver:
+        bus = Bus(redis_client(redis_url), namespace)
+        core = GatewayCore(GatewayConfig(model_id="tiny", block_size=16, max_model_len=4096, num_blocks=64))
+        driver = VllmDriver(core, link, bus, replica_id="r0", clock=clock)
+        stop = asyncio.Event()
+        loop_task = asyncio.create_task(driver.run(stop))
+        driver.submit(scheduler_pb2.SubmitRequest(
+            request_id="a", tenant="t", owner="adm-1", prompt_token_ids=list(range(1, 41)),
+            sampling=common_pb2.SamplingParams(max_tokens=tokens, ignore_eos=True)), None)
+        for _ in range(1000):
+            if not driver.live_request_ids():
+                break
+            await asyncio.sleep(0.005)
+        stop.set()
+        await loop_task
+        await bus.client.aclose()
+        return driver
+
+    return asyncio.run(body()), link
+
+
+def test_the_decode_round_is_measured_from_full_chunks_of_the_stream_interval(redis_url: str,
+                                                                              namespace: str) -> None:
+    """With 4 tokens a chunk, each full chunk's gap is 4 rounds: 0.4 s / 4. The first token's chunk (prefill) and
+    the last, short one (2 tokens after 0.1 s) are not decode rounds of 0.1 s each and must not move it."""
+    script = [(1000.5, Chunk([7])), (1000.9, Chunk([7, 8, 9, 10])), (1001.3, Chunk([11, 12, 13, 14])),
+              (1001.4, Chunk([15, 16], finish_reason="length"))]
+    driver, link = _run(redis_url, namespace, script, stream_interval=4)
+    assert link.bodies[0]["stream_interval"] == 4
+    assert driver.rates.decode_round_s == pytest.approx(0.1)
+    assert driver.metrics.engine_stream_chunks._value.get() == 4  # noqa: SLF001 (prometheus_client's own value)
+
+
+def test_a_chunk_merged_while_vllm_lagged_is_not_taken_for_one_round(redis_url: str, namespace: str) -> None:
+    """One token a chunk (vLLM's default): the gaps of one-token chunks are rounds; a chunk of 3 that vLLM's API
+    server merged while it lagged (0.05 s after the one before) says nothing about a round."""
+    script = [(1000.5, Chunk([7])), (1000.6, Chunk([8])), (1000.7, Chunk([9])), (1000.75, Chunk([10, 11, 12])),
+              (1000.85, Chunk([13], finish_reason="length"))]
+    driver, link = _run(redis_url, namespace, script, stream_interval=1)
+    assert "stream_interval" not in link.bodies[0]
+    assert driver.rates.decode_round_s == pytest.approx(0.1)
+
+
+def test_a_stream_interval_goes_to_vllm_per_request_and_one_stays_out() -> None:
+    request = Request(NewRequest("r1", (5, 6, 7), SamplingParams(max_tokens=8)), 1)
+    assert request_body(request, "tiny", False, stream_interval=8)["stream_interval"] == 8
+    assert "stream_interval" not in request_body(request, "tiny", False)
+    assert "stream_interval" not in request_body(request, "tiny", False, stream_interval=1)
+
+
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_an_engine_stream_interval_below_one_is_refused_naming_it(value: str) -> None:
+    """The flag stops the agent at start naming it; the link refuses such an interval too."""
+    argv = ["--replica-id", "r", "--engine", "vllm", "--engine-url", "http://127.0.0.1:9"]
+    with pytest.raises(StartupError, match="--engine-stream-interval"):
+        engine_stream_interval(parse_args([*argv, "--engine-stream-interval", value]))
+    with pytest.raises(ValueError, match="stream interval"):
+        EngineLink("http://127.0.0.1:9", stream_interval=int(value))
+    assert engine_stream_interval(parse_args([*argv, "--engine-stream-interval", "4"])) == 4
