@@ -93,6 +93,9 @@ class GenerateCall:
     add_special_tokens: bool = True
     """Tokenize `prompt` with the tokenizer's special tokens (BOS); False for a prompt rendered from a
     chat template, which writes its own."""
+    stream_interval: int = 1
+    """Tokens a streamed chunk carries after the first, as the caller asked (vLLM's per-request
+    `stream_interval`; 1: every token); the larger of it and admission's --stream-interval applies."""
 
 
 @dataclass(frozen=True)

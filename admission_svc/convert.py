@@ -33,19 +33,21 @@ def generate_call(request: admission_pb2.GenerateRequest) -> GenerateCall:
 def submit_request(request_id: str, tenant: str, prompt_ids: Sequence[int], call: GenerateCall,
                    owner: str, deadline_unix_s: float, model: ModelSpec,
                    timestamps: common_pb2.LifecycleTimestamps, tenant_weight: float,
-                   cache_salt: str = "") -> scheduler_pb2.SubmitRequest:
+                   cache_salt: str = "", stream_interval: int = 1) -> scheduler_pb2.SubmitRequest:
     """Return the scheduler's SubmitRequest for an admitted request.
 
     The model's first EOS id travels as eos_token_id, the others as stop token ids (unless the
-    request ignores EOS), so that every one of them ends generation.
+    request ignores EOS), so that every one of them ends generation. `stream_interval`: admission's own
+    (--stream-interval); the larger of it and the call's travels, 1 as unset.
     """
+    interval = max(call.stream_interval, stream_interval)
     sampling = dataclasses.replace(call.sampling, stop_token_ids=model.stop_token_ids(
         call.sampling.stop_token_ids, call.sampling.ignore_eos))
     return scheduler_pb2.SubmitRequest(
         request_id=request_id, tenant=tenant, prompt_token_ids=list(prompt_ids),
         sampling=shared_convert.sampling_to_proto(sampling), priority=call.priority,
         deadline_unix_s=deadline_unix_s, owner=owner, timestamps=timestamps, eos_token_id=model.eos_token_id,
-        tenant_weight=tenant_weight, cache_salt=cache_salt)
+        tenant_weight=tenant_weight, cache_salt=cache_salt, stream_interval=interval if interval > 1 else 0)
 
 
 def chunk_of(output: Output) -> admission_pb2.GenerateChunk:

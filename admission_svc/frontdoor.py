@@ -382,7 +382,8 @@ class FrontDoor:
                 self._check_ttft(record, route.predicted_ttft_s)
             submit = convert.submit_request(record.attempt_id, record.tenant, ids, call, self.owner,
                                             deadline_unix_s or 0.0, self.model, record.timestamps,
-                                            self.core.tenant_weight(record.tenant), self.core.cache_salt(record.tenant))
+                                            self.core.tenant_weight(record.tenant), self.core.cache_salt(record.tenant),
+                                            self.config.stream_interval)
             submit.owner_incarnation = self.migrator.incarnation  # the request lives while our lease does
             record.handoff = pair_of(record, route, call.sampling.max_tokens)
             if record.handoff is not None:  # the prefill half of a pair (admission_svc/handoff.py)

@@ -127,7 +127,8 @@ class HandOffs:
         record.incarnation = pair.decode_incarnation
         submit = convert.submit_request(record.attempt_id, record.tenant, ids, call, door.owner,
                                         placement.deadline_unix_s or 0.0, door.model, record.timestamps,
-                                        door.core.tenant_weight(record.tenant), door.core.cache_salt(record.tenant))
+                                        door.core.tenant_weight(record.tenant), door.core.cache_salt(record.tenant),
+                                        door.config.stream_interval)
         submit.owner_incarnation = migrator.incarnation
         submit.kv_source.CopyFrom(scheduler_pb2.KvSource(replica_id=pair.prefill_replica_id,
                                                          scheduler_address=pair.prefill_address,

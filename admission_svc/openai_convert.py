@@ -322,7 +322,8 @@ def _request(body: Mapping[str, Any], model: ModelSpec, chat: bool, max_tokens_f
                 prompt=prompt if isinstance(prompt, str) else "",
                 prompt_token_ids=prompt if isinstance(prompt, tuple) else (), model=body["model"],
                 sampling=seeded, priority=priority, idempotency_key=key, add_special_tokens=not chat,
-                operation="chat" if chat else "text_completion", max_tokens_unset=rest_of_context))
+                operation="chat" if chat else "text_completion", max_tokens_unset=rest_of_context,
+                stream_interval=interval or 1))
     return ParsedRequest(tuple(calls), chat, stream, bool((options or {}).get("include_usage")),
                          sampling.stop_strings, _flag(body, "sluice_token_times"), stream_interval=interval or 1,
                          n=n, logprobs=sampling.logprobs, tokens_as_ids=_flag(body, "return_tokens_as_token_ids"))

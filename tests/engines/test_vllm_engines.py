@@ -38,7 +38,7 @@ from sluice.v1 import router_pb2, router_pb2_grpc
 from sluice_tools.bench_peers_procs import descendants
 from sluice_tools.stack import Stack
 from tests.engines.conftest import direct_completion, engine_metric, engine_url
-from tests.processes import wait_until
+from tests.processes import scraped_metrics, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -98,6 +98,25 @@ def test_vllm_streams_the_agents_link_a_chunk_per_stream_interval_tokens_exact(v
     assert [len(chunk.token_ids) for chunk in chunks] == [1, 4, 4, 4, 4, 4, 2]
     assert chunks[-1].finish_reason == "length"
     assert all(chunk.logprobs is not None and len(chunk.logprobs) == len(chunk.token_ids) for chunk in chunks)
+
+
+def test_a_clients_stream_interval_reaches_vllm_through_sluice(vllm_stack: Stack) -> None:
+    """A streamed completion with `stream_interval: 4` through Sluice: the client gets its first token alone and
+    the rest at least 4 at a time, and the agent read as few chunks from vLLM (6 for 21 tokens), not one per
+    token."""
+    def chunks_read() -> float:
+        return sum(scraped_metrics(proc.metrics_url).get("sluice_engine_stream_chunks_total", 0.0)
+                   for proc in vllm_stack.schedulers)
+
+    before = chunks_read()
+    api = openai.OpenAI(base_url=vllm_stack.http_base_url, api_key="k-gold", max_retries=0)
+    stream = api.completions.create(model="tiny", prompt=random_prompt(random.Random(43), 30), max_tokens=21,
+                                    stream=True, logprobs=0, extra_body={"ignore_eos": True, "stream_interval": 4,
+                                                                         "return_tokens_as_token_ids": True})
+    sizes = [len(chunk.choices[0].logprobs.tokens) for chunk in stream
+             if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.tokens]
+    assert sizes[0] == 1 and sum(sizes) == 21 and all(size >= 4 for size in sizes[1:]), sizes
+    assert 2 <= chunks_read() - before <= 6  # 21 when vLLM streams every token (fewer only if its server merged)
 
 
 def test_block_hashes_recomputed_outside_vllm_equal_the_ones_it_publishes(vllm_stack: Stack) -> None:

@@ -1,9 +1,9 @@
-"""The vLLM agent with several tokens per chunk (--engine-stream-interval): what it asks vLLM for, and the decode
-round it measures from such chunks for the router's TTFT prediction.
+"""The vLLM agent with several tokens per chunk (--engine-stream-interval, or the client's own interval): what it
+asks vLLM for, and the decode round it measures from such chunks for the router's TTFT prediction.
 
-The engine here is a scripted EngineLink (its chunks and their arrival times are the test's); the agent's loop,
-gateway core, reporter and publisher are the real ones, publishing to a real Redis. tests/engines runs the link
-against a real vLLM server.
+The engine here is a scripted EngineLink (its chunks and their arrival times are the test's, and it answers health
+and metrics as a healthy idle engine); the agent's loop, gateway core, reporter and publisher are the real ones,
+publishing to a real Redis. tests/engines runs the link against a real vLLM server.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from scheduler_svc.__main__ import engine_stream_interval, parse_args
 from scheduler_svc.core.request import Request
 from scheduler_svc.engines.vllm.driver import VllmDriver
-from scheduler_svc.engines.vllm.gateway import GatewayConfig, GatewayCore
+from scheduler_svc.engines.vllm.gateway import EngineView, GatewayConfig, GatewayCore
 from scheduler_svc.engines.vllm.link import Chunk, EngineLink, request_body
 from sluice.bus import Bus, redis_client
 from sluice.serve import StartupError
@@ -41,8 +41,14 @@ class ScriptedLink(EngineLink):
         self.clock = clock
         self.bodies: list[dict[str, object]] = []
 
-    async def stream(self, request: Request) -> AsyncIterator[Chunk]:
-        self.bodies.append(request_body(request, self.served_model, False, self.stream_interval))
+    async def healthy(self, timeout_s: float = 2.0) -> bool:
+        return True
+
+    async def metrics(self) -> tuple[EngineView, dict[str, str]]:
+        return EngineView(), {}
+
+    async def stream(self, request: Request, stream_interval: int = 0) -> AsyncIterator[Chunk]:
+        self.bodies.append(request_body(request, self.served_model, False, stream_interval or self.stream_interval))
         for at, chunk in self.script:
             await asyncio.sleep(0)
             self.clock.now = at
@@ -50,7 +56,7 @@ class ScriptedLink(EngineLink):
 
 
 def _run(redis_url: str, namespace: str, script: Sequence[tuple[float, Chunk]],
-         stream_interval: int) -> tuple[VllmDriver, ScriptedLink]:
+         stream_interval: int, requested: int = 0) -> tuple[VllmDriver, ScriptedLink]:
     clock = Clock()
     link = ScriptedLink(script, clock, stream_interval)
     tokens = sum(len(chunk.token_ids) for _, chunk in script)
@@ -63,7 +69,7 @@ def _run(redis_url: str, namespace: str, script: Sequence[tuple[float, Chunk]],
         loop_task = asyncio.create_task(driver.run(stop))
         driver.submit(scheduler_pb2.SubmitRequest(
             request_id="a", tenant="t", owner="adm-1", prompt_token_ids=list(range(1, 41)),
-            sampling=common_pb2.SamplingParams(max_tokens=tokens, ignore_eos=True)), None)
+            sampling=common_pb2.SamplingParams(max_tokens=tokens, ignore_eos=True), stream_interval=requested), None)
         for _ in range(1000):
             if not driver.live_request_ids():
                 break
@@ -96,6 +102,21 @@ def test_a_chunk_merged_while_vllm_lagged_is_not_taken_for_one_round(redis_url: 
     driver, link = _run(redis_url, namespace, script, stream_interval=1)
     assert "stream_interval" not in link.bodies[0]
     assert driver.rates.decode_round_s == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize(("link", "requested", "asked"), [(1, 3, 3), (3, 2, 3), (1, 0, 1)])
+def test_the_request_asks_vllm_for_its_clients_interval_when_that_is_larger(redis_url: str, namespace: str,
+                                                                           link: int, requested: int,
+                                                                           asked: int) -> None:
+    """The client's interval (SubmitRequest.stream_interval, what admission holds its tokens to) goes to vLLM
+    when it is above the agent's --engine-stream-interval, and the decode round is read from chunks of it."""
+    script = [(1000.5, Chunk([7])), (1000.8, Chunk([8, 9, 10])), (1001.1, Chunk([11, 12, 13])),
+              (1001.25, Chunk([14], finish_reason="length"))]
+    driver, links = _run(redis_url, namespace, script, stream_interval=link, requested=requested)
+    assert links.bodies[0].get("stream_interval", 1) == asked
+    # chunks of 3: two full ones, 0.3 s each; of 1: only the last one-token chunk is full, 0.15 s after the one before
+    assert driver.rates.decode_round_s == pytest.approx(0.1 if asked == 3 else 0.15)
+    assert driver.core.stream_interval("a") == 1  # forgotten once it ended
 
 
 def test_a_stream_interval_goes_to_vllm_per_request_and_one_stays_out() -> None:

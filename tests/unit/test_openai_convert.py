@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from admission_svc import convert as admission_convert
 from admission_svc import openai_answers, openai_convert
 from admission_svc.calls import Output
 from admission_svc.http_edge import HTTP_STATUS, http_error
@@ -236,3 +237,20 @@ def test_stream_interval_is_vllms_per_request_field_an_integer_of_at_least_one(s
         with pytest.raises(errors.InvalidArgument) as info:
             openai_convert.completion_request({**base, "stream_interval": bad}, spec)
         assert info.value.field_name == "stream_interval"
+
+
+def test_the_stream_interval_travels_to_the_scheduler_the_larger_of_the_requests_and_admissions(
+        spec: ModelSpec) -> None:
+    """Each choice's Submit carries what admission holds the client's tokens to: the request's `stream_interval`
+    or admission's --stream-interval, whichever is larger; 1 travels as unset (0)."""
+    base = {"model": "", "prompt": "x", "stream": True, "n": 2}
+
+    def submitted(body: dict[str, object], admissions: int) -> list[int]:
+        calls = openai_convert.completion_request(body, spec).calls
+        return [admission_convert.submit_request("r", "t", [1, 2], call, "owner", 0.0, spec,
+                                                 common_pb2.LifecycleTimestamps(), 1.0,
+                                                 stream_interval=admissions).stream_interval for call in calls]
+
+    assert submitted({**base, "stream_interval": 6}, 1) == [6, 6]
+    assert submitted({**base, "stream_interval": 2}, 4) == [4, 4]
+    assert submitted(base, 1) == [0, 0]

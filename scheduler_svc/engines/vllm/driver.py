@@ -16,9 +16,12 @@ Theory of operation
   (CANCELLED, DRAIN_HANDOFF), Submit answers UNAVAILABLE, the router is told UNHEALTHY; /health is probed
   every `worker_retry_s` and the engine is routed to again only once it answers (and its KV is cleared at
   the router: a restarted engine holds none).
-- Rates for the router's TTFT prediction: decode rounds from the gaps between a stream's full chunks (as many
-  tokens as the link's stream interval N: N rounds since the chunk before; a chunk with more was merged while
-  vLLM's API server lagged, a last one may have fewer), divided by N; prefill from the time to first token of
+- A request's stream interval N (tokens a chunk carries after the first) is the larger of the link's
+  (--engine-stream-interval) and the request's own (SubmitRequest.stream_interval: what admission holds its
+  client's tokens to), so vLLM formats and the agent reads no more chunks than the client gets.
+- Rates for the router's TTFT prediction: decode rounds from the gaps between a stream's full chunks (N tokens:
+  N rounds since the chunk before; a chunk with more was merged while vLLM's API server lagged, a last one may
+  have fewer), divided by N; prefill from the time to first token of
   dispatches that found the engine idle (exponential averages, sluice.glue).
 """
 
@@ -114,7 +117,7 @@ class VllmDriver:
         now = self.clock()
         request = convert.new_request_from_proto(msg, now, msg.eos_token_id)
         try:
-            self.core.submit(request, now)
+            self.core.submit(request, now, msg.stream_interval)
         except RequestRejected as exc:
             self.metrics.rejections.labels(exc.reason.value).inc()
             raise
@@ -186,9 +189,9 @@ class VllmDriver:
         request_id, core = request.request_id, self.core
         idle = core.engine.running == 0 and len(self._streams) <= 1
         started = last = self.clock()
-        per_chunk = self.link.stream_interval
+        per_chunk = max(self.link.stream_interval, core.stream_interval(request_id))
         try:
-            async for chunk in self.link.stream(request):
+            async for chunk in self.link.stream(request, per_chunk):
                 now = self.clock()
                 if chunk.token_ids:
                     if request.num_outputs == 0:

@@ -128,6 +128,8 @@ class GatewayCore:
         self.engine = EngineView()
         self._queue = make_queue(config.policy, config.queue_config())
         self._live: dict[str, Request] = {}
+        self._stream_intervals: dict[str, int] = {}
+        """Live requests whose stream may come in chunks of more than one token (SubmitRequest.stream_interval)."""
         self._running: dict[str, Request] = {}
         self._aborts: list[str] = []
         self._details: dict[str, str] = {}
@@ -144,9 +146,10 @@ class GatewayCore:
         """Requests queued here, not yet dispatched."""
         return len(self._queue)
 
-    def submit(self, new: NewRequest, now: float) -> None:
-        """Queue a request. Raises RequestRejected (nothing changed) when it is a duplicate, invalid, longer
-        than the model allows, or the queue is full."""
+    def submit(self, new: NewRequest, now: float, stream_interval: int = 1) -> None:
+        """Queue a request, whose client takes its tokens `stream_interval` at a time after the first. Raises
+        RequestRejected (nothing changed) when it is a duplicate, invalid, longer than the model allows, or the
+        queue is full."""
         prompt, max_tokens = len(new.prompt_token_ids), new.sampling.max_tokens
         if new.request_id in self._live:
             raise RequestRejected(new.request_id, RejectReason.DUPLICATE, "a live request has this id")
@@ -168,6 +171,8 @@ class GatewayCore:
         self._queue.on_live(new.tenant, 1, now)
         self._queue.push(request)
         self._live[new.request_id] = request
+        if stream_interval > 1:
+            self._stream_intervals[new.request_id] = stream_interval
         self._lifecycle(request, Stage.ENQUEUED, now)
 
     def dispatch(self, now: float) -> list[Request]:
@@ -330,6 +335,10 @@ class GatewayCore:
         """Ids of the requests not yet terminal."""
         return list(self._live)
 
+    def stream_interval(self, request_id: str) -> int:
+        """Tokens the client of a live request takes at a time after its first, as submitted (1 when unknown)."""
+        return self._stream_intervals.get(request_id, 1)
+
     def stats(self) -> CoreStats:
         """The replica's counters: the queue here plus the engine's own view of its batch and KV."""
         engine, counters, total = self.engine, self._counters, self.config.num_blocks
@@ -363,6 +372,7 @@ class GatewayCore:
             self._queue.remove(request)
         dispatched = self._running.pop(request.request_id, None) is not None
         del self._live[request.request_id]
+        self._stream_intervals.pop(request.request_id, None)
         self._queue.on_live(request.tenant, -1, now)
         counters = self._counters
         if status is RequestStatus.CANCELLED:

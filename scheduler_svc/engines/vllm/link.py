@@ -231,11 +231,13 @@ class EngineLink:
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
             raise EngineGone(f"GET {path}: {exc!r}") from exc
 
-    async def stream(self, request: Request) -> AsyncIterator[Chunk]:
-        """Send `request` and yield what it streams until it finishes.
+    async def stream(self, request: Request, stream_interval: int = 0) -> AsyncIterator[Chunk]:
+        """Send `request` and yield what it streams until it finishes, in chunks of `stream_interval` tokens after
+        the first (0: the link's own).
 
         Raises EngineRefused (HTTP 4xx) or EngineGone (no connection, 5xx, a stream cut before its finish)."""
-        body = request_body(request, self.served_model, self.priority_passthrough, self.stream_interval)
+        body = request_body(request, self.served_model, self.priority_passthrough,
+                            stream_interval or self.stream_interval)
         headers = {"X-Request-Id": f"{request.tenant}:{request.request_id}"}
         finished = False
         try:

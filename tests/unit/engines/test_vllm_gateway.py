@@ -169,3 +169,22 @@ def test_a_restarted_engines_counters_never_take_the_replicas_totals_back() -> N
     core.on_engine_view(EngineView(prefix_hit_tokens=10, prefix_query_tokens=20, preemptions=0))  # restarted
     stats = core.stats()
     assert (stats.prefix_hit_tokens, stats.prefix_query_tokens, stats.preemptions) == (60, 120, 1)
+
+
+def test_a_requests_stream_interval_is_kept_while_it_lives_and_forgotten_however_it_ends() -> None:
+    """What the agent asks vLLM for per request: kept from submit to the end, whether it finished, was cancelled in
+    the queue or handed over with a lost engine (nothing left behind)."""
+    core = make_core(max_inflight=1)
+    core.submit(make_request("a"), 0.0, stream_interval=6)
+    core.submit(make_request("b"), 0.0, stream_interval=3)
+    core.submit(make_request("c"), 0.0)
+    core.submit(make_request("d"), 0.0, stream_interval=5)
+    assert [core.stream_interval(i) for i in "abcd"] == [6, 3, 1, 5]
+    assert [r.request_id for r in core.dispatch(1.0)] == ["a"]
+    core.on_tokens("a", [5], 2.0)
+    core.on_finished("a", True, 2.0)
+    core.cancel("b", 2.0)
+    core.on_engine_lost(3.0)
+    assert core.live_request_ids() == []
+    assert [core.stream_interval(i) for i in "abcd"] == [1, 1, 1, 1]
+    assert core._stream_intervals == {}  # noqa: SLF001 (nothing held for ended requests)
