@@ -21,8 +21,8 @@ Theory of operation
   client's tokens to), so vLLM formats and the agent reads no more chunks than the client gets.
 - Rates for the router's TTFT prediction: decode rounds from the gaps between a stream's full chunks (N tokens:
   N rounds since the chunk before; a chunk with more was merged while vLLM's API server lagged, a last one may
-  have fewer), divided by N; prefill from the time to first token of
-  dispatches that found the engine idle (exponential averages, sluice.glue).
+  have fewer), divided by N; prefill from the time to first token of dispatches that found the engine idle
+  (exponential averages, sluice.glue).
 """
 
 from __future__ import annotations
