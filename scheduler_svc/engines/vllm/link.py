@@ -49,7 +49,8 @@ class EngineGone(Exception):
 
 
 class EngineRefused(Exception):
-    """The engine refused this request (HTTP 4xx); its message says why."""
+    """The engine refused this request (HTTP 4xx) or answered it with an event that does not parse; its message
+    says why. The request fails alone."""
 
 
 @dataclass(frozen=True)
@@ -255,30 +256,65 @@ class EngineLink:
             raise EngineGone("the stream ended without a finish reason")
 
 
+class _Choice(msgspec.Struct):
+    token_ids: list[int] | None = None
+    finish_reason: str | None = None
+    logprobs: Any = None
+
+
+class _PromptDetails(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens_details: _PromptDetails | None = None
+
+
+class _Event(msgspec.Struct):
+    """The fields of a completions stream event the agent reads (the rest are skipped, not built)."""
+
+    choices: list[_Choice] | None = None
+    usage: _Usage | None = None
+
+
+_decode_event = msgspec.json.Decoder(_Event).decode
+
+
 async def _sse_chunks(response: aiohttp.ClientResponse) -> AsyncIterator[Chunk]:
-    """Parse vLLM's SSE lines into chunks (usage arrives in a last event of its own, after the finish)."""
+    """Parse vLLM's SSE lines into chunks (usage arrives in a last event of its own, after the finish).
+
+    Reads whatever bytes have arrived at once and splits them into lines here (one await per read, not per line),
+    and decodes only the fields it uses. An event that does not parse raises EngineRefused: the request fails
+    alone, named, instead of its stream task dying with the request left running."""
     pending: Chunk | None = None
-    async for raw in response.content:
-        line = raw.strip()
-        if not line.startswith(b"data:"):
-            continue
-        payload = line[5:].strip()
-        if payload == b"[DONE]":
-            break
-        event = json.loads(payload)
-        usage = event.get("usage")
-        for choice in event.get("choices") or ():
-            ids = [int(t) for t in choice.get("token_ids") or ()]
-            logprobs = parse_logprobs(choice.get("logprobs"), len(ids))
-            reason = choice.get("finish_reason")
-            if reason is not None:
-                pending = Chunk(ids, str(reason), 0, logprobs)  # held for the usage event that follows
-            elif ids:
-                yield Chunk(ids, logprobs=logprobs)
-        if usage and pending is not None:
-            details = usage.get("prompt_tokens_details") or {}
-            pending = Chunk(pending.token_ids, pending.finish_reason, int(details.get("cached_tokens") or 0),
-                            pending.logprobs)
+    tail = b""
+    async for data in response.content.iter_any():
+        lines = (tail + data).split(b"\n") if tail else data.split(b"\n")
+        tail = lines.pop()
+        for line in lines:
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                if pending is not None:
+                    yield pending
+                return
+            try:
+                event = _decode_event(payload)
+            except msgspec.DecodeError as exc:
+                raise EngineRefused(f"the engine's stream sent an event that does not parse ({exc}): "
+                                    f"{payload[:200]!r}") from exc
+            for choice in event.choices or ():
+                ids = choice.token_ids or []
+                logprobs = None if choice.logprobs is None else parse_logprobs(choice.logprobs, len(ids))
+                if choice.finish_reason is not None:
+                    pending = Chunk(ids, choice.finish_reason, 0, logprobs)  # held for the usage event that follows
+                elif ids:
+                    yield Chunk(ids, logprobs=logprobs)
+            details = event.usage.prompt_tokens_details if event.usage is not None else None
+            if details is not None and pending is not None:
+                pending = Chunk(pending.token_ids, pending.finish_reason, details.cached_tokens or 0,
+                                pending.logprobs)
     if pending is not None:
         yield pending
 
