@@ -21,7 +21,7 @@ from scheduler_svc.engines.vllm.link import Chunk, EngineLink, request_body
 from sluice.bus import Bus, redis_client
 from sluice.serve import StartupError
 from sluice.types import NewRequest, SamplingParams
-from sluice.v1 import common_pb2, scheduler_pb2
+from sluice.v1 import common_pb2, events_pb2, scheduler_pb2
 
 
 class Clock:
@@ -35,11 +35,14 @@ class Clock:
 class ScriptedLink(EngineLink):
     """An engine whose stream yields `script`'s chunks, each at its own time on `clock`."""
 
-    def __init__(self, script: Sequence[tuple[float, Chunk]], clock: Clock, stream_interval: int) -> None:
+    def __init__(self, script: Sequence[tuple[float, Chunk | Exception]], clock: Clock,
+                 stream_interval: int) -> None:
         super().__init__("http://127.0.0.1:9", served_model="tiny", stream_interval=stream_interval)
         self.script = script
         self.clock = clock
         self.bodies: list[dict[str, object]] = []
+        self.completions: list[events_pb2.Completion] = []
+        """What the replica published on the completions stream (filled once the run ends)."""
 
     async def healthy(self, timeout_s: float = 2.0) -> bool:
         return True
@@ -52,14 +55,16 @@ class ScriptedLink(EngineLink):
         for at, chunk in self.script:
             await asyncio.sleep(0)
             self.clock.now = at
+            if isinstance(chunk, Exception):
+                raise chunk
             yield chunk
 
 
-def _run(redis_url: str, namespace: str, script: Sequence[tuple[float, Chunk]],
+def _run(redis_url: str, namespace: str, script: Sequence[tuple[float, Chunk | Exception]],
          stream_interval: int, requested: int = 0) -> tuple[VllmDriver, ScriptedLink]:
     clock = Clock()
     link = ScriptedLink(script, clock, stream_interval)
-    tokens = sum(len(chunk.token_ids) for _, chunk in script)
+    tokens = sum(len(chunk.token_ids) for _, chunk in script if isinstance(chunk, Chunk)) + 4
 
     async def body() -> VllmDriver:
         bus = Bus(redis_client(redis_url), namespace)
@@ -76,6 +81,10 @@ def _run(redis_url: str, namespace: str, script: Sequence[tuple[float, Chunk]],
             await asyncio.sleep(0.005)
         stop.set()
         await loop_task
+        for _, payload, _ in await bus.read_stream("completions", "0", block_ms=50):
+            completion = events_pb2.Completion()
+            completion.ParseFromString(payload)
+            link.completions.append(completion)
         await bus.client.aclose()
         return driver
 
@@ -135,3 +144,14 @@ def test_an_engine_stream_interval_below_one_is_refused_naming_it(value: str) ->
     with pytest.raises(ValueError, match="stream interval"):
         EngineLink("http://127.0.0.1:9", stream_interval=int(value))
     assert engine_stream_interval(parse_args([*argv, "--engine-stream-interval", "4"])) == 4
+
+
+def test_an_unexpected_error_reading_a_stream_fails_the_request_named(redis_url: str, namespace: str) -> None:
+    """A fault of the agent's own while it reads a stream (here the link raises RuntimeError after two chunks) ends
+    that request FAILED with the reason, instead of killing the stream's task and leaving it running forever."""
+    script: list[tuple[float, Chunk | Exception]] = [(1000.5, Chunk([7])), (1000.6, Chunk([8])),
+                                                     (1000.7, RuntimeError("a bug"))]
+    driver, link = _run(redis_url, namespace, script, stream_interval=1)
+    assert driver.live_request_ids() == [] and driver.core.stats().running == 0
+    (completion,) = link.completions
+    assert completion.status == common_pb2.FAILED and "RuntimeError('a bug')" in completion.detail

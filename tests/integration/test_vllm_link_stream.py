@@ -95,10 +95,14 @@ def test_a_large_merged_event_is_read_whole() -> None:
     assert (chunks[1].token_ids, chunks[1].finish_reason) == ([7], "stop")
 
 
-@pytest.mark.parametrize("bad", [b"data: {not json\n\n", b'data: {"choices": [{"token_ids": ["x"]}]}\n\n'])
+@pytest.mark.parametrize("bad", [
+    b"data: {not json\n\n", b'data: {"choices": [{"token_ids": ["x"]}]}\n\n',
+    b'data: {"choices": [{"token_ids": [5], "logprobs": {"token_logprobs": ["high"], "top_logprobs": [{}]}}]}\n\n',
+    b'data: {"choices": [{"token_ids": [5], "logprobs": {"token_logprobs": [-1.0], "top_logprobs": [{"x": -1}]}}]}\n\n'])
 def test_an_event_that_does_not_parse_fails_the_request_naming_it(bad: bytes) -> None:
-    """Broken JSON, or token ids that are not integers: EngineRefused (the request fails alone, with the reason),
-    not an exception that kills the stream's task and leaves the request running."""
+    """Broken JSON, token ids that are not integers, a log-probability that is not a number or an alternative not
+    named by token id: EngineRefused (the request fails alone, with the reason), not an exception that kills the
+    stream's task and leaves the request running."""
     with pytest.raises(EngineRefused, match="does not parse"):
         _stream(_event([_choice([11])]) + bad, 1 << 20)
 

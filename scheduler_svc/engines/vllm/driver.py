@@ -209,6 +209,9 @@ class VllmDriver:
         except EngineGone as exc:
             if request.status is RequestStatus.RUNNING:
                 self._engine_down(str(exc))
+        except Exception as exc:  # a fault of the agent's own: the request fails, named, rather than run forever
+            log.exception("reading request %s from %s failed", request_id, self.link.url)
+            core.on_failed(request_id, f"the agent failed reading the engine's stream: {exc!r}"[:300], self.clock())
         finally:
             self._streams.pop(request_id, None)
             core.on_aborted(request_id, self.clock())  # a no-op unless the request was CANCELLING

@@ -280,6 +280,12 @@ class _Event(msgspec.Struct):
 _decode_event = msgspec.json.Decoder(_Event).decode
 
 
+def _read_choice(choice: _Choice) -> tuple[str | None, list[int], list[TokenLogprobs] | None]:
+    """Return a choice's finish reason, token ids and log-probabilities (ValueError, TypeError: not readable)."""
+    ids = choice.token_ids or []
+    return choice.finish_reason, ids, None if choice.logprobs is None else parse_logprobs(choice.logprobs, len(ids))
+
+
 async def _sse_chunks(response: aiohttp.ClientResponse) -> AsyncIterator[Chunk]:
     """Parse vLLM's SSE lines into chunks (usage arrives in a last event of its own, after the finish).
 
@@ -301,14 +307,13 @@ async def _sse_chunks(response: aiohttp.ClientResponse) -> AsyncIterator[Chunk]:
                 return
             try:
                 event = _decode_event(payload)
-            except msgspec.DecodeError as exc:
+                parsed = [_read_choice(choice) for choice in event.choices or ()]
+            except (msgspec.DecodeError, ValueError, TypeError, AttributeError) as exc:
                 raise EngineRefused(f"the engine's stream sent an event that does not parse ({exc}): "
                                     f"{payload[:200]!r}") from exc
-            for choice in event.choices or ():
-                ids = choice.token_ids or []
-                logprobs = None if choice.logprobs is None else parse_logprobs(choice.logprobs, len(ids))
-                if choice.finish_reason is not None:
-                    pending = Chunk(ids, choice.finish_reason, 0, logprobs)  # held for the usage event that follows
+            for reason, ids, logprobs in parsed:
+                if reason is not None:
+                    pending = Chunk(ids, reason, 0, logprobs)  # held for the usage event that follows
                 elif ids:
                     yield Chunk(ids, logprobs=logprobs)
             details = event.usage.prompt_tokens_details if event.usage is not None else None
