@@ -32,6 +32,11 @@ measured, then a Sluice stack whose emulated device is slowed down or sped up to
 (the worker's --emulate-time-scale: Sluice's own rate at scale 1 over vLLM's), and the pair's ratio is reported
 with both rates (`rate_matched` in the JSON).
 
+`--in-front-of-vllm 1 8` adds Sluice in front of real vLLM servers (the tiny model, one stack per N, its agent
+asking vLLM for a chunk per N tokens: docs/engines.md, "Tokens on the bus"): targets `sluice_vllm` and
+`sluice_vllm_si8`, whose path is Sluice's front (admission, router, the agent, Redis) plus that engine's own API
+server, against `vllm`'s API server alone (the ratio says what going through Sluice costs per token on top).
+
 `--baseline DIR` adds a second Sluice stack that runs the services of another checkout, alternated with this one:
 a lever's before and after in one run. `--scale-out 1 2` instead: Sluice alone, one stack per number of admission processes (`admission_procs`,
 sharing one port and the caps), alternated, at the highest concurrency: tokens/s and CPU per token of each.
@@ -151,6 +156,37 @@ def sluice_targets(stack: Stack, grpc: bool) -> list[Target]:
         targets.append(Target("sluice_grpc", ["--grpc", stack.endpoint, *common], processes, SLUICE_PATH,
                               SLUICE_FRONT))
     return targets
+
+
+VLLM_FRONT = ("admission", "router", "agent", "redis")
+"""Sluice's processes in front of a vLLM engine (the agent is the replica's scheduler)."""
+
+
+def vllm_stack_config(run_dir: Path, engine_stream_interval: int = 1) -> StackConfig:
+    """A Sluice stack of one replica in front of an unmodified vLLM server on the tiny model, its agent asking vLLM
+    for a chunk per `engine_stream_interval` tokens (--engine-stream-interval, when above 1)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config = run_dir / "budgets.toml"
+    config.write_text(UNBINDING_BUDGETS)
+    return StackConfig(engine="vllm", model="tiny", http_port=0, log_level="WARNING", run_dir=run_dir,
+                       config_file=str(config), start_timeout_s=900.0,
+                       scheduler_args=(("--engine-stream-interval", str(engine_stream_interval))
+                                       if engine_stream_interval > 1 else ()))
+
+
+def vllm_stack_target(stack: Stack, engine_stream_interval: int = 1) -> Target:
+    """The HTTP edge of a stack in front of vLLM (`vllm_stack_config`) as a target: its path is Sluice's front and
+    the engine's own API server (what a token costs on its way through Sluice), its front Sluice's part alone;
+    the engine core (the API server's children) is listed apart."""
+    assert stack.admission is not None and stack.router is not None and stack.redis is not None
+    servers = [_pid(p) for p in stack.workers]
+    processes = {"admission": [_pid(p) for p in stack.admissions], "router": [_pid(stack.router)],
+                 "agent": [_pid(p) for p in stack.schedulers], "redis": [int(stack.redis.pid or 0)],
+                 "api_server": servers, "engine": [child for pid in servers for child in descendants(pid)]}
+    name = "sluice_vllm" if engine_stream_interval == 1 else f"sluice_vllm_si{engine_stream_interval}"
+    return Target(name, ["--url", stack.http_base_url.removesuffix("/v1"), "--model", stack.model_id,
+                         "--api-key", stack.api_key], processes, (*VLLM_FRONT, "api_server"), VLLM_FRONT,
+                  own_only={"api_server"})
 
 
 def _pid(proc: Any) -> int:
@@ -380,6 +416,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Sluice's schedulers let rounds' tokens queued within MS of their last publication "
                              "wait MS for later rounds' (their --publish-interval-ms; not the baseline's, so "
                              "`--baseline DIR` with it measures the lever); default 0: every round as it comes")
+    parser.add_argument("--in-front-of-vllm", type=int, nargs="+", metavar="N", default=[],
+                        help="also Sluice in front of an unmodified vLLM server (the tiny model), one stack per N, its "
+                             "agent asking vLLM for a chunk per N tokens (--engine-stream-interval; 1: every "
+                             "token): targets sluice_vllm and sluice_vllm_siN, beside vLLM alone")
     parser.add_argument("--scale-out", type=int, nargs="+", metavar="N",
                         help="Sluice only: tokens/s and CPU with N admission processes (one stack each), alternated")
     return parser
@@ -393,6 +433,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--stream-interval must be at least 1, got {args.stream_interval}")
     if not 0 <= args.publish_interval_ms < math.inf:
         parser.error(f"--publish-interval-ms must be a finite number >= 0, got {args.publish_interval_ms}")
+    if any(n < 1 for n in args.in_front_of_vllm):
+        parser.error(f"--in-front-of-vllm takes stream intervals of at least 1, got {args.in_front_of_vllm}")
+    if args.in_front_of_vllm and (args.no_vllm or not Path(args.vllm_python).exists()):
+        parser.error("--in-front-of-vllm needs vLLM (make setup-vllm; not --no-vllm)")
     skipped = no_matched_pairs(args)
     if skipped:
         print(f"# {skipped}: no rate-matched pairs", file=sys.stderr)
@@ -429,6 +473,9 @@ def main(argv: list[str] | None = None) -> None:
                 targets.insert(1, vllm_target)
             elif not args.no_vllm:
                 print(f"# no vLLM at {args.vllm_python} (make setup-vllm): Sluice only", file=sys.stderr)
+            for interval in args.in_front_of_vllm:
+                fronted = more.enter_context(Stack(vllm_stack_config(run_dir / f"vllm-stack-{interval}", interval)))
+                targets.append(vllm_stack_target(fronted, interval))
             results = run(targets, args.concurrency, args.repeats, args.max_tokens, requests_of)
         if args.match_rate and vllm is not None:
             matched = rate_matched(vllm_target, args.concurrency, args.repeats, args.max_tokens, requests_of,
@@ -447,6 +494,9 @@ def _report(args: argparse.Namespace, results: dict[str, Any], started: float,
                        "stream_interval": args.stream_interval, "publish_interval_ms": args.publish_interval_ms,
                        "elapsed_s": round(time.monotonic() - started)},
               "results": results, "ratios": ratios(results)}
+    for name in [n for n in results if n.startswith("sluice_vllm") and "vllm" in results]:
+        # what a token costs through Sluice (its front and vLLM's API server) over straight from vLLM's API server
+        report["ratios"].update(ratios({name: results[name], "vllm": results["vllm"]}, name))
     if matched is not None:
         report["rate_matched"] = matched
     if args.json:
