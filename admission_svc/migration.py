@@ -240,30 +240,54 @@ class Migrator:
 
     # ---- the watchdog ---------------------------------------------------------------------------
     async def watch(self, stop: asyncio.Event) -> None:
-        """Check stalled requests every `watch_interval_s` until `stop`; errors are logged, not fatal."""
+        """Check stalled requests every `watch_interval_s` until `stop`; errors are logged, not fatal. The owner
+        leases are renewed on a clock of their own (`keep_leases`): a tick can wait up to the downstream timeout
+        on a stalled router or scheduler, longer than a lease."""
+        interval = self.door.config.watch_interval_s
+        keeping = asyncio.create_task(self.keep_leases(stop))
+        try:
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), interval)
+                try:
+                    await self.tick()
+                except Exception:
+                    log.exception("migration watchdog tick failed")
+                self.door.publish_budgets()
+        finally:
+            keeping.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeping
+
+    async def keep_leases(self, stop: asyncio.Event) -> None:
+        """Start a renewal every `watch_interval_s` until `stop`, unless the previous one is still waiting (a slow
+        scheduler is given until its timeout, half a lease)."""
         interval = self.door.config.watch_interval_s
         while not stop.is_set():
+            if self._renewing is None or self._renewing.done():
+                self._renewing = asyncio.ensure_future(self._renew_logged())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval)
-            try:
-                if self._renewing is None or self._renewing.done():  # a slow scheduler must not delay the tick
-                    self._renewing = asyncio.ensure_future(self.renew_leases())
-                await self.tick()
-            except Exception:
-                log.exception("migration watchdog tick failed")
-            self.door.publish_budgets()
+
+    async def _renew_logged(self) -> None:
+        try:
+            await self.renew_leases()
+        except Exception:
+            log.exception("renewing the owner leases failed")
 
     async def renew_leases(self) -> None:
         """Renew this process's lease at every scheduler that holds one of its live requests (at once, in
-        parallel; a failure is left to the next tick: the lease outlasts several)."""
+        parallel, each given half a lease to answer; a failure is left to the next renewal: the lease outlasts
+        several)."""
         addresses = sorted({r.scheduler_address for r in self.door.records.values()
                             if r.completion is None and not r.ended and r.scheduler_address})
         if not addresses:
             return
         request = scheduler_pb2.RenewLeaseRequest(owner=self.door.owner, owner_incarnation=self.incarnation,
                                                   ttl_s=self.door.config.owner_lease_s)
-        replies = await asyncio.gather(*(self.door.scheduler(a).RenewLease(request, timeout=1.0) for a in addresses),
-                                       return_exceptions=True)
+        timeout = self.door.config.owner_lease_s / 2
+        replies = await asyncio.gather(*(self.door.scheduler(a).RenewLease(request, timeout=timeout)
+                                         for a in addresses), return_exceptions=True)
         for address, reply in zip(addresses, replies, strict=True):
             if isinstance(reply, grpc.aio.AioRpcError):
                 log.info("renewing the owner lease at %s failed (%s)", address, reply.code().name)

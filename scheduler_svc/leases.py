@@ -9,6 +9,8 @@ Rules
   extends it to now + ttl.
 * `lapsed(now, live)` returns the owners whose lease ran out, with their live requests, and forgets them:
   the caller cancels those requests (detail `owner_gone`). Requests that ended are forgotten as they go.
+* `pause(seconds)` moves every lease's end later by `seconds`: time in which this replica could not hear renewals
+  (its own event loop did not run: a stop, a long pause, CPU starvation) does not count against the owners.
 * A request submitted without an incarnation has no lease and runs to its end (older admission processes).
 
 Pure: no clock, no I/O; `now` is an argument.
@@ -50,6 +52,11 @@ class OwnerLeases:
         key = Owner(owner, incarnation)
         self._expiry[key] = now + ttl_s
         return sum(1 for held in self._owner_of.values() if held == key)
+
+    def pause(self, seconds: float) -> None:
+        """Move every lease's end `seconds` later (this replica could not hear renewals for that long)."""
+        for key in self._expiry:
+            self._expiry[key] += seconds
 
     def lapsed(self, now: float, live: Collection[str]) -> list[tuple[Owner, list[str]]]:
         """Return the owners whose lease ran out with their requests still in `live`, and forget them."""

@@ -452,9 +452,22 @@ _SWEEPERS: set[asyncio.Task[None]] = set()
 
 
 async def _sweep_leases(servicer: SchedulerServicer) -> None:
-    """Cancel the requests of owners whose lease lapsed, every LEASE_SWEEP_S, while the event loop runs."""
+    """Cancel the requests of owners whose lease lapsed, every LEASE_SWEEP_S, while the event loop runs.
+
+    A sweep that wakes more than LEASE_SWEEP_S late finds a loop that did not run (the process was stopped or
+    starved): the renewals sent meanwhile wait unread in its sockets, so the leases are moved later by that
+    lateness (`OwnerLeases.pause`) and this sweep is skipped, letting them be read before the next one judges."""
+    loop = asyncio.get_running_loop()
+    due = loop.time() + LEASE_SWEEP_S
     while True:
-        await asyncio.sleep(LEASE_SWEEP_S)
+        await asyncio.sleep(max(0.0, due - loop.time()))
+        late = loop.time() - due
+        due = loop.time() + LEASE_SWEEP_S
+        if late > LEASE_SWEEP_S:
+            log.warning("the lease sweep woke %.1f s late (this process did not run): owner leases extended by "
+                        "as much", late)
+            servicer.leases.pause(late)
+            continue
         try:
             servicer.cancel_orphans()
         except Exception:  # the sweep must outlive one bad pass
