@@ -464,9 +464,10 @@ async def _sweep_leases(servicer: SchedulerServicer) -> None:
         late = loop.time() - due
         due = loop.time() + LEASE_SWEEP_S
         if late > LEASE_SWEEP_S:
-            log.warning("the lease sweep woke %.1f s late (this process did not run): owner leases extended by "
-                        "as much", late)
+            log.warning("the owner-lease sweep woke %.1f s late (this process was stopped, starved or its loop "
+                        "busy): every lease extended by as much", late)
             servicer.leases.pause(late)
+            servicer.driver.metrics.lease_sweep_late.inc(late)
             continue
         try:
             servicer.cancel_orphans()

@@ -313,6 +313,10 @@ class SchedulerMetrics:
                                "(they came within it of the previous publication).", registry=r)
         self._spaced_batches = Counter("sluice_publications_spaced_batches", "Rounds' batches those publications "
                                        "carried (merged: each request's deltas of them as one).", registry=r)
+        self.lease_sweep_late = Counter("sluice_owner_lease_sweep_late_seconds", "Seconds the owner-lease sweep woke "
+                                        "late by, counted when more than its 0.5 s period: time this replica's loop "
+                                        "did not run (stopped, starved, busy), added to every owner's lease.",
+                                        registry=r)
         self.engine_stream_chunks = Counter("sluice_engine_stream_chunks", "--engine vllm: chunks carrying tokens "
                                             "that the engine's streams brought (generation tokens over this: tokens "
                                             "per chunk, which --engine-stream-interval raises).", registry=r)

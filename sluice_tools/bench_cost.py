@@ -419,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--in-front-of-vllm", type=int, nargs="+", metavar="N", default=[],
                         help="also Sluice in front of an unmodified vLLM server (the tiny model), one stack per N, its "
                              "agent asking vLLM for a chunk per N tokens (--engine-stream-interval; 1: every "
-                             "token): targets sluice_vllm and sluice_vllm_siN, beside vLLM alone")
+                             "token): targets sluice_vllm and sluice_vllm_siN, beside vLLM alone (unless --no-vllm)")
     parser.add_argument("--scale-out", type=int, nargs="+", metavar="N",
                         help="Sluice only: tokens/s and CPU with N admission processes (one stack each), alternated")
     return parser
@@ -435,8 +435,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--publish-interval-ms must be a finite number >= 0, got {args.publish_interval_ms}")
     if any(n < 1 for n in args.in_front_of_vllm):
         parser.error(f"--in-front-of-vllm takes stream intervals of at least 1, got {args.in_front_of_vllm}")
-    if args.in_front_of_vllm and (args.no_vllm or not Path(args.vllm_python).exists()):
-        parser.error("--in-front-of-vllm needs vLLM (make setup-vllm; not --no-vllm)")
+    if args.in_front_of_vllm and not Path(args.vllm_python).exists():
+        parser.error(f"--in-front-of-vllm needs vLLM: none at {args.vllm_python} (make setup-vllm)")
     skipped = no_matched_pairs(args)
     if skipped:
         print(f"# {skipped}: no rate-matched pairs", file=sys.stderr)

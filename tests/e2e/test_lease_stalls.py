@@ -21,6 +21,7 @@ import pytest
 
 from sluice_tools.stack import Proc, Stack, StackConfig
 from tests.e2e.test_migration_stack import MODEL, Streamed, _assert_exact, _stream
+from tests.processes import scraped_metrics
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -73,3 +74,5 @@ def test_a_scheduler_stopped_longer_than_a_lease_keeps_its_owners_requests(tmp_p
         outs = _run_with_a_stop(stack, stack.schedulers[0], 7.0)
         _assert_exact(outs, MAX_TOKENS)
         assert sum(s.cancelled for s in stack.scheduler_stats()) == 0
+        late = scraped_metrics(stack.schedulers[0].metrics_url)["sluice_owner_lease_sweep_late_seconds_total"]
+        assert 6.0 <= late < 60.0  # the stop, counted once (and any later stall of a loaded machine)

@@ -46,7 +46,8 @@ def test_the_bench_stream_interval_reaches_both_fronts_and_below_one_is_refused(
 def test_the_stacks_in_front_of_vllm_ask_for_their_interval_and_bad_ones_are_refused(tmp_path: Path,
                                                                                    capsys) -> None:  # type: ignore[no-untyped-def]
     """`bench_cost --in-front-of-vllm 1 8`: a vLLM-engine stack each, the second's agent with
-    --engine-stream-interval 8 (nothing at 1); 0, or the option with --no-vllm, is a usage error naming it."""
+    --engine-stream-interval 8 (nothing at 1); 0, or the option without a vLLM to run, is a usage error naming
+    it."""
     import pytest
 
     from sluice_tools.bench_cost import main, vllm_stack_config
@@ -54,7 +55,7 @@ def test_the_stacks_in_front_of_vllm_ask_for_their_interval_and_bad_ones_are_ref
     plain, chunked = vllm_stack_config(tmp_path / "a"), vllm_stack_config(tmp_path / "b", 8)
     assert (plain.engine, plain.model, plain.scheduler_args) == ("vllm", "tiny", ())
     assert chunked.scheduler_args == ("--engine-stream-interval", "8")
-    for argv in (["--in-front-of-vllm", "0"], ["--in-front-of-vllm", "8", "--no-vllm"]):
+    for argv in (["--in-front-of-vllm", "0"], ["--in-front-of-vllm", "8", "--vllm-python", str(tmp_path / "none")]):
         with pytest.raises(SystemExit) as exit_info:
             main(argv)
         assert exit_info.value.code == 2 and "--in-front-of-vllm" in capsys.readouterr().err
