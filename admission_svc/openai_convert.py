@@ -88,9 +88,6 @@ class ParsedRequest:
     """Stop strings, cut from the text as OpenAI does (the worker stops on them)."""
     token_times: bool = False
     """The `sluice_token_times` extension: chunks carry their first token's creation time."""
-    stream_interval: int = 1
-    """vLLM's `stream_interval`: after the first token, tokens go out this many at a time (at least admission's
-    --stream-interval, as vLLM clamps it to its server's)."""
     n: int = 1
     """Samples per prompt."""
     echo: tuple[str, ...] = ()
@@ -106,6 +103,12 @@ class ParsedRequest:
     def call(self) -> GenerateCall:
         """Return the first choice's call (the only one of a plain request)."""
         return self.calls[0]
+
+    @property
+    def stream_interval(self) -> int:
+        """vLLM's `stream_interval` as asked (every call carries it): after the first token, tokens go out this many
+        at a time (at least admission's --stream-interval, as vLLM clamps it to its server's)."""
+        return self.call.stream_interval
 
     def prompt_index(self, choice: int) -> int:
         """Return the index of the prompt a choice samples."""
@@ -325,7 +328,7 @@ def _request(body: Mapping[str, Any], model: ModelSpec, chat: bool, max_tokens_f
                 operation="chat" if chat else "text_completion", max_tokens_unset=rest_of_context,
                 stream_interval=interval or 1))
     return ParsedRequest(tuple(calls), chat, stream, bool((options or {}).get("include_usage")),
-                         sampling.stop_strings, _flag(body, "sluice_token_times"), stream_interval=interval or 1,
+                         sampling.stop_strings, _flag(body, "sluice_token_times"),
                          n=n, logprobs=sampling.logprobs, tokens_as_ids=_flag(body, "return_tokens_as_token_ids"))
 
 

@@ -162,12 +162,18 @@ VLLM_FRONT = ("admission", "router", "agent", "redis")
 """Sluice's processes in front of a vLLM engine (the agent is the replica's scheduler)."""
 
 
-def vllm_stack_config(run_dir: Path, engine_stream_interval: int = 1) -> StackConfig:
-    """A Sluice stack of one replica in front of an unmodified vLLM server on the tiny model, its agent asking vLLM
-    for a chunk per `engine_stream_interval` tokens (--engine-stream-interval, when above 1)."""
+def _budgets_file(run_dir: Path) -> Path:
+    """Write UNBINDING_BUDGETS into `run_dir` (made if needed) for a stack's admission; return the file."""
     run_dir.mkdir(parents=True, exist_ok=True)
     config = run_dir / "budgets.toml"
     config.write_text(UNBINDING_BUDGETS)
+    return config
+
+
+def vllm_stack_config(run_dir: Path, engine_stream_interval: int = 1) -> StackConfig:
+    """A Sluice stack of one replica in front of an unmodified vLLM server on the tiny model, its agent asking vLLM
+    for a chunk per `engine_stream_interval` tokens (--engine-stream-interval, when above 1)."""
+    config = _budgets_file(run_dir)
     return StackConfig(engine="vllm", model="tiny", http_port=0, log_level="WARNING", run_dir=run_dir,
                        config_file=str(config), start_timeout_s=900.0,
                        scheduler_args=(("--engine-stream-interval", str(engine_stream_interval))
@@ -306,9 +312,7 @@ def _stack_config(run_dir: Path, admission_procs: int = 1, code: Path | None = N
     `event_loop`: $SLUICE_EVENT_LOOP of its services ("": their default); `time_scale`: its worker's
     --emulate-time-scale (a slower or faster device); `stream_interval`: admission's --stream-interval;
     `publish_interval_ms`: the scheduler's --publish-interval-ms."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    config = run_dir / "budgets.toml"
-    config.write_text(UNBINDING_BUDGETS)
+    config = _budgets_file(run_dir)
     env: tuple[tuple[str, str], ...] = ((EVENT_LOOP_ENV, event_loop),)
     if code is not None:
         # The stack starts its services with `python -m` in this checkout's root, and -m puts the working

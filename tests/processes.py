@@ -7,6 +7,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def _stat_fields(pid: int) -> list[str] | None:
@@ -97,3 +98,17 @@ def read_until(process: subprocess.Popen[str], marker: str, timeout_s: float) ->
         if marker in line or not line:
             break
     return lines
+
+
+async def serve_on_loopback(app: Any) -> tuple[Any, str]:
+    """Serve the aiohttp `app` on a free loopback port; return its runner (`await runner.cleanup()` stops it) and
+    its base URL."""
+    from aiohttp import web
+
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # noqa: SLF001 (aiohttp's bound port)
+    return runner, f"http://127.0.0.1:{port}"
+

@@ -13,14 +13,13 @@ In both every stream must end with all its tokens, exactly the untouched run's.
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from sluice_tools.stack import Proc, Stack, StackConfig
-from tests.e2e.test_migration_stack import MODEL, Streamed, _assert_exact, _stream
+from tests.e2e.test_migration_stack import MODEL, Streamed, _assert_exact, _run_all
 from tests.processes import scraped_metrics
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -37,10 +36,7 @@ def _stack(tmp_path: Path) -> Stack:
 
 def _run_with_a_stop(stack: Stack, proc: Proc, stop_s: float) -> list[Streamed]:
     outs = [Streamed([1 + (i * 7 + j) % 200 for j in range(24 + i)]) for i in range(2)]
-    threads = [threading.Thread(target=_stream, args=(stack.endpoint, stack.api_key, out, MAX_TOKENS, 120))
-               for out in outs]
-    for thread in threads:
-        thread.start()
+    threads = _run_all(stack, outs, MAX_TOKENS)
     give_up = time.monotonic() + 60
     while not outs[0].tokens:  # the first runs; the second waits behind it
         assert time.monotonic() < give_up and not any(o.error for o in outs)

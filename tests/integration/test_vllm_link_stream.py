@@ -15,6 +15,7 @@ from aiohttp import web
 from scheduler_svc.core.request import Request
 from scheduler_svc.engines.vllm.link import Chunk, EngineGone, EngineLink, EngineRefused
 from sluice.types import NewRequest, SamplingParams
+from tests.processes import serve_on_loopback
 
 
 def _event(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None, newline: bytes = b"\n") -> bytes:
@@ -47,12 +48,8 @@ async def _read(parts: Sequence[bytes]) -> list[Chunk]:
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # noqa: SLF001 (aiohttp's bound port)
-    link = EngineLink(f"http://127.0.0.1:{port}", served_model="tiny")
+    runner, url = await serve_on_loopback(app)
+    link = EngineLink(url, served_model="tiny")
     request = Request(NewRequest("r1", (5, 6, 7), SamplingParams(max_tokens=8)), 1)
     try:
         return [chunk async for chunk in link.stream(request)]

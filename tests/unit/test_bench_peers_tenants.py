@@ -18,6 +18,7 @@ from sluice_tools.bench_peers_client import replay
 from sluice_tools.bench_peers_report import best_sluice, format_tenants, sluice_best_rows, tenant_figures
 from sluice_tools.bench_peers_workload import ChatShape, Req, tenant_requests
 from sluice_tools.metrics import RequestRecord
+from tests.processes import serve_on_loopback
 
 
 def _trace(path: Path, rows: int) -> Path:
@@ -67,12 +68,7 @@ async def _serve(seen: list[dict[str, Any]]) -> tuple[web.AppRunner, str]:
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}"
+    return await serve_on_loopback(app)
 
 
 def test_replay_sends_tenant_keys_and_priority_and_cuts_at_the_stop_time() -> None:
