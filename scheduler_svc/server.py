@@ -106,6 +106,9 @@ def _check_submission(request: scheduler_pb2.SubmitRequest, vocab_size: int, str
     if request.sampling.json_prefix_ids and not structured_resume:
         raise errors.InvalidArgument("a structured request cannot resume mid-document on this engine (its grammar "
                                      "starts at the document's start)", field_name="sampling.json_prefix_ids")
+    if request.stream_interval < 0:
+        raise errors.InvalidArgument(f"stream_interval {request.stream_interval}: tokens a chunk carries, at least 0 "
+                                     "(0 and 1: every token)", field_name="stream_interval")
     ids = request.prompt_token_ids
     if vocab_size and ids and (min(ids) < 0 or max(ids) >= vocab_size):
         bad = next(i for i in ids if not 0 <= i < vocab_size)

@@ -590,7 +590,8 @@ def test_host_prefix_cache_without_host_blocks_refuses_the_start_naming_both_fla
 
 
 def test_rejections_map_to_precise_statuses(redis_url: str, namespace: str) -> None:
-    """A prompt that can never fit the replica's KV is INVALID_ARGUMENT and a duplicate id ALREADY_EXISTS."""
+    """A prompt that can never fit the replica's KV is INVALID_ARGUMENT, a duplicate id ALREADY_EXISTS, and a
+    negative stream_interval INVALID_ARGUMENT naming it."""
     async def body() -> None:
         async with _replica(redis_url, namespace, num_blocks=8, emulate_time=True) as r:
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -601,6 +602,11 @@ def test_rejections_map_to_precise_statuses(redis_url: str, namespace: str) -> N
                 await r.stub.Submit(_submit("dup"))
             assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
             await r.stub.Cancel(scheduler_pb2.CancelRequest(request_id="dup"))
+            negative = _submit("neg")
+            negative.stream_interval = -3
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await r.stub.Submit(negative)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stream_interval" in err.value.details()
     asyncio.run(body())
 
 
