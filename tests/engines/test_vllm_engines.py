@@ -101,8 +101,8 @@ def test_vllm_streams_the_agents_link_a_chunk_per_stream_interval_tokens_exact(v
 
 
 def test_a_clients_stream_interval_reaches_vllm_through_sluice(vllm_stack: Stack) -> None:
-    """A streamed completion with `stream_interval: 4` through Sluice: the client gets its first token alone and
-    the rest at least 4 at a time, and the agent read as few chunks from vLLM (6 for 21 tokens), not one per
+    """A streamed completion with `stream_interval: 4` through Sluice: the client gets its tokens at least 4 at a
+    time after the first chunk, and the agent read as few chunks from vLLM (at most 6 for 21 tokens), not one per
     token."""
     def chunks_read() -> float:
         return sum(scraped_metrics(proc.metrics_url).get("sluice_engine_stream_chunks_total", 0.0)
@@ -115,8 +115,10 @@ def test_a_clients_stream_interval_reaches_vllm_through_sluice(vllm_stack: Stack
                                                                          "return_tokens_as_token_ids": True})
     sizes = [len(chunk.choices[0].logprobs.tokens) for chunk in stream
              if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.tokens]
-    assert sizes[0] == 1 and sum(sizes) == 21 and all(size >= 4 for size in sizes[1:]), sizes
-    assert 2 <= chunks_read() - before <= 6  # 21 when vLLM streams every token (fewer only if its server merged)
+    # Admission's hold: after the first chunk none but the last carries fewer than 4 (the first is one token when
+    # the client follows from the start; all 21 when the request was done before it began to read, as under load).
+    assert sum(sizes) == 21 and all(size >= 4 for size in sizes[1:-1]), sizes
+    assert 1 <= chunks_read() - before <= 6  # 21 when vLLM streams every token (fewer only if its server merged)
 
 
 def test_block_hashes_recomputed_outside_vllm_equal_the_ones_it_publishes(vllm_stack: Stack) -> None:
