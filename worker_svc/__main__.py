@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 
 from sluice import serve
@@ -98,9 +99,27 @@ async def start(ctx: serve.ServiceContext, options: WorkerOptions) -> serve.Star
     return serve.Started(worker.port, ready=loaded)
 
 
+OPENMP_WAIT_POLICY = "PASSIVE"
+"""The OpenMP wait policy the worker gives torch's CPU thread pool unless OMP_WAIT_POLICY says otherwise."""
+
+
+def passive_openmp(environ: MutableMapping[str, str] = os.environ) -> str:
+    """Set OMP_WAIT_POLICY to PASSIVE unless it is set; return the policy torch's thread pool will read.
+
+    Why: torch's CPU ops run on libgomp, whose threads by default spin at the end of every parallel region
+    waiting for the others. A worker shares its cores with the control plane (its scheduler, admission, Redis):
+    spinning threads take those cores, and while another process holds the core one of them needs, every
+    region of the forward waits for it to be scheduled again. With the tiny model on 2 cores and two CPU-bound
+    processes beside the stack, 100-token answers took 4-18 s instead of 0.1-0.3 s (docs/operations.md). A
+    passive thread sleeps at once. libgomp reads the variable when torch loads it, so this runs before the
+    backend is built (torch is imported only there)."""
+    return environ.setdefault("OMP_WAIT_POLICY", OPENMP_WAIT_POLICY)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code (1 when the backend fails to load)."""
     options = parse_args(argv)
+    passive_openmp()
     return serve.run_service("worker", options, lambda ctx: start(ctx, options))
 
 

@@ -1,0 +1,56 @@
+"""The torch worker's CPU thread pool sleeps at its barriers instead of spinning (worker_svc.__main__.passive_openmp).
+
+A real `python -m worker_svc` process with the tiny torch model; libgomp itself reports what it read when torch loads
+it (OMP_DISPLAY_ENV=VERBOSE prints GOMP_SPINCOUNT, the spins a waiting thread makes before it sleeps: 300,000 by
+default, 0 under the passive policy). An operator's own OMP_WAIT_POLICY is kept.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.processes import stop_process
+from worker_svc.__main__ import passive_openmp
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _spin_count(env: dict[str, str], tmp_path: Path) -> int:
+    """Start a torch worker with `env`; return the GOMP_SPINCOUNT its libgomp reports once torch is loaded."""
+    log = tmp_path / "worker.err"
+    env = {**env, "OMP_DISPLAY_ENV": "VERBOSE"}
+    with log.open("wb") as err:
+        worker = subprocess.Popen([sys.executable, "-m", "worker_svc", "--backend", "torch", "--model", "tiny",
+                                   "--port", "0", "--host", "127.0.0.1", "--metrics-port", "0"],
+                                  env=env, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            found = re.search(r"GOMP_SPINCOUNT = '(\d+)'", log.read_text(errors="replace"))
+            if found:
+                return int(found.group(1))
+            assert worker.poll() is None, log.read_text(errors="replace")[-2000:]
+            time.sleep(0.1)
+        raise AssertionError("the worker's libgomp never reported its environment")
+    finally:
+        stop_process(worker)
+
+
+def test_a_torch_workers_threads_sleep_at_once_unless_the_operator_said_otherwise(
+        subprocess_env: dict[str, str], tmp_path: Path) -> None:
+    env = {k: v for k, v in subprocess_env.items() if k != "OMP_WAIT_POLICY"}
+    assert _spin_count(env, tmp_path) == 0
+    assert _spin_count({**env, "OMP_WAIT_POLICY": "ACTIVE"}, tmp_path) > 0
+
+
+def test_the_policy_is_set_only_where_none_is() -> None:
+    environ: dict[str, str] = {}
+    assert passive_openmp(environ) == "PASSIVE" and environ == {"OMP_WAIT_POLICY": "PASSIVE"}
+    given = {"OMP_WAIT_POLICY": "active"}
+    assert passive_openmp(given) == "active" and given == {"OMP_WAIT_POLICY": "active"}
