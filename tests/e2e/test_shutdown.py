@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_svc.publisher import PUBLISH_GRACE_S
+from scheduler_svc.publisher import GRACE_AFTER_GIVING_UP_S, PUBLISH_GRACE_S
 from sluice import client as sdk
 from sluice_tools.stack import Stack, StackConfig
 
@@ -52,7 +52,7 @@ def test_graceful_stop_finishes_in_flight_streams(tmp_path: Path) -> None:
 def test_a_scheduler_stopped_while_redis_is_gone_exits(tmp_path: Path) -> None:
     """SIGTERM to a scheduler whose Redis was killed -9 mid-stream: it drains, gives up on the publications Redis
     will never take after the publisher's grace, and exits (its drain's flush waited for them for ever: such a
-    scheduler was found still retrying 35 minutes after its stop)."""
+    scheduler was found still retrying 35 minutes after its stop), without waiting a second grace when it stops."""
     stack = Stack(StackConfig(replicas=1, backend="costmodel", model="llama-3-8b", emulate_time=True,
                               run_dir=tmp_path, drain_timeout_s=2.0)).start()
     started = threading.Event()
@@ -72,7 +72,8 @@ def test_a_scheduler_stopped_while_redis_is_gone_exits(tmp_path: Path) -> None:
         scheduler = stack.schedulers[0].popen
         assert scheduler is not None
         scheduler.send_signal(signal.SIGTERM)
-        # drain (2 s) + the drain's flush (PUBLISH_GRACE_S) + the stop's wait_closed (PUBLISH_GRACE_S) + margin
-        scheduler.wait(timeout=2.0 + 2 * PUBLISH_GRACE_S + 20)
+        # drain (2 s) + the handed-off requests' wait (at most 10 s: their ends cannot be published) + the drain's
+        # flush (PUBLISH_GRACE_S) + the stop's short grace after it gave up (test_publisher_stop.py) + margin
+        scheduler.wait(timeout=2.0 + 10 + PUBLISH_GRACE_S + GRACE_AFTER_GIVING_UP_S + 15)
     finally:
         stack.stop()
