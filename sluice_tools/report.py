@@ -291,7 +291,8 @@ def _of_row(bound: float | Mapping[str, float] | None, name: str) -> float | Non
 def capacity_goal_lines(results: Mapping[str, Any], compute_bound_rps: float | None, *, over_round_robin: float = 2.0,
                         over_same_levers: float = 1.3, bound_share: float = 0.95,
                         fleet_cache_bound_rps: float | Mapping[str, float] | None = None,
-                        strict_fleet_bound_rps: float | Mapping[str, float] | None = None) -> list[str]:
+                        strict_fleet_bound_rps: float | Mapping[str, float] | None = None,
+                        slo_bounds_rps: Mapping[str, float] | None = None) -> list[str]:
     """Return one line per Sluice row (a `--compare` item naming no baseline or competitor router) saying which
     capacity goal it meets: >= `over_round_robin` x the plain round_robin row and >= `over_same_levers` x the
     `dynamo_kv` row given the same levers (its words but the score router's, e.g. `dynamo_kv+budget=slo` for
@@ -301,7 +302,10 @@ def capacity_goal_lines(results: Mapping[str, Any], compute_bound_rps: float | N
     a host prefix tier) the row's share of it is said too, as information: it is not a strict bound. With
     `strict_fleet_bound_rps` (the same fleet's KV under an eviction rule that knows the future,
     `sluice_tools.sim.bound.optimal_cache_savings`: a strict bound, given where it binds) the share of it is said and
-    counts for the verdict like the compute bound's: the bound that binds is the lower of the two."""
+    counts for the verdict like the compute bound's: the bound that binds is the lower of the two. With
+    `slo_bounds_rps` (the bounds that serve prefills under the TTFT SLO by name, `pooled` and `partitioned`:
+    `sluice_tools.sim.bound`) the row's share of each is said too, as information: they are optimistic but not strict
+    (arrival order and least work first are not always the best), so they do not decide the verdict."""
     by_words = {_words(name): result for name, result in results.items()}
     round_robin = by_words.get(frozenset({"round_robin"}))
     lines = []
@@ -332,6 +336,9 @@ def capacity_goal_lines(results: Mapping[str, Any], compute_bound_rps: float | N
         if strict:
             parts.append(f"{rate / strict:.0%} of the strict bound with the fleet's KV (goal {bound_share:.0%})")
             at_bound = at_bound or rate / strict >= bound_share
+        for label, bound in (slo_bounds_rps or {}).items():
+            if bound > 0:
+                parts.append(f"{rate / bound:.0%} of the {label} bound under the TTFT SLO")
         near = f"within {1 - bound_share:.0%} of the compute bound"
         verdict = (f"met (the ratios; {near})" if ratios_met and at_bound else "met (the ratios)" if ratios_met
                    else f"met ({near})" if at_bound else "not met")

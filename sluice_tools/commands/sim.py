@@ -506,7 +506,8 @@ def _run_capacity(args: argparse.Namespace, workload: Any, configs: dict[str, Si
     strict = {name: rate for name, rate in strict.items() if rate < bounds["ideal_cache"]}
     bounds["fleet_cache_optimal_by_config"] = strict  # type: ignore[assignment]
     for line in capacity_goal_lines(results, bounds["ideal_cache"], fleet_cache_bound_rps=binding,
-                                    strict_fleet_bound_rps=strict):
+                                    strict_fleet_bound_rps=strict,
+                                    slo_bounds_rps={"pooled": bounds["pooled"], "partitioned": bounds["partitioned"]}):
         print(line)
     print(f"compute bound: {bounds['ideal_cache']:.2f} req/s with one infinite prefix cache, "
           f"{bounds['fleet_cache']:.2f} with one LRU cache of the fleet's KV "

@@ -122,6 +122,11 @@ def test_the_goal_lines_say_which_goal_each_sluice_row_meets() -> None:
     assert strict[1].endswith("-> met (within 5% of the compute bound)") and "strict" not in strict[0]
     below = capacity_goal_lines(results, compute_bound_rps=100.0, strict_fleet_bound_rps=rates["score"] * 1.7)
     assert "59% of the strict bound" in below[1] and below[1].endswith("-> not met")
+    # The bounds under the TTFT SLO (pooled, partitioned) are said as information; they decide nothing.
+    slo = capacity_goal_lines(results, compute_bound_rps=100.0,
+                              slo_bounds_rps={"pooled": rates["score"] * 1.02, "partitioned": rates["score"] * 1.25})
+    assert "98% of the pooled bound under the TTFT SLO; 80% of the partitioned bound under the TTFT SLO" in slo[1]
+    assert slo[1].endswith("-> not met")
 
 
 def test_sim_capacity_tolerance_sets_how_close_the_search_brackets_the_capacity(tmp_path) -> None:  # type: ignore[no-untyped-def]
