@@ -153,9 +153,9 @@ class Publisher:
         self.on_spaced = on_spaced
         """Called, for each publication that waited for the interval, with the rounds' token batches it carries (a metric)."""
         self._published_at = -math.inf
+        """The event loop's time when the last publication went out."""
         self._gave_up = False
         """A flush gave up waiting for Redis, and Redis has confirmed nothing since."""
-        """The event loop's time when the last publication went out."""
         self._due: asyncio.TimerHandle | None = None
         """While batches wait for the interval: the timer that ends the wait (`_wait_over`)."""
 
