@@ -99,27 +99,32 @@ async def start(ctx: serve.ServiceContext, options: WorkerOptions) -> serve.Star
     return serve.Started(worker.port, ready=loaded)
 
 
-OPENMP_WAIT_POLICY = "PASSIVE"
-"""The OpenMP wait policy the worker gives torch's CPU thread pool unless OMP_WAIT_POLICY says otherwise."""
+OPENMP_SPIN_COUNT = "3000"
+"""Spins a waiting thread of torch's CPU pool (libgomp) makes before it sleeps, unless the operator chose a policy."""
 
 
-def passive_openmp(environ: MutableMapping[str, str] = os.environ) -> str:
-    """Set OMP_WAIT_POLICY to PASSIVE unless it is set; return the policy torch's thread pool will read.
+def short_openmp_spin(environ: MutableMapping[str, str] = os.environ) -> str | None:
+    """Set GOMP_SPINCOUNT to `OPENMP_SPIN_COUNT` unless OMP_WAIT_POLICY or GOMP_SPINCOUNT is set; return the count set
+    (None: the operator's own policy stands).
 
-    Why: torch's CPU ops run on libgomp, whose threads by default spin at the end of every parallel region
-    waiting for the others. A worker shares its cores with the control plane (its scheduler, admission, Redis):
-    spinning threads take those cores, and while another process holds the core one of them needs, every
-    region of the forward waits for it to be scheduled again. With the tiny model on 2 cores and two CPU-bound
-    processes beside the stack, 100-token answers took 4-18 s instead of 0.1-0.3 s (docs/operations.md). A
-    passive thread sleeps at once. libgomp reads the variable when torch loads it, so this runs before the
-    backend is built (torch is imported only there)."""
-    return environ.setdefault("OMP_WAIT_POLICY", OPENMP_WAIT_POLICY)
+    Why: torch's CPU ops run on libgomp, whose waiting threads spin 300,000 times at the end of every parallel region
+    before they sleep. A worker shares its cores with the control plane (its scheduler, admission, Redis): while
+    another process holds the core a thread of the forward needs, the others spin on the rest, and every region
+    waits. With the tiny model on 2 cores and two CPU-bound processes beside a stack, requests of 43-100 tokens took
+    up to 20 s instead of 0.1-0.5 s. Sleeping at once (OMP_WAIT_POLICY=PASSIVE) cures it but makes every region's
+    wake-up a futex call: the tiny model decoded 23-37 % slower on a quiet machine; 3,000 spins cost it 1-4 % quiet
+    and cure it too (docs/operations.md has the figures). libgomp reads the variable when torch loads it, so this
+    runs before the backend is built (torch is imported only there)."""
+    if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
+        return None
+    environ["GOMP_SPINCOUNT"] = OPENMP_SPIN_COUNT
+    return OPENMP_SPIN_COUNT
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the process exit code (1 when the backend fails to load)."""
     options = parse_args(argv)
-    passive_openmp()
+    short_openmp_spin()
     return serve.run_service("worker", options, lambda ctx: start(ctx, options))
 
 

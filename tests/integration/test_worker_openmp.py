@@ -1,8 +1,8 @@
-"""The torch worker's CPU thread pool sleeps at its barriers instead of spinning (worker_svc.__main__.passive_openmp).
+"""The torch worker's CPU thread pool spins briefly at its barriers, then sleeps (worker_svc.__main__.short_openmp_spin).
 
 A real `python -m worker_svc` process with the tiny torch model; libgomp itself reports what it read when torch loads
 it (OMP_DISPLAY_ENV=VERBOSE prints GOMP_SPINCOUNT, the spins a waiting thread makes before it sleeps: 300,000 by
-default, 0 under the passive policy). An operator's own OMP_WAIT_POLICY is kept.
+default, 0 under the passive policy). An operator's own OMP_WAIT_POLICY or GOMP_SPINCOUNT is kept.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.processes import stop_process
-from worker_svc.__main__ import passive_openmp
+from worker_svc.__main__ import OPENMP_SPIN_COUNT, short_openmp_spin
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,15 +42,17 @@ def _spin_count(env: dict[str, str], tmp_path: Path) -> int:
         stop_process(worker)
 
 
-def test_a_torch_workers_threads_sleep_at_once_unless_the_operator_said_otherwise(
+def test_a_torch_workers_threads_spin_briefly_unless_the_operator_said_otherwise(
         subprocess_env: dict[str, str], tmp_path: Path) -> None:
-    env = {k: v for k, v in subprocess_env.items() if k != "OMP_WAIT_POLICY"}
-    assert _spin_count(env, tmp_path) == 0
-    assert _spin_count({**env, "OMP_WAIT_POLICY": "ACTIVE"}, tmp_path) > 0
+    env = {k: v for k, v in subprocess_env.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    assert _spin_count(env, tmp_path) == int(OPENMP_SPIN_COUNT)
+    assert _spin_count({**env, "OMP_WAIT_POLICY": "PASSIVE"}, tmp_path) == 0
+    assert _spin_count({**env, "GOMP_SPINCOUNT": "250000"}, tmp_path) == 250000
 
 
-def test_the_policy_is_set_only_where_none_is() -> None:
+def test_the_spin_count_is_set_only_where_no_policy_is() -> None:
     environ: dict[str, str] = {}
-    assert passive_openmp(environ) == "PASSIVE" and environ == {"OMP_WAIT_POLICY": "PASSIVE"}
-    given = {"OMP_WAIT_POLICY": "active"}
-    assert passive_openmp(given) == "active" and given == {"OMP_WAIT_POLICY": "active"}
+    assert short_openmp_spin(environ) == OPENMP_SPIN_COUNT and environ == {"GOMP_SPINCOUNT": OPENMP_SPIN_COUNT}
+    for given in ({"OMP_WAIT_POLICY": "active"}, {"GOMP_SPINCOUNT": "0"}):
+        kept = dict(given)
+        assert short_openmp_spin(kept) is None and kept == given
