@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import sys
@@ -13,6 +14,8 @@ from sluice import serve
 from sluice.prom import WorkerMetrics
 from worker_svc.backend import Backend
 from worker_svc.server import WorkerRuntime, start_worker_server
+
+log = logging.getLogger("worker_svc")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,8 +73,12 @@ def backend_loader(options: WorkerOptions) -> Callable[[], Backend]:
         return load_costmodel
 
     def load_torch() -> Backend:
+        import torch
+
         from worker_svc.models import resolve_model
         from worker_svc.torch_backend import TorchBackend
+        log.info("torch CPU threads %d, OMP_WAIT_POLICY %s, GOMP_SPINCOUNT %s", torch.get_num_threads(),
+                 os.environ.get("OMP_WAIT_POLICY", "unset"), os.environ.get("GOMP_SPINCOUNT", "unset (300000)"))
         backend: Backend = TorchBackend(resolve_model(options.model), device=options.device,
                                         num_blocks=options.num_blocks, num_host_blocks=options.host_blocks or 0)
         return backend
