@@ -130,6 +130,38 @@ def test_duplicate_ids_and_idempotency_keys() -> None:
     assert core.lookup_key("bob", "key-1", now=6.0) is None
 
 
+def test_keys_forgotten_with_their_records_free_their_memory_before_the_ttl() -> None:
+    """The front door forgets a key when its finished record is evicted, long before the key's TTL: what the core
+    holds for keys must then stay bounded by the live keys, also behind a long request's key that stays live. Before,
+    the TTL order kept every forgotten key's entry and string for the TTL (~250 bytes a request for 10 minutes)."""
+    import tracemalloc
+
+    core = make_admission(idempotency_ttl_s=600.0)
+    core.remember_key("bob", "long-running", "r-long", now=0.0)  # live for the whole test, at the order's head
+    clock = [0.0]
+
+    def requests(first: int, count: int) -> None:
+        for i in range(first, first + count):
+            clock[0] += 0.001
+            core.remember_key("bob", f"key-{i:08d}", f"r-{i}", now=clock[0])
+            if i >= 2048:  # the front door keeps 2,048 finished records: the oldest one's key goes
+                core.forget_key("bob", f"key-{i - 2048:08d}", f"r-{i - 2048}")
+
+    requests(0, 20_000)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    requests(20_000, 60_000)
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert core.idempotency_keys == 2049
+    # bounded: the order holds at most twice the 2,049 live keys (~0.5 MB of slack); it kept ~13 MB here before
+    assert grown < 2_000_000, f"60,000 more requests kept {grown:,} bytes for keys already forgotten"
+    assert core.lookup_key("bob", "long-running", now=clock[0]) == "r-long"
+    assert core.lookup_key("bob", "key-00079999", now=clock[0]) == "r-79999"
+    assert core.lookup_key("bob", "key-00000005", now=clock[0]) is None
+    assert core.lookup_key("bob", "key-00079999", now=clock[0] + 601.0) is None  # the TTL still ends a live key
+
+
 def test_a_tenants_cache_salt_comes_from_the_config_file_and_reaches_submit() -> None:
     """`cache_salt` in a tenant's table is that tenant's salt, a non-string is refused, and Submit carries it."""
     from sluice import convert as shared_convert
