@@ -10,12 +10,11 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.processes import stop_process
+from tests.processes import stop_process, wait_until
 from worker_svc.__main__ import OPENMP_SPIN_COUNT, short_openmp_spin
 
 pytestmark = pytest.mark.timeout(120)
@@ -30,14 +29,14 @@ def _spin_count(env: dict[str, str], tmp_path: Path) -> int:
                                    "--port", "0", "--host", "127.0.0.1", "--metrics-port", "0"],
                                   env=env, stdout=subprocess.DEVNULL, stderr=err)
     try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            found = re.search(r"GOMP_SPINCOUNT = '(\d+)'", log.read_text(errors="replace"))
-            if found:
-                return int(found.group(1))
+        def reported() -> re.Match[str] | None:
             assert worker.poll() is None, log.read_text(errors="replace")[-2000:]
-            time.sleep(0.1)
-        raise AssertionError("the worker's libgomp never reported its environment")
+            return re.search(r"GOMP_SPINCOUNT = '(\d+)'", log.read_text(errors="replace"))
+
+        assert wait_until(reported, 90, poll_s=0.1), "the worker's libgomp never reported its environment"
+        found = reported()
+        assert found is not None
+        return int(found.group(1))
     finally:
         stop_process(worker)
 

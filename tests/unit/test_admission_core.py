@@ -154,7 +154,7 @@ def test_keys_forgotten_with_their_records_free_their_memory_before_the_ttl() ->
     grown = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     assert core.idempotency_keys == 2049
-    # bounded: the order holds at most twice the 2,049 live keys (~0.5 MB of slack); it kept ~13 MB here before
+    # bounded by the 2,049 live keys; a TTL order beside them kept ~13 MB here before
     assert grown < 2_000_000, f"60,000 more requests kept {grown:,} bytes for keys already forgotten"
     assert core.lookup_key("bob", "long-running", now=clock[0]) == "r-long"
     assert core.lookup_key("bob", "key-00079999", now=clock[0]) == "r-79999"
